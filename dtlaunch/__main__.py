@@ -1,0 +1,3 @@
+from dtlaunch.cli import run
+
+run()

@@ -1,0 +1,140 @@
+"""The `dtlaunch` command line. Thin: each command parses arguments and calls one function.
+
+Nothing heavy is imported at module level (no torch, no hydra): `dtlaunch --help` starts fast.
+Every expected failure is a DtlaunchError, printed as one line on stderr with its exit code;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+import typer
+
+from dtlaunch import __version__
+
+app = typer.Typer(
+    name="dtlaunch",
+    help="Config-driven launcher for distributed PyTorch training: compose a recipe, plan its memory, launch.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+ckpt_app = typer.Typer(help="List, inspect and export checkpoints.", no_args_is_help=True)
+data_app = typer.Typer(help="Prepare datasets (tokenize text into token shards).", no_args_is_help=True)
+app.add_typer(ckpt_app, name="ckpt")
+app.add_typer(data_app, name="data")
+
+OVERRIDES = typer.Argument(None, help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option")
+RECIPE_DIRS = typer.Option(None, "--recipe-dir", help="Extra recipe directory (repeatable; also $DTLAUNCH_RECIPE_PATH)")
+
+_DEBUG = False
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dtlaunch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
+) -> None:
+    global _DEBUG
+    _DEBUG = debug or os.environ.get("DTLAUNCH_DEBUG") == "1"
+
+
+@app.command()
+def train(
+    overrides: Optional[List[str]] = OVERRIDES,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, config and launch command; launch nothing."),
+    force: bool = typer.Option(False, "--force", help="Launch even if the memory plan does not fit."),
+    no_resume: bool = typer.Option(False, "--no-resume", help="Refuse to start in a run directory with checkpoints."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Compose, validate, plan and launch a training run (torchrun workers)."""
+    from dtlaunch.commands.train import train_command
+
+    raise typer.Exit(train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force,
+                                   no_resume=no_resume))
+
+
+@app.command()
+def plan(
+    overrides: Optional[List[str]] = OVERRIDES,
+    as_json: bool = typer.Option(False, "--json", help="Emit the plan as JSON."),
+    search: bool = typer.Option(False, "--search", help="Search parallel layouts that fit and rank them by speed."),
+    top: int = typer.Option(10, "--top", help="How many layouts --search prints."),
+    trace: bool = typer.Option(False, "--trace", help="Also trace the real build under fake tensors (slow)."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Per-rank memory plan against the target GPU; exit 3 if it does not fit."""
+    from dtlaunch.commands.plan import plan_command
+
+    raise typer.Exit(plan_command(overrides or [], recipe_dir or [], as_json=as_json, search=search, top=top,
+                                  trace=trace))
+
+
+@app.command()
+def validate(overrides: Optional[List[str]] = OVERRIDES, recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
+    """Compose and check every rule; exit 0 if valid, 2 if not."""
+    from dtlaunch.commands.config import validate_command
+
+    raise typer.Exit(validate_command(overrides or [], recipe_dir or []))
+
+
+@app.command()
+def config(
+    overrides: Optional[List[str]] = OVERRIDES,
+    resolve: bool = typer.Option(False, "--resolve", help="Resolve interpolations such as ${stdlib:}."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Print the composed config as YAML."""
+    from dtlaunch.commands.config import config_command
+
+    raise typer.Exit(config_command(overrides or [], recipe_dir or [], resolve=resolve))
+
+
+@app.command()
+def recipes(recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
+    """List the recipes: model, parameters, strategy, world size, hardware."""
+    from dtlaunch.commands.config import recipes_command
+
+    raise typer.Exit(recipes_command(recipe_dir or []))
+
+
+def run() -> None:
+    """Console entry point: one-line errors with documented exit codes."""
+    from dtlaunch.errors import DtlaunchError
+
+    try:
+        app(standalone_mode=False)
+    except DtlaunchError as exc:
+        if _DEBUG:
+            raise
+        print(f"dtlaunch: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("dtlaunch: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and genuine bugs
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(2)
+        if _DEBUG:
+            raise
+        print(f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,66 @@
+"""Shared steps of the commands: compose + validate once, and the console rank 0 prints to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from dtlaunch.config.compose import Composed, compose
+from dtlaunch.config.layout import Layout
+from dtlaunch.config.validate import validate
+
+
+@dataclass
+class Job:
+    """A composed, validated job: the single input of plan, launch and submit."""
+
+    composed: Composed
+    layout: Layout
+    notes: list[str]
+
+    @property
+    def cfg(self) -> Any:
+        return self.composed.cfg
+
+    @property
+    def recipe(self) -> str:
+        return self.composed.choices.get("recipe", "") or "custom"
+
+
+def load_job(overrides: Sequence[str], recipe_dirs: Sequence[str] = ()) -> Job:
+    composed = compose(overrides, recipe_dirs)
+    v = validate(composed.cfg)
+    return Job(composed=composed, layout=v.layout, notes=v.notes)
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def summary_table(job: Job) -> Any:
+    """The resolved job at a glance: what runs where, with the batch arithmetic spelled out."""
+    from rich.table import Table
+
+    from dtlaunch.config.layout import global_batch, grad_accum_steps
+    from dtlaunch.models.shapes import human_count, param_count
+
+    cfg, lay = job.cfg, job.layout
+    t = Table(title=f"job: {job.recipe}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("model", f"{cfg.model.name} ({human_count(param_count(cfg.model))} params)")
+    t.add_row("layout", f"world {lay.world} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+                        f"tp {lay.tp} x pp {lay.pp}; zero_stage {cfg.strategy.zero_stage}")
+    gb = global_batch(cfg, lay)
+    accum = grad_accum_steps(cfg, lay)
+    t.add_row("batch", f"{cfg.training.micro_batch} micro x {lay.dp} dp x {accum} accum = {gb} samples "
+                       f"x {cfg.training.seq_len} tokens = {gb * cfg.training.seq_len:,} tokens/step")
+    t.add_row("precision", f"params {cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}; "
+                           f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}")
+    t.add_row("hardware", f"{cfg.hardware.name} ({cfg.hardware.memory_gib} GiB)")
+    t.add_row("data", f"{cfg.data.kind} {cfg.data.path}".strip())
+    for note in job.notes:
+        t.add_row("note", note)
+    return t

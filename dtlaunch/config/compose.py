@@ -1,0 +1,267 @@
+"""Compose a job: Hydra's compose API over configs/ + recipes + command-line overrides.
+
+`recipe` is a real Hydra config group: the recipe directories (user ones first, then the built-in
+`recipes/`) are gathered into one `recipe/` folder of a throwaway search directory, so recipes use
+the experiment pattern (`# @package _global_` + `override /model: ...`) and Hydra's own override
+grammar (`key=value`, `+key=value`, `~key`, `model=llama3_70b`, lists) applies unchanged.
+Every failure becomes a one-line `ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sysconfig
+import tempfile
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from dtlaunch.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CONFIGS_DIR = PROJECT_ROOT / "configs"
+BUILTIN_RECIPES_DIR = PROJECT_ROOT / "recipes"
+RECIPE_PATH_ENV = "DTLAUNCH_RECIPE_PATH"
+
+
+@dataclass
+class Composed:
+    """A composed, type-checked job and where it came from."""
+
+    cfg: Any  # omegaconf.DictConfig typed by JobConfig
+    choices: dict[str, str]  # group -> chosen option, e.g. {"model": "llama3_8b", "recipe": ...}
+    overrides: list[str]
+    unresolved_yaml: str = ""  # as composed, interpolations (e.g. ${stdlib:}) not yet resolved
+
+
+def recipe_dirs(extra: Sequence[str] = ()) -> list[Path]:
+    """Recipe directories in priority order: --recipe-dir flags, $DTLAUNCH_RECIPE_PATH, built-ins."""
+    dirs = [Path(d) for d in extra]
+    env = os.environ.get(RECIPE_PATH_ENV, "")
+    dirs += [Path(d) for d in env.split(os.pathsep) if d]
+    dirs.append(BUILTIN_RECIPES_DIR)
+    for d in dirs[:-1]:
+        if not d.is_dir():
+            raise ConfigError(f"recipe directory '{d}' does not exist: fix --recipe-dir or ${RECIPE_PATH_ENV}")
+    return dirs
+
+
+def list_recipes(extra_dirs: Sequence[str] = ()) -> dict[str, Path]:
+    """name -> file for every recipe; an earlier directory shadows a later one."""
+    found: dict[str, Path] = {}
+    for d in recipe_dirs(extra_dirs):
+        for f in sorted(d.glob("*.yaml")):
+            found.setdefault(f.stem, f)
+    return found
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS_DIR / group).glob("*.yaml"))
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("stdlib"):
+        # The Python standard library's source: a real text corpus present on every machine.
+        OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
+
+
+def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[list[str], Optional[Path], str]:
+    """Find `recipe=NAME|PATH` in the overrides; a path becomes a file we link into the search dir."""
+    rest: list[str] = []
+    recipe_file: Optional[Path] = None
+    recipe_name = ""
+    for ov in overrides:
+        m = re.fullmatch(r"\+?recipe=(.*)", ov)
+        if not m:
+            rest.append(ov)
+            continue
+        value = m.group(1).strip()
+        as_path = Path(value).expanduser()
+        if value.endswith((".yaml", ".yml")) or os.sep in value:
+            if not as_path.is_file():
+                raise ConfigError(f"recipe file '{value}' not found: give an existing .yaml path or a recipe name")
+            recipe_file, recipe_name = as_path.resolve(), as_path.stem
+        elif value in recipes:
+            recipe_file, recipe_name = recipes[value], value
+        else:
+            hint = _did_you_mean(value, recipes)
+            raise ConfigError(f"unknown recipe '{value}'{hint}: see `dtlaunch recipes` for the list")
+    return rest, recipe_file, recipe_name
+
+
+def _build_search_dir(tmp: Path, recipe_file: Optional[Path], recipe_name: str) -> None:
+    """configs/* plus a recipe/ group holding the chosen recipe, as symlinks (no copies)."""
+    for entry in CONFIGS_DIR.iterdir():
+        (tmp / entry.name).symlink_to(entry)
+    (tmp / "recipe").mkdir()
+    if recipe_file is not None:
+        (tmp / "recipe" / f"{recipe_name}.yaml").symlink_to(recipe_file)
+
+
+def compose(
+    overrides: Sequence[str] = (),
+    recipe_dirs_extra: Sequence[str] = (),
+) -> Composed:
+    """Compose and type-check a job. Raises ConfigError with a one-line message on any mistake."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf, open_dict
+
+    from dtlaunch.config.schema import register_schemas
+
+    _register_resolvers()
+    register_schemas()
+    recipes = list_recipes(recipe_dirs_extra)
+    rest, recipe_file, recipe_name = _split_recipe(list(overrides), recipes)
+    hydra_overrides = list(rest)
+    if recipe_file is not None:
+        hydra_overrides.append(f"recipe={recipe_name}")
+
+    with tempfile.TemporaryDirectory(prefix="dtlaunch-compose-") as tmp:
+        _build_search_dir(Path(tmp), recipe_file, recipe_name)
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=tmp, version_base="1.3", job_name="dtlaunch"):
+                cfg = hydra_compose(config_name="job", overrides=hydra_overrides, return_hydra_config=True)
+        except Exception as exc:  # Hydra and OmegaConf raise many types; all are user input here.
+            raise ConfigError(explain_compose_error(exc, rest)) from exc
+        finally:
+            GlobalHydra.instance().clear()
+
+        choices = {
+            k: str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None and not k.startswith("hydra")
+        }
+        with open_dict(cfg):
+            del cfg["hydra"]
+        if recipe_name:
+            cfg.recipe = recipe_name
+            choices["recipe"] = recipe_name
+        unresolved = OmegaConf.to_yaml(cfg)
+        try:
+            # Resolve interpolations once here: workers read the resolved file, never re-resolve.
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as exc:
+            raise ConfigError(explain_compose_error(exc, rest)) from exc
+    try:
+        # `+key=value` passes Hydra (it opens the node) but the schema is closed: merging says so.
+        # A deleted key (`~key`) falls back to its schema default.
+        typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), resolved)
+    except Exception as exc:
+        raise ConfigError(explain_compose_error(exc, rest)) from exc
+    OmegaConf.set_struct(typed, True)
+    return Composed(cfg=typed, choices=choices, overrides=list(overrides), unresolved_yaml=unresolved)
+
+
+def load_resolved(path: str | Path) -> Any:
+    """Read a resolved config.yaml (as written into a run directory) back into the typed schema."""
+    from omegaconf import OmegaConf
+
+    try:
+        raw = OmegaConf.load(path)
+        typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), raw)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file '{path}' not found: is this a dtlaunch run directory?") from exc
+    except Exception as exc:
+        raise ConfigError(f"config file '{path}' is not a valid job: {_first_line(exc)}") from exc
+    OmegaConf.set_struct(typed, True)
+    return typed
+
+
+def _job_schema() -> type:
+    from dtlaunch.config.schema import JobConfig
+
+    return JobConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning Hydra/OmegaConf exceptions into one line that names the key and the fix.
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _schema_fields(dotted_parent: str) -> list[str]:
+    """Field names of the schema node at `dotted_parent` ('' = the job root)."""
+    import typing
+
+    node: Any = _job_schema()
+    for part in [p for p in dotted_parent.split(".") if p]:
+        hint = typing.get_type_hints(node).get(part)
+        # Optional[X] and plain X alike: take the dataclass among the annotation's members.
+        node = next((c for c in (hint, *getattr(hint, "__args__", ())) if is_dataclass(c)), None)
+        if node is None:
+            return []
+    return [f.name for f in fields(node)]
+
+
+def _did_you_mean(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _unknown_key_message(full_key: str) -> str:
+    parent, _, leaf = full_key.rpartition(".")
+    options = _schema_fields(parent)
+    if not options and parent:
+        return f"unknown config section '{parent}': valid sections are {', '.join(_schema_fields(''))}"
+    hint = _did_you_mean(leaf, options)
+    where = f"'{parent}'" if parent else "the job"
+    return f"unknown key '{full_key}'{hint}: {where} has no such field; see `dtlaunch config` for valid keys"
+
+
+def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
+    """One line: what is wrong, with which key or value, and how to fix it."""
+    msg = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    full = msg + ("\n" + str(cause) if cause else "")
+
+    m = re.search(r"Could not find '([^']+)/([^']+)'", full)
+    if m:
+        group, option = m.group(1), m.group(2)
+        if group == "recipe":
+            return f"unknown recipe '{option}': see `dtlaunch recipes` for the list"
+        opts = group_options(group)
+        return (
+            f"unknown option '{option}' for config group '{group}'{_did_you_mean(option, opts)}: "
+            f"choose one of {', '.join(opts)}"
+        )
+    m = re.search(r"Could not (?:override|append to|delete) '([^']+)'", full)
+    key_m = re.search(r"full_key: ([\w.\[\]]+)", full)
+    if m or ("not in struct" in full or "Key '" in full and "not in" in full):
+        key = key_m.group(1) if key_m else (m.group(1) if m else "")
+        if key:
+            if "Could not delete" in full:
+                return f"cannot delete '{key}': it is not set here; remove the '~{key}' override"
+            if "not in struct" in full or "Key '" in full:
+                return _unknown_key_message(key)
+    m = re.search(r"Value '(.*?)' (?:of type '\w+' )?could not be converted to (\w+)", full)
+    if m:
+        key = key_m.group(1) if key_m else "?"
+        expected = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(m.group(2), m.group(2))
+        return f"wrong type for '{key}': got '{m.group(1)}', expected {expected}; fix: {key}=<{expected}>"
+    if "Invalid type assigned" in full or "Incompatible value" in full:
+        key = key_m.group(1) if key_m else "?"
+        return f"wrong type for '{key}': {_first_line(exc)}; fix the value (see `dtlaunch config`)"
+    if "Missing mandatory value" in full or "MissingMandatoryValue" in type(exc).__name__:
+        key = key_m.group(1) if key_m else "?"
+        return f"missing value for '{key}': set it, e.g. {key}=..."
+    if type(exc).__name__ in ("OverrideParseException", "LexerNoViableAltException") or "mismatched input" in full:
+        return f"cannot parse the overrides {list(overrides)}: {_first_line(exc)}; use key=value"
+    m = re.search(r"Could not delete from config. '([^']+)' does not exist", full)
+    if m:
+        return f"cannot delete '{m.group(1)}': it is not set; remove the '~{m.group(1)}' override"
+    if "Unexpected type for root: NoneType" in full:
+        return (
+            f"an override sets a field inside a section that is null: set the whole section, "
+            f"e.g. model.rope_scaling='{{factor: 8.0}}' (overrides: {' '.join(overrides)})"
+        )
+    if "Multiple values for" in full:
+        return f"{_first_line(exc)}: give each group once"
+    return f"invalid configuration: {_first_line(exc)}"

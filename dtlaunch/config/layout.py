@@ -1,0 +1,109 @@
+"""Mesh arithmetic in one place: degrees, world size, batch accounting, pipeline stage split.
+
+Pure Python (no torch) so the planner, the validators and the workers all agree on the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dtlaunch.errors import ConfigError
+
+DIMS = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+def nproc_per_node(cfg: Any, detected_gpus: int | None = None) -> int:
+    """Workers per node: the configured number, else one per GPU, else 2 on a CPU host."""
+    if cfg.launch.nproc_per_node > 0:
+        return int(cfg.launch.nproc_per_node)
+    if detected_gpus:
+        return detected_gpus
+    if cfg.hardware.gpus_per_node > 0:
+        return int(cfg.hardware.gpus_per_node)
+    return 2
+
+
+def world_size(cfg: Any, detected_gpus: int | None = None) -> int:
+    nodes = cfg.cluster.nodes if cfg.cluster.kind == "slurm" else cfg.launch.nnodes
+    return int(nodes) * nproc_per_node(cfg, detected_gpus)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved parallel degrees; dp_replicate * dp_shard * tp * pp == world."""
+
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def resolve(cls, strategy: Any, world: int) -> "Layout":
+        """Fill the one `-1` degree with the rest of the world; check the product."""
+        degrees = {d: int(getattr(strategy, d)) for d in DIMS}
+        bad = [d for d, v in degrees.items() if v == 0 or v < -1]
+        if bad:
+            d = bad[0]
+            raise ConfigError(f"strategy.{d}={degrees[d]} is not a degree: use a positive integer or -1 (the rest)")
+        free = [d for d, v in degrees.items() if v == -1]
+        if len(free) > 1:
+            raise ConfigError(
+                f"strategy.{free[0]} and strategy.{free[1]} are both -1: only one degree can take 'the rest'; "
+                f"set strategy.{free[1]}=<n>"
+            )
+        fixed = 1
+        for v in degrees.values():
+            if v != -1:
+                fixed *= v
+        if free:
+            if world % fixed:
+                raise ConfigError(
+                    f"strategy.{free[0]}=-1 cannot fill the world of {world} ranks: the other degrees multiply to "
+                    f"{fixed}, which does not divide {world}; change the degrees or launch.nproc_per_node"
+                )
+            degrees[free[0]] = world // fixed
+        elif fixed != world:
+            desc = " x ".join(f"{d}={v}" for d, v in degrees.items())
+            raise ConfigError(
+                f"layout {desc} = {fixed} ranks but the world has {world}: set one degree to -1 "
+                f"or change launch.nproc_per_node/launch.nnodes"
+            )
+        return cls(world=world, **degrees)
+
+
+def grad_accum_steps(cfg: Any, layout: Layout) -> int:
+    """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
+    gb = global_batch(cfg, layout)
+    return gb // (cfg.training.micro_batch * layout.dp)
+
+
+def global_batch(cfg: Any, layout: Layout) -> int:
+    gb = int(cfg.training.global_batch)
+    return gb if gb > 0 else int(cfg.training.micro_batch) * layout.dp
+
+
+def pp_microbatches(cfg: Any, layout: Layout) -> int:
+    """Pipeline micro-batches per micro-step (0 in the config = one per pipeline rank)."""
+    n = int(cfg.strategy.pp_microbatches)
+    return n if n > 0 else layout.pp
+
+
+def pp_stage_layers(n_layers: int, n_stages: int, explicit: list[int] | None = None) -> list[int]:
+    """Transformer blocks per pipeline stage. Uneven splits give the extra blocks to the middle
+    stages, because the first stage also holds the embedding and the last the output head."""
+    if explicit:
+        return list(explicit)
+    base, extra = divmod(n_layers, n_stages)
+    counts = [base] * n_stages
+    # Hand out the remainder from the middle outward so the end stages stay lighter.
+    order = sorted(range(n_stages), key=lambda i: (abs(i - (n_stages - 1) / 2), i))
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts

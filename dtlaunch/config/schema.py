@@ -1,0 +1,252 @@
+"""The typed job schema: the one place where every default lives.
+
+Each dataclass is a config group (or a section) of the composed job. Hydra's ConfigStore registers
+the tree so that YAML groups, recipes and command-line overrides are merged *into* these types:
+an unknown key or a value of the wrong type fails at compose time, before anything starts.
+
+Nothing here imports torch: `dtlaunch --help`, `plan` and `validate` must start fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama-3.1 RoPE frequency scaling (absent for Llama 2 and tiny models)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder. Width rules follow Meta's reference implementation."""
+
+    name: str = "tiny"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    # None means "same as n_heads" (multi-head attention); fewer heads give GQA.
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = 256
+    # FFN width = multiple_of * ceil(ffn_dim_multiplier * floor(8*dim/3) / multiple_of);
+    # ffn_dim overrides the rule when a published size does not follow it.
+    multiple_of: int = 32
+    ffn_dim_multiplier: float = 1.0
+    ffn_dim: Optional[int] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    max_seq_len: int = 2048
+    # Where initial weights come from: "random" (seeded init) or "hf:DIR" (safetensors export).
+    init_from: str = "random"
+
+
+@dataclass
+class StrategyConfig:
+    """The parallel layout. Degrees multiply to the world size; -1 means "the rest of the world"."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    # 0 = DDP, 1 = optimizer state sharded, 2 = + gradients sharded, 3 = + parameters (FSDP full shard)
+    zero_stage: int = 0
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    # Micro-batches per step through the pipeline (each micro_batch / pp_microbatches samples).
+    pp_microbatches: int = 0
+    # Virtual stages per pipeline rank (2+ for interleaved schedules).
+    pp_stages_per_rank: int = 1
+    # Layers per pipeline stage, e.g. [3, 5]; empty = as even as possible.
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    # Dynamic loss scaling; required for fp16 (validated), ignored otherwise.
+    loss_scaling: bool = False
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch: int = 4
+    # Samples per optimizer step over all data-parallel ranks; 0 = micro_batch * dp (no accumulation).
+    global_batch: int = 0
+    seq_len: int = 128
+    steps: int = 20
+    seed: int = 1234
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    grad_clip: float = 1.0
+    # Non-finite loss or grad norm: skip the step; stop after this many in a row.
+    max_bad_steps: int = 3
+    log_every: int = 1
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: str = "cosine"
+
+
+@dataclass
+class DataConfig:
+    # synthetic: random tokens (benchmarks); tokens: prepared .bin shards; text: tokenize files on start.
+    kind: str = "synthetic"
+    # tokens: a directory of shards or a glob; text: a directory, file or glob of text files.
+    path: str = ""
+    # "byte" (built-in, 256 ids + specials) or a path to a Hugging Face tokenizer.json.
+    tokenizer: str = "byte"
+    # text kind: file pattern inside `path` when it is a directory.
+    pattern: str = "**/*.py"
+    # Cap on text read for the built-in corpus (bytes), to keep start-up short.
+    max_bytes: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    every_steps: int = 100
+    keep_last: int = 2
+    async_save: bool = False
+    # Relative paths are inside the run directory.
+    dir: str = "checkpoints"
+    # Resume from this checkpoint instead of the newest one in the run directory.
+    load_path: str = ""
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    memory_gib: float = 24.0
+    # Dense peak throughput per device, TFLOP/s, by compute dtype (for MFU and the layout search).
+    peak_tflops_bf16: float = 0.0
+    peak_tflops_fp32: float = 0.0
+    gpus_per_node: int = 0
+    # Per-device unidirectional bandwidths, GB/s.
+    intra_node_gbps: float = 0.0
+    inter_node_gbps: float = 0.0
+    # Memory the framework cannot use: CUDA context + communicator buffers (GiB); fraction lost to
+    # allocator fragmentation. Shown as separate lines in the plan.
+    context_gib: float = 0.0
+    comm_buffers_gib: float = 0.0
+    fragmentation: float = 0.0
+
+
+@dataclass
+class LaunchConfig:
+    nnodes: int = 1
+    # 0 = one per GPU, or 2 on a CPU machine.
+    nproc_per_node: int = 0
+    node_rank: int = -1
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    max_restarts: int = 0
+    timeout_s: int = 300
+    # auto: nccl when CUDA is available, else gloo.
+    backend: str = "auto"
+    # Threads per worker process on CPU (0 = cores / local workers).
+    threads_per_worker: int = 0
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "local"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "01:00:00"
+    cpus_per_task: int = 0
+    mem: str = ""
+    # Extra `#SBATCH` options, e.g. ["--exclusive", "--constraint=h100"].
+    sbatch_args: list[str] = field(default_factory=list)
+    # Commands run before torchrun on each node (module load, venv activation).
+    setup: list[str] = field(default_factory=list)
+    # Seconds before the time limit at which Slurm signals the job to checkpoint.
+    signal_before_s: int = 120
+
+
+@dataclass
+class RunConfig:
+    # Run name; empty = "<recipe>-<timestamp>".
+    name: str = ""
+    # Run directory; empty = <root>/<name>.
+    dir: str = ""
+    root: str = "runs"
+
+
+@dataclass
+class DebugConfig:
+    # Fault injection for tests: kill `fail_rank` at step `fail_at_step` (first attempt only).
+    fail_at_step: int = -1
+    fail_rank: int = 0
+    # Inject a NaN loss at these steps (tests the bad-step guard).
+    nan_at_steps: list[int] = field(default_factory=list)
+    # Sleep this long (s) inside a checkpoint save on rank 1 (tests kill-during-save).
+    slow_save_s: float = 0.0
+
+
+@dataclass
+class JobConfig:
+    # The recipe this job came from (set by composition; informational).
+    recipe: Optional[str] = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "strategy": StrategyConfig,
+    "precision": PrecisionConfig,
+    "training": TrainingConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "hardware": HardwareConfig,
+    "launch": LaunchConfig,
+    "cluster": ClusterConfig,
+}
+
+
+def register_schemas() -> None:
+    """Register the schema with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain-dict view of a composed config (for hashing, JSON and workers)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,236 @@
+"""Cross-field rules: small functions, each raising a ConfigError that names key, value and fix.
+
+`validate(cfg)` runs them in a fixed order and returns the resolved layout plus notes worth showing
+(things that are allowed but surprising, like an uneven pipeline split).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "selective", "full")
+# Schedules by our name -> torch.distributed.pipelining class; other torch class names also work.
+PP_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv"}
+DATA_KINDS = ("synthetic", "tokens", "text")
+
+
+@dataclass
+class Validated:
+    layout: Layout
+    notes: list[str] = field(default_factory=list)
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def check_positive(cfg: Any, notes: list[str]) -> None:
+    for key in ("training.micro_batch", "training.seq_len", "training.steps", "training.log_every",
+                "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "launch.nnodes"):
+        section, name = key.split(".")
+        value = cfg[section][name]
+        if value <= 0:
+            _fail(f"{key}={value} must be > 0: set {key}=<positive integer>")
+    for key in ("training.global_batch", "training.grad_clip", "optim.warmup_steps", "optim.weight_decay",
+                "launch.max_restarts", "launch.nproc_per_node", "training.max_bad_steps"):
+        section, name = key.split(".")
+        if cfg[section][name] < 0:
+            _fail(f"{key}={cfg[section][name]} must be >= 0")
+    if cfg.optim.lr <= 0:
+        _fail(f"optim.lr={cfg.optim.lr} must be > 0: e.g. optim.lr=3e-4")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        _fail(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be within [0, 1]")
+
+
+def check_model_shape(cfg: Any, notes: list[str]) -> None:
+    m = cfg.model
+    if m.dim % m.n_heads:
+        _fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: pick a head count that divides it")
+    if (m.dim // m.n_heads) % 2:
+        _fail(f"model head dim {m.dim // m.n_heads} is odd: RoPE needs an even head dim; change model.dim or n_heads")
+    kv = m.n_kv_heads or m.n_heads
+    if kv <= 0 or m.n_heads % kv:
+        _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
+
+
+def check_layout(cfg: Any, notes: list[str]) -> Layout:
+    return Layout.resolve(cfg.strategy, world_size(cfg))
+
+
+def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    if layout.tp == 1:
+        return
+    from dtlaunch.models.shapes import ffn_dim
+
+    m = cfg.model
+    kv = m.n_kv_heads or m.n_heads
+    for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv), ("model.dim", m.dim),
+                       ("model.vocab_size", m.vocab_size), ("model FFN width", ffn_dim(m))):
+        if value % layout.tp:
+            _fail(f"strategy.tp={layout.tp} does not divide {key}={value}: choose a tp that divides it")
+    if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:
+        _fail(f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
+              f"(sequence parallel shards the sequence): change seq_len or set strategy.sequence_parallel=false")
+
+
+def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    s = cfg.strategy
+    name = s.pp_schedule
+    if name not in PP_SCHEDULES and not name.startswith("Schedule"):
+        _fail(f"strategy.pp_schedule='{name}' is unknown: use one of {', '.join(PP_SCHEDULES)} "
+              f"or a torch.distributed.pipelining class name")
+    if layout.pp == 1:
+        if s.pp_layers_per_stage:
+            _fail("strategy.pp_layers_per_stage is set but strategy.pp=1: remove it or set strategy.pp")
+        return
+    if s.pp_stages_per_rank < 1:
+        _fail(f"strategy.pp_stages_per_rank={s.pp_stages_per_rank} must be >= 1")
+    multi = name in MULTI_STAGE_SCHEDULES or "Interleaved" in name or "Looped" in name
+    if multi and s.pp_stages_per_rank < 2:
+        _fail(f"strategy.pp_schedule={name} runs several stages per rank: set strategy.pp_stages_per_rank=2 (or more)")
+    if not multi and s.pp_stages_per_rank != 1:
+        _fail(f"strategy.pp_schedule={name} runs one stage per rank but strategy.pp_stages_per_rank="
+              f"{s.pp_stages_per_rank}: use pp_schedule=interleaved_1f1b or pp_stages_per_rank=1")
+    stages = layout.pp * s.pp_stages_per_rank
+    n_layers = cfg.model.n_layers
+    if stages > n_layers:
+        _fail(f"{stages} pipeline stages (strategy.pp={layout.pp} x pp_stages_per_rank={s.pp_stages_per_rank}) "
+              f"exceed model.n_layers={n_layers}: lower strategy.pp")
+    if s.pp_layers_per_stage:
+        split = list(s.pp_layers_per_stage)
+        if len(split) != stages or sum(split) != n_layers or min(split) < 1:
+            _fail(f"strategy.pp_layers_per_stage={split} must list {stages} positive counts summing to "
+                  f"model.n_layers={n_layers}")
+    split = pp_stage_layers(n_layers, stages, list(s.pp_layers_per_stage))
+    if len(set(split)) > 1:
+        notes.append(f"uneven pipeline split: layers per stage {split}")
+    n_mb = pp_microbatches(cfg, layout)
+    if n_mb < layout.pp:
+        _fail(f"strategy.pp_microbatches={n_mb} is fewer than the {layout.pp} pipeline ranks: the pipeline "
+              f"would idle; set strategy.pp_microbatches>={layout.pp}")
+    if cfg.training.micro_batch % n_mb:
+        _fail(f"training.micro_batch={cfg.training.micro_batch} is not divisible by strategy.pp_microbatches="
+              f"{n_mb}: each pipeline micro-batch needs a whole number of samples")
+
+
+def check_batch(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    gb = global_batch(cfg, layout)
+    per_step = cfg.training.micro_batch * layout.dp
+    if gb % per_step:
+        _fail(f"training.global_batch={gb} is not divisible by micro_batch x dp = {cfg.training.micro_batch} x "
+              f"{layout.dp} = {per_step}: set training.global_batch to a multiple of {per_step}")
+
+
+def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    z = cfg.strategy.zero_stage
+    if z not in (0, 1, 2, 3):
+        _fail(f"strategy.zero_stage={z} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3 (FSDP full shard)")
+    if z == 1 and (layout.tp > 1 or layout.dp_replicate > 1):
+        _fail(f"strategy.zero_stage=1 shards the optimizer over plain DDP and cannot combine with "
+              f"tp={layout.tp}/dp_replicate={layout.dp_replicate}: use strategy.zero_stage=2 or 3")
+    if z in (2, 3) and layout.dp_shard == 1 and layout.dp_replicate > 1:
+        notes.append("zero_stage with dp_shard=1 shards nothing: parameters are only replicated")
+
+
+def check_precision(cfg: Any, notes: list[str]) -> None:
+    p = cfg.precision
+    if p.param_dtype not in DTYPES:
+        _fail(f"precision.param_dtype='{p.param_dtype}' is unknown: use one of {', '.join(DTYPES)}")
+    if p.reduce_dtype not in DTYPES:
+        _fail(f"precision.reduce_dtype='{p.reduce_dtype}' is unknown: use one of {', '.join(DTYPES)}")
+    if p.param_dtype == "fp16" and not p.loss_scaling:
+        _fail("precision.param_dtype=fp16 needs loss scaling (gradients underflow): set precision.loss_scaling=true")
+    if cfg.hardware.name == "cpu" and "fp16" in (p.param_dtype, p.reduce_dtype) and cfg.cluster.kind == "local":
+        notes.append("fp16 on CPU is slow and poorly supported; bf16 is the better choice there")
+
+
+def check_training(cfg: Any, notes: list[str]) -> None:
+    t = cfg.training
+    if t.activation_checkpointing not in AC_MODES:
+        _fail(f"training.activation_checkpointing='{t.activation_checkpointing}' is unknown: use one of "
+              f"{', '.join(AC_MODES)}")
+    if t.seq_len > cfg.model.max_seq_len:
+        _fail(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of "
+              f"{cfg.model.name}: lower training.seq_len")
+    if cfg.optim.name != "adamw":
+        _fail(f"optim.name='{cfg.optim.name}' is unknown: use adamw")
+    if cfg.optim.schedule not in ("cosine", "linear", "constant"):
+        _fail(f"optim.schedule='{cfg.optim.schedule}' is unknown: use cosine, linear or constant")
+
+
+def check_checkpoint(cfg: Any, notes: list[str]) -> None:
+    c = cfg.checkpoint
+    if c.every_steps <= 0:
+        _fail(f"checkpoint.every_steps={c.every_steps} must be > 0 (use checkpoint=none to turn saving off)")
+    if c.keep_last < 1:
+        _fail(f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    if c.load_path and not os.path.isdir(c.load_path):
+        _fail(f"checkpoint.load_path='{c.load_path}' is not a directory: give a checkpoints/step-* directory")
+
+
+def check_data(cfg: Any, notes: list[str]) -> None:
+    d = cfg.data
+    if d.kind not in DATA_KINDS:
+        _fail(f"data.kind='{d.kind}' is unknown: use one of {', '.join(DATA_KINDS)}")
+    if d.kind in ("tokens", "text"):
+        if not d.path:
+            _fail(f"data.path is empty but data.kind={d.kind} reads files: set data.path=<dir or glob>")
+        if not (os.path.exists(d.path) or glob.glob(d.path, recursive=True)):
+            _fail(f"data.path='{d.path}' does not exist: fix the path (tokens: run `dtlaunch data prepare` first)")
+    if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
+        _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
+    if d.tokenizer == "byte" and d.kind != "synthetic" and cfg.model.vocab_size < 258:
+        _fail(f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (258 ids): "
+              f"use model.vocab_size>=258")
+
+
+def check_hardware(cfg: Any, notes: list[str]) -> None:
+    if cfg.hardware.memory_gib <= 0:
+        _fail(f"hardware.memory_gib={cfg.hardware.memory_gib} must be > 0: pick a profile, e.g. hardware=h100_80gb")
+
+
+def check_launch(cfg: Any, notes: list[str]) -> None:
+    la = cfg.launch
+    if la.backend not in ("auto", "gloo", "nccl"):
+        _fail(f"launch.backend='{la.backend}' is unknown: use auto, gloo or nccl")
+    if la.nnodes > 1 and not la.rdzv_endpoint and cfg.cluster.kind == "local":
+        _fail(f"launch.nnodes={la.nnodes} needs a rendezvous: set launch.rdzv_endpoint=HOST:PORT (the first node)")
+    if la.timeout_s <= 0:
+        _fail(f"launch.timeout_s={la.timeout_s} must be > 0")
+    if cfg.cluster.kind not in ("local", "slurm"):
+        _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local or cluster=slurm")
+
+
+SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
+    check_positive, check_model_shape, check_precision, check_training, check_checkpoint,
+    check_data, check_hardware, check_launch,
+]
+LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
+    check_zero, check_tensor_parallel, check_pipeline, check_batch,
+]
+
+
+def validate(cfg: Any) -> Validated:
+    """Run every rule; the first violation raises ConfigError (exit 2)."""
+    notes: list[str] = []
+    for rule in SIMPLE_RULES:
+        rule(cfg, notes)
+    layout = check_layout(cfg, notes)
+    for layout_rule in LAYOUT_RULES:
+        layout_rule(cfg, layout, notes)
+    return Validated(layout=layout, notes=notes)

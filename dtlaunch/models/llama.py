@@ -1,0 +1,173 @@
+"""Llama 2 / 3 family decoder: RMSNorm, RoPE (with Llama-3.1 scaling), GQA attention, SwiGLU.
+
+This module knows nothing of torch.distributed. Parallelism is applied from outside:
+- tensor parallel reshapes with the *local* head count (`view(B, S, -1, head_dim)`), so a sharded
+  wq/wk/wv just yields fewer heads here;
+- pipeline splitting deletes blocks from `layers` (a ModuleDict keyed by the global block index, so
+  parameter names stay those of the full model) and sets `tok_embeddings`/`norm`/`output` to None.
+Parameter names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlaunch.models.shapes import ffn_dim, head_dim, kv_heads
+
+
+def rope_frequencies(m: Any) -> torch.Tensor:
+    """Inverse frequencies per rotary pair, with Llama-3.1's wavelength-dependent scaling if set."""
+    d = head_dim(m)
+    freqs = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = m.rope_scaling
+    if rs is None:
+        return freqs.float()
+    low_wavelen = rs.original_max_seq_len / rs.low_freq_factor
+    high_wavelen = rs.original_max_seq_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (rs.original_max_seq_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, freqs / rs.factor, freqs)
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    scaled = torch.where(mid, (1 - smooth) * freqs / rs.factor + smooth * freqs, scaled)
+    return scaled.float()
+
+
+def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = rope_frequencies(m).to(device)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (Meta's layout). x: (B, S, H, D); cos/sin: (S, D/2)."""
+    # Buffers stay fp32 (FSDP mixed precision does not cast them): compute in x's dtype.
+    cos = cos[: x.shape[1]].type_as(x)[None, :, None, :]
+    sin = sin[: x.shape[1]].type_as(x)[None, :, None, :]
+    pairs = x.unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability, return in the input dtype (as Meta's reference does).
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, m: Any) -> None:
+        super().__init__()
+        self.head_dim = head_dim(m)
+        self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=False)
+        self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=False)
+        self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, m: Any) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(m.dim, m.norm_eps)
+        self.attention = Attention(m)
+        self.ffn_norm = RMSNorm(m.dim, m.norm_eps)
+        self.feed_forward = FeedForward(m.dim, ffn_dim(m))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, m: Any, rope_len: Optional[int] = None) -> None:
+        super().__init__()
+        self.cfg = m
+        self.rope_len = rope_len or m.max_seq_len
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(m.vocab_size, m.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(m) for i in range(m.n_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(m.dim, m.vocab_size, bias=False)
+        # Not persistent: derived from the config, so checkpoints carry weights only.
+        cos, sin = rope_cache(m, self.rope_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init keyed by (seed, parameter name): any layout, any rank, same weights.
+
+        Works on materialised plain tensors; the runtime initialises sharded tensors through
+        `init_param(name, full_shape)` so its shards equal slices of this same init.
+        """
+        device = self.rope_cos.device
+        cos, sin = rope_cache(self.cfg, self.rope_len, device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, p in self.named_parameters():
+            p.copy_(self.init_param(name, tuple(p.shape), seed).to(p.dtype))
+
+    def init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The full (unsharded) initial value of parameter `name`, on CPU in fp32."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        if name.startswith("tok_embeddings"):
+            std = 1.0
+        elif name.startswith("output"):
+            std = self.cfg.dim ** -0.5
+        elif name.endswith(("wo.weight", "w2.weight")):
+            # Residual projections scaled down with depth (GPT-2 / torchtitan practice).
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        else:
+            std = 0.02
+        return torch.randn(shape, generator=g).mul_(std)
+
+
+def build_model(m: Any, rope_len: Optional[int] = None, device: str | torch.device = "meta") -> Llama:
+    """Build on `device` ('meta' costs no memory: the runtime materialises after parallelising)."""
+    with torch.device(device):
+        return Llama(m, rope_len)
