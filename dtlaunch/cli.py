@@ -59,8 +59,9 @@ def train(
     """Compose, validate, plan and launch a training run (torchrun workers)."""
     from dtlaunch.commands.train import train_command
 
-    raise typer.Exit(train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force,
-                                   no_resume=no_resume))
+    raise typer.Exit(
+        train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume)
+    )
 
 
 @app.command()
@@ -75,8 +76,9 @@ def plan(
     """Per-rank memory plan against the target GPU; exit 3 if it does not fit."""
     from dtlaunch.commands.plan import plan_command
 
-    raise typer.Exit(plan_command(overrides or [], recipe_dir or [], as_json=as_json, search=search, top=top,
-                                  trace=trace))
+    raise typer.Exit(
+        plan_command(overrides or [], recipe_dir or [], as_json=as_json, search=search, top=top, trace=trace)
+    )
 
 
 @app.command()
@@ -112,7 +114,8 @@ def run() -> None:
     from dtlaunch.errors import DtlaunchError
 
     try:
-        app(standalone_mode=False)
+        # Non-standalone mode returns the exit code of typer.Exit instead of exiting.
+        sys.exit(app(standalone_mode=False) or 0)
     except DtlaunchError as exc:
         if _DEBUG:
             raise
@@ -123,16 +126,16 @@ def run() -> None:
     except (typer.Abort, KeyboardInterrupt):
         print("dtlaunch: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as exc:  # click usage errors and genuine bugs
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+    except Exception as exc:  # usage errors and genuine bugs
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a (typer-vendored) click usage error
             exc.show()
-            sys.exit(2)
+            sys.exit(exc.exit_code)
         if _DEBUG:
             raise
-        print(f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-              file=sys.stderr)
+        print(
+            f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

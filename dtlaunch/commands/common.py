@@ -51,14 +51,23 @@ def summary_table(job: Job) -> Any:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("model", f"{cfg.model.name} ({human_count(param_count(cfg.model))} params)")
-    t.add_row("layout", f"world {lay.world} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
-                        f"tp {lay.tp} x pp {lay.pp}; zero_stage {cfg.strategy.zero_stage}")
+    t.add_row(
+        "layout",
+        f"world {lay.world} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+        f"tp {lay.tp} x pp {lay.pp}; zero_stage {cfg.strategy.zero_stage}",
+    )
     gb = global_batch(cfg, lay)
     accum = grad_accum_steps(cfg, lay)
-    t.add_row("batch", f"{cfg.training.micro_batch} micro x {lay.dp} dp x {accum} accum = {gb} samples "
-                       f"x {cfg.training.seq_len} tokens = {gb * cfg.training.seq_len:,} tokens/step")
-    t.add_row("precision", f"params {cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}; "
-                           f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}")
+    t.add_row(
+        "batch",
+        f"{cfg.training.micro_batch} micro x {lay.dp} dp x {accum} accum = {gb} samples "
+        f"x {cfg.training.seq_len} tokens = {gb * cfg.training.seq_len:,} tokens/step",
+    )
+    t.add_row(
+        "precision",
+        f"params {cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}; "
+        f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}",
+    )
     t.add_row("hardware", f"{cfg.hardware.name} ({cfg.hardware.memory_gib} GiB)")
     t.add_row("data", f"{cfg.data.kind} {cfg.data.path}".strip())
     for note in job.notes:

@@ -43,8 +43,14 @@ def recipes_command(recipe_dirs: Sequence[str]) -> int:
             continue
         cfg, lay = job.cfg, job.layout
         strategy = job.composed.choices.get("strategy", "")
-        t.add_row(name, cfg.model.name, human_count(param_count(cfg.model)),
-                  f"{strategy} (zero {cfg.strategy.zero_stage}, tp {lay.tp}, pp {lay.pp})",
-                  str(lay.world), cfg.hardware.name, "ok")
+        t.add_row(
+            name,
+            cfg.model.name,
+            human_count(param_count(cfg.model)),
+            f"{strategy} (zero {cfg.strategy.zero_stage}, tp {lay.tp}, pp {lay.pp})",
+            str(lay.world),
+            cfg.hardware.name,
+            "ok",
+        )
     console().print(t)
     return 0

@@ -93,6 +93,29 @@ def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[l
     return rest, recipe_file, recipe_name
 
 
+def _reset_to_default(override: str) -> str:
+    """`~section.key` means "back to the schema default": structured configs cannot delete fields,
+    and the schema is the one home of defaults, so rewrite it as an assignment of that default."""
+    m = re.fullmatch(r"~([A-Za-z_][\w]*\.[\w.]+)(=.*)?", override)
+    if not m:
+        return override
+    from omegaconf import OmegaConf
+
+    key = m.group(1)
+    schema = OmegaConf.structured(_job_schema())
+    try:
+        default = OmegaConf.select(schema, key, throw_on_missing=False, default=KeyError)
+    except Exception:
+        default = KeyError
+    if default is KeyError:
+        raise ConfigError(_unknown_key_message(key).replace("unknown key", "cannot reset unknown key", 1))
+    if OmegaConf.is_config(default):
+        default = OmegaConf.to_container(default)
+    import json
+
+    return f"{key}={'null' if default is None else json.dumps(default)}"
+
+
 def _build_search_dir(tmp: Path, recipe_file: Optional[Path], recipe_name: str) -> None:
     """configs/* plus a recipe/ group holding the chosen recipe, as symlinks (no copies)."""
     for entry in CONFIGS_DIR.iterdir():
@@ -118,7 +141,7 @@ def compose(
     register_schemas()
     recipes = list_recipes(recipe_dirs_extra)
     rest, recipe_file, recipe_name = _split_recipe(list(overrides), recipes)
-    hydra_overrides = list(rest)
+    hydra_overrides = [_reset_to_default(ov) for ov in rest]
     if recipe_file is not None:
         hydra_overrides.append(f"recipe={recipe_name}")
 
@@ -153,6 +176,9 @@ def compose(
         typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), resolved)
     except Exception as exc:
         raise ConfigError(explain_compose_error(exc, rest)) from exc
+    missing = sorted(OmegaConf.missing_keys(typed))
+    if missing:
+        raise ConfigError(f"missing value for '{missing[0]}': set it on the command line, e.g. {missing[0]}=...")
     OmegaConf.set_struct(typed, True)
     return Composed(cfg=typed, choices=choices, overrides=list(overrides), unresolved_yaml=unresolved)
 
@@ -218,9 +244,12 @@ def _unknown_key_message(full_key: str) -> str:
 
 def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
     """One line: what is wrong, with which key or value, and how to fix it."""
-    msg = str(exc)
-    cause = exc.__cause__ or exc.__context__
-    full = msg + ("\n" + str(cause) if cause else "")
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    full = "\n".join(str(e) for e in chain)
 
     m = re.search(r"Could not find '([^']+)/([^']+)'", full)
     if m:
@@ -244,7 +273,9 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
     m = re.search(r"Value '(.*?)' (?:of type '\w+' )?could not be converted to (\w+)", full)
     if m:
         key = key_m.group(1) if key_m else "?"
-        expected = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(m.group(2), m.group(2))
+        expected = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(
+            m.group(2), m.group(2)
+        )
         return f"wrong type for '{key}': got '{m.group(1)}', expected {expected}; fix: {key}=<{expected}>"
     if "Invalid type assigned" in full or "Incompatible value" in full:
         key = key_m.group(1) if key_m else "?"

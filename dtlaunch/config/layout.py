@@ -45,7 +45,7 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @classmethod
-    def resolve(cls, strategy: Any, world: int) -> "Layout":
+    def resolve(cls, strategy: Any, world: int) -> Layout:
         """Fill the one `-1` degree with the rest of the world; check the product."""
         degrees = {d: int(getattr(strategy, d)) for d in DIMS}
         bad = [d for d, v in degrees.items() if v == 0 or v < -1]
@@ -70,7 +70,7 @@ class Layout:
                 )
             degrees[free[0]] = world // fixed
         elif fixed != world:
-            desc = " x ".join(f"{d}={v}" for d, v in degrees.items())
+            desc = " x ".join(f"strategy.{d}={v}" for d, v in degrees.items())
             raise ConfigError(
                 f"layout {desc} = {fixed} ranks but the world has {world}: set one degree to -1 "
                 f"or change launch.nproc_per_node/launch.nnodes"

@@ -40,14 +40,30 @@ def _fail(msg: str) -> None:
 
 
 def check_positive(cfg: Any, notes: list[str]) -> None:
-    for key in ("training.micro_batch", "training.seq_len", "training.steps", "training.log_every",
-                "model.dim", "model.n_layers", "model.n_heads", "model.vocab_size", "launch.nnodes"):
+    for key in (
+        "training.micro_batch",
+        "training.seq_len",
+        "training.steps",
+        "training.log_every",
+        "model.dim",
+        "model.n_layers",
+        "model.n_heads",
+        "model.vocab_size",
+        "launch.nnodes",
+    ):
         section, name = key.split(".")
         value = cfg[section][name]
         if value <= 0:
             _fail(f"{key}={value} must be > 0: set {key}=<positive integer>")
-    for key in ("training.global_batch", "training.grad_clip", "optim.warmup_steps", "optim.weight_decay",
-                "launch.max_restarts", "launch.nproc_per_node", "training.max_bad_steps"):
+    for key in (
+        "training.global_batch",
+        "training.grad_clip",
+        "optim.warmup_steps",
+        "optim.weight_decay",
+        "launch.max_restarts",
+        "launch.nproc_per_node",
+        "training.max_bad_steps",
+    ):
         section, name = key.split(".")
         if cfg[section][name] < 0:
             _fail(f"{key}={cfg[section][name]} must be >= 0")
@@ -79,21 +95,30 @@ def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
 
     m = cfg.model
     kv = m.n_kv_heads or m.n_heads
-    for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv), ("model.dim", m.dim),
-                       ("model.vocab_size", m.vocab_size), ("model FFN width", ffn_dim(m))):
+    for key, value in (
+        ("model.n_heads", m.n_heads),
+        ("model.n_kv_heads", kv),
+        ("model.dim", m.dim),
+        ("model.vocab_size", m.vocab_size),
+        ("model FFN width", ffn_dim(m)),
+    ):
         if value % layout.tp:
             _fail(f"strategy.tp={layout.tp} does not divide {key}={value}: choose a tp that divides it")
     if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:
-        _fail(f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
-              f"(sequence parallel shards the sequence): change seq_len or set strategy.sequence_parallel=false")
+        _fail(
+            f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
+            f"(sequence parallel shards the sequence): change seq_len or set strategy.sequence_parallel=false"
+        )
 
 
 def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
     s = cfg.strategy
     name = s.pp_schedule
     if name not in PP_SCHEDULES and not name.startswith("Schedule"):
-        _fail(f"strategy.pp_schedule='{name}' is unknown: use one of {', '.join(PP_SCHEDULES)} "
-              f"or a torch.distributed.pipelining class name")
+        _fail(
+            f"strategy.pp_schedule='{name}' is unknown: use one of {', '.join(PP_SCHEDULES)} "
+            f"or a torch.distributed.pipelining class name"
+        )
     if layout.pp == 1:
         if s.pp_layers_per_stage:
             _fail("strategy.pp_layers_per_stage is set but strategy.pp=1: remove it or set strategy.pp")
@@ -104,36 +129,48 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
     if multi and s.pp_stages_per_rank < 2:
         _fail(f"strategy.pp_schedule={name} runs several stages per rank: set strategy.pp_stages_per_rank=2 (or more)")
     if not multi and s.pp_stages_per_rank != 1:
-        _fail(f"strategy.pp_schedule={name} runs one stage per rank but strategy.pp_stages_per_rank="
-              f"{s.pp_stages_per_rank}: use pp_schedule=interleaved_1f1b or pp_stages_per_rank=1")
+        _fail(
+            f"strategy.pp_schedule={name} runs one stage per rank but strategy.pp_stages_per_rank="
+            f"{s.pp_stages_per_rank}: use pp_schedule=interleaved_1f1b or pp_stages_per_rank=1"
+        )
     stages = layout.pp * s.pp_stages_per_rank
     n_layers = cfg.model.n_layers
     if stages > n_layers:
-        _fail(f"{stages} pipeline stages (strategy.pp={layout.pp} x pp_stages_per_rank={s.pp_stages_per_rank}) "
-              f"exceed model.n_layers={n_layers}: lower strategy.pp")
+        _fail(
+            f"{stages} pipeline stages (strategy.pp={layout.pp} x pp_stages_per_rank={s.pp_stages_per_rank}) "
+            f"exceed model.n_layers={n_layers}: lower strategy.pp"
+        )
     if s.pp_layers_per_stage:
         split = list(s.pp_layers_per_stage)
         if len(split) != stages or sum(split) != n_layers or min(split) < 1:
-            _fail(f"strategy.pp_layers_per_stage={split} must list {stages} positive counts summing to "
-                  f"model.n_layers={n_layers}")
+            _fail(
+                f"strategy.pp_layers_per_stage={split} must list {stages} positive counts summing to "
+                f"model.n_layers={n_layers}"
+            )
     split = pp_stage_layers(n_layers, stages, list(s.pp_layers_per_stage))
     if len(set(split)) > 1:
         notes.append(f"uneven pipeline split: layers per stage {split}")
     n_mb = pp_microbatches(cfg, layout)
     if n_mb < layout.pp:
-        _fail(f"strategy.pp_microbatches={n_mb} is fewer than the {layout.pp} pipeline ranks: the pipeline "
-              f"would idle; set strategy.pp_microbatches>={layout.pp}")
+        _fail(
+            f"strategy.pp_microbatches={n_mb} is fewer than the {layout.pp} pipeline ranks: the pipeline "
+            f"would idle; set strategy.pp_microbatches>={layout.pp}"
+        )
     if cfg.training.micro_batch % n_mb:
-        _fail(f"training.micro_batch={cfg.training.micro_batch} is not divisible by strategy.pp_microbatches="
-              f"{n_mb}: each pipeline micro-batch needs a whole number of samples")
+        _fail(
+            f"training.micro_batch={cfg.training.micro_batch} is not divisible by strategy.pp_microbatches="
+            f"{n_mb}: each pipeline micro-batch needs a whole number of samples"
+        )
 
 
 def check_batch(cfg: Any, layout: Layout, notes: list[str]) -> None:
     gb = global_batch(cfg, layout)
     per_step = cfg.training.micro_batch * layout.dp
     if gb % per_step:
-        _fail(f"training.global_batch={gb} is not divisible by micro_batch x dp = {cfg.training.micro_batch} x "
-              f"{layout.dp} = {per_step}: set training.global_batch to a multiple of {per_step}")
+        _fail(
+            f"training.global_batch={gb} is not divisible by micro_batch x dp = {cfg.training.micro_batch} x "
+            f"{layout.dp} = {per_step}: set training.global_batch to a multiple of {per_step}"
+        )
 
 
 def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
@@ -141,8 +178,10 @@ def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
     if z not in (0, 1, 2, 3):
         _fail(f"strategy.zero_stage={z} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3 (FSDP full shard)")
     if z == 1 and (layout.tp > 1 or layout.dp_replicate > 1):
-        _fail(f"strategy.zero_stage=1 shards the optimizer over plain DDP and cannot combine with "
-              f"tp={layout.tp}/dp_replicate={layout.dp_replicate}: use strategy.zero_stage=2 or 3")
+        _fail(
+            f"strategy.zero_stage=1 shards the optimizer over plain DDP and cannot combine with "
+            f"tp={layout.tp}/dp_replicate={layout.dp_replicate}: use strategy.zero_stage=2 or 3"
+        )
     if z in (2, 3) and layout.dp_shard == 1 and layout.dp_replicate > 1:
         notes.append("zero_stage with dp_shard=1 shards nothing: parameters are only replicated")
 
@@ -162,11 +201,15 @@ def check_precision(cfg: Any, notes: list[str]) -> None:
 def check_training(cfg: Any, notes: list[str]) -> None:
     t = cfg.training
     if t.activation_checkpointing not in AC_MODES:
-        _fail(f"training.activation_checkpointing='{t.activation_checkpointing}' is unknown: use one of "
-              f"{', '.join(AC_MODES)}")
+        _fail(
+            f"training.activation_checkpointing='{t.activation_checkpointing}' is unknown: use one of "
+            f"{', '.join(AC_MODES)}"
+        )
     if t.seq_len > cfg.model.max_seq_len:
-        _fail(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of "
-              f"{cfg.model.name}: lower training.seq_len")
+        _fail(
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of "
+            f"{cfg.model.name}: lower training.seq_len"
+        )
     if cfg.optim.name != "adamw":
         _fail(f"optim.name='{cfg.optim.name}' is unknown: use adamw")
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
@@ -195,8 +238,10 @@ def check_data(cfg: Any, notes: list[str]) -> None:
     if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
         _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
     if d.tokenizer == "byte" and d.kind != "synthetic" and cfg.model.vocab_size < 258:
-        _fail(f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (258 ids): "
-              f"use model.vocab_size>=258")
+        _fail(
+            f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (258 ids): "
+            f"use model.vocab_size>=258"
+        )
 
 
 def check_hardware(cfg: Any, notes: list[str]) -> None:
@@ -217,11 +262,20 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
 
 
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
-    check_positive, check_model_shape, check_precision, check_training, check_checkpoint,
-    check_data, check_hardware, check_launch,
+    check_positive,
+    check_model_shape,
+    check_precision,
+    check_training,
+    check_checkpoint,
+    check_data,
+    check_hardware,
+    check_launch,
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
-    check_zero, check_tensor_parallel, check_pipeline, check_batch,
+    check_zero,
+    check_tensor_parallel,
+    check_pipeline,
+    check_batch,
 ]
 
 

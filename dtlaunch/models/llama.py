@@ -84,7 +84,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
             enable_gqa=q.shape[2] != k.shape[2],
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -158,7 +161,7 @@ class Llama(nn.Module):
         if name.startswith("tok_embeddings"):
             std = 1.0
         elif name.startswith("output"):
-            std = self.cfg.dim ** -0.5
+            std = self.cfg.dim**-0.5
         elif name.endswith(("wo.weight", "w2.weight")):
             # Residual projections scaled down with depth (GPT-2 / torchtitan practice).
             std = 0.02 / math.sqrt(2 * self.cfg.n_layers)

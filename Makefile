@@ -1,0 +1,40 @@
+# dtlaunch developer entry points. Everything runs inside .venv, created on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test test-fast lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: install  ## train the embedded default: ~5M-param Llama, 2 gloo workers, Python stdlib text
+	$(BIN)/dtlaunch train recipe=demo
+
+test: install  ## the whole suite: unit, multi-process, end-to-end and system tests
+	$(BIN)/pytest -q
+
+test-fast: install  ## unit tests only
+	$(BIN)/pytest -q tests/unit
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install  ## CPU benchmark suite (<= 15 min); results in bench/results/
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

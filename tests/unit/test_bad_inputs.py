@@ -1,0 +1,97 @@
+"""Bad input gets one line on stderr that names the key, exit code 2, and never a traceback.
+
+Runs the real console entry point in-process (the same code path as the `dtlaunch` script).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from dtlaunch.cli import run
+
+# (arguments after `dtlaunch validate`, text the one-line error must contain)
+BAD_INPUTS: list[tuple[list[str], str]] = [
+    (["training.micro_bach=2"], "training.micro_bach"),
+    (["training.micro_bach=2"], "did you mean 'micro_batch'"),
+    (["trainig.steps=3"], "trainig"),
+    (["training.steps=abc"], "training.steps"),
+    (["training.compile=maybe"], "training.compile"),
+    (["optim.lr=fast"], "optim.lr"),
+    (["model=llama9"], "model"),
+    (["strategy=zero4"], "strategy"),
+    (["hardware=h100_8gb"], "hardware"),
+    (["recipe=nope"], "recipe 'nope'"),
+    (["recipe=./missing.yaml"], "missing.yaml"),
+    (["recipe=tiny_tp", "launch.nproc_per_node=3", "strategy.tp=3"], "strategy.tp=3"),
+    (["strategy.dp_shard=3"], "strategy.dp_shard"),
+    (["strategy.tp=-1", "strategy.dp_shard=-1"], "both -1"),
+    (["strategy.pp=2", "strategy.dp_shard=1", "model.n_layers=1", "strategy.pp_microbatches=2"], "model.n_layers"),
+    (["training.global_batch=7"], "training.global_batch"),
+    (["recipe=tiny_pp", "strategy.pp_microbatches=1"], "strategy.pp_microbatches"),
+    (["recipe=tiny_pp", "strategy.pp_schedule=interleaved_1f1b"], "strategy.pp_stages_per_rank"),
+    (["strategy.zero_stage=4"], "strategy.zero_stage"),
+    (["recipe=tiny_tp", "strategy.zero_stage=1"], "strategy.zero_stage"),
+    (["precision.param_dtype=fp16"], "precision.loss_scaling"),
+    (["precision.param_dtype=fp8"], "precision.param_dtype"),
+    (["training.seq_len=100000"], "training.seq_len"),
+    (["checkpoint.every_steps=0"], "checkpoint.every_steps"),
+    (["checkpoint.load_path=/nonexistent/step-1"], "checkpoint.load_path"),
+    (["data=tokens", "data.path=/nonexistent/shards"], "data.path"),
+    (["data=tokens"], "data.path"),
+    (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer"),
+    (["training.activation_checkpointing=partial"], "training.activation_checkpointing"),
+    (["strategy.pp_schedule=zigzag"], "strategy.pp_schedule"),
+    (["+training.foo=1"], "training.foo"),
+    (["~model.nonexistent"], "model.nonexistent"),
+    (["~model.rope_scalin"], "did you mean 'rope_scaling'"),
+    (["launch.nnodes=2"], "launch.rdzv_endpoint"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["training.steps=["], "training.steps=["),
+    (["optim.schedule=step"], "optim.schedule"),
+    (["training.micro_batch=0"], "training.micro_batch"),
+    (["--recipe-dir", "/nonexistent/recipes", "recipe=x"], "/nonexistent/recipes"),
+]
+
+
+def run_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv])
+    with pytest.raises(SystemExit) as exc:
+        run()
+    return int(exc.value.code or 0)
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_one_line_exit_2(
+    args: list[str], expected: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run_cli(["validate", *args], monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dtlaunch: error: ")
+    assert expected in lines[0]
+
+
+def test_enough_bad_inputs() -> None:
+    assert len(BAD_INPUTS) >= 25
+
+
+def test_valid_input_exit_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["validate", "recipe=tiny_3d"], monkeypatch) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_unknown_command_is_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_cli(["trian"], monkeypatch) == 2
+
+
+def test_debug_flag_shows_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtlaunch.errors import ConfigError
+
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", "--debug", "validate", "training.stepz=1"])
+    with pytest.raises(ConfigError):
+        run()

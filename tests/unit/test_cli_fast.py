@@ -1,0 +1,59 @@
+"""The CLI as a user starts it: fast help without torch, version, config printing, recipe table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import dtlaunch
+
+
+def dtlaunch_cmd(*args: str, extra_python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *extra_python, "-m", "dtlaunch", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_does_not_import_torch() -> None:
+    res = dtlaunch_cmd("--help", extra_python=("-X", "importtime"))
+    assert res.returncode == 0
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in res.stderr.splitlines() if "|" in line}
+    assert "typer" in imported
+    assert "torch" not in imported
+    assert "hydra" not in imported
+    assert "train" in res.stdout and "plan" in res.stdout
+
+
+def test_validate_does_not_import_torch() -> None:
+    res = dtlaunch_cmd("validate", "recipe=llama405b_3d", extra_python=("-X", "importtime"))
+    assert res.returncode == 0, res.stderr
+    assert not any(line.split("|")[-1].strip() == "torch" for line in res.stderr.splitlines())
+
+
+def test_version() -> None:
+    res = dtlaunch_cmd("--version")
+    assert res.returncode == 0 and dtlaunch.__version__ in res.stdout
+
+
+def test_config_prints_yaml_and_resolves() -> None:
+    res = dtlaunch_cmd("config", "recipe=demo")
+    assert res.returncode == 0
+    assert "${stdlib:}" in res.stdout
+    res = dtlaunch_cmd("config", "recipe=demo", "--resolve")
+    assert res.returncode == 0 and "${stdlib:}" not in res.stdout and "path: /" in res.stdout
+
+
+def test_recipes_table_lists_every_recipe() -> None:
+    from dtlaunch.config.compose import list_recipes
+
+    res = subprocess.run(
+        [sys.executable, "-m", "dtlaunch", "recipes"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"COLUMNS": "200", "PATH": ""},
+    )
+    assert res.returncode == 0, res.stderr
+    for name in list_recipes():
+        assert name in res.stdout
+    assert "invalid" not in res.stdout
