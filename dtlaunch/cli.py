@@ -109,6 +109,74 @@ def recipes(recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
     raise typer.Exit(recipes_command(recipe_dir or []))
 
 
+@ckpt_app.command("ls")
+def ckpt_ls(run: str = typer.Argument(..., help="Run directory (runs/<name>) or its checkpoints directory.")) -> None:
+    """List a run's checkpoints: step, time, size, the layout that wrote each, complete or not."""
+    from dtlaunch.commands.ckpt import ls_command
+
+    raise typer.Exit(ls_command(run))
+
+
+@ckpt_app.command("inspect")
+def ckpt_inspect(checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest).")) -> None:
+    """Tensor names, shapes and dtypes of a checkpoint, and which layout wrote it."""
+    from dtlaunch.commands.ckpt import inspect_command
+
+    raise typer.Exit(inspect_command(checkpoint))
+
+
+@ckpt_app.command("export")
+def ckpt_export(
+    src: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or a step-XXXXXXXX directory."),
+    fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json for LlamaForCausalLM) or torch."),
+    out: str = typer.Option(..., "--out", help="Output directory."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: split safetensors above this size."),
+) -> None:
+    """Export a checkpoint to Hugging Face safetensors or one consolidated torch file."""
+    from dtlaunch.commands.ckpt import export_command
+
+    raise typer.Exit(export_command(src, fmt, out, max_shard_size))
+
+
+@data_app.command("prepare")
+def data_prepare(
+    inputs: List[str] = typer.Argument(..., help="Text files, directories (searched with --pattern) or globs."),
+    out: str = typer.Option(..., "--out", help="Output directory for the shards and meta.json."),
+    tokenizer: str = typer.Option("byte", "--tokenizer", help="'byte' or the path of a local tokenizer.json."),
+    shard_tokens: int = typer.Option(100_000_000, "--shard-tokens", help="Tokens per shard file."),
+    pattern: str = typer.Option("**/*", "--pattern", help="File pattern inside directory inputs."),
+    max_bytes: int = typer.Option(0, "--max-bytes", help="Stop after this many bytes of text (0 = all)."),
+) -> None:
+    """Tokenize text into uint16/uint32 token shards (train with data.kind=tokens data.path=OUT)."""
+    from dtlaunch.commands.data import prepare_command
+
+    raise typer.Exit(prepare_command(inputs, out, tokenizer, shard_tokens, pattern, max_bytes))
+
+
+@app.command()
+def submit(
+    overrides: Optional[List[str]] = OVERRIDES,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; create and submit nothing."),
+    force: bool = typer.Option(False, "--force", help="Submit even if the memory plan does not fit."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Write an sbatch script into the run directory and submit it to Slurm (needs cluster=slurm)."""
+    from dtlaunch.commands.submit import submit_command
+
+    raise typer.Exit(submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))
+
+
+@app.command()
+def status(
+    run: str = typer.Argument(..., help="Run directory (or a name under runs/) of a submitted job."),
+    as_json: bool = typer.Option(False, "--json", help="Emit the state as JSON."),
+) -> None:
+    """Show the Slurm state of a submitted run (recorded in RUN/slurm.json)."""
+    from dtlaunch.commands.submit import status_command
+
+    raise typer.Exit(status_command(run, as_json=as_json))
+
+
 def run() -> None:
     """Console entry point: one-line errors with documented exit codes."""
     from dtlaunch.errors import DtlaunchError

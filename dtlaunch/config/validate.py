@@ -50,6 +50,7 @@ def check_positive(cfg: Any, notes: list[str]) -> None:
         "model.n_heads",
         "model.vocab_size",
         "launch.nnodes",
+        "cluster.nodes",
     ):
         section, name = key.split(".")
         value = cfg[section][name]
@@ -125,9 +126,12 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         return
     if s.pp_stages_per_rank < 1:
         _fail(f"strategy.pp_stages_per_rank={s.pp_stages_per_rank} must be >= 1")
-    multi = name in MULTI_STAGE_SCHEDULES or "Interleaved" in name or "Looped" in name
+    multi = name in MULTI_STAGE_SCHEDULES or any(k in name for k in ("Interleaved", "Looped", "ZBV", "DualPipe"))
     if multi and s.pp_stages_per_rank < 2:
         _fail(f"strategy.pp_schedule={name} runs several stages per rank: set strategy.pp_stages_per_rank=2 (or more)")
+    # R1b: V-shaped schedules (ZBV, DualPipeV) place exactly two stages per rank.
+    if (name == "zbv" or name.endswith(("ZBVZeroBubble", "DualPipeV"))) and s.pp_stages_per_rank != 2:
+        _fail(f"strategy.pp_schedule={name} places exactly 2 stages per rank in a V: set strategy.pp_stages_per_rank=2")
     if not multi and s.pp_stages_per_rank != 1:
         _fail(
             f"strategy.pp_schedule={name} runs one stage per rank but strategy.pp_stages_per_rank="
@@ -177,6 +181,11 @@ def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
     z = cfg.strategy.zero_stage
     if z not in (0, 1, 2, 3):
         _fail(f"strategy.zero_stage={z} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3 (FSDP full shard)")
+    if z == 0 and layout.tp > 1 and layout.dp > 1:
+        _fail(
+            f"strategy.zero_stage=0 (DDP) cannot combine with strategy.tp={layout.tp} over dp={layout.dp} ranks: "
+            f"use strategy.zero_stage=2 or 3 (FSDP) for data x tensor parallel"
+        )
     if z == 1 and (layout.tp > 1 or layout.dp_replicate > 1):
         _fail(
             f"strategy.zero_stage=1 shards the optimizer over plain DDP and cannot combine with "

@@ -33,6 +33,7 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["recipe=tiny_pp", "strategy.pp_schedule=interleaved_1f1b"], "strategy.pp_stages_per_rank"),
     (["strategy.zero_stage=4"], "strategy.zero_stage"),
     (["recipe=tiny_tp", "strategy.zero_stage=1"], "strategy.zero_stage"),
+    (["recipe=tiny_tp", "launch.nproc_per_node=4", "strategy.tp=2", "strategy.dp_shard=-1"], "strategy.zero_stage=0"),
     (["precision.param_dtype=fp16"], "precision.loss_scaling"),
     (["precision.param_dtype=fp8"], "precision.param_dtype"),
     (["training.seq_len=100000"], "training.seq_len"),

@@ -1,0 +1,309 @@
+"""Throughput parity: `dtlaunch train` vs the hand-written loop (bench/handwritten.py) under torchrun.
+
+Both train the same job: the hand-written script's settings (model YAML, micro-batch, sequence length,
+AdamW hyper-parameters, schedule, grad clipping, dtype, ZeRO-3 resharding) are derived from the composed
+dtlaunch config, so the two cannot drift apart. Both run with checkpoint=none, synthetic data, the same
+OMP thread count per worker, and log every step. Runs alternate A/B (the order flips each repetition) so
+a machine that gets busier or quieter hurts both alike.
+
+Steady-state tokens/s of one run = tokens per step x (last - warmup) / (elapsed at last step - elapsed at
+the warmup step), from the per-step `elapsed_s` each side writes after its step's metrics: the whole
+loop counts (data, step, metrics, logging), not just the step function. The first `warmup` steps are
+excluded (dtlaunch tracks memory over its first 3 steps on CPU; both allocate optimizer state at step 1).
+
+The same runs give the launch overhead: wall time from starting the command to the first metrics line
+appearing in the run's metrics file (polled every 5 ms; see bench/launch_overhead.py).
+
+    python bench/throughput.py [--quick] [--reps 4] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `bench.common` importable
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import ROOT, command_line, markdown_table, min_med_max, stats, usable_cores, venv_bin
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: a dtlaunch recipe at a process count; the hand-written side mirrors its config."""
+
+    recipe: str
+    nproc: int
+    extra: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        mode = {"tiny_ddp": "DDP", "tiny_fsdp": "FSDP2"}.get(self.recipe, self.recipe)
+        # dtlaunch trains a world of one unwrapped (no DDP/FSDP for a single rank), and so does the reference.
+        return f"{'1 process' if self.nproc == 1 else f'{mode}, {self.nproc} processes'} ({self.recipe})"
+
+
+CASES = (Case("tiny_ddp", 1), Case("tiny_ddp", 2), Case("tiny_fsdp", 2))
+
+
+@dataclass
+class RunResult:
+    side: str  # "dtlaunch" | "handwritten"
+    tokens_per_s: Optional[float]
+    first_step_s: Optional[float]  # command start -> first metrics line on disk
+    wall_s: float  # command start -> exit
+    command: str
+    error: str = ""
+    steps_seen: int = 0
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    runs: list[RunResult] = field(default_factory=list)
+
+    def of(self, side: str) -> list[RunResult]:
+        return [r for r in self.runs if r.side == side and not r.error]
+
+
+def job_overrides(case: Case, steps: int, threads: int) -> list[str]:
+    return [
+        f"recipe={case.recipe}",
+        f"launch.nproc_per_node={case.nproc}",
+        f"launch.threads_per_worker={threads}",
+        f"training.steps={steps}",
+        "training.log_every=1",
+        "checkpoint=none",
+        "data=synthetic",
+        *case.extra,
+    ]
+
+
+def composed(overrides: Sequence[str]) -> Any:
+    from dtlaunch.config.compose import compose
+
+    return compose(list(overrides)).cfg
+
+
+def handwritten_args(cfg: Any, model_yaml: Path) -> list[str]:
+    """The hand-written script's flags for the same job (everything that affects the work per step)."""
+    from omegaconf import OmegaConf
+
+    model_yaml.write_text(OmegaConf.to_yaml(cfg.model))
+    t, o = cfg.training, cfg.optim
+    if o.schedule != "cosine" or int(t.global_batch) not in (0, int(t.micro_batch) * int(cfg.launch.nproc_per_node)):
+        raise SystemExit("bench/handwritten.py implements cosine schedules without gradient accumulation only")
+    zero = int(cfg.strategy.zero_stage)
+    return [
+        f"--mode={'fsdp' if zero >= 2 else 'ddp'}",
+        f"--reshard-after-forward={int(zero == 3)}",
+        f"--model={model_yaml}",
+        f"--steps={t.steps}",
+        f"--micro-batch={t.micro_batch}",
+        f"--seq-len={t.seq_len}",
+        f"--lr={o.lr}",
+        f"--weight-decay={o.weight_decay}",
+        f"--beta1={o.beta1}",
+        f"--beta2={o.beta2}",
+        f"--eps={o.eps}",
+        f"--warmup={o.warmup_steps}",
+        f"--min-lr-ratio={o.min_lr_ratio}",
+        f"--grad-clip={t.grad_clip}",
+        f"--dtype={cfg.precision.param_dtype}",
+        f"--log-every={t.log_every}",
+        *(["--compile"] if t.compile else []),
+    ]
+
+
+class FirstLine:
+    """Polls a file from another thread and notes when its first complete line appears."""
+
+    def __init__(self, path: Path, t0: float, period: float = 0.005) -> None:
+        self.path, self.t0, self.period = path, t0, period
+        self.seen: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.path.open("rb") as f:
+                    if b"\n" in f.read(65536):
+                        self.seen = time.perf_counter() - self.t0
+                        return
+            except OSError:
+                pass
+            time.sleep(self.period)
+
+    def stop(self) -> Optional[float]:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
+
+
+def steady_tokens_per_s(lines: list[dict], tokens_per_step: int, warmup: int) -> Optional[float]:
+    """Tokens/s between the end of step `warmup` and the end of the last step, from `elapsed_s`."""
+    by_step = {int(r["step"]): float(r["elapsed_s"]) for r in lines if "step" in r and "elapsed_s" in r}
+    if not by_step or warmup not in by_step:
+        return None
+    last = max(by_step)
+    dt = by_step[last] - by_step[warmup]
+    return tokens_per_step * (last - warmup) / dt if dt > 0 else None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def run_one(
+    side: str, cmd: list[str], env: dict[str, str], metrics: Path, log: Path, tokens_per_step: int, warmup: int
+) -> RunResult:
+    """Start `cmd`, time its first metrics line and its exit, then read its steady-state throughput."""
+    full_env = dict(os.environ, **env)
+    t0 = time.perf_counter()
+    watch = FirstLine(metrics, t0)
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False)
+    wall = time.perf_counter() - t0
+    first = watch.stop()
+    lines = _read_jsonl(metrics)
+    result = RunResult(side, None, first, wall, command_line(cmd, env), steps_seen=len(lines))
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+        result.error = f"exit {proc.returncode}: {' '.join(tail)[:300]}"
+        return result
+    result.tokens_per_s = steady_tokens_per_s(lines, tokens_per_step, warmup)
+    if result.tokens_per_s is None:
+        result.error = f"no steady-state window in {metrics} ({len(lines)} lines)"
+    return result
+
+
+def run_case_pair(case: Case, steps: int, warmup: int, rep: int, work: Path) -> list[RunResult]:
+    """One dtlaunch run and one hand-written run of `case`, in an order that flips with `rep`."""
+    threads = max(1, usable_cores() // case.nproc)
+    overrides = job_overrides(case, steps, threads)
+    cfg = composed(overrides)
+    tokens_per_step = int(cfg.training.micro_batch) * case.nproc * int(cfg.training.seq_len)
+    tag = f"{case.recipe}-n{case.nproc}-r{rep}"
+    dt_dir, hw_dir = work / f"dt-{tag}", work / f"hw-{tag}"
+    hw_dir.mkdir(parents=True, exist_ok=True)
+    dt_cmd = [venv_bin("dtlaunch"), "train", *overrides, f"run.dir={dt_dir}"]
+    hw_cmd = [
+        venv_bin("torchrun"),
+        "--standalone",
+        f"--nproc-per-node={case.nproc}",
+        str(ROOT / "bench" / "handwritten.py"),
+        *handwritten_args(cfg, hw_dir / "model.yaml"),
+        f"--metrics-file={hw_dir / 'metrics.jsonl'}",
+    ]
+    plain = {"DTLAUNCH_PROGRESS": "plain"}
+    sides = [
+        ("dtlaunch", dt_cmd, plain, dt_dir / "metrics.jsonl", work / f"dt-{tag}.log"),
+        ("handwritten", hw_cmd, {"OMP_NUM_THREADS": str(threads)}, hw_dir / "metrics.jsonl", hw_dir / "out.log"),
+    ]
+    if rep % 2:
+        sides.reverse()
+    return [run_one(*s, tokens_per_step=tokens_per_step, warmup=warmup) for s in sides]
+
+
+def run(
+    cases: Sequence[Case] = CASES, reps: int = 4, steps: int = 200, warmup: int = 10, keep: Optional[Path] = None
+) -> list[CaseResult]:
+    work = Path(tempfile.mkdtemp(prefix="dtlaunch-bench-tps-")) if keep is None else keep
+    results = [CaseResult(c) for c in cases]
+    try:
+        for rep in range(reps):
+            for res in results:
+                pair = run_case_pair(res.case, steps, warmup, rep, work)
+                res.runs.extend(pair)
+                for r in pair:
+                    status = r.error or f"{r.tokens_per_s:,.0f} tok/s, first step {r.first_step_s:.2f} s"
+                    print(f"  [{rep + 1}/{reps}] {res.case.label:40s} {r.side:12s} {status}", flush=True)
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def summarize(results: list[CaseResult]) -> dict[str, Any]:
+    """JSON-able summary: per case, stats of each side and the ratio of medians."""
+    out = []
+    for res in results:
+        dt = stats(r.tokens_per_s for r in res.of("dtlaunch"))
+        hw = stats(r.tokens_per_s for r in res.of("handwritten"))
+        ratio = dt["median"] / hw["median"] if dt["n"] and hw["n"] else None
+        out.append(
+            {
+                "case": res.case.label,
+                "dtlaunch_tokens_per_s": dt,
+                "handwritten_tokens_per_s": hw,
+                "ratio": ratio,
+                "dtlaunch_first_step_s": stats(r.first_step_s for r in res.of("dtlaunch") if r.first_step_s),
+                "handwritten_first_step_s": stats(r.first_step_s for r in res.of("handwritten") if r.first_step_s),
+                "commands": {side: next((r.command for r in res.runs if r.side == side), "") for side in _SIDES},
+                "errors": [f"{r.side}: {r.error}" for r in res.runs if r.error],
+                "runs": [r.__dict__ for r in res.runs],
+            }
+        )
+    return {"cases": out}
+
+
+_SIDES = ("dtlaunch", "handwritten")
+
+
+def table(summary: dict[str, Any]) -> str:
+    rows = []
+    for c in summary["cases"]:
+        ratio = c["ratio"]
+        rows.append(
+            [
+                c["case"],
+                min_med_max(c["dtlaunch_tokens_per_s"], digits=0),
+                min_med_max(c["handwritten_tokens_per_s"], digits=0),
+                f"{ratio:.3f}" if ratio else "-",
+                "yes" if ratio and ratio >= 0.98 else "no",
+                c["dtlaunch_tokens_per_s"]["n"],
+            ]
+        )
+    headers = ["case", "dtlaunch tok/s, median (min–max)", "hand-written tok/s", "ratio", "≥ 0.98", "reps"]
+    return markdown_table(headers, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 repetitions of 60 steps")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--keep", default="", help="keep the run directories here")
+    ap.add_argument("--json", default="", help="write the summary here")
+    args = ap.parse_args()
+    reps, steps = (2, 60) if args.quick else (args.reps, args.steps)
+    keep = Path(args.keep) if args.keep else None
+    summary = summarize(run(reps=reps, steps=steps, warmup=args.warmup, keep=keep))
+    print(table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

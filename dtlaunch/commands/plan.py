@@ -1,0 +1,90 @@
+"""`plan`: the per-rank memory plan, fix suggestions, layout search; and the gate `train` uses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from dtlaunch.commands.common import Job, console, load_job
+from dtlaunch.errors import PlanDoesNotFit
+from dtlaunch.plan.memory import MemoryPlan, plan_memory
+
+
+def make_plan(job: Job) -> MemoryPlan:
+    """The plan with notes and, when it does not fit, validated fix suggestions."""
+    plan = plan_memory(job.cfg, job.layout)
+    plan.notes = list(job.notes)
+    if not plan.fits:
+        from dtlaunch.plan.suggest import suggest
+
+        plan.suggestions = suggest(job.cfg, job.layout)
+    return plan
+
+
+def print_plan(plan: MemoryPlan, out: Any) -> None:
+    from dtlaunch.plan.report import plan_table, suggestions_table, verdict_line
+
+    out.print(plan_table(plan))
+    out.print(verdict_line(plan))
+    if plan.suggestions:
+        out.print(suggestions_table(plan.suggestions))
+
+
+def plan_gate(job: Job, force: bool) -> MemoryPlan:
+    """Used by `dtlaunch train`: print the plan; refuse (exit 3) when it does not fit unless --force."""
+    plan = make_plan(job)
+    print_plan(plan, console())
+    if not plan.fits and not force:
+        raise PlanDoesNotFit(_refusal(plan))
+    return plan
+
+
+def _refusal(plan: MemoryPlan) -> str:
+    from dtlaunch.plan.report import gib
+
+    msg = (
+        f"the plan does not fit: {gib(plan.device_total)} GiB per GPU needed on {plan.hardware} "
+        f"({gib(plan.capacity)} GiB), peak in {plan.worst.phase} on stage {plan.worst.stage}"
+    )
+    if plan.suggestions:
+        best = plan.suggestions[0]
+        msg += f"; try {' '.join(best['overrides'])} ({best['change']}, {gib(best['device_total_bytes'])} GiB)"
+    return msg + "; or pass --force"
+
+
+def plan_command(
+    overrides: Sequence[str],
+    recipe_dirs: Sequence[str],
+    as_json: bool = False,
+    search: bool = False,
+    top: int = 10,
+    trace: bool = False,
+) -> int:
+    job = load_job(overrides, recipe_dirs)
+    plan = make_plan(job)
+    data = plan.to_dict()
+    rows: list[dict] = []
+    if search:
+        from dtlaunch.plan.search import search as run_search
+
+        rows = run_search(job.cfg, top)
+        data["search"] = [{k: v for k, v in r.items() if k != "times"} for r in rows]
+    if trace:
+        from dtlaunch.errors import ConfigError
+
+        # The traced second opinion (FakeTensorMode over the real build path) is not built yet.
+        raise ConfigError("--trace is not available yet: run `dtlaunch plan` without --trace")
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return 0 if plan.fits else 3
+    out = console()
+    print_plan(plan, out)
+    if search:
+        from dtlaunch.plan.report import search_table
+
+        out.print(search_table(rows) if rows else "[red]no layout fits this GPU count[/red]")
+        if rows:
+            out.print("best layout as overrides: " + " ".join(rows[0]["overrides"]), markup=False)
+    if trace:
+        out.print_json(data=data["trace"])
+    return 0 if plan.fits else 3

@@ -1,0 +1,1 @@
+"""Corpus preparation: tokenizers and the tokenize-to-shards step (numpy only; no torch)."""

@@ -1,0 +1,100 @@
+"""Tokenizers for corpus preparation: a built-in byte-level one and any local HF `tokenizer.json`.
+
+Both expose the same small surface (`vocab_size`, `eos_id`, `encode(bytes) -> np.ndarray`), so the
+shard writer does not care which one it holds. The `tokenizers` package is imported only when an HF
+tokenizer is asked for: the byte tokenizer must work on a bare install.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from dtlaunch.errors import ConfigError, InputError
+
+BYTE_BOS = 256
+BYTE_EOS = 257
+BYTE_VOCAB = 258
+# Names HF tokenizers commonly give their end-of-document token (GPT-2, Llama 2, Llama 3, Gemma, BERT).
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: Optional[int]
+
+    def encode(self, data: bytes) -> np.ndarray: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (half the disk and page cache), else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+
+
+@dataclass
+class ByteTokenizer:
+    """ids 0..255 are the raw bytes, 256 = BOS, 257 = EOS. Lossless on any file, no training."""
+
+    name: str = "byte"
+    vocab_size: int = BYTE_VOCAB
+    eos_id: Optional[int] = BYTE_EOS
+    bos_id: Optional[int] = BYTE_BOS
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: Any) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer loaded from a local tokenizer.json (no network)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError as exc:
+            raise ConfigError(
+                f"tokenizer '{path}' needs the 'tokenizers' package: pip install tokenizers (or use tokenizer=byte)"
+            ) from exc
+        try:
+            self._tok = _HF.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a plain Exception on bad JSON
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"tokenizer file '{path}' cannot be loaded: {first}; give a valid tokenizer.json") from exc
+        self.name = str(path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eos_id = next((i for i in (self._tok.token_to_id(t) for t in _EOS_NAMES) if i is not None), None)
+        self._dtype = token_dtype(self.vocab_size)
+
+    def encode(self, data: bytes) -> np.ndarray:
+        text = data.decode("utf-8", errors="replace")
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self._dtype)
+
+    def decode(self, ids: Any) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte` or a path to a tokenizer.json (or a directory holding one)."""
+    if spec in ("", "byte"):
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(f"tokenizer '{spec}' not found: use 'byte' or the path of a local tokenizer.json")
+    return HFTokenizer(path)
+
+
+def check_vocab(model_vocab: int, tokenizer_vocab: int, source: str) -> None:
+    """The embedding must have a row for every id the data can hold."""
+    if model_vocab < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab} is smaller than the vocabulary of {source} ({tokenizer_vocab} ids): "
+            f"set model.vocab_size={tokenizer_vocab} or more"
+        )

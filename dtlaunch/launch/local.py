@@ -1,0 +1,131 @@
+"""Start the workers on this node with torchrun, in-process (`torch.distributed.run`).
+
+One node without a rendezvous endpoint is `--standalone` (torchrun picks a free port). Per-rank logs are
+written by the workers themselves into `run_dir/logs/rank<R>.log` (rank 0 keeps its stdout on the terminal
+so the progress display works); torchrun's own files (error replies) go to `run_dir/logs/torchrun/`.
+A failed worker becomes one `WorkerFailed` line naming the rank and its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from dtlaunch.config.layout import nproc_per_node
+from dtlaunch.errors import WorkerFailed
+
+WORKER_MODULE = "dtlaunch.train.main"
+RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
+
+
+def _detected_gpus(cfg: Any) -> int:
+    """GPUs on this host; only asked (importing torch) when launch.nproc_per_node leaves it open."""
+    if cfg.launch.nproc_per_node > 0:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def torchrun_args(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> list[str]:
+    """The torchrun argument list (without the leading `torchrun`)."""
+    la = cfg.launch
+    nproc = nproc_per_node(cfg, detected_gpus)
+    args = [f"--nnodes={la.nnodes}", f"--nproc-per-node={nproc}", f"--max-restarts={la.max_restarts}"]
+    if la.nnodes == 1 and not la.rdzv_endpoint:
+        args.append("--standalone")
+    else:
+        args += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={la.rdzv_endpoint}",
+            f"--rdzv-id={la.rdzv_id or run_dir.name}",
+        ]
+        node_rank = node_rank_of(la)
+        if node_rank >= 0:
+            # The first node hosts the rendezvous store, said explicitly: torch's guess (endpoint == this
+            # host's name or address) misses e.g. the address of a second interface or network namespace.
+            args += [f"--node-rank={node_rank}", f"--rdzv-conf=is_host={str(node_rank == 0).lower()}"]
+    args += [f"--log-dir={run_dir / 'logs' / 'torchrun'}", "-m", WORKER_MODULE]
+    return args
+
+
+def node_rank_of(la: Any) -> int:
+    """launch.node_rank, else the scheduler's node index (SLURM_NODEID) or $NODE_RANK; -1 if unknown."""
+    if la.node_rank >= 0:
+        return int(la.node_rank)
+    for var in ("SLURM_NODEID", "NODE_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return -1
+
+
+def worker_env(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> dict[str, str]:
+    """Variables the workers inherit: the run directory and a thread count that does not oversubscribe."""
+    threads = int(cfg.launch.threads_per_worker)
+    if threads <= 0:
+        threads = max(1, (os.cpu_count() or 1) // nproc_per_node(cfg, detected_gpus))
+    return {RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": str(threads)}
+
+
+def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> str:
+    """The exact shell command equivalent to what `launch_local` runs (printed by --dry-run)."""
+    if detected_gpus is None:
+        detected_gpus = _detected_gpus(cfg)
+    env = worker_env(cfg, run_dir, detected_gpus)
+    parts = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    parts += ["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)]
+    return " ".join(shlex.quote(p) if "=" not in p else p for p in parts)
+
+
+def launch_local(cfg: Any, run_dir: Path) -> None:
+    """Run the workers to completion; raise WorkerFailed (exit 1) naming the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    gpus = _detected_gpus(cfg)
+    args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
+    os.environ.update(worker_env(cfg, run_dir, gpus))
+    # torchrun's agent logs every failure and SIGTERM it sends as several warning lines; the user gets
+    # our single line instead (the details stay in logs/rank<R>.log).
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        raise WorkerFailed(describe_failure(exc, run_dir)) from None
+    finally:
+        elastic_log.setLevel(level)
+
+
+# Errors a rank reports because a *peer* died (its collective lost the connection) or because the agent
+# stopped it: never the root cause when another rank has a real error.
+_COLLATERAL = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "signal ", "timed out")
+
+
+def describe_failure(exc: Any, run_dir: Path) -> str:
+    """One line: the rank that failed first with its own error (from the file `record` wrote) and its log.
+
+    Error-file timestamps have one-second resolution, so a peer's "connection closed" often ties with the
+    real failure; failures that look collateral are ranked after the others.
+    """
+
+    def text(failure: Any) -> str:
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        message = str(message or "").strip()
+        if not message or message.startswith("To enable traceback"):
+            return f"exited with code {failure.exitcode}"
+        return message.splitlines()[0]
+
+    def rank_key(item: tuple[int, Any]) -> tuple:
+        rank, failure = item
+        collateral = any(word in text(failure).lower() for word in _COLLATERAL) or failure.exitcode < 0
+        return (collateral, failure.timestamp, rank)
+
+    rank, failure = min(exc.failures.items(), key=rank_key)
+    return f"rank {rank} failed: {text(failure)} (log: {run_dir / 'logs' / f'rank{rank}.log'})"

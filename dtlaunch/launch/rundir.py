@@ -1,0 +1,56 @@
+"""The run directory: `runs/<name>/` holding the resolved config that workers read, and logs/.
+
+A run directory may already exist (a resume, possibly on another layout): its previous config is kept as
+`config.prev-<n>.yaml` when the new one differs, so the history of layouts a run went through stays visible.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from dtlaunch.errors import InputError
+
+CONFIG_NAME = "config.yaml"
+
+
+def run_name(cfg: Any, recipe: str) -> str:
+    """run.name, else "<recipe>-<YYYYmmdd-HHMMSS>" (resolved once here, never in the workers)."""
+    return cfg.run.name or f"{recipe or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_dir_for(cfg: Any, recipe: str) -> Path:
+    return Path(cfg.run.dir) if cfg.run.dir else Path(cfg.run.root) / run_name(cfg, recipe)
+
+
+def create_run_dir(cfg: Any, recipe: str) -> Path:
+    """Create the run directory and write the resolved config.yaml; return the absolute path."""
+    from omegaconf import OmegaConf
+
+    run_dir = run_dir_for(cfg, recipe).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"run directory '{run_dir}' exists and is not a directory: set run.dir to a directory")
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create run directory '{run_dir}': {exc.strerror}; set run.dir or run.root") from exc
+    new_text = OmegaConf.to_yaml(cfg, resolve=True)
+    path = run_dir / CONFIG_NAME
+    if path.is_file():
+        old_text = path.read_text()
+        if old_text == new_text:
+            return run_dir
+        path.rename(_free_prev_name(run_dir))
+    # Write then rename: a worker (or a crash) never sees half a config.
+    tmp = run_dir / f".{CONFIG_NAME}.tmp"
+    tmp.write_text(new_text)
+    tmp.replace(path)
+    return run_dir
+
+
+def _free_prev_name(run_dir: Path) -> Path:
+    n = 1
+    while (run_dir / f"config.prev-{n}.yaml").exists():
+        n += 1
+    return run_dir / f"config.prev-{n}.yaml"

@@ -1,0 +1,111 @@
+"""Saved-activation bytes per token for OUR Llama block (dtlaunch/models/llama.py), counted op by op.
+
+What eager autograd keeps between forward and backward, per token of one micro-batch (e = bytes of
+the compute dtype, h = dim, k = kv-heads * head_dim, F = FFN width, a = heads):
+
+RMSNorm (`x.float()`, pow/mean/rsqrt, `* rsqrt`, `.type_as(x)`, `* weight`):
+    fp32 view of the input, 4h (in fp32 `.float()` is the input itself, so the block input is this
+    tensor), the normalised value before the weight, e·h, and the output, e·h (saved by the next
+    linear), plus rsqrt, 4 bytes. -> 4h + 2e·h + 4 per norm.
+Attention: wq/wk/wv share the norm output (counted above); RoPE multiplies by constant cos/sin so
+    it saves no input, only its outputs q_rot (e·h) and k_rot (e·k) that SDPA keeps; SDPA keeps v
+    (e·k), its output (e·h; laid out so that transpose+reshape into wo is a view) and a logsumexp
+    (4a). On CPU torch runs `_scaled_dot_product_flash_attention_for_cpu` for fp32 and bf16 (also
+    with GQA), which saves no (s x s) matrix; the math fallback would add 4·a·s per token (noted).
+SwiGLU: w1 out, silu out, w3 out, their product (w2's input): 4·e·F.
+Residual adds save nothing; the residual h1 is the fp32 input view of ffn_norm (counted there).
+
+Per block, no AC: 2·(4h + 2eh + 4) + e·(2h + 2k + 4F) + 4a.
+Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
+parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
+column-parallel linears is full: norms give (4h + eh + 4)/t + eh each.
+Selective AC (op-level, saves the outputs of matmuls and SDPA, recomputes norms/RoPE/SwiGLU
+pointwise): block input + q, k, v, wo, w1, w3, w2 outputs + SDPA out and logsumexp.
+Full AC: the block input only; during backward one block's no-AC set is live again (recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dtlaunch.models.shapes import ffn_dim, head_dim, kv_heads
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class BlockDims:
+    h: int
+    k: int  # kv width = kv_heads * head_dim
+    f: int
+    a: int
+    vocab: int
+
+    @classmethod
+    def of(cls, m: Any) -> BlockDims:
+        return cls(h=m.dim, k=kv_heads(m) * head_dim(m), f=ffn_dim(m), a=m.n_heads, vocab=m.vocab_size)
+
+
+def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool) -> float:
+    """One RMSNorm's saved bytes per token (fp32 input view, pre-weight value, output, rsqrt)."""
+    if tp > 1 and sp:
+        return (4 * d.h + e * d.h + 4) / tp + e * d.h
+    return 4 * d.h + 2 * e * d.h + 4
+
+
+def block_bytes_no_ac(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
+    attn = e * (2 * d.h + 2 * d.k) + 4 * d.a
+    mlp = 4 * e * d.f
+    return 2 * norm_bytes(d, e, tp, sp) + (attn + mlp) / tp
+
+
+def block_input_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
+    """The residual stream entering a block (what a checkpointed block keeps)."""
+    return e * d.h / (tp if tp > 1 and sp else 1)
+
+
+def block_bytes_selective(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
+    # Matmul outputs: q (h), k, v (k each), wo (h, reduced to the residual), w1, w3 (F each), w2 (h);
+    # SDPA output (h) + logsumexp. wo/w2 outputs are sequence-sharded under SP.
+    sharded = e * (2 * d.h + 2 * d.k + 2 * d.f) + 4 * d.a
+    residual_mm = 2 * e * d.h / (tp if tp > 1 and sp else 1)
+    return block_input_bytes(d, e, tp, sp) + sharded / tp + residual_mm
+
+
+def block_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token one block keeps from its forward until its backward."""
+    if ac == "full":
+        return block_input_bytes(d, e, tp, sp)
+    if ac == "selective":
+        return block_bytes_selective(d, e, tp, sp)
+    return block_bytes_no_ac(d, e, tp, sp)
+
+
+def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False) -> float:
+    """Extra bytes per token live while one checkpointed block is recomputed in backward."""
+    if ac == "none":
+        return 0.0
+    return block_bytes_no_ac(d, e, tp, sp) - block_bytes(d, e, ac, tp, sp)
+
+
+def final_norm_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
+    return norm_bytes(d, e, tp, sp)
+
+
+def embedding_bytes(d: BlockDims, e: int) -> float:
+    """The int64 token ids the embedding keeps for its backward."""
+    return 8.0
+
+
+def logits_forward_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
+    """Per token, kept from the loss until backward: log_softmax's fp32 output (cross entropy is
+    computed on `logits.float()`); the logits themselves are not saved by anyone."""
+    return 4 * d.vocab / tp
+
+
+def logits_backward_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
+    """Per token at the start of backward, on top of the saved fp32 log-probs: nll's dense fp32
+    gradient, log_softmax's fp32 input-gradient, and its cast back to the logits dtype."""
+    cast = e * d.vocab if e != 4 else 0
+    return (8 * d.vocab + cast) / tp

@@ -1,0 +1,27 @@
+"""Hardware-profile helpers: capacity, peak throughput and link bandwidths in SI units."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 1024**3
+
+
+def capacity_bytes(hw: Any) -> float:
+    return float(hw.memory_gib) * GIB
+
+
+def peak_flops(hw: Any, dtype: str) -> float:
+    """Dense peak FLOP/s for the compute dtype; a CPU profile without numbers gets a nominal 1 TFLOP/s
+    so that the search can still rank layouts."""
+    tf = hw.peak_tflops_bf16 if dtype in ("bf16", "fp16") else hw.peak_tflops_fp32
+    return (tf or hw.peak_tflops_bf16 or 1.0) * 1e12
+
+
+def link_bandwidth(hw: Any, group_size: int, contiguous_ranks: int) -> float:
+    """Bytes/s per device for a collective over `group_size` ranks spaced `contiguous_ranks` apart:
+    inside a node it runs on NVLink, otherwise the inter-node link is the bottleneck."""
+    per_node = int(hw.gpus_per_node) or 1
+    intra = (hw.intra_node_gbps or 100.0) * 1e9
+    inter = (hw.inter_node_gbps or hw.intra_node_gbps or 10.0) * 1e9
+    return intra if group_size * contiguous_ranks <= per_node else inter

@@ -1,0 +1,98 @@
+"""Rich tables for a memory plan and a layout search."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.plan.memory import GIB, MemoryPlan
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:,.2f}"
+
+
+def plan_table(plan: MemoryPlan) -> Any:
+    from rich.table import Table
+
+    w = plan.worst
+    lay = plan.layout
+    title = (
+        f"memory plan: {plan.recipe} on {plan.hardware} — world {lay['world']} = dp_replicate "
+        f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']} x pp {lay['pp']}"
+    )
+    t = Table(title=title, title_justify="left")
+    t.add_column(f"per rank (most loaded: stage {w.stage}, peak in {w.phase})")
+    t.add_column("GiB", justify="right")
+    for name, value in w.lines.items():
+        if value:
+            t.add_row(name, gib(value))
+    t.add_row("[bold]peak allocated[/bold]", f"[bold]{gib(plan.peak)}[/bold]")
+    for name, value in plan.overheads.items():
+        t.add_row(f"+ {name}", gib(value))
+    t.add_row("[bold]device total[/bold]", f"[bold]{gib(plan.device_total)}[/bold]")
+    t.add_row("capacity", gib(plan.capacity))
+    color = "green" if plan.fits else "red"
+    t.add_row(f"[{color}]headroom[/{color}]", f"[{color}]{gib(plan.headroom)}[/{color}]")
+    if len(plan.stages) > 1:
+        per = ", ".join(f"{s.stage}: {gib(s.peak)} ({s.phase})" for s in plan.stages)
+        t.add_row("per stage", per)
+    return t
+
+
+def verdict_line(plan: MemoryPlan) -> str:
+    if plan.fits:
+        return (
+            f"[green]fits[/green]: {gib(plan.device_total)} of {gib(plan.capacity)} GiB "
+            f"({gib(plan.headroom)} GiB headroom)"
+        )
+    return (
+        f"[red]does not fit[/red]: needs {gib(plan.device_total)} GiB per GPU, {plan.hardware} has "
+        f"{gib(plan.capacity)} GiB"
+    )
+
+
+def suggestions_table(suggestions: list[dict]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="changes that make it fit (smallest first)", title_justify="left")
+    t.add_column("change")
+    t.add_column("peak GiB", justify="right")
+    t.add_column("overrides to paste")
+    for s in suggestions:
+        t.add_row(s["change"], gib(s["device_total_bytes"]), " ".join(s["overrides"]))
+    return t
+
+
+def search_table(rows: list[dict]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="layouts that fit, fastest first", title_justify="left")
+    for col in (
+        "#",
+        "dp_rep x dp_shard x tp x pp",
+        "schedule",
+        "zero",
+        "AC",
+        "mb",
+        "mem GiB",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "loses to #1 by",
+    ):
+        t.add_column(col)
+    for i, r in enumerate(rows, 1):
+        t.add_row(
+            str(i),
+            f"{r['dp_replicate']}x{r['dp_shard']}x{r['tp']}x{r['pp']}",
+            r["schedule"],
+            str(r["zero_stage"]),
+            r["ac"],
+            str(r["micro_batch"]),
+            gib(r["device_total_bytes"]),
+            f"{r['step_s']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu'] * 100:.1f}%",
+            r["why"],
+        )
+    return t

@@ -1,0 +1,227 @@
+"""Layout search: every dp_replicate x dp_shard x tp x pp x schedule x ZeRO x AC x micro-batch for the
+job's GPU count that fits, ranked by an estimated step time.
+
+Step time = compute (model FLOPs incl. recomputation, at the profile's peak x EFFICIENCY)
+          + exposed communication (per collective: message size / bandwidth of the link the group
+            spans; overlappable collectives only count what compute cannot hide)
+          + pipeline bubble ((p-1)/(v·m) of the pipelined compute).
+Mesh order is pp (outer) x dp_replicate x dp_shard x tp (inner), as the runtime builds it, so a
+group is intra-node when its size times its stride fits in one node.
+Pure Python: plain namespaces instead of OmegaConf in the loop keep 1,024 GPUs under a second.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.models.shapes import ffn_dim, kv_heads, param_count
+from dtlaunch.plan import hardware
+from dtlaunch.plan.activations import DTYPE_BYTES
+from dtlaunch.plan.memory import plan_memory
+
+EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
+HIDDEN_FRACTION = 0.8  # share of overlappable communication that compute can hide at best
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1))
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+def _ns(x: Any) -> Any:
+    if isinstance(x, dict):
+        return SimpleNamespace(**{k: _ns(v) for k, v in x.items()})
+    return x
+
+
+def _plain(cfg: Any) -> Any:
+    from omegaconf import DictConfig, OmegaConf
+
+    return _ns(OmegaConf.to_container(cfg, resolve=True)) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(m: Any, tp: int, seq: int) -> bool:
+    return all(v % tp == 0 for v in (m.n_heads, kv_heads(m), m.dim, m.vocab_size, ffn_dim(m), seq))
+
+
+def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
+    """Seconds per optimizer step by component."""
+    m, t, hw = cfg.model, cfg.training, cfg.hardware
+    e = DTYPE_BYTES[cfg.precision.param_dtype]
+    r = DTYPE_BYTES[cfg.precision.reduce_dtype]
+    P = param_count(m)
+    gb = global_batch(cfg, lay)
+    tokens = gb * t.seq_len
+    flops_model = (6 * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
+    recompute = {"none": 0.0, "selective": 0.1, "full": 1 / 3}[t.activation_checkpointing]
+    compute = (
+        flops_model * (1 + recompute) / (lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY)
+    )
+    accum = gb // (t.micro_batch * lay.dp)
+    p_local = P / (lay.tp * lay.pp)
+    tok_mb = t.micro_batch * t.seq_len
+    comm_exposed = 0.0
+    parts: dict[str, float] = {}
+    if lay.tp > 1:
+        bw = hardware.link_bandwidth(hw, lay.tp, 1)
+        # Per layer: all-gather + reduce-scatter around attention and MLP, forward and backward.
+        vol = 8 * (lay.tp - 1) / lay.tp * tok_mb * m.dim * e * (m.n_layers / lay.pp) * accum
+        parts["tp"] = vol / bw
+        comm_exposed += parts["tp"]
+    stride = lay.tp
+    z = cfg.strategy.zero_stage
+    if lay.dp_shard > 1 and z >= 1:
+        bw = hardware.link_bandwidth(hw, lay.dp_shard, stride)
+        frac = (lay.dp_shard - 1) / lay.dp_shard
+        if z == 3:
+            vol = frac * p_local * (2 * e + r) * accum
+        elif z == 2:
+            vol = frac * p_local * (e + r) * accum
+        else:
+            vol = frac * p_local * (2 * r + e)
+        parts["fsdp"] = vol / bw
+    elif lay.dp > 1 and z == 0:
+        bw = hardware.link_bandwidth(hw, lay.dp, stride)
+        parts["ddp"] = 2 * (lay.dp - 1) / lay.dp * p_local * r / bw
+    if lay.dp_replicate > 1 and z >= 2:
+        bw = hardware.link_bandwidth(hw, lay.dp_replicate, stride * lay.dp_shard)
+        parts["hsdp"] = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * p_local / lay.dp_shard * r / bw
+    overlap = sum(parts.get(k, 0.0) for k in ("fsdp", "ddp", "hsdp"))
+    comm_exposed += max(overlap - HIDDEN_FRACTION * compute, (1 - HIDDEN_FRACTION) * overlap)
+    bubble = compute * (lay.pp - 1) / (v * n_mb) if lay.pp > 1 else 0.0
+    if lay.pp > 1:
+        bw = hardware.link_bandwidth(hw, 2, lay.tp * lay.dp)
+        comm_exposed += 2 * tok_mb * m.dim * e / lay.tp * accum * v / bw
+    return {
+        "compute": compute,
+        "comm": comm_exposed,
+        "bubble": bubble,
+        "total": compute + comm_exposed + bubble,
+        "flops": flops_model,
+    }
+
+
+def candidates(cfg: Any) -> list[tuple[Layout, dict, dict]]:
+    """(layout, strategy values, training values) for every combination worth planning."""
+    m, t, hw = cfg.model, cfg.training, cfg.hardware
+    base = Layout.resolve(cfg.strategy, _world(cfg))
+    world = base.world
+    gb = global_batch(cfg, base)
+    per_node = int(hw.gpus_per_node) or world
+    out = []
+    for tp in _divisors(world):
+        if tp > per_node or not _tp_ok(m, tp, t.seq_len):
+            continue
+        for pp in _divisors(world // tp):
+            if pp > m.n_layers:
+                continue
+            dp = world // (tp * pp)
+            for rep in _divisors(dp):
+                shard = dp // rep
+                if rep > 1 and (shard * tp * pp) % per_node:
+                    continue  # replicate across node groups only
+                for zero in (0, 1, 2, 3):
+                    if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero >= 1 and dp == 1):
+                        continue
+                    scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
+                    for sched, v in scheds:
+                        if pp * v > m.n_layers:
+                            continue
+                        for mb in MICRO_BATCHES:
+                            if gb % (mb * dp) or (pp > 1 and mb < pp):
+                                continue
+                            for ac in ("none", "selective", "full"):
+                                lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
+                                st = {
+                                    "dp_replicate": rep,
+                                    "dp_shard": shard,
+                                    "tp": tp,
+                                    "pp": pp,
+                                    "zero_stage": zero,
+                                    "pp_schedule": sched,
+                                    "pp_stages_per_rank": v,
+                                    "pp_microbatches": mb if pp > 1 else 0,
+                                    "pp_layers_per_stage": [],
+                                }
+                                out.append(
+                                    (lay, st, {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac})
+                                )
+    return out
+
+
+def _world(cfg: Any) -> int:
+    from dtlaunch.config.layout import world_size
+
+    return world_size(cfg)
+
+
+def search(cfg: Any, top: int = 10) -> list[dict]:
+    """The `top` fastest layouts that fit, each with why it loses to the first."""
+    plain = _plain(cfg)
+    rows = []
+    fitted: set[tuple] = set()
+    for lay, st, tr in candidates(plain):
+        key = (lay, *(st[k] for k in sorted(st) if k != "pp_layers_per_stage"), tr["micro_batch"])
+        if key in fitted:
+            continue  # a lighter AC mode already fits this layout: more recompute is only slower
+        job = copy.copy(plain)
+        job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
+        job.training = SimpleNamespace(**{**vars(plain.training), **tr})
+        plan = plan_memory(job, lay, all_stages=False)
+        if not plan.fits:
+            continue
+        fitted.add(key)
+        n_mb = st["pp_microbatches"] or 1
+        times = step_time(job, lay, st["pp_stages_per_rank"], n_mb)
+        tokens = tr["global_batch"] * plain.training.seq_len
+        peak = hardware.peak_flops(plain.hardware, plain.precision.param_dtype)
+        rows.append(
+            {
+                **st,
+                "ac": tr["activation_checkpointing"],
+                "micro_batch": tr["micro_batch"],
+                "schedule": st["pp_schedule"] if lay.pp > 1 else "-",
+                "device_total_bytes": int(plan.device_total),
+                "step_s": times["total"],
+                "tokens_per_s": tokens / times["total"],
+                "mfu": times["flops"] / times["total"] / (lay.world * peak),
+                "times": times,
+                "overrides": _overrides(st, tr),
+            }
+        )
+    rows.sort(key=lambda r: (r["step_s"], r["device_total_bytes"]))
+    rows = rows[:top]
+    for r in rows:
+        r["why"] = _why(r, rows[0])
+    return rows
+
+
+def _overrides(st: dict, tr: dict) -> list[str]:
+    keys = (
+        "dp_replicate",
+        "dp_shard",
+        "tp",
+        "pp",
+        "zero_stage",
+        "pp_schedule",
+        "pp_stages_per_rank",
+        "pp_microbatches",
+    )
+    return [f"strategy.{k}={st[k]}" for k in keys] + [f"training.{k}={v}" for k, v in tr.items()]
+
+
+def _why(row: dict, best: dict) -> str:
+    if row is best:
+        return "fastest"
+    a, b = row["times"], best["times"]
+    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble")}
+    label = {"compute": "more recompute", "comm": "more exposed communication", "bubble": "larger pipeline bubble"}
+    worst = max(deltas, key=lambda k: deltas[k])
+    slower = (row["step_s"] / best["step_s"] - 1) * 100
+    if deltas[worst] <= 0:
+        return f"+{slower:.1f}% (ties; more memory)"
+    return f"+{slower:.1f}%: {label[worst]}"

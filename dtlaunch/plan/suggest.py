@@ -1,0 +1,142 @@
+"""Fix suggestions: the smallest changes that make a plan fit, each validated and re-planned."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Callable, Optional
+
+from dtlaunch.errors import DtlaunchError
+from dtlaunch.plan.memory import MemoryPlan, plan_memory
+
+# A change: (description, cost, overrides). Lower cost = less disruptive (speed, code, hardware).
+Change = tuple[str, int, list[str]]
+
+
+def _changes(cfg: Any, layout: Any) -> list[Change]:
+    s, t = cfg.strategy, cfg.training
+    out: list[Change] = []
+    zero_ok = layout.tp == 1 and layout.dp_replicate == 1
+    for z in (1, 2, 3):
+        if z > s.zero_stage and layout.dp > 1 and (z != 1 or zero_ok):
+            out.append((f"raise ZeRO stage to {z}", z, [f"strategy.zero_stage={z}"]))
+    order = ["none", "selective", "full"]
+    for i, mode in enumerate(order):
+        if i > order.index(t.activation_checkpointing):
+            out.append((f"activation checkpointing {mode}", 2 + i, [f"training.activation_checkpointing={mode}"]))
+    if cfg.precision.param_dtype == "fp32":
+        out.append(("bf16 compute", 3, ["precision=bf16"]))
+    mb = int(t.micro_batch)
+    gb = int(t.global_batch) or mb * layout.dp
+    n_mb = int(s.pp_microbatches) or layout.pp
+    smaller = mb // 2
+    while smaller >= 1:
+        if layout.pp == 1 or smaller % n_mb == 0:
+            out.append(
+                (
+                    f"micro-batch {smaller}, more accumulation (same global batch)",
+                    4,
+                    [f"training.micro_batch={smaller}", f"training.global_batch={gb}"],
+                )
+            )
+        smaller //= 2
+    for deg in (2, 4, 8):
+        tp = layout.tp * deg
+        if layout.world % (tp * layout.pp) == 0:
+            out.append(
+                (
+                    f"tensor parallel {tp}",
+                    5,
+                    [
+                        f"strategy.tp={tp}",
+                        "strategy.dp_shard=-1",
+                        "strategy.dp_replicate=1",
+                        f"training.global_batch={gb}",
+                    ],
+                )
+            )
+        pp = layout.pp * deg
+        if layout.world % (pp * layout.tp) == 0:
+            new_mb = max(mb, pp)
+            new_gb = max(gb, new_mb * layout.world // (pp * layout.tp))
+            out.append(
+                (
+                    f"pipeline parallel {pp} (1F1B)",
+                    6,
+                    [
+                        f"strategy.pp={pp}",
+                        "strategy.dp_shard=-1",
+                        "strategy.dp_replicate=1",
+                        "strategy.pp_schedule=1f1b",
+                        f"strategy.pp_microbatches={pp}",
+                        f"training.micro_batch={new_mb}",
+                        f"training.global_batch={new_gb}",
+                    ],
+                )
+            )
+    return out
+
+
+def _apply(cfg: Any, overrides: list[str]) -> Any:
+    from omegaconf import OmegaConf
+
+    new = copy.deepcopy(cfg)
+    for ov in overrides:
+        key, value = ov.split("=", 1)
+        if key == "precision":  # the group option: bf16 compute, fp32 reduction (configs/precision/bf16.yaml)
+            OmegaConf.update(new, "precision.param_dtype", value, merge=False)
+            OmegaConf.update(new, "precision.reduce_dtype", "fp32", merge=False)
+            continue
+        OmegaConf.update(new, key, _parse(value), merge=False)
+    return new
+
+
+def _parse(value: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value, value)
+
+
+def _try(cfg: Any, overrides: list[str]) -> Optional[MemoryPlan]:
+    from dtlaunch.config.validate import validate
+
+    try:
+        new = _apply(cfg, overrides)
+        return plan_memory(new, validate(new).layout)
+    except DtlaunchError:
+        return None
+
+
+def suggest(cfg: Any, layout: Any, limit: int = 5, planner: Callable[..., Optional[MemoryPlan]] = _try) -> list[dict]:
+    """Up to `limit` single changes (then pairs) that fit, cheapest first; each passes validate()."""
+    changes = _changes(cfg, layout)
+    found: list[tuple[int, float, dict]] = []
+    for size in (1, 2):
+        for combo in itertools.combinations(changes, size):
+            keys = [o.split("=")[0] for c in combo for o in c[2]]
+            if len(keys) != len(set(keys)):
+                continue
+            overrides = [o for c in combo for o in c[2]]
+            plan = planner(cfg, overrides)
+            if plan is None or not plan.fits:
+                continue
+            found.append(
+                (
+                    sum(c[1] for c in combo),
+                    -plan.headroom,
+                    {
+                        "change": " + ".join(c[0] for c in combo),
+                        "overrides": overrides,
+                        "peak_bytes": int(plan.peak),
+                        "device_total_bytes": int(plan.device_total),
+                        "headroom_bytes": int(plan.headroom),
+                    },
+                )
+            )
+        if found:
+            break
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [f[2] for f in found[:limit]]

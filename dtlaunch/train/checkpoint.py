@@ -1,0 +1,629 @@
+"""Sharded, atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+On disk (`run_dir/checkpoint.dir/`):
+  .tmp-step-00000100/   every rank writes its shard here (DCP `.distcp` files + `.metadata`)
+  step-00000100/        the same directory once complete: rank 0 adds `trainer_state.json` and the
+                        marker `COMPLETE.json` (file sizes, layout, config hash) and renames it.
+A directory without a valid marker, or whose files do not match the marker, is never loaded.
+
+What is saved: model and optimizer through `get_state_dict` (DDP, FSDP2, TP DTensors and pipeline
+stage parts alike; parameter names are the full model's in every layout, and the optimizer state is
+flattened to `state.<fqn>.<key>` so parts merge and reshard freely), per-rank RNG states (tensors
+keyed by rank), and - as JSON, never pickle - step, consumed samples/tokens, LR schedulers, the data
+loader's global position, the config hash and the layout that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from dtlaunch.errors import EXIT_WORKER_FAILED, ConfigError, DtlaunchError
+
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+MARKER = "COMPLETE.json"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+NO_RESUME_ENV = "DTLAUNCH_NO_RESUME"
+
+
+class CheckpointSaveError(DtlaunchError):
+    """Writing a checkpoint failed (disk full, permissions): the run stops, older checkpoints stay."""
+
+    exit_code = EXIT_WORKER_FAILED
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
+    d = Path(cfg.checkpoint.dir)
+    return d if d.is_absolute() else Path(run_dir) / d
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing and validation (no torch needed: `dtlaunch ckpt ls` and the launcher use these).
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    complete: bool
+    reason: str = ""  # why it is not complete
+    marker: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _parse_step(name: str) -> Optional[int]:
+    for prefix in (STEP_PREFIX, TMP_PREFIX):
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return int(name[len(prefix) :])
+    return None
+
+
+def check_checkpoint(path: Path) -> CheckpointInfo:
+    """Complete = final name, a readable marker, `.metadata`, and every file at its recorded size."""
+    path = Path(path)
+    step = _parse_step(path.name)
+    info = CheckpointInfo(path=path, step=-1 if step is None else step, complete=False)
+    if path.name.startswith(TMP_PREFIX):
+        info.reason = "interrupted save (never marked complete)"
+        return info
+    marker_file = path / MARKER
+    if not marker_file.is_file():
+        info.reason = f"no completion marker {MARKER}"
+        return info
+    try:
+        marker = json.loads(marker_file.read_text())
+        files = dict(marker["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        info.reason = f"unreadable marker ({type(exc).__name__})"
+        return info
+    info.marker = marker
+    if ".metadata" not in files or STATE_FILE not in files:
+        info.reason = "marker lists no .metadata or trainer state"
+        return info
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            info.reason = f"missing file {rel}"
+            return info
+        if f.stat().st_size != size:
+            info.reason = f"file {rel} has {f.stat().st_size} bytes, marker says {size}"
+            return info
+    info.complete = True
+    return info
+
+
+def scan_checkpoints(root: Path) -> list[CheckpointInfo]:
+    """Every checkpoint directory (complete or not) under `root`, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [check_checkpoint(p) for p in root.iterdir() if p.is_dir() and _parse_step(p.name) is not None]
+    # A temporary and a final directory of the same step: the final one sorts last (preferred).
+    return sorted(found, key=lambda i: (i.step, not i.path.name.startswith(TMP_PREFIX)))
+
+
+def newest_complete(root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+    """The newest complete checkpoint and the newer ones skipped because they are incomplete or corrupt."""
+    skipped: list[CheckpointInfo] = []
+    for info in reversed(scan_checkpoints(root)):
+        if info.complete:
+            return info, skipped
+        skipped.append(info)
+    return None, skipped
+
+
+def resolve_load_path(path: Path) -> tuple[CheckpointInfo, list[CheckpointInfo]]:
+    """A checkpoint directory, a checkpoints directory or a run directory -> the checkpoint to load."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint '{path}' does not exist: give a step-XXXXXXXX directory or a run directory")
+    if _parse_step(path.name) is not None:
+        info = check_checkpoint(path)
+        if not info.complete:
+            raise ConfigError(f"checkpoint '{path}' is incomplete or corrupt ({info.reason}): pick another one")
+        return info, []
+    for candidate in (path, path / "checkpoints"):
+        info, skipped = newest_complete(candidate)
+        if info is not None:
+            return info, skipped
+    raise ConfigError(f"no complete checkpoint in '{path}': see `dtlaunch ckpt ls {path}`")
+
+
+def refuse_if_checkpoints(cfg: Any, run_dir: Path) -> None:
+    """`--no-resume`: a run directory that already holds checkpoints is an error (exit 2)."""
+    found = scan_checkpoints(checkpoint_root(cfg, run_dir))
+    if found:
+        raise ConfigError(
+            f"run directory '{run_dir}' already has checkpoints (newest {found[-1].name}) and --no-resume was given: "
+            f"use a new run.dir or drop --no-resume"
+        )
+
+
+def config_hash(cfg: Any, section: Optional[str] = None) -> str:
+    """Stable short hash of the resolved config (or one section, e.g. 'model')."""
+    from dtlaunch.config.schema import to_dict
+
+    d = to_dict(cfg)
+    if section is not None:
+        d = dict(d[section])
+        d.pop("init_from", None)  # where weights came from does not change their shapes
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def layout_description(cfg: Any, world: int) -> dict:
+    from dtlaunch.config.layout import Layout
+
+    lay = Layout.resolve(cfg.strategy, world)
+    return {
+        "world": world,
+        "dp_replicate": lay.dp_replicate,
+        "dp_shard": lay.dp_shard,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "zero_stage": int(cfg.strategy.zero_stage),
+    }
+
+
+def layout_str(layout: dict) -> str:
+    """'world 4 = rep 1 x shard 2 x tp 2 x pp 1, zero 3' (the layout a checkpoint was written by)."""
+    if not layout:
+        return "?"
+    return (
+        f"world {layout.get('world')} = rep {layout.get('dp_replicate')} x shard {layout.get('dp_shard')} "
+        f"x tp {layout.get('tp')} x pp {layout.get('pp')}, zero {layout.get('zero_stage')}"
+    )
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager (inside the workers).
+
+
+def _log(msg: str) -> None:
+    print(f"[checkpoint] {msg}", flush=True)
+
+
+class CheckpointManager:
+    """Saves on a cadence (sync or async), resumes from the newest complete checkpoint."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path,
+        model_parts: list,
+        optimizers: list,
+        schedulers: list,
+        loader: Any,
+        rank: int,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.root = checkpoint_root(cfg, run_dir)
+        self.model_parts = list(model_parts)
+        self.optimizers = list(optimizers)
+        self.schedulers = list(schedulers)
+        self.loader = loader
+        self.rank = rank
+        self.enabled = bool(cfg.checkpoint.enabled)
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.dist else 1
+        if len(self.optimizers) not in (0, len(self.model_parts)) and not (
+            len(self.optimizers) == 1 and len(self.model_parts) == 1
+        ):
+            raise ValueError("CheckpointManager needs one optimizer per model part")
+        self.async_save = bool(cfg.checkpoint.async_save) and self.enabled
+        # Async writes run collectives from a background thread: give them their own gloo group so
+        # they never interleave with the training loop's collectives on the default group.
+        self.pg = dist.new_group(backend="gloo") if (self.dist and self.async_save) else None
+        self._pending: Optional[tuple[Any, int, Path, dict]] = None
+        self.last_saved_step = -1
+        self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def _part_state(self, i: int) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        optims = [_local_optimizer(self.optimizers[i])] if self.optimizers else []
+        if optims and optims[0] is not self.optimizers[i]:
+            _sync_zero_param_groups(self.optimizers[i], to_inner=True)
+        return get_state_dict(self.model_parts[i], optims, options=opts)
+
+    def _rng_state(self) -> dict:
+        import torch
+
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {f"rank{self.rank}": rng}
+
+    def _trainer_state(self, step: int) -> dict:
+        from dtlaunch.config.layout import Layout, global_batch
+
+        lay = Layout.resolve(self.cfg.strategy, self.world)
+        gb = global_batch(self.cfg, lay)
+        loader_state = self.loader.state_dict() if self.loader is not None else {}
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "consumed_samples": step * gb,
+            "consumed_tokens": step * gb * int(self.cfg.training.seq_len),
+            "loader": loader_state,
+            "schedulers": [s.state_dict() for s in self.schedulers],
+        }
+
+    # ---- save ---------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int) -> None:
+        """Save when the cadence says so; also finalises a finished async save."""
+        if not self.enabled:
+            return
+        self._poll_pending()
+        every = int(self.cfg.checkpoint.every_steps)
+        if every > 0 and step % every == 0:
+            self.save(step, final=False)
+
+    def save(self, step: int, final: bool = False) -> None:
+        if not self.enabled or step == self.last_saved_step:
+            return
+        import torch.distributed.checkpoint as dcp
+
+        self._wait_pending()
+        tmp = self.root / f"{TMP_PREFIX}{step:08d}"
+        if self.rank == 0:
+            _remove_tree(tmp)  # a stale attempt at this step from a killed run
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointSaveError(f"cannot create checkpoint directory '{self.root}': {exc}") from exc
+        self._barrier()
+        state: dict[str, Any] = {"model": {}, "optim": {}, "rng": self._rng_state()}
+        for i in range(len(self.model_parts)):
+            msd, osd = self._part_state(i)
+            state["model"].update(msd)
+            state["optim"].update(osd)
+        trainer_state = self._trainer_state(step)
+        writer = _SlowWriter(str(tmp), self.slow_save_s)
+        started = time.perf_counter()
+        try:
+            if self.async_save and not final:
+                fut = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+                self._pending = (fut, step, tmp, trainer_state)
+                self.last_saved_step = step
+                if self.rank == 0:
+                    _log(f"step {step}: async save started ({time.perf_counter() - started:.2f}s blocking)")
+                return
+            dcp.save(state, storage_writer=writer, process_group=self.pg)
+        except _SAVE_ERRORS() as exc:
+            self._fail(tmp, exc)
+        self._barrier()
+        self._finalize(step, tmp, trainer_state)
+        self.last_saved_step = step
+        if self.rank == 0:
+            _log(f"step {step}: saved {step_dir_name(step)} in {time.perf_counter() - started:.2f}s")
+
+    def _poll_pending(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        if self._pending is None:
+            return
+        fut, step, tmp, trainer_state = self._pending
+        self._pending = None
+        try:
+            fut.result()
+        except _SAVE_ERRORS() as exc:
+            self._fail(tmp, exc)
+        # Rank 0 is DCP's coordinator: its save returns only after every rank's shard is written and
+        # the global `.metadata` is on disk, so it can mark the checkpoint complete on its own.
+        self._finalize(step, tmp, trainer_state)
+
+    def _fail(self, tmp: Path, exc: BaseException) -> None:
+        # The partial directory stays (never loadable: no marker): the next start names it when skipping
+        # it, and it is deleted by the next save of that step or once a newer checkpoint is complete.
+        prev, _ = newest_complete(self.root)
+        kept = f"; the previous checkpoint {prev.name} is intact" if prev else ""
+        raise CheckpointSaveError(f"saving checkpoint into '{tmp}' failed: {_root_cause(exc)}{kept}") from exc
+
+    def _finalize(self, step: int, tmp: Path, trainer_state: dict) -> None:
+        """Rank 0: trainer state + marker (with every file's size), then the atomic rename, then pruning."""
+        if self.rank != 0:
+            return
+        final = self.root / step_dir_name(step)
+        try:
+            _write_json(tmp / STATE_FILE, trainer_state)
+            files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+            marker = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "layout": layout_description(self.cfg, self.world),
+                "config_hash": config_hash(self.cfg),
+                "model_hash": config_hash(self.cfg, "model"),
+                "model": {k: v for k, v in _model_dict(self.cfg).items()},
+                "consumed_samples": trainer_state["consumed_samples"],
+                "consumed_tokens": trainer_state["consumed_tokens"],
+                "files": files,
+                "bytes": sum(files.values()),
+            }
+            _write_json(tmp / MARKER, marker)
+            if final.exists():  # re-saving a step after resuming from an older checkpoint
+                _remove_tree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+        except OSError as exc:
+            self._fail(tmp, exc)
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        keep = int(self.cfg.checkpoint.keep_last)
+        infos = scan_checkpoints(self.root)
+        complete = [i for i in infos if i.complete]
+        if keep > 0:
+            for info in complete[:-keep]:
+                _remove_tree(info.path)
+        # Leftovers of killed saves older than this one are garbage now.
+        for info in infos:
+            if not info.complete and info.step < newest:
+                _remove_tree(info.path)
+
+    def close(self) -> None:
+        """Wait for an async save in flight and mark it complete."""
+        self._wait_pending()
+        self._barrier()
+
+    # ---- resume -------------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint (or checkpoint.load_path); return the step to start from."""
+        if not self.enabled and not self.cfg.checkpoint.load_path:
+            return 0
+        if os.environ.get(NO_RESUME_ENV) == "1":
+            refuse_if_checkpoints(self.cfg, self.run_dir)
+            return 0
+        choice = self._choose() if self.rank == 0 else None
+        choice = self._broadcast(choice)
+        if choice is None:
+            return 0
+        path = Path(choice["path"])
+        marker = choice["marker"]
+        if marker.get("model_hash") != config_hash(self.cfg, "model"):
+            raise ConfigError(
+                f"checkpoint '{path}' was written for a different model ({marker.get('model', {}).get('name')}, "
+                f"hash {marker.get('model_hash')}): resume with the same model config or start a new run.dir"
+            )
+        started = time.perf_counter()
+        self._load(path, marker)
+        if self.rank == 0:
+            _log(
+                f"resumed from {path.name} (step {marker['step']}, written by {layout_str(marker.get('layout', {}))}) "
+                f"in {time.perf_counter() - started:.2f}s"
+            )
+        self.last_saved_step = int(marker["step"])
+        return int(marker["step"])
+
+    def _choose(self) -> Optional[dict]:
+        load_path = str(self.cfg.checkpoint.load_path)
+        if load_path:
+            p = Path(load_path)
+            info, skipped = resolve_load_path(p if p.is_absolute() or p.exists() else self.run_dir / p)
+        else:
+            info, skipped = newest_complete(self.root)
+        for s in skipped:
+            _log(f"skipping checkpoint {s.name}: {s.reason}")
+        if info is None:
+            return None
+        return {"path": str(info.path), "marker": info.marker}
+
+    def _load(self, path: Path, marker: dict) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        parts = [self._part_state(i) for i in range(len(self.model_parts))]
+        state: dict[str, Any] = {"model": {}, "optim": {}}
+        for msd, osd in parts:
+            state["model"].update(msd)
+            state["optim"].update(osd)
+        # RNG streams belong to ranks: restore them only when the world is the one that saved.
+        same_world = marker.get("layout", {}).get("world") == self.world
+        rng_key = f"rank{self.rank}"
+        if same_world and f"rng.{rng_key}.cpu" in saved_keys:
+            rng = {"cpu": torch.get_rng_state()}
+            if f"rng.{rng_key}.cuda" in saved_keys and torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state()
+            state["rng"] = {rng_key: rng}
+        dcp.load(state, checkpoint_id=str(path), planner=_SafeLoadPlanner(), process_group=self.pg)
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        for i, (msd, osd) in enumerate(parts):
+            optims = [_local_optimizer(self.optimizers[i])] if self.optimizers else []
+            set_state_dict(
+                self.model_parts[i],
+                optims,
+                model_state_dict={k: state["model"][k] for k in msd},
+                optim_state_dict={k: state["optim"][k] for k in osd},
+                options=opts,
+            )
+            if optims and optims[0] is not self.optimizers[i]:
+                _sync_zero_param_groups(self.optimizers[i])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"][rng_key]["cpu"])
+            if "cuda" in state["rng"][rng_key]:
+                torch.cuda.set_rng_state(state["rng"][rng_key]["cuda"])
+        trainer = json.loads((path / STATE_FILE).read_text())
+        if len(trainer["schedulers"]) != len(self.schedulers):
+            raise ConfigError(
+                f"checkpoint '{path}' has {len(trainer['schedulers'])} LR schedulers, this run {len(self.schedulers)}: "
+                f"resume with the same pipeline stages per rank or start a new run.dir"
+            )
+        for sched, sd in zip(self.schedulers, trainer["schedulers"], strict=True):
+            sched.load_state_dict(sd)
+        if self.loader is not None and trainer.get("loader"):
+            self.loader.load_state_dict(trainer["loader"])
+
+    # ---- collectives --------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.dist:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.dist:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP plumbing.
+
+
+def _make_slow_writer_class() -> type:
+    import torch.distributed.checkpoint as dcp
+
+    class SlowWriter(dcp.FileSystemWriter):
+        """FileSystemWriter that can sleep before writing (debug.slow_save_s: kill-during-save tests)."""
+
+        def __init__(self, path: str, sleep_s: float) -> None:
+            super().__init__(path)
+            self.sleep_s = sleep_s
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if self.sleep_s > 0:
+                time.sleep(self.sleep_s)
+            return super().write_data(plan, planner)
+
+    return SlowWriter
+
+
+def _SlowWriter(path: str, sleep_s: float) -> Any:  # noqa: N802 (factory standing in for the class)
+    global _SLOW_WRITER
+    if _SLOW_WRITER is None:
+        _SLOW_WRITER = _make_slow_writer_class()
+    return _SLOW_WRITER(path, sleep_s)
+
+
+_SLOW_WRITER: Any = None
+
+
+def _SafeLoadPlanner() -> Any:  # noqa: N802
+    """DCP's default load planner, but non-tensor values are unpickled with weights_only=True."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner()
+
+
+def _local_optimizer(opt: Any) -> Any:
+    """ZeRO-1 (ZeroRedundancyOptimizer): its inner optimizer holds the state of the parameters this rank
+    owns. Saved flat by parameter name, each owned entry exists on exactly one rank, so the union over ranks
+    is the full optimizer state - loadable by any layout, and loadable from any layout (each rank reads
+    the entries of the parameters it owns). The wrapper's own state_dict would need a consolidation onto
+    one rank first."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
+def _sync_zero_param_groups(opt: Any, to_inner: bool = False) -> None:
+    """ZeroRedundancyOptimizer copies its own param_groups' hyper-parameters into the inner optimizer only
+    at the start of each step, so the inner lr lags the scheduler by one step. Save the wrapper's current
+    values (to_inner=True before saving) and give them back to the wrapper after loading."""
+    for outer, inner in zip(opt.param_groups, opt.optim.param_groups, strict=True):
+        src, dst = (outer, inner) if to_inner else (inner, outer)
+        for key, value in src.items():
+            if key != "params":
+                dst[key] = value
+
+
+def _SAVE_ERRORS() -> tuple:  # noqa: N802
+    """DCP gathers every rank's failure into a CheckpointException, which derives from BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost OSError's text (disk full, permission denied) if there is one, else the first line."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict):
+            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _model_dict(cfg: Any) -> dict:
+    from dtlaunch.config.schema import to_dict
+
+    return dict(to_dict(cfg)["model"])

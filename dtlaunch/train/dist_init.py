@@ -1,0 +1,65 @@
+"""Process group set-up and tear-down for one worker.
+
+The group is initialised on a store prefixed with the restart count: a restarted torchrun attempt shares
+the rendezvous TCPStore with the failed one, and without the prefix it reads the old attempt's gloo keys
+and fails to connect or hangs (pytorch issue #135712; measured fix, see notes/cpu-distributed.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+    restart: int
+    device: torch.device
+    backend: str
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def init_distributed(cfg: Any) -> DistEnv:
+    """Join the process group (torchrun env vars; a lone `python -m` run becomes a world of one)."""
+    backend = cfg.launch.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = timedelta(seconds=int(cfg.launch.timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if "MASTER_ADDR" in os.environ:
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+    else:
+        base = dist.HashStore()
+    store = dist.PrefixStore(f"attempt_{restart_count()}", base)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    return DistEnv(
+        rank=rank, world=world, local_rank=local_rank, restart=restart_count(), device=device, backend=backend
+    )
+
+
+def shutdown() -> None:
+    """Barrier first: FSDP2 workers that tear down unsynchronised sometimes abort at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,200 @@
+"""Worker entry point: `python -m dtlaunch.train.main` under torchrun; reads $DTLAUNCH_RUN_DIR/config.yaml.
+
+Order: config -> process group -> mesh -> model on meta -> parallelize (or pipeline split + parallelize
+per stage) -> optimizer, schedule, loader -> resume -> loop -> final save -> summary -> barrier + destroy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dtlaunch.config.compose import load_resolved
+from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
+from dtlaunch.errors import DtlaunchError
+from dtlaunch.launch.local import RUN_DIR_ENV
+from dtlaunch.models.llama import build_model
+from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
+from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
+from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
+from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.step import StepContext, train_step
+
+
+class TrainingDiverged(DtlaunchError):
+    exit_code = 1
+
+
+def redirect_logs(run_dir: Path, rank: int) -> None:
+    """Per-rank log file logs/rank<R>.log: every rank's stderr, and stdout of ranks other than 0
+    (rank 0's stdout stays on the user's terminal for the progress display)."""
+    log = open(run_dir / "logs" / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
+    log.write(f"--- rank {rank}, attempt {restart_count()}, pid {os.getpid()}, {time.strftime('%F %T')}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 2)
+    if rank != 0:
+        os.dup2(log.fileno(), 1)
+
+
+def log(msg: str) -> None:
+    """A line in this rank's log file (stderr is redirected there)."""
+    print(f"[{time.strftime('%T')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int) -> dict:
+    """The model (or this rank's pipeline stages), parallelised and initialised."""
+    model = build_model(cfg.model, device="meta")
+    if layout.pp == 1:
+        return {"model_parts": [parallelize(model, mesh, cfg, layout)]}
+    from dtlaunch.train.pipeline import build_schedule, build_stage_modules
+    from dtlaunch.train.pp_step import pipeline_loss_fn
+    from dtlaunch.train.tensor_parallel import cross_entropy
+
+    pp_mesh = mesh["pp"]
+    parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
+    parts = [(i, parallelize(part, mesh, cfg, layout)) for i, part in parts]
+    loss = pipeline_loss_fn(cross_entropy, pp_microbatches(cfg, layout), accum)
+    plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
+    return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
+
+
+def measure_peak_memory(tracker: Any) -> int:
+    """Peak allocated bytes on this rank so far (CUDA allocator; on CPU the MemTracker-based tracker)."""
+    return int(tracker.peak_bytes()) if tracker is not None else 0
+
+
+def maybe_fail(cfg: Any, step: int, rank: int) -> None:
+    """Fault injection for tests: fail `debug.fail_rank` at `debug.fail_at_step`, first attempt only."""
+    if step == cfg.debug.fail_at_step and rank == cfg.debug.fail_rank and restart_count() == 0:
+        raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
+
+
+@record
+def main() -> None:
+    run_dir = Path(os.environ[RUN_DIR_ENV])
+    redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
+    cfg = load_resolved(run_dir / "config.yaml")
+    env = init_distributed(cfg)
+    train(cfg, run_dir, env)
+    # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
+    # instead of letting it exit so that torchrun stops the others.
+    shutdown()
+
+
+def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
+    from dtlaunch.train.checkpoint import CheckpointManager
+    from dtlaunch.train.data import build_loader
+    from dtlaunch.train.memtrack import PeakTracker
+    from dtlaunch.train.metrics import MetricsLogger
+    from dtlaunch.train.tensor_parallel import loss_context
+
+    torch.manual_seed(int(cfg.training.seed))
+    layout = Layout.resolve(cfg.strategy, env.world)
+    mesh = build_mesh(layout, env.device.type)
+    accum = grad_accum_steps(cfg, layout)
+    log(f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {mesh}; accumulation {accum}")
+    built = build_parts(cfg, layout, mesh, env, accum)
+    parts = built["model_parts"]
+    log(
+        f"parallelised: {sum(_local_numel(p) for m in parts for p in m.parameters()):,} parameter elements "
+        f"on this rank in {len(parts)} part(s)"
+    )
+    zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
+    optimizers = [build_optimizer(p, cfg, env.device, zero1.get_group() if zero1 else None) for p in parts]
+    schedulers = [build_scheduler(o, cfg) for o in optimizers]
+    dp_rank, dp_size = dp_rank_size(mesh)
+    loader = build_loader(cfg, run_dir, dp_rank, dp_size)
+    ctx = StepContext(
+        cfg=cfg,
+        model_parts=parts,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        loader=loader,
+        device=env.device,
+        accum=accum,
+        loss_context=lambda: loss_context(cfg, layout),
+        pipeline=built.get("pipeline"),
+        pipeline_loss=built.get("pipeline_loss"),
+        pp_mesh=built.get("pp_mesh"),
+        scaler=build_grad_scaler(cfg, env.device),
+    )
+    ckpt = CheckpointManager(cfg, run_dir, parts, optimizers, schedulers, loader, env.rank)
+    start = ckpt.resume()
+    log(f"training steps {start + 1}..{cfg.training.steps}")
+    metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
+    # R1b: MemTracker's module hooks break torch.distributed.pipelining (its autograd.grad calls:
+    # "A leaf node was passed to _will_engine_execute_node"), so CPU pipeline runs report no peak.
+    tracker = PeakTracker(parts, optimizers, enabled=layout.pp == 1 or env.device.type == "cuda", device=env.device)
+    ctx.between_micro_steps = tracker.micro_step
+    tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
+    rates: list[float] = []
+    bad, skipped_total, last = 0, 0, None
+    for step in range(start + 1, int(cfg.training.steps) + 1):
+        maybe_fail(cfg, step, env.rank)
+        lr = schedulers[0].get_last_lr()[0]
+        began = time.perf_counter()
+        with tracker.step(step):
+            last = train_step(ctx, step)
+        rates.append(tokens_per_step / (time.perf_counter() - began))
+        bad = bad + 1 if last.skipped else 0
+        skipped_total += int(last.skipped)
+        if step % int(cfg.training.log_every) == 0 or step == int(cfg.training.steps) or last.skipped:
+            metrics.log(
+                step,
+                {
+                    "loss": last.loss,
+                    "lr": lr,
+                    "grad_norm": last.grad_norm,
+                    "tokens_per_s": rates[-1],
+                    "peak_mem_bytes": measure_peak_memory(tracker),
+                    "skipped": int(last.skipped),
+                },
+            )
+        if bad >= int(cfg.training.max_bad_steps):
+            raise TrainingDiverged(
+                f"{bad} steps in a row with a non-finite loss or gradient norm (last at step "
+                f"{step}): lower optim.lr, or raise training.max_bad_steps"
+            )
+        ckpt.maybe_save(step)
+    final_step = max(start, int(cfg.training.steps))
+    ckpt.save(final_step, final=True)
+    ckpt.close()
+    metrics.close()
+    write_summary(run_dir, env, final_step, last, rates, skipped_total, measure_peak_memory(tracker))
+    log(f"done at step {final_step}; {skipped_total} skipped step(s)")
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def write_summary(
+    run_dir: Path, env: DistEnv, step: int, last: Any, rates: list[float], skipped: int, peak: int
+) -> None:
+    peaks = [0] * env.world
+    dist.all_gather_object(peaks, peak)
+    if env.rank != 0:
+        return
+    summary = {
+        "final_step": step,
+        "last_loss": last.loss if last else None,
+        "tokens_per_s_median": statistics.median(rates) if rates else None,
+        "skipped_steps": skipped,
+        "peak_mem_bytes_per_rank": peaks,
+        "world": env.world,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

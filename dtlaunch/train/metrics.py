@@ -1,0 +1,233 @@
+"""What the user sees of a run (global rank 0 only): metrics.jsonl, TensorBoard, a progress display
+and loss.png.
+
+No device sync per step: `log()` accepts values that are still tensors on the GPU and only keeps
+references; every `training.log_every` steps (and at `close()`) the buffered window is turned into
+numbers at once (the first `.item()` waits for the GPU, the rest are free), one JSON line is written
+per step, and tokens/s is the window's tokens over its wall time. The trade-off: metrics.jsonl and
+the display lag by up to log_every steps, and a crash loses at most that many lines; log_every=1
+gives per-step lines at the cost of one sync per step (harmless on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from dtlaunch.models.flops import flops_per_token, mfu
+
+# Keys shown on the progress line, with their format.
+_SHOWN = (
+    ("loss", "loss {:.4f}"),
+    ("lr", "lr {:.2e}"),
+    ("grad_norm", "gnorm {:.3f}"),
+    ("tokens_per_s", "{:,.0f} tok/s"),
+)
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _number(v: Any) -> Any:
+    """A tensor (possibly on the GPU) or a number -> a plain Python value (this is where we sync)."""
+    if hasattr(v, "item") and callable(v.item):
+        v = v.detach().float().item() if hasattr(v, "detach") else v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else v  # JSON has no NaN; keep the line valid
+    return v
+
+
+def _peak_mem_bytes() -> int:
+    """Accelerator peak allocation, else this process's peak resident set (CPU runs)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated())
+    except ImportError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    """`log(step, values)` every step; `close()` at the end. A no-op unless `enabled` (rank 0)."""
+
+    def __init__(self, run_dir: Path, cfg: Any, enabled: bool) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.log_every = max(1, int(cfg.training.log_every))
+        self.total_steps = int(cfg.training.steps)
+        self._pending: list[tuple[int, dict[str, Any]]] = []
+        self._closed = False
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._tb: Any = None
+        self._t0 = self._t_window = time.perf_counter()
+        self._world, self._tokens_per_step = _world_and_tokens(cfg)
+        self._fpt = flops_per_token(cfg.model, int(cfg.training.seq_len))
+        low = str(cfg.precision.param_dtype) in ("bf16", "fp16")
+        self._peak_tflops = float(cfg.hardware.peak_tflops_bf16 if low else cfg.hardware.peak_tflops_fp32)
+        self._display = _Display(self.total_steps)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record one step. Tensor values are kept as they are until the window is flushed."""
+        if not self.enabled:
+            return
+        self._pending.append((int(step), dict(values)))
+        if step % self.log_every == 0 or step >= self.total_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.enabled or not self._pending:
+            return
+        rows = [(s, {k: _number(v) for k, v in vals.items()}) for s, vals in self._pending]
+        now = time.perf_counter()
+        tokens = sum(v.get("tokens", self._tokens_per_step) or 0 for _, v in rows)
+        window_tps = tokens / max(now - self._t_window, 1e-9)
+        self._t_window = now
+        peak = _peak_mem_bytes()
+        for step, vals in rows:
+            rec: dict[str, Any] = {"step": step}
+            rec.update(vals)
+            rec.setdefault("tokens_per_s", window_tps)
+            u = mfu(rec["tokens_per_s"] or 0.0, self._fpt, self._peak_tflops, self._world)
+            if u is not None:
+                rec.setdefault("mfu", u)
+            rec.setdefault("peak_mem_bytes", peak)
+            rec["elapsed_s"] = round(now - self._t0, 3)
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._write_tb(step, rec)
+        self._display.update(rows[-1][0], rec)
+        self._pending.clear()
+
+    def _write_tb(self, step: int, rec: dict[str, Any]) -> None:
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        for k, v in rec.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        """Flush the last window, close the files and write loss.png. Safe to call twice."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self._display.stop()
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        write_loss_plot(
+            self.run_dir / "metrics.jsonl",
+            self.run_dir / "loss.png",
+            title=f"{self.cfg.recipe or 'run'}: {self.cfg.model.name}",
+        )
+
+
+def _world_and_tokens(cfg: Any) -> tuple[int, Optional[int]]:
+    """(devices in the job, tokens per optimizer step) for tokens/s and MFU when the loop does not say."""
+    from dtlaunch.config.layout import Layout, global_batch, world_size
+
+    world = int(os.environ.get("WORLD_SIZE", "0")) or world_size(cfg)
+    try:
+        layout = Layout.resolve(cfg.strategy, world)
+    except Exception:  # a layout the validator would refuse never reaches a worker; be lenient here
+        return world, None
+    return world, global_batch(cfg, layout) * int(cfg.training.seq_len)
+
+
+class _Display:
+    """A rich progress bar on a terminal; plain lines (one per flush) in logs and CI."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.live = sys.stdout.isatty() and os.environ.get("DTLAUNCH_PROGRESS", "") != "plain"
+        self._progress: Any = None
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}"),
+            )
+            self._task = self._progress.add_task("train", total=total, stats="")
+            self._progress.start()
+
+    @staticmethod
+    def describe(rec: dict[str, Any]) -> str:
+        parts = [fmt.format(rec[k]) for k, fmt in _SHOWN if isinstance(rec.get(k), (int, float))]
+        if isinstance(rec.get("mfu"), float):
+            parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+        if isinstance(rec.get("peak_mem_bytes"), int):
+            parts.append(f"mem {human_bytes(rec['peak_mem_bytes'])}")
+        return " | ".join(parts)
+
+    def update(self, step: int, rec: dict[str, Any]) -> None:
+        stats = self.describe(rec)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, stats=stats)
+        else:
+            print(f"step {step}/{self.total} | {stats}", flush=True)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every parseable line of a metrics.jsonl (a torn last line after a crash is skipped)."""
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def write_loss_plot(metrics_path: Path, png_path: Path, title: str = "") -> Optional[Path]:
+    """Loss (and lr, right axis) against step from metrics.jsonl, the whole run including resumes."""
+    recs = [r for r in read_metrics(metrics_path) if isinstance(r.get("loss"), (int, float))]
+    if not recs:
+        return None
+    by_step = {r["step"]: r for r in recs}  # a resumed run re-logs steps: keep the latest
+    steps = sorted(by_step)
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display in workers or CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if all(isinstance(by_step[s].get("lr"), (int, float)) for s in steps):
+        ax2 = ax.twinx()
+        ax2.plot(steps, [by_step[s]["lr"] for s in steps], color="tab:orange", alpha=0.6, label="lr")
+        ax2.set_ylabel("lr")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,83 @@
+"""AdamW and its learning-rate schedule, built from the `optim` section.
+
+Weight decay applies to matrices only (2-D+: linear and embedding weights), never to norm gains.
+The schedule is linear warmup to optim.lr, then cosine / linear decay to lr * min_lr_ratio at the last
+step (or constant).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw_kwargs(cfg: Any, device: torch.device) -> dict:
+    o = cfg.optim
+    kw = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
+    # fused is CUDA-only here; foreach is the fast path elsewhere (and works on DTensor params).
+    kw.update({"fused": True} if device.type == "cuda" else {"foreach": True})
+    return kw
+
+
+def build_optimizer(
+    model: nn.Module, cfg: Any, device: torch.device, zero1_group: Optional[Any] = None
+) -> torch.optim.Optimizer:
+    """AdamW; with zero1_group, ZeroRedundancyOptimizer shards its state over those data-parallel ranks."""
+    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    kw = adamw_kwargs(cfg, device)
+    if zero1_group is None:
+        return torch.optim.AdamW(groups, **kw)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # ZeroRedundancyOptimizer takes the first group at construction and the rest via add_param_group.
+    opt = ZeroRedundancyOptimizer(
+        groups[0]["params"],
+        optimizer_class=torch.optim.AdamW,
+        process_group=zero1_group,
+        weight_decay=groups[0]["weight_decay"],
+        **kw,
+    )
+    opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+    return opt
+
+
+def lr_lambda(cfg: Any) -> Callable[[int], float]:
+    """Multiplier of optim.lr at a 0-based optimizer step."""
+    o, total = cfg.optim, int(cfg.training.steps)
+    warmup = int(o.warmup_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def build_grad_scaler(cfg: Any, device: torch.device, group: Optional[Any] = None) -> Optional[Any]:
+    """Dynamic loss scaling for fp16 (precision.loss_scaling); the sharded scaler agrees on inf/NaN
+    across ranks so every rank skips the same steps."""
+    if not cfg.precision.loss_scaling:
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type, process_group=group)

@@ -1,0 +1,164 @@
+"""One path from a meta-device model (or pipeline stage) to a parallel, initialised module.
+
+Fixed order, one concern per function: tensor parallel -> activation checkpointing -> compile ->
+FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
+it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
+
+Activation checkpointing policy ("selective"): inside each block, save the outputs of the matmuls and
+of attention (the expensive ops, whose outputs are the big inputs of backward) and recompute everything
+elementwise (RMSNorm, RoPE, SiLU, residual adds), which costs little compute and frees the many small
+intermediate tensors. "full" recomputes the whole block in backward; "none" keeps everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtlaunch.config.layout import Layout
+from dtlaunch.train.init import materialize_and_init
+from dtlaunch.train.mesh import dp_mesh, sub_mesh
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layout) -> nn.Module:
+    """Apply the layout to `model` (a Llama or a pipeline stage of one) and initialise its weights.
+
+    Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper.
+    """
+    device = _device(world_mesh)
+    tp_mesh = sub_mesh(world_mesh, "tp")
+    if tp_mesh is not None:
+        from dtlaunch.train.tensor_parallel import apply_tp
+
+        apply_tp(model, tp_mesh, cfg)
+    apply_ac(model, cfg.training.activation_checkpointing)
+    if cfg.training.compile:
+        apply_compile(model)
+    zero = int(cfg.strategy.zero_stage)
+    data_mesh = dp_mesh(world_mesh)
+    if data_mesh is not None and zero >= 2:
+        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3)
+    materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+    if data_mesh is not None and zero <= 1:
+        # DDP x TP is refused by dtlaunch.config.validate.check_zero before launch.
+        return apply_ddp(model, dp_mesh(world_mesh, flatten=True), cfg, device)
+    return model
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs: dict[str, Any] = {"preserve_rng_state": False}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+
+
+def _save_ops() -> set:
+    aten = torch.ops.aten
+    ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    cudnn = getattr(aten, "_scaled_dot_product_cudnn_attention", None)
+    if cudnn is not None:
+        ops.add(cudnn.default)
+    return ops
+
+
+_SAVE_OPS: Optional[set] = None
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    global _SAVE_OPS
+    if _SAVE_OPS is None:
+        _SAVE_OPS = _save_ops()
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`)."""
+    for block in model.layers.values():
+        block.compile()
+
+
+def mp_policy(cfg: Any) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.precision.param_dtype], reduce_dtype=DTYPES[cfg.precision.reduce_dtype]
+    )
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Any, reshard_after_forward: bool) -> None:
+    """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mp_policy(cfg)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, process_group=mesh.get_group(), device_ids=ids)
+    reduce = cfg.precision.reduce_dtype
+    if reduce != "fp32":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if reduce == "bf16" else default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(mesh.get_group(), hook)
+    return ddp
+
+
+def uses_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def compute_context(model_parts: Iterable[nn.Module], cfg: Any, device: torch.device) -> Any:
+    """Low-precision compute where FSDP's MixedPrecisionPolicy does not already cast (DDP, single
+    process): autocast keeps fp32 master weights and casts matmul inputs."""
+    dtype = DTYPES[cfg.precision.param_dtype]
+    if dtype == torch.float32 or all(uses_fsdp(m) for m in model_parts):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def grad_sync(model_parts: Iterable[nn.Module], enabled: bool) -> Any:
+    """Skip the gradient all-reduce / reduce-scatter on non-final accumulation micro-steps."""
+    stack = contextlib.ExitStack()
+    for m in model_parts:
+        if uses_fsdp(m):
+            m.set_requires_gradient_sync(enabled)
+        elif not enabled and hasattr(m, "no_sync"):
+            stack.enter_context(m.no_sync())
+    return stack

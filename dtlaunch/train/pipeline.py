@@ -1,0 +1,157 @@
+"""Pipeline parallel: split the model into stages, then build a torch.distributed.pipelining schedule.
+
+Two steps, so that the worker can parallelise each stage module (TP -> AC -> compile -> FSDP) and
+materialise it in between, torchtitan's order:
+
+    parts = build_stage_modules(model, cfg, layout, pp_rank)     # meta-device stage modules
+    for _, part in parts: parallelize(part, ...); materialise + init
+    plan = build_schedule(parts, pp_mesh, cfg, layout, loss_fn, device)
+
+A stage is a deep copy of the (meta) model with the blocks it does not own deleted. `layers` is a
+ModuleDict keyed by the *global* block index, so parameter names (FQNs) are those of the full model:
+checkpoints and the name-keyed init are layout independent.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
+from dtlaunch.config.validate import PP_SCHEDULES
+from dtlaunch.errors import ConfigError
+
+# Schedules whose two stages per rank form a "V": rank r holds stages r and (n_stages - 1 - r).
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+@dataclass
+class PipelinePlan:
+    schedule: Any
+    model_parts: list[nn.Module]
+    has_first_stage: bool
+    has_last_stage: bool
+    stage_ids: list[int]
+
+
+def schedule_class(name: str) -> type:
+    """`strategy.pp_schedule` -> schedule class: our short names, a class name, or torch's own names."""
+    cls_name = PP_SCHEDULES.get(name, name)
+    cls = getattr(schedules, cls_name, None)
+    if isinstance(cls, type):
+        return cls
+    try:
+        return schedules.get_schedule_class(name)
+    except ValueError:
+        raise ConfigError(
+            f"strategy.pp_schedule='{name}' is not a torch.distributed.pipelining schedule: use one of "
+            f"{', '.join(PP_SCHEDULES)}"
+        ) from None
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule_name: str) -> list[int]:
+    """Stage indices run by `pp_rank`: looped (r, r+pp, ...) or V-shaped for ZBV-style schedules."""
+    n_stages = pp * stages_per_rank
+    if schedule_class(schedule_name).__name__ in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise ConfigError(
+                f"strategy.pp_schedule={schedule_name} places exactly 2 stages per rank in a V: "
+                f"set strategy.pp_stages_per_rank=2"
+            )
+        return [pp_rank, n_stages - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int, explicit: list[int]) -> list[range]:
+    """Global block indices of each stage."""
+    counts = pp_stage_layers(n_layers, n_stages, explicit)
+    if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
+        raise ConfigError(
+            f"strategy.pp_layers_per_stage={counts} must list {n_stages} positive counts summing to "
+            f"model.n_layers={n_layers}"
+        )
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    return [range(s, s + c) for s, c in zip(starts, counts, strict=True)]
+
+
+def split_stage(model: nn.Module, stage_idx: int, n_stages: int, layers: range) -> nn.Module:
+    """A copy of `model` keeping blocks `layers`, the embedding only on stage 0, the head on the last."""
+    part = copy.deepcopy(model)
+    for key in list(part.layers.keys()):
+        if int(key) not in layers:
+            del part.layers[key]
+    if stage_idx != 0:
+        part.tok_embeddings = None
+    if stage_idx != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def build_stage_modules(model: nn.Module, cfg: Any, layout: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """(stage index, stage module) for each stage this pipeline rank runs, in schedule order."""
+    s = cfg.strategy
+    n_stages = layout.pp * int(s.pp_stages_per_rank)
+    ranges = stage_layer_ranges(int(cfg.model.n_layers), n_stages, list(s.pp_layers_per_stage))
+    ids = stage_ids(pp_rank, layout.pp, int(s.pp_stages_per_rank), s.pp_schedule)
+    return [(i, split_stage(model, i, n_stages, ranges[i])) for i in ids]
+
+
+def build_schedule(
+    stage_modules: list[tuple[int, nn.Module]],
+    pp_mesh: DeviceMesh,
+    cfg: Any,
+    layout: Layout,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> PipelinePlan:
+    """Wrap the (parallelised, materialised) stage modules in PipelineStages and build the schedule.
+
+    `loss_fn(output, target)` runs on the last stage once per pipeline micro-batch. The schedule is
+    built with scale_grads=False: gradients are the plain sum over micro-batches, so `loss_fn` must
+    return its loss already divided by the number of micro-batches (see pp_step.pipeline_loss_fn).
+    Shapes are inferred at the first step (no static example inputs), which also covers sequence-
+    parallel activations of shape (B, S/tp, D) between stages.
+    """
+    n_stages = layout.pp * int(cfg.strategy.pp_stages_per_rank)
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(module, idx, n_stages, device, group=group) for idx, module in stage_modules]
+    cls = schedule_class(cfg.strategy.pp_schedule)
+    n_mb = pp_microbatches(cfg, layout)
+    if issubclass(cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ConfigError(
+                f"strategy.pp_schedule={cfg.strategy.pp_schedule} runs one stage per rank: set "
+                f"strategy.pp_stages_per_rank=1"
+            )
+        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+    ids = [idx for idx, _ in stage_modules]
+    return PipelinePlan(
+        schedule=schedule,
+        model_parts=[module for _, module in stage_modules],
+        has_first_stage=0 in ids,
+        has_last_stage=n_stages - 1 in ids,
+        stage_ids=ids,
+    )
+
+
+def pipeline_split(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    cfg: Any,
+    layout: Layout,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> PipelinePlan:
+    """Both steps at once, for stage modules that need no parallelising in between (already materialised)."""
+    parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
+    return build_schedule(parts, pp_mesh, cfg, layout, loss_fn, device)

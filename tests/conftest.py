@@ -1,0 +1,55 @@
+"""Shared fixtures: run `dtlaunch` as a user does (a subprocess) into a temporary run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+class Trainer:
+    """`dtlaunch train` through the real CLI, with small fast defaults, and readers for its outputs."""
+
+    # A few steps of the tiny model on synthetic data, no checkpoints, one thread per worker.
+    FAST = [
+        "training.steps=5",
+        "training.seq_len=32",
+        "optim.warmup_steps=2",
+        "optim.lr=1e-2",
+        "checkpoint.enabled=false",
+        "data=synthetic",
+        "launch.threads_per_worker=1",
+    ]
+
+    @staticmethod
+    def cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+        env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+        return subprocess.run(
+            [sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, timeout=timeout, env=env
+        )
+
+    def run(self, run_dir: Path, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+        proc = self.cli(["train", *self.FAST, *overrides, f"run.dir={run_dir}"])
+        if expect_ok and proc.returncode != 0:
+            pytest.fail(
+                f"dtlaunch train {' '.join(overrides)} failed (rc {proc.returncode}):\n"
+                f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+            )
+        return proc
+
+    @staticmethod
+    def metrics(run_dir: Path) -> list[dict]:
+        path = Path(run_dir) / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def losses(self, run_dir: Path) -> list[float]:
+        return [m["loss"] for m in self.metrics(run_dir)]
+
+
+@pytest.fixture(scope="session")
+def trainer() -> Trainer:
+    return Trainer()

@@ -1,0 +1,84 @@
+"""After parallelize + init, every rank's parameters are slices of the single-process init.
+
+Run under torchrun (this file is also the worker): for each layout, gather every parameter to its full
+value and compare it (bit for bit) with `Llama.init_weights(seed)` of a plain one-process model; compare
+the full values across all ranks too, so data-parallel replicas provably start identical.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LAYOUTS = {
+    "ddp": ["strategy=ddp"],
+    "zero3": ["strategy=zero3"],
+    "zero2": ["strategy=zero2"],
+    "hsdp": ["strategy=hsdp"],
+    "fsdp_tp": ["strategy=fsdp_tp"],
+}
+
+
+def _worker(overrides: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dtlaunch.config.compose import compose
+    from dtlaunch.config.layout import Layout
+    from dtlaunch.models.llama import build_model
+    from dtlaunch.train.dist_init import init_distributed, shutdown
+    from dtlaunch.train.init import model_param_name
+    from dtlaunch.train.mesh import build_mesh
+    from dtlaunch.train.parallelize import parallelize
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = compose(["model=tiny", f"launch.nproc_per_node={world}", *overrides]).cfg
+    env = init_distributed(cfg)
+    layout = Layout.resolve(cfg.strategy, world)
+    model = parallelize(build_model(cfg.model), build_mesh(layout, "cpu"), cfg, layout)
+    ref = build_model(cfg.model, device="cpu")
+    ref.init_weights(int(cfg.training.seed))
+    want = dict(ref.named_parameters())
+    seen = set()
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        key = model_param_name(name)
+        seen.add(key)
+        assert torch.equal(full, want[key]), f"rank {env.rank}: {key} differs from the one-process init"
+        gathered = [torch.empty_like(full) for _ in range(world)]
+        dist.all_gather(gathered, full.contiguous())
+        assert all(torch.equal(g, full) for g in gathered), f"{key} differs across ranks"
+    assert seen == set(want), set(want) ^ seen
+    shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_init_identical(name: str) -> None:
+    nproc = 4 if name in ("hsdp", "fsdp_tp") else 2
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(Path(__file__)),
+            *LAYOUTS[name],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

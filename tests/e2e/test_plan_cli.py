@@ -1,0 +1,33 @@
+"""`dtlaunch plan` and the train gate as a user runs them."""
+
+import json
+import subprocess
+
+
+def _run(*args):
+    return subprocess.run(["dtlaunch", *args], capture_output=True, text=True)
+
+
+def test_plan_refuses_ddp_8b_with_exit_3_and_suggestion():
+    r = _run("plan", "recipe=llama8b_ddp")
+    assert r.returncode == 3
+    assert "does not fit" in r.stdout and "strategy.zero_stage" in r.stdout
+
+
+def test_plan_json_fits_for_fsdp_8b():
+    r = _run("plan", "recipe=llama8b_fsdp", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["fits"] and data["peak_bytes"] > 0 and "activations" in data["categories"]
+
+
+def test_train_refuses_and_dry_run_exit_codes():
+    r = _run("train", "recipe=llama8b_ddp")
+    assert r.returncode == 3 and "--force" in r.stderr and "Traceback" not in r.stderr
+    assert _run("train", "recipe=llama8b_ddp", "--dry-run").returncode == 3
+    assert _run("train", "recipe=llama8b_fsdp", "--dry-run").returncode == 0
+
+
+def test_search_prints_layouts():
+    r = _run("plan", "recipe=llama8b_fsdp", "--search", "--top", "3")
+    assert r.returncode == 0 and "layouts that fit" in r.stdout

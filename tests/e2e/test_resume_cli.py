@@ -1,0 +1,136 @@
+"""Resume through the CLI as a user runs it: `dtlaunch train recipe=tiny_... run.dir=<tmp>`.
+
+- a run that dies after a checkpoint and is restarted continues with bit-identical per-step losses;
+- a worker SIGKILLed in the middle of an async save leaves an incomplete directory that the next start
+  reports by name and skips in favour of the previous complete checkpoint;
+- `--no-resume` refuses a run directory with checkpoints; `ckpt ls` shows complete and incomplete ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+COMMON = ["training.seq_len=32", "training.steps=6", "checkpoint.every_steps=3", "checkpoint.keep_last=3"]
+
+
+def dtlaunch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step loss from metrics.jsonl (a restarted run appends: the last line of a step wins)."""
+    out: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[int(rec["step"])] = float(rec["loss"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tiny_ddp", "tiny_fsdp", "tiny_tp", "tiny_pp"])
+def test_restart_after_failure_is_bit_identical(recipe: str, tmp_path: Path) -> None:
+    straight = dtlaunch("train", f"recipe={recipe}", f"run.dir={tmp_path / 'a'}", *COMMON)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    # Fails at step 5 (after the step-3 checkpoint); torchrun restarts the workers, which resume.
+    restarted = dtlaunch(
+        "train",
+        f"recipe={recipe}",
+        f"run.dir={tmp_path / 'b'}",
+        *COMMON,
+        "debug.fail_at_step=5",
+        "launch.max_restarts=1",
+    )
+    assert restarted.returncode == 0, restarted.stdout[-2000:] + restarted.stderr[-3000:]
+    assert "resumed from step-00000003" in restarted.stdout + restarted.stderr
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    # Exact float equality: steps 4..6 after the resume are bit-identical to the uninterrupted run.
+    assert [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)], (a, b)
+
+
+def _worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the training worker of `rank` in this run (from /proc: its environment names the run)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (
+            b"dtlaunch.train.main" in cmd
+            and f"RANK={rank}".encode() in env
+            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
+        ):
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None:
+    run = (tmp_path / "run").resolve()
+    first = dtlaunch("train", "recipe=tiny_fsdp", f"run.dir={run}", *COMMON, "training.steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Second start: resumes at 3, async-saves step 6 with rank 1 stalled inside the write; kill it there.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtlaunch",
+        "train",
+        "recipe=tiny_fsdp",
+        f"run.dir={run}",
+        *COMMON,
+        "training.steps=9",
+        "checkpoint.async_save=true",
+        "debug.slow_save_s=60",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tmp_dir = run / "checkpoints" / ".tmp-step-00000006"
+    deadline = time.time() + 300
+    killed = False
+    while time.time() < deadline and proc.poll() is None:
+        pid = _worker_pid(run, 1)
+        if tmp_dir.is_dir() and pid is not None:
+            time.sleep(1.0)  # inside the 60 s stall: rank 0's shard may be written, rank 1's is not
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=300)
+    assert killed, out[-3000:]
+    assert proc.returncode != 0
+    assert tmp_dir.is_dir() and not (run / "checkpoints" / "step-00000006").exists()
+    listing = dtlaunch("ckpt", "ls", str(run))
+    assert "INCOMPLETE" in listing.stdout and "step-00000003" in listing.stdout
+    # Third start: reports the interrupted save by name, resumes from step 3, finishes.
+    third = dtlaunch("train", "recipe=tiny_fsdp", f"run.dir={run}", *COMMON, "training.steps=9")
+    text = third.stdout + third.stderr
+    assert third.returncode == 0, text[-3000:]
+    assert "skipping checkpoint .tmp-step-00000006" in text
+    assert "resumed from step-00000003" in text
+    assert (run / "checkpoints" / "step-00000009" / "COMPLETE.json").is_file()
+    assert not tmp_dir.exists()  # the leftover is cleaned once a newer checkpoint is complete
+
+
+@pytest.mark.slow
+def test_no_resume_refuses_run_dir_with_checkpoints(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = dtlaunch("train", "recipe=tiny_ddp", f"run.dir={run}", *COMMON, "training.steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = dtlaunch("train", "--no-resume", "recipe=tiny_ddp", f"run.dir={run}", *COMMON)
+    assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
+    err = again.stderr.strip().splitlines()
+    assert len(err) == 1 and "already has checkpoints" in err[0] and "--no-resume" in err[0], again.stderr
