@@ -17,6 +17,13 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _compact(layout: dict) -> str:
+    if not layout:
+        return "?"
+    dims = "x".join(str(layout.get(k)) for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+    return f"{layout.get('world')}={dims}, z{layout.get('zero_stage')}"
+
+
 def _checkpoints_dir(run: Path) -> Path:
     """A run directory (its config's checkpoint.dir) or a checkpoints directory itself."""
     from dtlaunch.train.checkpoint import checkpoint_root
@@ -31,7 +38,7 @@ def _checkpoints_dir(run: Path) -> Path:
 def ls_command(run: str) -> int:
     from rich.table import Table
 
-    from dtlaunch.train.checkpoint import dir_size, layout_str, scan_checkpoints
+    from dtlaunch.train.checkpoint import dir_size, scan_checkpoints
 
     path = Path(run)
     if not path.is_dir():
@@ -43,17 +50,18 @@ def ls_command(run: str) -> int:
         out.print(f"no checkpoints in {root}", markup=False)
         return 0
     t = Table(title=str(root), title_justify="left")
-    for col in ("name", "step", "time", "size"):
+    for col in ("name", "step", "status", "time", "size", "layout"):
         t.add_column(col, no_wrap=True)
-    t.add_column("written by")
-    t.add_column("status")
     for i in infos:
         when = i.marker.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(i.path.stat().st_mtime))
-        status = "complete" if i.complete else f"INCOMPLETE: {i.reason}"
-        t.add_row(
-            i.name, str(i.step), when, _human_bytes(dir_size(i.path)), layout_str(i.marker.get("layout", {})), status
-        )
+        status = "complete" if i.complete else "INCOMPLETE"
+        size = _human_bytes(dir_size(i.path))
+        t.add_row(i.name, str(i.step), status, when.replace("T", " ")[:16], size, _compact(i.marker.get("layout", {})))
     out.print(t)
+    out.print("layout: world=dp_replicate x dp_shard x tp x pp, zero stage", markup=False)
+    for i in infos:
+        if not i.complete:
+            out.print(f"{i.name}: incomplete ({i.reason}); never loaded", markup=False)
     return 0
 
 

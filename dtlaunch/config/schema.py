@@ -197,6 +197,11 @@ class DebugConfig:
     # Fault injection for tests: kill `fail_rank` at step `fail_at_step` (first attempt only).
     fail_at_step: int = -1
     fail_rank: int = 0
+    # How the injected failure happens: "raise" (a Python error) or "sigkill" (the worker kills itself).
+    fail_mode: str = "raise"
+    # `fail_rank` stops at this step (first attempt only) and sleeps until signalled, so that its peers'
+    # collectives run into launch.timeout_s (tests the collective-timeout guard).
+    hang_at_step: int = -1
     # Inject a NaN loss at these steps (tests the bad-step guard).
     nan_at_steps: list[int] = field(default_factory=list)
     # Sleep this long (s) inside a checkpoint save on rank 1 (tests kill-during-save).

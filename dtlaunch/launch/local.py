@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 from pathlib import Path
 from typing import Any
 
 from dtlaunch.config.layout import nproc_per_node
-from dtlaunch.errors import WorkerFailed
+from dtlaunch.errors import EXIT_PREEMPTED, Preempted, WorkerFailed
 
 WORKER_MODULE = "dtlaunch.train.main"
 RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
@@ -48,6 +49,8 @@ def torchrun_args(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> 
             # The first node hosts the rendezvous store, said explicitly: torch's guess (endpoint == this
             # host's name or address) misses e.g. the address of a second interface or network namespace.
             args += [f"--node-rank={node_rank}", f"--rdzv-conf=is_host={str(node_rank == 0).lower()}"]
+    # SIGUSR1 too (a scheduler's "time is nearly up"): torchrun passes it on, the workers checkpoint and exit 75.
+    args.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     args += [f"--log-dir={run_dir / 'logs' / 'torchrun'}", "-m", WORKER_MODULE]
     return args
 
@@ -82,11 +85,17 @@ def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) ->
 
 def launch_local(cfg: Any, run_dir: Path) -> None:
     """Run the workers to completion; raise WorkerFailed (exit 1) naming the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from dtlaunch.train import preempt
+
     gpus = _detected_gpus(cfg)
     args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
+    # engineer FT: SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
+    args.signals_to_handle = preempt.agent_signals()
+    preempt.clear_marker(run_dir)
     os.environ.update(worker_env(cfg, run_dir, gpus))
     # torchrun's agent logs every failure and SIGTERM it sends as several warning lines; the user gets
     # our single line instead (the details stay in logs/rank<R>.log).
@@ -94,11 +103,34 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     level = elastic_log.level
     elastic_log.setLevel(logging.CRITICAL)
     try:
-        run(args)
+        with preempt.forward_signals(grace_s=float(cfg.launch.timeout_s)):
+            run(args)
     except ChildFailedError as exc:
+        if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
+            raise Preempted(preempted_message(run_dir, "a signal")) from None
         raise WorkerFailed(describe_failure(exc, run_dir)) from None
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Preempted(preempted_message(run_dir, exc.sigval.name)) from None
     finally:
         elastic_log.setLevel(level)
+
+
+def preempted_message(run_dir: Path, signame: str) -> str:
+    """The one line for a stopped run: where it was saved (exit 75), or that nothing was (exit 1)."""
+    from dtlaunch.train import preempt
+
+    marker = preempt.read_marker(run_dir)
+    if marker is None:
+        raise WorkerFailed(
+            f"stopped by {signame} before a checkpoint was saved (the workers did not reach a step boundary in "
+            f"launch.timeout_s, or checkpoint.enabled=false): see {run_dir / 'logs'}"
+        )
+    return (
+        f"preempted by {marker['signal']}: checkpoint saved at step {marker['step']}; "
+        f"run the same command again to resume"
+    )
 
 
 # Errors a rank reports because a *peer* died (its collective lost the connection) or because the agent

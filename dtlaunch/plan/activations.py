@@ -47,50 +47,70 @@ class BlockDims:
         return cls(h=m.dim, k=kv_heads(m) * head_dim(m), f=ffn_dim(m), a=m.n_heads, vocab=m.vocab_size)
 
 
-def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool) -> float:
-    """One RMSNorm's saved bytes per token (fp32 input view, pre-weight value, output, rsqrt)."""
+def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, consumers: int = 1) -> float:
+    """One RMSNorm's saved bytes per token (fp32 input view, pre-weight value, output, rsqrt).
+
+    Under autocast the residual stream stays fp32: the norm keeps its fp32 input and fp32 pre-weight
+    value, and each of its `consumers` linears saves its OWN compute-dtype cast of the fp32 output
+    (3 for wq/wk/wv, 2 for w1/w3; measured with saved-tensor hooks)."""
+    if autocast:
+        own = (8 * d.h + 4) / (tp if tp > 1 and sp else 1)
+        return own + consumers * e * d.h
     if tp > 1 and sp:
         return (4 * d.h + e * d.h + 4) / tp + e * d.h
     return 4 * d.h + 2 * e * d.h + 4
 
 
-def block_bytes_no_ac(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
+def block_bytes_no_ac(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
     attn = e * (2 * d.h + 2 * d.k) + 4 * d.a
     mlp = 4 * e * d.f
-    return 2 * norm_bytes(d, e, tp, sp) + (attn + mlp) / tp
+    norms = norm_bytes(d, e, tp, sp, autocast, 3) + norm_bytes(d, e, tp, sp, autocast, 2)
+    return norms + (attn + mlp) / tp
 
 
-def block_input_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
-    """The residual stream entering a block (what a checkpointed block keeps)."""
-    return e * d.h / (tp if tp > 1 and sp else 1)
+def block_input_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
+    """The residual stream entering a block (what a checkpointed block keeps); fp32 under autocast."""
+    return (4 if autocast else e) * d.h / (tp if tp > 1 and sp else 1)
 
 
-def block_bytes_selective(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
+def block_bytes_selective(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
     # Matmul outputs: q (h), k, v (k each), wo (h, reduced to the residual), w1, w3 (F each), w2 (h);
     # SDPA output (h) + logsumexp. wo/w2 outputs are sequence-sharded under SP.
     sharded = e * (2 * d.h + 2 * d.k + 2 * d.f) + 4 * d.a
     residual_mm = 2 * e * d.h / (tp if tp > 1 and sp else 1)
-    return block_input_bytes(d, e, tp, sp) + sharded / tp + residual_mm
+    return block_input_bytes(d, e, tp, sp, autocast) + sharded / tp + residual_mm
 
 
-def block_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False) -> float:
+def block_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
     """Bytes per token one block keeps from its forward until its backward."""
     if ac == "full":
-        return block_input_bytes(d, e, tp, sp)
+        return block_input_bytes(d, e, tp, sp, autocast)
     if ac == "selective":
-        return block_bytes_selective(d, e, tp, sp)
-    return block_bytes_no_ac(d, e, tp, sp)
+        return block_bytes_selective(d, e, tp, sp, autocast)
+    return block_bytes_no_ac(d, e, tp, sp, autocast)
 
 
-def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False) -> float:
+def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
     """Extra bytes per token live while one checkpointed block is recomputed in backward."""
     if ac == "none":
         return 0.0
-    return block_bytes_no_ac(d, e, tp, sp) - block_bytes(d, e, ac, tp, sp)
+    return block_bytes_no_ac(d, e, tp, sp, autocast) - block_bytes(d, e, ac, tp, sp, autocast)
 
 
-def final_norm_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False) -> float:
-    return norm_bytes(d, e, tp, sp)
+def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
+    """Activation gradients live inside one block's backward: the residual gradient and the two
+    F-wide gradients of SwiGLU (w1/w3 outputs) at once."""
+    return e * d.h + 2 * e * d.f / tp
+
+
+def rope_cast_bytes(d: BlockDims, e: int, seq: int) -> float:
+    """Per block and micro-batch: RoPE casts its fp32 cos/sin tables to the compute dtype for q and
+    k (4 tables of seq x head_dim/2, saved by the rotations); nothing in fp32 (no-op cast)."""
+    return 0.0 if e == 4 else 4 * seq * (d.h // d.a // 2) * e
+
+
+def final_norm_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
+    return norm_bytes(d, e, tp, sp, autocast, 1)
 
 
 def embedding_bytes(d: BlockDims, e: int) -> float:
@@ -100,12 +120,13 @@ def embedding_bytes(d: BlockDims, e: int) -> float:
 
 def logits_forward_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     """Per token, kept from the loss until backward: log_softmax's fp32 output (cross entropy is
-    computed on `logits.float()`); the logits themselves are not saved by anyone."""
-    return 4 * d.vocab / tp
+    computed on `logits.float()`) and the logits themselves (compute dtype), which the runtime's
+    micro-step keeps referenced until backward has finished (dtlaunch.train.step._micro_step)."""
+    return (4 + e) * d.vocab / tp
 
 
 def logits_backward_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
-    """Per token at the start of backward, on top of the saved fp32 log-probs: nll's dense fp32
-    gradient, log_softmax's fp32 input-gradient, and its cast back to the logits dtype."""
-    cast = e * d.vocab if e != 4 else 0
-    return (8 * d.vocab + cast) / tp
+    """Per token at log_softmax's backward, on top of what forward kept: nll's dense fp32 gradient
+    and log_softmax's fp32 input-gradient (the cast back to the logits dtype comes after both of
+    the first two are freed, so it never adds to this)."""
+    return 8 * d.vocab / tp

@@ -112,19 +112,18 @@ def in_flight(schedule: str, pp: int, rank: int, n_mb: int, per_rank: int = 1) -
     return float(min(pp - rank, n_mb))
 
 
-def _stage_params(m: Any, layers: int, first: bool, last: bool, tp: int) -> tuple[int, int]:
-    """(params on one TP rank of the stage, largest FSDP unit in params). Matrices divide by tp,
-    norm weights are replicated."""
+def _stage_params(m: Any, layers: int, first: bool, last: bool, tp: int) -> tuple[int, int, int]:
+    """(params on one TP rank of the stage, one block's params, the root unit's params: embedding,
+    final norm, output head on the stages that own them). Matrices divide by tp, norm weights not."""
     h, v = m.dim, m.vocab_size
     blk_norms = 2 * h
     blk = (block_params(m) - blk_norms) // tp + blk_norms
-    p = layers * blk
     root = 0
     if first:
         root += v * h // tp
     if last:
         root += v * h // tp + h
-    return p + root, max(blk, root)
+    return layers * blk + root, blk, root
 
 
 def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, last: bool) -> StagePlan:
@@ -135,64 +134,108 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
     e = act.DTYPE_BYTES[cfg.precision.param_dtype]
     r = act.DTYPE_BYTES[cfg.precision.reduce_dtype]
     zero = int(s.zero_stage)
-    fsdp = zero >= 2
-    shard = layout.dp_shard if fsdp or zero == 1 else 1
-    p_rank, unit = _stage_params(m, layers, first, last, tp)
+    fsdp = zero >= 2 and layout.dp > 1
+    shard = layout.dp_shard if (zero >= 2 and layout.dp > 1) or zero == 1 else 1
+    ddp = zero in (0, 1) and layout.dp > 1
+    # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
+    autocast = e != 4 and not fsdp
+    p_rank, blk, root = _stage_params(m, layers, first, last, tp)
     accum = grad_accum_steps(cfg, layout)
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
     tokens = (t.micro_batch // n_mb) * t.seq_len
     ac = t.activation_checkpointing
+    tp_sp = tp if sp else 1
 
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
-    grads = 4 * p_rank / (shard if fsdp else 1)
+    lines["buffers"] = 2 * 4 * int(m.max_seq_len) * (d.h // d.a // 2)  # RoPE cos/sin tables, fp32
     lines["optimizer state"] = 8 * p_rank / shard
-    ddp = zero in (0, 1) and layout.dp > 1
-    # DDP's gradients are views of its persistent buckets (gradient_as_bucket_view): always there.
-    grads_in_forward = grads if (ddp or accum > 1) else 0.0
-    if not fsdp and e != 4:
-        # autocast keeps a compute-dtype copy of every weight from its use in forward to backward.
-        lines["autocast weight copies"] = e * p_rank
-    if fsdp:
-        if zero == 2:
-            lines["unsharded parameters"] = e * p_rank if (shard > 1 or e != 4) else 0.0
-        else:
-            lines["unsharded parameters"] = 2 * e * unit
+    grads = 4 * p_rank / (shard if fsdp else 1)
+    if ddp:
+        # DDP (gradient_as_bucket_view off) keeps flat fp32 buckets for the whole run; gradients are
+        # separate tensors, allocated in backward and set to None after the step.
+        lines["DDP buckets"] = 4 * p_rank
+    if accum > 1:
+        # Between accumulation micro-steps: DDP keeps .grad; FSDP without gradient sync keeps
+        # UNSHARDED gradients (reduce dtype) until the last micro-step reduce-scatters them.
+        lines["accumulated gradients"] = r * p_rank if fsdp else grads
+    if autocast and ac == "none":
+        # Each weight's compute-dtype copy (not the embedding's, nor norm gains) is saved by its matmul
+        # from forward to backward; under AC the casts are recomputed with the block instead.
+        lines["autocast weight copies"] = e * (p_rank - (v_h(m, tp) if first else 0) - 2 * d.h * layers)
+    elif autocast and last:
+        lines["autocast weight copies"] = e * v_h(m, tp)
+    if fsdp and zero == 2:
+        lines["unsharded parameters"] = e * p_rank if (shard > 1 or e != 4) else 0.0
+    elif fsdp:
+        # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
+        # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
+        lines["unsharded parameters"] = e * (root - (v_h(m, tp) if first else 0))
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     held = in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages)
-    per_token = layers * act.block_bytes(d, e, ac, tp, sp)
+    blk_tok = act.block_bytes(d, e, ac, tp, sp, autocast)
+    per_token = layers * blk_tok
     if first:
         per_token += act.embedding_bytes(d, e)
+    loss_saved = 0.0
     if last:
-        per_token += act.final_norm_bytes(d, e, tp, sp) + act.logits_forward_bytes(d, e, tp)
-    lines["activations"] = per_token * tokens * held
-    recompute = act.recompute_bytes(d, e, ac, tp, sp) * tokens if layers else 0.0
-    loss_bwd = act.logits_backward_bytes(d, e, tp) * tokens if last else 0.0
-
+        loss_saved = act.final_norm_bytes(d, e, tp, sp, autocast) + act.logits_forward_bytes(d, e, tp)
+        per_token += loss_saved
+    rope = act.rope_cast_bytes(d, e, int(t.seq_len) // 1) * layers if ac == "none" else 0.0
+    lines["activations"] = (per_token * tokens + rope * (t.micro_batch // n_mb) / t.micro_batch) * held
     base = sum(lines.values())
-    unsharded_grads = r * unit if fsdp else 0.0
+
+    # Backward, two moments: (1) log_softmax's backward on the last stage (everything forward kept +
+    # the fp32 loss gradients), (2) inside a block's backward: its recompute set, activation
+    # gradients, its unsharded parameters (+ the prefetched next block) and gradients, and the
+    # gradients already produced. (2) is taken at the first block processed (most activations still
+    # held) and at the last (most gradients produced).
+    loss_bwd = act.logits_backward_bytes(d, e, tp) * tokens if last else 0.0
+    head_grads = (4 * (v_h(m, tp) + d.h) if last else 0.0) / (shard if fsdp else 1)
+    unit = 0.0
+    if fsdp:
+        unit = (2 * e * blk if zero == 3 else 0.0) + (e + (r if r != e else 0)) * blk
+        head_grads = (e * (v_h(m, tp) + d.h) if last else 0.0) if zero == 3 else head_grads
+    work = (act.backward_working_bytes(d, e, tp) + act.recompute_bytes(d, e, ac, tp, sp, autocast)) * tokens
+    if autocast and ac != "none":
+        work += e * (blk - 2 * d.h)  # the recomputed block casts its weights again
+    held_act = lines["activations"] - (loss_saved * tokens * held if last else 0.0)
+    if last:
+        held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
+    blk_grads = (4 * blk / (shard if fsdp else 1)) if layers else 0.0
+    at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
+    at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * held + max(0, layers - 1) * blk_grads
+    if first:
+        at_last_blk += (4 * v_h(m, tp) / (shard if fsdp else 1)) if zero != 3 or not fsdp else e * v_h(m, tp)
     phases = {
-        "forward": base + grads_in_forward,
-        # Start of backward: loss/logits gradients (last stage) or the largest block being
-        # recomputed with its gradient buffers (AC), on top of everything forward kept.
-        "backward": base + grads_in_forward + max(loss_bwd, recompute) + unsharded_grads,
+        "forward": base,
+        "backward": max(base + loss_bwd, at_first_blk if layers else 0.0, at_last_blk if layers else 0.0),
         # Optimizer step: activations and unsharded buffers are gone; gradients are complete and
         # foreach AdamW allocates one temporary the size of the local fp32 state.
-        "optimizer": lines["parameters"] + lines["optimizer state"] + grads + 4 * p_rank / shard,
+        "optimizer": lines["parameters"]
+        + lines["buffers"]
+        + lines["optimizer state"]
+        + lines.get("DDP buckets", 0.0)
+        + grads
+        + 4 * p_rank / shard,
     }
     phase = max(phases, key=lambda k: phases[k])
-    lines["gradients"] = grads if phase == "optimizer" else grads_in_forward
     if phase == "backward":
-        lines["loss/recompute buffers"] = max(loss_bwd, recompute)
-        if unsharded_grads:
-            lines["unsharded gradients"] = unsharded_grads
+        extra = phases["backward"] - base
+        lines["loss/backward buffers"] = extra
     if phase == "optimizer":
-        for k in ("activations", "unsharded parameters", "autocast weight copies"):
+        for k in ("activations", "unsharded parameters", "autocast weight copies", "accumulated gradients"):
             lines.pop(k, None)
+        lines["gradients"] = grads
         lines["optimizer temporaries"] = 4 * p_rank / shard
     return StagePlan(
         stage=stage, layers=layers, params=p_rank, lines=lines, phases=phases, phase=phase, peak=phases[phase]
     )
+
+
+def v_h(m: Any, tp: int) -> int:
+    """Parameters of the embedding (or of the output head) on one TP rank."""
+    return m.vocab_size * m.dim // tp
 
 
 def _likely_worst(split: list[int], pp: int) -> set[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -20,10 +21,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtlaunch.config.compose import load_resolved
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
-from dtlaunch.errors import DtlaunchError
+from dtlaunch.errors import EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.launch.local import RUN_DIR_ENV
 from dtlaunch.models.llama import build_model
+from dtlaunch.train import preempt
 from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
+from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
@@ -75,17 +78,37 @@ def measure_peak_memory(tracker: Any) -> int:
 
 def maybe_fail(cfg: Any, step: int, rank: int) -> None:
     """Fault injection for tests: fail `debug.fail_rank` at `debug.fail_at_step`, first attempt only."""
-    if step == cfg.debug.fail_at_step and rank == cfg.debug.fail_rank and restart_count() == 0:
+    if rank != cfg.debug.fail_rank or restart_count() != 0:
+        return
+    if step == cfg.debug.fail_at_step:
+        if cfg.debug.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
+    if step == cfg.debug.hang_at_step:
+        # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
+        # when the launcher stops it, like a process with the default SIGTERM action.
+        log(f"hanging at step {step} (debug.hang_at_step)")
+        while not preempt.requested():
+            time.sleep(0.05)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @record
 def main() -> None:
+    preempt.install()  # engineer FT: first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
     cfg = load_resolved(run_dir / "config.yaml")
     env = init_distributed(cfg)
-    train(cfg, run_dir, env)
+    try:
+        train(cfg, run_dir, env)
+    except preempt.PreemptionStop as stop:  # engineer FT: checkpoint saved; a new start resumes
+        if env.rank == 0 and cfg.checkpoint.enabled:
+            preempt.write_marker(run_dir, stop.step, stop.signum)
+        log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
+        shutdown()
+        sys.exit(EXIT_PREEMPTED)
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()
@@ -139,33 +162,43 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
     bad, skipped_total, last = 0, 0, None
+    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
-        with tracker.step(step):
+        with watch.step(step), tracker.step(step):
             last = train_step(ctx, step)
         rates.append(tokens_per_step / (time.perf_counter() - began))
         bad = bad + 1 if last.skipped else 0
         skipped_total += int(last.skipped)
-        if step % int(cfg.training.log_every) == 0 or step == int(cfg.training.steps) or last.skipped:
-            metrics.log(
-                step,
-                {
-                    "loss": last.loss,
-                    "lr": lr,
-                    "grad_norm": last.grad_norm,
-                    "tokens_per_s": rates[-1],
-                    "peak_mem_bytes": measure_peak_memory(tracker),
-                    "skipped": int(last.skipped),
-                },
-            )
-        if bad >= int(cfg.training.max_bad_steps):
+        # Every step is logged; the logger buffers and writes/prints every training.log_every steps.
+        metrics.log(
+            step,
+            {
+                "loss": last.loss,
+                "lr": lr,
+                "grad_norm": last.grad_norm,
+                "tokens_per_s": rates[-1],
+                "peak_mem_bytes": measure_peak_memory(tracker),
+                "skipped": int(last.skipped),
+            },
+        )
+        if last.skipped and bad >= int(cfg.training.max_bad_steps):
             raise TrainingDiverged(
                 f"{bad} steps in a row with a non-finite loss or gradient norm (last at step "
                 f"{step}): lower optim.lr, or raise training.max_bad_steps"
             )
         ckpt.maybe_save(step)
+        # --- engineer FT: preemption. Every rank stops after the same step and saves it. ---
+        with watch.step(step):
+            signum = preempt.stop_agreed(env.device)
+        if signum and step < int(cfg.training.steps):
+            ckpt.save(step, final=True)
+            ckpt.close()
+            metrics.close()
+            raise preempt.PreemptionStop(step, signum)
+        # --- end FT ---
     final_step = max(start, int(cfg.training.steps))
     ckpt.save(final_step, final=True)
     ckpt.close()

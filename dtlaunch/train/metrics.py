@@ -109,6 +109,7 @@ class MetricsLogger:
                 rec.setdefault("mfu", u)
             rec.setdefault("peak_mem_bytes", peak)
             rec["elapsed_s"] = round(now - self._t0, 3)
+            rec["time"] = round(time.time(), 3)  # wall clock, for launch-overhead measurements
             self._jsonl.write(json.dumps(rec) + "\n")
             self._write_tb(step, rec)
         self._display.update(rows[-1][0], rec)

@@ -22,7 +22,7 @@ COMMON = ["training.seq_len=32", "training.steps=6", "checkpoint.every_steps=3",
 
 
 def dtlaunch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     return subprocess.run(
         [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -114,7 +114,7 @@ def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None
     assert proc.returncode != 0
     assert tmp_dir.is_dir() and not (run / "checkpoints" / "step-00000006").exists()
     listing = dtlaunch("ckpt", "ls", str(run))
-    assert "INCOMPLETE" in listing.stdout and "step-00000003" in listing.stdout
+    assert ".tmp-step-00000006: incomplete" in listing.stdout and "step-00000003" in listing.stdout
     # Third start: reports the interrupted save by name, resumes from step 3, finishes.
     third = dtlaunch("train", "recipe=tiny_fsdp", f"run.dir={run}", *COMMON, "training.steps=9")
     text = third.stdout + third.stderr

@@ -1,0 +1,213 @@
+"""Where dtlaunch's per-step time goes, next to the hand-written loop's: a deterministic profile.
+
+Builds both training setups in one process group (dtlaunch's through its own functions: compose,
+parallelize, build_optimizer, build_loader, StepContext/train_step, MetricsLogger; the reference through
+bench/handwritten.py's `build`) and times each piece of a step the two loops do differently, plus
+the whole loop iteration. Every figure is the MINIMUM over many repetitions: the least time a piece
+needs, which other processes on a busy machine can only inflate — so the comparison holds on a
+machine that is not quiet, unlike wall-clock throughput.
+
+    python bench/step_overhead.py                                   # world of 1
+    torchrun --standalone --nproc-per-node 2 bench/step_overhead.py # DDP over 2 (adds the loss all-reduce)
+
+Prints a JSON object (rank 0) with µs per call for each piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def best_us(fn: Callable[[], Any], inner: int, outer: int) -> float:
+    """Minimum over `outer` blocks of the mean time of `inner` calls, in microseconds."""
+    best = float("inf")
+    for _ in range(outer):
+        if dist.get_world_size() > 1:
+            dist.barrier()  # ranks start each block together, so collectives do not wait on stragglers
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best * 1e6
+
+
+def init() -> tuple[int, int]:
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def dtlaunch_side(recipe: str, world: int, run_dir: Path) -> tuple[Any, Any, Any, Any]:
+    """(cfg, StepContext, MetricsLogger, PeakTracker) exactly as dtlaunch.train.main builds them."""
+    from dtlaunch.config.compose import compose
+    from dtlaunch.config.layout import Layout, grad_accum_steps
+    from dtlaunch.models.llama import build_model
+    from dtlaunch.train.data import build_loader
+    from dtlaunch.train.memtrack import PeakTracker
+    from dtlaunch.train.mesh import build_mesh, dp_rank_size
+    from dtlaunch.train.metrics import MetricsLogger
+    from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.parallelize import parallelize
+    from dtlaunch.train.step import StepContext
+
+    cfg = compose(
+        [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000"]
+    ).cfg
+    layout = Layout.resolve(cfg.strategy, world)
+    mesh = build_mesh(layout, "cpu")
+    model = parallelize(build_model(cfg.model, device="meta"), mesh, cfg, layout)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    dp_rank, dp_size = dp_rank_size(mesh)
+    ctx = StepContext(
+        cfg=cfg,
+        model_parts=[model],
+        optimizers=[opt],
+        schedulers=[build_scheduler(opt, cfg)],
+        loader=build_loader(cfg, run_dir, dp_rank, dp_size),
+        device=torch.device("cpu"),
+        accum=grad_accum_steps(cfg, layout),
+    )
+    metrics = MetricsLogger(run_dir, cfg, enabled=dist.get_rank() == 0)
+    tracker = PeakTracker([model], [opt], enabled=True, device=torch.device("cpu"))
+    return cfg, ctx, metrics, tracker
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="tiny_ddp")
+    ap.add_argument("--outer", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=10)
+    args = ap.parse_args()
+    rank, world = init()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from bench import handwritten
+    from dtlaunch.train.pp_step import clip_grad_norm
+    from dtlaunch.train.step import _dp_mean, train_step
+
+    run_dir = Path(tempfile.mkdtemp(prefix="dtlaunch-step-overhead-"))
+    (run_dir / "logs").mkdir()
+    cfg, ctx, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir)
+    t = cfg.training
+    from omegaconf import OmegaConf
+
+    model_yaml = run_dir / "model.yaml"
+    model_yaml.write_text(OmegaConf.to_yaml(cfg.model))
+    hw_args = handwritten.parse(
+        [
+            f"--mode={'fsdp' if int(cfg.strategy.zero_stage) >= 2 else 'ddp'}",
+            f"--model={model_yaml}",
+            f"--micro-batch={t.micro_batch}",
+            f"--seq-len={t.seq_len}",
+            f"--steps={t.steps}",
+        ]
+    )
+    _, hw_model, hw_opt, hw_sched = handwritten.build(hw_args, torch.device("cpu"), world)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    vocab, mb, seq = int(cfg.model.vocab_size), int(t.micro_batch), int(t.seq_len)
+    tokens_per_step = mb * world * seq
+    step_no = [0]
+
+    def dt_iteration() -> None:  # the body of dtlaunch.train.main's loop (checkpoint=none)
+        step_no[0] += 1
+        began = time.perf_counter()
+        with tracker.step(step_no[0]):
+            r = train_step(ctx, step_no[0])
+        rate = tokens_per_step / (time.perf_counter() - began)
+        metrics.log(
+            step_no[0],
+            {"loss": r.loss, "lr": 0.0, "grad_norm": r.grad_norm, "tokens_per_s": rate, "peak_mem_bytes": 0},
+        )
+
+    def hw_iteration() -> None:  # the body of bench/handwritten.py's loop, logging every step
+        batch = torch.randint(0, vocab, (mb, seq + 1), generator=gen)
+        loss = torch.nn.functional.cross_entropy(hw_model(batch[:, :-1]).flatten(0, 1).float(), batch[:, 1:].flatten())
+        loss.backward()
+        norm = handwritten.clip_grad_norm(hw_model, 1.0)
+        hw_opt.step()
+        hw_opt.zero_grad(set_to_none=True)
+        hw_sched.step()
+        json.dumps({"loss": float(loss), "grad_norm": float(norm), "t": time.time()})
+
+    def hw_backward() -> None:  # grads to clip
+        batch = torch.randint(0, vocab, (mb, seq + 1), generator=gen)
+        torch.nn.functional.cross_entropy(
+            hw_model(batch[:, :-1]).flatten(0, 1).float(), batch[:, 1:].flatten()
+        ).backward()
+
+    # Rank 0's progress lines go where a user's would (a file here, not a terminal).
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink):
+        for _ in range(5):  # warm-up: optimizer state, the memory tracker's first steps, TensorBoard writer
+            dt_iteration()
+            hw_iteration()
+        results: dict[str, float] = {}
+        # Interleave the whole iterations a few times over so drift hits both.
+        dt_best, hw_best = float("inf"), float("inf")
+        for _ in range(3):
+            dt_best = min(dt_best, best_us(dt_iteration, args.inner, args.outer // 3 + 1))
+            hw_best = min(hw_best, best_us(hw_iteration, args.inner, args.outer // 3 + 1))
+        results["iteration: dtlaunch"] = dt_best
+        results["iteration: hand-written"] = hw_best
+        hw_backward()
+        params = [list(hw_model.parameters())]
+        results["data: dtlaunch TokenLoader.next_batch"] = best_us(ctx.loader.next_batch, 50, args.outer)
+        results["data: torch.randint"] = best_us(
+            lambda: torch.randint(0, vocab, (mb, seq + 1), generator=gen), 50, args.outer
+        )
+        results["clip: dtlaunch pp_step.clip_grad_norm + float"] = best_us(
+            lambda: float(clip_grad_norm(params, 1.0, None)), 50, args.outer
+        )
+        results["clip: torch get_total_norm + clip_grads_with_norm_ (foreach)"] = best_us(
+            lambda: float(handwritten.clip_grad_norm(hw_model, 1.0)), 50, args.outer
+        )
+        scalar = torch.ones(())
+        results["loss: dtlaunch step._dp_mean (all-reduce when world > 1)"] = best_us(
+            lambda: _dp_mean(scalar), 50, args.outer
+        )
+        results["loss: float(loss) (hand-written)"] = best_us(lambda: float(scalar), 50, args.outer)
+        results["config reads in train_step (debug.nan_at_steps, training.grad_clip)"] = best_us(
+            lambda: (set(ctx.cfg.debug.nan_at_steps), float(ctx.cfg.training.grad_clip)), 50, args.outer
+        )
+
+        def tracked() -> None:
+            with tracker.step(10**6):
+                pass
+
+        results["PeakTracker.step after its tracked steps"] = best_us(tracked, 50, args.outer)
+        if rank == 0:
+            n = [10**6]
+
+            def log_once() -> None:
+                n[0] += 1
+                metrics.log(n[0], {"loss": 1.0, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 1.0, "peak_mem_bytes": 0})
+
+            results["metrics: MetricsLogger.log per step (log_every=1: JSON + TensorBoard + progress line)"] = best_us(
+                log_once, 20, args.outer
+            )
+    metrics.close()
+    if rank == 0:
+        out = {"recipe": args.recipe, "world": world, "threads": torch.get_num_threads(), "us": results}
+        print(json.dumps(out, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
