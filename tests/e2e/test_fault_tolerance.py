@@ -1,0 +1,97 @@
+"""Fault tolerance through the CLI: a worker SIGKILLed mid-run is restarted by torchrun and resumes.
+
+A rank kills itself (`debug.fail_mode=sigkill`: no Python error, exit -9) at a chosen step of the first
+attempt; with launch.max_restarts=1 the workers restart, resume from the newest complete checkpoint and
+finish. metrics.jsonl is appended to by every attempt, so steps after the resumed checkpoint appear twice;
+the last line of each step must equal the uninterrupted run's loss bit for bit (fp32), and no line may be
+corrupt. Five kill points over DDP(2) and FSDP(2), covering no checkpoint yet (step 2), the step right
+after a checkpoint, and the last step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+STEPS = 6
+COMMON = [
+    f"training.steps={STEPS}",
+    "training.seq_len=32",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep_last=5",
+    "launch.threads_per_worker=1",
+]
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """Every line must be one complete JSON record (a killed attempt may not leave a torn line)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_loss_per_step(run_dir: Path) -> dict[int, float]:
+    return {int(r["step"]): float(r["loss"]) for r in metrics_rows(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(trainer, tmp_path_factory) -> dict[str, dict[int, float]]:
+    """Per-step losses of an uninterrupted run, per recipe (computed once, on first use)."""
+    cache: dict[str, dict[int, float]] = {}
+
+    def get(recipe: str) -> dict[int, float]:
+        if recipe not in cache:
+            run_dir = tmp_path_factory.mktemp(f"ref-{recipe}")
+            proc = trainer.cli(["train", f"recipe={recipe}", *COMMON, f"run.dir={run_dir}"])
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            cache[recipe] = last_loss_per_step(run_dir)
+            assert sorted(cache[recipe]) == list(range(1, STEPS + 1))
+        return cache[recipe]
+
+    return get  # type: ignore[return-value]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("recipe", "kill_step", "kill_rank"),
+    [
+        ("tiny_ddp", 2, 1),  # before the first checkpoint: the restart starts from scratch
+        ("tiny_ddp", 3, 0),  # right after the step-2 checkpoint; rank 0 (the metrics writer) dies
+        ("tiny_ddp", 6, 1),  # the last step
+        ("tiny_fsdp", 4, 1),
+        ("tiny_fsdp", 5, 0),
+    ],
+)
+def test_sigkilled_worker_restarts_and_matches(
+    trainer, uninterrupted, tmp_path: Path, recipe: str, kill_step: int, kill_rank: int
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = trainer.cli(
+        [
+            "train",
+            f"recipe={recipe}",
+            *COMMON,
+            f"run.dir={run_dir}",
+            f"debug.fail_at_step={kill_step}",
+            f"debug.fail_rank={kill_rank}",
+            "debug.fail_mode=sigkill",
+            "launch.max_restarts=1",
+        ]
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    # The kill really happened and the group really restarted (attempt 1 logged by every rank).
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert f"rank {rank}, attempt 1" in log, log[-2000:]
+    resumed_from = 2 * ((kill_step - 1) // 2)  # newest complete checkpoint before the killed step
+    if resumed_from:
+        assert f"resumed from step-{resumed_from:08d}" in text, text[-3000:]
+    else:
+        assert "resumed from" not in text
+    rows = metrics_rows(run_dir)
+    # Attempt 0 logged 1..kill_step-1; attempt 1 logged resumed_from+1..STEPS again (appended).
+    assert [r["step"] for r in rows] == list(range(1, kill_step)) + list(range(resumed_from + 1, STEPS + 1))
+    # Bit-identical fp32 losses: exact equality, not a tolerance.
+    assert last_loss_per_step(run_dir) == uninterrupted(recipe)
+    assert (run_dir / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE.json").is_file()
