@@ -93,6 +93,56 @@ def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[l
     return rest, recipe_file, recipe_name
 
 
+def _optional_sections() -> set[str]:
+    """Dotted keys of schema fields typed Optional[<dataclass>] (e.g. model.rope_scaling)."""
+    import typing
+
+    found: set[str] = set()
+
+    def walk(node: type, prefix: str) -> None:
+        for name, hint in typing.get_type_hints(node).items():
+            args = getattr(hint, "__args__", ())
+            inner = next((a for a in args if is_dataclass(a)), None)
+            if inner is not None and type(None) in args:
+                found.add(prefix + name)
+            elif is_dataclass(hint):
+                walk(hint, f"{prefix}{name}.")
+
+    walk(_job_schema(), "")
+    return found
+
+
+def _split_optional_section_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """OmegaConf cannot assign into an Optional[dataclass] field that is null (model.rope_scaling on a
+    Llama-2 model), so `section=...` and `section.field=...` for such fields are applied by us after
+    composition, onto the composed dict, keeping command-line precedence."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sections = _optional_sections()
+    kept: list[str] = []
+    deferred: list[tuple[str, Any]] = []
+    for ov in overrides:
+        key = ov.split("=", 1)[0].lstrip("+")
+        if "=" in ov and not ov.startswith("~") and any(key == s or key.startswith(s + ".") for s in sections):
+            try:
+                parsed = OverridesParser.create().parse_overrides([ov])[0]
+            except Exception as exc:
+                raise ConfigError(explain_compose_error(exc, [ov])) from exc
+            deferred.append((parsed.key_or_group, parsed.value()))
+        else:
+            kept.append(ov)
+    return kept, deferred
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        if tree.get(part) is None:
+            tree[part] = {}
+        tree = tree[part]
+    tree[leaf] = value
+
+
 def _reset_to_default(override: str) -> str:
     """`~section.key` means "back to the schema default": structured configs cannot delete fields,
     and the schema is the one home of defaults, so rewrite it as an assignment of that default."""
@@ -141,6 +191,7 @@ def compose(
     register_schemas()
     recipes = list_recipes(recipe_dirs_extra)
     rest, recipe_file, recipe_name = _split_recipe(list(overrides), recipes)
+    rest, deferred = _split_optional_section_overrides(rest)
     hydra_overrides = [_reset_to_default(ov) for ov in rest]
     if recipe_file is not None:
         hydra_overrides.append(f"recipe={recipe_name}")
@@ -170,6 +221,8 @@ def compose(
             resolved = OmegaConf.to_container(cfg, resolve=True)
         except Exception as exc:
             raise ConfigError(explain_compose_error(exc, rest)) from exc
+    for key, value in deferred:
+        _set_dotted(resolved, key, value)
     try:
         # `+key=value` passes Hydra (it opens the node) but the schema is closed: merging says so.
         # A deleted key (`~key`) falls back to its schema default.
@@ -288,11 +341,6 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
     m = re.search(r"Could not delete from config. '([^']+)' does not exist", full)
     if m:
         return f"cannot delete '{m.group(1)}': it is not set; remove the '~{m.group(1)}' override"
-    if "Unexpected type for root: NoneType" in full:
-        return (
-            f"an override sets a field inside a section that is null: set the whole section, "
-            f"e.g. model.rope_scaling='{{factor: 8.0}}' (overrides: {' '.join(overrides)})"
-        )
     if "Multiple values for" in full:
         return f"{_first_line(exc)}: give each group once"
     return f"invalid configuration: {_first_line(exc)}"

@@ -43,7 +43,9 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
     while len(steps_logged(run_dir)) < step:
         if proc.poll() is not None or time.monotonic() > deadline:
             out, err = proc.communicate()
-            pytest.fail(f"run ended (rc {proc.returncode}) or stalled before step {step}:\n{out[-2000:]}\n{err[-2000:]}")
+            pytest.fail(
+                f"run ended (rc {proc.returncode}) or stalled before step {step}:\n{out[-2000:]}\n{err[-2000:]}"
+            )
         time.sleep(0.05)
 
 
@@ -55,7 +57,11 @@ def worker_pid(run_dir: Path, rank: int) -> int:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"dtlaunch.train.main" in cmd and f"RANK={rank}".encode() in env and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env:
+        if (
+            b"dtlaunch.train.main" in cmd
+            and f"RANK={rank}".encode() in env
+            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
+        ):
             return int(proc.name)
     raise AssertionError(f"no worker of rank {rank} for {run_dir}")
 

@@ -110,3 +110,13 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("training:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match="bad.yaml"):
         load_resolved(tmp_path / "bad.yaml")
+
+
+def test_optional_section_set_from_command_line() -> None:
+    # Llama-2 has no RoPE scaling (null): setting the whole section or one field of it must work.
+    cfg = compose(["model=llama2_7b", "model.rope_scaling={factor:4.0}"]).cfg
+    assert cfg.model.rope_scaling.factor == 4.0 and cfg.model.rope_scaling.high_freq_factor == 4.0
+    assert compose(["model.rope_scaling.low_freq_factor=2.0"]).cfg.model.rope_scaling.low_freq_factor == 2.0
+    assert compose(["model=llama3_8b", "model.rope_scaling=null"]).cfg.model.rope_scaling is None
+    with pytest.raises(ConfigError, match="did you mean 'factor'"):
+        compose(["model.rope_scaling.fctor=2"])
