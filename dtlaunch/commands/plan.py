@@ -70,10 +70,15 @@ def plan_command(
         rows = run_search(job.cfg, top)
         data["search"] = [{k: v for k, v in r.items() if k != "times"} for r in rows]
     if trace:
-        from dtlaunch.errors import ConfigError
+        from dtlaunch.plan.trace import trace_peak
 
-        # The traced second opinion (FakeTensorMode over the real build path) is not built yet.
-        raise ConfigError("--trace is not available yet: run `dtlaunch plan` without --trace")
+        traced = trace_peak(job.cfg, job.layout)
+        # Next to the analytic figure of the SAME rank (the traced one: rank 0, first pipeline stage).
+        stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
+        traced["analytic_peak_bytes"] = int(stage.peak)
+        traced["analytic_categories"] = {k: int(v) for k, v in stage.lines.items()}
+        traced["error_pct"] = round((stage.peak - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2)
+        data["trace"] = traced
     if as_json:
         print(json.dumps(data, indent=2))
         return 0 if plan.fits else 3

@@ -99,9 +99,13 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     os.environ.update(worker_env(cfg, run_dir, gpus))
     # torchrun's agent logs every failure and SIGTERM it sends as several warning lines; the user gets
     # our single line instead (the details stay in logs/rank<R>.log).
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level = elastic_log.level
-    elastic_log.setLevel(logging.CRITICAL)
+    # Child loggers with their own level (the agent's "Received 15 death signal") need silencing too.
+    names = ["torch.distributed.elastic"] + [
+        n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic.")
+    ]
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.CRITICAL)
     try:
         with preempt.forward_signals(grace_s=float(cfg.launch.timeout_s)):
             run(args)
@@ -114,7 +118,8 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
             raise KeyboardInterrupt from None
         raise Preempted(preempted_message(run_dir, exc.sigval.name)) from None
     finally:
-        elastic_log.setLevel(level)
+        for n, lvl in levels.items():
+            logging.getLogger(n).setLevel(lvl)
 
 
 def preempted_message(run_dir: Path, signame: str) -> str:

@@ -144,7 +144,6 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
     tokens = (t.micro_batch // n_mb) * t.seq_len
     ac = t.activation_checkpointing
-    tp_sp = tp if sp else 1
 
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
@@ -194,7 +193,9 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
     head_grads = (4 * (v_h(m, tp) + d.h) if last else 0.0) / (shard if fsdp else 1)
     unit = 0.0
     if fsdp:
-        unit = (2 * e * blk if zero == 3 else 0.0) + (e + (r if r != e else 0)) * blk
+        # The block being differentiated: its gathered parameters (ZeRO-3) and unsharded gradients
+        # (+ their reduce-dtype copy). Measured: the prefetched next block does not add at the peak.
+        unit = (e * blk if zero == 3 else 0.0) + (e + (r if r != e else 0)) * blk
         head_grads = (e * (v_h(m, tp) + d.h) if last else 0.0) if zero == 3 else head_grads
     work = (act.backward_working_bytes(d, e, tp) + act.recompute_bytes(d, e, ac, tp, sp, autocast)) * tokens
     if autocast and ac != "none":

@@ -95,3 +95,52 @@ def test_sigkilled_worker_restarts_and_matches(
     # Bit-identical fp32 losses: exact equality, not a tolerance.
     assert last_loss_per_step(run_dir) == uninterrupted(recipe)
     assert (run_dir / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: a run that keeps producing non-finite steps stops; a stuck rank is named, not waited on forever.
+
+
+def one_error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_bad_steps_in_a_row_stop_the_run(trainer, tmp_path: Path) -> None:
+    """NaN loss at steps 2 and 3 with max_bad_steps=2: both skipped and counted, then exit 1 with one line."""
+    run_dir = tmp_path / "run"
+    proc = trainer.run(
+        run_dir, "recipe=tiny_ddp", "debug.nan_at_steps=[2,3]", "training.max_bad_steps=2", expect_ok=False
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = one_error_line(proc)
+    assert "2 steps in a row with a non-finite loss or gradient norm (last at step 3)" in line, line
+    assert "training.max_bad_steps" in line
+    rows = metrics_rows(run_dir)
+    assert [(r["step"], r["skipped"]) for r in rows] == [(1, 0), (2, 1), (3, 1)]
+
+
+@pytest.mark.slow
+def test_stuck_rank_is_named_after_the_collective_timeout(trainer, tmp_path: Path) -> None:
+    """Rank 1 stops at step 3; rank 0's collective gives up after launch.timeout_s and names rank 1."""
+    import time
+
+    timeout_s = 10
+    began = time.monotonic()
+    proc = trainer.run(
+        tmp_path / "run",
+        "recipe=tiny_ddp",
+        "debug.hang_at_step=3",
+        "debug.fail_rank=1",
+        f"launch.timeout_s={timeout_s}",
+        expect_ok=False,
+    )
+    took = time.monotonic() - began
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = one_error_line(proc)
+    assert f"a collective at step 3 waited longer than launch.timeout_s={timeout_s}s" in line, line
+    assert "did not arrive: rank 1 (last at step 2)" in line, line
+    # Bounded: start-up plus the timeout plus the teardown, not a hang (measured ~15 s + 10 s + 5 s here).
+    assert took < 150, took

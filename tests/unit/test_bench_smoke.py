@@ -1,0 +1,56 @@
+"""bench/ helpers that the suite's results files depend on: machine info, statistics, tables, the
+steady-state throughput formula and the hand-written loop's flags. No timing is asserted."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench import common, run_all, throughput  # noqa: E402
+
+
+def test_machine_info_names_the_machine() -> None:
+    info = common.machine_info()
+    assert info["cores"] >= 1 and info["torch"] and info["cpu"] and info["date"].endswith("UTC")
+    line = common.describe_machine(info)
+    assert info["torch"] in line and f"{info['cores']} cores" in line
+
+
+def test_stats_and_table() -> None:
+    s = common.stats([3.0, 1.0, 2.0])
+    assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 2.0, 3.0, 3)
+    assert common.stats([])["median"] is None
+    assert common.min_med_max(s) == "2.00 (1.00–3.00)"
+    table = common.markdown_table(["a", "b"], [["x|y", 12345.6], [None, True]])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| x\\|y | 12,346 |", "| - | yes |"]
+
+
+def test_steady_tokens_per_s_uses_the_window_after_warmup() -> None:
+    lines = [{"step": s, "elapsed_s": 10.0 + s * 0.5} for s in range(1, 21)]
+    lines[0]["elapsed_s"] = 0.0  # a slow first step must not count
+    assert throughput.steady_tokens_per_s(lines, tokens_per_step=100, warmup=10) == pytest.approx(200.0)
+    assert throughput.steady_tokens_per_s(lines[:5], tokens_per_step=100, warmup=10) is None
+
+
+def test_handwritten_flags_follow_the_dtlaunch_config(tmp_path: Path) -> None:
+    cfg = throughput.composed(["recipe=tiny_fsdp", "training.steps=7", "optim.lr=0.01", "training.grad_clip=0.5"])
+    args = throughput.handwritten_args(cfg, tmp_path / "model.yaml")
+    assert {"--mode=fsdp", "--reshard-after-forward=1", "--steps=7", "--lr=0.01", "--grad-clip=0.5"} <= set(args)
+    assert f"--micro-batch={cfg.training.micro_batch}" in args and "dim: 64" in (tmp_path / "model.yaml").read_text()
+
+
+def test_summary_rows_render_goals() -> None:
+    stat = common.stats([1000.0, 990.0])
+    r = {
+        "throughput": {
+            "cases": [{"case": "c", "ratio": 0.99, "dtlaunch_tokens_per_s": stat, "handwritten_tokens_per_s": stat}]
+        },
+        "launch": [{"name": "dtlaunch --help", "goal_s": 0.3, "seconds": common.stats([0.5]), "error": ""}],
+    }
+    rows = run_all.summary_rows(r)
+    assert rows[0][-1] == "yes" and rows[0][1].startswith("0.990")
+    assert rows[1] == ["dtlaunch --help", "0.50 s", "< 0.3 s", "no"]
