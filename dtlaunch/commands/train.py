@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
+from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
 
 
 def train_command(
     overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool, no_resume: bool
 ) -> int:
     job = load_job(overrides, recipe_dirs)
-    # --- memory-plan gate (engineer P): refuse here, before anything is created, unless --force. ---
+    # The memory-plan gate refuses (exit 3) before anything is created, unless --force.
     from dtlaunch.commands.plan import plan_gate
 
     plan = plan_gate(job, force=force or dry_run)
@@ -30,22 +32,18 @@ def train_command(
         out.print("launch command:", style="bold")
         # soft_wrap: the command must stay one copy-pasteable line.
         out.print(launch_command(job.cfg, run_dir), markup=False, soft_wrap=True)
-        return 0 if plan.fits else 3
+        return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
     from dtlaunch.launch.rundir import create_run_dir
-    from dtlaunch.train.checkpoint import NO_RESUME_ENV
+    from dtlaunch.train.checkpoint import NO_RESUME_ENV, refuse_if_checkpoints
     from dtlaunch.train.data import prepare_run_data
 
     if no_resume:
-        # Workers inherit it; CheckpointManager.resume() then refuses a directory that has checkpoints.
-        os.environ[NO_RESUME_ENV] = "1"
-    if no_resume:  # engineer C: refuse here, one line and exit 2, before the run directory is touched
-        from dtlaunch.train.checkpoint import refuse_if_checkpoints
-
+        # Refuse before the run directory is touched; workers inherit the variable and
+        # CheckpointManager.resume() refuses too (a directory that gains checkpoints meanwhile).
         refuse_if_checkpoints(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+        os.environ[NO_RESUME_ENV] = "1"
     run_dir = create_run_dir(job.cfg, job.recipe)
-    import json
-
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)

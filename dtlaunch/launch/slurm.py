@@ -145,6 +145,9 @@ def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "")
         f"--max-restarts={int(la.max_restarts)}",
         # torchrun must survive USR1 and hand it to its workers (by default USR1 would kill it).
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        # After forwarding a signal torchrun kills the workers after this long (default 30 s): give them
+        # the time Slurm leaves before the limit, so they reach a step boundary and save.
+        f"--shutdown-timeout={max(30, int(cfg.cluster.signal_before_s))}",
         f"--log-dir={_q('run.dir', run_dir / 'logs' / 'torchrun')}",
         f"-m {WORKER_MODULE}",
     ]
