@@ -105,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from bench import handwritten
     from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.step import _dp_mean, train_step
+    from dtlaunch.train.step import end_of_step, train_step
 
     run_dir = Path(tempfile.mkdtemp(prefix="dtlaunch-step-overhead-"))
     (run_dir / "logs").mkdir()
@@ -135,10 +135,11 @@ def main() -> None:
         began = time.perf_counter()
         with tracker.step(step_no[0]):
             r = train_step(ctx, step_no[0])
+            loss, _ = end_of_step(r.local_loss, 0)
         rate = tokens_per_step / (time.perf_counter() - began)
         metrics.log(
             step_no[0],
-            {"loss": r.loss, "lr": 0.0, "grad_norm": r.grad_norm, "tokens_per_s": rate, "peak_mem_bytes": 0},
+            {"loss": loss, "lr": 0.0, "grad_norm": r.grad_norm, "tokens_per_s": rate, "peak_mem_bytes": 0},
         )
 
     def hw_iteration() -> None:  # the body of bench/handwritten.py's loop, logging every step
@@ -184,13 +185,10 @@ def main() -> None:
             lambda: float(handwritten.clip_grad_norm(hw_model, 1.0)), 50, args.outer
         )
         scalar = torch.ones(())
-        results["loss: dtlaunch step._dp_mean (all-reduce when world > 1)"] = best_us(
-            lambda: _dp_mean(scalar), 50, args.outer
+        results["loss + preemption flag: dtlaunch step.end_of_step (one all-reduce when world > 1)"] = best_us(
+            lambda: end_of_step(scalar, 0), 50, args.outer
         )
         results["loss: float(loss) (hand-written)"] = best_us(lambda: float(scalar), 50, args.outer)
-        results["config reads in train_step (debug.nan_at_steps, training.grad_clip)"] = best_us(
-            lambda: (set(ctx.cfg.debug.nan_at_steps), float(ctx.cfg.training.grad_clip)), 50, args.outer
-        )
 
         def tracked() -> None:
             with tracker.step(10**6):

@@ -173,6 +173,10 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     held = in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages)
     blk_tok = act.block_bytes(d, e, ac, tp, sp, autocast)
+    if fsdp and sp and ac == "selective":
+        # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
+        # gathered (full-sequence) hidden state per block that the op-level count does not explain.
+        blk_tok += e * d.h
     per_token = layers * blk_tok
     if first:
         per_token += act.embedding_bytes(d, e)

@@ -7,6 +7,7 @@ per stage) -> optimizer, schedule, loader -> resume -> loop -> final save -> sum
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -30,7 +31,7 @@ from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
-from dtlaunch.train.step import StepContext, train_step
+from dtlaunch.train.step import StepContext, end_of_step, train_step
 
 
 class TrainingDiverged(DtlaunchError):
@@ -161,49 +162,51 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     ctx.between_micro_steps = tracker.micro_step
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
-    bad, skipped_total, last = 0, 0, None
+    bad, skipped_total, last_loss = 0, 0, None
     watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
         with watch.step(step), tracker.step(step):
-            last = train_step(ctx, step)
+            result = train_step(ctx, step)
+            loss, signum = end_of_step(result.local_loss, preempt.requested())
         rates.append(tokens_per_step / (time.perf_counter() - began))
-        bad = bad + 1 if last.skipped else 0
-        skipped_total += int(last.skipped)
+        skipped = not result.applied or not math.isfinite(loss)
+        last_loss = loss
+        bad = bad + 1 if skipped else 0
+        skipped_total += int(skipped)
         # Every step is logged; the logger buffers and writes/prints every training.log_every steps.
         metrics.log(
             step,
             {
-                "loss": last.loss,
+                "loss": loss,
                 "lr": lr,
-                "grad_norm": last.grad_norm,
+                "grad_norm": result.grad_norm,
                 "tokens_per_s": rates[-1],
                 "peak_mem_bytes": measure_peak_memory(tracker),
-                "skipped": int(last.skipped),
+                "skipped": int(skipped),
             },
         )
-        if last.skipped and bad >= int(cfg.training.max_bad_steps):
+        if skipped and bad >= int(cfg.training.max_bad_steps):
             raise TrainingDiverged(
                 f"{bad} steps in a row with a non-finite loss or gradient norm (last at step "
                 f"{step}): lower optim.lr, or raise training.max_bad_steps"
             )
         ckpt.maybe_save(step)
-        # --- engineer FT: preemption. Every rank stops after the same step and saves it. ---
-        with watch.step(step):
-            signum = preempt.stop_agreed(env.device)
+        # Preemption: end_of_step told every rank the same signal, so all stop after this step and save it.
+        if signum:
+            preempt.stopping(signum)
         if signum and step < int(cfg.training.steps):
             ckpt.save(step, final=True)
             ckpt.close()
             metrics.close()
             raise preempt.PreemptionStop(step, signum)
-        # --- end FT ---
     final_step = max(start, int(cfg.training.steps))
     ckpt.save(final_step, final=True)
     ckpt.close()
     metrics.close()
-    write_summary(run_dir, env, final_step, last, rates, skipped_total, measure_peak_memory(tracker))
+    write_summary(run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker))
     log(f"done at step {final_step}; {skipped_total} skipped step(s)")
 
 
@@ -212,7 +215,7 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def write_summary(
-    run_dir: Path, env: DistEnv, step: int, last: Any, rates: list[float], skipped: int, peak: int
+    run_dir: Path, env: DistEnv, step: int, last_loss: float | None, rates: list[float], skipped: int, peak: int
 ) -> None:
     peaks = [0] * env.world
     dist.all_gather_object(peaks, peak)
@@ -220,7 +223,7 @@ def write_summary(
         return
     summary = {
         "final_step": step,
-        "last_loss": last.loss if last else None,
+        "last_loss": last_loss,
         "tokens_per_s_median": statistics.median(rates) if rates else None,
         "skipped_steps": skipped,
         "peak_mem_bytes_per_rank": peaks,

@@ -99,7 +99,8 @@ class MetricsLogger:
         tokens = sum(v.get("tokens", self._tokens_per_step) or 0 for _, v in rows)
         window_tps = tokens / max(now - self._t_window, 1e-9)
         self._t_window = now
-        peak = _peak_mem_bytes()
+        # Only measured here when the loop did not pass it (it costs a syscall or a device query).
+        peak = _peak_mem_bytes() if any("peak_mem_bytes" not in v for _, v in rows) else 0
         for step, vals in rows:
             rec: dict[str, Any] = {"step": step}
             rec.update(vals)

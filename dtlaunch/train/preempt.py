@@ -60,18 +60,9 @@ def requested() -> int:
     return _requested
 
 
-def stop_agreed(device: Any) -> int:
-    """Collective, once per step boundary on every rank: the signal some rank got (0: go on)."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([_requested], dtype=torch.int32, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    signum = int(flag.item())
-    if signum:
-        _notify_agent(signum)
-    return signum
+def stopping(signum: int) -> None:
+    """All ranks agreed to stop for `signum` (see dtlaunch.train.step.end_of_step): tell the launcher."""
+    _notify_agent(signum)
 
 
 def _notify_agent(signum: int) -> None:

@@ -25,9 +25,11 @@ from dtlaunch.train.tensor_parallel import cross_entropy
 
 @dataclass
 class StepResult:
-    loss: float
+    # This rank's loss (micro-step means / accum, summed), still on the device: `end_of_step` averages it.
+    local_loss: torch.Tensor
     grad_norm: float
-    skipped: bool
+    # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler).
+    applied: bool
 
 
 @dataclass
@@ -49,10 +51,15 @@ class StepContext:
     # Called between accumulation micro-steps (the CPU memory tracker resets its per-module statistics).
     between_micro_steps: Callable[[], None] = lambda: None
 
+    def __post_init__(self) -> None:
+        # Read once: OmegaConf attribute access costs tens of microseconds per step.
+        self.grad_clip = float(self.cfg.training.grad_clip)
+        self.nan_steps = frozenset(int(s) for s in self.cfg.debug.nan_at_steps)
+
 
 def train_step(ctx: StepContext, step: int) -> StepResult:
     """Forward/backward over `accum` micro-steps (gradient sync on the last only), then clip and step."""
-    poison = step in set(ctx.cfg.debug.nan_at_steps)  # test hook: a NaN loss must be skipped, not applied
+    poison = step in ctx.nan_steps  # test hook: a NaN loss must be skipped, not applied
     local_loss = torch.zeros((), device=ctx.device)
     for micro in range(ctx.accum):
         if micro:
@@ -60,15 +67,16 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
         inputs, targets = (t.to(ctx.device) for t in ctx.loader.next_batch())
         with grad_sync(ctx.model_parts, enabled=micro == ctx.accum - 1):
             local_loss += _micro_step(ctx, inputs, targets, poison)
-    loss = _dp_mean(local_loss)
     if ctx.scaler is not None:
         for opt in ctx.optimizers:
             ctx.scaler.unscale_(opt)
     params = [list(m.parameters()) for m in ctx.model_parts]
-    grad_norm = float(clip_grad_norm(params, float(ctx.cfg.training.grad_clip), ctx.pp_mesh))
+    # The one host sync of the step: the global norm decides whether the update is applied. A non-finite
+    # loss on any rank makes every gradient, and so this all-reduced norm, non-finite on every rank.
+    grad_norm = float(clip_grad_norm(params, ctx.grad_clip, ctx.pp_mesh))
     # With fp16 loss scaling an overflowing step is routine: the scaler skips it and lowers the scale.
-    skipped = not math.isfinite(loss) or (ctx.scaler is None and not math.isfinite(grad_norm))
-    if not skipped:
+    applied = ctx.scaler is not None or math.isfinite(grad_norm)
+    if applied:
         for opt in ctx.optimizers:
             ctx.scaler.step(opt) if ctx.scaler is not None else opt.step()
     if ctx.scaler is not None:
@@ -77,7 +85,7 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
         opt.zero_grad(set_to_none=True)
     for sched in ctx.schedulers:
         sched.step()
-    return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped)
+    return StepResult(local_loss=local_loss, grad_norm=grad_norm, applied=applied)
 
 
 def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, poison: bool) -> torch.Tensor:
@@ -105,11 +113,21 @@ def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, p
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def _dp_mean(local_loss: torch.Tensor) -> float:
-    """Mean over data-parallel ranks with one all-reduce over the world: TP and PP peers hold equal
-    copies of their replica's loss, so the world mean is the data-parallel mean."""
-    t = local_loss.detach().float().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def end_of_step(local_loss: torch.Tensor, signal_requested: int) -> tuple[float, int]:
+    """The one extra collective per step, on every rank: the data-parallel mean loss and whether any rank
+    was asked to stop (preemption), in a single SUM all-reduce of [loss, asked, signal number].
+
+    TP and PP peers hold equal copies of their replica's loss, so the world mean is the data-parallel
+    mean. The signal is recovered as the mean signal number over the ranks that got one."""
+    t = torch.stack(
+        [
+            local_loss.detach().float().reshape(()),
+            torch.tensor(float(signal_requested > 0), device=local_loss.device),
+            torch.tensor(float(signal_requested), device=local_loss.device),
+        ]
+    )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
         dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return float(t)
+    loss, asked, total = t.tolist()
+    return loss / world, (round(total / asked) if asked else 0)
