@@ -118,7 +118,9 @@ def ckpt_ls(run: str = typer.Argument(..., help="Run directory (runs/<name>) or 
 
 
 @ckpt_app.command("inspect")
-def ckpt_inspect(checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest).")) -> None:
+def ckpt_inspect(
+    checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest)."),
+) -> None:
     """Tensor names, shapes and dtypes of a checkpoint, and which layout wrote it."""
     from dtlaunch.commands.ckpt import inspect_command
 
@@ -127,7 +129,9 @@ def ckpt_inspect(checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX dir
 
 @ckpt_app.command("export")
 def ckpt_export(
-    src: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or a step-XXXXXXXX directory."),
+    src: str = typer.Argument(
+        ..., help="A run directory (its newest complete checkpoint) or a step-XXXXXXXX directory."
+    ),
     fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json for LlamaForCausalLM) or torch."),
     out: str = typer.Option(..., "--out", help="Output directory."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: split safetensors above this size."),

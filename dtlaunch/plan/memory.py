@@ -155,9 +155,9 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
         # separate tensors, allocated in backward and set to None after the step.
         lines["DDP buckets"] = 4 * p_rank
     if accum > 1:
-        # Between accumulation micro-steps: DDP keeps .grad; FSDP without gradient sync keeps
-        # UNSHARDED gradients (reduce dtype) until the last micro-step reduce-scatters them.
-        lines["accumulated gradients"] = r * p_rank if fsdp else grads
+        # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
+        # reduce-scatters every micro-step (dtlaunch.train.parallelize.grad_sync) and keeps only shards.
+        lines["accumulated gradients"] = grads
     if autocast and ac == "none":
         # Each weight's compute-dtype copy (not the embedding's, nor norm gains) is saved by its matmul
         # from forward to backward; under AC the casts are recomputed with the block instead.
