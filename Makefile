@@ -20,7 +20,7 @@ demo: install  ## train the embedded default: ~5M-param Llama, 2 gloo workers, P
 	$(BIN)/dtlaunch train recipe=demo
 
 test: install  ## the whole suite: unit, multi-process, end-to-end and system tests
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: install  ## unit tests only
 	$(BIN)/pytest -q tests/unit

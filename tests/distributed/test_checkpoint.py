@@ -77,7 +77,9 @@ def _states_equal(a: Path, b: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp2", "fsdp2", "zero1_2", "tp2"])
+# DDP, FSDP, TP and PP resume bit-identically through the CLI in tests/e2e/test_resume_cli.py and
+# tests/e2e/test_fault_tolerance.py; ZeRO-1's optimizer is saved by a path of its own, tested here.
+@pytest.mark.parametrize("layout", ["zero1_2"])
 def test_interrupted_equals_uninterrupted(layout: str, tmp_path: Path) -> None:
     straight = run_worker(layout, tmp_path / "a", tmp_path / "a.json")
     first = run_worker(layout, tmp_path / "b", tmp_path / "b1.json", stop_at=3)

@@ -22,21 +22,6 @@ DEEP = TINY[:-1] + ["model.n_layers=8"]
 BASE = ["training.seq_len=32", "training.micro_batch=4", "training.steps=5", "strategy.zero_stage=0"]
 
 CASES = {
-    "tp_sp": (2, TINY + ["strategy.tp=2", "strategy.dp_shard=1"]),
-    "tp_no_sp": (2, TINY + ["strategy.tp=2", "strategy.dp_shard=1", "strategy.sequence_parallel=false"]),
-    "pp_gpipe": (2, TINY + ["strategy.pp=2", "strategy.dp_shard=1", "strategy.pp_schedule=gpipe"]),
-    "pp_1f1b": (2, TINY + ["strategy.pp=2", "strategy.dp_shard=1", "strategy.pp_schedule=1f1b"]),
-    "pp_interleaved": (
-        2,
-        DEEP
-        + [
-            "strategy.pp=2",
-            "strategy.dp_shard=1",
-            "strategy.pp_schedule=interleaved_1f1b",
-            "strategy.pp_stages_per_rank=2",
-            "strategy.pp_microbatches=4",
-        ],
-    ),
     "pp_zbv": (
         2,
         DEEP
@@ -48,19 +33,7 @@ CASES = {
             "strategy.pp_microbatches=4",
         ],
     ),
-    "pp_uneven": (2, DEEP + ["strategy.pp=2", "strategy.dp_shard=1", "strategy.pp_layers_per_stage=[3,5]"]),
     "fsdp_tp": (4, TINY + ["strategy.tp=2", "strategy.dp_shard=2", "strategy.zero_stage=3"]),
-    "fsdp_tp_pp": (
-        8,
-        DEEP
-        + [
-            "strategy.tp=2",
-            "strategy.dp_shard=2",
-            "strategy.pp=2",
-            "strategy.zero_stage=3",
-            "strategy.pp_microbatches=2",
-        ],
-    ),
 }
 
 
@@ -82,6 +55,11 @@ def run_case(name: str, tmp_path: Path) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
+
+
+# tests/e2e/test_train_tp_pp.py runs the other layouts through the CLI (loss and grad norm vs one process);
+# here, with SGD so that a wrong clipping factor shows in the loss, the cases that are not there: the
+# V-shaped ZBV schedule and FSDP x TP, whose grad norm needs the _StridedShard placement handled.
 
 
 @pytest.mark.slow
