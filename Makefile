@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml
 demo: install  ## train the embedded default: ~5M-param Llama, 2 gloo workers, Python stdlib text
 	$(BIN)/dtlaunch train recipe=demo
 
+# Tests run `dtlaunch` as a user does, so the venv's console script must be on PATH.
 test: install  ## the whole suite: unit, multi-process, end-to-end and system tests
-	$(BIN)/pytest -q --durations=25
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q --durations=25
 
 test-fast: install  ## unit tests only
-	$(BIN)/pytest -q tests/unit
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q tests/unit
 
 lint: install
 	$(BIN)/ruff check .

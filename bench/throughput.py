@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command_line, markdown_table, min_med_max, stats, usable_cores, venv_bin
+from dtlaunch.train.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -163,17 +164,6 @@ def steady_tokens_per_s(lines: list[dict], tokens_per_step: int, warmup: int) ->
     return tokens_per_step * (last - warmup) / dt if dt > 0 else None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def run_one(
     side: str, cmd: list[str], env: dict[str, str], metrics: Path, log: Path, tokens_per_step: int, warmup: int
 ) -> RunResult:
@@ -185,7 +175,7 @@ def run_one(
         proc = subprocess.run(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False)
     wall = time.perf_counter() - t0
     first = watch.stop()
-    lines = _read_jsonl(metrics)
+    lines = read_metrics(metrics)
     result = RunResult(side, None, first, wall, command_line(cmd, env), steps_seen=len(lines))
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []

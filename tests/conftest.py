@@ -53,3 +53,22 @@ class Trainer:
 @pytest.fixture(scope="session")
 def trainer() -> Trainer:
     return Trainer()
+
+
+def worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank`'s training worker of this run, from /proc (its environment names the run)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (
+            b"dtlaunch.train.main" in cmd
+            and f"RANK={rank}".encode() in env
+            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
+        ):
+            return int(proc.name)
+    return None

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import worker_pid
 
 STEPS = 30  # long enough that a signal sent after step 2 lands mid-run
 COMMON = [
@@ -47,23 +48,6 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
                 f"run ended (rc {proc.returncode}) or stalled before step {step}:\n{out[-2000:]}\n{err[-2000:]}"
             )
         time.sleep(0.05)
-
-
-def worker_pid(run_dir: Path, rank: int) -> int:
-    """The pid of `rank`'s training worker of this run (its environment names the run directory)."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            b"dtlaunch.train.main" in cmd
-            and f"RANK={rank}".encode() in env
-            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
-        ):
-            return int(proc.name)
-    raise AssertionError(f"no worker of rank {rank} for {run_dir}")
 
 
 def assert_preempted(proc: subprocess.Popen, run_dir: Path, signame: str) -> int:
@@ -113,6 +97,8 @@ def test_sigusr1_to_one_worker_stops_every_rank_without_restart(tmp_path: Path) 
     run_dir = tmp_path / "run"
     proc = start(run_dir, "recipe=tiny_fsdp", "launch.max_restarts=1")
     wait_for_step(proc, run_dir, 2)
-    os.kill(worker_pid(run_dir, 1), signal.SIGUSR1)
+    pid = worker_pid(run_dir, 1)
+    assert pid is not None, f"no worker of rank 1 for {run_dir}"
+    os.kill(pid, signal.SIGUSR1)
     assert_preempted(proc, run_dir, "SIGUSR1")
     assert "attempt 1" not in (run_dir / "logs" / "rank0.log").read_text()

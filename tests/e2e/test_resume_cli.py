@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import worker_pid
 
 COMMON = ["training.seq_len=32", "training.steps=6", "checkpoint.every_steps=3", "checkpoint.keep_last=3"]
 
@@ -59,25 +60,6 @@ def test_restart_after_failure_is_bit_identical(recipe: str, tmp_path: Path) -> 
     assert [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)], (a, b)
 
 
-def _worker_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of the training worker of `rank` in this run (from /proc: its environment names the run)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            b"dtlaunch.train.main" in cmd
-            and f"RANK={rank}".encode() in env
-            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
-        ):
-            return int(proc.name)
-    return None
-
-
 @pytest.mark.slow
 def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None:
     run = (tmp_path / "run").resolve()
@@ -102,7 +84,7 @@ def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None
     deadline = time.time() + 300
     killed = False
     while time.time() < deadline and proc.poll() is None:
-        pid = _worker_pid(run, 1)
+        pid = worker_pid(run, 1)
         if tmp_dir.is_dir() and pid is not None:
             time.sleep(1.0)  # inside the 60 s stall: rank 0's shard may be written, rank 1's is not
             os.kill(pid, signal.SIGKILL)

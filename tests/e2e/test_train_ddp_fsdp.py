@@ -150,19 +150,18 @@ def test_run_dir_contents(trainer, tmp_path: Path) -> None:
     assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]
 
 
-def test_fp16_with_sharded_grad_scaler(trainer, tmp_path: Path) -> None:
-    # fp16 compute needs dynamic loss scaling: the scaler skips overflowing steps (and lowers the scale),
-    # so losses are not comparable step by step with fp32 — but they must stay finite and fall.
-    import math
-
+def test_fp16_with_sharded_grad_scaler(trainer, reference, tmp_path: Path) -> None:
+    # fp16 compute with dynamic loss scaling (FSDP's sharded grad scaler, fp32 master weights): every
+    # step must be applied (no overflow at this size) and stay as close to fp32 as bf16 does.
     trainer.run(
         tmp_path / "run",
         "recipe=tiny_fsdp",
         "precision=fp16",
         "launch.nproc_per_node=2",
         "training.micro_batch=4",
-        "training.steps=12",
     )
-    got = trainer.losses(tmp_path / "run")
-    assert len(got) == 12 and all(math.isfinite(x) for x in got), got
-    assert got[-1] < got[0] - 0.5, got
+    rows = trainer.metrics(tmp_path / "run")
+    assert [r["skipped"] for r in rows] == [0] * len(rows)
+    got = [r["loss"] for r in rows]
+    assert_parity(got, reference, BF16_TOL)
+    assert got != reference
