@@ -108,8 +108,7 @@ def main() -> None:
         if env.rank == 0 and cfg.checkpoint.enabled:
             preempt.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
-        shutdown()
-        sys.exit(EXIT_PREEMPTED)
+        shutdown(EXIT_PREEMPTED)
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()
