@@ -241,6 +241,14 @@ class CheckpointManager:
         # they never interleave with the training loop's collectives on the default group.
         self.pg = dist.new_group(backend="gloo") if (self.dist and self.async_save) else None
         self._pending: Optional[tuple[Any, int, Path, dict]] = None
+        self._staging: Optional[Any] = None  # future: the async save's copy of the state is complete
+        self._stager = _make_stager() if self.async_save else None
+        self.blocked_s = 0.0  # time async saves held the training loop (start + waits for staging)
+        if self._stager is not None:
+            # The copy runs in the background while the next forward/backward runs; only the optimizer
+            # step changes what is being copied, so that is where the loop waits for it.
+            for opt in self.optimizers:
+                opt.register_step_pre_hook(lambda *_: self.wait_staged())
         self.last_saved_step = -1
         self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
 
@@ -313,9 +321,11 @@ class CheckpointManager:
         started = time.perf_counter()
         try:
             if self.async_save and not final:
-                fut = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
-                self._pending = (fut, step, tmp, trainer_state)
+                resp = dcp.async_save(state, storage_writer=writer, process_group=self.pg, async_stager=self._stager)
+                self._staging = resp.staging_completion
+                self._pending = (resp.upload_completion, step, tmp, trainer_state)
                 self.last_saved_step = step
+                self.blocked_s += time.perf_counter() - started
                 if self.rank == 0:
                     _log(f"step {step}: async save started ({time.perf_counter() - started:.2f}s blocking)")
                 return
@@ -328,6 +338,18 @@ class CheckpointManager:
         if self.rank == 0:
             _log(f"step {step}: saved {step_dir_name(step)} in {time.perf_counter() - started:.2f}s")
 
+    def wait_staged(self) -> None:
+        """Block until the async save in flight has its own copy of the state (before it may change)."""
+        if self._staging is None:
+            return
+        started = time.perf_counter()
+        staging, self._staging = self._staging, None
+        try:
+            staging.result()
+        except _SAVE_ERRORS() as exc:
+            self._fail(self._pending[2] if self._pending else self.root, exc)
+        self.blocked_s += time.perf_counter() - started
+
     def _poll_pending(self) -> None:
         if self._pending is not None and self._pending[0].done():
             self._wait_pending()
@@ -335,6 +357,7 @@ class CheckpointManager:
     def _wait_pending(self) -> None:
         if self._pending is None:
             return
+        self.wait_staged()
         fut, step, tmp, trainer_state = self._pending
         self._pending = None
         try:
@@ -344,6 +367,8 @@ class CheckpointManager:
         # Rank 0 is DCP's coordinator: its save returns only after every rank's shard is written and
         # the global `.metadata` is on disk, so it can mark the checkpoint complete on its own.
         self._finalize(step, tmp, trainer_state)
+        if self.rank == 0:
+            _log(f"step {step}: async save complete (async saves held training {self.blocked_s:.2f}s so far)")
 
     def _fail(self, tmp: Path, exc: BaseException) -> None:
         # The partial directory stays (never loadable: no marker): the next start names it when skipping
@@ -479,13 +504,13 @@ class CheckpointManager:
             if "cuda" in state["rng"][rng_key]:
                 torch.cuda.set_rng_state(state["rng"][rng_key]["cuda"])
         trainer = json.loads((path / STATE_FILE).read_text())
-        if len(trainer["schedulers"]) != len(self.schedulers):
-            raise ConfigError(
-                f"checkpoint '{path}' has {len(trainer['schedulers'])} LR schedulers, this run {len(self.schedulers)}: "
-                f"resume with the same pipeline stages per rank or start a new run.dir"
-            )
-        for sched, sd in zip(self.schedulers, trainer["schedulers"], strict=True):
-            sched.load_state_dict(sd)
+        # One scheduler per model part, all stepped together: any saved one fits every part here, so a
+        # run with 2 pipeline stages per rank resumes on 1 (or none) and back.
+        saved = trainer["schedulers"]
+        if any(sd != saved[0] for sd in saved[1:]):
+            raise ConfigError(f"checkpoint '{path}' holds LR schedulers in different states: it is damaged")
+        for sched in self.schedulers:
+            sched.load_state_dict(saved[0])
         if self.loader is not None and trainer.get("loader"):
             self.loader.load_state_dict(trainer["loader"])
 
@@ -537,6 +562,20 @@ def _SlowWriter(path: str, sleep_s: float) -> Any:  # noqa: N802 (factory standi
 
 
 _SLOW_WRITER: Any = None
+
+
+def _make_stager() -> Any:
+    """One stager for the whole run: it keeps its copy buffers between saves (filled again, not
+    reallocated), and copies in a background thread. Pinned memory and non-blocking copies need CUDA."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+        )
+    )
 
 
 def _SafeLoadPlanner() -> Any:  # noqa: N802

@@ -1,0 +1,56 @@
+"""An async save copies the state in the background while training goes on: the optimizer step must
+wait for that copy, or the checkpoint would hold a mix of two steps. Single process, no process group."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from dtlaunch.config.compose import compose
+from dtlaunch.models.llama import build_model
+from dtlaunch.train.checkpoint import CheckpointManager
+from dtlaunch.train.init import materialize_and_init
+from dtlaunch.train.optim import build_optimizer, build_scheduler
+
+
+def _setup(run_dir: Path) -> tuple:
+    cfg = compose(
+        ["model=tiny", "hardware=cpu", "training.seq_len=16", "checkpoint.async_save=true", "strategy.dp_shard=1"]
+    ).cfg
+    torch.manual_seed(0)
+    model = build_model(cfg.model, rope_len=16, device="cpu")
+    materialize_and_init(model, torch.device("cpu"), seed=0)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = build_scheduler(opt, cfg)
+    return cfg, model, opt, sched, CheckpointManager(cfg, run_dir, [model], [opt], [sched], None, rank=0)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int) -> None:
+    tokens = torch.randint(0, vocab, (2, 17))
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_optimizer_step_waits_for_the_async_copy(tmp_path: Path) -> None:
+    cfg, model, opt, _, mgr = _setup(tmp_path)
+    vocab = int(cfg.model.vocab_size)
+    _step(model, opt, vocab)
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # Slow the background copy down so the next optimizer step certainly arrives while it runs.
+    stager = mgr._stager._state_dict_stager
+    copy = stager.stage
+    stager.stage = lambda *a, **k: (time.sleep(1.0), copy(*a, **k))[1]
+    mgr.save(1)
+    _step(model, opt, vocab)  # changes every parameter in place
+    assert mgr.blocked_s > 0.5  # the step waited for the copy
+    mgr.close()
+    assert not torch.equal(next(iter(model.parameters())), next(iter(snapshot.values())))
+
+    _, fresh, _, _, loader_mgr = _setup(tmp_path)
+    assert loader_mgr.resume() == 1
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
