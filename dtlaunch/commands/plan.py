@@ -72,7 +72,8 @@ def plan_command(
     if trace:
         from dtlaunch.plan.trace import trace_peak
 
-        traced = trace_peak(job.cfg, job.layout)
+        # The most loaded pipeline stage's first rank (pp is the outermost mesh dimension).
+        traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
         # Next to the analytic figure of the SAME rank (the traced one: rank 0, first pipeline stage).
         stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
         traced["analytic_peak_bytes"] = int(stage.peak)

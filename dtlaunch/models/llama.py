@@ -134,8 +134,13 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # One copy of the tables in the hidden state's dtype, shared by every block. Handed the fp32
+        # tables, FSDP's mixed-precision hook would cast them again at each block's entry: a copy
+        # per block, kept for backward under activation checkpointing.
+        dtype = h.dtype if h.is_floating_point() else self.rope_cos.dtype
+        cos, sin = self.rope_cos.to(dtype), self.rope_sin.to(dtype)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

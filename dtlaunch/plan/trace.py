@@ -2,21 +2,29 @@
 
 Rank `rank` of the full world is emulated with the "fake" process-group backend (collectives move no
 data but allocate what a real rank allocates), on real CPU tensors when the run is small enough, else
-under FakeTensorMode (shapes and dtypes, no storage; see trace_peak for its measured limits). The build is R1a's/R1b's own code: the model on
+under FakeTensorMode (shapes and dtypes, no storage). The build is the runtime's own code: the model on
 meta, `parallelize` (TP -> AC -> FSDP/DDP) or the pipeline stage split, the optimizer; then `steps`
 optimizer steps of forward, loss under the runtime's loss context, backward, grad clipping, AdamW step,
 zero_grad — the runtime's train_step minus its host-side float() reads, which a fake tensor cannot do.
-torch's MemTracker gives the peak and the bytes per category (parameters, gradients, optimizer state,
-activations, temporaries) at that peak.
+The first step runs untracked (it creates the optimizer state); of each step's accumulation micro-steps
+only the first and the last run (`traced_micro_steps`). On real tensors torch's MemTracker gives the
+peak and the bytes per category (parameters, gradients, optimizer state, activations, temporaries);
+on fake tensors the runtime's StorageCounter gives the peak (torch's trackers mis-size fake DTensor
+shards; see `_trace`). Measured at real sizes against the analytic plan: tests/unit/test_plan_trace.py.
 
-Pipeline parallel is refused: the schedule's shape inference and activation receives need real
-peers (a fake group delivers garbage sizes), so PP layouts are checked by real runs only.
+Pipeline parallel (1F1B, GPipe; one stage per rank, no TP): torch's schedules cannot run on a fake
+group (their shape inference receives sizes from real peers), so the trace replays the schedule's
+order of forwards and backwards on this rank's stage module itself: received activations and
+gradients are random tensors of the right shape and dtype, the last stage computes the runtime's
+loss. What the stage holds (parameters, optimizer state, activations of the micro-batches in flight,
+gradients as they accumulate) comes from running its real code; the order comes from the schedule's
+definition (the same order torch's Schedule1F1B / ScheduleGPipe run).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Optional
 
 from dtlaunch.config.layout import Layout, grad_accum_steps
 from dtlaunch.errors import ConfigError
@@ -25,13 +33,12 @@ from dtlaunch.errors import ConfigError
 REAL_TENSOR_LIMIT = 4 * 1024**3
 
 
-def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 3, fake: bool | None = None) -> dict:
+def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bool | None = None) -> dict:
     """{"peak_bytes", "categories" (bytes at the peak), "rank", "stage", "tensors": "real"|"fake"}.
 
     fake=None: real CPU tensors when the analytic peak is under REAL_TENSOR_LIMIT (this emulation
-    reproduced real gloo runs' MemTracker peaks to 0.01 %), fake tensors above. Measured limitation:
-    under FakeTensorMode MemTracker/FSDPMemTracker over-count (optimizer state keeps growing: +4.5 %
-    on a 7M model with ZeRO-3, far more at 8B), so fake traces are an upper bound, not a check."""
+    reproduced real gloo runs' MemTracker peaks to 0.01 %), fake tensors above (with the first step
+    untracked, fake and real traces of the same small run agree to the byte)."""
     if fake is None:
         from dtlaunch.plan.memory import plan_memory
 
@@ -40,10 +47,10 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 3, fake: bo
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if layout.pp > 1:
+    if layout.pp > 1 and (layout.tp > 1 or cfg.strategy.pp_schedule not in PP_ORDERS):
         raise ConfigError(
-            f"--trace cannot emulate strategy.pp={layout.pp} in one process (pipeline schedules need real "
-            f"peers): drop --trace, or check the plan with a real run"
+            f"--trace replays only 1F1B and GPipe pipelines without TP (got strategy.pp_schedule="
+            f"{cfg.strategy.pp_schedule}, strategy.tp={layout.tp}): drop --trace, or check the plan with a real run"
         )
     if int(cfg.strategy.zero_stage) <= 1 and layout.dp > 1 and fake:
         # DDP's C++ reducer allocates its buckets outside the dispatcher: fake tensors break it.
@@ -60,11 +67,35 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 3, fake: bo
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with mode, _skip_init(fake):
+        with mode, _skip_init(fake), _real_meshes(fake):
             torch.manual_seed(int(cfg.training.seed))
             return {**_trace(cfg, layout, mesh, rank, steps), "tensors": "fake" if fake else "real"}
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _real_meshes(fake: bool) -> Any:
+    """Device meshes hold real rank tensors (their coordinates come from `nonzero`, which fake tensors
+    cannot answer): FSDP x TP builds a combined mesh while sharding, so build every mesh outside the
+    fake mode."""
+    if not fake:
+        yield
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    real = DeviceMesh.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            real(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = real  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -89,6 +120,8 @@ def _skip_init(fake: bool) -> Any:
 
 
 def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
+    if layout.pp > 1:
+        return _trace_pipeline(cfg, layout, mesh, rank, steps)
     import torch
 
     from dtlaunch.train.dist_init import DistEnv
@@ -120,9 +153,31 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
         pipeline_loss=built.get("pipeline_loss"),
         pp_mesh=built.get("pp_mesh"),
     )
+    # The first step runs untracked. It creates the optimizer state (later steps hold the same state, so
+    # their peak is the run's), and it fills DTensor's sharding-propagation cache: on a cache miss that
+    # propagation runs ops on full, unsharded shapes under the active fake mode, which the tracker would
+    # count as allocations (measured: 13x the real optimizer state on the first step of an 8B trace).
+    _one_step(ctx, None, warmup=True)
+    from torch._guards import active_fake_mode
+
+    fake_mode = active_fake_mode()
+    if fake_mode is not None:
+        # Fake tensors: the peak from StorageCounter (the runtime's own measure), without categories.
+        # torch's trackers mis-size fake FSDP x TP shards: they follow FSDP's storage resizes with global
+        # sizes (measured: a phantom full vocab x dim fp32 "Temp" on a 64-rank trace, +76 %).
+        from dtlaunch.train.memtrack import StorageCounter, state_tensors
+
+        counter = StorageCounter(fake_mode=fake_mode)
+        for _ in range(max(1, steps - 1)):
+            counter.add_existing(state_tensors(parts, optimizers))
+            with counter:
+                _one_step(ctx, None)
+        return {"peak_bytes": counter.peak, "categories": {}, "rank": rank, "stage": 0}
+    # Real tensors: torch's tracker, which also splits the peak into categories (its peak equals
+    # StorageCounter's on real tensors: tests/unit/test_memtrack.py).
     tracker = _tracker(parts, optimizers)
     peak, snap = 0, {}
-    for _ in range(steps):
+    for _ in range(max(1, steps - 1)):
         with tracker:
             _one_step(ctx, tracker)
         cur = tracker.get_tracker_snapshot("peak")
@@ -130,18 +185,129 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
         if total >= peak:
             peak, snap = total, cur
         tracker.reset_mod_stats()
+    return {"peak_bytes": peak, "categories": _categories(snap), "rank": rank, "stage": 0}
+
+
+def _one_f1b_order(n_mb: int, pp: int, stage: int) -> list[tuple[str, int]]:
+    """Schedule1F1B on one stage: min(pp - stage, n_mb) forwards, then backward/forward pairs, then the
+    remaining backwards."""
+    warm = min(pp - stage, n_mb)
+    order = [("F", i) for i in range(warm)]
+    f = warm
+    for b in range(n_mb):
+        order.append(("B", b))
+        if f < n_mb:
+            order.append(("F", f))
+            f += 1
+    return order
+
+
+PP_ORDERS = {
+    "1f1b": _one_f1b_order,
+    "gpipe": lambda n_mb, pp, stage: [("F", i) for i in range(n_mb)] + [("B", i) for i in range(n_mb)],
+}
+
+
+def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
+    """Rank `rank`'s pipeline stage, its micro-batches in the schedule's order (see the module doc)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from dtlaunch.config.layout import pp_microbatches
+    from dtlaunch.models.llama import build_model
+    from dtlaunch.plan.activations import DTYPE_BYTES
+    from dtlaunch.train.optim import build_optimizer
+    from dtlaunch.train.parallelize import parallelize
+    from dtlaunch.train.pipeline import build_stage_modules
+    from dtlaunch.train.pp_step import clip_grad_norm
+    from dtlaunch.train.tensor_parallel import cross_entropy
+
+    device = torch.device("cpu")
+    stage = rank // (layout.world // layout.pp)  # pp is the outermost mesh dimension
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # Split the meta model outside the fake mode: deep-copying meta parameters under it leaves weak
+    # references on them that the later materialisation (to_empty) refuses.
+    with unset_fake_temporarily():
+        (idx, part), *_ = build_stage_modules(
+            build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), cfg, layout, stage
+        )
+    part = parallelize(part, mesh, cfg, layout)
+    opt = build_optimizer(part, cfg, device)
+    t, m = cfg.training, cfg.model
+    n_mb, accum = pp_microbatches(cfg, layout), grad_accum_steps(cfg, layout)
+    mb = int(t.micro_batch) // n_mb
+    first, last = idx == 0, idx == layout.pp - 1
+    fsdp = isinstance(part, FSDPModule)
+    # Between stages flows the residual stream: in the compute dtype under FSDP's mixed precision,
+    # fp32 otherwise (autocast's matmul outputs are added to an fp32 residual).
+    low = cfg.precision.param_dtype if fsdp else "fp32"
+    hidden_dtype = {4: torch.float32, 2: torch.bfloat16}[DTYPE_BYTES[low]]
+    if low == "fp16":
+        hidden_dtype = torch.float16
+    order = PP_ORDERS[cfg.strategy.pp_schedule](n_mb, layout.pp, stage)
+    scale = 1.0 / (n_mb * accum)
+
+    def one_step(warmup: bool = False) -> None:
+        from dtlaunch.train.parallelize import compute_context
+
+        for _ in traced_micro_steps(accum, warmup):
+            held: dict[int, tuple[Any, Any]] = {}
+            for kind, i in order:
+                last_bwd = kind == "B" and i == n_mb - 1
+                if fsdp:  # what torch's stage does around each backward
+                    part.set_is_last_backward(last_bwd)
+                    part.set_requires_gradient_sync(last_bwd)
+                    part.set_reshard_after_backward(last_bwd)
+                if kind == "F":
+                    if first:
+                        x = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))
+                    else:  # the activation received from the previous stage
+                        x = torch.randn(mb, int(t.seq_len), int(m.dim), dtype=hidden_dtype, requires_grad=True)
+                    with compute_context([part], cfg, device):
+                        out = part(x)
+                    if last:
+                        y = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))
+                        out = cross_entropy(out, y) * scale
+                    held[i] = (x, out)
+                else:
+                    x, out = held.pop(i)
+                    if last:
+                        out.backward()
+                    else:  # the gradient received from the next stage
+                        out.backward(torch.randn_like(out))
+                    del x, out
+        clip_grad_norm([list(part.parameters())], float(t.grad_clip), mesh["pp"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one_step(warmup=True)  # untracked: see _trace
+    # MemTracker attributes memory per module and refuses a module's second forward before its
+    # backward, which a pipeline does by design: count storages instead (no categories).
+    from torch._guards import active_fake_mode
+
+    from dtlaunch.train.memtrack import StorageCounter, state_tensors
+
+    counter = StorageCounter(fake_mode=active_fake_mode())
+    for _ in range(max(1, steps - 1)):
+        counter.add_existing(state_tensors([part], [opt]))
+        with counter:
+            one_step()
+    return {"peak_bytes": counter.peak, "categories": {}, "rank": rank, "stage": stage}
+
+
+def _categories(snap: dict) -> dict[str, int]:
     cats: dict[str, int] = {}
     for dev_snap in snap.values():
         for k, v in dev_snap.items():
             if k != "Total":
                 name = str(getattr(k, "value", k))
                 cats[name] = cats.get(name, 0) + int(v)
-    return {"peak_bytes": peak, "categories": cats, "rank": rank, "stage": 0}
+    return cats
 
 
 def _tracker(parts: list, optimizers: list) -> Any:
-    """FSDPMemTracker for one FSDP module (it follows FSDP2's storage resizes, which MemTracker does
-    not see on fake tensors); MemTracker otherwise."""
+    """FSDPMemTracker for one FSDP module (it follows FSDP2's storage resizes); MemTracker otherwise."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
@@ -171,9 +337,21 @@ def _local_ddp_hook(part: Any) -> None:
     part.register_comm_hook(None, hook)
 
 
-def _one_step(ctx: Any, tracker: Any) -> None:
+def traced_micro_steps(accum: int, warmup: bool = False) -> list[int]:
+    """Which of a step's `accum` micro-steps the trace runs. The first has no gradients yet; every later
+    one holds the same gradients (FSDP: the sharded ones, reduce-scattered each micro-step; DDP: the
+    full local ones) and runs the same ops, the last adding the gradient sync. So the first and the
+    last bound every micro-step's peak, and a 16-way accumulation costs 2 micro-steps, not 16. The
+    untracked warm-up needs only the last: it must leave gradients for the optimizer to create its state."""
+    if warmup or accum == 1:
+        return [accum - 1]
+    return [0, accum - 1]
+
+
+def _one_step(ctx: Any, tracker: Optional[Any], warmup: bool = False) -> None:
     """train_step (dtlaunch.train.step) minus its host-side float() reads: the runtime's own micro-step
-    (forward, loss under the loss context, backward; or the pipeline schedule), clipping, AdamW, zero_grad."""
+    (forward, loss under the loss context, backward; or the pipeline schedule) for the micro-steps of
+    `traced_micro_steps`, clipping, AdamW, zero_grad."""
     import torch
 
     from dtlaunch.train.parallelize import grad_sync
@@ -181,8 +359,8 @@ def _one_step(ctx: Any, tracker: Any) -> None:
     from dtlaunch.train.step import _micro_step
 
     t = ctx.cfg.training
-    for micro in range(ctx.accum):
-        if micro:
+    for n, micro in enumerate(traced_micro_steps(ctx.accum, warmup)):
+        if n and tracker is not None:
             tracker.reset_mod_stats()
         tokens = torch.randint(0, int(ctx.cfg.model.vocab_size), (int(t.micro_batch), int(t.seq_len) + 1))
         with grad_sync(ctx.model_parts, enabled=micro == ctx.accum - 1):

@@ -57,7 +57,8 @@ def log(msg: str) -> None:
 
 def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int) -> dict:
     """The model (or this rank's pipeline stages), parallelised and initialised."""
-    model = build_model(cfg.model, device="meta")
+    # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
+    model = build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout)]}
     from dtlaunch.train.pipeline import build_schedule, build_stage_modules
@@ -157,7 +158,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
     # R1b: MemTracker's module hooks break torch.distributed.pipelining (its autograd.grad calls:
     # "A leaf node was passed to _will_engine_execute_node"), so CPU pipeline runs report no peak.
-    tracker = PeakTracker(parts, optimizers, enabled=layout.pp == 1 or env.device.type == "cuda", device=env.device)
+    tracker = PeakTracker(parts, optimizers, enabled=True, device=env.device)
     ctx.between_micro_steps = tracker.micro_step
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
