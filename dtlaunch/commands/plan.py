@@ -74,7 +74,7 @@ def plan_command(
 
         # The most loaded pipeline stage's first rank (pp is the outermost mesh dimension).
         traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
-        # Next to the analytic figure of the SAME rank (the traced one: rank 0, first pipeline stage).
+        # Next to the analytic figure of the same stage.
         stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
         traced["analytic_peak_bytes"] = int(stage.peak)
         traced["analytic_categories"] = {k: int(v) for k, v in stage.lines.items()}

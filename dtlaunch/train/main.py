@@ -156,10 +156,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     start = ckpt.resume()
     log(f"training steps {start + 1}..{cfg.training.steps}")
     metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
-    # R1b: MemTracker's module hooks break torch.distributed.pipelining (its autograd.grad calls:
-    # "A leaf node was passed to _will_engine_execute_node"), so CPU pipeline runs report no peak.
     tracker = PeakTracker(parts, optimizers, enabled=True, device=env.device)
-    ctx.between_micro_steps = tracker.micro_step
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
     bad, skipped_total, last_loss = 0, 0, None

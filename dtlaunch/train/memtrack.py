@@ -73,7 +73,11 @@ class StorageCounter(TorchDispatchMode):
         key = id(st)
         if key in self._sizes:
             return
-        size = st.nbytes()
+        self._track(st, st.nbytes())
+
+    def _track(self, st: torch.UntypedStorage, size: int) -> None:
+        """Count `size` bytes for `st` until it is freed (a weakref callback)."""
+        key = id(st)
         self._sizes[key] = size
         self._refs[key] = weakref.ref(st, lambda _, k=key: self._free(k))
         self.live += size
@@ -89,8 +93,7 @@ class StorageCounter(TorchDispatchMode):
             if old != 0:
                 return  # memory from before the mode that was never counted: its change is not either
             # An empty storage from before (FSDP2's unsharded parameter between steps) being allocated.
-            self._sizes[key] = 0
-            self._refs[key] = weakref.ref(st, lambda _, k=key: self._free(k))
+            self._track(st, 0)
         self.live += new - self._sizes[key]
         self._sizes[key] = new
         self.peak = max(self.peak, self.live)
@@ -184,9 +187,6 @@ class PeakTracker:
         self._peak = max(self._peak, counter.peak)
         if self._steps_seen >= self.track_steps:
             self._counter = None  # its bookkeeping goes; the counted tensors are the model's own
-
-    def micro_step(self) -> None:
-        """Between gradient-accumulation micro-steps (nothing to do: kept for the loop's hook)."""
 
     def peak_bytes(self) -> int:
         """Peak allocated tensor bytes on this rank so far (0 when disabled)."""

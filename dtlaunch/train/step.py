@@ -48,8 +48,6 @@ class StepContext:
     pipeline_loss: Optional[Any] = None  # dtlaunch.train.pp_step.PipelineLoss
     pp_mesh: Optional[Any] = None
     scaler: Optional[Any] = None
-    # Called between accumulation micro-steps (the CPU memory tracker resets its per-module statistics).
-    between_micro_steps: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
         # Read once: OmegaConf attribute access costs tens of microseconds per step.
@@ -62,8 +60,6 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
     poison = step in ctx.nan_steps  # test hook: a NaN loss must be skipped, not applied
     local_loss = torch.zeros((), device=ctx.device)
     for micro in range(ctx.accum):
-        if micro:
-            ctx.between_micro_steps()
         inputs, targets = (t.to(ctx.device) for t in ctx.loader.next_batch())
         with grad_sync(ctx.model_parts, enabled=micro == ctx.accum - 1):
             local_loss += _micro_step(ctx, inputs, targets, poison)
