@@ -83,6 +83,11 @@ def release_requeued(cluster, job_id: str) -> None:
         60,
         f"the old steps of job {job_id} to end",
     )
+    # slurmd revoked the old run's credential when its batch step ended, and it compares credential
+    # times in whole seconds: a restart allocated within the same second is refused ("Job credential
+    # revoked") and the job fails. Slurm's own requeue delay avoids that; releasing early must wait out
+    # the second (seen: 2 failures in 5 runs without this).
+    time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
