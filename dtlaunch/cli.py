@@ -70,7 +70,11 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Emit the plan as JSON."),
     search: bool = typer.Option(False, "--search", help="Search parallel layouts that fit and rank them by speed."),
     top: int = typer.Option(10, "--top", help="How many layouts --search prints."),
-    trace: bool = typer.Option(False, "--trace", help="Also trace the real build under fake tensors (slow)."),
+    trace: bool = typer.Option(
+        False,
+        "--trace",
+        help="Also run the real build and step for the most loaded rank in one process and show its traced peak (seconds to a minute; no interleaved PP, no PP x TP).",
+    ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
 ) -> None:
     """Per-rank memory plan against the target GPU; exit 3 if it does not fit."""
