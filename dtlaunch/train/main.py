@@ -6,6 +6,7 @@ per stage) -> optimizer, schedule, loader -> resume -> loop -> final save -> sum
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -101,6 +102,9 @@ def main() -> None:
     preempt.install()  # engineer FT: first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
+    # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
+    # torchrun reports only the signal: dump every thread's stack into the rank's log first.
+    faulthandler.enable(all_threads=True)
     cfg = load_resolved(run_dir / "config.yaml")
     env = init_distributed(cfg)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,10 @@ def run_worker(
     layout: str, run_dir: Path, out: Path, *extra: str, stop_at: int = 0, dump_state: bool = False, expect_rc: int = 0
 ) -> dict:
     nproc, overrides = LAYOUTS[layout]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DTLAUNCH_RUN_DIR=str(run_dir))
+    # PYTHONFAULTHANDLER: a worker that dies in C++ leaves its Python stack in the failure output.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DTLAUNCH_RUN_DIR=str(run_dir), PYTHONFAULTHANDLER="1"
+    )
     # Global batch fixed at 4 samples so every layout trains on the same samples per step.
     gb = ["training.global_batch=4"]
     cmd = [
@@ -94,17 +98,27 @@ def test_interrupted_equals_uninterrupted(layout: str, tmp_path: Path) -> None:
     assert first["samples"] + second["samples"] == straight["samples"]
 
 
+@pytest.fixture(scope="module")
+def fsdp2_stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """One FSDP(2) run stopped after its step-3 checkpoint, and one uninterrupted single-process run of
+    the same 6 steps: shared by every cross-layout target, which resumes from a copy of the run."""
+    base = tmp_path_factory.mktemp("fsdp2_at_3")
+    first = run_worker("fsdp2", base / "run", base / "a.json", stop_at=3, dump_state=True)
+    straight = run_worker("single", base / "ref", base / "ref.json")
+    return base / "run", first, straight
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["fsdp4", "single", "tp2", "ddp2"])
-def test_cross_layout_resume(target: str, tmp_path: Path) -> None:
+def test_cross_layout_resume(target: str, fsdp2_stopped_at_3: tuple[Path, dict, dict], tmp_path: Path) -> None:
+    saved, first, straight = fsdp2_stopped_at_3
     run = tmp_path / "run"
-    first = run_worker("fsdp2", run, tmp_path / "a.json", stop_at=3, dump_state=True)
+    shutil.copytree(saved, run)
     resumed = run_worker(target, run, tmp_path / "b.json", "training.steps=6", dump_state=True)
     assert resumed["start"] == 3
     assert "written by world 2" in resumed["stdout"]
     # Model and optimizer tensors after load equal those saved (full, unsharded view on both sides).
     _states_equal(Path(first["state_at_stop"]), Path(resumed["state_after_resume"]))
-    straight = run_worker("single", tmp_path / "ref", tmp_path / "ref.json")
     # Data position continues: global sample order, no repeats or gaps, whatever the dp size.
     assert first["samples"] + resumed["samples"] == straight["samples"]
     # Losses continue on the same trajectory (reduction order differs across layouts: close, not identical).
@@ -176,7 +190,9 @@ def _full_state(model: object, optimizer: object) -> dict:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+    # Every rank keeps the gathered tensors: cpu_offload would only add the rank-0-only drop path, and on
+    # CPU the offload itself is a no-op.
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False, flatten_optimizer_state_dict=True)
     msd, osd = get_state_dict(model, [optimizer], options=opts)
     out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
     out.update({f"optim.{k}": v.detach().clone() for k, v in osd.items() if isinstance(v, torch.Tensor)})
