@@ -23,6 +23,8 @@ class Trainer:
         "checkpoint.enabled=false",
         "data=synthetic",
         "launch.threads_per_worker=1",
+        # loss.png costs ~1 s per run (matplotlib); test_run_dir_contents turns it back on.
+        "training.loss_plot=false",
     ]
 
     @staticmethod

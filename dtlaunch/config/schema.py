@@ -89,6 +89,8 @@ class TrainingConfig:
     # Non-finite loss or grad norm: skip the step; stop after this many in a row.
     max_bad_steps: int = 3
     log_every: int = 1
+    # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
+    loss_plot: bool = True
 
 
 @dataclass

@@ -126,7 +126,7 @@ class MetricsLogger:
                 self._tb.add_scalar(f"train/{k}", v, step)
 
     def close(self) -> None:
-        """Flush the last window, close the files and write loss.png. Safe to call twice."""
+        """Flush the last window, close the files and write loss.png (training.loss_plot). Safe to call twice."""
         if not self.enabled or self._closed:
             return
         self._closed = True
@@ -135,11 +135,12 @@ class MetricsLogger:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
-        write_loss_plot(
-            self.run_dir / "metrics.jsonl",
-            self.run_dir / "loss.png",
-            title=f"{self.cfg.recipe or 'run'}: {self.cfg.model.name}",
-        )
+        if self.cfg.training.loss_plot:
+            write_loss_plot(
+                self.run_dir / "metrics.jsonl",
+                self.run_dir / "loss.png",
+                title=f"{self.cfg.recipe or 'run'}: {self.cfg.model.name}",
+            )
 
 
 def _world_and_tokens(cfg: Any) -> tuple[int, Optional[int]]:

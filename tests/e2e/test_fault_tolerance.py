@@ -1,11 +1,12 @@
-"""Fault tolerance through the CLI: a worker SIGKILLed mid-run is restarted by torchrun and resumes.
+"""Fault tolerance through the CLI: a worker that dies mid-run is restarted by torchrun and resumes.
 
-A rank kills itself (`debug.fail_mode=sigkill`: no Python error, exit -9) at a chosen step of the first
-attempt; with launch.max_restarts=1 the workers restart, resume from the newest complete checkpoint and
-finish. metrics.jsonl is appended to by every attempt, so steps after the resumed checkpoint appear twice;
-the last line of each step must equal the uninterrupted run's loss bit for bit (fp32), and no line may be
-corrupt. Five kill points over DDP(2) and FSDP(2), covering no checkpoint yet (step 2), the step right
-after a checkpoint, and the last step.
+A rank fails at a chosen step of the first attempt: SIGKILLed (`debug.fail_mode=sigkill`: no Python
+error, exit -9) or by a Python exception (`raise`: torchrun's error file). With launch.max_restarts=1 the
+workers restart, resume from the newest complete checkpoint and finish. metrics.jsonl is appended to by
+every attempt, so steps after the resumed checkpoint appear twice; the last line of each step must equal
+the uninterrupted run's loss bit for bit (fp32), and no line may be corrupt. This is the interrupted vs
+uninterrupted check for DDP(2), ZeRO-3(2), TP(2) and PP(2), at kill points covering no checkpoint yet
+(step 2), the step right after a checkpoint, and the last step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COMMON = [
     "checkpoint.every_steps=2",
     "checkpoint.keep_last=5",
     "launch.threads_per_worker=1",
+    "training.loss_plot=false",
 ]
 
 
@@ -53,17 +55,18 @@ def uninterrupted(trainer, tmp_path_factory) -> dict[str, dict[int, float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("recipe", "kill_step", "kill_rank"),
+    ("recipe", "kill_step", "kill_rank", "mode"),
     [
-        ("tiny_ddp", 2, 1),  # before the first checkpoint: the restart starts from scratch
-        ("tiny_ddp", 3, 0),  # right after the step-2 checkpoint; rank 0 (the metrics writer) dies
-        ("tiny_ddp", 6, 1),  # the last step
-        ("tiny_fsdp", 4, 1),
-        ("tiny_fsdp", 5, 0),
+        ("tiny_ddp", 2, 1, "sigkill"),  # before the first checkpoint: the restart starts from scratch
+        ("tiny_ddp", 6, 1, "sigkill"),  # the last step
+        ("tiny_fsdp", 3, 0, "sigkill"),  # right after the step-2 checkpoint; rank 0 (the metrics writer) dies
+        ("tiny_fsdp", 5, 1, "raise"),
+        ("tiny_tp", 4, 1, "sigkill"),
+        ("tiny_pp", 5, 0, "raise"),
     ],
 )
-def test_sigkilled_worker_restarts_and_matches(
-    trainer, uninterrupted, tmp_path: Path, recipe: str, kill_step: int, kill_rank: int
+def test_failed_worker_restarts_and_matches(
+    trainer, uninterrupted, tmp_path: Path, recipe: str, kill_step: int, kill_rank: int, mode: str
 ) -> None:
     run_dir = tmp_path / "run"
     proc = trainer.cli(
@@ -74,7 +77,7 @@ def test_sigkilled_worker_restarts_and_matches(
             f"run.dir={run_dir}",
             f"debug.fail_at_step={kill_step}",
             f"debug.fail_rank={kill_rank}",
-            "debug.fail_mode=sigkill",
+            f"debug.fail_mode={mode}",
             "launch.max_restarts=1",
         ]
     )

@@ -33,7 +33,7 @@ model:
 launch:
   nproc_per_node: 2
 """
-TRAIN = ["training.seq_len=32", "training.steps=3", "checkpoint.every_steps=3"]
+TRAIN = ["training.seq_len=32", "training.steps=3", "checkpoint.every_steps=3", "training.loss_plot=false"]
 
 
 def dtlaunch(*args: str) -> subprocess.CompletedProcess:

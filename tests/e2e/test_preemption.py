@@ -22,6 +22,7 @@ COMMON = [
     # No cadence saves: the only checkpoint before the end must be the preemption's.
     "checkpoint.every_steps=1000",
     "launch.threads_per_worker=1",
+    "training.loss_plot=false",
 ]
 
 

@@ -135,6 +135,7 @@ def test_run_dir_contents(trainer, tmp_path: Path) -> None:
         "training.micro_batch=4",
         "training.steps=3",
         "debug.nan_at_steps=[2]",
+        "training.loss_plot=true",
     )
     rows = trainer.metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -147,6 +148,7 @@ def test_run_dir_contents(trainer, tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 3 and summary["skipped_steps"] == 1
     assert (run_dir / "config.yaml").is_file()
+    assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]
 
 

@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.system
 
 STEPS = 5
-COMMON = ["recipe=tiny_ddp", "checkpoint=none", f"training.steps={STEPS}"]
+COMMON = ["recipe=tiny_ddp", "checkpoint=none", f"training.steps={STEPS}", "training.loss_plot=false"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -13,7 +13,14 @@ import pytest
 
 pytestmark = pytest.mark.system
 
-TINY = ["recipe=tiny_ddp", "cluster=slurm", "cluster.nodes=1", "cluster.time=00:10:00", "cluster.signal_before_s=30"]
+TINY = [
+    "recipe=tiny_ddp",
+    "cluster=slurm",
+    "cluster.nodes=1",
+    "cluster.time=00:10:00",
+    "cluster.signal_before_s=30",
+    "training.loss_plot=false",
+]
 
 
 def dtlaunch(env: dict, cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -57,6 +57,15 @@ def test_lines_per_step_and_lazy_sync(tmp_path: Path, capsys: pytest.CaptureFixt
     assert [line.split(" |")[0] for line in out.splitlines()] == ["step 5/12", "step 10/12", "step 12/12"]
 
 
+def test_loss_plot_can_be_turned_off(tmp_path: Path) -> None:
+    cfg = make_cfg(steps=2, log_every=1)
+    cfg.training.loss_plot = False
+    m = MetricsLogger(tmp_path, cfg, enabled=True)
+    m.log(1, {"loss": 1.0, "lr": 1e-3})
+    m.close()
+    assert (tmp_path / "metrics.jsonl").read_text() and not (tmp_path / "loss.png").exists()
+
+
 def test_disabled_writes_nothing(tmp_path: Path) -> None:
     m = MetricsLogger(tmp_path / "run", make_cfg(), enabled=False)
     m.log(1, {"loss": 1.0})
