@@ -25,3 +25,9 @@ def link_bandwidth(hw: Any, group_size: int, contiguous_ranks: int) -> float:
     intra = (hw.intra_node_gbps or 100.0) * 1e9
     inter = (hw.inter_node_gbps or hw.intra_node_gbps or 10.0) * 1e9
     return intra if group_size * contiguous_ranks <= per_node else inter
+
+
+def fused_optimizer(hw: Any) -> bool:
+    """Whether a run on this profile steps AdamW with the fused kernel: GPU profiles do (the runtime picks
+    fused on CUDA, dtlaunch.train.optim), the CPU profile runs foreach, which allocates temporaries."""
+    return int(hw.gpus_per_node) > 0

@@ -6,7 +6,8 @@ runtime allocates:
   unsharded FSDP parameters in compute dtype (ZeRO-2 holds all of the stage's from forward to the
   end of backward; ZeRO-3 about two blocks in flight), unsharded gradients before reduce-scatter,
   saved activations (activations.py) times micro-batches in flight under the pipeline schedule,
-  logits/loss buffers (last stage only) and the foreach-AdamW temporary at the optimizer step,
+  logits/loss buffers (last stage only) and, on CPU, the foreach-AdamW temporary at the optimizer
+  step (GPU runs step with the fused kernel, which has none),
 and evaluates three phases: end of forward, start of backward (saved activations + loss gradients)
 and optimizer step (gradients + state + temporary, from step 2 on when Adam state exists).
 The peak is the largest phase. Device overheads (CUDA context, communicator buffers, allocator
@@ -21,6 +22,7 @@ from typing import Any
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.shapes import block_params
 from dtlaunch.plan import activations as act
+from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
 PHASES = ("forward", "backward", "optimizer")
@@ -244,17 +246,18 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
             backward.append(at_first_blk - blk_grads - head_grads + all_grads - fewer)
         if last:
             backward.append(base + loss_bwd + all_grads - fewer)
+    opt_temp = 0.0 if fused_optimizer(cfg.hardware) else 4 * p_rank / shard
     phases = {
         "forward": base,
         "backward": max(backward),
-        # Optimizer step: activations and unsharded buffers are gone; gradients are complete and
-        # foreach AdamW allocates one temporary the size of the local fp32 state.
+        # Optimizer step: activations and unsharded buffers are gone; gradients are complete, and
+        # foreach AdamW (CPU) allocates one temporary the size of the local fp32 state.
         "optimizer": lines["parameters"]
         + lines["buffers"]
         + lines["optimizer state"]
         + lines.get("DDP buckets", 0.0)
         + grads
-        + 4 * p_rank / shard,
+        + opt_temp,
     }
     phase = max(phases, key=lambda k: phases[k])
     if phase == "backward":
@@ -270,7 +273,8 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
         ):
             lines.pop(k, None)
         lines["gradients"] = grads
-        lines["optimizer temporaries"] = 4 * p_rank / shard
+        if opt_temp:
+            lines["optimizer temporaries"] = opt_temp
     return StagePlan(
         stage=stage, layers=layers, params=p_rank, lines=lines, phases=phases, phase=phase, peak=phases[phase]
     )

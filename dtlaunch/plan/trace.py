@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from dtlaunch.config.layout import Layout, grad_accum_steps
 from dtlaunch.errors import ConfigError
+from dtlaunch.plan.hardware import fused_optimizer
 
 # Above this analytic per-rank peak the trace uses fake tensors instead of real CPU ones.
 REAL_TENSOR_LIMIT = 4 * 1024**3
@@ -139,7 +140,10 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     for part in parts:
         _local_ddp_hook(part)
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
-    optimizers = [build_optimizer(p, cfg, device, zero1.get_group() if zero1 else None) for p in parts]
+    optimizers = [
+        build_optimizer(p, cfg, device, zero1.get_group() if zero1 else None, fused_optimizer(cfg.hardware))
+        for p in parts
+    ]
     ctx = StepContext(
         cfg=cfg,
         model_parts=parts,
@@ -226,7 +230,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
             build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), cfg, layout, stage
         )
     part = parallelize(part, mesh, cfg, layout)
-    opt = build_optimizer(part, cfg, device)
+    opt = build_optimizer(part, cfg, device, fused=fused_optimizer(cfg.hardware))
     t, m = cfg.training, cfg.model
     n_mb, accum = pp_microbatches(cfg, layout), grad_accum_steps(cfg, layout)
     mb = int(t.micro_batch) // n_mb

@@ -22,20 +22,27 @@ def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw_kwargs(cfg: Any, device: torch.device) -> dict:
+def adamw_kwargs(cfg: Any, device: torch.device, fused: Optional[bool] = None) -> dict:
+    """fused (one kernel, no temporaries) on CUDA; foreach elsewhere: on CPU it is the path the planner's
+    CPU measurements were taken with. `fused` overrides the choice (the trace replays a GPU run on CPU)."""
     o = cfg.optim
     kw = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
-    # fused is CUDA-only here; foreach is the fast path elsewhere (and works on DTensor params).
-    kw.update({"fused": True} if device.type == "cuda" else {"foreach": True})
+    if fused is None:
+        fused = device.type == "cuda"
+    kw.update({"fused": True} if fused else {"foreach": True})
     return kw
 
 
 def build_optimizer(
-    model: nn.Module, cfg: Any, device: torch.device, zero1_group: Optional[Any] = None
+    model: nn.Module,
+    cfg: Any,
+    device: torch.device,
+    zero1_group: Optional[Any] = None,
+    fused: Optional[bool] = None,
 ) -> torch.optim.Optimizer:
     """AdamW; with zero1_group, ZeroRedundancyOptimizer shards its state over those data-parallel ranks."""
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    kw = adamw_kwargs(cfg, device)
+    kw = adamw_kwargs(cfg, device, fused)
     if zero1_group is None:
         return torch.optim.AdamW(groups, **kw)
     from torch.distributed.optim import ZeroRedundancyOptimizer

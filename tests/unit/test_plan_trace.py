@@ -103,3 +103,22 @@ def test_traced_micro_steps_bound_every_accumulation_step():
     assert traced_micro_steps(1) == [0]
     assert traced_micro_steps(16) == [0, 15]  # no gradients yet / gradients held + the sync
     assert traced_micro_steps(16, warmup=True) == [15]
+
+
+def test_planner_trace_and_runtime_step_adamw_the_same_way():
+    """The runtime steps AdamW fused on CUDA and foreach on CPU; the planner counts foreach's temporary
+    (4 B per local parameter) only for the CPU profile, and the trace replays a GPU profile with fused."""
+    import torch
+
+    from dtlaunch.plan.hardware import fused_optimizer
+    from dtlaunch.train.optim import adamw_kwargs
+
+    opt_phase = {}
+    for hardware, device in (("h100_80gb", "cuda"), ("cpu", "cpu")):
+        job = load_job([*BASE[:-1], f"hardware={hardware}", "strategy=ddp", "launch.nproc_per_node=2"])
+        fused = adamw_kwargs(job.cfg, torch.device(device)).get("fused", False)
+        assert fused == fused_optimizer(job.cfg.hardware) == (device == "cuda")
+        plan = plan_memory(job.cfg, job.layout)
+        opt_phase[hardware] = (plan.worst.phases["optimizer"], plan.worst.params)
+    (gpu, params), (cpu, _) = opt_phase["h100_80gb"], opt_phase["cpu"]
+    assert cpu - gpu == pytest.approx(4 * params)
