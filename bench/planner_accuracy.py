@@ -99,7 +99,17 @@ def run_real(overrides: list[str], steps: int = 3, base: list[str] = REAL_BASE) 
     """One real `dtlaunch train` run; returns names, predicted/measured peaks and per-stage pairs."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = ["dtlaunch", "train", *base, *overrides, f"training.steps={steps}", "checkpoint=none", f"run.dir={run}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dtlaunch",
+            "train",
+            *base,
+            *overrides,
+            f"training.steps={steps}",
+            "checkpoint=none",
+            f"run.dir={run}",
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if res.returncode != 0:
