@@ -279,8 +279,11 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
             result["state_at_stop"] = str(out.with_suffix(".stop.pt"))
     if env.rank == 0:
         out.write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    # The runtime's own exit (barrier, destroy, os._exit): a gloo worker that unwinds the interpreter
+    # normally sometimes dies in C++ teardown after its work is done (SIGABRT/SIGSEGV at exit).
+    from dtlaunch.train.dist_init import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

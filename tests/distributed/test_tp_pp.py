@@ -222,8 +222,11 @@ def _worker(out: Path, overrides: list[str]) -> None:
         out.write_text(
             json.dumps({"loss": losses, "grad_norm": norms, "ref_loss": ref_loss, "ref_grad_norm": ref_norm})
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    # The runtime's own exit (barrier, destroy, os._exit): a gloo worker that unwinds the interpreter
+    # normally sometimes dies in C++ teardown after its work is done (SIGABRT/SIGSEGV at exit).
+    from dtlaunch.train.dist_init import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ def _free_port() -> int:
 
 
 def _install_slurm() -> None:
+    # Debian installs the daemons and mungekey into /usr/sbin, which a minimal PATH (CI, `env -i`) lacks.
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join(path + [d for d in ("/usr/sbin", "/sbin") if d not in path])
     if all(shutil.which(t) for t in TOOLS):
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
