@@ -57,6 +57,23 @@ def trainer() -> Trainer:
     return Trainer()
 
 
+@pytest.fixture(scope="session")
+def reference_run(trainer: Trainer, tmp_path_factory: pytest.TempPathFactory):
+    """The run directory of an uninterrupted `dtlaunch train <args>`, run once per session for each
+    distinct argument list: the runs interrupted, restarted or resumed runs are compared with."""
+    cache: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in cache:
+            run_dir = tmp_path_factory.mktemp("reference")
+            proc = trainer.cli(["train", *args, f"run.dir={run_dir}"])
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            cache[args] = run_dir
+        return cache[args]
+
+    return get
+
+
 def worker_pid(run_dir: Path, rank: int) -> int | None:
     """The pid of `rank`'s training worker of this run, from /proc (its environment names the run)."""
     for proc in Path("/proc").iterdir():

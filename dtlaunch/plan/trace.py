@@ -175,7 +175,7 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     # StorageCounter's on real tensors: tests/unit/test_memtrack.py).
     tracker = _tracker(parts, optimizers)
     peak, snap = 0, {}
-    for _ in range(max(1, steps - 1)):
+    for _ in range(_tracked_steps(steps)):
         with tracker:
             _one_step(ctx, tracker)
         cur = tracker.get_tracker_snapshot("peak")
@@ -209,6 +209,7 @@ PP_ORDERS = {
 def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     """Rank `rank`'s pipeline stage, its micro-batches in the schedule's order (see the module doc)."""
     import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.fsdp import FSDPModule
 
     from dtlaunch.config.layout import pp_microbatches
@@ -221,8 +222,6 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
 
     device = torch.device("cpu")
     stage = rank // (layout.world // layout.pp)  # pp is the outermost mesh dimension
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     # Split the meta model outside the fake mode: deep-copying meta parameters under it leaves weak
     # references on them that the later materialisation (to_empty) refuses.
     with unset_fake_temporarily():
@@ -282,6 +281,11 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     return {"peak_bytes": peak, "categories": {}, "rank": rank, "stage": stage}
 
 
+def _tracked_steps(steps: int) -> int:
+    """Of `steps` optimizer steps, the first is the untracked warm-up; at least one is tracked."""
+    return max(1, steps - 1)
+
+
 def _counted_peak(one_step: Any, parts: list, optimizers: list, steps: int) -> int:
     """The peak StorageCounter (the runtime's CPU measure) sees over the tracked steps (all but the
     untracked warm-up), with what exists between steps counted first."""
@@ -290,7 +294,7 @@ def _counted_peak(one_step: Any, parts: list, optimizers: list, steps: int) -> i
     from dtlaunch.train.memtrack import StorageCounter, state_tensors
 
     counter = StorageCounter(fake_mode=active_fake_mode())
-    for _ in range(max(1, steps - 1)):
+    for _ in range(_tracked_steps(steps)):
         counter.add_existing(state_tensors(parts, optimizers))
         with counter:
             one_step()

@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
 
@@ -64,7 +65,7 @@ class StorageCounter(TorchDispatchMode):
             for name in inner:
                 self._count(getattr(t, name))
             return
-        if _is_fake(t):
+        if isinstance(t, FakeTensor):
             if self.fake_mode is None:
                 return
         elif t.device.type == "meta":
@@ -128,12 +129,6 @@ class StorageCounter(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
         super().__exit__(*exc)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def state_tensors(model_parts: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> Iterator[torch.Tensor]:

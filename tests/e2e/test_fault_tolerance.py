@@ -37,20 +37,15 @@ def last_loss_per_step(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(trainer, tmp_path_factory) -> dict[str, dict[int, float]]:
-    """Per-step losses of an uninterrupted run, per recipe (computed once, on first use)."""
-    cache: dict[str, dict[int, float]] = {}
+def uninterrupted(reference_run):
+    """Per-step losses of an uninterrupted run of a recipe (run once, on first use)."""
 
     def get(recipe: str) -> dict[int, float]:
-        if recipe not in cache:
-            run_dir = tmp_path_factory.mktemp(f"ref-{recipe}")
-            proc = trainer.cli(["train", f"recipe={recipe}", *COMMON, f"run.dir={run_dir}"])
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-            cache[recipe] = last_loss_per_step(run_dir)
-            assert sorted(cache[recipe]) == list(range(1, STEPS + 1))
-        return cache[recipe]
+        losses = last_loss_per_step(reference_run(f"recipe={recipe}", *COMMON))
+        assert sorted(losses) == list(range(1, STEPS + 1))
+        return losses
 
-    return get  # type: ignore[return-value]
+    return get
 
 
 @pytest.mark.slow
