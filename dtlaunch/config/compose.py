@@ -323,12 +323,18 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
                 return f"cannot delete '{key}': it is not set here; remove the '~{key}' override"
             if "not in struct" in full or "Key '" in full:
                 return _unknown_key_message(key)
-    m = re.search(r"Value '(.*?)' (?:of type '\w+' )?could not be converted to (\w+)", full)
+    # OmegaConf words a bad boolean differently from a bad number.
+    m = re.search(r"Value '(.*?)' (?:of type '\w+' )?could not be converted to (\w+)", full) or re.search(
+        r"Value '(.*?)' is not a valid (bool)", full
+    )
     if m:
         key = key_m.group(1) if key_m else "?"
-        expected = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(
-            m.group(2), m.group(2)
-        )
+        expected = {
+            "Integer": "an integer",
+            "Float": "a number",
+            "Boolean": "true or false",
+            "bool": "true or false",
+        }.get(m.group(2), m.group(2))
         return f"wrong type for '{key}': got '{m.group(1)}', expected {expected}; fix: {key}=<{expected}>"
     if "Invalid type assigned" in full or "Incompatible value" in full:
         key = key_m.group(1) if key_m else "?"

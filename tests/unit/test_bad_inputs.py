@@ -18,6 +18,7 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["trainig.steps=3"], "trainig"),
     (["training.steps=abc"], "training.steps"),
     (["training.compile=maybe"], "training.compile"),
+    (["training.loss_plot=maybe"], "expected true or false; fix: training.loss_plot=<true or false>"),
     (["optim.lr=fast"], "optim.lr"),
     (["model=llama9"], "model"),
     (["strategy=zero4"], "strategy"),
