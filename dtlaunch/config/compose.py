@@ -22,7 +22,6 @@ from typing import Any, Optional, Sequence
 from dtlaunch.errors import ConfigError
 
 
-
 def _package_dir(name: str) -> Path:
     """A directory shipped inside the dtlaunch package (package data, found the same way from a wheel
     install or a source checkout). Hydra's search path and the recipe symlinks need a real directory,
