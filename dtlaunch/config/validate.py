@@ -75,11 +75,28 @@ def check_positive(cfg: Any, notes: list[str]) -> None:
 
 
 def check_model_shape(cfg: Any, notes: list[str]) -> None:
+    from dtlaunch.models.registry import model_spec
+
     m = cfg.model
-    if m.dim % m.n_heads:
+    spec = model_spec(m)
+    for key, value in spec.fixed.items():
+        if m[key] != value:
+            _fail(
+                f"model.{key}={m[key]} does not fit model.arch={m.arch} (which has {key}={value}): "
+                f"drop the override or pick the model.arch that has it"
+            )
+    if m.head_dim is None and m.dim % m.n_heads:
         _fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: pick a head count that divides it")
-    if (m.dim // m.n_heads) % 2:
-        _fail(f"model head dim {m.dim // m.n_heads} is odd: RoPE needs an even head dim; change model.dim or n_heads")
+    hd = m.head_dim or m.dim // m.n_heads
+    if hd % 2:
+        _fail(f"model head dim {hd} is odd: RoPE needs an even head dim; change model.dim, n_heads or head_dim")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        _fail(f"model.sliding_window={m.sliding_window} must be >= 1, or null for full causal attention")
+    if m.tie_embeddings and cfg.strategy.pp > 1:
+        _fail(
+            f"model.tie_embeddings=true cannot run with strategy.pp={cfg.strategy.pp} (the embedding and the head "
+            f"would live on different pipeline stages): use strategy.pp=1"
+        )
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
         _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
@@ -92,17 +109,10 @@ def check_layout(cfg: Any, notes: list[str]) -> Layout:
 def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     if layout.tp == 1:
         return
-    from dtlaunch.models.shapes import ffn_dim
+    from dtlaunch.models.registry import model_spec
 
     m = cfg.model
-    kv = m.n_kv_heads or m.n_heads
-    for key, value in (
-        ("model.n_heads", m.n_heads),
-        ("model.n_kv_heads", kv),
-        ("model.dim", m.dim),
-        ("model.vocab_size", m.vocab_size),
-        ("model FFN width", ffn_dim(m)),
-    ):
+    for key, value in model_spec(m).tp_divisors(m):
         if value % layout.tp:
             _fail(f"strategy.tp={layout.tp} does not divide {key}={value}: choose a tp that divides it")
     if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:

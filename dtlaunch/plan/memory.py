@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
-from dtlaunch.models.shapes import block_params
-from dtlaunch.plan import activations as act
+from dtlaunch.models.dtypes import DTYPE_BYTES
+from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -117,24 +117,31 @@ def in_flight(schedule: str, pp: int, rank: int, n_mb: int, per_rank: int = 1) -
 def _stage_params(m: Any, layers: int, first: bool, last: bool, tp: int) -> tuple[int, int, int]:
     """(params on one TP rank of the stage, one block's params, the root unit's params: embedding,
     final norm, output head on the stages that own them). Matrices divide by tp, norm weights not."""
-    h, v = m.dim, m.vocab_size
-    blk_norms = 2 * h
-    blk = (block_params(m) - blk_norms) // tp + blk_norms
+    spec = model_spec(m)
+    blk_norms = spec.block_norm_params(m)
+    blk = (spec.block_params(m) - blk_norms) // tp + blk_norms
     root = 0
     if first:
-        root += v * h // tp
+        root += spec.embedding_params(m) // tp
     if last:
-        root += v * h // tp + h
+        # A tied head is the embedding's matrix: counted once (tied models refuse pp > 1).
+        root += spec.head_params(m) // tp + m.dim
+        if spec.head_params(m) == 0 and not first:
+            root += spec.embedding_params(m) // tp
     return layers * blk + root, blk, root
 
 
 def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, last: bool) -> StagePlan:
     m, s, t = cfg.model, cfg.strategy, cfg.training
+    spec = model_spec(m)
+    act = spec.act()
     d = act.BlockDims.of(m)
+    norm_gains = spec.block_norm_params(m)
+    tied_head = spec.head_params(m) == 0
     tp, pp = layout.tp, layout.pp
     sp = bool(s.sequence_parallel) and tp > 1
-    e = act.DTYPE_BYTES[cfg.precision.param_dtype]
-    r = act.DTYPE_BYTES[cfg.precision.reduce_dtype]
+    e = DTYPE_BYTES[cfg.precision.param_dtype]
+    r = DTYPE_BYTES[cfg.precision.reduce_dtype]
     zero = int(s.zero_stage)
     fsdp = zero >= 2 and layout.dp > 1
     shard = layout.dp_shard if (zero >= 2 and layout.dp > 1) or zero == 1 else 1
@@ -149,7 +156,7 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
 
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
-    rope_table = int(t.seq_len) * (d.h // d.a // 2)  # the runtime builds RoPE for training.seq_len positions
+    rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if fsdp and e != 4:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
@@ -168,7 +175,9 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
     if autocast and ac == "none":
         # Each weight's compute-dtype copy (not the embedding's, nor norm gains) is saved by its matmul
         # from forward to backward; under AC the casts are recomputed with the block instead.
-        lines["autocast weight copies"] = e * (p_rank - (v_h(m, tp) if first else 0) - 2 * d.h * layers)
+        # A tied matrix is also the head, a matmul weight: its cast is saved as well.
+        head_cast = v_h(m, tp) if tied_head and last else 0
+        lines["autocast weight copies"] = e * (p_rank - (v_h(m, tp) if first else 0) - norm_gains * layers + head_cast)
     elif autocast and last:
         lines["autocast weight copies"] = e * v_h(m, tp)
     if fsdp and zero == 2:
@@ -211,7 +220,7 @@ def plan_stage(cfg: Any, layout: Layout, stage: int, layers: int, first: bool, l
         head_grads = (e * (v_h(m, tp) + d.h) if last else 0.0) if zero == 3 else head_grads
     work = (act.backward_working_bytes(d, e, tp) + act.recompute_bytes(d, e, ac, tp, sp, autocast)) * tokens
     if autocast and ac != "none":
-        work += e * (blk - 2 * d.h)  # the recomputed block casts its weights again
+        work += e * (blk - norm_gains)  # the recomputed block casts its weights again
     held_act = lines["activations"] - (loss_saved * tokens * held if last else 0.0)
     if last:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
