@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
-from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.plan.memory import plan_memory
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls

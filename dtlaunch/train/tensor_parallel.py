@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 

@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from dtlaunch.config.schema import ModelConfig
-from dtlaunch.errors import InputError
 from dtlaunch.convert.hf import from_hf_state, hf_config, to_hf_state
+from dtlaunch.errors import InputError
 from dtlaunch.models.dense.hf import from_hf_name, halves_to_interleaved, interleaved_to_halves, to_hf_name
 from dtlaunch.models.dense.model import apply_rope, build_model, rope_cache
 

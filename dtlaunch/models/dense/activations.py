@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
-
 from dtlaunch.models.dtypes import DTYPE_BYTES  # noqa: F401 (planner code reads it here too)
 
 
