@@ -34,7 +34,9 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
     to `model` itself.
     """
     src = init_source if init_source is not None else model
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
+    _retie(model, shared)
     # model.init_from=hf:DIR: this rank's slices from a Hugging Face directory instead of the seeded init.
     from dtlaunch.convert.hf import hf_weights
 
@@ -59,6 +61,23 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
             full = pretrained.read(pname) if pretrained is not None else src.init_param(pname, tuple(p.shape), seed)
             p.copy_(full.to(device=device, dtype=p.dtype))
     _init_rope_buffers(model, src, device)
+
+
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    """Names under which one Parameter is registered more than once (a head tied to the embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[str]]) -> None:
+    """`to_empty` gives every module its own new tensor, splitting tied parameters: share them again."""
+    for first, *others in shared:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
 def _init_rope_buffers(model: nn.Module, src: Any, device: torch.device) -> None:

@@ -85,4 +85,6 @@ def test_sharded_read_is_a_slice_of_the_full_tensor(tiny_hf_dirs, tmp_path) -> N
     full = w.read("layers.1.attention.wq.weight")
     assert torch.equal(full, state["layers.1.attention.wq.weight"])
     assert torch.equal(w.read("layers.1.attention.wq.weight", (30, 64), (17, 0)), full[17:47])
-    assert torch.equal(w.read("layers.0.attention.k_norm.weight", (12,), (12,)), state["layers.0.attention.k_norm.weight"][12:])
+    assert torch.equal(
+        w.read("layers.0.attention.k_norm.weight", (12,), (12,)), state["layers.0.attention.k_norm.weight"][12:]
+    )
