@@ -84,6 +84,11 @@ def plan_command(
         print(json.dumps(data, indent=2))
         return 0 if plan.fits else 3
     out = console()
+    from dtlaunch.config.hf_model import describe_hf_source
+
+    loaded = describe_hf_source(job.cfg)
+    if loaded:
+        out.print(loaded, markup=False, soft_wrap=True)  # config.json only: no weights are read to plan
     print_plan(plan, out)
     if search:
         from dtlaunch.plan.report import search_table
