@@ -146,6 +146,21 @@ def ckpt_export(
     raise typer.Exit(export_command(src, fmt, out, max_shard_size))
 
 
+@app.command()
+def generate(
+    source: str = typer.Argument(..., help="hf:DIR, a run directory (newest checkpoint) or a checkpoint directory."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most (EOS stops early)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this mass."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Continue a prompt with dtlaunch's own model code (KV cache, one process). Stdout: the text only."""
+    from dtlaunch.commands.generate import generate_command
+
+    raise typer.Exit(generate_command(source, prompt, max_new_tokens, temperature, top_p, seed))
+
+
 @data_app.command("prepare")
 def data_prepare(
     inputs: List[str] = typer.Argument(..., help="Text files, directories (searched with --pattern) or globs."),
