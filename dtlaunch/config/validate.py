@@ -92,11 +92,6 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
         _fail(f"model head dim {hd} is odd: RoPE needs an even head dim; change model.dim, n_heads or head_dim")
     if m.sliding_window is not None and m.sliding_window < 1:
         _fail(f"model.sliding_window={m.sliding_window} must be >= 1, or null for full causal attention")
-    if m.tie_embeddings and cfg.strategy.pp > 1:
-        _fail(
-            f"model.tie_embeddings=true cannot run with strategy.pp={cfg.strategy.pp} (the embedding and the head "
-            f"would live on different pipeline stages): use strategy.pp=1"
-        )
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
         _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
@@ -114,7 +109,7 @@ def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     m = cfg.model
     for key, value in model_spec(m).tp_divisors(m):
         if value % layout.tp:
-            _fail(f"strategy.tp={layout.tp} does not divide {key}={value}: choose a tp that divides it")
+            _fail(f"strategy.tp={layout.tp} does not divide {key}={value} (model.arch={m.arch}): choose a tp that divides it")
     if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:
         _fail(
             f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
@@ -129,6 +124,11 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         _fail(
             f"strategy.pp_schedule='{name}' is unknown: use one of {', '.join(PP_SCHEDULES)} "
             f"or a torch.distributed.pipelining class name"
+        )
+    if layout.pp > 1 and cfg.model.tie_embeddings:
+        _fail(
+            f"model.tie_embeddings=true cannot run with strategy.pp={layout.pp} (the embedding and the head "
+            f"would live on different pipeline stages): use strategy.pp=1"
         )
     if layout.pp == 1:
         if s.pp_layers_per_stage:

@@ -66,3 +66,20 @@ def test_flags_build_their_modules() -> None:
     model = model_spec(m).build(m, rope_len=4, device="meta")
     assert model.layers["0"].attention.wk.bias.shape == (32,) and model.layers["0"].attention.wo.bias is None
     assert model.output.weight is model.tok_embeddings.weight
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=qwen3_8b", "strategy=tp", "launch.nproc_per_node=3"], r"strategy.tp=3 does not divide .*qwen3"),
+        (["model=llama3.2_1b", "strategy=pp", "launch.nproc_per_node=2"], r"tie_embeddings=true cannot run with"),
+        (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
+        (["model.arch=gpt2"], r"model.arch='gpt2' is not a registered model: use one of llama, mistral"),
+    ],
+)
+def test_bad_family_layouts_are_one_line_errors(overrides: list[str], message: str) -> None:
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides).cfg)
