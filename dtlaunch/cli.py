@@ -136,7 +136,9 @@ def ckpt_export(
     src: str = typer.Argument(
         ..., help="A run directory (its newest complete checkpoint) or a step-XXXXXXXX directory."
     ),
-    fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json for LlamaForCausalLM) or torch."),
+    fmt: str = typer.Option(
+        "hf", "--format", help="hf (safetensors + config.json of the model's architecture) or torch."
+    ),
     out: str = typer.Option(..., "--out", help="Output directory."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: split safetensors above this size."),
 ) -> None:

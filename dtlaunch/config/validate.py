@@ -109,7 +109,9 @@ def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     m = cfg.model
     for key, value in model_spec(m).tp_divisors(m):
         if value % layout.tp:
-            _fail(f"strategy.tp={layout.tp} does not divide {key}={value} (model.arch={m.arch}): choose a tp that divides it")
+            _fail(
+                f"strategy.tp={layout.tp} does not divide {key}={value} (model.arch={m.arch}): choose a tp that divides it"
+            )
     if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:
         _fail(
             f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
