@@ -38,11 +38,7 @@ def test_cli_prints_only_the_continuation(tiny_hf_dirs) -> None:
     words = greedy.stdout.split()
     assert 1 <= len(words) <= 5 and all(w in {f"w{i}" for i in range(250)} | {"<unk>"} for w in words)
     assert "loaded qwen3" in greedy.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", "generate", f"hf:{path}/nope", "--prompt", "w1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert bad.returncode == 2 and bad.stdout == "" and "config.json" in bad.stderr
+    from dtlaunch.errors import DtlaunchError
+
+    with pytest.raises(DtlaunchError, match="config.json"):
+        load_source(f"hf:{path}/nope", torch.device("cpu"))
