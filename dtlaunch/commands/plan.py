@@ -13,8 +13,8 @@ from dtlaunch.plan.memory import MemoryPlan, plan_memory
 def make_plan(job: Job) -> MemoryPlan:
     """The plan with notes and, when it does not fit, validated fix suggestions."""
     plan = plan_memory(job.cfg, job.layout)
-    plan.notes = list(job.notes)
-    if not plan.fits:
+    plan.notes = list(job.notes) + plan.notes
+    if not plan.fits and plan.worst.phase != "traced":
         from dtlaunch.plan.suggest import suggest
 
         plan.suggestions = suggest(job.cfg, job.layout)
@@ -25,6 +25,10 @@ def print_plan(plan: MemoryPlan, out: Any) -> None:
     from dtlaunch.plan.report import plan_table, suggestions_table, verdict_line
 
     out.print(plan_table(plan))
+    if plan.worst.phase == "traced":
+        from dtlaunch.plan.memory import TRACED_NOTE
+
+        out.print(TRACED_NOTE, markup=False, soft_wrap=True)
     out.print(verdict_line(plan))
     if plan.suggestions:
         out.print(suggestions_table(plan.suggestions))

@@ -59,6 +59,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Each token attends to at most this many previous positions (Mistral); None = full causal.
     sliding_window: Optional[int] = None
+    # Your own module instead of a registry entry: "pkg.module.build", a callable taking this model
+    # section and returning an nn.Module that follows docs/models.md's protocol (planned by trace).
+    _target_: str = ""
     # Where initial weights come from: "random" (seeded init) or "hf:DIR" (safetensors export).
     init_from: str = "random"
 

@@ -78,6 +78,9 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
     from dtlaunch.models.registry import model_spec
 
     m = cfg.model
+    if m._target_:
+        check_target(cfg)
+        return
     spec = model_spec(m)
     for key, value in spec.fixed.items():
         if m[key] != value:
@@ -95,6 +98,20 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
         _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
+
+
+def check_target(cfg: Any) -> None:
+    """model._target_: importable, returns an nn.Module with `layers` (built on the meta device), and a
+    layout it can run: no tensor-parallel plan, no pipeline split, no Hugging Face weights."""
+    m, s = cfg.model, cfg.strategy
+    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
+        if value != 1:
+            _fail(f"{key}={value}: model._target_ modules have no tensor-parallel plan or pipeline split: use {key}=1")
+    if str(m.init_from) != "random":
+        _fail(f"model.init_from={m.init_from} with model._target_: load weights inside your build function instead")
+    from dtlaunch.models.custom.build import build_model
+
+    build_model(m, device="meta")
 
 
 def check_layout(cfg: Any, notes: list[str]) -> Layout:

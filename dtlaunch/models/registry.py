@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dtlaunch.errors import ConfigError
 
@@ -56,7 +56,8 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]
     matmul_params: Callable[[Any], int]
     tp_divisors: Callable[[Any], list]
-    activations: str
+    # None: no closed-form memory model; the planner traces a step instead (plan/trace.py).
+    activations: Optional[str]
     # Model-section fields this family fixes: config groups and config.json must agree with them.
     fixed: dict = field(default_factory=dict)
     # A tied head and embedding live on different pipeline stages: refused with pp > 1.
@@ -74,7 +75,14 @@ class ModelSpec:
     def split_stage(self, model: Any, stage: int, n_stages: int, layers: range) -> Any:
         return _resolve(self.pipeline_split)(model, stage, n_stages, layers)
 
+    @property
+    def analytic(self) -> bool:
+        """Whether the planner has a closed-form memory model for this entry."""
+        return self.activations is not None
+
     def act(self) -> ModuleType:
+        if self.activations is None:
+            raise ConfigError(f"model '{self.arch}' has no closed-form memory model: plan it by trace")
         return _module(self.activations)
 
     def names(self) -> ModuleType:
@@ -108,7 +116,11 @@ def known_archs() -> list[str]:
 
 
 def model_spec(m: Any) -> ModelSpec:
-    """The entry for a model section (or an arch name)."""
+    """The entry for a model section (or an arch name); `model._target_` selects the user-module entry."""
+    if not isinstance(m, str) and getattr(m, "_target_", ""):
+        from dtlaunch.models.custom import SPEC
+
+        return SPEC
     arch = m if isinstance(m, str) else str(getattr(m, "arch", "llama") or "llama")
     specs = registry()
     if arch not in specs:

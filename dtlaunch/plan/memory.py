@@ -304,16 +304,19 @@ def _likely_worst(split: list[int], pp: int) -> set[int]:
 def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan:
     """Plan every pipeline rank (or, for the search, only those that can hold the peak)."""
     s = cfg.strategy
-    per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1
-    n_stages = layout.pp * per_rank
-    split = pp_stage_layers(cfg.model.n_layers, n_stages, list(s.pp_layers_per_stage) or None)
-    stages = []
-    ranks = range(layout.pp) if all_stages or per_rank > 1 else sorted(_likely_worst(split, layout.pp))
-    for rank in ranks:
-        # A rank owns stages rank, rank + pp, ... (interleaved); add its chunks up as one rank.
-        owned = list(range(rank, n_stages, layout.pp))
-        layers = sum(split[i] for i in owned)
-        stages.append(plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned))
+    if not model_spec(cfg.model).analytic:
+        stages = [_traced_stage(cfg, layout)]
+    else:
+        per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1
+        n_stages = layout.pp * per_rank
+        split = pp_stage_layers(cfg.model.n_layers, n_stages, list(s.pp_layers_per_stage) or None)
+        stages = []
+        ranks = range(layout.pp) if all_stages or per_rank > 1 else sorted(_likely_worst(split, layout.pp))
+        for rank in ranks:
+            # A rank owns stages rank, rank + pp, ... (interleaved); add its chunks up as one rank.
+            owned = list(range(rank, n_stages, layout.pp))
+            layers = sum(split[i] for i in owned)
+            stages.append(plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned))
     worst = max(stages, key=lambda sp: sp.peak)
     hw = cfg.hardware
     overheads = {
@@ -329,7 +332,9 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         "tp": layout.tp,
         "pp": layout.pp,
     }
+    notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
     return MemoryPlan(
+        notes=notes,
         recipe=str(cfg.recipe or "custom"),
         hardware=hw.name,
         capacity=hw.memory_gib * GIB,
@@ -337,4 +342,29 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         stages=stages,
         worst=worst,
         overheads=overheads,
+    )
+
+
+TRACED_NOTE = "no closed-form memory model for this model (model._target_): planned by tracing one training step"
+
+
+def _traced_stage(cfg: Any, layout: Layout) -> StagePlan:
+    """The plan of a model without a closed-form memory model: one traced step of the real runtime
+    on rank 0."""
+    from dtlaunch.plan.trace import trace_peak
+
+    # Fake tensors (no storage) where the runtime's path supports them (FSDP); DDP and single-process
+    # layouts swap parameters in place when materialising, which fake tensors refuse: real tensors there.
+    traced = trace_peak(cfg, layout, rank=0, fake=int(cfg.strategy.zero_stage) >= 2 and layout.dp > 1)
+    peak = float(traced["peak_bytes"])
+    params = int(model_spec(cfg.model).param_count(cfg.model))
+    lines = {k: float(v) for k, v in traced["categories"].items()}
+    return StagePlan(
+        stage=0,
+        layers=int(cfg.model.n_layers),
+        params=params,
+        lines=lines,
+        phases={"traced": peak},
+        phase="traced",
+        peak=peak,
     )

@@ -84,6 +84,7 @@ def _init_rope_buffers(model: nn.Module, src: Any, device: torch.device) -> None
     """Derived buffers (RoPE tables) from the model's own `buffer_values`, matched by name suffix."""
     values = src.buffer_values(device)
     for name, buf in model.named_buffers():
+        clean = model_param_name(name)
         for suffix, value in values.items():
-            if name.endswith(suffix):
+            if clean.endswith(suffix):
                 buf.copy_(value)
