@@ -41,12 +41,14 @@ def read_hf_config(path: Path) -> dict:
         raise ConfigError(f"model.init_from=hf:{path}: config.json is not readable JSON ({exc})") from exc
 
 
-def model_fields_from_hf(path: Path, config: Optional[dict] = None) -> dict:
+def model_fields_from_hf(path: Path, config: Optional[dict] = None, arch: str = "") -> dict:
     """The model section's fields described by DIR/config.json (arch included)."""
     from dtlaunch.models.registry import spec_for_hf
 
     c = config if config is not None else read_hf_config(path)
     where = f"model.init_from=hf:{path}"
+    if arch == "hf_auto":
+        return _generic_fields(c, where)
     spec = spec_for_hf(list(c.get("architectures") or []), where)
     try:
         fields = spec.hf.config_from_hf(c, where)
@@ -54,6 +56,25 @@ def model_fields_from_hf(path: Path, config: Optional[dict] = None) -> dict:
         raise ConfigError(f"{where}: config.json has no {exc.args[0]}: it does not describe a model") from exc
     fields["arch"] = spec.arch
     return fields
+
+
+def _generic_fields(c: dict, where: str) -> dict:
+    """model.arch=hf_auto: the sizes the planner and summary show, read from the usual config.json keys
+    (transformers builds the model itself from the whole file)."""
+    try:
+        dim, layers, heads = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+        vocab = int(c["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: config.json lacks {exc} that model.arch=hf_auto reads") from exc
+    return {
+        "arch": "hf_auto",
+        "dim": dim,
+        "n_layers": layers,
+        "n_heads": heads,
+        "n_kv_heads": int(c.get("num_key_value_heads") or heads),
+        "vocab_size": vocab,
+        "max_seq_len": int(c.get("max_position_embeddings") or 2048),
+    }
 
 
 def _cli_model_keys(overrides: Sequence[str]) -> set[str]:
@@ -71,8 +92,8 @@ def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
     path = hf_source_dir(model.get("init_from"))
     if path is None:
         return
-    fields = model_fields_from_hf(path)
     given = _cli_model_keys(overrides)
+    fields = model_fields_from_hf(path, arch="hf_auto" if "arch" in given and model.get("arch") == "hf_auto" else "")
     for key in sorted(given - _FREE):
         if key in fields and _differs(model.get(key), fields[key]):
             raise ConfigError(

@@ -81,6 +81,9 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
     if m._target_:
         check_target(cfg)
         return
+    if m.arch == "hf_auto":
+        check_hf_auto(cfg)
+        return
     spec = model_spec(m)
     for key, value in spec.fixed.items():
         if m[key] != value:
@@ -112,6 +115,16 @@ def check_target(cfg: Any) -> None:
     from dtlaunch.models.custom.build import build_model
 
     build_model(m, device="meta")
+
+
+def check_hf_auto(cfg: Any) -> None:
+    """model.arch=hf_auto: weights and architecture from a HF directory; data-parallel layouts only."""
+    s = cfg.strategy
+    if not str(cfg.model.init_from).startswith("hf:"):
+        _fail("model.arch=hf_auto needs model.init_from=hf:DIR: the architecture and weights come from DIR")
+    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
+        if value != 1:
+            _fail(f"{key}={value}: model.arch=hf_auto has no tensor-parallel plan or pipeline split here: use {key}=1")
 
 
 def check_layout(cfg: Any, notes: list[str]) -> Layout:

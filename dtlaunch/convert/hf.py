@@ -28,6 +28,8 @@ def _spec(m: Any) -> Any:
 
 def to_hf_state(state: dict, m: Any) -> dict:
     """Our parameter dict -> HF's names and layout (the model's registry entry decides both)."""
+    if not _spec(m).hf_names:  # model.arch=hf_auto: the names are transformers' own already
+        return {k: v.contiguous() for k, v in state.items()}
     return _spec(m).names().to_hf_state(state, m)
 
 
@@ -37,6 +39,13 @@ def from_hf_state(state: dict, m: Any) -> dict:
 
 def hf_config(m: Any, dtype: str = "float32") -> dict:
     """config.json for the model's Hugging Face architecture."""
+    if _spec(m).hf is None:  # model.arch=hf_auto: the source directory's own config.json
+        from dtlaunch.config.hf_model import hf_source_dir, read_hf_config
+
+        src = hf_source_dir(m.init_from)
+        if src is None:
+            raise InputError("this checkpoint's model has no Hugging Face config to export")
+        return {**read_hf_config(src), "torch_dtype": dtype}
     return _spec(m).hf.config_to_hf(m, dtype)
 
 
@@ -262,8 +271,8 @@ def hf_weights(m: Any) -> Optional[HFWeights]:
     """The opened directory of model.init_from (once per process: pipeline stages on one rank share
     it); None for random init."""
     path = hf_init_dir(m)
-    if path is None:
-        return None
+    if path is None or not _spec(m).hf_names:
+        return None  # model.arch=hf_auto reads its own names (its module's init_param)
     from dtlaunch.config.schema import to_dict
 
     key = (path, json.dumps(to_dict(m), sort_keys=True))

@@ -90,7 +90,7 @@ class ModelSpec:
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
-_BUILTIN = ("llama", "qwen2", "qwen3", "mistral")
+_BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "hf_auto")
 
 
 def register(spec: ModelSpec) -> ModelSpec:
@@ -136,7 +136,7 @@ def spec_for_hf(architectures: list[str], where: str) -> ModelSpec:
     known = sorted(a for s in registry().values() for a in s.hf_architectures)
     raise ConfigError(
         f"{where}: architecture {', '.join(architectures or ['(none)'])} is not one dtlaunch builds natively "
-        f"(known: {', '.join(known)}): other causal LMs (model.arch=hf_auto) are not supported yet"
+        f"(known: {', '.join(known)}): use model.arch=hf_auto for other causal LMs (transformers builds them)"
     )
 
 

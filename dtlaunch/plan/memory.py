@@ -345,7 +345,7 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
     )
 
 
-TRACED_NOTE = "no closed-form memory model for this model (model._target_): planned by tracing one training step"
+TRACED_NOTE = "no closed-form memory model for this model (model._target_ or model.arch=hf_auto): planned by tracing one training step"
 
 
 def _traced_stage(cfg: Any, layout: Layout) -> StagePlan:
