@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
 from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
@@ -34,6 +34,7 @@ def train_command(
         out.print(launch_command(job.cfg, run_dir), markup=False, soft_wrap=True)
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
+    check_hf_weights(job.cfg)
     from dtlaunch.launch.rundir import create_run_dir
     from dtlaunch.train.checkpoint import NO_RESUME_ENV, refuse_if_checkpoints
     from dtlaunch.train.data import prepare_run_data
@@ -49,3 +50,11 @@ def train_command(
     prepare_run_data(job.cfg, run_dir)
     launch_local(job.cfg, run_dir)
     return 0
+
+
+def check_hf_weights(cfg: Any) -> None:
+    """model.init_from=hf:DIR: every tensor present, expected and of the right shape (safetensors
+    headers only), before a run directory is created: a bad directory is exit 2 with nothing written."""
+    from dtlaunch.convert.hf import hf_weights
+
+    hf_weights(cfg.model)

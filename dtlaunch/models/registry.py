@@ -4,7 +4,8 @@ An entry brings everything model-specific the runtime, planner and converters ne
 `plan/` and `convert/` look a model up here instead of importing one:
 - `builder`: builds the nn.Module on a device (meta for the runtime);
 - `tp_plan`: module name -> ParallelStyle for the parts outside and inside a block (data);
-- `units`: the blocks that activation checkpointing, compile and FSDP wrap one by one;
+- wrapping units: the built module's `layers` (see the protocol below), which activation
+  checkpointing, compile and FSDP wrap one by one;
 - `pipeline_split`: keeps a stage's blocks and the embedding / head on the first / last stage;
 - Hugging Face: architecture names, config.json <-> model section, tensor names and layouts;
 - planner functions: parameter counts, FLOPs, tensor-parallel divisibility, saved-activation model;
@@ -39,8 +40,6 @@ class ModelSpec:
     tp_plan: str
     # "module:function" (model, stage index, n_stages, layer range) -> stage module.
     pipeline_split: str
-    # Attribute holding the ModuleDict of blocks (the AC / compile / FSDP units).
-    units: str
     # Hugging Face: the `architectures` names this entry reads, and its adapter (see models/dense/hf.py):
     # config_from_hf(config.json dict, where) -> model fields, config_to_hf(m, dtype) -> config.json.
     hf_architectures: tuple[str, ...]

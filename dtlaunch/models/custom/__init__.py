@@ -28,7 +28,6 @@ SPEC = ModelSpec(
     builder="dtlaunch.models.custom.build:build_model",
     tp_plan="",
     pipeline_split="",
-    units="layers",
     hf_architectures=(),
     hf=None,
     hf_names="",

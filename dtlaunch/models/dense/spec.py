@@ -16,7 +16,6 @@ def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple
         builder="dtlaunch.models.dense.model:build_model",
         tp_plan="dtlaunch.models.dense.tp_plan",
         pipeline_split="dtlaunch.models.dense.model:split_stage",
-        units="layers",
         hf_architectures=hf_architectures,
         hf=hf,
         hf_names="dtlaunch.models.dense.hf",

@@ -27,7 +27,6 @@ SPEC = register(
         builder="dtlaunch.models.hf_auto.build:build_model",
         tp_plan="",
         pipeline_split="",
-        units="layers",
         hf_architectures=(),
         hf=None,
         hf_names="",
