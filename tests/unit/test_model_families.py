@@ -74,7 +74,10 @@ def test_flags_build_their_modules() -> None:
         (["model=qwen3_8b", "strategy=tp", "launch.nproc_per_node=3"], r"strategy.tp=3 does not divide .*qwen3"),
         (["model=llama3.2_1b", "strategy=pp", "launch.nproc_per_node=2"], r"tie_embeddings=true cannot run with"),
         (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
-        (["model.arch=gpt2"], r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, qwen2, qwen3"),
+        (
+            ["model.arch=gpt2"],
+            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, qwen2, qwen3",
+        ),
     ],
 )
 def test_bad_family_layouts_are_one_line_errors(overrides: list[str], message: str) -> None:
