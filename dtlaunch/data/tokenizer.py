@@ -75,12 +75,35 @@ class HFTokenizer:
         text = data.decode("utf-8", errors="replace")
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self._dtype)
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """A batch of documents at once (the Rust side spreads it over threads)."""
+        return [np.asarray(e.ids, dtype=self._dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: Any) -> str:
         return self._tok.decode([int(i) for i in ids])
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """`byte` or a path to a tokenizer.json (or a directory holding one)."""
+def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
+    """`auto` is the tokenizer.json of the model.init_from=hf:DIR directory; other specs are unchanged."""
+    if spec != "auto":
+        return spec
+    if not init_from.startswith("hf:"):
+        raise ConfigError(
+            f"data.tokenizer=auto uses the tokenizer of model.init_from=hf:DIR, but model.init_from='{init_from}': "
+            f"set data.tokenizer to 'byte' or a tokenizer.json path"
+        )
+    path = Path(init_from[3:]).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"data.tokenizer=auto: '{path}' does not exist (model.init_from={init_from}): put the model's "
+            f"tokenizer.json there or set data.tokenizer to its path"
+        )
+    return str(path)
+
+
+def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
+    """`byte`, `auto` (see resolve_tokenizer_spec) or a path to a tokenizer.json (or a directory holding one)."""
+    spec = resolve_tokenizer_spec(spec, init_from)
     if spec in ("", "byte"):
         return ByteTokenizer()
     path = Path(spec).expanduser()

@@ -26,10 +26,14 @@ from dtlaunch.data.shards import open_shards
 from dtlaunch.data.tokenizer import check_vocab, load_tokenizer
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
 
-KINDS = ("synthetic", "tokens", "text")
+RECORD_KINDS = ("jsonl", "parquet", "hf")
 RUN_DATA_DIR = "data"
-# Distinct seed-sequence tags so sample contents and epoch orders never share a random stream.
-_TAG_SYNTHETIC, _TAG_ORDER = 0x5A17, 0x0D3E
+RUN_VAL_DIR = "data-val"
+# Where the launcher tells workers which token-cache entries hold a record kind's train / val data.
+SOURCES_FILE = "data_sources.json"
+# Distinct seed-sequence tags so sample contents, epoch orders, the held-out split and synthetic
+# validation data never share a random stream.
+_TAG_SYNTHETIC, _TAG_ORDER, _TAG_SPLIT, _TAG_SYNTHETIC_VAL = 0x5A17, 0x0D3E, 0x5B11, 0x7A15
 
 
 class SampleSource(Protocol):
@@ -43,11 +47,11 @@ class SyntheticSource:
 
     num_samples: Optional[int] = None
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
-        self.vocab_size, self.length, self.seed = vocab_size, seq_len + 1, seed
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, tag: int = _TAG_SYNTHETIC) -> None:
+        self.vocab_size, self.length, self.seed, self.tag = vocab_size, seq_len + 1, seed, tag
 
     def sample(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, _TAG_SYNTHETIC, index])
+        rng = np.random.default_rng([self.seed, self.tag, index])
         return rng.integers(0, self.vocab_size, self.length, dtype=np.int64)
 
 
@@ -64,6 +68,26 @@ class TokenSource:
         return self.shards.window(index * self.seq_len, self.seq_len + 1)
 
 
+class SubsetSource:
+    """Samples `indices` of another source, in that order (one side of a held-out split)."""
+
+    def __init__(self, base: SampleSource, indices: np.ndarray) -> None:
+        self.base, self.indices = base, indices
+        self.num_samples: Optional[int] = len(indices)
+
+    def sample(self, index: int) -> np.ndarray:
+        return self.base.sample(int(self.indices[index]))
+
+
+def held_out_split(num_samples: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) sample indices: a fixed pseudo-random `fraction` of the windows is held out. Seeded by
+    a constant, not training.seed, so runs with different seeds are judged on the same validation set."""
+    k = min(num_samples, max(1, round(num_samples * fraction))) if fraction > 0 else 0
+    mask = np.zeros(num_samples, dtype=bool)
+    mask[np.random.default_rng([_TAG_SPLIT]).permutation(num_samples)[:k]] = True
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
 class TokenLoader:
     """Yields this dp rank's micro-batches in order: (inputs, targets), int64, (micro_batch, seq_len)."""
 
@@ -77,11 +101,13 @@ class TokenLoader:
         dp_size: int,
         vocab_size: int,
         key: str = "data.path",
+        shuffle: bool = True,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
         self.source, self.micro_batch, self.seq_len, self.seed = source, micro_batch, seq_len, seed
         self.dp_rank, self.dp_size, self.vocab_size, self.key = dp_rank, dp_size, vocab_size, key
+        self.shuffle = shuffle  # validation reads its samples in order
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
 
@@ -105,6 +131,8 @@ class TokenLoader:
         n = self.source.num_samples
         if n is None:
             return position
+        if not self.shuffle:
+            return position % n
         return int(self._order(position // n)[position % n])
 
     def next_indices(self) -> list[int]:
@@ -146,47 +174,38 @@ def global_batch_size(cfg: Any, dp_size: int) -> int:
 
 def _check_kind(cfg: Any) -> str:
     kind = str(cfg.data.kind)
-    if kind not in KINDS:
-        raise ConfigError(f"data.kind='{kind}' is not a data kind: use one of {', '.join(KINDS)}")
     if kind != "synthetic" and not str(cfg.data.path):
         raise ConfigError(f"data.kind={kind} needs data.path: set data.path=<directory, file or glob>")
     return kind
 
 
-def _text_source_id(cfg: Any) -> dict[str, Any]:
+def eval_enabled(cfg: Any) -> bool:
+    return int(cfg.training.eval_every) > 0
+
+
+def _text_source_id(cfg: Any, path: str) -> dict[str, Any]:
     return {
-        "path": str(cfg.data.path),
+        "path": path,
         "pattern": str(cfg.data.pattern),
         "tokenizer": str(cfg.data.tokenizer),
         "max_bytes": int(cfg.data.max_bytes),
     }
 
 
-def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
-    """Called once by the launcher before workers start. Tokenizes data.kind=text into run_dir/data
-    (skipped when already there from the same source, e.g. on resume) and checks data.kind=tokens
-    shards, so a bad corpus fails before any worker spawns. Returns the PrepareSummary or None."""
+def _prepare_text(cfg: Any, path: str, out: Path) -> Optional[Any]:
+    """data.kind=text: tokenize into the run directory (skipped when already there from the same source)."""
+    import json
+
     from dtlaunch.data.prepare import prepare_corpus
 
-    kind = _check_kind(cfg)
-    if kind == "tokens":
-        source = TokenSource(str(cfg.data.path), int(cfg.training.seq_len), "data.path")
-        check_vocab(int(cfg.model.vocab_size), source.shards.vocab_size, f"data.path='{cfg.data.path}'")
-        return None
-    if kind != "text":
-        return None
-    out = Path(run_dir) / RUN_DATA_DIR
-    ident = _text_source_id(cfg)
+    ident = _text_source_id(cfg, path)
     meta_file = out / "meta.json"
-    if meta_file.is_file():
-        import json
-
-        if json.loads(meta_file.read_text()).get("source") == ident:
-            return None
-    tok = load_tokenizer(str(cfg.data.tokenizer))
+    if meta_file.is_file() and json.loads(meta_file.read_text()).get("source") == ident:
+        return None
+    tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
     check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
     return prepare_corpus(
-        [str(cfg.data.path)],
+        [path],
         out,
         tok,
         pattern=str(cfg.data.pattern),
@@ -196,28 +215,141 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
     )
 
 
+def record_options(cfg: Any) -> dict[str, Any]:
+    """What, besides the files and the tokenizer, decides a record source's tokens (part of the cache key)."""
+    kind = str(cfg.data.kind)
+    return {
+        "kind": kind,
+        "format": str(cfg.data.format),
+        "text_field": str(cfg.data.text_field),
+        "split": str(cfg.data.split) if kind == "hf" else "",
+    }
+
+
+def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
+    """A jsonl / parquet / hf source tokenized into the content-addressed cache; returns the entry."""
+    from dtlaunch.data.cache import cache_root, cached_tokens
+    from dtlaunch.data.records import iter_documents, source_files
+
+    kind = str(cfg.data.kind)
+    if tok is None:
+        tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
+    check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
+    files = source_files(kind, path, key)
+    texts = iter_documents(kind, path, str(cfg.data.text_field), str(cfg.data.split), key)
+    entry, _ = cached_tokens(cache_root(str(cfg.data.cache_dir)), files, texts, tok, record_options(cfg), path, key)
+    return entry
+
+
+def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
+    """Called once by the launcher before workers start: tokenizes data.kind=text into run_dir/data and
+    record kinds (jsonl / parquet / hf) into the token cache, checks data.kind=tokens shards and that
+    train and validation data each hold a global batch, so bad data fails (exit 2) before any worker.
+    Returns data.kind=text's PrepareSummary when it tokenized now, else None."""
+    import json
+
+    kind = _check_kind(cfg)
+    summary = None
+    val_path = str(cfg.data.val_path)
+    if kind in RECORD_KINDS:
+        tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
+        sources = {"train": str(tokenize_records(cfg, str(cfg.data.path), "data.path", tok))}
+        if val_path:
+            sources["val"] = str(tokenize_records(cfg, val_path, "data.val_path", tok))
+        (Path(run_dir) / SOURCES_FILE).write_text(json.dumps(sources, indent=1) + "\n")
+    elif kind == "text":
+        summary = _prepare_text(cfg, str(cfg.data.path), Path(run_dir) / RUN_DATA_DIR)
+        if val_path:
+            _prepare_text(cfg, val_path, Path(run_dir) / RUN_VAL_DIR)
+    if kind != "synthetic":
+        from dtlaunch.config.layout import Layout, global_batch, world_size
+
+        gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+        train, val = data_sources(cfg, run_dir)
+        _check_enough(train, gb, "data.path", cfg)
+        if val is not None:
+            _check_enough(val, gb, "data.val_path" if val_path else "data.val_fraction", cfg)
+    return summary
+
+
+def _check_enough(source: SampleSource, gb: int, key: str, cfg: Any) -> None:
+    n = source.num_samples
+    if n is not None and n < gb:
+        value = (
+            cfg.data.val_path
+            if key == "data.val_path"
+            else (cfg.data.val_fraction if key != "data.path" else cfg.data.path)
+        )
+        raise InputError(
+            f"{key}={value}: {n} full windows of {int(cfg.training.seq_len) + 1} tokens but one global batch needs "
+            f"{gb}: add data, or lower training.seq_len / training.global_batch / training.micro_batch"
+            + (" or raise data.val_fraction" if key == "data.val_fraction" else "")
+        )
+
+
+def _shard_dir(cfg: Any, run_dir: Path, role: str) -> str:
+    """Where this role's token shards are: the user's shards, the run's text data, or a cache entry."""
+    import json
+
+    kind = str(cfg.data.kind)
+    if kind == "tokens":
+        return str(cfg.data.path if role == "train" else cfg.data.val_path)
+    if kind == "text":
+        path = Path(run_dir) / (RUN_DATA_DIR if role == "train" else RUN_VAL_DIR)
+    else:
+        sources_file = Path(run_dir) / SOURCES_FILE
+        if not sources_file.is_file():
+            raise InputError(
+                f"data.kind={kind}: '{sources_file}' is missing; the launcher's prepare_run_data(cfg, run_dir) "
+                f"must run before the workers"
+            )
+        path = Path(json.loads(sources_file.read_text())[role])
+    if not (path / "meta.json").is_file():
+        raise InputError(
+            f"data.kind={kind}: '{path}' is not prepared; the launcher's prepare_run_data(cfg, run_dir) must run "
+            f"before the workers"
+        )
+    return str(path)
+
+
+def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[SampleSource]]:
+    """(training source, validation source or None). The validation source exists when evaluation is
+    on or a validation set is configured; data.val_fraction carves it out of the training windows."""
+    kind = _check_kind(cfg)
+    seq_len, vocab, seed = int(cfg.training.seq_len), int(cfg.model.vocab_size), int(cfg.training.seed)
+    if kind == "synthetic":
+        val = SyntheticSource(vocab, seq_len, seed, _TAG_SYNTHETIC_VAL) if eval_enabled(cfg) else None
+        return SyntheticSource(vocab, seq_len, seed), val
+    train: SampleSource = TokenSource(_shard_dir(cfg, run_dir, "train"), seq_len, "data.path")
+    check_vocab(vocab, train.shards.vocab_size, f"data.path='{cfg.data.path}'")
+    val: Optional[SampleSource] = None
+    if str(cfg.data.val_path):
+        val = TokenSource(_shard_dir(cfg, run_dir, "val"), seq_len, "data.val_path")
+        check_vocab(vocab, val.shards.vocab_size, f"data.val_path='{cfg.data.val_path}'")
+    elif float(cfg.data.val_fraction) > 0:
+        train_idx, val_idx = held_out_split(int(train.num_samples or 0), float(cfg.data.val_fraction))
+        train, val = SubsetSource(train, train_idx), SubsetSource(train, val_idx)
+    return train, val
+
+
 def build_loader(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> TokenLoader:
     """This dp rank's loader. TP/PP peers pass the same dp_rank and so get identical batches."""
-    kind = _check_kind(cfg)
+    return build_loaders(cfg, run_dir, dp_rank, dp_size)[0]
+
+
+def build_loaders(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[TokenLoader, Optional[TokenLoader]]:
+    """(training loader, validation loader or None when evaluation is off) for this dp rank."""
     seq_len, mb = int(cfg.training.seq_len), int(cfg.training.micro_batch)
-    vocab = int(cfg.model.vocab_size)
-    source: SampleSource
-    if kind == "synthetic":
-        source = SyntheticSource(vocab, seq_len, int(cfg.training.seed))
-    else:
-        path = str(cfg.data.path) if kind == "tokens" else str(Path(run_dir) / RUN_DATA_DIR)
-        if kind == "text" and not (Path(path) / "meta.json").is_file():
-            raise InputError(
-                f"data.kind=text: '{path}' is not prepared; the launcher's prepare_run_data(cfg, "
-                f"run_dir) must run before the workers"
-            )
-        source = TokenSource(path, seq_len, "data.path")
-        check_vocab(vocab, source.shards.vocab_size, f"data.path='{cfg.data.path}'")
-        gb = global_batch_size(cfg, dp_size)
-        if source.num_samples < gb:
-            raise DtlaunchError(
-                f"data.path='{cfg.data.path}' holds {source.num_samples} samples of {seq_len + 1} tokens but one "
-                f"global batch needs {gb}: add data, or lower training.seq_len / training.global_batch / "
-                f"training.micro_batch"
-            )
-    return TokenLoader(source, mb, seq_len, int(cfg.training.seed), dp_rank, dp_size, vocab)
+    vocab, seed = int(cfg.model.vocab_size), int(cfg.training.seed)
+    train, val = data_sources(cfg, run_dir)
+    gb = global_batch_size(cfg, dp_size)
+    if train.num_samples is not None and train.num_samples < gb:
+        raise DtlaunchError(
+            f"data.path='{cfg.data.path}' holds {train.num_samples} samples of {seq_len + 1} tokens but one "
+            f"global batch needs {gb}: add data, or lower training.seq_len / training.global_batch / "
+            f"training.micro_batch"
+        )
+    loader = TokenLoader(train, mb, seq_len, seed, dp_rank, dp_size, vocab)
+    if val is None or not eval_enabled(cfg):
+        return loader, None
+    return loader, TokenLoader(val, mb, seq_len, seed, dp_rank, dp_size, vocab, key="data.val_path", shuffle=False)
