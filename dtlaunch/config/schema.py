@@ -181,7 +181,7 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    # Empty = a local file store <run dir>/mlruns.
+    # Empty = a local store in <run dir>/mlruns (an SQLite file: MLflow 3 refuses new plain-file stores).
     tracking_uri: str = ""
     experiment: str = "dtlaunch"
 

@@ -148,14 +148,20 @@ class _Progress:
             self._bar.stop()
 
 
-def build_entry(
-    entry: Path, texts: Iterable[str], tok: Tokenizer, total_bytes: int, label: str, key: str, extra_meta: dict
+def write_tokens(
+    out_dir: Path,
+    texts: Iterable[str],
+    tok: Tokenizer,
+    total_bytes: int,
+    label: str,
+    key: str,
+    extra_meta: dict,
+    shard_tokens: int = SHARD_TOKENS,
 ) -> dict[str, Any]:
-    """Tokenize `texts` (each document followed by EOS) into `entry`, atomically."""
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Tokenize `texts` (each document followed by EOS) into shards + meta.json (with the manifest) in
+    `out_dir`, streaming: only one batch of documents and one shard's buffer are in memory."""
     t0 = time.perf_counter()
-    writer = ShardWriter(tmp, token_dtype(tok.vocab_size), SHARD_TOKENS)
+    writer = ShardWriter(out_dir, token_dtype(tok.vocab_size), shard_tokens)
     eos = np.asarray([tok.eos_id] if tok.eos_id is not None else [], dtype=writer.dtype)
     docs, chars = 0, 0
     bar = _Progress(label, total_bytes)
@@ -167,27 +173,37 @@ def build_entry(
                     docs += 1
             chars += n_chars
             bar.advance(n_chars)
-        if writer.tokens == 0:
-            raise InputError(f"{key}: the dataset {label} is empty (0 tokens from {docs} documents): give it some text")
-        writer.close({})  # flushes the last shard; the manifest below replaces this meta
-        for s in writer.shards:
-            s["crc32"] = _crc32(tmp / s["file"])
-        meta = writer.close(
-            {
-                "vocab_size": tok.vocab_size,
-                "tokenizer": tok.name,
-                "eos_id": tok.eos_id,
-                "documents": docs,
-                "characters": chars,
-                "seconds": round(time.perf_counter() - t0, 3),
-                **extra_meta,
-            }
-        )
+    finally:
+        bar.stop()
+    if writer.tokens == 0:
+        raise InputError(f"{key}: the dataset {label} is empty (0 tokens from {docs} documents): give it some text")
+    writer.close({})  # flushes the last shard; the meta below, with the manifest, replaces this one
+    for s in writer.shards:
+        s["crc32"] = _crc32(out_dir / s["file"])
+    return writer.close(
+        {
+            "vocab_size": tok.vocab_size,
+            "tokenizer": tok.name,
+            "eos_id": tok.eos_id,
+            "documents": docs,
+            "characters": chars,
+            "seconds": round(time.perf_counter() - t0, 3),
+            **extra_meta,
+        }
+    )
+
+
+def build_entry(
+    entry: Path, texts: Iterable[str], tok: Tokenizer, total_bytes: int, label: str, key: str, extra_meta: dict
+) -> dict[str, Any]:
+    """write_tokens into a temporary directory renamed to `entry` when complete."""
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        meta = write_tokens(tmp, texts, tok, total_bytes, label, key, extra_meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        bar.stop()
     shutil.rmtree(entry, ignore_errors=True)  # a corrupt entry being replaced
     try:
         os.replace(tmp, entry)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -57,7 +58,7 @@ class WandbTracker:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or str(cfg.logging.wandb.mode)
-        run_id = ids.get("wandb") or wandb.util.generate_id()
+        run_id = ids.get("wandb") or uuid.uuid4().hex[:8]
         ids.set("wandb", run_id)
         self.run = wandb.init(
             project=str(cfg.logging.wandb.project),
@@ -84,13 +85,19 @@ class MlflowTracker:
     def __init__(self, run_dir: Path, cfg: Any, config: dict[str, Any], ids: _Ids) -> None:
         from mlflow.tracking import MlflowClient
 
-        uri = str(cfg.logging.mlflow.tracking_uri) or (run_dir / "mlruns").resolve().as_uri()
+        local = (run_dir / "mlruns").resolve()
+        uri = str(cfg.logging.mlflow.tracking_uri)
+        if not uri:
+            # MLflow 3 refuses new plain-file stores: a local store is an SQLite file inside mlruns/.
+            local.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{local / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
         run_id = ids.get("mlflow")
         if run_id is None:
             name = str(cfg.logging.mlflow.experiment)
             exp = self.client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+            artifacts = None if cfg.logging.mlflow.tracking_uri else (local / "artifacts").as_uri()
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name, artifacts)
             run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
             ids.set("mlflow", run_id)
             self._log_params(run_id, flatten(config))
