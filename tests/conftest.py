@@ -131,3 +131,9 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_docs():
+    """tiny_documents, for test modules (conftest is not importable as a module under every import mode)."""
+    return tiny_documents
