@@ -121,3 +121,31 @@ def check_vocab(model_vocab: int, tokenizer_vocab: int, source: str) -> None:
             f"model.vocab_size={model_vocab} is smaller than the vocabulary of {source} ({tokenizer_vocab} ids): "
             f"set model.vocab_size={tokenizer_vocab} or more"
         )
+
+
+# Files of a Hugging Face tokenizer directory that travel with a run and its exports.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+RUN_TOKENIZER_DIR = "tokenizer"
+
+
+def copy_tokenizer_files(tokenizer_json: Path, out: Path) -> list[Path]:
+    """Copy tokenizer.json and its companions into `out`; without a tokenizer_config.json, write one naming
+    the fast tokenizer class and EOS token, so `AutoTokenizer.from_pretrained(out)` loads it."""
+    import json
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_TOKENIZER_FILES:
+        src = tokenizer_json.parent / name if name != "tokenizer.json" else tokenizer_json
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            copied.append(out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        tok = HFTokenizer(tokenizer_json)
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if tok.eos_id is not None:
+            config["eos_token"] = tok._tok.id_to_token(tok.eos_id)
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        copied.append(out / "tokenizer_config.json")
+    return copied

@@ -251,6 +251,7 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
     kind = _check_kind(cfg)
     summary = None
     val_path = str(cfg.data.val_path)
+    keep_tokenizer(cfg, Path(run_dir))
     if kind in RECORD_KINDS:
         tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
         sources = {"train": str(tokenize_records(cfg, str(cfg.data.path), "data.path", tok))}
@@ -270,6 +271,20 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
         if val is not None:
             _check_enough(val, gb, "data.val_path" if val_path else "data.val_fraction", cfg)
     return summary
+
+
+def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
+    """A Hugging Face tokenizer travels with the run (run_dir/tokenizer), so that `ckpt export --format hf`
+    can write it beside the weights even if the original file moves or changes."""
+    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files, resolve_tokenizer_spec
+
+    if str(cfg.data.kind) == "synthetic":
+        return
+    spec = resolve_tokenizer_spec(str(cfg.data.tokenizer), str(cfg.model.init_from))
+    if spec in ("", "byte"):
+        return
+    path = Path(spec).expanduser()
+    copy_tokenizer_files(path / "tokenizer.json" if path.is_dir() else path, run_dir / RUN_TOKENIZER_DIR)
 
 
 def _check_enough(source: SampleSource, gb: int, key: str, cfg: Any) -> None:

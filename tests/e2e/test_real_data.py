@@ -197,3 +197,16 @@ def test_trackers_hold_config_and_every_metric(layout_run) -> None:
         for key in ("loss", "grad_norm", "val_loss"):
             if key in r:
                 assert h[key] == pytest.approx(r[key]), (key, r["step"])
+
+
+def test_hf_export_carries_the_tokenizer(layout_run, tiny_tokenizer, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from dtlaunch.convert.hf import export_checkpoint
+
+    export_checkpoint(layout_run("single_jsonl"), "hf", tmp_path / "export")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    text = "kaka lolo mizo"
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json")).encode(text).ids
+    assert tok.eos_token == "<|endoftext|>" and tok.chat_template
