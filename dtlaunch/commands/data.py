@@ -57,9 +57,10 @@ def _prepare_records(
     t0 = time.perf_counter()
     files = [f for item in inputs for f in source_files(kind, item, "INPUT")]
     texts = itertools.chain.from_iterable(iter_documents(kind, item, text_field, split, "INPUT") for item in inputs)
+    batches = cache.encode_batches(tok, texts)  # type: ignore[arg-type]
     meta = cache.write_tokens(
         out,
-        texts,
+        batches,
         tok,
         sum(f.stat().st_size for f in files),
         ", ".join(inputs),

@@ -137,6 +137,8 @@ class DataFormat(Choice):
     """What one record of a jsonl / parquet / hf source holds."""
 
     text = "text"  # a string in data.text_field
+    chat = "chat"  # a list of {role, content} in data.messages_field; loss on assistant tokens only
+    prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
 
 
 @dataclass
@@ -154,6 +156,9 @@ class DataConfig:
     format: DataFormat = DataFormat.text
     # jsonl / parquet / hf: the record field (column) holding the document text.
     text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
     # hf: the split of a DatasetDict or of local data files.
     split: str = "train"
     # Tokenized jsonl / parquet / hf data is cached here by content (empty = $DTLAUNCH_DATA_CACHE or

@@ -91,9 +91,9 @@ def verify_entry(entry: Path) -> Optional[dict[str, Any]]:
     try:
         meta = json.loads((entry / META_NAME).read_text())
         itemsize = np.dtype(meta["dtype"]).itemsize
-        for s in meta["shards"]:
+        for s, size in [(s, itemsize) for s in meta["shards"]] + [(s, 1) for s in meta.get("masks", [])]:
             f = entry / s["file"]
-            if f.stat().st_size != int(s["tokens"]) * itemsize or _crc32(f) != int(s["crc32"]):
+            if f.stat().st_size != int(s["tokens"]) * size or _crc32(f) != int(s["crc32"]):
                 return None
         return meta
     except (OSError, ValueError, KeyError, TypeError):
@@ -150,36 +150,52 @@ class _Progress:
 
 def write_tokens(
     out_dir: Path,
-    texts: Iterable[str],
+    batches: Iterable[tuple[list[Any], int]],
     tok: Tokenizer,
     total_bytes: int,
     label: str,
     key: str,
     extra_meta: dict,
     shard_tokens: int = SHARD_TOKENS,
+    masked: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize `texts` (each document followed by EOS) into shards + meta.json (with the manifest) in
-    `out_dir`, streaming: only one batch of documents and one shard's buffer are in memory."""
+    """Write encoded documents (each followed by EOS) as shards + meta.json with the manifest in `out_dir`,
+    streaming: only one batch of documents and one shard's buffer are in memory. `batches` yields
+    (documents, characters read); a document is an id array, or with `masked` an (ids, loss mask) pair whose
+    mask goes to parallel mask-NNNNN.bin files (uint8, 1 = the token is a training target)."""
     t0 = time.perf_counter()
     writer = ShardWriter(out_dir, token_dtype(tok.vocab_size), shard_tokens)
+    masks = ShardWriter(out_dir, np.dtype(np.uint8), shard_tokens, prefix="mask") if masked else None
     eos = np.asarray([tok.eos_id] if tok.eos_id is not None else [], dtype=writer.dtype)
     docs, chars = 0, 0
     bar = _Progress(label, total_bytes)
     try:
-        for arrays, n_chars in encode_batches(tok, texts):
-            for ids in arrays:
-                if len(ids):
-                    writer.add(np.concatenate([ids.astype(writer.dtype, copy=False), eos]) if len(eos) else ids)
-                    docs += 1
+        for documents, n_chars in batches:
+            for doc in documents:
+                ids, mask = doc if masked else (doc, None)
+                if not len(ids):
+                    continue
+                writer.add(np.concatenate([ids.astype(writer.dtype, copy=False), eos]) if len(eos) else ids)
+                if masks is not None:
+                    # The EOS after a document is no target of its own: the next document starts there.
+                    masks.add(np.concatenate([mask.astype(np.uint8), np.zeros(len(eos), np.uint8)]))
+                docs += 1
             chars += n_chars
             bar.advance(n_chars)
     finally:
         bar.stop()
     if writer.tokens == 0:
         raise InputError(f"{key}: the dataset {label} is empty (0 tokens from {docs} documents): give it some text")
+    if masks is not None:
+        masks.flush_rest()
     writer.close({})  # flushes the last shard; the meta below, with the manifest, replaces this one
     for s in writer.shards:
         s["crc32"] = _crc32(out_dir / s["file"])
+    extra: dict[str, Any] = {}
+    if masks is not None:
+        for s in masks.shards:
+            s["crc32"] = _crc32(out_dir / s["file"])
+        extra["masks"] = masks.shards
     return writer.close(
         {
             "vocab_size": tok.vocab_size,
@@ -188,19 +204,27 @@ def write_tokens(
             "documents": docs,
             "characters": chars,
             "seconds": round(time.perf_counter() - t0, 3),
+            **extra,
             **extra_meta,
         }
     )
 
 
 def build_entry(
-    entry: Path, texts: Iterable[str], tok: Tokenizer, total_bytes: int, label: str, key: str, extra_meta: dict
+    entry: Path,
+    batches: Iterable[tuple[list[Any], int]],
+    tok: Tokenizer,
+    total_bytes: int,
+    label: str,
+    key: str,
+    extra_meta: dict,
+    masked: bool = False,
 ) -> dict[str, Any]:
     """write_tokens into a temporary directory renamed to `entry` when complete."""
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        meta = write_tokens(tmp, texts, tok, total_bytes, label, key, extra_meta)
+        meta = write_tokens(tmp, batches, tok, total_bytes, label, key, extra_meta, masked=masked)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -215,17 +239,18 @@ def build_entry(
 def cached_tokens(
     root: Path,
     files: Sequence[Path],
-    texts: Iterable[str],
+    batches: Iterable[tuple[list[Any], int]],
     tok: Tokenizer,
     options: dict[str, Any],
     label: str,
     key: str = "data.path",
+    masked: bool = False,
 ) -> tuple[Path, bool]:
-    """(entry directory, whether it was built now). `texts` is only consumed when building."""
+    """(entry directory, whether it was built now). `batches` (see write_tokens) is only consumed when building."""
     check_writable(root)
     entry = root / cache_key(files, tok, options)
     if verify_entry(entry) is not None:
         return entry, False
     total = sum(f.stat().st_size for f in files)
-    build_entry(entry, texts, tok, total, label, key, {"source": options})
+    build_entry(entry, batches, tok, total, label, key, {"source": options}, masked)
     return entry, True

@@ -45,20 +45,17 @@ def _keys_hint(record: Any) -> str:
     return f"it is a JSON {type(record).__name__}, not an object"
 
 
-def _text_of(record: Any, field: str, where: str, key: str) -> str:
-    if not isinstance(record, dict) or field not in record:
+def _fields_of(record: Any, fields: Sequence[str], where: str, key: str) -> tuple:
+    if not isinstance(record, dict) or any(f not in record for f in fields):
+        missing = next(f for f in fields if not isinstance(record, dict) or f not in record)
         raise InputError(
-            f"{key}: record at {where} has no field '{field}' ({_keys_hint(record)}): set data.text_field to one of them"
+            f"{key}: record at {where} has no field '{missing}' ({_keys_hint(record)}): set the data.*_field "
+            f"option (data.text_field) to one of them"
         )
-    value = record[field]
-    if not isinstance(value, str):
-        raise InputError(
-            f"{key}: field '{field}' at {where} is a {type(value).__name__}, not text: set data.text_field to a text field"
-        )
-    return value
+    return tuple(record[f] for f in fields)
 
 
-def iter_jsonl(files: Sequence[Path], field: str, key: str = "data.path") -> Iterator[str]:
+def iter_jsonl(files: Sequence[Path], fields: Sequence[str], key: str = "data.path") -> Iterator[tuple[tuple, str]]:
     for f in files:
         try:
             fh = f.open("rb")
@@ -75,10 +72,10 @@ def iter_jsonl(files: Sequence[Path], field: str, key: str = "data.path") -> Ite
                         f"{key}: {f}:{n} is not JSON ({str(exc).splitlines()[0]}): each line of a .jsonl file must "
                         f"be one JSON object"
                     ) from exc
-                yield _text_of(record, field, f"{f}:{n}", key)
+                yield _fields_of(record, fields, f"{f}:{n}", key), f"{f}:{n}"
 
 
-def iter_parquet(files: Sequence[Path], field: str, key: str = "data.path") -> Iterator[str]:
+def iter_parquet(files: Sequence[Path], fields: Sequence[str], key: str = "data.path") -> Iterator[tuple[tuple, str]]:
     pq = _need("pyarrow.parquet", "parquet")
     for f in files:
         try:
@@ -86,21 +83,17 @@ def iter_parquet(files: Sequence[Path], field: str, key: str = "data.path") -> I
         except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for non-Parquet files
             raise InputError(f"{key}: '{f}' is not a readable Parquet file ({str(exc).splitlines()[0]})") from exc
         names = pf.schema_arrow.names
-        if field not in names:
-            raise InputError(
-                f"{key}: Parquet file '{f}' has no column '{field}' (its columns are {names[:12]}): "
-                f"set data.text_field to one of them"
-            )
-        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-            for value in batch.column(0).to_pylist():
-                if value is None:
-                    continue
-                if not isinstance(value, str):
-                    raise InputError(
-                        f"{key}: column '{field}' of '{f}' holds {type(value).__name__}, not text: "
-                        f"set data.text_field to a text column"
-                    )
-                yield value
+        for field in fields:
+            if field not in names:
+                raise InputError(
+                    f"{key}: Parquet file '{f}' has no column '{field}' (its columns are {names[:12]}): "
+                    f"set data.text_field (or the format's field option) to one of them"
+                )
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=list(fields)):
+            for values in zip(*(batch.column(i).to_pylist() for i in range(len(fields))), strict=True):
+                row += 1
+                yield values, f"{f} row {row}"
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -147,24 +140,20 @@ def hf_data_files(path: str, key: str) -> list[Path]:
     return resolve_inputs([path], "**/*", key)
 
 
-def iter_hf(path: str, field: str, split: str, key: str = "data.path") -> Iterator[str]:
+def iter_hf(path: str, fields: Sequence[str], split: str, key: str = "data.path") -> Iterator[tuple[tuple, str]]:
     ds = _load_hf(path, split, key)
     names = list(ds.column_names)
-    if field not in names:
-        raise InputError(
-            f"{key}: the dataset at '{path}' has no column '{field}' (its columns are {names[:12]}): "
-            f"set data.text_field to one of them"
-        )
-    for i, value in enumerate(ds.select_columns([field]).iter(batch_size=1024)):
-        for n, text in enumerate(value[field]):
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise InputError(
-                    f"{key}: column '{field}' row {i * 1024 + n} of '{path}' is a {type(text).__name__}, not text: "
-                    f"set data.text_field to a text column"
-                )
-            yield text
+    for field in fields:
+        if field not in names:
+            raise InputError(
+                f"{key}: the dataset at '{path}' has no column '{field}' (its columns are {names[:12]}): "
+                f"set data.text_field (or the format's field option) to one of them"
+            )
+    row = 0
+    for batch in ds.select_columns(list(fields)).iter(batch_size=1024):
+        for values in zip(*(batch[f] for f in fields), strict=True):
+            row += 1
+            yield values, f"{path} row {row}"
 
 
 def source_files(kind: str, path: str, key: str = "data.path") -> list[Path]:
@@ -177,12 +166,27 @@ def source_files(kind: str, path: str, key: str = "data.path") -> list[Path]:
     return resolve_inputs([path], DIR_PATTERNS[kind], key)
 
 
-def iter_documents(kind: str, path: str, field: str, split: str = "train", key: str = "data.path") -> Iterator[str]:
-    """Every document's text of a jsonl / parquet / hf source, in a fixed order."""
+def iter_records(
+    kind: str, path: str, fields: Sequence[str], split: str = "train", key: str = "data.path"
+) -> Iterator[tuple[tuple, str]]:
+    """(values of `fields`, where) for every record of a jsonl / parquet / hf source, in a fixed order."""
     if kind == "jsonl":
-        return iter_jsonl(source_files(kind, path, key), field, key)
+        return iter_jsonl(source_files(kind, path, key), fields, key)
     if kind == "parquet":
-        return iter_parquet(source_files(kind, path, key), field, key)
+        return iter_parquet(source_files(kind, path, key), fields, key)
     if kind == "hf":
-        return iter_hf(path, field, split, key)
+        return iter_hf(path, fields, split, key)
     raise ValueError(f"not a record kind: {kind}")
+
+
+def iter_documents(kind: str, path: str, field: str, split: str = "train", key: str = "data.path") -> Iterator[str]:
+    """Every document's text (data.format=text); a null value is no document."""
+    for (value,), where in iter_records(kind, path, [field], split, key):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InputError(
+                f"{key}: field '{field}' at {where} is a {type(value).__name__}, not text: set data.text_field to "
+                f"a text field"
+            )
+        yield value

@@ -22,11 +22,12 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 
-from dtlaunch.data.shards import open_shards
+from dtlaunch.data.shards import open_masks, open_shards
 from dtlaunch.data.tokenizer import check_vocab, load_tokenizer
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
 
 RECORD_KINDS = ("jsonl", "parquet", "hf")
+IGNORE_INDEX = -100  # cross_entropy's default: a target that does not count
 RUN_DATA_DIR = "data"
 RUN_VAL_DIR = "data-val"
 # Where the launcher tells workers which token-cache entries hold a record kind's train / val data.
@@ -61,11 +62,17 @@ class TokenSource:
 
     def __init__(self, path: str, seq_len: int, key: str) -> None:
         self.shards = open_shards(path, key)
+        # Chat / prompt-completion data: 1 where a token is a training target (the rest are context only).
+        self.masks = open_masks(path, key)
         self.seq_len = seq_len
         self.num_samples: Optional[int] = max(0, (self.shards.total - 1) // seq_len)
 
     def sample(self, index: int) -> np.ndarray:
-        return self.shards.window(index * self.seq_len, self.seq_len + 1)
+        """(seq_len+1,) ids, or for masked data (2, seq_len+1): ids and the target mask."""
+        ids = self.shards.window(index * self.seq_len, self.seq_len + 1)
+        if self.masks is None:
+            return ids
+        return np.stack([ids, self.masks.window(index * self.seq_len, self.seq_len + 1)])
 
 
 class SubsetSource:
@@ -144,6 +151,9 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([self.source.sample(i) for i in self.next_indices()])
+        mask = None
+        if rows.ndim == 3:  # masked data: targets that are not to be learnt get the ignore index
+            rows, mask = rows[:, 0], rows[:, 1, 1:]
         top = int(rows.max())
         if top >= self.vocab_size:
             # Caught here, on the host: on a GPU an out-of-range id is an opaque device-side assert.
@@ -152,7 +162,10 @@ class TokenLoader:
                 f"tokenized with a larger vocabulary; raise model.vocab_size or re-prepare the data"
             )
         batch = torch.from_numpy(rows)
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        targets = batch[:, 1:].contiguous()
+        if mask is not None:
+            targets[torch.from_numpy(mask == 0)] = IGNORE_INDEX
+        return batch[:, :-1].contiguous(), targets
 
     def state_dict(self) -> dict[str, Any]:
         # Global, not per rank: identical on every rank, and valid for any dp size on resume.
@@ -221,23 +234,49 @@ def record_options(cfg: Any) -> dict[str, Any]:
     return {
         "kind": kind,
         "format": str(cfg.data.format),
-        "text_field": str(cfg.data.text_field),
+        "fields": record_fields(cfg),
         "split": str(cfg.data.split) if kind == "hf" else "",
     }
+
+
+def record_fields(cfg: Any) -> list[str]:
+    """The record fields data.format reads."""
+    fmt = str(cfg.data.format)
+    if fmt == "chat":
+        return [str(cfg.data.messages_field)]
+    if fmt == "prompt_completion":
+        return [str(cfg.data.prompt_field), str(cfg.data.completion_field)]
+    return [str(cfg.data.text_field)]
+
+
+def encoded_batches(cfg: Any, tok: Any, path: str, key: str) -> Any:
+    """The source's documents, encoded lazily in batches (see dtlaunch.data.cache.write_tokens)."""
+    from dtlaunch.data.cache import encode_batches
+    from dtlaunch.data.records import iter_documents, iter_records
+
+    kind, fmt, split = str(cfg.data.kind), str(cfg.data.format), str(cfg.data.split)
+    if fmt == "text":
+        return encode_batches(tok, iter_documents(kind, path, str(cfg.data.text_field), split, key))
+    from dtlaunch.data.chat import ChatEncoder, encode_records
+
+    encoder = ChatEncoder(Path(tok.name), tok._dtype)
+    return encode_records(encoder, fmt, iter_records(kind, path, record_fields(cfg), split, key), key)
 
 
 def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
     """A jsonl / parquet / hf source tokenized into the content-addressed cache; returns the entry."""
     from dtlaunch.data.cache import cache_root, cached_tokens
-    from dtlaunch.data.records import iter_documents, source_files
+    from dtlaunch.data.records import source_files
 
     kind = str(cfg.data.kind)
     if tok is None:
         tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
     check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
     files = source_files(kind, path, key)
-    texts = iter_documents(kind, path, str(cfg.data.text_field), str(cfg.data.split), key)
-    entry, _ = cached_tokens(cache_root(str(cfg.data.cache_dir)), files, texts, tok, record_options(cfg), path, key)
+    masked = str(cfg.data.format) != "text"
+    batches = encoded_batches(cfg, tok, path, key)
+    root = cache_root(str(cfg.data.cache_dir))
+    entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg), path, key, masked=masked)
     return entry
 
 

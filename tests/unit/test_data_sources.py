@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from dtlaunch.config.schema import JobConfig
 from dtlaunch.config.validate import validate
-from dtlaunch.data.cache import cached_tokens, verify_entry
+from dtlaunch.data.cache import cached_tokens, encode_batches, verify_entry
 from dtlaunch.data.records import iter_documents
 from dtlaunch.data.shards import open_shards
 from dtlaunch.data.tokenizer import load_tokenizer
@@ -61,9 +61,8 @@ def test_cache_builds_once_and_rebuilds_a_corrupt_entry(sources, tiny_tokenizer,
     files = sorted(Path(sources["jsonl"]).parent.glob("*.jsonl"))
 
     def get():
-        return cached_tokens(
-            tmp_path, files, iter_documents("jsonl", str(sources["jsonl"]), "body"), tok, {"f": 1}, "x"
-        )
+        texts = iter_documents("jsonl", str(sources["jsonl"]), "body")
+        return cached_tokens(tmp_path, files, encode_batches(tok, texts), tok, {"f": 1}, "x")
 
     entry, built = get()
     assert built and verify_entry(entry) is not None
@@ -79,7 +78,7 @@ def test_cache_builds_once_and_rebuilds_a_corrupt_entry(sources, tiny_tokenizer,
     assert get() == (entry, True), "a corrupt entry is rebuilt"
     assert np.array_equal(open_shards(str(entry)).window(0, len(expected)), expected)
     # Another text field is another entry.
-    other, built = cached_tokens(tmp_path, files, iter(["ka lo"]), tok, {"f": 2}, "x")
+    other, built = cached_tokens(tmp_path, files, encode_batches(tok, ["kaka lolo"]), tok, {"f": 2}, "x")
     assert built and other != entry
 
 
