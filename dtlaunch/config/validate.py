@@ -259,6 +259,26 @@ def check_data(cfg: Any, notes: list[str]) -> None:
     if d.kind in ("jsonl", "parquet", "hf"):
         _need_package({"jsonl": None, "parquet": "pyarrow", "hf": "datasets"}[d.kind], f"data.kind={d.kind}", "data")
     check_validation(cfg)
+    check_format(cfg)
+
+
+def check_format(cfg: Any) -> None:
+    d = cfg.data
+    if d.format == "text":
+        return
+    if d.kind not in ("jsonl", "parquet", "hf"):
+        _fail(f"data.format={d.format} reads records: use data.kind=jsonl, parquet or hf (not {d.kind})")
+    if d.tokenizer == "byte":
+        _fail(
+            f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): set "
+            f"data.tokenizer=auto or the path of a tokenizer.json"
+        )
+    if cfg.strategy.pp > 1:
+        _fail(
+            f"data.format={d.format} (loss on assistant / completion tokens only) is not supported with pipeline "
+            f"parallel (strategy.pp={cfg.strategy.pp}) yet: use data.format=text or strategy.pp=1"
+        )
+    _need_package("transformers", f"data.format={d.format}", "data")
 
 
 def _need_package(module: Any, what: str, extra: str) -> None:

@@ -109,12 +109,18 @@ class TokenLoader:
         vocab_size: int,
         key: str = "data.path",
         shuffle: bool = True,
+        global_batch: int = 0,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
         self.source, self.micro_batch, self.seq_len, self.seed = source, micro_batch, seq_len, seed
         self.dp_rank, self.dp_size, self.vocab_size, self.key = dp_rank, dp_size, vocab_size, key
         self.shuffle = shuffle  # validation reads its samples in order
+        self.global_batch = global_batch or micro_batch * dp_size
+        # Masked data: the factor that turns this micro-batch's summed target loss into its share of the
+        # global batch's mean (see loss_weight); None for unmasked data (a plain mean is exact there).
+        self.last_weight: Optional[float] = None
+        self._targets_cache: tuple[int, int] = (-1, 0)
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
 
@@ -149,11 +155,27 @@ class TokenLoader:
         self.consumed += self.micro_batch * self.dp_size
         return idx
 
+    def _global_targets(self, step_start: int) -> int:
+        """Targets that count in the global batch starting at stream position `step_start` (all ranks')."""
+        if self._targets_cache[0] != step_start:
+            n = sum(
+                int(self.source.sample(self.sample_index(step_start + i))[1, 1:].sum())
+                for i in range(self.global_batch)
+            )
+            self._targets_cache = (step_start, n)
+        return self._targets_cache[1]
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        step_start = (self.consumed // self.global_batch) * self.global_batch
         rows = np.stack([self.source.sample(i) for i in self.next_indices()])
         mask = None
         if rows.ndim == 3:  # masked data: targets that are not to be learnt get the ignore index
             rows, mask = rows[:, 0], rows[:, 1, 1:]
+            # Loss = sum over this micro-batch's targets * weight / accum, so that the sum over micro-steps,
+            # averaged over dp ranks, is the mean over every target of the global batch: independent of
+            # how the batch is split (layout, accumulation) and of how many targets each micro-batch holds.
+            total = self._global_targets(step_start)
+            self.last_weight = self.global_batch / (self.micro_batch * total) if total else 0.0
         top = int(rows.max())
         if top >= self.vocab_size:
             # Caught here, on the host: on a GPU an out-of-range id is an opaque device-side assert.
@@ -403,7 +425,10 @@ def build_loaders(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[
             f"global batch needs {gb}: add data, or lower training.seq_len / training.global_batch / "
             f"training.micro_batch"
         )
-    loader = TokenLoader(train, mb, seq_len, seed, dp_rank, dp_size, vocab)
+    loader = TokenLoader(train, mb, seq_len, seed, dp_rank, dp_size, vocab, global_batch=gb)
     if val is None or not eval_enabled(cfg):
         return loader, None
-    return loader, TokenLoader(val, mb, seq_len, seed, dp_rank, dp_size, vocab, key="data.val_path", shuffle=False)
+    val_loader = TokenLoader(
+        val, mb, seq_len, seed, dp_rank, dp_size, vocab, key="data.val_path", shuffle=False, global_batch=gb
+    )
+    return loader, val_loader

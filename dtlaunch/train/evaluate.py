@@ -28,18 +28,20 @@ def eval_steps(cfg: Any, step: int) -> bool:
 
 @torch.no_grad()
 def evaluate(ctx: Any, val_loader: Any, batches: int) -> dict[str, float]:
-    """{"val_loss", "val_ppl"}: the token-mean loss over `batches` global batches (one host sync)."""
+    """{"val_loss", "val_ppl"}: the mean loss over every target of `batches` global batches (one host sync).
+    Pipeline parallel (refused with masked data by validation) computes micro-batch means."""
     val_loader.consumed = 0
-    total = torch.zeros((), device=ctx.device, dtype=torch.float64)
-    micro_steps = batches * ctx.accum
-    for _ in range(micro_steps):
+    # [summed target loss, targets]: masked (chat) data has a different number of targets per micro-batch.
+    total = torch.zeros(2, device=ctx.device, dtype=torch.float64)
+    for _ in range(batches * ctx.accum):
         inputs, targets = (t.to(ctx.device) for t in val_loader.next_batch())
-        total += _forward_loss(ctx, inputs, targets).double()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        # TP and PP peers hold equal copies of their replica's loss: the world mean is the dp mean.
+        count = (targets != -100).sum().double()
+        # nan_to_num: a micro-batch without targets has a 0/0 mean and adds nothing.
+        total += torch.stack([_forward_loss(ctx, inputs, targets).double().nan_to_num() * count, count])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # TP and PP peers hold equal copies of their replica's sums; they cancel in the ratio.
         dist.all_reduce(total)
-    loss = float(total) / (world * micro_steps)
+    loss = float(total[0] / total[1].clamp(min=1))
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 

@@ -34,6 +34,17 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, tiny_docs) -> dict[str, Pat
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), root / "train.parquet")
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(root / "saved"))
+    chats = [
+        {
+            "messages": [
+                {"role": "system", "content": d[:20].strip()},
+                {"role": "user", "content": d[: len(d) // 2].strip()},
+                {"role": "assistant", "content": d[len(d) // 2 :].strip()},
+            ]
+        }
+        for d in docs
+    ]
+    (root / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     (root / "files").mkdir()
     (root / "files" / "part-0.jsonl").write_text((root / "train.jsonl").read_text())
     return {
@@ -41,6 +52,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, tiny_docs) -> dict[str, Pat
         "parquet": root / "train.parquet",
         "saved": root / "saved",
         "files": root / "files",
+        "chat": root / "chat.jsonl",
     }
 
 
@@ -56,6 +68,12 @@ LAYOUTS = {
         "training.loss_plot=true",
     ],
     "pp_jsonl": ["recipe=tiny_pp", "training.micro_batch=4", "data.kind=jsonl"],
+}
+# Chat data (loss on assistant tokens only) in one process, FSDP and TP (vocabulary-parallel loss).
+CHAT_LAYOUTS = {
+    "single_chat": ["recipe=tiny_ddp", "launch.nproc_per_node=1", "training.micro_batch=4"],
+    "fsdp_chat": ["recipe=tiny_fsdp", "training.micro_batch=2"],
+    "tp_chat": ["recipe=tiny_tp", "training.micro_batch=4"],
 }
 PATHS = {
     "single_jsonl": "jsonl",
@@ -83,7 +101,10 @@ def data_args(corpus, tiny_tokenizer, tmp_path_factory) -> dict[str, list[str]]:
         "training.eval_every=3",
         "training.eval_batches=2",
     ]
-    return {name: [*common, *args, f"data.path={corpus[PATHS[name]]}"] for name, args in LAYOUTS.items()}
+    out = {name: [*common, *args, f"data.path={corpus[PATHS[name]]}"] for name, args in LAYOUTS.items()}
+    chat = ["data.kind=jsonl", "data.format=chat", f"data.path={corpus['chat']}"]
+    out.update({name: [*common, *args, *chat] for name, args in CHAT_LAYOUTS.items()})
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -112,6 +133,16 @@ def test_every_layout_and_source_gives_the_same_losses(layout_run, name: str) ->
     assert summary["val_loss"] == pytest.approx(val[STEPS]) and summary["val_ppl"] > 1
 
 
+@pytest.mark.parametrize("name", ["fsdp_chat", "tp_chat"])
+def test_chat_data_gives_the_same_losses_in_every_layout(layout_run, name: str) -> None:
+    ref, run = layout_run("single_chat"), layout_run(name)
+    for key in ("loss", "val_loss"):
+        a, b = by_step(ref, key), by_step(run, key)
+        assert sorted(a) == sorted(b) and all(abs(a[s] - b[s]) < TOL for s in a), (key, a, b)
+    meta = json.loads((Path(json.loads((run / "data_sources.json").read_text())["train"]) / "meta.json").read_text())
+    assert meta["masks"], "chat data carries a loss mask"
+
+
 def test_kill_and_resume_with_evaluation_is_bit_identical(trainer, layout_run, data_args, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*data_args["fsdp_hf_saved"], "debug.fail_at_step=5", "debug.fail_mode=sigkill", "launch.max_restarts=1"]
@@ -132,8 +163,8 @@ def test_second_start_reuses_the_token_cache(layout_run, data_args) -> None:
     # Every run on the JSONL file (and the resume test's restarts) used the one entry built first.
     assert (entry / "meta.json").stat().st_mtime_ns == built
     assert json.loads((layout_run("pp_jsonl") / "data_sources.json").read_text())["train"] == str(entry)
-    cache = entry.parent
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 4, "one entry per distinct source"
+    entries = {json.loads((layout_run(n) / "data_sources.json").read_text())["train"] for n in LAYOUTS}
+    assert len(entries) == 4, "one entry per distinct source"
 
 
 def _wandb_records(run_dir: Path) -> list:

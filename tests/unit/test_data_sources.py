@@ -183,3 +183,68 @@ def test_data_prepare_refuses_json_in_text_mode_and_reads_jsonl(tmp_path: Path, 
     tok = str(tiny_tokenizer / "tokenizer.json")
     assert prepare_command([jsonl], str(tmp_path / "o"), tok, 1000, "**/*", 0, kind="jsonl", text_field="body") == 0
     assert open_shards(str(tmp_path / "o")).total > 100
+
+
+def test_chat_encoding_masks_all_but_assistant_tokens(tiny_tokenizer: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from dtlaunch.data.chat import ChatEncoder
+
+    enc = ChatEncoder(tiny_tokenizer / "tokenizer.json", np.dtype(np.uint16))
+    messages = [
+        {"role": "system", "content": "kaka"},
+        {"role": "user", "content": "lolo mimi"},
+        {"role": "assistant", "content": "nunu pepe"},
+        {"role": "user", "content": "rara"},
+        {"role": "assistant", "content": "sisi"},
+    ]
+    ids, mask = enc.chat(messages, "x:1", "data.path")
+    hf = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
+    full = hf.apply_chat_template(messages, tokenize=False)
+    assert ids.tolist() == hf(full, add_special_tokens=False)["input_ids"]
+    learnt = [hf.convert_ids_to_tokens(int(i)) for i, m in zip(ids, mask, strict=True) if m]
+    assert learnt == ["<|im_start|>", "assistant", "nunu", "pepe", "<|im_end|>"] * 1 + [
+        "<|im_start|>",
+        "assistant",
+        "sisi",
+        "<|im_end|>",
+    ]
+    ids, mask = enc.prompt_completion("kaka lolo", "mimi", "x:2", "data.path")
+    assert mask.tolist() == [0, 0, 1] and len(ids) == 3
+    bad = [{"role": "wizard", "content": "kaka"}]
+    assert "unknown role 'wizard' at x:3" in error(lambda: enc.chat(bad, "x:3", "data.path"), InputError)
+
+
+def test_masked_batches_weight_targets_by_the_global_batch(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """Micro-batch weights make sum-of-target-losses * weight / accum average to the global target mean."""
+    from dtlaunch.train.data import build_loaders
+
+    chats = tmp_path / "chat.jsonl"
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "kaka lolo " * (i % 5 + 1)},
+                {"role": "assistant", "content": "mimi"},
+            ]
+        }
+        for i in range(200)
+    ]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = run_cfg(tmp_path, tiny_tokenizer / "tokenizer.json", chats, data__format="chat", training__micro_batch=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    prepare_run_data(cfg, run)
+    (one, _), (half, _) = build_loaders(cfg, run, 0, 1), build_loaders(cfg, run, 1, 2)
+    one.global_batch = half.global_batch = 4
+    _, t1 = one.next_batch()
+    w1 = one.last_weight
+    _, t2 = one.next_batch()
+    total = int((t1 != -100).sum() + (t2 != -100).sum())
+    assert 0 < total < t1.numel() * 2 and (t1 == -100).any()
+    assert w1 == one.last_weight == pytest.approx(4 / (2 * total))
+    _, t_half = half.next_batch()
+    assert torch_equal(t_half, t2) and half.last_weight == w1
+
+
+def torch_equal(a, b) -> bool:
+    return bool((a == b).all())
