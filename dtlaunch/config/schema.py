@@ -159,6 +159,9 @@ class DataConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    # Documents are packed into full seq_len windows, joined by EOS. document_mask: each token attends only
+    # to earlier tokens of its own document, and RoPE positions restart at each document.
+    document_mask: bool = False
     # hf: the split of a DatasetDict or of local data files.
     split: str = "train"
     # Tokenized jsonl / parquet / hf data is cached here by content (empty = $DTLAUNCH_DATA_CACHE or

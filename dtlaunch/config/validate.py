@@ -260,6 +260,13 @@ def check_data(cfg: Any, notes: list[str]) -> None:
         _need_package({"jsonl": None, "parquet": "pyarrow", "hf": "datasets"}[d.kind], f"data.kind={d.kind}", "data")
     check_validation(cfg)
     check_format(cfg)
+    if d.document_mask and d.kind == "synthetic":
+        _fail("data.document_mask=true needs documents (EOS-separated), but data.kind=synthetic has none: drop it")
+    if d.document_mask and cfg.strategy.pp > 1:
+        _fail(
+            f"data.document_mask=true is not supported with pipeline parallel (strategy.pp={cfg.strategy.pp}): "
+            f"stages pass only hidden states; use strategy.pp=1 or data.document_mask=false"
+        )
 
 
 def check_format(cfg: Any) -> None:

@@ -86,6 +86,21 @@ class SubsetSource:
         return self.base.sample(int(self.indices[index]))
 
 
+def document_inputs(inputs: np.ndarray, eos: int) -> dict[str, torch.Tensor]:
+    """Per-token document ids and positions within the document, from the EOS tokens of (B, S) inputs: a
+    document ends with its EOS, the next starts after it (a window starts inside some document: position 0
+    there, which is all the model can see of it anyway)."""
+    ends = inputs == eos
+    doc = np.zeros_like(inputs)
+    doc[:, 1:] = np.cumsum(ends, axis=1)[:, :-1]
+    idx = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
+    # Start of each token's document: the running maximum of "index after the last EOS".
+    starts = np.maximum.accumulate(
+        np.where(np.concatenate([np.ones_like(ends[:, :1]), ends[:, :-1]], axis=1), idx, 0), axis=1
+    )
+    return {"positions": torch.from_numpy(idx - starts), "doc_ids": torch.from_numpy(doc)}
+
+
 def held_out_split(num_samples: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) sample indices: a fixed pseudo-random `fraction` of the windows is held out. Seeded by
     a constant, not training.seed, so runs with different seeds are judged on the same validation set."""
@@ -121,6 +136,10 @@ class TokenLoader:
         # global batch's mean (see loss_weight); None for unmasked data (a plain mean is exact there).
         self.last_weight: Optional[float] = None
         self._targets_cache: tuple[int, int] = (-1, 0)
+        # data.document_mask: the EOS id that ends each document, and the model's extra inputs for the
+        # last batch (per-document positions and document ids), else empty.
+        self.document_eos: Optional[int] = None
+        self.last_model_args: dict[str, torch.Tensor] = {}
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
 
@@ -184,6 +203,8 @@ class TokenLoader:
                 f"tokenized with a larger vocabulary; raise model.vocab_size or re-prepare the data"
             )
         batch = torch.from_numpy(rows)
+        if self.document_eos is not None:
+            self.last_model_args = document_inputs(rows[:, :-1], self.document_eos)
         targets = batch[:, 1:].contiguous()
         if mask is not None:
             targets[torch.from_numpy(mask == 0)] = IGNORE_INDEX
@@ -426,9 +447,25 @@ def build_loaders(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[
             f"training.micro_batch"
         )
     loader = TokenLoader(train, mb, seq_len, seed, dp_rank, dp_size, vocab, global_batch=gb)
+    eos = _document_eos(cfg, train)
+    loader.document_eos = eos
     if val is None or not eval_enabled(cfg):
         return loader, None
     val_loader = TokenLoader(
         val, mb, seq_len, seed, dp_rank, dp_size, vocab, key="data.val_path", shuffle=False, global_batch=gb
     )
+    val_loader.document_eos = eos
     return loader, val_loader
+
+
+def _document_eos(cfg: Any, source: Any) -> Optional[int]:
+    if not bool(cfg.data.document_mask):
+        return None
+    base = source.base if isinstance(source, SubsetSource) else source
+    eos = base.shards.meta.get("eos_id") if isinstance(base, TokenSource) else None
+    if eos is None:
+        raise ConfigError(
+            f"data.document_mask=true needs an end-of-document token, but the data at data.path='{cfg.data.path}' "
+            f"was tokenized without one: use a tokenizer with an EOS token or data.document_mask=false"
+        )
+    return int(eos)

@@ -37,7 +37,8 @@ def evaluate(ctx: Any, val_loader: Any, batches: int) -> dict[str, float]:
         inputs, targets = (t.to(ctx.device) for t in val_loader.next_batch())
         count = (targets != -100).sum().double()
         # nan_to_num: a micro-batch without targets has a 0/0 mean and adds nothing.
-        total += torch.stack([_forward_loss(ctx, inputs, targets).double().nan_to_num() * count, count])
+        extra = {k: v.to(ctx.device) for k, v in val_loader.last_model_args.items()}
+        total += torch.stack([_forward_loss(ctx, inputs, targets, extra).double().nan_to_num() * count, count])
     if dist.is_initialized() and dist.get_world_size() > 1:
         # TP and PP peers hold equal copies of their replica's sums; they cancel in the ratio.
         dist.all_reduce(total)
@@ -45,13 +46,13 @@ def evaluate(ctx: Any, val_loader: Any, batches: int) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
-def _forward_loss(ctx: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _forward_loss(ctx: Any, inputs: torch.Tensor, targets: torch.Tensor, extra: dict) -> torch.Tensor:
     if ctx.pipeline is not None:
         return _pipeline_loss(ctx, inputs, targets)
     (model,) = ctx.model_parts
     with ctx.loss_context():
         with compute_context(ctx.model_parts, ctx.cfg, ctx.device):
-            logits = model(inputs)
+            logits = model(inputs, **extra)
         loss = cross_entropy(logits, targets)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 

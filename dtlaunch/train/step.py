@@ -101,8 +101,9 @@ def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, p
     (model,) = ctx.model_parts
     weight = getattr(ctx.loader, "last_weight", None)  # masked (chat) data: see TokenLoader.next_batch
     with ctx.loss_context():
+        extra = {k: v.to(ctx.device) for k, v in getattr(ctx.loader, "last_model_args", {}).items()}
         with compute_context(ctx.model_parts, ctx.cfg, ctx.device):
-            logits = model(inputs)
+            logits = model(inputs, **extra)
         if weight is None:
             loss = cross_entropy(logits, targets) * nan / ctx.accum
         else:

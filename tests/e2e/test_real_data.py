@@ -69,7 +69,8 @@ LAYOUTS = {
     ],
     "pp_jsonl": ["recipe=tiny_pp", "training.micro_batch=4", "data.kind=jsonl"],
 }
-# Chat data (loss on assistant tokens only) in one process, FSDP and TP (vocabulary-parallel loss).
+# Chat data (loss on assistant tokens only, attention within each conversation) in one process, FSDP and TP
+# (vocabulary-parallel loss, sequence parallel attention with the document mask).
 CHAT_LAYOUTS = {
     "single_chat": ["recipe=tiny_ddp", "launch.nproc_per_node=1", "training.micro_batch=4"],
     "fsdp_chat": ["recipe=tiny_fsdp", "training.micro_batch=2"],
@@ -102,7 +103,7 @@ def data_args(corpus, tiny_tokenizer, tmp_path_factory) -> dict[str, list[str]]:
         "training.eval_batches=2",
     ]
     out = {name: [*common, *args, f"data.path={corpus[PATHS[name]]}"] for name, args in LAYOUTS.items()}
-    chat = ["data.kind=jsonl", "data.format=chat", f"data.path={corpus['chat']}"]
+    chat = ["data.kind=jsonl", "data.format=chat", "data.document_mask=true", f"data.path={corpus['chat']}"]
     out.update({name: [*common, *args, *chat] for name, args in CHAT_LAYOUTS.items()})
     return out
 
