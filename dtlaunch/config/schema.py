@@ -159,8 +159,10 @@ class DataConfig:
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
-    # Documents are packed into full seq_len windows, joined by EOS. document_mask: each token attends only
-    # to earlier tokens of its own document, and RoPE positions restart at each document.
+    # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
+    # seq_len and padded (padding is no target). document_mask (packed): each token attends only to
+    # earlier tokens of its own document, and RoPE positions restart at each document.
+    pack: bool = True
     document_mask: bool = False
     # hf: the split of a DatasetDict or of local data files.
     split: str = "train"

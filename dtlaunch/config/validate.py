@@ -260,6 +260,8 @@ def check_data(cfg: Any, notes: list[str]) -> None:
         _need_package({"jsonl": None, "parquet": "pyarrow", "hf": "datasets"}[d.kind], f"data.kind={d.kind}", "data")
     check_validation(cfg)
     check_format(cfg)
+    if not d.pack and d.kind == "synthetic":
+        _fail("data.pack=false needs documents, but data.kind=synthetic has none: drop it")
     if d.document_mask and d.kind == "synthetic":
         _fail("data.document_mask=true needs documents (EOS-separated), but data.kind=synthetic has none: drop it")
     if d.document_mask and cfg.strategy.pp > 1:

@@ -75,6 +75,36 @@ class TokenSource:
         return np.stack([ids, self.masks.window(index * self.seq_len, self.seq_len + 1)])
 
 
+class DocumentSource:
+    """Unpacked data (data.pack=false): sample i is document i alone (up to and including its EOS), cut at
+    seq_len+1 tokens and padded with EOS; padding, and context-only tokens of masked data, are no targets.
+    Samples are (2, seq_len+1): ids and the target mask (TokenLoader's masked path)."""
+
+    def __init__(self, base: TokenSource, eos: int, seq_len: int) -> None:
+        self.base, self.eos, self.length = base, eos, seq_len + 1
+        # One scan of the memory-mapped shards for the document boundaries (the EOS positions).
+        ends, offset = [], 0
+        for arr in base.shards.arrays:
+            ends.append(np.flatnonzero(arr == eos) + offset + 1)
+            offset += len(arr)
+        self.ends = np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
+        if not len(self.ends) or self.ends[-1] != base.shards.total:
+            self.ends = np.append(self.ends, base.shards.total)  # a last document without EOS
+        self.starts = np.concatenate([[0], self.ends[:-1]])
+        self.num_samples: Optional[int] = len(self.ends)
+
+    def sample(self, index: int) -> np.ndarray:
+        start = int(self.starts[index])
+        n = min(int(self.ends[index]) - start, self.length)
+        out = np.zeros((2, self.length), dtype=np.int64)
+        out[0] = self.eos
+        out[0, :n] = self.base.shards.window(start, n)
+        out[1, 1:n] = 1  # targets are tokens 1..n-1 of the document
+        if self.base.masks is not None:
+            out[1, :n] &= self.base.masks.window(start, n)
+        return out
+
+
 class SubsetSource:
     """Samples `indices` of another source, in that order (one side of a held-out split)."""
 
@@ -417,12 +447,14 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
     if kind == "synthetic":
         val = SyntheticSource(vocab, seq_len, seed, _TAG_SYNTHETIC_VAL) if eval_enabled(cfg) else None
         return SyntheticSource(vocab, seq_len, seed), val
-    train: SampleSource = TokenSource(_shard_dir(cfg, run_dir, "train"), seq_len, "data.path")
-    check_vocab(vocab, train.shards.vocab_size, f"data.path='{cfg.data.path}'")
+    tokens = TokenSource(_shard_dir(cfg, run_dir, "train"), seq_len, "data.path")
+    check_vocab(vocab, tokens.shards.vocab_size, f"data.path='{cfg.data.path}'")
+    train: SampleSource = _unpacked(cfg, tokens)
     val: Optional[SampleSource] = None
     if str(cfg.data.val_path):
-        val = TokenSource(_shard_dir(cfg, run_dir, "val"), seq_len, "data.val_path")
-        check_vocab(vocab, val.shards.vocab_size, f"data.val_path='{cfg.data.val_path}'")
+        val_tokens = TokenSource(_shard_dir(cfg, run_dir, "val"), seq_len, "data.val_path")
+        check_vocab(vocab, val_tokens.shards.vocab_size, f"data.val_path='{cfg.data.val_path}'")
+        val = _unpacked(cfg, val_tokens)
     elif float(cfg.data.val_fraction) > 0:
         train_idx, val_idx = held_out_split(int(train.num_samples or 0), float(cfg.data.val_fraction))
         train, val = SubsetSource(train, train_idx), SubsetSource(train, val_idx)
@@ -458,11 +490,26 @@ def build_loaders(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[
     return loader, val_loader
 
 
+def _unpacked(cfg: Any, source: TokenSource) -> Any:
+    """data.pack=false: one document per sample (see DocumentSource); packed windows otherwise."""
+    if bool(cfg.data.pack):
+        return source
+    eos = source.shards.meta.get("eos_id")
+    if eos is None:
+        raise ConfigError(
+            f"data.pack=false needs an end-of-document token, but data.path='{cfg.data.path}' was tokenized "
+            f"without one: use a tokenizer with an EOS token or data.pack=true"
+        )
+    return DocumentSource(source, int(eos), int(cfg.training.seq_len))
+
+
 def _document_eos(cfg: Any, source: Any) -> Optional[int]:
     if not bool(cfg.data.document_mask):
         return None
     base = source.base if isinstance(source, SubsetSource) else source
     eos = base.shards.meta.get("eos_id") if isinstance(base, TokenSource) else None
+    if not bool(cfg.data.pack):
+        return None  # one document per sample: nothing to keep apart
     if eos is None:
         raise ConfigError(
             f"data.document_mask=true needs an end-of-document token, but the data at data.path='{cfg.data.path}' "
