@@ -87,6 +87,7 @@ class MetricsLogger:
         from dtlaunch.train.trackers import Trackers
 
         self._trackers = Trackers(self.run_dir, cfg)
+        self._t0 = self._t_window = time.perf_counter()  # a tracker's start-up is no training time
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record one step. Tensor values are kept as they are until the window is flushed."""
