@@ -73,8 +73,12 @@ def set_positions(model: torch.nn.Module, length: int) -> None:
 def _run_tokenizer(checkpoint: Path) -> str:
     """The tokenizer a checkpoint's run trained with (its config.yaml's data.tokenizer)."""
     from dtlaunch.config.compose import load_resolved
+    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR
 
     for parent in checkpoint.parents:
+        kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"  # the launcher's copy of the run's tokenizer
+        if kept.is_file():
+            return str(kept)
         if (parent / "config.yaml").is_file():
             return str(load_resolved(parent / "config.yaml").data.tokenizer)
     return "byte"

@@ -99,11 +99,11 @@ def loss_context(cfg: Any, layout: Any) -> contextlib.AbstractContextManager:
     return loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Mean token cross-entropy of (B, S, V) logits against (B, S) targets.
 
     Logits are upcast to fp32 (a bf16 softmax over a large vocabulary loses precision), as in Meta's and
     torchtitan's recipes. Under TP the logits are a Shard(-1) DTensor and this must run inside
-    `loss_context`; the upcast then stays sharded.
+    `loss_context`; the upcast then stays sharded. Targets equal to -100 (masked chat data) do not count.
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction=reduction)

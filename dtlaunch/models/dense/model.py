@@ -50,10 +50,14 @@ def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (Meta's layout). x: (B, S, H, D); cos/sin: (S, D/2)."""
+    """Rotate interleaved pairs (Meta's layout). x: (B, S, H, D); cos/sin: (S, D/2), or (B, S, D/2) when
+    every sequence has its own positions (packed documents)."""
     # Buffers stay fp32 (FSDP mixed precision does not cast them): compute in x's dtype.
-    cos = cos[: x.shape[1]].type_as(x)[None, :, None, :]
-    sin = sin[: x.shape[1]].type_as(x)[None, :, None, :]
+    if cos.dim() == 3:
+        cos, sin = cos.type_as(x)[:, :, None, :], sin.type_as(x)[:, :, None, :]
+    else:
+        cos = cos[: x.shape[1]].type_as(x)[None, :, None, :]
+        sin = sin[: x.shape[1]].type_as(x)[None, :, None, :]
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
@@ -87,8 +91,15 @@ class Attention(nn.Module):
         self.sliding_window: Optional[int] = getattr(m, "sliding_window", None) or None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
+        """`mask`: (B, 1, S, S) boolean, True where a query may attend (causal within its document);
+        `cache`: decoding only, the new tokens follow the cached positions."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -97,10 +108,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         start = cache.length if cache is not None else 0
-        q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+        if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
+            cos, sin = cos[start:], sin[start:]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)
-        mask = self._mask(start, s, k.shape[1], x.device)
+        mask = self._mask(mask, start, s, k.shape[1], x.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -111,17 +124,22 @@ class Attention(nn.Module):
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
-    def _mask(self, start: int, s: int, total: int, device: torch.device) -> Optional[torch.Tensor]:
+    def _mask(
+        self, doc_mask: Optional[torch.Tensor], start: int, s: int, total: int, device: torch.device
+    ) -> Optional[torch.Tensor]:
         """None for plain causal attention over the whole sequence (SDPA's fast path); else a boolean
-        mask: causal from position `start` on (decoding with a cache) and within the sliding window."""
+        mask: causal from position `start` on (decoding with a cache), within the sliding window, and
+        within the document when a document mask is given."""
         window = self.sliding_window
         if start == 0 and (window is None or window >= total):
-            return None
+            return doc_mask
         qpos = torch.arange(start, start + s, device=device)[:, None]
         kpos = torch.arange(total, device=device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
+        if doc_mask is not None:
+            mask = doc_mask & mask  # (B, 1, S, S) with (S, S)
         return mask
 
 
@@ -162,11 +180,19 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(m.dim, ffn_dim(m))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        # The cache only when decoding: tensor parallel's input preparation expects (x, cos, sin).
+        # The cache only when decoding: tensor parallel's input preparation expects (x, cos, sin, mask).
         normed = self.attention_norm(x)
-        h = x + (self.attention(normed, cos, sin) if cache is None else self.attention(normed, cos, sin, cache))
+        if cache is None:
+            h = x + self.attention(normed, cos, sin, mask)
+        else:
+            h = x + self.attention(normed, cos, sin, mask, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -187,18 +213,33 @@ class Decoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, caches: Optional[list[KVCache]] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        caches: Optional[list[KVCache]] = None,
+    ) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden.
 
-        caches (one per block, decoding only): the new tokens follow the cached positions."""
+        Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
+        inside each document (causal and same document). `caches` (one per block, decoding only): the
+        new tokens follow the cached positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # One copy of the tables in the hidden state's dtype, shared by every block. Handed the fp32
         # tables, FSDP's mixed-precision hook would cast them again at each block's entry: a copy
         # per block, kept for backward under activation checkpointing.
         dtype = h.dtype if h.is_floating_point() else self.rope_cos.dtype
         cos, sin = self.rope_cos.to(dtype), self.rope_sin.to(dtype)
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        mask = None
+        if doc_ids is not None:
+            s = doc_ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin) if caches is None else layer(h, cos, sin, caches[i])
+            h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

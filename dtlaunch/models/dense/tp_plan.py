@@ -61,10 +61,11 @@ def block_plan(m: Any, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     plan.update(
         {
             "attention_norm": SequenceParallel(),
-            # Attention's extra positional args are the plain RoPE cos/sin buffers: None leaves them alone.
+            # Attention's extra positional args are the plain RoPE cos/sin tables and the document mask (or
+            # None): None leaves them alone.
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
                 use_local_output=True,
             ),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
