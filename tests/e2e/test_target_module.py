@@ -94,15 +94,23 @@ def test_user_module_trains_in_every_data_parallel_layout(user_path: Path, tmp_p
         assert abs(predicted - measured) / measured < 0.10, plans
 
 
+def test_bad_target_is_one_line_exit_2(user_path: Path) -> None:
+    proc = _dtlaunch(user_path, "validate", "model._target_=user_lm.not_a_module")
+    assert proc.returncode == 2 and "returned int, not an nn.Module" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
-    ("target", "message"),
+    ("overrides", "message"),
     [
-        ("user_lm.not_a_module", "returned int, not an nn.Module"),
-        ("no_such_pkg.build", "cannot import no_such_pkg"),
-        ("user_lm.build strategy=tp", "use strategy.tp=1"),
+        (["model._target_=no_such_pkg.build"], "cannot import no_such_pkg"),
+        (["model._target_=user_lm.build", "strategy=tp"], "use strategy.tp=1"),
     ],
 )
-def test_bad_target_is_one_line_exit_2(user_path: Path, target: str, message: str) -> None:
-    target, *rest = target.split()
-    proc = _dtlaunch(user_path, "validate", f"model._target_={target}", *rest)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_target_messages(user_path: Path, monkeypatch, overrides: list[str], message: str) -> None:
+    from dtlaunch.config.compose import compose
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    monkeypatch.syspath_prepend(str(user_path))
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides).cfg)
