@@ -123,7 +123,11 @@ def test_worker_failure_is_one_line(trainer, tmp_path: Path) -> None:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("dtlaunch: error: rank 1 failed: RuntimeError: injected failure at step 2"), lines
-    assert "Traceback" in (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    # The line names the rank's log, and that file holds the worker's Python traceback.
+    log_path = tmp_path / "run" / "logs" / "rank1.log"
+    assert lines[0].endswith(f"(log: {log_path})"), lines
+    log = log_path.read_text()
+    assert "Traceback (most recent call last)" in log and "RuntimeError: injected failure at step 2" in log, log
 
 
 def test_run_dir_contents(trainer, tmp_path: Path) -> None:
