@@ -177,11 +177,6 @@ def describe_failure(exc: Any, run_dir: Path) -> str:
             message = message.get("message", "")
         message = str(message or "").strip()
         if not message or message.startswith("To enable traceback"):
-            if failure.exitcode < 0:  # killed by a signal: no Python error, faulthandler's stack is in the log
-                try:
-                    return f"killed by {signal.Signals(-failure.exitcode).name}"
-                except ValueError:
-                    pass
             return f"exited with code {failure.exitcode}"
         # `record` stores "ExcType: message", the last line of the traceback; a multi-line message keeps
         # its first line here and the rest stays in the log.
