@@ -34,14 +34,16 @@ def train_command(
         out.print(launch_command(job.cfg, run_dir), markup=False, soft_wrap=True)
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
-    from dtlaunch.launch.rundir import create_run_dir
-    from dtlaunch.train.checkpoint import NO_RESUME_ENV, refuse_if_checkpoints
+    from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
+    from dtlaunch.train.checkpoint import NO_RESUME_ENV
     from dtlaunch.train.data import prepare_run_data
 
     if no_resume:
-        # Refuse before the run directory is touched; workers inherit the variable and
-        # CheckpointManager.resume() refuses too (a directory that gains checkpoints meanwhile).
-        refuse_if_checkpoints(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+        # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and
+        # CheckpointManager.resume() refuses a directory that gains checkpoints meanwhile.
+        moved = move_checkpoints_aside(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+        if moved is not None:
+            out.print(f"--no-resume: moved the old checkpoints to {moved}; starting from step 1", markup=False)
         os.environ[NO_RESUME_ENV] = "1"
     run_dir = create_run_dir(job.cfg, job.recipe)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
