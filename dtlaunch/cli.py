@@ -53,7 +53,9 @@ def train(
     overrides: Optional[List[str]] = OVERRIDES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, config and launch command; launch nothing."),
     force: bool = typer.Option(False, "--force", help="Launch even if the memory plan does not fit."),
-    no_resume: bool = typer.Option(False, "--no-resume", help="Start from step 1 in a run directory with checkpoints, moving them to checkpoints.prev-<time>/ (never deleted)."),
+    no_resume: bool = typer.Option(
+        False, "--no-resume", help="Start from step 1; old checkpoints move to checkpoints.prev-<time>/."
+    ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
 ) -> None:
     """Compose, validate, plan and launch a training run (torchrun workers)."""
