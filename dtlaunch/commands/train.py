@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
@@ -13,10 +14,14 @@ from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
 def train_command(
     overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool, no_resume: bool
 ) -> int:
+    from dtlaunch.train.phases import phase
+
+    phase("composing the job")
     job = load_job(overrides, recipe_dirs)
     # The memory-plan gate refuses (exit 3) before anything is created, unless --force.
     from dtlaunch.commands.plan import plan_gate
 
+    phase("planning memory")
     plan = plan_gate(job, force=force or dry_run)
     out = console()
     out.print(summary_table(job))
@@ -49,5 +54,13 @@ def train_command(
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
+    from dtlaunch.config.layout import nproc_per_node
+    from dtlaunch.launch.summary import complete_summary, summary_block
+
+    phase(f"starting {nproc_per_node(job.cfg)} worker(s) on this node")
+    began = time.perf_counter()
     launch_local(job.cfg, run_dir)
+    summary = complete_summary(job.cfg, job.layout, run_dir, time.perf_counter() - began)
+    if summary:
+        out.print(summary_block(summary, run_dir))
     return 0

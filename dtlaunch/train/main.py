@@ -32,6 +32,7 @@ from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.phases import phase
 from dtlaunch.train.step import StepContext, end_of_step, train_step
 
 
@@ -131,6 +132,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     mesh = build_mesh(layout, env.device.type)
     accum = grad_accum_steps(cfg, layout)
     log(f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {mesh}; accumulation {accum}")
+    phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
     built = build_parts(cfg, layout, mesh, env, accum)
     parts = built["model_parts"]
     log(
