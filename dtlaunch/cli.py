@@ -26,6 +26,8 @@ ckpt_app = typer.Typer(help="List, inspect and export checkpoints.", no_args_is_
 data_app = typer.Typer(help="Prepare datasets (tokenize text into token shards).", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(data_app, name="data")
+recipes_app = typer.Typer(help="List, show and copy recipes.")
+app.add_typer(recipes_app, name="recipes")
 
 OVERRIDES = typer.Argument(None, help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option")
 RECIPE_DIRS = typer.Option(None, "--recipe-dir", help="Extra recipe directory (repeatable; also $DTLAUNCH_RECIPE_PATH)")
@@ -107,12 +109,36 @@ def config(
     raise typer.Exit(config_command(overrides or [], recipe_dir or [], resolve=resolve))
 
 
-@app.command()
-def recipes(recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
-    """List the recipes: model, parameters, strategy, world size, hardware."""
-    from dtlaunch.commands.config import recipes_command
+@recipes_app.callback(invoke_without_command=True)
+def recipes(ctx: typer.Context, recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
+    """List the recipes: model, parameters, strategy, world size, hardware, whether the plan fits."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = recipe_dir or []
+        return
+    from dtlaunch.commands.recipes import recipes_command
 
     raise typer.Exit(recipes_command(recipe_dir or []))
+
+
+@recipes_app.command("show")
+def recipes_show(ctx: typer.Context, name: str = typer.Argument(..., help="Recipe name.")) -> None:
+    """Print a recipe's YAML."""
+    from dtlaunch.commands.recipes import show_command
+
+    raise typer.Exit(show_command(name, ctx.obj or []))
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name."),
+    dest: Optional[str] = typer.Argument(None, help="File or directory (default ./NAME.yaml); .yaml is added."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+) -> None:
+    """Copy a recipe to edit, then run it with recipe=./DEST.yaml."""
+    from dtlaunch.commands.recipes import cp_command
+
+    raise typer.Exit(cp_command(name, dest, force, ctx.obj or []))
 
 
 @ckpt_app.command("ls")
