@@ -59,8 +59,22 @@ def train(
         False, "--no-resume", help="Start from step 1; old checkpoints move to checkpoints.prev-<time>/."
     ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+    multirun: bool = typer.Option(
+        False, "-m", "--multirun", help="Sweep: one run per combination of key=a,b / range() / choice() values."
+    ),
+    cfg: Optional[str] = typer.Option(None, "--cfg", help="'job': print the composed config and exit (Hydra's flag)."),
 ) -> None:
-    """Compose, validate, plan and launch a training run (torchrun workers)."""
+    """Compose, validate, plan and launch a training run (torchrun workers); -m runs a sweep."""
+    if cfg is not None:
+        from dtlaunch.commands.config import cfg_flag_command
+
+        raise typer.Exit(cfg_flag_command(cfg, overrides or [], recipe_dir or []))
+    if multirun:
+        from dtlaunch.commands.sweep import sweep_train_command
+
+        raise typer.Exit(
+            sweep_train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume)
+        )
     from dtlaunch.commands.train import train_command
 
     raise typer.Exit(
@@ -195,8 +209,13 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; create and submit nothing."),
     force: bool = typer.Option(False, "--force", help="Submit even if the memory plan does not fit."),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: submit one Slurm job array, a task a point."),
 ) -> None:
     """Write an sbatch script into the run directory and submit it to Slurm (needs cluster=slurm)."""
+    if multirun:
+        from dtlaunch.commands.sweep import sweep_submit_command
+
+        raise typer.Exit(sweep_submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))
     from dtlaunch.commands.submit import submit_command
 
     raise typer.Exit(submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))

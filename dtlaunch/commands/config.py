@@ -23,3 +23,12 @@ def config_command(overrides: Sequence[str], recipe_dirs: Sequence[str], resolve
     composed = compose(overrides, recipe_dirs)
     print(OmegaConf.to_yaml(composed.cfg) if resolve else composed.unresolved_yaml, end="")
     return 0
+
+
+def cfg_flag_command(what: str, overrides: Sequence[str], recipe_dirs: Sequence[str]) -> int:
+    """Hydra's `--cfg job` habit: the composed config, as `dtlaunch config` prints it."""
+    from dtlaunch.errors import ConfigError
+
+    if what not in ("job", "all"):
+        raise ConfigError(f"--cfg {what}: dtlaunch has only the job config; use --cfg job (or `dtlaunch config`)")
+    return config_command(overrides, recipe_dirs, resolve=False)

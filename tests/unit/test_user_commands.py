@@ -82,3 +82,68 @@ def test_recipes_show_and_cp(tmp_path: Path, monkeypatch, capsys) -> None:
     capsys.readouterr()
     assert run_cli(["recipes", "show", "tiny_fsdpp"], monkeypatch) == 2
     assert "did you mean 'tiny_fsdp'" in one_error_line(capsys.readouterr().err)
+
+
+def test_sweep_expands_with_hydras_grammar() -> None:
+    from dtlaunch.commands.sweep import expand_sweep
+
+    points, swept = expand_sweep(["recipe=tiny_ddp", "optim.lr=1e-3,1e-2", "training.steps=range(2,5,2)"])
+    assert swept == {"optim.lr", "training.steps"}
+    # Cartesian product, the last key varying fastest (Hydra's basic sweeper order).
+    assert [p[1:] for p in points] == [
+        ["optim.lr=0.001", "training.steps=2"],
+        ["optim.lr=0.001", "training.steps=4"],
+        ["optim.lr=0.01", "training.steps=2"],
+        ["optim.lr=0.01", "training.steps=4"],
+    ]
+    assert all(p[0] == "recipe=tiny_ddp" for p in points)
+    points, swept = expand_sweep(["model=choice(tiny,small)", "+x=1"])
+    assert points == [["model=tiny", "+x=1"], ["model=small", "+x=1"]] and swept == {"model"}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["training.steps=range(1,"], "cannot parse 'training.steps=range(1,'"),
+        (["optim.lr=interval(0.1,1)"], "interval sweep is not supported"),
+        (["recipe=tiny_ddp", "training.stepz=1,2"], "sweep point 0 (training.stepz=1): unknown key 'training.stepz'"),
+        (["recipe=tiny_ddp", "hydra.sweep.dir=/tmp/x"], "use run.dir=DIR with -m"),
+    ],
+)
+def test_bad_sweeps_are_one_line_exit_2(args, expected, tmp_path: Path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "sweep"
+    assert run_cli(["train", "-m", *args, f"run.dir={run_dir}"], monkeypatch) == 2
+    assert expected in one_error_line(capsys.readouterr().err)
+    assert not run_dir.exists()  # refused before anything was created
+
+
+def test_hydra_habits(monkeypatch, capsys) -> None:
+    # `--cfg job` prints the composed config, as `dtlaunch config` does.
+    assert run_cli(["train", "recipe=tiny_ddp", "training.steps=7", "--cfg", "job"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "steps: 7" in out and "zero_stage: 0" in out
+    assert run_cli(["train", "recipe=tiny_ddp", "hydra.run.dir=/tmp/x"], monkeypatch) == 2
+    assert "use run.dir=DIR" in one_error_line(capsys.readouterr().err)
+    # A sweep value without -m says how to run it.
+    assert run_cli(["validate", "recipe=tiny_ddp", "optim.lr=1e-3,1e-2"], monkeypatch) == 2
+    assert "add -m (--multirun)" in one_error_line(capsys.readouterr().err)
+
+
+def test_submit_sweep_is_one_job_array(tmp_path: Path, monkeypatch, capsys) -> None:
+    import shlex
+    import subprocess
+
+    sweep = tmp_path / "sw"
+    args = ["submit", "-m", "recipe=tiny_ddp", "cluster=slurm", "optim.lr=1e-3,1e-2", "training.steps=2,4"]
+    assert run_cli([*args, f"run.dir={sweep}", "--dry-run"], monkeypatch) == 0
+    script = capsys.readouterr().out
+    assert script.startswith("#!/bin/bash\n") and "#SBATCH --array=0-3\n" in script
+    assert f"#SBATCH --output={sweep}/logs/slurm-%A_%a.out" in script
+    dirs = script[script.index("run_dirs=(\n") + len("run_dirs=(\n") : script.index("\n)\n")].splitlines()
+    assert [shlex.split(d)[0] for d in dirs] == [str(sweep / str(i)) for i in range(4)]
+    assert 'exec bash "$run_dir/slurm.sbatch"' in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not sweep.exists()  # a dry run creates nothing
+    # One allocation shape per array: points asking for different node counts are refused.
+    assert run_cli([*args[:4], "cluster.nodes=1,2", f"run.dir={sweep}", "--dry-run"], monkeypatch) == 2
+    assert "other resources (--nodes=2)" in one_error_line(capsys.readouterr().err)
