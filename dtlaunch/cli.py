@@ -223,13 +223,14 @@ def submit(
 
 @app.command()
 def status(
-    run: str = typer.Argument(..., help="Run directory (or a name under runs/) of a submitted job."),
+    run: Optional[str] = typer.Argument(None, help="Run directory (or a name under --root); none: recent runs."),
+    root: Optional[str] = typer.Option(None, "--root", help="Where runs live (run.root; default runs)."),
     as_json: bool = typer.Option(False, "--json", help="Emit the state as JSON."),
 ) -> None:
-    """Show the Slurm state of a submitted run (recorded in RUN/slurm.json)."""
-    from dtlaunch.commands.submit import status_command
+    """A run's state (running/finished/failed/preempted), step, loss, newest checkpoint, pid; Slurm runs ask Slurm."""
+    from dtlaunch.commands.status import run_status_command
 
-    raise typer.Exit(status_command(run, as_json=as_json))
+    raise typer.Exit(run_status_command(run, root, as_json=as_json))
 
 
 def run() -> None:

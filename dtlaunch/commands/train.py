@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
 from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
@@ -26,7 +27,7 @@ def train_command(
     out = console()
     out.print(summary_table(job))
 
-    from dtlaunch.launch.local import launch_command, launch_local
+    from dtlaunch.launch.local import launch_command
     from dtlaunch.launch.rundir import run_dir_for
 
     if dry_run:
@@ -59,8 +60,29 @@ def train_command(
 
     phase(f"starting {nproc_per_node(job.cfg)} worker(s) on this node")
     began = time.perf_counter()
-    launch_local(job.cfg, run_dir)
+    _launch_recording_state(job.cfg, run_dir)
     summary = complete_summary(job.cfg, job.layout, run_dir, time.perf_counter() - began)
     if summary:
         out.print(summary_block(summary, run_dir))
     return 0
+
+
+def _launch_recording_state(cfg: Any, run_dir: Path) -> None:
+    """launch_local, with RUN/state.json saying what happened (read by `dtlaunch status`)."""
+    from dtlaunch.errors import Preempted
+    from dtlaunch.launch.local import launch_local
+    from dtlaunch.launch.runstate import record_state
+
+    record_state(run_dir, "running", total_steps=int(cfg.training.steps))
+    try:
+        launch_local(cfg, run_dir)
+    except Preempted as exc:
+        record_state(run_dir, "preempted", error=str(exc))
+        raise
+    except KeyboardInterrupt:
+        record_state(run_dir, "interrupted")
+        raise
+    except BaseException as exc:
+        record_state(run_dir, "failed", error=str(exc) or type(exc).__name__)
+        raise
+    record_state(run_dir, "finished")

@@ -54,3 +54,8 @@ def test_two_by_two_sweep(tmp_path: Path) -> None:
             summary = json.loads((Path(p["run_dir"]) / "summary.json").read_text())
             assert summary["final_step"] == 2 and f"{summary['final_loss']:.4f}" in row, table
             assert Path(p["run_dir"]).parent == sweep
+    # `dtlaunch status` reads the same from each point's directory.
+    from dtlaunch.commands.status import local_status
+
+    states = [local_status(Path(p["run_dir"]))["state"] for p in record["points"]]
+    assert states == ["finished" if p["status"] == "ok" else "failed" for p in record["points"]], states

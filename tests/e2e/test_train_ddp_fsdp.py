@@ -128,6 +128,10 @@ def test_worker_failure_is_one_line(trainer, tmp_path: Path) -> None:
     assert lines[0].endswith(f"(log: {log_path})"), lines
     log = log_path.read_text()
     assert "Traceback (most recent call last)" in log and "RuntimeError: injected failure at step 2" in log, log
+    from dtlaunch.commands.status import local_status
+
+    st = local_status((tmp_path / "run").resolve())
+    assert st["state"] == "failed" and "rank 1 failed" in st["error"] and st["step"] == 1, st
 
 
 def test_run_dir_contents(trainer, tmp_path: Path) -> None:

@@ -147,3 +147,12 @@ def test_submit_sweep_is_one_job_array(tmp_path: Path, monkeypatch, capsys) -> N
     # One allocation shape per array: points asking for different node counts are refused.
     assert run_cli([*args[:4], "cluster.nodes=1,2", f"run.dir={sweep}", "--dry-run"], monkeypatch) == 2
     assert "other resources (--nodes=2)" in one_error_line(capsys.readouterr().err)
+
+
+def test_status_of_a_directory_that_is_not_a_run(tmp_path: Path, monkeypatch, capsys) -> None:
+    assert run_cli(["status", str(tmp_path)], monkeypatch) == 2
+    assert "not a dtlaunch run directory" in one_error_line(capsys.readouterr().err)
+    assert run_cli(["status", str(tmp_path / "missing")], monkeypatch) == 2
+    assert "not found" in one_error_line(capsys.readouterr().err)
+    assert run_cli(["status", "--root", str(tmp_path / "missing")], monkeypatch) == 2
+    assert "no runs under" in one_error_line(capsys.readouterr().err)
