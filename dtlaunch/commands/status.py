@@ -116,11 +116,14 @@ def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -
 
     if run is None:
         return recent_runs_command(root, as_json)
+    from dtlaunch.config.schema import RunConfig
+
+    root = root or RunConfig().root
     run_dir = Path(run)
-    if not run_dir.is_dir() and root is not None and (Path(root) / run).is_dir():
+    if not run_dir.is_dir() and (Path(root) / run).is_dir():
         run_dir = Path(root) / run
     if not run_dir.is_dir():
-        raise InputError(f"run '{run}' not found: give a run directory (or a name under {root or 'runs'}/)")
+        raise InputError(f"run '{run}' not found: give a run directory (or a name under {root}/)")
     run_dir = run_dir.resolve()
     if (run_dir / "sweep.json").is_file() and not (run_dir / "config.yaml").is_file():
         return recent_runs_command(str(run_dir), as_json)  # a sweep directory: its points
