@@ -16,7 +16,10 @@ fail() { echo "wheel-smoke: FAILED: $*" >&2; exit 1; }
 step() { echo "wheel-smoke: $*"; }
 
 step "building the wheel"
-"$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$WORK/dist" "$REPO" >/dev/null
+# From a copy of the working tree: setuptools writes build/ and *.egg-info next to the sources.
+mkdir "$WORK/src"
+tar -C "$REPO" --exclude=./.venv --exclude=./.git --exclude=./runs --exclude=./build -cf - . | tar -C "$WORK/src" -xf -
+"$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$WORK/dist" "$WORK/src" >/dev/null
 WHEEL=$(ls "$WORK"/dist/dtlaunch-*.whl)
 
 step "checking the wheel's file list ($(basename "$WHEEL"))"
