@@ -19,6 +19,12 @@ app = typer.Typer(
     name="dtlaunch",
     help="Config-driven launcher for distributed PyTorch training: compose a recipe, plan its memory, launch.",
     no_args_is_help=True,
+    epilog=(
+        "Environment: DTLAUNCH_DEBUG=1 (tracebacks, as --debug), DTLAUNCH_PROGRESS=plain (step lines instead of "
+        "the live bar), DTLAUNCH_RECIPE_PATH=dir1:dir2 (more recipes), COLUMNS (table width); the rest is in the "
+        "README. Exit codes: 0 ok, 1 worker failure, 2 bad input, 3 memory plan does not fit, 75 preempted "
+        "(checkpoint saved)."
+    ),
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )

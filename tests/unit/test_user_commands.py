@@ -170,3 +170,22 @@ def test_plan_tables_fit_80_columns_without_cutting_values(args, monkeypatch, ca
         # Pipeline stages one a line, each figure whole; the layout search's schedule names whole.
         assert any(ln.split("│")[-2].strip().startswith("15: ") for ln in lines if ln.count("│") >= 3), out
         assert "interleaved_1f1b" in out or "1f1b" in out, out
+
+
+def test_every_environment_variable_read_is_documented() -> None:
+    import re
+
+    import dtlaunch
+
+    src = Path(dtlaunch.__file__).parent
+    readme = (src.parent / "README.md").read_text()
+    names: set[str] = set()
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        names |= set(re.findall(r"environ(?:\.get)?[\[(]\"([A-Z_]+)\"", text))
+        names |= set(re.findall(r"_ENV = \"([A-Z_]+)\"", text))
+        for group in re.findall(r"for var in \(([^)]*)\)", text):  # variables read in a loop
+            names |= set(re.findall(r"\"([A-Z_]+)\"", group))
+    assert {"DTLAUNCH_DEBUG", "DTLAUNCH_PROGRESS", "DTLAUNCH_RECIPE_PATH"} <= names, names
+    missing = sorted(n for n in names if f"`{n}" not in readme)
+    assert not missing, f"not in README.md: {missing}"
