@@ -114,7 +114,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
     args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
-    # engineer FT: SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
+    # SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
     args.signals_to_handle = preempt.agent_signals()
     preempt.clear_marker(run_dir)
     os.environ.update(worker_env(cfg, run_dir, gpus))

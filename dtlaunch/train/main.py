@@ -100,7 +100,7 @@ def maybe_fail(cfg: Any, step: int, rank: int) -> None:
 
 @record
 def main() -> None:
-    preempt.install()  # engineer FT: first, so that an early SIGTERM/SIGUSR1 is not fatal
+    preempt.install()  # first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
     # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
@@ -110,7 +110,7 @@ def main() -> None:
     env = init_distributed(cfg)
     try:
         train(cfg, run_dir, env)
-    except preempt.PreemptionStop as stop:  # engineer FT: checkpoint saved; a new start resumes
+    except preempt.PreemptionStop as stop:  # checkpoint saved; a new start resumes
         if env.rank == 0 and cfg.checkpoint.enabled:
             preempt.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
@@ -166,7 +166,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
     bad, skipped_total, last_loss = 0, 0, None
-    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
+    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
         lr = schedulers[0].get_last_lr()[0]
