@@ -35,7 +35,19 @@ app.add_typer(data_app, name="data")
 recipes_app = typer.Typer(help="List, show and copy recipes.")
 app.add_typer(recipes_app, name="recipes")
 
-OVERRIDES = typer.Argument(None, help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option")
+
+def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
+    from dtlaunch.config.completion import complete_words
+
+    # The overrides already typed (parsed into the context by the completion machinery).
+    return complete_words(list(ctx.params.get("overrides") or []), incomplete)
+
+
+OVERRIDES = typer.Argument(
+    None,
+    help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option",
+    autocompletion=_complete_overrides,
+)
 RECIPE_DIRS = typer.Option(None, "--recipe-dir", help="Extra recipe directory (repeatable; also $DTLAUNCH_RECIPE_PATH)")
 
 _DEBUG = False

@@ -189,3 +189,27 @@ def test_every_environment_variable_read_is_documented() -> None:
     assert {"DTLAUNCH_DEBUG", "DTLAUNCH_PROGRESS", "DTLAUNCH_RECIPE_PATH"} <= names, names
     missing = sorted(n for n in names if f"`{n}" not in readme)
     assert not missing, f"not in README.md: {missing}"
+
+
+def test_completion_of_recipes_groups_and_keys(monkeypatch, capsys) -> None:
+    from dtlaunch.cli import app
+    from dtlaunch.config.compose import group_options, list_recipes
+    from dtlaunch.config.completion import complete_override, complete_words
+
+    assert complete_override("recipe=tiny_") == sorted(f"recipe={r}" for r in list_recipes() if r.startswith("tiny_"))
+    assert complete_override("model=") == [f"model={o}" for o in group_options("model")]
+    assert "training.steps=" in complete_override("training.") and "training.steps=" in complete_override("training.st")
+    assert complete_override("model.rope_scaling.fac") == ["model.rope_scaling.factor="]
+    assert complete_override("training.compile=") == ["training.compile=true", "training.compile=false"]
+    assert {"recipe=", "model=", "model.", "training."} <= set(complete_override(""))
+    assert complete_override("+training.se") == ["+training.seed=", "+training.seq_len="]
+    # Bash splits `model=lla` at '=': the key arrives as the previous word.
+    assert complete_words(["model", "="], "llama3_8") == ["llama3_8b"]
+    # Through the real CLI, as the shell's completion script asks (zsh protocol).
+    monkeypatch.setenv("_DTLAUNCH_COMPLETE", "complete_zsh")
+    monkeypatch.setenv("_TYPER_COMPLETE_ARGS", "dtlaunch train recipe=tiny_ddp strategy=zer")
+    monkeypatch.setattr(sys, "argv", ["dtlaunch"])
+    with pytest.raises(SystemExit):
+        app(prog_name="dtlaunch")
+    out = capsys.readouterr().out
+    assert '"strategy=zero1"' in out and '"strategy=zero3"' in out and "ddp" not in out, out
