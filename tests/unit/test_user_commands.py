@@ -193,8 +193,8 @@ def test_every_environment_variable_read_is_documented() -> None:
 
 def test_completion_of_recipes_groups_and_keys(monkeypatch, capsys) -> None:
     from dtlaunch.cli import app
-    from dtlaunch.config.compose import group_options, list_recipes
     from dtlaunch.config.completion import complete_override, complete_words
+    from dtlaunch.config.compose import group_options, list_recipes
 
     assert complete_override("recipe=tiny_") == sorted(f"recipe={r}" for r in list_recipes() if r.startswith("tiny_"))
     assert complete_override("model=") == [f"model={o}" for o in group_options("model")]
