@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -141,6 +142,26 @@ def _status_of(rc: int) -> str:
     return {0: "ok", EXIT_PREEMPTED: "preempted", 130: "interrupted", 3: "does not fit"}.get(rc, f"failed (exit {rc})")
 
 
+def _run_point(cmd: list[str]) -> int:
+    """Run one point's `dtlaunch train` to its end. SIGTERM/SIGUSR1 sent to the sweep are passed on (the
+    point checkpoints and exits 75, which ends the sweep); Ctrl-C reaches the point directly (one
+    process group), so the sweep waits for it to stop its workers instead of killing it."""
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum: int, _frame: Any) -> None:
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def sweep_table(points: list[Point], width: int) -> Any:
     from dtlaunch.commands.tables import plain_table
 
@@ -185,7 +206,7 @@ def sweep_train_command(
             p.status = "not run"
             continue
         out.rule(f"sweep run {p.index + 1}/{len(points)}: {' '.join(p.swept)}", style="bold")
-        rc = subprocess.run([sys.executable, "-m", "dtlaunch", "train", *flags, *p.overrides]).returncode
+        rc = _run_point([sys.executable, "-m", "dtlaunch", "train", *flags, *p.overrides])
         p.status = _status_of(rc)
         try:
             p.summary = json.loads((p.run_dir / "summary.json").read_text()) if rc == 0 else {}

@@ -96,6 +96,7 @@ def test_sigterm_to_cli_saves_exits_75_and_resumes_identically(trainer, tmp_path
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-3000:]
     assert f"resumed from step-{step:08d}" in text
+    assert f"[dtlaunch] loading checkpoint step-{step:08d}" in again.stdout  # the phase line
     done = local_status(run_dir.resolve())
     assert done["state"] == "finished" and done["step"] == done["total_steps"] == STEPS, done
     losses = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
