@@ -56,14 +56,14 @@ def train_command(
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
     from dtlaunch.config.layout import nproc_per_node
-    from dtlaunch.launch.summary import complete_summary, summary_block
+    from dtlaunch.launch.summary import complete_summary, summary_lines
 
     phase(f"starting {nproc_per_node(job.cfg)} worker(s) on this node")
     began = time.perf_counter()
     _launch_recording_state(job.cfg, run_dir)
     summary = complete_summary(job.cfg, job.layout, run_dir, time.perf_counter() - began)
-    if summary:
-        out.print(summary_block(summary, run_dir))
+    for line in summary_lines(summary, run_dir) if summary else []:
+        out.print(line, markup=False, soft_wrap=True)
     return 0
 
 

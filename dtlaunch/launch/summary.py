@@ -68,35 +68,33 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
     return summary
 
 
-def summary_block(summary: dict[str, Any], run_dir: Path) -> Any:
-    """A two-column table (label, value) whose values fold at spaces, never inside a number."""
-    from rich.table import Table
-
+def summary_lines(summary: dict[str, Any], run_dir: Path) -> list[str]:
+    """The summary as label/value lines. Printed with soft wrapping, so a long path or command wraps at
+    the terminal's edge but copies and pastes as one piece."""
     from dtlaunch.train.metrics import human_bytes
 
-    t = Table(title=f"run finished: {run_dir}", show_header=False, title_justify="left", box=None, padding=(0, 1))
-    t.add_column(style="bold", no_wrap=True)
-    t.add_column(overflow="fold")
-    t.add_row("steps", f"{summary.get('steps', 0):,} ({summary.get('tokens', 0):,} tokens)")
-    t.add_row("wall time", _duration(float(summary.get("wall_time_s") or 0)))
+    rows: list[tuple[str, str]] = [
+        ("steps", f"{summary.get('steps', 0):,} ({summary.get('tokens', 0):,} tokens)"),
+        ("wall time", _duration(float(summary.get("wall_time_s") or 0))),
+    ]
     loss = summary.get("final_loss")
-    t.add_row("final loss", f"{loss:.4f}" if isinstance(loss, (int, float)) else "-")
+    rows.append(("final loss", f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"))
     if isinstance(summary.get("val_loss"), (int, float)):
-        t.add_row("val loss", f"{summary['val_loss']:.4f}")
+        rows.append(("val loss", f"{summary['val_loss']:.4f}"))
     tps = summary.get("tokens_per_s")
     speed = f"{tps:,.0f} tokens/s (median)" if isinstance(tps, (int, float)) else "-"
     if isinstance(summary.get("mfu"), float):
         speed += f", MFU {100 * summary['mfu']:.1f}%"
-    t.add_row("speed", speed)
+    rows.append(("speed", speed))
     measured, planned = summary.get("peak_mem_bytes_measured"), summary.get("peak_mem_bytes_planned")
     if measured:
         mem = f"{human_bytes(measured)} measured (most loaded rank)"
         if planned:
             mem += f" vs {human_bytes(planned)} planned"
-        t.add_row("peak memory", mem)
-    t.add_row("checkpoint", summary.get("newest_checkpoint") or "none (checkpoint.enabled=false)")
-    t.add_row("tensorboard", summary.get("tensorboard", ""))
-    return t
+        rows.append(("peak memory", mem))
+    rows.append(("checkpoint", summary.get("newest_checkpoint") or "none (checkpoint.enabled=false)"))
+    rows.append(("tensorboard", summary.get("tensorboard", "")))
+    return [f"run finished: {run_dir}"] + [f"  {label:<12} {value}" for label, value in rows]
 
 
 def _duration(seconds: float) -> str:
