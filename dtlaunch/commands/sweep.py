@@ -114,6 +114,9 @@ def prepare_points(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     for p in points:
         p.run_dir = sweep_dir / str(p.index)
         p.overrides = [ov for ov in p.overrides if _key(ov) not in _PER_POINT_KEYS] + [f"run.dir={p.run_dir}"]
+        assert p.job is not None
+        # The composed job as its own run would see it (submit creates the run directory from it).
+        p.job.cfg.run.dir = str(p.run_dir)
     return points, sweep_dir
 
 

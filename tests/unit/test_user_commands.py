@@ -144,6 +144,15 @@ def test_submit_sweep_is_one_job_array(tmp_path: Path, monkeypatch, capsys) -> N
     assert 'exec bash "$run_dir/slurm.sbatch"' in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert not sweep.exists()  # a dry run creates nothing
+    # Without Slurm on PATH: every point's run directory and script are written (to submit by hand),
+    # then the missing sbatch is named.
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    assert run_cli([*args, f"run.dir={sweep}"], monkeypatch) == 2
+    assert "`sbatch` not found" in one_error_line(capsys.readouterr().err)
+    for i in range(4):
+        assert f"run:\n  name: ''\n  dir: {sweep / str(i)}\n" in (sweep / str(i) / "config.yaml").read_text()
+        assert f"DTLAUNCH_RUN_DIR={sweep / str(i)}" in (sweep / str(i) / "slurm.sbatch").read_text()
+    assert (sweep / "slurm-array.sbatch").read_text() == script
     # One allocation shape per array: points asking for different node counts are refused.
     assert run_cli([*args[:4], "cluster.nodes=1,2", f"run.dir={sweep}", "--dry-run"], monkeypatch) == 2
     assert "other resources (--nodes=2)" in one_error_line(capsys.readouterr().err)
