@@ -43,6 +43,12 @@ def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
     return complete_words(list(ctx.params.get("overrides") or []), incomplete)
 
 
+def _complete_recipe_names(incomplete: str) -> list[str]:
+    from dtlaunch.config.completion import complete_override
+
+    return [c.split("=", 1)[1] for c in complete_override(f"recipe={incomplete}")]
+
+
 OVERRIDES = typer.Argument(
     None,
     help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option",
@@ -153,24 +159,29 @@ def recipes(ctx: typer.Context, recipe_dir: Optional[List[str]] = RECIPE_DIRS) -
 
 
 @recipes_app.command("show")
-def recipes_show(ctx: typer.Context, name: str = typer.Argument(..., help="Recipe name.")) -> None:
+def recipes_show(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name.", autocompletion=_complete_recipe_names),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
     """Print a recipe's YAML."""
     from dtlaunch.commands.recipes import show_command
 
-    raise typer.Exit(show_command(name, ctx.obj or []))
+    raise typer.Exit(show_command(name, [*(ctx.obj or []), *(recipe_dir or [])]))
 
 
 @recipes_app.command("cp")
 def recipes_cp(
     ctx: typer.Context,
-    name: str = typer.Argument(..., help="Recipe name."),
+    name: str = typer.Argument(..., help="Recipe name.", autocompletion=_complete_recipe_names),
     dest: Optional[str] = typer.Argument(None, help="File or directory (default ./NAME.yaml); .yaml is added."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
 ) -> None:
     """Copy a recipe to edit, then run it with recipe=./DEST.yaml."""
     from dtlaunch.commands.recipes import cp_command
 
-    raise typer.Exit(cp_command(name, dest, force, ctx.obj or []))
+    raise typer.Exit(cp_command(name, dest, force, [*(ctx.obj or []), *(recipe_dir or [])]))
 
 
 @ckpt_app.command("ls")
