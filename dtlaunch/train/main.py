@@ -122,7 +122,8 @@ def main() -> None:
 
 def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     from dtlaunch.train.checkpoint import CheckpointManager
-    from dtlaunch.train.data import build_loader
+    from dtlaunch.train.data import build_loaders
+    from dtlaunch.train.evaluate import eval_steps, evaluate
     from dtlaunch.train.memtrack import PeakTracker
     from dtlaunch.train.metrics import MetricsLogger
     from dtlaunch.train.tensor_parallel import loss_context
@@ -143,7 +144,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     optimizers = [build_optimizer(p, cfg, env.device, zero1.get_group() if zero1 else None) for p in parts]
     schedulers = [build_scheduler(o, cfg) for o in optimizers]
     dp_rank, dp_size = dp_rank_size(mesh)
-    loader = build_loader(cfg, run_dir, dp_rank, dp_size)
+    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size)
     ctx = StepContext(
         cfg=cfg,
         model_parts=parts,
@@ -166,6 +167,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
     bad, skipped_total, last_loss = 0, 0, None
+    last_eval: dict[str, float] = {}
     watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
@@ -179,6 +181,11 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         last_loss = loss
         bad = bad + 1 if skipped else 0
         skipped_total += int(skipped)
+        # Outside the step's timing; its own loader and no RNG, so training and resume are unaffected.
+        evaluated = (
+            evaluate(ctx, val_loader, int(cfg.training.eval_batches)) if val_loader and eval_steps(cfg, step) else {}
+        )
+        last_eval = evaluated or last_eval
         # Every step is logged; the logger buffers and writes/prints every training.log_every steps.
         metrics.log(
             step,
@@ -189,6 +196,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
                 "tokens_per_s": rates[-1],
                 "peak_mem_bytes": measure_peak_memory(tracker),
                 "skipped": int(skipped),
+                **evaluated,
             },
         )
         if skipped and bad >= int(cfg.training.max_bad_steps):
@@ -204,12 +212,16 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
             ckpt.save(step, final=True)
             ckpt.close()
             metrics.close()
+            metrics.finish_trackers(None)
             raise preempt.PreemptionStop(step, signum)
     final_step = max(start, int(cfg.training.steps))
     ckpt.save(final_step, final=True)
     ckpt.close()
     metrics.close()
-    write_summary(run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker))
+    summary = write_summary(
+        run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker), last_eval
+    )
+    metrics.finish_trackers(summary)
     log(f"done at step {final_step}; {skipped_total} skipped step(s)")
 
 
@@ -218,12 +230,19 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def write_summary(
-    run_dir: Path, env: DistEnv, step: int, last_loss: float | None, rates: list[float], skipped: int, peak: int
-) -> None:
+    run_dir: Path,
+    env: DistEnv,
+    step: int,
+    last_loss: float | None,
+    rates: list[float],
+    skipped: int,
+    peak: int,
+    last_eval: dict[str, float] | None = None,
+) -> dict[str, Any] | None:
     peaks = [0] * env.world
     dist.all_gather_object(peaks, peak)
     if env.rank != 0:
-        return
+        return None
     summary = {
         "final_step": step,
         "last_loss": last_loss,
@@ -231,8 +250,10 @@ def write_summary(
         "skipped_steps": skipped,
         "peak_mem_bytes_per_rank": peaks,
         "world": env.world,
+        **(last_eval or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 if __name__ == "__main__":
