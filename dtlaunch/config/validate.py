@@ -389,7 +389,7 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"launch.timeout_s={la.timeout_s} must be > 0")
     if cfg.cluster.kind not in ("local", "slurm"):
         _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local or cluster=slurm")
-    if cfg.debug.fail_mode not in ("raise", "sigkill"):  # engineer FT: fault-injection mode
+    if cfg.debug.fail_mode not in ("raise", "sigkill"):  # fault injection: how the rank fails
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise or sigkill")
 
 

@@ -8,6 +8,7 @@ without pickle: DCP shards hold raw tensors, safetensors is a flat tensor format
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -291,4 +292,9 @@ def hf_weights(m: Any) -> Optional[HFWeights]:
     if key not in _CACHE:
         _CACHE.clear()
         _CACHE[key] = HFWeights(path, m)
+        from dtlaunch.train.phases import phase
+
+        # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
+        n = sum(math.prod(s) for s in _CACHE[key].shapes.values())
+        phase(f"model.init_from: {len(_CACHE[key].shapes)} tensors ({n:,} parameters) from {path}, read slice by slice")
     return _CACHE[key]

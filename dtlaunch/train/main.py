@@ -32,6 +32,7 @@ from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.phases import phase
 from dtlaunch.train.step import StepContext, end_of_step, train_step
 
 
@@ -99,7 +100,7 @@ def maybe_fail(cfg: Any, step: int, rank: int) -> None:
 
 @record
 def main() -> None:
-    preempt.install()  # engineer FT: first, so that an early SIGTERM/SIGUSR1 is not fatal
+    preempt.install()  # first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
     # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
@@ -109,7 +110,7 @@ def main() -> None:
     env = init_distributed(cfg)
     try:
         train(cfg, run_dir, env)
-    except preempt.PreemptionStop as stop:  # engineer FT: checkpoint saved; a new start resumes
+    except preempt.PreemptionStop as stop:  # checkpoint saved; a new start resumes
         if env.rank == 0 and cfg.checkpoint.enabled:
             preempt.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
@@ -132,6 +133,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     mesh = build_mesh(layout, env.device.type)
     accum = grad_accum_steps(cfg, layout)
     log(f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {mesh}; accumulation {accum}")
+    phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
     built = build_parts(cfg, layout, mesh, env, accum)
     parts = built["model_parts"]
     log(
@@ -166,7 +168,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     rates: list[float] = []
     bad, skipped_total, last_loss = 0, 0, None
     last_eval: dict[str, float] = {}
-    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
+    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
         lr = schedulers[0].get_last_lr()[0]
