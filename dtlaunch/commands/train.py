@@ -71,9 +71,12 @@ def train_command(
 def check_hf_weights(cfg: Any) -> None:
     """model.init_from=hf:DIR: every tensor present, expected and of the right shape (safetensors
     headers only), before a run directory is created: a bad directory is exit 2 with nothing written."""
-    from dtlaunch.convert.hf import hf_weights
+    from dtlaunch.convert.hf import HFWeights, hf_init_dir
+    from dtlaunch.models.registry import model_spec
 
-    hf_weights(cfg.model)
+    path = hf_init_dir(cfg.model)
+    if path is not None and model_spec(cfg.model).hf_names:  # hf_auto reads its own names in the workers
+        HFWeights(path, cfg.model)
 
 
 def _launch_recording_state(cfg: Any, run_dir: Path) -> None:

@@ -296,5 +296,7 @@ def hf_weights(m: Any) -> Optional[HFWeights]:
 
         # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
         n = sum(math.prod(s) for s in _CACHE[key].shapes.values())
-        phase(f"model.init_from: {len(_CACHE[key].shapes)} tensors ({n:,} parameters) from {path}, read slice by slice")
+        phase(
+            f"model.init_from: loaded {len(_CACHE[key].shapes)} tensors ({n:,} parameters) from {path}, slice by slice"
+        )
     return _CACHE[key]
