@@ -30,8 +30,10 @@ def train_command(
         out.print(OmegaConf.to_yaml(job.cfg), markup=False)
         run_dir = run_dir_for(job.cfg, job.recipe).resolve()
         out.print("launch command:", style="bold")
-        # soft_wrap: the command must stay one copy-pasteable line.
-        out.print(launch_command(job.cfg, run_dir), markup=False, soft_wrap=True)
+        # Plain print, not rich: the shell-quoted line must reach the terminal byte for byte (rich would
+        # wrap it or turn `:name:` into emoji), so that pasting it runs exactly the launch.
+        out.file.flush()
+        print(launch_command(job.cfg, run_dir), flush=True)
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
     from dtlaunch.launch.rundir import create_run_dir

@@ -79,9 +79,10 @@ def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) ->
     if detected_gpus is None:
         detected_gpus = _detected_gpus(cfg)
     env = worker_env(cfg, run_dir, detected_gpus)
-    parts = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    parts += ["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)]
-    return " ".join(shlex.quote(p) if "=" not in p else p for p in parts)
+    # Every argument is quoted whole, `--opt=value` parts included: a value holding `$(...)`, a quote or
+    # a newline must reach torchrun as one literal argument when the line is pasted into a shell.
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    return " ".join(assignments + [shlex.join(["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)])])
 
 
 def _cheap_rendezvous_event_names() -> None:
