@@ -199,6 +199,15 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        # An OS error on a named path is bad input (a path too long, not writable, a file where a
+        # directory belongs): mapped here once for every command instead of at each file operation.
+        if _DEBUG or exc.filename is None:
+            _internal_error(exc)
+        from dtlaunch.errors import EXIT_BAD_INPUT, os_error_message
+
+        print(f"dtlaunch: error: {os_error_message(exc)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     except (typer.Abort, KeyboardInterrupt):
         print("dtlaunch: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -206,13 +215,14 @@ def run() -> None:
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a (typer-vendored) click usage error
             exc.show()
             sys.exit(exc.exit_code)
-        if _DEBUG:
-            raise
-        print(
-            f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> None:
+    if _DEBUG:
+        raise exc
+    print(f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
