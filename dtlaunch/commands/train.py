@@ -49,5 +49,10 @@ def train_command(
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
+    # Data sample and the checkpoint to resume, checked before any worker starts (exit 2 here, not 1 there).
+    from dtlaunch.launch.preflight import check_data, check_resume
+
+    check_data(job.cfg, run_dir, job.layout)
+    check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
     launch_local(job.cfg, run_dir)
     return 0

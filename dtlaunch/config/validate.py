@@ -234,8 +234,8 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"launch.timeout_s={la.timeout_s} must be > 0")
     if cfg.cluster.kind not in ("local", "slurm"):
         _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local or cluster=slurm")
-    if cfg.debug.fail_mode not in ("raise", "sigkill"):  # engineer FT: fault-injection mode
-        _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise or sigkill")
+    if cfg.debug.fail_mode not in ("raise", "sigkill", "input"):  # engineer FT: fault-injection mode
+        _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 
 
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
