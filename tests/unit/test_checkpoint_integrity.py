@@ -140,3 +140,19 @@ def test_ckpt_commands_verify_and_name_the_step(
     assert "Warning" not in err and "warn" not in err.lower(), err
     for f in (tmp_path / "exp").iterdir():
         assert f.stat().st_mode & 0o044 == 0o044, (f, oct(f.stat().st_mode))
+
+
+def test_resume_with_another_model_is_refused_before_launch(
+    two_steps: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import dtlaunch.launch.local as local
+
+    monkeypatch.setattr(local, "launch_local", lambda *a, **k: pytest.fail("workers were launched"))
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    args = ["train", "model=tiny", "hardware=cpu", "training.seq_len=16", f"run.dir={run}", "model.dim=128"]
+    code, out, err = cli(args, monkeypatch, capsys)
+    assert code == 2, err
+    assert "step-00000002" in err and "different model" in err and "model.dim: checkpoint 64, config 128" in err, err

@@ -136,3 +136,45 @@ def test_every_numeric_field_has_a_range_rule() -> None:
 
     walk(schema.JobConfig, "")
     assert not missing, missing
+
+
+def _no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks must stop the run before any worker starts."""
+    import dtlaunch.launch.local as local
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("workers were launched")
+
+    monkeypatch.setattr(local, "launch_local", refuse)
+
+
+def _shards(path: Path, ids: list[int], vocab: int) -> None:
+    import numpy as np
+
+    from dtlaunch.data.shards import ShardWriter
+
+    w = ShardWriter(path, np.uint16, 1000)
+    w.add(np.array(ids, dtype=np.uint16))
+    w.close({"vocab_size": vocab, "tokenizer": "byte"})
+
+
+@pytest.mark.parametrize(
+    ("ids", "expected"),
+    [
+        ([1, 2, 3] * 200 + [300] + [4] * 100, "token id 300 at position 600"),
+        ([1, 2, 3] * 20, "one global batch needs"),
+    ],
+    ids=["id_above_vocab", "too_short"],
+)
+def test_data_checked_before_launch(
+    ids: list[int],
+    expected: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _no_launch(monkeypatch)
+    _shards(tmp_path / "shards", ids, 260)
+    args = ["train", "recipe=tiny_ddp", "data=tokens", f"data.path={tmp_path / 'shards'}", "model.vocab_size=260"]
+    code, line = cli([*args, "training.seq_len=16", f"run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    assert code == 2 and expected in line and "data.path=" in line, line
