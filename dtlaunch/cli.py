@@ -230,7 +230,9 @@ def run() -> None:
 def _internal_error(exc: BaseException) -> None:
     if _DEBUG:
         raise exc
-    print(f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+    print(
+        f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr
+    )
     sys.exit(1)
 
 

@@ -157,9 +157,11 @@ def export_command(src: str, fmt: str, out_dir: str, max_shard_size: str) -> int
     from dtlaunch.convert.hf import export_checkpoint
 
     limit = _parse_size(max_shard_size)
-    # The output directory first: a path that cannot be a writable directory fails before any loading.
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if not out_dir.strip():
+        raise InputError("--out is empty: give the directory to export into")
     info = resolve_verified(src)
+    # Before loading any weights: a path that cannot be a directory fails here (exit 2 through cli.run).
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     started = time.time()
     with _quiet_torch():
         files = export_checkpoint(info.path, fmt, Path(out_dir), limit)

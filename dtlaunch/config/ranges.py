@@ -36,7 +36,9 @@ class Range:
 
     def describe(self) -> str:
         if self.min is not None and self.max is not None:
-            text = f"in {'(' if self.min_open else '['}{_num(self.min)}, {_num(self.max)}{')' if self.max_open else ']'}"
+            text = (
+                f"in {'(' if self.min_open else '['}{_num(self.min)}, {_num(self.max)}{')' if self.max_open else ']'}"
+            )
         elif self.min is not None:
             text = f"{'>' if self.min_open else '>='} {_num(self.min)}"
         elif self.max is not None:
@@ -147,15 +149,16 @@ def check_ranges(cfg: Any, notes: list[str]) -> None:
             for i, item in enumerate(value):
                 _check_one(f"{key}[{i}]", item, rule, None)
         else:
-            _check_one(key, value, rule, _schema_default(key))
+            _check_one(key, value, rule, key)
 
 
-def _check_one(key: str, value: Any, rule: Range, default: Any) -> None:
+def _check_one(key: str, value: Any, rule: Range, default_of: Optional[str]) -> None:
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # unset optional fields (model.ffn_dim, model.rope_scaling) have no value to check
     finite = math.isfinite(value)
     if finite and rule.allows(value):
         return
+    default = _schema_default(default_of) if default_of else None
     example = f", e.g. {key}={default}" if default is not None and rule.allows(default) else ""
     what = "is not a finite number" if not finite else "is out of range"
     raise ConfigError(f"{key}={value} {what}: set {key} to a value {rule.describe()}{example}")

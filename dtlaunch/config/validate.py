@@ -238,6 +238,13 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 
 
+def check_run_name(cfg: Any, notes: list[str]) -> None:
+    # run.name is one directory under run.root: a '/' or '..' would put the run (and its files) elsewhere.
+    name = str(cfg.run.name)
+    if "/" in name or os.sep in name or name in (".", "..") or "\0" in name:
+        _fail(f"run.name={name!r} is not a plain name: drop the '/' (or set run.dir=<path> for a directory elsewhere)")
+
+
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     # The numeric ranges (one table next to the schema, config/ranges.py) first: the rules below may
     # divide by or index with these values.
@@ -249,6 +256,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_data,
     check_hardware,
     check_launch,
+    check_run_name,
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,

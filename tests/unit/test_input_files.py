@@ -131,7 +131,9 @@ def test_every_numeric_field_has_a_range_rule() -> None:
             inner = next((a for a in (hint, *getattr(hint, "__args__", ())) if dataclasses.is_dataclass(a)), None)
             if inner is not None:
                 walk(inner, f"{prefix}{f.name}.")
-            elif any(t in (int, float) for t in (hint, *getattr(hint, "__args__", ()))) and prefix + f.name not in RANGES:
+            elif (
+                any(t in (int, float) for t in (hint, *getattr(hint, "__args__", ()))) and prefix + f.name not in RANGES
+            ):
                 missing.append(prefix + f.name)
 
     walk(schema.JobConfig, "")

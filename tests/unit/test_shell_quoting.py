@@ -28,7 +28,7 @@ def hostile_values(marker: Path) -> list[str]:
 
 def paste(line: str) -> list[str]:
     """Run the printed line in bash with `torchrun` as a function that prints what it received."""
-    script = "torchrun() { printf '%s\\0' \"$DTLAUNCH_RUN_DIR\" \"$@\"; }\n" + line
+    script = 'torchrun() { printf \'%s\\0\' "$DTLAUNCH_RUN_DIR" "$@"; }\n' + line
     res = subprocess.run(["bash", "-c", script], capture_output=True, env={"PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr
     return res.stdout.decode().split("\0")[:-1]
@@ -38,9 +38,7 @@ def paste(line: str) -> list[str]:
 def test_dry_run_line_round_trips_through_bash(case: int, tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     value = hostile_values(marker)[case]
-    cfg = load_job(
-        ["recipe=tiny_ddp", "launch.nnodes=2", "launch.rdzv_endpoint=node0:29500", "launch.node_rank=0"]
-    ).cfg
+    cfg = load_job(["recipe=tiny_ddp", "launch.nnodes=2", "launch.rdzv_endpoint=node0:29500", "launch.node_rank=0"]).cfg
     cfg.launch.rdzv_id = value
     run_dir = tmp_path / f"runs/{value}"
     line = launch_command(cfg, run_dir, detected_gpus=0)
