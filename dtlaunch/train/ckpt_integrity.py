@@ -80,6 +80,19 @@ def digest_file(path: Path, algorithm: str) -> str:
     return h.hexdigest()
 
 
+OVERLAP_BYTES = 1 << 20
+_POOL: Any = None
+
+
+def _hash_pool() -> Any:
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlaunch-checksum")
+    return _POOL
+
+
 class _HashingStream(io.IOBase):
     """A write stream that hashes every chunk it passes on. If anything seeks (not DCP's sequential
     writes), the file is hashed from disk on close instead, so the digest is always of the real file."""
@@ -91,9 +104,17 @@ class _HashingStream(io.IOBase):
         self.sequential = True
 
     def write(self, b: Any) -> int:
-        n = self.raw.write(b)
-        self.hasher.update(b)
-        return len(memoryview(b).cast("B")) if n is None else n
+        view = memoryview(b).cast("B")
+        if len(view) >= OVERLAP_BYTES:
+            # Both release the GIL: hash on a helper thread while this one writes the same buffer (valid
+            # until write returns, so the hash is done before then).
+            pending = _hash_pool().submit(self.hasher.update, view)
+            n = self.raw.write(view)
+            pending.result()
+        else:
+            n = self.raw.write(view)
+            self.hasher.update(view)
+        return len(view) if n is None else n
 
     def tell(self) -> int:
         return self.raw.tell()
