@@ -75,8 +75,15 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
     against the config: same parameter names and shapes. Returns its CheckpointInfo, or None."""
     import os
 
-    from dtlaunch.train.checkpoint import NO_RESUME_ENV, checkpoint_root, newest_complete, resolve_load_path
+    from dtlaunch.train.checkpoint import (
+        NO_RESUME_ENV,
+        VERIFIED_ENV,
+        checkpoint_root,
+        newest_complete,
+        resolve_load_path,
+    )
 
+    os.environ.pop(VERIFIED_ENV, None)
     if os.environ.get(NO_RESUME_ENV) == "1":
         return None
     load_path = str(cfg.checkpoint.load_path)
@@ -94,6 +101,10 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
     if skipped:
         say(f"resuming from {info.name} (step {info.step}), the newest intact checkpoint")
     check_model_matches(cfg, info)
+    if info.verified:
+        from dtlaunch.train.checkpoint import verified_stamp
+
+        os.environ[VERIFIED_ENV] = verified_stamp(info.path)
     return info
 
 

@@ -34,6 +34,9 @@ MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 NO_RESUME_ENV = "DTLAUNCH_NO_RESUME"
+# Set by the launcher for the workers: the checkpoint it verified ("<path>\n<marker mtime ns>"), so that
+# rank 0 does not read every byte of it a second time.
+VERIFIED_ENV = "DTLAUNCH_VERIFIED_CHECKPOINT"
 
 
 class CheckpointSaveError(DtlaunchError):
@@ -119,6 +122,8 @@ def verify_info(info: CheckpointInfo) -> CheckpointInfo:
     from dtlaunch.train.ckpt_integrity import verify_files
 
     checksums = info.marker.get("checksums")
+    if info.complete and not info.verified and verified_by_launcher(info.path):
+        info.verified = True
     if info.complete and not info.verified and isinstance(checksums, dict):
         reason = verify_files(info.path, checksums)
         if reason:
@@ -136,6 +141,17 @@ def scan_checkpoints(root: Path) -> list[CheckpointInfo]:
     found = [check_checkpoint(p) for p in root.iterdir() if p.is_dir() and _parse_step(p.name) is not None]
     # A temporary and a final directory of the same step: the final one sorts last (preferred).
     return sorted(found, key=lambda i: (i.step, not i.path.name.startswith(TMP_PREFIX)))
+
+
+def verified_stamp(path: Path) -> str:
+    return f"{Path(path).resolve()}\n{(Path(path) / MARKER).stat().st_mtime_ns}"
+
+
+def verified_by_launcher(path: Path) -> bool:
+    try:
+        return os.environ.get(VERIFIED_ENV) == verified_stamp(path)
+    except OSError:
+        return False
 
 
 def newest_complete(root: Path, verify: bool = False) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:

@@ -156,3 +156,21 @@ def test_resume_with_another_model_is_refused_before_launch(
     code, out, err = cli(args, monkeypatch, capsys)
     assert code == 2, err
     assert "step-00000002" in err and "different model" in err and "model.dim: checkpoint 64, config 128" in err, err
+
+
+def test_workers_trust_the_launchers_verification_of_that_exact_checkpoint(
+    two_steps: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher read every byte already: rank 0 skips a second read of the same checkpoint (same path,
+    same marker) and reads any other one."""
+    import shutil
+
+    from dtlaunch.train.checkpoint import VERIFIED_ENV, verified_stamp
+
+    shutil.copytree(two_steps / "checkpoints", tmp_path / "c")
+    step = tmp_path / "c" / step_dir_name(1)
+    spoil(step / STATE_FILE)  # stands in for "not read again": a real read would find it
+    monkeypatch.setenv(VERIFIED_ENV, verified_stamp(step))
+    assert check_checkpoint(step, verify=True).verified
+    monkeypatch.setenv(VERIFIED_ENV, verified_stamp(tmp_path / "c" / step_dir_name(2)))
+    assert not check_checkpoint(step, verify=True).complete
