@@ -239,10 +239,14 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
 
 
 def check_run_name(cfg: Any, notes: list[str]) -> None:
-    # run.name is one directory under run.root: a '/' or '..' would put the run (and its files) elsewhere.
+    # run.name names a directory under run.root ('group/name' is fine): an absolute name or a '..' part
+    # would put the run, and every file it writes, outside run.root.
     name = str(cfg.run.name)
-    if "/" in name or os.sep in name or name in (".", "..") or "\0" in name:
-        _fail(f"run.name={name!r} is not a plain name: drop the '/' (or set run.dir=<path> for a directory elsewhere)")
+    if name.startswith(("/", os.sep)) or ".." in name.replace(os.sep, "/").split("/") or "\0" in name:
+        _fail(
+            f"run.name={name!r} would put the run outside run.root: use a relative name without '..' "
+            f"(or set run.dir=<path> for a directory elsewhere)"
+        )
 
 
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
