@@ -19,6 +19,12 @@ app = typer.Typer(
     name="dtlaunch",
     help="Config-driven launcher for distributed PyTorch training: compose a recipe, plan its memory, launch.",
     no_args_is_help=True,
+    epilog=(
+        "Environment: DTLAUNCH_DEBUG=1 (tracebacks, as --debug), DTLAUNCH_PROGRESS=plain (step lines instead of "
+        "the live bar), DTLAUNCH_RECIPE_PATH=dir1:dir2 (more recipes), COLUMNS (table width); the rest is in the "
+        "README. Exit codes: 0 ok, 1 worker failure, 2 bad input, 3 memory plan does not fit, 75 preempted "
+        "(checkpoint saved)."
+    ),
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -26,8 +32,28 @@ ckpt_app = typer.Typer(help="List, inspect, verify and export checkpoints.", no_
 data_app = typer.Typer(help="Prepare datasets (tokenize text into token shards).", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(data_app, name="data")
+recipes_app = typer.Typer(help="List, show and copy recipes.")
+app.add_typer(recipes_app, name="recipes")
 
-OVERRIDES = typer.Argument(None, help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option")
+
+def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
+    from dtlaunch.config.completion import complete_words
+
+    # The overrides already typed (parsed into the context by the completion machinery).
+    return complete_words(list(ctx.params.get("overrides") or []), incomplete)
+
+
+def _complete_recipe_names(incomplete: str) -> list[str]:
+    from dtlaunch.config.completion import complete_override
+
+    return [c.split("=", 1)[1] for c in complete_override(f"recipe={incomplete}")]
+
+
+OVERRIDES = typer.Argument(
+    None,
+    help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option",
+    autocompletion=_complete_overrides,
+)
 RECIPE_DIRS = typer.Option(None, "--recipe-dir", help="Extra recipe directory (repeatable; also $DTLAUNCH_RECIPE_PATH)")
 
 _DEBUG = False
@@ -53,10 +79,26 @@ def train(
     overrides: Optional[List[str]] = OVERRIDES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, config and launch command; launch nothing."),
     force: bool = typer.Option(False, "--force", help="Launch even if the memory plan does not fit."),
-    no_resume: bool = typer.Option(False, "--no-resume", help="Refuse to start in a run directory with checkpoints."),
+    no_resume: bool = typer.Option(
+        False, "--no-resume", help="Start from step 1; old checkpoints move to checkpoints.prev-<time>/."
+    ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+    multirun: bool = typer.Option(
+        False, "-m", "--multirun", help="Sweep: one run per combination of key=a,b / range() / choice() values."
+    ),
+    cfg: Optional[str] = typer.Option(None, "--cfg", help="'job': print the composed config and exit (Hydra's flag)."),
 ) -> None:
-    """Compose, validate, plan and launch a training run (torchrun workers)."""
+    """Compose, validate, plan and launch a training run (torchrun workers); -m runs a sweep."""
+    if cfg is not None:
+        from dtlaunch.commands.config import cfg_flag_command
+
+        raise typer.Exit(cfg_flag_command(cfg, overrides or [], recipe_dir or []))
+    if multirun:
+        from dtlaunch.commands.sweep import sweep_train_command
+
+        raise typer.Exit(
+            sweep_train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume)
+        )
     from dtlaunch.commands.train import train_command
 
     raise typer.Exit(
@@ -105,12 +147,41 @@ def config(
     raise typer.Exit(config_command(overrides or [], recipe_dir or [], resolve=resolve))
 
 
-@app.command()
-def recipes(recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
-    """List the recipes: model, parameters, strategy, world size, hardware."""
-    from dtlaunch.commands.config import recipes_command
+@recipes_app.callback(invoke_without_command=True)
+def recipes(ctx: typer.Context, recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
+    """List the recipes: model, parameters, strategy, world size, hardware, whether the plan fits."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = recipe_dir or []
+        return
+    from dtlaunch.commands.recipes import recipes_command
 
     raise typer.Exit(recipes_command(recipe_dir or []))
+
+
+@recipes_app.command("show")
+def recipes_show(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name.", autocompletion=_complete_recipe_names),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Print a recipe's YAML."""
+    from dtlaunch.commands.recipes import show_command
+
+    raise typer.Exit(show_command(name, [*(ctx.obj or []), *(recipe_dir or [])]))
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name.", autocompletion=_complete_recipe_names),
+    dest: Optional[str] = typer.Argument(None, help="File or directory (default ./NAME.yaml); .yaml is added."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Copy a recipe to edit, then run it with recipe=./DEST.yaml."""
+    from dtlaunch.commands.recipes import cp_command
+
+    raise typer.Exit(cp_command(name, dest, force, [*(ctx.obj or []), *(recipe_dir or [])]))
 
 
 @ckpt_app.command("ls")
@@ -157,17 +228,32 @@ def ckpt_export(
 
 @data_app.command("prepare")
 def data_prepare(
-    inputs: List[str] = typer.Argument(..., help="Text files, directories (searched with --pattern) or globs."),
+    inputs: List[str] = typer.Argument(
+        ...,
+        help="Files, directories or globs: text files (--pattern inside directories), .jsonl, .parquet, or a dataset.",
+    ),
     out: str = typer.Option(..., "--out", help="Output directory for the shards and meta.json."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="'byte' or the path of a local tokenizer.json."),
     shard_tokens: int = typer.Option(100_000_000, "--shard-tokens", help="Tokens per shard file."),
     pattern: str = typer.Option("**/*", "--pattern", help="File pattern inside directory inputs."),
-    max_bytes: int = typer.Option(0, "--max-bytes", help="Stop after this many bytes of text (0 = all)."),
+    max_bytes: int = typer.Option(0, "--max-bytes", help="Stop after this many bytes of text (0 = all; text kind)."),
+    kind: str = typer.Option(
+        "text",
+        "--kind",
+        help="text (each file one document; JSON input is refused), jsonl (one JSON object per line), parquet "
+        "(a column), hf (a datasets save_to_disk directory or local data files).",
+    ),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="jsonl/parquet/hf: the field (column) holding the text."
+    ),
+    split: str = typer.Option("train", "--split", help="hf: the split of a DatasetDict or of local data files."),
 ) -> None:
-    """Tokenize text into uint16/uint32 token shards (train with data.kind=tokens data.path=OUT)."""
+    """Tokenize text into uint16/uint32 token shards (train with data.kind=tokens data.path=OUT).
+
+    The same sources train directly with data.kind=jsonl|parquet|hf (tokenized once into a cache)."""
     from dtlaunch.commands.data import prepare_command
 
-    raise typer.Exit(prepare_command(inputs, out, tokenizer, shard_tokens, pattern, max_bytes))
+    raise typer.Exit(prepare_command(inputs, out, tokenizer, shard_tokens, pattern, max_bytes, kind, text_field, split))
 
 
 @app.command()
@@ -176,8 +262,13 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; create and submit nothing."),
     force: bool = typer.Option(False, "--force", help="Submit even if the memory plan does not fit."),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: submit one Slurm job array, a task a point."),
 ) -> None:
     """Write an sbatch script into the run directory and submit it to Slurm (needs cluster=slurm)."""
+    if multirun:
+        from dtlaunch.commands.sweep import sweep_submit_command
+
+        raise typer.Exit(sweep_submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))
     from dtlaunch.commands.submit import submit_command
 
     raise typer.Exit(submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))
@@ -185,13 +276,14 @@ def submit(
 
 @app.command()
 def status(
-    run: str = typer.Argument(..., help="Run directory (or a name under runs/) of a submitted job."),
+    run: Optional[str] = typer.Argument(None, help="Run directory (or a name under --root); none: recent runs."),
+    root: Optional[str] = typer.Option(None, "--root", help="Where runs live (run.root; default runs)."),
     as_json: bool = typer.Option(False, "--json", help="Emit the state as JSON."),
 ) -> None:
-    """Show the Slurm state of a submitted run (recorded in RUN/slurm.json)."""
-    from dtlaunch.commands.submit import status_command
+    """A run's state (running/finished/failed/preempted), step, loss, newest checkpoint, pid; Slurm runs ask Slurm."""
+    from dtlaunch.commands.status import run_status_command
 
-    raise typer.Exit(status_command(run, as_json=as_json))
+    raise typer.Exit(run_status_command(run, root, as_json=as_json))
 
 
 def run() -> None:

@@ -89,7 +89,7 @@ def plan_command(
     if search:
         from dtlaunch.plan.report import search_table
 
-        out.print(search_table(rows) if rows else "[red]no layout fits this GPU count[/red]")
+        out.print(search_table(rows, out.width) if rows else "[red]no layout fits this GPU count[/red]")
         if rows:
             out.print("best layout as overrides: " + shlex.join(rows[0]["overrides"]), markup=False)
     if trace:

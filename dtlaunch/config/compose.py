@@ -108,6 +108,34 @@ def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[l
     return rest, recipe_file, recipe_name
 
 
+# Hydra's runtime settings have no effect here (dtlaunch composes with Hydra's compose API and runs the
+# job itself): each gets the dtlaunch setting that does the same job instead of being silently ignored.
+_HYDRA_EQUIVALENTS = {
+    "hydra.run.dir": "use run.dir=DIR",
+    "hydra.sweep.dir": "use run.dir=DIR with -m (the sweep directory)",
+    "hydra.sweep.subdir": "each sweep point runs in <sweep dir>/<index>",
+    "hydra.job.name": "use run.name=NAME",
+    "hydra.job.chdir": "dtlaunch never changes directory",
+    "hydra.verbose": "use --debug (or DTLAUNCH_DEBUG=1)",
+    "hydra.job_logging": "each rank logs to RUN/logs/rank<N>.log",
+    "hydra.launcher": "use -m (points run one after another) or `dtlaunch submit -m ... cluster=slurm` (a job array)",
+    "hydra.sweeper": "use -m with Hydra's sweep syntax (a,b / range() / choice())",
+}
+
+
+def refuse_hydra_overrides(overrides: Sequence[str]) -> None:
+    """`hydra.*` and `hydra/<group>=` overrides: a one-line error naming dtlaunch's equivalent."""
+    for ov in overrides:
+        key = ov.lstrip("+~").split("=", 1)[0].replace("/", ".")
+        if key != "hydra" and not key.startswith("hydra."):
+            continue
+        hint = next(
+            (v for k, v in _HYDRA_EQUIVALENTS.items() if key == k or key.startswith(k + ".")),
+            "remove it (see `dtlaunch config` for the settings there are)",
+        )
+        raise ConfigError(f"'{ov}' is a Hydra runtime setting, which dtlaunch does not read: {hint}")
+
+
 def _optional_sections() -> set[str]:
     """Dotted keys of schema fields typed Optional[<dataclass>] (e.g. model.rope_scaling)."""
     import typing
@@ -204,6 +232,7 @@ def compose(
 
     _register_resolvers()
     register_schemas()
+    refuse_hydra_overrides(overrides)
     recipes = list_recipes(recipe_dirs_extra)
     rest, recipe_file, recipe_name = _split_recipe(list(overrides), recipes)
     rest, deferred = _split_optional_section_overrides(rest)
@@ -366,6 +395,11 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
             "bool": "true or false",
         }.get(m.group(2), m.group(2))
         return f"wrong type for '{key}': got '{m.group(1)}', expected {expected}; fix: {key}=<{expected}>"
+    # A schema choice (an Enum field) given a value outside it.
+    m = re.search(r"Invalid value '(.*?)', expected one of \[(.*?)\]", full)
+    if m:
+        key = key_m.group(1) if key_m else "?"
+        return f"{key}='{m.group(1)}' is not a valid choice: use one of {m.group(2)}"
     if "Invalid type assigned" in full or "Incompatible value" in full:
         key = key_m.group(1) if key_m else "?"
         return f"wrong type for '{key}': {_first_line(exc)}; fix the value (see `dtlaunch config`)"
@@ -377,6 +411,9 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
     m = re.search(r"Could not delete from config. '([^']+)' does not exist", full)
     if m:
         return f"cannot delete '{m.group(1)}': it is not set; remove the '~{m.group(1)}' override"
+    m = re.search(r"Ambiguous value for argument '([^']+)'", full)
+    if m:
+        return f"'{m.group(1)}' is a sweep: add -m (--multirun) to run one job per value, or quote the value"
     if "Multiple values for" in full:
         return f"{_first_line(exc)}: give each group once"
     return f"invalid configuration: {_first_line(exc)}"

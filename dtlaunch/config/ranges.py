@@ -94,6 +94,8 @@ RANGES: dict[str, Range] = {
     "training.grad_clip": NON_NEGATIVE,
     "training.max_bad_steps": NON_NEGATIVE,
     "training.log_every": AT_LEAST_1,
+    "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation
+    "training.eval_batches": AT_LEAST_1,
     "optim.lr": POSITIVE,
     "optim.min_lr_ratio": FRACTION,
     "optim.weight_decay": NON_NEGATIVE,
@@ -102,6 +104,7 @@ RANGES: dict[str, Range] = {
     "optim.eps": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
     "data.max_bytes": NON_NEGATIVE,
+    "data.val_fraction": PROBABILITY,
     "checkpoint.every_steps": AT_LEAST_1,
     "checkpoint.keep_last": AT_LEAST_1,
     "hardware.memory_gib": POSITIVE,

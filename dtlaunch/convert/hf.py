@@ -232,10 +232,22 @@ def save_torch(state: dict, m: Any, out: Path) -> Path:
 def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
     if fmt not in ("hf", "torch"):
         raise InputError(f"--format {fmt!r} is not an export format: use hf or torch")
-    state, m, _ = load_checkpoint_model(src)
+    state, m, info = load_checkpoint_model(src)
     if fmt == "hf":
-        return save_hf(state, m, out, max_shard_bytes)
+        return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)
     return [save_torch(state, m, out)]
+
+
+def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
+    """The run's Hugging Face tokenizer (kept in <run dir>/tokenizer by the launcher), beside the weights.
+    Runs on the byte tokenizer or synthetic data have none: nothing is written."""
+    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files
+
+    for parent in list(checkpoint.resolve().parents)[:3]:  # run/checkpoints/step-N
+        kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"
+        if kept.is_file():
+            return copy_tokenizer_files(kept, Path(out))
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,4 +322,9 @@ def cached_hf_weights(m: Any) -> Optional[dict]:
     if key not in _CACHE:
         _CACHE.clear()
         _CACHE[key] = load_hf_weights(path, m)
+        from dtlaunch.train.phases import phase
+
+        # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
+        n = sum(t.numel() for t in _CACHE[key].values())
+        phase(f"model.init_from: loaded {len(_CACHE[key])} tensors ({n:,} parameters) from {path}")
     return _CACHE[key]

@@ -116,7 +116,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
     args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
-    # engineer FT: SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
+    # SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
     args.signals_to_handle = preempt.agent_signals()
     preempt.clear_marker(run_dir)
     worker_errors.clear(run_dir)
@@ -184,6 +184,8 @@ def describe_failure(exc: Any, run_dir: Path) -> str:
         message = str(message or "").strip()
         if not message or message.startswith("To enable traceback"):
             return f"exited with code {failure.exitcode}"
+        # `record` stores "ExcType: message", the last line of the traceback; a multi-line message keeps
+        # its first line here and the rest stays in the log.
         return message.splitlines()[0]
 
     def rank_key(item: tuple[int, Any]) -> tuple:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dtlaunch.errors import EXIT_WORKER_FAILED, ConfigError, DtlaunchError
+from dtlaunch.train.phases import phase
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
@@ -495,6 +496,7 @@ class CheckpointManager:
                 f"checkpoint '{path}' was written for a different model ({marker.get('model', {}).get('name')}, "
                 f"hash {marker.get('model_hash')}): resume with the same model config or start a new run.dir"
             )
+        phase(f"loading checkpoint {path.name}")
         started = time.perf_counter()
         self._load(path, marker)
         if self.rank == 0:

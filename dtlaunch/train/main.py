@@ -32,6 +32,7 @@ from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.phases import phase
 from dtlaunch.train.step import StepContext, end_of_step, train_step
 
 
@@ -103,7 +104,7 @@ def maybe_fail(cfg: Any, step: int, rank: int) -> None:
 
 @record
 def main() -> None:
-    preempt.install()  # engineer FT: first, so that an early SIGTERM/SIGUSR1 is not fatal
+    preempt.install()  # first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
     # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
@@ -113,7 +114,7 @@ def main() -> None:
     env = init_distributed(cfg)
     try:
         train(cfg, run_dir, env)
-    except preempt.PreemptionStop as stop:  # engineer FT: checkpoint saved; a new start resumes
+    except preempt.PreemptionStop as stop:  # checkpoint saved; a new start resumes
         if env.rank == 0 and cfg.checkpoint.enabled:
             preempt.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
@@ -132,7 +133,8 @@ def main() -> None:
 
 def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     from dtlaunch.train.checkpoint import CheckpointManager
-    from dtlaunch.train.data import build_loader
+    from dtlaunch.train.data import build_loaders
+    from dtlaunch.train.evaluate import eval_steps, evaluate
     from dtlaunch.train.memtrack import PeakTracker
     from dtlaunch.train.metrics import MetricsLogger
     from dtlaunch.train.tensor_parallel import loss_context
@@ -142,6 +144,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     mesh = build_mesh(layout, env.device.type)
     accum = grad_accum_steps(cfg, layout)
     log(f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {mesh}; accumulation {accum}")
+    phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
     built = build_parts(cfg, layout, mesh, env, accum)
     parts = built["model_parts"]
     log(
@@ -152,7 +155,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     optimizers = [build_optimizer(p, cfg, env.device, zero1.get_group() if zero1 else None) for p in parts]
     schedulers = [build_scheduler(o, cfg) for o in optimizers]
     dp_rank, dp_size = dp_rank_size(mesh)
-    loader = build_loader(cfg, run_dir, dp_rank, dp_size)
+    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size)
     ctx = StepContext(
         cfg=cfg,
         model_parts=parts,
@@ -175,7 +178,8 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
     bad, skipped_total, last_loss = 0, 0, None
-    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
+    last_eval: dict[str, float] = {}
+    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
         lr = schedulers[0].get_last_lr()[0]
@@ -188,6 +192,11 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         last_loss = loss
         bad = bad + 1 if skipped else 0
         skipped_total += int(skipped)
+        # Outside the step's timing; its own loader and no RNG, so training and resume are unaffected.
+        evaluated = (
+            evaluate(ctx, val_loader, int(cfg.training.eval_batches)) if val_loader and eval_steps(cfg, step) else {}
+        )
+        last_eval = evaluated or last_eval
         # Every step is logged; the logger buffers and writes/prints every training.log_every steps.
         metrics.log(
             step,
@@ -198,6 +207,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
                 "tokens_per_s": rates[-1],
                 "peak_mem_bytes": measure_peak_memory(tracker),
                 "skipped": int(skipped),
+                **evaluated,
             },
         )
         if skipped and bad >= int(cfg.training.max_bad_steps):
@@ -213,12 +223,16 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
             ckpt.save(step, final=True)
             ckpt.close()
             metrics.close()
+            metrics.finish_trackers(None)
             raise preempt.PreemptionStop(step, signum)
     final_step = max(start, int(cfg.training.steps))
     ckpt.save(final_step, final=True)
     ckpt.close()
     metrics.close()
-    write_summary(run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker))
+    summary = write_summary(
+        run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker), last_eval
+    )
+    metrics.finish_trackers(summary)
     log(f"done at step {final_step}; {skipped_total} skipped step(s)")
 
 
@@ -227,12 +241,19 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def write_summary(
-    run_dir: Path, env: DistEnv, step: int, last_loss: float | None, rates: list[float], skipped: int, peak: int
-) -> None:
+    run_dir: Path,
+    env: DistEnv,
+    step: int,
+    last_loss: float | None,
+    rates: list[float],
+    skipped: int,
+    peak: int,
+    last_eval: dict[str, float] | None = None,
+) -> dict[str, Any] | None:
     peaks = [0] * env.world
     dist.all_gather_object(peaks, peak)
     if env.rank != 0:
-        return
+        return None
     summary = {
         "final_step": step,
         "last_loss": last_loss,
@@ -240,8 +261,10 @@ def write_summary(
         "skipped_steps": skipped,
         "peak_mem_bytes_per_rank": peaks,
         "world": env.world,
+        **(last_eval or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 if __name__ == "__main__":

@@ -99,10 +99,15 @@ def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, p
                         p.grad.mul_(nan)
         return loss.detach() * nan / ctx.accum
     (model,) = ctx.model_parts
+    weight = getattr(ctx.loader, "last_weight", None)  # masked (chat) data: see TokenLoader.next_batch
     with ctx.loss_context():
+        extra = {k: v.to(ctx.device) for k, v in getattr(ctx.loader, "last_model_args", {}).items()}
         with compute_context(ctx.model_parts, ctx.cfg, ctx.device):
-            logits = model(inputs)
-        loss = cross_entropy(logits, targets) * nan / ctx.accum
+            logits = model(inputs, **extra)
+        if weight is None:
+            loss = cross_entropy(logits, targets) * nan / ctx.accum
+        else:
+            loss = cross_entropy(logits, targets, reduction="sum") * (weight * nan / ctx.accum)
         (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.
