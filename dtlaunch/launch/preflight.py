@@ -1,8 +1,8 @@
 """Checks the launcher runs after the run directory is ready and before any worker starts.
 
 What the workers would otherwise find one by one, minutes in and as a worker failure (exit 1), is
-found here as bad input (exit 2): token ids the model has no embedding row for, a corpus shorter than
-one global batch, and a checkpoint to resume that is corrupt or was written for a different model.
+found here as bad input (exit 2): token ids the model has no embedding row for, and a checkpoint to
+resume that is corrupt or was written for a different model.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError, InputError
 
 # Token ids scanned for the vocabulary check: whole corpora up to this size (a memory-mapped max runs
@@ -22,33 +22,27 @@ WINDOW = 1 << 20
 
 
 def check_data(cfg: Any, run_dir: Path, layout: Layout) -> None:
-    """A sample of the token data: ids < model.vocab_size, and at least one full global batch."""
+    """A scan of the prepared token shards (training and validation): every id < model.vocab_size.
+    (That each holds one global batch is checked by prepare_run_data, which runs just before.)"""
     from dtlaunch.data.shards import open_shards
-    from dtlaunch.train.data import RUN_DATA_DIR
+    from dtlaunch.train.data import _shard_dir
 
-    kind = str(cfg.data.kind)
-    if kind not in ("tokens", "text"):
+    if str(cfg.data.kind) == "synthetic":
         return
-    path = str(cfg.data.path) if kind == "tokens" else str(Path(run_dir) / RUN_DATA_DIR)
-    shards = open_shards(path, "data.path")
-    seq_len = int(cfg.training.seq_len)
-    samples = max(0, (shards.total - 1) // seq_len)
-    gb = global_batch(cfg, layout)
-    if samples < gb:
-        raise InputError(
-            f"data.path='{cfg.data.path}' holds {shards.total:,} tokens = {samples} samples of {seq_len + 1} tokens, "
-            f"but one global batch needs {gb} ({cfg.training.micro_batch} per rank x {layout.dp} data-parallel "
-            f"ranks x accumulation): add data, or lower training.seq_len / training.global_batch / training.micro_batch"
-        )
+    roles = [("train", "data.path", cfg.data.path)]
+    if str(cfg.data.val_path):
+        roles.append(("val", "data.val_path", cfg.data.val_path))
     vocab = int(cfg.model.vocab_size)
-    for arr in shards.arrays:
-        top, where = _max_id(arr)
-        if top >= vocab:
-            raise InputError(
-                f"data.path='{cfg.data.path}': token id {top} at position {where:,} of a shard is >= "
-                f"model.vocab_size={vocab}: the data was tokenized with a larger vocabulary; set "
-                f"model.vocab_size={top + 1} or more, or re-prepare the data"
-            )
+    for role, key, value in roles:
+        shards = open_shards(_shard_dir(cfg, run_dir, role), key)
+        for arr in shards.arrays:
+            top, where = _max_id(arr)
+            if top >= vocab:
+                raise InputError(
+                    f"{key}='{value}': token id {top} at position {where:,} of a shard is >= "
+                    f"model.vocab_size={vocab}: the data was tokenized with a larger vocabulary; set "
+                    f"model.vocab_size={top + 1} or more, or re-prepare the data"
+                )
 
 
 def _max_id(arr: np.ndarray) -> tuple[int, int]:

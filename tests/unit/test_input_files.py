@@ -164,7 +164,7 @@ def _shards(path: Path, ids: list[int], vocab: int) -> None:
     ("ids", "expected"),
     [
         ([1, 2, 3] * 200 + [300] + [4] * 100, "token id 300 at position 600"),
-        ([1, 2, 3] * 20, "one global batch needs"),
+        ([1, 2, 3] * 20, "one global batch needs"),  # prepare_run_data, before the scan
     ],
     ids=["id_above_vocab", "too_short"],
 )
