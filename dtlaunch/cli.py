@@ -28,7 +28,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-ckpt_app = typer.Typer(help="List, inspect and export checkpoints.", no_args_is_help=True)
+ckpt_app = typer.Typer(help="List, inspect, verify and export checkpoints.", no_args_is_help=True)
 data_app = typer.Typer(help="Prepare datasets (tokenize text into token shards).", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(data_app, name="data")
@@ -194,12 +194,21 @@ def ckpt_ls(run: str = typer.Argument(..., help="Run directory (runs/<name>) or 
 
 @ckpt_app.command("inspect")
 def ckpt_inspect(
-    checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest)."),
+    checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest intact)."),
+    tensors: bool = typer.Option(False, "--tensors", help="List every tensor (name, shape, dtype, chunks)."),
 ) -> None:
-    """Tensor names, shapes and dtypes of a checkpoint, and which layout wrote it."""
+    """What a checkpoint holds (per-module parameters, bytes, dtypes) and which layout wrote it."""
     from dtlaunch.commands.ckpt import inspect_command
 
-    raise typer.Exit(inspect_command(checkpoint))
+    raise typer.Exit(inspect_command(checkpoint, tensors=tensors))
+
+
+@ckpt_app.command("verify")
+def ckpt_verify(run: str = typer.Argument(..., help="Run directory, its checkpoints directory, or one step.")) -> None:
+    """Check every checkpoint's files against the checksums recorded at save; exit 2 if any is corrupt."""
+    from dtlaunch.commands.ckpt import verify_command
+
+    raise typer.Exit(verify_command(run))
 
 
 @ckpt_app.command("export")
@@ -308,6 +317,15 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        # An OS error on a named path is bad input (a path too long, not writable, a file where a
+        # directory belongs): mapped here once for every command instead of at each file operation.
+        if _DEBUG or exc.filename is None:
+            _internal_error(exc)
+        from dtlaunch.errors import EXIT_BAD_INPUT, os_error_message
+
+        print(f"dtlaunch: error: {os_error_message(exc)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     except (typer.Abort, KeyboardInterrupt):
         print("dtlaunch: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -315,13 +333,16 @@ def run() -> None:
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a (typer-vendored) click usage error
             exc.show()
             sys.exit(exc.exit_code)
-        if _DEBUG:
-            raise
-        print(
-            f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> None:
+    if _DEBUG:
+        raise exc
+    print(
+        f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr
+    )
+    sys.exit(1)
 
 
 if __name__ == "__main__":

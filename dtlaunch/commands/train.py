@@ -36,8 +36,10 @@ def train_command(
         out.print(OmegaConf.to_yaml(job.cfg), markup=False)
         run_dir = run_dir_for(job.cfg, job.recipe).resolve()
         out.print("launch command:", style="bold")
-        # soft_wrap: the command must stay one copy-pasteable line.
-        out.print(launch_command(job.cfg, run_dir), markup=False, soft_wrap=True)
+        # Plain print, not rich: the shell-quoted line must reach the terminal byte for byte (rich would
+        # wrap it or turn `:name:` into emoji), so that pasting it runs exactly the launch.
+        out.file.flush()
+        print(launch_command(job.cfg, run_dir), flush=True)
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
     check_hf_weights(job.cfg)
@@ -56,6 +58,11 @@ def train_command(
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
+    # Data sample and the checkpoint to resume, checked before any worker starts (exit 2 here, not 1 there).
+    from dtlaunch.launch.preflight import check_data, check_resume
+
+    check_data(job.cfg, run_dir, job.layout)
+    check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
     from dtlaunch.config.layout import nproc_per_node
     from dtlaunch.launch.summary import complete_summary, summary_lines
 

@@ -101,6 +101,10 @@ def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[l
         else:
             hint = _did_you_mean(value, recipes)
             raise ConfigError(f"unknown recipe '{value}'{hint}: see `dtlaunch recipes` for the list")
+    if recipe_file is not None:
+        from dtlaunch.config.yaml_check import check_yaml_file
+
+        check_yaml_file(recipe_file)
     return rest, recipe_file, recipe_name
 
 
@@ -283,6 +287,10 @@ def load_resolved(path: str | Path) -> Any:
     """Read a resolved config.yaml (as written into a run directory) back into the typed schema."""
     from omegaconf import OmegaConf
 
+    from dtlaunch.config.yaml_check import check_yaml_file
+
+    if Path(path).is_file():
+        check_yaml_file(Path(path), "config")
     try:
         raw = OmegaConf.load(path)
         typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), raw)
@@ -305,8 +313,19 @@ def _job_schema() -> type:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The message's first line; a line ending in ':' ("... raised while composing config:") is only an
+    introduction, so the lines after it are joined on until one states the cause (never half a sentence)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0]
+    for line in lines[1:]:
+        if not text.endswith(":"):
+            break
+        if line.startswith(("full_key:", "object_type=", "reference_type=")):
+            continue
+        text += " " + line
+    return text.rstrip(":")
 
 
 def _schema_fields(dotted_parent: str) -> list[str]:

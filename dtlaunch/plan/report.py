@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from dtlaunch.plan.memory import GIB, MemoryPlan
@@ -60,7 +61,7 @@ def suggestions_table(suggestions: list[dict]) -> Any:
     t.add_column("peak GiB", justify="right")
     t.add_column("overrides to paste")
     for s in suggestions:
-        t.add_row(s["change"], gib(s["device_total_bytes"]), " ".join(s["overrides"]))
+        t.add_row(s["change"], gib(s["device_total_bytes"]), shlex.join(s["overrides"]))
     return t
 
 

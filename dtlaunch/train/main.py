@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtlaunch.config.compose import load_resolved
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
-from dtlaunch.errors import EXIT_PREEMPTED, DtlaunchError
+from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.launch.local import RUN_DIR_ENV
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train import preempt
@@ -87,6 +87,10 @@ def maybe_fail(cfg: Any, step: int, rank: int) -> None:
     if step == cfg.debug.fail_at_step:
         if cfg.debug.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.debug.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
+            from dtlaunch.errors import InputError
+
+            raise InputError(f"injected input error at step {step} (debug.fail_at_step)")
         raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
     if step == cfg.debug.hang_at_step:
         # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
@@ -115,6 +119,13 @@ def main() -> None:
             preempt.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
         shutdown(EXIT_PREEMPTED)
+    except DtlaunchError as exc:
+        if exc.exit_code != EXIT_BAD_INPUT:
+            raise
+        # The user's input, found wrong only here: the launcher reports it as such (exit 2).
+        from dtlaunch.launch.worker_errors import exit_with_input_error
+
+        exit_with_input_error(run_dir, env.rank, str(exc))
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()
