@@ -109,7 +109,8 @@ class MetricsLogger:
             if u is not None:
                 rec.setdefault("mfu", u)
             rec.setdefault("peak_mem_bytes", peak)
-            rec["elapsed_s"] = round(now - self._t0, 3)
+            # When the step itself ended (the loop passes it: lines are written a window after their step).
+            rec["elapsed_s"] = round(rec.pop("ended_at", now) - self._t0, 4)
             rec["time"] = round(time.time(), 3)  # wall clock, for launch-overhead measurements
             self._jsonl.write(json.dumps(rec) + "\n")
             self._write_tb(step, rec)
