@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast lint format bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -36,6 +36,9 @@ format: install
 
 bench: install  ## CPU benchmark suite (<= 15 min); results in bench/results/
 	$(PY) bench/run_all.py
+
+bench-gpu:  ## GPU benchmark (one or more CUDA GPUs, ~30 min); results in bench/results/gpu-<date>-<device>.*
+	bash bench/gpu/run.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
