@@ -259,6 +259,7 @@ def plan_stage(
         per_mb = lines["activations"] / held
         fewer = per_mb if held >= n_mb else 0.0
         all_grads = grads if accum == 1 else 0.0  # with accumulation they are in `base` already
+        gathered = 0.0
         if fsdp:
             # torch's pipeline stage turns FSDP's gradient sync and resharding off for every micro-batch
             # but the last: the whole stage's gradients accumulate unsharded (reduce dtype) and its
