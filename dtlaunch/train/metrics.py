@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 from dtlaunch.models.flops import flops_per_token, mfu
 
+TB_BATCH_S = 5.0  # seconds between hand-overs of buffered scalars to TensorBoard
+
 # Keys shown on the progress line, with their format.
 _SHOWN = (
     ("loss", "loss {:.4f}"),
@@ -76,6 +78,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
         self._tb: Any = None
+        self._tb_rows: list[tuple[str, float, int]] = []
+        self._tb_sent = 0.0  # the first step's scalars go at once (creates the event file early)
         self._t0 = self._t_window = time.perf_counter()
         self._world, self._tokens_per_step = _world_and_tokens(cfg)
         self._fpt = flops_per_token(cfg.model, int(cfg.training.seq_len))
@@ -118,13 +122,28 @@ class MetricsLogger:
         self._pending.clear()
 
     def _write_tb(self, step: int, rec: dict[str, Any]) -> None:
+        """Scalars are handed to TensorBoard in batches every TB_BATCH_S seconds (and at close): each
+        add_scalar wakes SummaryWriter's writer thread, ~20 us apiece, every step otherwise. TensorBoard
+        itself writes its file only every flush_secs (120 s), so nothing shows up later than before."""
+        self._tb_rows.extend(
+            (f"train/{k}", v, step)
+            for k, v in rec.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        )
+        if time.perf_counter() - self._tb_sent >= TB_BATCH_S:
+            self._flush_tb()
+
+    def _flush_tb(self) -> None:
+        self._tb_sent = time.perf_counter()
+        if not self._tb_rows:
+            return
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
-        for k, v in rec.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(f"train/{k}", v, step)
+        for tag, value, step in self._tb_rows:
+            self._tb.add_scalar(tag, value, step)
+        self._tb_rows.clear()
 
     def close(self) -> None:
         """Flush the last window, close the files and write loss.png (training.loss_plot). Safe to call twice."""
@@ -134,6 +153,7 @@ class MetricsLogger:
         self.flush()
         self._display.stop()
         self._jsonl.close()
+        self._flush_tb()
         if self._tb is not None:
             self._tb.close()
         if self.cfg.training.loss_plot:
