@@ -60,7 +60,7 @@ def init() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def dtlaunch_side(recipe: str, world: int, run_dir: Path) -> tuple[Any, Any, Any, Any]:
+def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[Any, Any, Any, Any]:
     """(cfg, StepContext, MetricsLogger, PeakTracker) exactly as dtlaunch.train.main builds them."""
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, grad_accum_steps
@@ -74,7 +74,7 @@ def dtlaunch_side(recipe: str, world: int, run_dir: Path) -> tuple[Any, Any, Any
     from dtlaunch.train.step import StepContext
 
     cfg = compose(
-        [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000"]
+        [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000", *extra]
     ).cfg
     layout = Layout.resolve(cfg.strategy, world)
     mesh = build_mesh(layout, "cpu")
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="tiny_ddp")
     ap.add_argument("--outer", type=int, default=15)
     ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("overrides", nargs="*", help="extra dtlaunch overrides, e.g. model=small")
     args = ap.parse_args()
     rank, world = init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -110,7 +111,7 @@ def main() -> None:
 
     run_dir = Path(tempfile.mkdtemp(prefix="dtlaunch-step-overhead-"))
     (run_dir / "logs").mkdir()
-    cfg, ctx, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir)
+    cfg, ctx, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir, tuple(args.overrides))
     t = cfg.training
     from omegaconf import OmegaConf
 
