@@ -148,17 +148,32 @@ def ckpt_export(
 
 @data_app.command("prepare")
 def data_prepare(
-    inputs: List[str] = typer.Argument(..., help="Text files, directories (searched with --pattern) or globs."),
+    inputs: List[str] = typer.Argument(
+        ...,
+        help="Files, directories or globs: text files (--pattern inside directories), .jsonl, .parquet, or a dataset.",
+    ),
     out: str = typer.Option(..., "--out", help="Output directory for the shards and meta.json."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="'byte' or the path of a local tokenizer.json."),
     shard_tokens: int = typer.Option(100_000_000, "--shard-tokens", help="Tokens per shard file."),
     pattern: str = typer.Option("**/*", "--pattern", help="File pattern inside directory inputs."),
-    max_bytes: int = typer.Option(0, "--max-bytes", help="Stop after this many bytes of text (0 = all)."),
+    max_bytes: int = typer.Option(0, "--max-bytes", help="Stop after this many bytes of text (0 = all; text kind)."),
+    kind: str = typer.Option(
+        "text",
+        "--kind",
+        help="text (each file one document; JSON input is refused), jsonl (one JSON object per line), parquet "
+        "(a column), hf (a datasets save_to_disk directory or local data files).",
+    ),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="jsonl/parquet/hf: the field (column) holding the text."
+    ),
+    split: str = typer.Option("train", "--split", help="hf: the split of a DatasetDict or of local data files."),
 ) -> None:
-    """Tokenize text into uint16/uint32 token shards (train with data.kind=tokens data.path=OUT)."""
+    """Tokenize text into uint16/uint32 token shards (train with data.kind=tokens data.path=OUT).
+
+    The same sources train directly with data.kind=jsonl|parquet|hf (tokenized once into a cache)."""
     from dtlaunch.commands.data import prepare_command
 
-    raise typer.Exit(prepare_command(inputs, out, tokenizer, shard_tokens, pattern, max_bytes))
+    raise typer.Exit(prepare_command(inputs, out, tokenizer, shard_tokens, pattern, max_bytes, kind, text_field, split))
 
 
 @app.command()

@@ -91,3 +91,49 @@ def worker_pid(run_dir: Path, rank: int) -> int | None:
         ):
             return int(proc.name)
     return None
+
+
+# Words of the tiny test tokenizer and corpora: syllable pairs, a few hundred distinct words.
+_SYLLABLES = ["ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "ve", "zo", "ba", "du", "fe", "gi", "ho", "ju", "ly"]
+TINY_WORDS = [a + b for a in _SYLLABLES for b in _SYLLABLES]
+TINY_SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_documents(n: int, seed: int = 0, words: tuple[int, int] = (20, 60)) -> list[str]:
+    """n documents of random tiny-vocabulary words (deterministic per seed)."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(TINY_WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with a WordLevel tokenizer.json over TINY_WORDS (+ specials) and a tokenizer_config.json
+    with a ChatML chat template, built with the `tokenizers` package (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(TINY_SPECIALS + TINY_WORDS + ["user", "assistant", "system", ":"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(TINY_SPECIALS)
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    tok.save(str(out / "tokenizer.json"))
+    chat = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<unk>",
+        "chat_template": chat,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_docs():
+    """tiny_documents, for test modules (conftest is not importable as a module under every import mode)."""
+    return tiny_documents

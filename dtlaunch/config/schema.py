@@ -10,6 +10,7 @@ Nothing here imports torch: `dtlaunch --help`, `plan` and `validate` must start 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 
@@ -99,6 +100,10 @@ class TrainingConfig:
     # Non-finite loss or grad norm: skip the step; stop after this many in a row.
     max_bad_steps: int = 3
     log_every: int = 1
+    # Validation loss every eval_every steps and at the last step (0 = never); eval_batches global
+    # batches of the validation set each time (always the same ones, so the curve is comparable).
+    eval_every: int = 0
+    eval_batches: int = 4
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
     loss_plot: bool = True
 
@@ -116,18 +121,97 @@ class OptimConfig:
     schedule: str = "cosine"
 
 
+class Choice(str, Enum):
+    """A schema choice: OmegaConf refuses other values at compose time; in code it is its plain name
+    (compares equal to, prints and formats as the string)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class DataKind(Choice):
+    """Where training text comes from (a str Enum: compares equal to its name in code and YAML)."""
+
+    synthetic = "synthetic"  # random tokens (benchmarks)
+    tokens = "tokens"  # prepared .bin shards (`dtlaunch data prepare`)
+    text = "text"  # plain text files, one document each
+    jsonl = "jsonl"  # one JSON object per line
+    parquet = "parquet"  # a column of Parquet files (pyarrow)
+    hf = "hf"  # a Hugging Face dataset: save_to_disk directory or local data files (datasets, offline)
+
+
+class DataFormat(Choice):
+    """What one record of a jsonl / parquet / hf source holds."""
+
+    text = "text"  # a string in data.text_field
+    chat = "chat"  # a list of {role, content} in data.messages_field; loss on assistant tokens only
+    prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
+
+
 @dataclass
 class DataConfig:
-    # synthetic: random tokens (benchmarks); tokens: prepared .bin shards; text: tokenize files on start.
-    kind: str = "synthetic"
-    # tokens: a directory of shards or a glob; text: a directory, file or glob of text files.
+    kind: DataKind = DataKind.synthetic
+    # tokens: a directory of shards or a glob; other kinds: a directory, file or glob.
     path: str = ""
-    # "byte" (built-in, 256 ids + specials) or a path to a Hugging Face tokenizer.json.
+    # "byte" (built-in, 256 ids + specials), "auto" (tokenizer.json of model.init_from=hf:DIR) or a
+    # path to a Hugging Face tokenizer.json.
     tokenizer: str = "byte"
-    # text kind: file pattern inside `path` when it is a directory.
+    # text kind: file pattern inside `path` when it is a directory (other kinds pick their own extension).
     pattern: str = "**/*.py"
     # Cap on text read for the built-in corpus (bytes), to keep start-up short.
     max_bytes: int = 0
+    format: DataFormat = DataFormat.text
+    # jsonl / parquet / hf: the record field (column) holding the document text.
+    text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
+    # seq_len and padded (padding is no target). document_mask (packed): each token attends only to
+    # earlier tokens of its own document, and RoPE positions restart at each document.
+    pack: bool = True
+    document_mask: bool = False
+    # hf: the split of a DatasetDict or of local data files.
+    split: str = "train"
+    # Tokenized jsonl / parquet / hf data is cached here by content (empty = $DTLAUNCH_DATA_CACHE or
+    # ~/.cache/dtlaunch/tokens), so a second run with the same inputs and tokenizer skips tokenizing.
+    cache_dir: str = ""
+    # Validation: a separate source of the same kind (val_path) or a deterministic held-out fraction of
+    # the training windows (val_fraction); at most one of the two.
+    val_path: str = ""
+    val_fraction: float = 0.0
+
+
+class Tracker(Choice):
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    mlflow = "mlflow"
+
+
+@dataclass
+class WandbConfig:
+    # offline: no account or network; the run lands in <run dir>/wandb (sync it later with `wandb sync`).
+    mode: str = "offline"
+    project: str = "dtlaunch"
+    entity: str = ""
+
+
+@dataclass
+class MlflowConfig:
+    # Empty = a local store in <run dir>/mlruns (an SQLite file: MLflow 3 refuses new plain-file stores).
+    tracking_uri: str = ""
+    experiment: str = "dtlaunch"
+
+
+@dataclass
+class LoggingConfig:
+    # Where metrics go besides metrics.jsonl (always written), from global rank 0 only.
+    trackers: list[Tracker] = field(default_factory=lambda: [Tracker.tensorboard])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass
@@ -238,6 +322,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {

@@ -28,7 +28,6 @@ PP_SCHEDULES = {
     "zbv": "ScheduleZBVZeroBubble",
 }
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv"}
-DATA_KINDS = ("synthetic", "tokens", "text")
 
 
 @dataclass
@@ -281,20 +280,100 @@ def check_checkpoint(cfg: Any, notes: list[str]) -> None:
 
 def check_data(cfg: Any, notes: list[str]) -> None:
     d = cfg.data
-    if d.kind not in DATA_KINDS:
-        _fail(f"data.kind='{d.kind}' is unknown: use one of {', '.join(DATA_KINDS)}")
-    if d.kind in ("tokens", "text"):
+    if d.kind != "synthetic":
         if not d.path:
-            _fail(f"data.path is empty but data.kind={d.kind} reads files: set data.path=<dir or glob>")
+            _fail(f"data.path is empty but data.kind={d.kind} reads files: set data.path=<dir, file or glob>")
         if not (os.path.exists(d.path) or glob.glob(d.path, recursive=True)):
             _fail(f"data.path='{d.path}' does not exist: fix the path (tokens: run `dtlaunch data prepare` first)")
-    if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
-        _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte' nor an existing tokenizer.json file")
+    if d.tokenizer == "auto":
+        if not str(cfg.model.init_from).startswith("hf:"):
+            _fail(
+                f"data.tokenizer=auto takes the tokenizer of model.init_from=hf:DIR but model.init_from="
+                f"'{cfg.model.init_from}': set data.tokenizer=byte or the path of a tokenizer.json"
+            )
+        if not os.path.isfile(os.path.join(str(cfg.model.init_from)[3:], "tokenizer.json")):
+            _fail(f"data.tokenizer=auto: {cfg.model.init_from[3:]}/tokenizer.json does not exist: set data.tokenizer")
+    elif d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
+        _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte', 'auto' nor an existing tokenizer.json file")
     if d.tokenizer == "byte" and d.kind != "synthetic" and cfg.model.vocab_size < 258:
         _fail(
             f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (258 ids): "
             f"use model.vocab_size>=258"
         )
+    if d.kind in ("jsonl", "parquet", "hf"):
+        _need_package({"jsonl": None, "parquet": "pyarrow", "hf": "datasets"}[d.kind], f"data.kind={d.kind}", "data")
+    check_validation(cfg)
+    check_format(cfg)
+    if not d.pack and d.kind == "synthetic":
+        _fail("data.pack=false needs documents, but data.kind=synthetic has none: drop it")
+    if d.document_mask and d.kind == "synthetic":
+        _fail("data.document_mask=true needs documents (EOS-separated), but data.kind=synthetic has none: drop it")
+    if d.document_mask and cfg.strategy.pp > 1:
+        _fail(
+            f"data.document_mask=true is not supported with pipeline parallel (strategy.pp={cfg.strategy.pp}): "
+            f"stages pass only hidden states; use strategy.pp=1 or data.document_mask=false"
+        )
+
+
+def check_format(cfg: Any) -> None:
+    d = cfg.data
+    if d.format == "text":
+        return
+    if d.kind not in ("jsonl", "parquet", "hf"):
+        _fail(f"data.format={d.format} reads records: use data.kind=jsonl, parquet or hf (not {d.kind})")
+    if d.tokenizer == "byte":
+        _fail(
+            f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): set "
+            f"data.tokenizer=auto or the path of a tokenizer.json"
+        )
+    if cfg.strategy.pp > 1:
+        _fail(
+            f"data.format={d.format} (loss on assistant / completion tokens only) is not supported with pipeline "
+            f"parallel (strategy.pp={cfg.strategy.pp}) yet: use data.format=text or strategy.pp=1"
+        )
+    _need_package("transformers", f"data.format={d.format}", "data")
+
+
+def _need_package(module: Any, what: str, extra: str) -> None:
+    """An optional library a setting needs is a validate-time error naming the extra, not a worker crash."""
+    import importlib.util
+
+    if module and importlib.util.find_spec(module) is None:
+        _fail(f"{what} needs the '{module}' package: pip install 'dtlaunch[{extra}]'")
+
+
+def check_validation(cfg: Any) -> None:
+    d, t = cfg.data, cfg.training
+    if not 0.0 <= d.val_fraction < 1.0:
+        _fail(f"data.val_fraction={d.val_fraction} must be in [0, 1): e.g. data.val_fraction=0.05")
+    if d.val_path and d.val_fraction > 0:
+        _fail(f"data.val_path='{d.val_path}' and data.val_fraction={d.val_fraction} both set: use one of them")
+    if d.val_path and d.kind == "synthetic":
+        _fail("data.val_path is set but data.kind=synthetic has no files: drop data.val_path")
+    if d.val_path and not (os.path.exists(d.val_path) or glob.glob(d.val_path, recursive=True)):
+        _fail(f"data.val_path='{d.val_path}' does not exist: fix the path")
+    if t.eval_every < 0 or t.eval_batches < 1:
+        _fail(
+            f"training.eval_every={t.eval_every} / training.eval_batches={t.eval_batches}: eval_every must be "
+            f">= 0 (0 = no evaluation) and eval_batches >= 1"
+        )
+    if t.eval_every > 0 and d.kind != "synthetic" and not (d.val_path or d.val_fraction > 0):
+        _fail(
+            f"training.eval_every={t.eval_every} needs validation data: set data.val_path=<path> or "
+            f"data.val_fraction=0.05"
+        )
+
+
+def check_logging(cfg: Any, notes: list[str]) -> None:
+    for tracker in cfg.logging.trackers:
+        name = str(tracker)
+        _need_package(
+            {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[name],
+            f"logging.trackers includes {name}, which",
+            name,
+        )
+    if cfg.logging.wandb.mode not in ("offline", "online", "disabled"):
+        _fail(f"logging.wandb.mode='{cfg.logging.wandb.mode}' is unknown: use offline, online or disabled")
 
 
 def check_hardware(cfg: Any, notes: list[str]) -> None:
@@ -323,6 +402,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_training,
     check_checkpoint,
     check_data,
+    check_logging,
     check_hardware,
     check_launch,
 ]

@@ -232,10 +232,22 @@ def save_torch(state: dict, m: Any, out: Path) -> Path:
 def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
     if fmt not in ("hf", "torch"):
         raise InputError(f"--format {fmt!r} is not an export format: use hf or torch")
-    state, m, _ = load_checkpoint_model(src)
+    state, m, info = load_checkpoint_model(src)
     if fmt == "hf":
-        return save_hf(state, m, out, max_shard_bytes)
+        return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)
     return [save_torch(state, m, out)]
+
+
+def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
+    """The run's Hugging Face tokenizer (kept in <run dir>/tokenizer by the launcher), beside the weights.
+    Runs on the byte tokenizer or synthetic data have none: nothing is written."""
+    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files
+
+    for parent in list(checkpoint.resolve().parents)[:3]:  # run/checkpoints/step-N
+        kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"
+        if kept.is_file():
+            return copy_tokenizer_files(kept, Path(out))
+    return []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ machine and every run. Each file is one document, followed by the tokenizer's EO
 from __future__ import annotations
 
 import glob
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,25 @@ def resolve_inputs(inputs: Sequence[str], pattern: str, key: str = "INPUT") -> l
     return [f for f in found if not (f in seen or seen.add(f))]
 
 
+def refuse_json(path: Path, data: bytes, key: str) -> None:
+    """Text mode trains on a file's raw bytes: a JSON / JSON Lines file would teach the model its braces and
+    keys. Refused, naming the kind that reads its text field instead."""
+    head = data[:4096].lstrip()
+    looks = path.suffix.lower() in (".json", ".jsonl", ".ndjson") or head[:1] in (b"{", b"[")
+    if not looks:
+        return
+    first = head.split(b"\n", 1)[0]
+    try:
+        json.loads(first)
+    except ValueError:
+        if path.suffix.lower() not in (".json", ".jsonl", ".ndjson"):
+            return  # starts with a brace but is not JSON (e.g. code): plain text after all
+    raise InputError(
+        f"{key}: '{path}' looks like JSON, and text mode would train on its raw JSON: read its text field "
+        f"with data.kind=jsonl data.text_field=FIELD (data prepare: --kind jsonl --text-field FIELD)"
+    )
+
+
 def prepare_corpus(
     inputs: Sequence[str],
     out_dir: Path,
@@ -82,6 +102,7 @@ def prepare_corpus(
             data = f.read_bytes()
         except OSError as exc:
             raise InputError(f"{key}: cannot read '{f}': {exc.strerror}") from exc
+        refuse_json(f, data, key)
         if max_bytes:
             data = data[: max_bytes - total_bytes]
         if not data:

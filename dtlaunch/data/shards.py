@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -23,23 +23,24 @@ META_NAME = "meta.json"
 FORMAT = "dtlaunch-tokens"
 
 
-def shard_name(i: int) -> str:
-    return f"shard-{i:05d}.bin"
+def shard_name(i: int, prefix: str = "shard") -> str:
+    return f"{prefix}-{i:05d}.bin"
 
 
 class ShardWriter:
     """Appends token arrays and cuts them into shards of `shard_tokens` ids."""
 
-    def __init__(self, out_dir: Path, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(self, out_dir: Path, dtype: np.dtype, shard_tokens: int, prefix: str = "shard") -> None:
         if shard_tokens < 1:
             raise InputError(f"--shard-tokens must be at least 1, got {shard_tokens}")
         self.out_dir, self.dtype, self.shard_tokens = out_dir, np.dtype(dtype), shard_tokens
+        self.prefix = prefix  # "mask": loss masks beside the token shards, cut at the same offsets
         self.shards: list[dict[str, Any]] = []
         self._buf: list[np.ndarray] = []
         self._buffered = 0
         out_dir.mkdir(parents=True, exist_ok=True)
         # A re-prepare must not leave a previous run's extra shards (or its meta) behind.
-        for stale in [out_dir / META_NAME, *out_dir.glob("shard-*.bin")]:
+        for stale in [out_dir / META_NAME, *out_dir.glob(f"{prefix}-*.bin")]:
             stale.unlink(missing_ok=True)
 
     @property
@@ -54,11 +55,16 @@ class ShardWriter:
 
     def _flush(self, n: int) -> None:
         data = np.concatenate(self._buf) if len(self._buf) != 1 else self._buf[0]
-        name = shard_name(len(self.shards))
+        name = shard_name(len(self.shards), self.prefix)
         data[:n].tofile(self.out_dir / name)
         self.shards.append({"file": name, "tokens": int(n)})
         rest = data[n:]
         self._buf, self._buffered = ([rest] if len(rest) else []), len(rest)
+
+    def flush_rest(self) -> None:
+        """Write the buffered tail as the last shard (a writer whose shards another writer's meta lists)."""
+        if self._buffered:
+            self._flush(self._buffered)
 
     def close(self, meta: dict[str, Any]) -> dict[str, Any]:
         if self._buffered:
@@ -162,4 +168,25 @@ def open_shards(path: str, key: str = "data.path") -> TokenShards:
         ts.starts.append(ts.total)
         ts.arrays.append(np.memmap(f, dtype=dtype, mode="r"))
         ts.total += size // dtype.itemsize
+    return ts
+
+
+def open_masks(path: str, key: str = "data.path") -> Optional[TokenShards]:
+    """The loss-mask shards (uint8, 1 = a training target) listed by a prepared directory's meta.json, or
+    None when its data has no mask (plain text: every token is a target)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return None
+    meta = read_meta(p / META_NAME, key)
+    if not meta.get("masks"):
+        return None
+    ts = TokenShards(files=[p / s["file"] for s in meta["masks"]], meta=meta)
+    for f in ts.files:
+        size = f.stat().st_size if f.is_file() else -1
+        if size < 0:
+            raise InputError(f"{key}: mask shard '{f}' is missing: re-prepare the data")
+        if size:
+            ts.starts.append(ts.total)
+            ts.arrays.append(np.memmap(f, dtype=np.uint8, mode="r"))
+            ts.total += size
     return ts

@@ -75,12 +75,35 @@ class HFTokenizer:
         text = data.decode("utf-8", errors="replace")
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=self._dtype)
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """A batch of documents at once (the Rust side spreads it over threads)."""
+        return [np.asarray(e.ids, dtype=self._dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: Any) -> str:
         return self._tok.decode([int(i) for i in ids])
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """`byte` or a path to a tokenizer.json (or a directory holding one)."""
+def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
+    """`auto` is the tokenizer.json of the model.init_from=hf:DIR directory; other specs are unchanged."""
+    if spec != "auto":
+        return spec
+    if not init_from.startswith("hf:"):
+        raise ConfigError(
+            f"data.tokenizer=auto uses the tokenizer of model.init_from=hf:DIR, but model.init_from='{init_from}': "
+            f"set data.tokenizer to 'byte' or a tokenizer.json path"
+        )
+    path = Path(init_from[3:]).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"data.tokenizer=auto: '{path}' does not exist (model.init_from={init_from}): put the model's "
+            f"tokenizer.json there or set data.tokenizer to its path"
+        )
+    return str(path)
+
+
+def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
+    """`byte`, `auto` (see resolve_tokenizer_spec) or a path to a tokenizer.json (or a directory holding one)."""
+    spec = resolve_tokenizer_spec(spec, init_from)
     if spec in ("", "byte"):
         return ByteTokenizer()
     path = Path(spec).expanduser()
@@ -98,3 +121,31 @@ def check_vocab(model_vocab: int, tokenizer_vocab: int, source: str) -> None:
             f"model.vocab_size={model_vocab} is smaller than the vocabulary of {source} ({tokenizer_vocab} ids): "
             f"set model.vocab_size={tokenizer_vocab} or more"
         )
+
+
+# Files of a Hugging Face tokenizer directory that travel with a run and its exports.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+RUN_TOKENIZER_DIR = "tokenizer"
+
+
+def copy_tokenizer_files(tokenizer_json: Path, out: Path) -> list[Path]:
+    """Copy tokenizer.json and its companions into `out`; without a tokenizer_config.json, write one naming
+    the fast tokenizer class and EOS token, so `AutoTokenizer.from_pretrained(out)` loads it."""
+    import json
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_TOKENIZER_FILES:
+        src = tokenizer_json.parent / name if name != "tokenizer.json" else tokenizer_json
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            copied.append(out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        tok = HFTokenizer(tokenizer_json)
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if tok.eos_id is not None:
+            config["eos_token"] = tok._tok.id_to_token(tok.eos_id)
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        copied.append(out / "tokenizer_config.json")
+    return copied

@@ -45,10 +45,14 @@ def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (Meta's layout). x: (B, S, H, D); cos/sin: (S, D/2)."""
+    """Rotate interleaved pairs (Meta's layout). x: (B, S, H, D); cos/sin: (S, D/2), or (B, S, D/2) when
+    every sequence has its own positions (packed documents)."""
     # Buffers stay fp32 (FSDP mixed precision does not cast them): compute in x's dtype.
-    cos = cos[: x.shape[1]].type_as(x)[None, :, None, :]
-    sin = sin[: x.shape[1]].type_as(x)[None, :, None, :]
+    if cos.dim() == 3:
+        cos, sin = cos.type_as(x)[:, :, None, :], sin.type_as(x)[:, :, None, :]
+    else:
+        cos = cos[: x.shape[1]].type_as(x)[None, :, None, :]
+        sin = sin[: x.shape[1]].type_as(x)[None, :, None, :]
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
@@ -76,7 +80,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=False)
         self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """`mask`: (B, 1, S, S) boolean, True where a query may attend (causal within its document)."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -87,7 +94,8 @@ class Attention(nn.Module):
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             enable_gqa=q.shape[2] != k.shape[2],
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -112,8 +120,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(m.dim, m.norm_eps)
         self.feed_forward = FeedForward(m.dim, ffn_dim(m))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -131,16 +141,28 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden."""
+    def forward(
+        self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden.
+
+        Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
+        inside each document (causal and same document)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # One copy of the tables in the hidden state's dtype, shared by every block. Handed the fp32
         # tables, FSDP's mixed-precision hook would cast them again at each block's entry: a copy
         # per block, kept for backward under activation checkpointing.
         dtype = h.dtype if h.is_floating_point() else self.rope_cos.dtype
         cos, sin = self.rope_cos.to(dtype), self.rope_sin.to(dtype)
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        mask = None
+        if doc_ids is not None:
+            s = doc_ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

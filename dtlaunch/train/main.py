@@ -122,7 +122,8 @@ def main() -> None:
 
 def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     from dtlaunch.train.checkpoint import CheckpointManager
-    from dtlaunch.train.data import build_loader
+    from dtlaunch.train.data import build_loaders
+    from dtlaunch.train.evaluate import eval_steps, evaluate
     from dtlaunch.train.memtrack import PeakTracker
     from dtlaunch.train.metrics import MetricsLogger
     from dtlaunch.train.tensor_parallel import loss_context
@@ -142,7 +143,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     optimizers = [build_optimizer(p, cfg, env.device, zero1.get_group() if zero1 else None) for p in parts]
     schedulers = [build_scheduler(o, cfg) for o in optimizers]
     dp_rank, dp_size = dp_rank_size(mesh)
-    loader = build_loader(cfg, run_dir, dp_rank, dp_size)
+    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size)
     ctx = StepContext(
         cfg=cfg,
         model_parts=parts,
@@ -165,6 +166,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
     state = _LoopState()
+    last_eval: dict[str, float] = {}
     watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
     sync = WindowSync(env.device, int(cfg.training.log_every), int(cfg.training.steps))
     for step in range(start + 1, int(cfg.training.steps) + 1):
@@ -177,6 +179,12 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
             done = sync.push(
                 step, result.local_loss, result.grad_norm, result.applied, preempt.requested(), lr=lr, rate=rates[-1]
             )
+        # Outside the step's timing; its own loader and no RNG, so training and resume are unaffected.
+        evaluated = (
+            evaluate(ctx, val_loader, int(cfg.training.eval_batches)) if val_loader and eval_steps(cfg, step) else {}
+        )
+        if evaluated:
+            last_eval = state.evals[step] = evaluated
         _account(done, cfg, metrics, tracker, state)
         if _saves_at(cfg, step):
             # A checkpointed step's metrics line must exist before a restart can resume after it.
@@ -193,6 +201,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
                 ckpt.save(step, final=True)
                 ckpt.close()
                 metrics.close()
+                metrics.finish_trackers(None)
                 raise preempt.PreemptionStop(step, sync.signum)
         state.ended[step] = time.perf_counter()
     with watch.step(int(cfg.training.steps)):
@@ -202,7 +211,10 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     ckpt.save(final_step, final=True)
     ckpt.close()
     metrics.close()
-    write_summary(run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker))
+    summary = write_summary(
+        run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker), last_eval
+    )
+    metrics.finish_trackers(summary)
     log(f"done at step {final_step}; {skipped_total} skipped step(s)")
 
 
@@ -214,6 +226,7 @@ class _LoopState:
         self.skipped_total = 0
         self.last_loss: float | None = None
         self.ended: dict[int, float] = {}  # step -> perf_counter at the end of its loop iteration
+        self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
 
 
 def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, state: _LoopState) -> None:
@@ -231,6 +244,7 @@ def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, stat
             "tokens_per_s": out.host["rate"],
             "peak_mem_bytes": peak,
             "skipped": int(skipped),
+            **state.evals.pop(out.step, {}),
         }
         if out.step in state.ended:  # the step's own end, not when its window was read
             values["ended_at"] = state.ended.pop(out.step)
@@ -253,12 +267,19 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def write_summary(
-    run_dir: Path, env: DistEnv, step: int, last_loss: float | None, rates: list[float], skipped: int, peak: int
-) -> None:
+    run_dir: Path,
+    env: DistEnv,
+    step: int,
+    last_loss: float | None,
+    rates: list[float],
+    skipped: int,
+    peak: int,
+    last_eval: dict[str, float] | None = None,
+) -> dict[str, Any] | None:
     peaks = [0] * env.world
     dist.all_gather_object(peaks, peak)
     if env.rank != 0:
-        return
+        return None
     summary = {
         "final_step": step,
         "last_loss": last_loss,
@@ -266,8 +287,10 @@ def write_summary(
         "skipped_steps": skipped,
         "peak_mem_bytes_per_rank": peaks,
         "world": env.world,
+        **(last_eval or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 if __name__ == "__main__":

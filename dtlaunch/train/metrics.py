@@ -29,6 +29,7 @@ _SHOWN = (
     ("lr", "lr {:.2e}"),
     ("grad_norm", "gnorm {:.3f}"),
     ("tokens_per_s", "{:,.0f} tok/s"),
+    ("val_loss", "val_loss {:.4f}"),
 )
 
 
@@ -86,6 +87,11 @@ class MetricsLogger:
         low = str(cfg.precision.param_dtype) in ("bf16", "fp16")
         self._peak_tflops = float(cfg.hardware.peak_tflops_bf16 if low else cfg.hardware.peak_tflops_fp32)
         self._display = _Display(self.total_steps)
+        self._use_tb = "tensorboard" in [str(t) for t in cfg.logging.trackers]
+        from dtlaunch.train.trackers import Trackers
+
+        self._trackers = Trackers(self.run_dir, cfg)
+        self._t0 = self._t_window = time.perf_counter()  # a tracker's start-up is no training time
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record one step. Tensor values are kept as they are until the window is flushed."""
@@ -118,6 +124,7 @@ class MetricsLogger:
             rec["time"] = round(time.time(), 3)  # wall clock, for launch-overhead measurements
             self._jsonl.write(json.dumps(rec) + "\n")
             self._write_tb(step, rec)
+            self._trackers.log(step, rec)
         self._display.update(rows[-1][0], rec)
         self._pending.clear()
 
@@ -125,8 +132,10 @@ class MetricsLogger:
         """Scalars are handed to TensorBoard in batches every TB_BATCH_S seconds (and at close): each
         add_scalar wakes SummaryWriter's writer thread, ~20 us apiece, every step otherwise. TensorBoard
         itself writes its file only every flush_secs (120 s), so nothing shows up later than before."""
+        if not self._use_tb:
+            return
         self._tb_rows.extend(
-            (f"train/{k}", v, step)
+            (k.replace("val_", "val/", 1) if k.startswith("val_") else f"train/{k}", v, step)
             for k, v in rec.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
         )
@@ -144,6 +153,11 @@ class MetricsLogger:
         for tag, value, step in self._tb_rows:
             self._tb.add_scalar(tag, value, step)
         self._tb_rows.clear()
+
+    def finish_trackers(self, summary: Optional[dict[str, Any]]) -> None:
+        """Hand the end-of-run summary (None: the run stopped early) to W&B / MLflow and close them."""
+        if self.enabled:
+            self._trackers.finish(summary)
 
     def close(self) -> None:
         """Flush the last window, close the files and write loss.png (training.loss_plot). Safe to call twice."""
@@ -243,6 +257,14 @@ def write_loss_plot(metrics_path: Path, png_path: Path, title: str = "") -> Opti
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue", label="loss")
+    val = [
+        (r["step"], r["val_loss"]) for r in read_metrics(metrics_path) if isinstance(r.get("val_loss"), (int, float))
+    ]
+    if val:
+        val_by_step = dict(val)
+        vs = sorted(val_by_step)
+        ax.plot(vs, [val_by_step[s] for s in vs], "o-", color="tab:green", label="val_loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

@@ -25,7 +25,7 @@ from dtlaunch.train.tensor_parallel import cross_entropy
 
 @dataclass
 class StepResult:
-    # This rank's loss (micro-step means / accum, summed), still on the device: `end_of_step` averages it.
+    # This rank's loss (micro-step means / accum, summed), still on the device: the loop's WindowSync averages it over ranks.
     local_loss: torch.Tensor
     grad_norm: torch.Tensor  # fp32 scalar, equal on every rank, not yet read by the host
     # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler). A device
@@ -112,10 +112,15 @@ def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, p
                         p.grad.mul_(nan)
         return loss.detach() * nan / ctx.accum
     (model,) = ctx.model_parts
+    weight = getattr(ctx.loader, "last_weight", None)  # masked (chat) data: see TokenLoader.next_batch
     with ctx.loss_context():
+        extra = {k: v.to(ctx.device) for k, v in getattr(ctx.loader, "last_model_args", {}).items()}
         with compute_context(ctx.model_parts, ctx.cfg, ctx.device):
-            logits = model(inputs)
-        loss = cross_entropy(logits, targets) * nan / ctx.accum
+            logits = model(inputs, **extra)
+        if weight is None:
+            loss = cross_entropy(logits, targets) * nan / ctx.accum
+        else:
+            loss = cross_entropy(logits, targets, reduction="sum") * (weight * nan / ctx.accum)
         (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.

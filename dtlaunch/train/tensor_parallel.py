@@ -112,10 +112,11 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     plan.update(
         {
             "attention_norm": SequenceParallel(),
-            # Attention's extra positional args are the plain RoPE cos/sin buffers: None leaves them alone.
+            # Attention's extra positional args are the plain RoPE cos/sin tables and the document mask (or
+            # None): None leaves them alone.
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
                 use_local_output=True,
             ),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
@@ -146,11 +147,11 @@ def loss_context(cfg: Any, layout: Any) -> contextlib.AbstractContextManager:
     return loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Mean token cross-entropy of (B, S, V) logits against (B, S) targets.
 
     Logits are upcast to fp32 (a bf16 softmax over a large vocabulary loses precision), as in Meta's and
     torchtitan's recipes. Under TP the logits are a Shard(-1) DTensor and this must run inside
-    `loss_context`; the upcast then stays sharded.
+    `loss_context`; the upcast then stays sharded. Targets equal to -100 (masked chat data) do not count.
     """
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction=reduction)

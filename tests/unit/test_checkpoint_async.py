@@ -3,7 +3,7 @@ wait for that copy, or the checkpoint would hold a mix of two steps. Single proc
 
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 
 import torch
@@ -27,10 +27,14 @@ def _setup(run_dir: Path) -> tuple:
     return cfg, model, opt, sched, CheckpointManager(cfg, run_dir, [model], [opt], [sched], None, rank=0)
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int) -> None:
+def _forward_backward(model: torch.nn.Module, vocab: int) -> None:
     tokens = torch.randint(0, vocab, (2, 17))
     logits = model(tokens[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int) -> None:
+    _forward_backward(model, vocab)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -40,13 +44,22 @@ def test_optimizer_step_waits_for_the_async_copy(tmp_path: Path) -> None:
     vocab = int(cfg.model.vocab_size)
     _step(model, opt, vocab)
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    # Slow the background copy down so the next optimizer step certainly arrives while it runs.
+    # Hold the background copy until released, so the next optimizer step certainly arrives while it
+    # runs; no timing assumption (a loaded machine only makes the step arrive later).
+    release = threading.Event()
     stager = mgr._stager._state_dict_stager
     copy = stager.stage
-    stager.stage = lambda *a, **k: (time.sleep(1.0), copy(*a, **k))[1]
+    stager.stage = lambda *a, **k: (release.wait(60), copy(*a, **k))[1]
     mgr.save(1)
-    _step(model, opt, vocab)  # changes every parameter in place
-    assert mgr.blocked_s > 0.5  # the step waited for the copy
+    _forward_backward(model, vocab)
+    stepper = threading.Thread(target=opt.step)  # changes every parameter in place, once the copy is done
+    stepper.start()
+    stepper.join(timeout=1.0)
+    assert stepper.is_alive(), "the optimizer step did not wait for the checkpoint's background copy"
+    release.set()
+    stepper.join(timeout=60)
+    assert not stepper.is_alive()
+    assert mgr.blocked_s > 0
     mgr.close()
     assert not torch.equal(next(iter(model.parameters())), next(iter(snapshot.values())))
 

@@ -1,0 +1,100 @@
+"""Chat and prompt/completion records -> token ids plus a loss mask (1 = a token the model learns to
+produce: assistant turns, or the completion).
+
+A conversation is rendered with the tokenizer's own chat template (transformers' apply_chat_template,
+the template from the tokenizer_config.json beside tokenizer.json). Which tokens belong to which turn is
+found by rendering growing prefixes of the conversation: the text a turn adds is the difference between
+the rendering with and without it, so each turn's span is exact whatever the template looks like.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from dtlaunch.errors import ConfigError, InputError
+
+ROLES = ("system", "user", "assistant", "tool")
+_BATCH = 256
+
+
+class ChatEncoder:
+    def __init__(self, tokenizer_json: Path, dtype: np.dtype) -> None:
+        try:
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as exc:
+            raise ConfigError(
+                "data.format=chat needs the 'transformers' package: pip install 'dtlaunch[data]'"
+            ) from exc
+        config_file = tokenizer_json.parent / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise ConfigError(
+                f"data.format=chat needs a chat template, but '{config_file}' has no chat_template: add one, or "
+                f"use data.format=prompt_completion"
+            )
+        self._hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=template)
+        self._backend = self._hf.backend_tokenizer
+        self.dtype = dtype
+
+    def _ids(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids if text else []
+
+    def chat(self, messages: Any, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(messages, list) or not messages:
+            raise InputError(f"{key}: the messages at {where} are not a non-empty list of {{role, content}} objects")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InputError(f"{key}: a message at {where} is not a {{role, content}} object: {str(m)[:80]}")
+            if m["role"] not in ROLES:
+                raise InputError(
+                    f"{key}: unknown role '{m['role']}' at {where}: use one of {', '.join(ROLES)} (fix the record)"
+                )
+        ids: list[int] = []
+        mask: list[int] = []
+        before = ""
+        for k in range(1, len(messages) + 1):
+            text = self._hf.apply_chat_template(messages[:k], tokenize=False)
+            if not text.startswith(before):
+                raise InputError(
+                    f"{key}: the chat template does not render a conversation as the rendering of its first turns "
+                    f"plus more text (at {where}); loss masking needs a template that does"
+                )
+            piece = self._ids(text[len(before) :])
+            ids += piece
+            mask += [int(messages[k - 1]["role"] == "assistant")] * len(piece)
+            before = text
+        return np.asarray(ids, dtype=self.dtype), np.asarray(mask, dtype=np.uint8)
+
+    def prompt_completion(self, prompt: Any, completion: Any, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise InputError(f"{key}: prompt and completion at {where} must be text")
+        p, c = self._ids(prompt), self._ids(completion)
+        return np.asarray(p + c, dtype=self.dtype), np.asarray([0] * len(p) + [1] * len(c), dtype=np.uint8)
+
+
+def encode_records(
+    encoder: ChatEncoder, fmt: str, records: Iterable[tuple[tuple, str]], key: str
+) -> Iterator[tuple[list[tuple[np.ndarray, np.ndarray]], int]]:
+    """Batches of (ids, mask) documents and the characters they came from (write_tokens' input)."""
+    batch: list[tuple[np.ndarray, np.ndarray]] = []
+    chars = 0
+    for values, where in records:
+        if fmt == "chat":
+            doc = encoder.chat(values[0], where, key)
+            chars += sum(len(str(m.get("content", ""))) for m in values[0] if isinstance(m, dict))
+        else:
+            doc = encoder.prompt_completion(values[0], values[1], where, key)
+            chars += len(str(values[0])) + len(str(values[1]))
+        batch.append(doc)
+        if len(batch) >= _BATCH:
+            yield batch, chars
+            batch, chars = [], 0
+    if batch:
+        yield batch, chars
