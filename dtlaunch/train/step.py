@@ -25,7 +25,8 @@ from dtlaunch.train.tensor_parallel import cross_entropy
 
 @dataclass
 class StepResult:
-    # This rank's loss (micro-step means / accum, summed), still on the device: the loop's WindowSync averages it over ranks.
+    # This rank's loss (micro-step means / accum, summed), still on the device: the loop's WindowSync
+    # averages it over ranks.
     local_loss: torch.Tensor
     grad_norm: torch.Tensor  # fp32 scalar, equal on every rank, not yet read by the host
     # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler). A device
