@@ -80,7 +80,7 @@ def run_list(nproc: int, hw: str, steps: int, fits: Any) -> list[tuple[str, list
     return runs
 
 
-def dry_run(device_name: str, nproc: int, steps: int) -> list[dict[str, Any]]:
+def dry_run(device_name: str, nproc: int, steps: int, only: set[str] | None = None) -> list[dict[str, Any]]:
     """Every run composed, validated and planned in this process (no GPU, no torch.cuda): what the real
     benchmark would run, with the plan it would compare against."""
     from dtlaunch.commands.common import load_job
@@ -98,6 +98,8 @@ def dry_run(device_name: str, nproc: int, steps: int) -> list[dict[str, Any]]:
 
     rows = []
     for name, overrides, sides in run_list(nproc, hw, steps, lambda ov: plan(ov).fits):
+        if only and name not in only:
+            continue
         p = plan(overrides)
         rows.append(
             {"name": name, "sides": list(sides), "predicted_bytes": p.peak, "fits": p.fits, "overrides": overrides}
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device-name", default="NVIDIA H100 80GB HBM3", help="--dry-run: the GPU to plan for")
     args = ap.parse_args(argv)
     if args.dry_run:
-        dry_run(args.device_name, 1, args.steps)
+        dry_run(args.device_name, 1, args.steps, {s for s in args.only.split(",") if s})
         return
     import torch
 
