@@ -95,14 +95,14 @@ def _squared_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
             g = g.to_local()
         locals_by_key.setdefault(key, []).append(g.detach())
     groups = {key: _sum_of_squares(ts) for key, ts in locals_by_key.items()}
-    total = torch.zeros(())
+    total = None  # no host-side zero: copying it to a GPU would synchronise the stream every step
     for key, sq in groups.items():
         if key:
             mesh, dims = key
             for d in dims:
                 dist.all_reduce(sq, group=mesh.get_group(d))
-        total = total.to(sq.device) + sq
-    return total
+        total = sq if total is None else total + sq.to(total.device)
+    return total if total is not None else torch.zeros(())
 
 
 @torch.no_grad()

@@ -83,10 +83,17 @@ class WindowSync:
         return out
 
     def _send(self, signal_requested: int) -> _Window:
-        flags = torch.tensor([float(signal_requested > 0), float(signal_requested)], device=self.device)
+        flags = torch.tensor([float(signal_requested > 0), float(signal_requested)])
+        if self.device.type == "cuda":  # a blocking copy from pageable memory would synchronise the stream
+            flags = flags.pin_memory().to(self.device, non_blocking=True)
         reduced = torch.cat([torch.stack(self._losses), flags])
-        applied = [a if isinstance(a, torch.Tensor) else torch.tensor(bool(a)) for a in self._applied]
-        local = torch.cat([torch.stack(self._norms), torch.stack([a.to(self.device).float() for a in applied])])
+        if all(isinstance(a, torch.Tensor) for a in self._applied):  # decided on the device
+            applied = torch.stack([a.float() for a in self._applied])
+        else:  # decided on the host (CPU, GradScaler): the flags are plain booleans
+            applied = torch.tensor([float(bool(a)) for a in self._applied])
+            if self.device.type == "cuda":
+                applied = applied.pin_memory().to(self.device, non_blocking=True)
+        local = torch.cat([torch.stack(self._norms), applied.to(self.device)])
         win = _Window(self._steps, self._host, reduced, local)
         self._steps, self._host, self._losses, self._norms, self._applied = [], [], [], [], []
         if self.world > 1:
