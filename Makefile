@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 # CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
+<<<<<<< HEAD
 .PHONY: install demo test test-fast lint format bench bench-gpu clean
+=======
+.PHONY: install demo test test-fast lint format bench wheel-smoke clean
+>>>>>>> main
 
 install: $(STAMP)
 
@@ -16,7 +20,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-demo: install  ## train the embedded default: ~5M-param Llama, 2 gloo workers, Python stdlib text
+# The demo needs dtlaunch and its runtime dependencies only; `make install` adds the test tools.
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)  ## train the embedded default: ~5M-param Llama, 2 gloo workers, Python stdlib text
 	$(BIN)/dtlaunch train recipe=demo
 
 # Tests run `dtlaunch` as a user does, so the venv's console script must be on PATH.
@@ -37,8 +49,13 @@ format: install
 bench: install  ## CPU benchmark suite (<= 15 min); results in bench/results/
 	$(PY) bench/run_all.py
 
+<<<<<<< HEAD
 bench-gpu:  ## GPU benchmark (one or more CUDA GPUs, ~30 min); results in bench/results/gpu-<date>-<device>.*
 	bash bench/gpu/run.sh
+=======
+wheel-smoke:  ## build the wheel, install it in a fresh venv outside the checkout, run it from an empty dir
+	TORCH_PIN=$(TORCH_PIN) .ci/wheel_smoke.sh
+>>>>>>> main
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info build dist

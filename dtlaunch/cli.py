@@ -19,15 +19,41 @@ app = typer.Typer(
     name="dtlaunch",
     help="Config-driven launcher for distributed PyTorch training: compose a recipe, plan its memory, launch.",
     no_args_is_help=True,
+    epilog=(
+        "Environment: DTLAUNCH_DEBUG=1 (tracebacks, as --debug), DTLAUNCH_PROGRESS=plain (step lines instead of "
+        "the live bar), DTLAUNCH_RECIPE_PATH=dir1:dir2 (more recipes), COLUMNS (table width); the rest is in the "
+        "README. Exit codes: 0 ok, 1 worker failure, 2 bad input, 3 memory plan does not fit, 75 preempted "
+        "(checkpoint saved)."
+    ),
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-ckpt_app = typer.Typer(help="List, inspect and export checkpoints.", no_args_is_help=True)
+ckpt_app = typer.Typer(help="List, inspect, verify and export checkpoints.", no_args_is_help=True)
 data_app = typer.Typer(help="Prepare datasets (tokenize text into token shards).", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(data_app, name="data")
+recipes_app = typer.Typer(help="List, show and copy recipes.")
+app.add_typer(recipes_app, name="recipes")
 
-OVERRIDES = typer.Argument(None, help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option")
+
+def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
+    from dtlaunch.config.completion import complete_words
+
+    # The overrides already typed (parsed into the context by the completion machinery).
+    return complete_words(list(ctx.params.get("overrides") or []), incomplete)
+
+
+def _complete_recipe_names(incomplete: str) -> list[str]:
+    from dtlaunch.config.completion import complete_override
+
+    return [c.split("=", 1)[1] for c in complete_override(f"recipe={incomplete}")]
+
+
+OVERRIDES = typer.Argument(
+    None,
+    help="recipe=NAME|PATH and Hydra overrides: key=value, +key=value, ~key, group=option",
+    autocompletion=_complete_overrides,
+)
 RECIPE_DIRS = typer.Option(None, "--recipe-dir", help="Extra recipe directory (repeatable; also $DTLAUNCH_RECIPE_PATH)")
 
 _DEBUG = False
@@ -53,10 +79,26 @@ def train(
     overrides: Optional[List[str]] = OVERRIDES,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, config and launch command; launch nothing."),
     force: bool = typer.Option(False, "--force", help="Launch even if the memory plan does not fit."),
-    no_resume: bool = typer.Option(False, "--no-resume", help="Refuse to start in a run directory with checkpoints."),
+    no_resume: bool = typer.Option(
+        False, "--no-resume", help="Start from step 1; old checkpoints move to checkpoints.prev-<time>/."
+    ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+    multirun: bool = typer.Option(
+        False, "-m", "--multirun", help="Sweep: one run per combination of key=a,b / range() / choice() values."
+    ),
+    cfg: Optional[str] = typer.Option(None, "--cfg", help="'job': print the composed config and exit (Hydra's flag)."),
 ) -> None:
-    """Compose, validate, plan and launch a training run (torchrun workers)."""
+    """Compose, validate, plan and launch a training run (torchrun workers); -m runs a sweep."""
+    if cfg is not None:
+        from dtlaunch.commands.config import cfg_flag_command
+
+        raise typer.Exit(cfg_flag_command(cfg, overrides or [], recipe_dir or []))
+    if multirun:
+        from dtlaunch.commands.sweep import sweep_train_command
+
+        raise typer.Exit(
+            sweep_train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume)
+        )
     from dtlaunch.commands.train import train_command
 
     raise typer.Exit(
@@ -105,12 +147,41 @@ def config(
     raise typer.Exit(config_command(overrides or [], recipe_dir or [], resolve=resolve))
 
 
-@app.command()
-def recipes(recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
-    """List the recipes: model, parameters, strategy, world size, hardware."""
-    from dtlaunch.commands.config import recipes_command
+@recipes_app.callback(invoke_without_command=True)
+def recipes(ctx: typer.Context, recipe_dir: Optional[List[str]] = RECIPE_DIRS) -> None:
+    """List the recipes: model, parameters, strategy, world size, hardware, whether the plan fits."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = recipe_dir or []
+        return
+    from dtlaunch.commands.recipes import recipes_command
 
     raise typer.Exit(recipes_command(recipe_dir or []))
+
+
+@recipes_app.command("show")
+def recipes_show(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name.", autocompletion=_complete_recipe_names),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Print a recipe's YAML."""
+    from dtlaunch.commands.recipes import show_command
+
+    raise typer.Exit(show_command(name, [*(ctx.obj or []), *(recipe_dir or [])]))
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Recipe name.", autocompletion=_complete_recipe_names),
+    dest: Optional[str] = typer.Argument(None, help="File or directory (default ./NAME.yaml); .yaml is added."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+    recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+) -> None:
+    """Copy a recipe to edit, then run it with recipe=./DEST.yaml."""
+    from dtlaunch.commands.recipes import cp_command
+
+    raise typer.Exit(cp_command(name, dest, force, [*(ctx.obj or []), *(recipe_dir or [])]))
 
 
 @ckpt_app.command("ls")
@@ -123,12 +194,21 @@ def ckpt_ls(run: str = typer.Argument(..., help="Run directory (runs/<name>) or 
 
 @ckpt_app.command("inspect")
 def ckpt_inspect(
-    checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest)."),
+    checkpoint: str = typer.Argument(..., help="A step-XXXXXXXX directory, or a run (its newest intact)."),
+    tensors: bool = typer.Option(False, "--tensors", help="List every tensor (name, shape, dtype, chunks)."),
 ) -> None:
-    """Tensor names, shapes and dtypes of a checkpoint, and which layout wrote it."""
+    """What a checkpoint holds (per-module parameters, bytes, dtypes) and which layout wrote it."""
     from dtlaunch.commands.ckpt import inspect_command
 
-    raise typer.Exit(inspect_command(checkpoint))
+    raise typer.Exit(inspect_command(checkpoint, tensors=tensors))
+
+
+@ckpt_app.command("verify")
+def ckpt_verify(run: str = typer.Argument(..., help="Run directory, its checkpoints directory, or one step.")) -> None:
+    """Check every checkpoint's files against the checksums recorded at save; exit 2 if any is corrupt."""
+    from dtlaunch.commands.ckpt import verify_command
+
+    raise typer.Exit(verify_command(run))
 
 
 @ckpt_app.command("export")
@@ -182,8 +262,13 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; create and submit nothing."),
     force: bool = typer.Option(False, "--force", help="Submit even if the memory plan does not fit."),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: submit one Slurm job array, a task a point."),
 ) -> None:
     """Write an sbatch script into the run directory and submit it to Slurm (needs cluster=slurm)."""
+    if multirun:
+        from dtlaunch.commands.sweep import sweep_submit_command
+
+        raise typer.Exit(sweep_submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))
     from dtlaunch.commands.submit import submit_command
 
     raise typer.Exit(submit_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force))
@@ -191,13 +276,14 @@ def submit(
 
 @app.command()
 def status(
-    run: str = typer.Argument(..., help="Run directory (or a name under runs/) of a submitted job."),
+    run: Optional[str] = typer.Argument(None, help="Run directory (or a name under --root); none: recent runs."),
+    root: Optional[str] = typer.Option(None, "--root", help="Where runs live (run.root; default runs)."),
     as_json: bool = typer.Option(False, "--json", help="Emit the state as JSON."),
 ) -> None:
-    """Show the Slurm state of a submitted run (recorded in RUN/slurm.json)."""
-    from dtlaunch.commands.submit import status_command
+    """A run's state (running/finished/failed/preempted), step, loss, newest checkpoint, pid; Slurm runs ask Slurm."""
+    from dtlaunch.commands.status import run_status_command
 
-    raise typer.Exit(status_command(run, as_json=as_json))
+    raise typer.Exit(run_status_command(run, root, as_json=as_json))
 
 
 def run() -> None:
@@ -214,6 +300,15 @@ def run() -> None:
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        # An OS error on a named path is bad input (a path too long, not writable, a file where a
+        # directory belongs): mapped here once for every command instead of at each file operation.
+        if _DEBUG or exc.filename is None:
+            _internal_error(exc)
+        from dtlaunch.errors import EXIT_BAD_INPUT, os_error_message
+
+        print(f"dtlaunch: error: {os_error_message(exc)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     except (typer.Abort, KeyboardInterrupt):
         print("dtlaunch: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -221,13 +316,16 @@ def run() -> None:
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a (typer-vendored) click usage error
             exc.show()
             sys.exit(exc.exit_code)
-        if _DEBUG:
-            raise
-        print(
-            f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        sys.exit(1)
+        _internal_error(exc)
+
+
+def _internal_error(exc: BaseException) -> None:
+    if _DEBUG:
+        raise exc
+    print(
+        f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr
+    )
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
-"""`validate`, `config` and `recipes`: look at a job without running anything."""
+"""`validate` and `config`: look at a job without running anything."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
-from dtlaunch.errors import DtlaunchError
 
 
 def validate_command(overrides: Sequence[str], recipe_dirs: Sequence[str]) -> int:
@@ -26,31 +25,10 @@ def config_command(overrides: Sequence[str], recipe_dirs: Sequence[str], resolve
     return 0
 
 
-def recipes_command(recipe_dirs: Sequence[str]) -> int:
-    from rich.table import Table
+def cfg_flag_command(what: str, overrides: Sequence[str], recipe_dirs: Sequence[str]) -> int:
+    """Hydra's `--cfg job` habit: the composed config, as `dtlaunch config` prints it."""
+    from dtlaunch.errors import ConfigError
 
-    from dtlaunch.config.compose import list_recipes
-    from dtlaunch.models.shapes import human_count, param_count
-
-    t = Table(title="recipes")
-    for col in ("name", "model", "params", "strategy", "world", "hardware", "status"):
-        t.add_column(col)
-    for name, path in list_recipes(recipe_dirs).items():
-        try:
-            job = load_job([f"recipe={path}"])
-        except DtlaunchError as exc:
-            t.add_row(name, "", "", "", "", "", f"[red]invalid: {exc}[/red]")
-            continue
-        cfg, lay = job.cfg, job.layout
-        strategy = job.composed.choices.get("strategy", "")
-        t.add_row(
-            name,
-            cfg.model.name,
-            human_count(param_count(cfg.model)),
-            f"{strategy} (zero {cfg.strategy.zero_stage}, tp {lay.tp}, pp {lay.pp})",
-            str(lay.world),
-            cfg.hardware.name,
-            "ok",
-        )
-    console().print(t)
-    return 0
+    if what not in ("job", "all"):
+        raise ConfigError(f"--cfg {what}: dtlaunch has only the job config; use --cfg job (or `dtlaunch config`)")
+    return config_command(overrides, recipe_dirs, resolve=False)

@@ -26,6 +26,8 @@ def prepare_command(
 
     if not inputs:
         raise InputError("data prepare needs at least one INPUT: a directory, a text file or a glob")
+    if not out.strip():
+        raise InputError("--out is empty: give the directory to write the shards into")
     if max_bytes < 0:
         raise InputError(f"--max-bytes must be 0 (no cap) or positive, got {max_bytes}")
     tok = load_tokenizer(tokenizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any, Sequence
 
 from dtlaunch.commands.common import Job, console, load_job
@@ -48,7 +49,7 @@ def _refusal(plan: MemoryPlan) -> str:
     )
     if plan.suggestions:
         best = plan.suggestions[0]
-        msg += f"; try {' '.join(best['overrides'])} ({best['change']}, {gib(best['device_total_bytes'])} GiB)"
+        msg += f"; try {shlex.join(best['overrides'])} ({best['change']}, {gib(best['device_total_bytes'])} GiB)"
     return msg + "; or pass --force"
 
 
@@ -88,9 +89,9 @@ def plan_command(
     if search:
         from dtlaunch.plan.report import search_table
 
-        out.print(search_table(rows) if rows else "[red]no layout fits this GPU count[/red]")
+        out.print(search_table(rows, out.width) if rows else "[red]no layout fits this GPU count[/red]")
         if rows:
-            out.print("best layout as overrides: " + " ".join(rows[0]["overrides"]), markup=False)
+            out.print("best layout as overrides: " + shlex.join(rows[0]["overrides"]), markup=False)
     if trace:
         out.print_json(data=data["trace"])
     return 0 if plan.fits else 3

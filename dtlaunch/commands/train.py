@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+import time
+from pathlib import Path
+from typing import Any, Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
 from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
@@ -13,15 +15,19 @@ from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
 def train_command(
     overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool, no_resume: bool
 ) -> int:
+    from dtlaunch.train.phases import phase
+
+    phase("composing the job")
     job = load_job(overrides, recipe_dirs)
     # The memory-plan gate refuses (exit 3) before anything is created, unless --force.
     from dtlaunch.commands.plan import plan_gate
 
+    phase("planning memory")
     plan = plan_gate(job, force=force or dry_run)
     out = console()
     out.print(summary_table(job))
 
-    from dtlaunch.launch.local import launch_command, launch_local
+    from dtlaunch.launch.local import launch_command
     from dtlaunch.launch.rundir import run_dir_for
 
     if dry_run:
@@ -30,22 +36,60 @@ def train_command(
         out.print(OmegaConf.to_yaml(job.cfg), markup=False)
         run_dir = run_dir_for(job.cfg, job.recipe).resolve()
         out.print("launch command:", style="bold")
-        # soft_wrap: the command must stay one copy-pasteable line.
-        out.print(launch_command(job.cfg, run_dir), markup=False, soft_wrap=True)
+        # Plain print, not rich: the shell-quoted line must reach the terminal byte for byte (rich would
+        # wrap it or turn `:name:` into emoji), so that pasting it runs exactly the launch.
+        out.file.flush()
+        print(launch_command(job.cfg, run_dir), flush=True)
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
-    from dtlaunch.launch.rundir import create_run_dir
-    from dtlaunch.train.checkpoint import NO_RESUME_ENV, refuse_if_checkpoints
+    from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
+    from dtlaunch.train.checkpoint import NO_RESUME_ENV
     from dtlaunch.train.data import prepare_run_data
 
     if no_resume:
-        # Refuse before the run directory is touched; workers inherit the variable and
-        # CheckpointManager.resume() refuses too (a directory that gains checkpoints meanwhile).
-        refuse_if_checkpoints(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+        # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and
+        # CheckpointManager.resume() refuses a directory that gains checkpoints meanwhile.
+        moved = move_checkpoints_aside(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+        if moved is not None:
+            out.print(f"--no-resume: moved the old checkpoints to {moved}; starting from step 1", markup=False)
         os.environ[NO_RESUME_ENV] = "1"
     run_dir = create_run_dir(job.cfg, job.recipe)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
-    launch_local(job.cfg, run_dir)
+    # Data sample and the checkpoint to resume, checked before any worker starts (exit 2 here, not 1 there).
+    from dtlaunch.launch.preflight import check_data, check_resume
+
+    check_data(job.cfg, run_dir, job.layout)
+    check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
+    from dtlaunch.config.layout import nproc_per_node
+    from dtlaunch.launch.summary import complete_summary, summary_lines
+
+    phase(f"starting {nproc_per_node(job.cfg)} worker(s) on this node")
+    began = time.perf_counter()
+    _launch_recording_state(job.cfg, run_dir)
+    summary = complete_summary(job.cfg, job.layout, run_dir, time.perf_counter() - began)
+    for line in summary_lines(summary, run_dir) if summary else []:
+        out.print(line, markup=False, soft_wrap=True)
     return 0
+
+
+def _launch_recording_state(cfg: Any, run_dir: Path) -> None:
+    """launch_local, with RUN/state.json saying what happened (read by `dtlaunch status`)."""
+    from dtlaunch.errors import Preempted
+    from dtlaunch.launch.local import launch_local
+    from dtlaunch.launch.runstate import record_state
+
+    record_state(run_dir, "running", total_steps=int(cfg.training.steps))
+    try:
+        launch_local(cfg, run_dir)
+    except Preempted as exc:
+        record_state(run_dir, "preempted", error=str(exc))
+        raise
+    except KeyboardInterrupt:
+        record_state(run_dir, "interrupted")
+        raise
+    except BaseException as exc:
+        record_state(run_dir, "failed", error=str(exc) or type(exc).__name__)
+        raise
+    record_state(run_dir, "finished")

@@ -101,7 +101,39 @@ def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[l
         else:
             hint = _did_you_mean(value, recipes)
             raise ConfigError(f"unknown recipe '{value}'{hint}: see `dtlaunch recipes` for the list")
+    if recipe_file is not None:
+        from dtlaunch.config.yaml_check import check_yaml_file
+
+        check_yaml_file(recipe_file)
     return rest, recipe_file, recipe_name
+
+
+# Hydra's runtime settings have no effect here (dtlaunch composes with Hydra's compose API and runs the
+# job itself): each gets the dtlaunch setting that does the same job instead of being silently ignored.
+_HYDRA_EQUIVALENTS = {
+    "hydra.run.dir": "use run.dir=DIR",
+    "hydra.sweep.dir": "use run.dir=DIR with -m (the sweep directory)",
+    "hydra.sweep.subdir": "each sweep point runs in <sweep dir>/<index>",
+    "hydra.job.name": "use run.name=NAME",
+    "hydra.job.chdir": "dtlaunch never changes directory",
+    "hydra.verbose": "use --debug (or DTLAUNCH_DEBUG=1)",
+    "hydra.job_logging": "each rank logs to RUN/logs/rank<N>.log",
+    "hydra.launcher": "use -m (points run one after another) or `dtlaunch submit -m ... cluster=slurm` (a job array)",
+    "hydra.sweeper": "use -m with Hydra's sweep syntax (a,b / range() / choice())",
+}
+
+
+def refuse_hydra_overrides(overrides: Sequence[str]) -> None:
+    """`hydra.*` and `hydra/<group>=` overrides: a one-line error naming dtlaunch's equivalent."""
+    for ov in overrides:
+        key = ov.lstrip("+~").split("=", 1)[0].replace("/", ".")
+        if key != "hydra" and not key.startswith("hydra."):
+            continue
+        hint = next(
+            (v for k, v in _HYDRA_EQUIVALENTS.items() if key == k or key.startswith(k + ".")),
+            "remove it (see `dtlaunch config` for the settings there are)",
+        )
+        raise ConfigError(f"'{ov}' is a Hydra runtime setting, which dtlaunch does not read: {hint}")
 
 
 def _optional_sections() -> set[str]:
@@ -200,6 +232,7 @@ def compose(
 
     _register_resolvers()
     register_schemas()
+    refuse_hydra_overrides(overrides)
     recipes = list_recipes(recipe_dirs_extra)
     rest, recipe_file, recipe_name = _split_recipe(list(overrides), recipes)
     rest, deferred = _split_optional_section_overrides(rest)
@@ -251,6 +284,10 @@ def load_resolved(path: str | Path) -> Any:
     """Read a resolved config.yaml (as written into a run directory) back into the typed schema."""
     from omegaconf import OmegaConf
 
+    from dtlaunch.config.yaml_check import check_yaml_file
+
+    if Path(path).is_file():
+        check_yaml_file(Path(path), "config")
     try:
         raw = OmegaConf.load(path)
         typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), raw)
@@ -273,8 +310,19 @@ def _job_schema() -> type:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The message's first line; a line ending in ':' ("... raised while composing config:") is only an
+    introduction, so the lines after it are joined on until one states the cause (never half a sentence)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[0]
+    for line in lines[1:]:
+        if not text.endswith(":"):
+            break
+        if line.startswith(("full_key:", "object_type=", "reference_type=")):
+            continue
+        text += " " + line
+    return text.rstrip(":")
 
 
 def _schema_fields(dotted_parent: str) -> list[str]:
@@ -363,6 +411,9 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
     m = re.search(r"Could not delete from config. '([^']+)' does not exist", full)
     if m:
         return f"cannot delete '{m.group(1)}': it is not set; remove the '~{m.group(1)}' override"
+    m = re.search(r"Ambiguous value for argument '([^']+)'", full)
+    if m:
+        return f"'{m.group(1)}' is a sweep: add -m (--multirun) to run one job per value, or quote the value"
     if "Multiple values for" in full:
         return f"{_first_line(exc)}: give each group once"
     return f"invalid configuration: {_first_line(exc)}"

@@ -295,7 +295,8 @@ class DebugConfig:
     # Fault injection for tests: kill `fail_rank` at step `fail_at_step` (first attempt only).
     fail_at_step: int = -1
     fail_rank: int = 0
-    # How the injected failure happens: "raise" (a Python error) or "sigkill" (the worker kills itself).
+    # How the injected failure happens: "raise" (a Python error), "sigkill" (the worker kills itself) or
+    # "input" (an input error only the worker can find: exit 2 through the launcher).
     fail_mode: str = "raise"
     # `fail_rank` stops at this step (first attempt only) and sleeps until signalled, so that its peers'
     # collectives run into launch.timeout_s (tests the collective-timeout guard).

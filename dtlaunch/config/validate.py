@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.config.ranges import check_ranges
 from dtlaunch.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -38,41 +39,6 @@ class Validated:
 
 def _fail(msg: str) -> None:
     raise ConfigError(msg)
-
-
-def check_positive(cfg: Any, notes: list[str]) -> None:
-    for key in (
-        "training.micro_batch",
-        "training.seq_len",
-        "training.steps",
-        "training.log_every",
-        "model.dim",
-        "model.n_layers",
-        "model.n_heads",
-        "model.vocab_size",
-        "launch.nnodes",
-        "cluster.nodes",
-    ):
-        section, name = key.split(".")
-        value = cfg[section][name]
-        if value <= 0:
-            _fail(f"{key}={value} must be > 0: set {key}=<positive integer>")
-    for key in (
-        "training.global_batch",
-        "training.grad_clip",
-        "optim.warmup_steps",
-        "optim.weight_decay",
-        "launch.max_restarts",
-        "launch.nproc_per_node",
-        "training.max_bad_steps",
-    ):
-        section, name = key.split(".")
-        if cfg[section][name] < 0:
-            _fail(f"{key}={cfg[section][name]} must be >= 0")
-    if cfg.optim.lr <= 0:
-        _fail(f"optim.lr={cfg.optim.lr} must be > 0: e.g. optim.lr=3e-4")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        _fail(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be within [0, 1]")
 
 
 def check_model_shape(cfg: Any, notes: list[str]) -> None:
@@ -391,12 +357,25 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"launch.timeout_s={la.timeout_s} must be > 0")
     if cfg.cluster.kind not in ("local", "slurm"):
         _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local or cluster=slurm")
-    if cfg.debug.fail_mode not in ("raise", "sigkill"):  # engineer FT: fault-injection mode
-        _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise or sigkill")
+    if cfg.debug.fail_mode not in ("raise", "sigkill", "input"):  # fault injection: how the rank fails
+        _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
+
+
+def check_run_name(cfg: Any, notes: list[str]) -> None:
+    # run.name names a directory under run.root ('group/name' is fine): an absolute name or a '..' part
+    # would put the run, and every file it writes, outside run.root.
+    name = str(cfg.run.name)
+    if name.startswith(("/", os.sep)) or ".." in name.replace(os.sep, "/").split("/") or "\0" in name:
+        _fail(
+            f"run.name={name!r} would put the run outside run.root: use a relative name without '..' "
+            f"(or set run.dir=<path> for a directory elsewhere)"
+        )
 
 
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
-    check_positive,
+    # The numeric ranges (one table next to the schema, config/ranges.py) first: the rules below may
+    # divide by or index with these values.
+    check_ranges,
     check_model_shape,
     check_precision,
     check_training,
@@ -405,6 +384,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_logging,
     check_hardware,
     check_launch,
+    check_run_name,
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,

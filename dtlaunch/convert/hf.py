@@ -322,4 +322,9 @@ def cached_hf_weights(m: Any) -> Optional[dict]:
     if key not in _CACHE:
         _CACHE.clear()
         _CACHE[key] = load_hf_weights(path, m)
+        from dtlaunch.train.phases import phase
+
+        # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
+        n = sum(t.numel() for t in _CACHE[key].values())
+        phase(f"model.init_from: loaded {len(_CACHE[key])} tensors ({n:,} parameters) from {path}")
     return _CACHE[key]

@@ -88,6 +88,7 @@ def read_meta(meta_path: Path, key: str) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
         np.dtype(meta["dtype"])
         int(meta["vocab_size"])
+        [(str(s["file"]), int(s["tokens"])) for s in meta["shards"]]
     except FileNotFoundError as exc:
         raise InputError(
             f"{key}: no {META_NAME} in '{meta_path.parent}': prepare the shards with `dtlaunch data prepare`"

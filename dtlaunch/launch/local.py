@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlaunch.config.layout import nproc_per_node
-from dtlaunch.errors import EXIT_PREEMPTED, Preempted, WorkerFailed
+from dtlaunch.errors import EXIT_PREEMPTED, InputError, Preempted, WorkerFailed
 
 WORKER_MODULE = "dtlaunch.train.main"
 RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
@@ -79,9 +79,10 @@ def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) ->
     if detected_gpus is None:
         detected_gpus = _detected_gpus(cfg)
     env = worker_env(cfg, run_dir, detected_gpus)
-    parts = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    parts += ["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)]
-    return " ".join(shlex.quote(p) if "=" not in p else p for p in parts)
+    # Every argument is quoted whole, `--opt=value` parts included: a value holding `$(...)`, a quote or
+    # a newline must reach torchrun as one literal argument when the line is pasted into a shell.
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    return " ".join(assignments + [shlex.join(["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)])])
 
 
 def _cheap_rendezvous_event_names() -> None:
@@ -109,14 +110,16 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from dtlaunch.launch import worker_errors
     from dtlaunch.train import preempt
 
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
     args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
-    # engineer FT: SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
+    # SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
     args.signals_to_handle = preempt.agent_signals()
     preempt.clear_marker(run_dir)
+    worker_errors.clear(run_dir)
     os.environ.update(worker_env(cfg, run_dir, gpus))
     # torchrun's agent logs every failure and SIGTERM it sends as several warning lines; the user gets
     # our single line instead (the details stay in logs/rank<R>.log).
@@ -133,6 +136,9 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
             raise Preempted(preempted_message(run_dir, "a signal")) from None
+        message = worker_errors.read(run_dir)
+        if message is not None:  # a worker found bad input: the user's error (exit 2), not a crash
+            raise InputError(message) from None
         raise WorkerFailed(describe_failure(exc, run_dir)) from None
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
@@ -178,6 +184,8 @@ def describe_failure(exc: Any, run_dir: Path) -> str:
         message = str(message or "").strip()
         if not message or message.startswith("To enable traceback"):
             return f"exited with code {failure.exitcode}"
+        # `record` stores "ExcType: message", the last line of the traceback; a multi-line message keeps
+        # its first line here and the rest stays in the log.
         return message.splitlines()[0]
 
     def rank_key(item: tuple[int, Any]) -> tuple:

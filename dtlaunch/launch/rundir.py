@@ -54,3 +54,29 @@ def _free_prev_name(run_dir: Path) -> Path:
     while (run_dir / f"config.prev-{n}.yaml").exists():
         n += 1
     return run_dir / f"config.prev-{n}.yaml"
+
+
+def move_checkpoints_aside(cfg: Any, run_dir: Path) -> Path | None:
+    """`--no-resume` on a run directory with checkpoints: rename its checkpoint directory to
+    `<dir>.prev-<time>` (never delete: they may be the only copy of days of training) and its
+    metrics.jsonl to `metrics.prev-<time>.jsonl` (the fresh run's step 1.. must not mix with the old
+    lines). Returns the new checkpoint directory, or None when there was nothing to move."""
+    from dtlaunch.train.checkpoint import checkpoint_root, scan_checkpoints
+
+    root = checkpoint_root(cfg, run_dir)
+    if not scan_checkpoints(root):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = root.with_name(f"{root.name}.prev-{stamp}")
+    n = 1
+    while target.exists():  # two fresh starts within a second
+        target = root.with_name(f"{root.name}.prev-{stamp}-{n}")
+        n += 1
+    try:
+        root.rename(target)
+    except OSError as exc:
+        raise InputError(f"cannot move the checkpoints '{root}' aside for --no-resume: {exc.strerror}") from exc
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        metrics.rename(run_dir / f"metrics.prev-{target.name.split('.prev-', 1)[1]}.jsonl")
+    return target

@@ -330,3 +330,56 @@ def query_status(
 def status(run_dir: Path, retries: int = 3) -> JobStatus:
     """The state of the newest job submitted for this run directory."""
     return query_status(str(read_record(run_dir)["job_id"]), retries=retries)
+
+
+ARRAY_SCRIPT_NAME = "slurm-array.sbatch"
+
+
+def render_array_script(cfgs: Sequence[Any], run_dirs: Sequence[Path], sweep_dir: Path) -> str:
+    """One job array for a sweep: task i runs the script `submit` writes into run_dirs[i] (same
+    preemption and requeue handling as a single job). The allocation is shared by every task, so the
+    points must agree on the resources they ask for."""
+    sweep_dir = Path(sweep_dir)
+    name = sweep_dir.name
+    options = [sbatch_options(cfg, sweep_dir, name) for cfg in cfgs]
+    for i, opts in enumerate(options[1:], start=1):
+        if opts != options[0]:
+            differ = next(b for a, b in zip(options[0], opts, strict=False) if a != b)
+            raise ConfigError(
+                f"sweep point {i} asks Slurm for other resources ({differ}) than point 0: a job array has one "
+                f"allocation shape; submit the points separately"
+            )
+    for cfg, run_dir in zip(cfgs, run_dirs, strict=True):
+        render_script(cfg, Path(run_dir))  # each task's own script must render (bad values fail here)
+    # Slurm names an array task's log with %A (the array's id) and %a (the task index).
+    opts = [o.replace("slurm-%j.", "slurm-%A_%a.") for o in options[0]]
+    opts.insert(1, f"--array=0-{len(cfgs) - 1}")
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts)]
+    lines += [
+        f"# Written by `dtlaunch submit -m` for the sweep in {_q('run.dir', sweep_dir)}: task i runs point i.",
+        "set -u",
+        "run_dirs=(",
+        *(f"  {_q('run.dir', d)}" for d in run_dirs),
+        ")",
+        'run_dir="${run_dirs[$SLURM_ARRAY_TASK_ID]}"',
+        f'exec bash "$run_dir/{SCRIPT_NAME}"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def submit_array(script_text: str, sweep_dir: Path, run_dirs: Sequence[Path]) -> str:
+    """Write and `sbatch` the array script; record task i's job id (`<array id>_<i>`) in run_dirs[i]."""
+    sweep_dir = Path(sweep_dir)
+    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    script = sweep_dir / ARRAY_SCRIPT_NAME
+    script.write_text(script_text)
+    script.chmod(0o755)
+    res = _run(["sbatch", "--parsable", str(script)])
+    if res.returncode != 0:
+        raise DtlaunchError(f"sbatch failed (exit {res.returncode}): {_first_line(res.stderr or res.stdout)}")
+    job_id = res.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise DtlaunchError(f"sbatch printed no job id: {_first_line(res.stdout + res.stderr)}")
+    for i, run_dir in enumerate(run_dirs):
+        _record(Path(run_dir), f"{job_id}_{i}", script)
+    return job_id

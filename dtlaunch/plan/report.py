@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from dtlaunch.plan.memory import GIB, MemoryPlan
@@ -34,7 +35,8 @@ def plan_table(plan: MemoryPlan) -> Any:
     color = "green" if plan.fits else "red"
     t.add_row(f"[{color}]headroom[/{color}]", f"[{color}]{gib(plan.headroom)}[/{color}]")
     if len(plan.stages) > 1:
-        per = ", ".join(f"{s.stage}: {gib(s.peak)} ({s.phase})" for s in plan.stages)
+        # One stage a line: a stage's figure is never split across lines.
+        per = "\n".join(f"{s.stage}: {gib(s.peak)} ({s.phase})" for s in plan.stages)
         t.add_row("per stage", per)
     return t
 
@@ -59,40 +61,28 @@ def suggestions_table(suggestions: list[dict]) -> Any:
     t.add_column("peak GiB", justify="right")
     t.add_column("overrides to paste")
     for s in suggestions:
-        t.add_row(s["change"], gib(s["device_total_bytes"]), " ".join(s["overrides"]))
+        t.add_row(s["change"], gib(s["device_total_bytes"]), shlex.join(s["overrides"]))
     return t
 
 
-def search_table(rows: list[dict]) -> Any:
-    from rich.table import Table
+def search_table(rows: list[dict], width: int = 80) -> Any:
+    """Few columns of space-separated words, fitted to `width` so that no value is cut (the step time
+    is in --json; tokens/s ranks the same for the job's fixed global batch)."""
+    from dtlaunch.commands.tables import plain_table
 
-    t = Table(title="layouts that fit, fastest first", title_justify="left")
-    for col in (
-        "#",
-        "dp_rep x dp_shard x tp x pp",
-        "schedule",
-        "zero",
-        "AC",
-        "mb",
-        "mem GiB",
-        "step s",
-        "tokens/s",
-        "MFU",
-        "loses to #1 by",
-    ):
-        t.add_column(col)
-    for i, r in enumerate(rows, 1):
-        t.add_row(
+    headers = ["#", "layout", "settings", "GiB", "tokens/s", "MFU", "vs #1"]
+    body = [
+        [
             str(i),
-            f"{r['dp_replicate']}x{r['dp_shard']}x{r['tp']}x{r['pp']}",
-            r["schedule"],
-            str(r["zero_stage"]),
-            r["ac"],
-            str(r["micro_batch"]),
+            f"{r['dp_replicate']}x{r['dp_shard']}x{r['tp']}x{r['pp']}"
+            + (f" {r['schedule']}" if r["schedule"] != "-" else ""),
+            f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}",
             gib(r["device_total_bytes"]),
-            f"{r['step_s']:.3f}",
             f"{r['tokens_per_s']:,.0f}",
             f"{r['mfu'] * 100:.1f}%",
             r["why"],
-        )
-    return t
+        ]
+        for i, r in enumerate(rows, 1)
+    ]
+    title = "layouts that fit, fastest first (layout = dp_replicate x dp_shard x tp x pp, pipeline schedule)"
+    return plain_table(headers, body, width, title=title)

@@ -3,8 +3,9 @@
 On disk (`run_dir/checkpoint.dir/`):
   .tmp-step-00000100/   every rank writes its shard here (DCP `.distcp` files + `.metadata`)
   step-00000100/        the same directory once complete: rank 0 adds `trainer_state.json` and the
-                        marker `COMPLETE.json` (file sizes, layout, config hash) and renames it.
-A directory without a valid marker, or whose files do not match the marker, is never loaded.
+                        marker `COMPLETE.json` (file sizes and checksums, layout, config hash) and renames it.
+A directory without a valid marker, or whose files do not match the marker, is never loaded. Checksums
+are computed while the files are written (ckpt_integrity.py) and verified before a checkpoint is used.
 
 What is saved: model and optimizer through `get_state_dict` (DDP, FSDP2, TP DTensors and pipeline
 stage parts alike; parameter names are the full model's in every layout, and the optimizer state is
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dtlaunch.errors import EXIT_WORKER_FAILED, ConfigError, DtlaunchError
+from dtlaunch.train.phases import phase
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
@@ -33,6 +35,9 @@ MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 NO_RESUME_ENV = "DTLAUNCH_NO_RESUME"
+# Set by the launcher for the workers: the checkpoint it verified ("<path>\n<marker mtime ns>"), so that
+# rank 0 does not read every byte of it a second time.
+VERIFIED_ENV = "DTLAUNCH_VERIFIED_CHECKPOINT"
 
 
 class CheckpointSaveError(DtlaunchError):
@@ -61,6 +66,7 @@ class CheckpointInfo:
     complete: bool
     reason: str = ""  # why it is not complete
     marker: dict = field(default_factory=dict)
+    verified: bool = False  # contents checked against the marker's checksums
 
     @property
     def name(self) -> str:
@@ -74,8 +80,9 @@ def _parse_step(name: str) -> Optional[int]:
     return None
 
 
-def check_checkpoint(path: Path) -> CheckpointInfo:
-    """Complete = final name, a readable marker, `.metadata`, and every file at its recorded size."""
+def check_checkpoint(path: Path, verify: bool = False) -> CheckpointInfo:
+    """Complete = final name, a readable marker, `.metadata`, and every file at its recorded size;
+    with `verify`, also every file's content against its recorded checksum (reads every byte)."""
     path = Path(path)
     step = _parse_step(path.name)
     info = CheckpointInfo(path=path, step=-1 if step is None else step, complete=False)
@@ -105,6 +112,25 @@ def check_checkpoint(path: Path) -> CheckpointInfo:
             info.reason = f"file {rel} has {f.stat().st_size} bytes, marker says {size}"
             return info
     info.complete = True
+    if verify:
+        verify_info(info)
+    return info
+
+
+def verify_info(info: CheckpointInfo) -> CheckpointInfo:
+    """Check a complete checkpoint's contents against the marker's checksums (markers written before
+    checksums existed are checked by size only); a mismatch makes it incomplete, naming the file."""
+    from dtlaunch.train.ckpt_integrity import verify_files
+
+    checksums = info.marker.get("checksums")
+    if info.complete and not info.verified and verified_by_launcher(info.path):
+        info.verified = True
+    if info.complete and not info.verified and isinstance(checksums, dict):
+        reason = verify_files(info.path, checksums)
+        if reason:
+            info.complete, info.reason = False, reason
+        else:
+            info.verified = True
     return info
 
 
@@ -118,30 +144,47 @@ def scan_checkpoints(root: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda i: (i.step, not i.path.name.startswith(TMP_PREFIX)))
 
 
-def newest_complete(root: Path) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
-    """The newest complete checkpoint and the newer ones skipped because they are incomplete or corrupt."""
+def verified_stamp(path: Path) -> str:
+    return f"{Path(path).resolve()}\n{(Path(path) / MARKER).stat().st_mtime_ns}"
+
+
+def verified_by_launcher(path: Path) -> bool:
+    try:
+        return os.environ.get(VERIFIED_ENV) == verified_stamp(path)
+    except OSError:
+        return False
+
+
+def newest_complete(root: Path, verify: bool = False) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
+    """The newest complete checkpoint and the newer ones skipped because they are incomplete or corrupt
+    (with `verify`, contents are checked too, newest first, until one is intact)."""
     skipped: list[CheckpointInfo] = []
     for info in reversed(scan_checkpoints(root)):
+        if info.complete and verify:
+            verify_info(info)
         if info.complete:
             return info, skipped
         skipped.append(info)
     return None, skipped
 
 
-def resolve_load_path(path: Path) -> tuple[CheckpointInfo, list[CheckpointInfo]]:
+def resolve_load_path(path: Path, verify: bool = False) -> tuple[CheckpointInfo, list[CheckpointInfo]]:
     """A checkpoint directory, a checkpoints directory or a run directory -> the checkpoint to load."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"checkpoint '{path}' does not exist: give a step-XXXXXXXX directory or a run directory")
     if _parse_step(path.name) is not None:
-        info = check_checkpoint(path)
+        info = check_checkpoint(path, verify=verify)
         if not info.complete:
             raise ConfigError(f"checkpoint '{path}' is incomplete or corrupt ({info.reason}): pick another one")
         return info, []
     for candidate in (path, path / "checkpoints"):
-        info, skipped = newest_complete(candidate)
+        info, skipped = newest_complete(candidate, verify=verify)
         if info is not None:
             return info, skipped
+        if skipped:
+            reasons = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:3])
+            raise ConfigError(f"no intact checkpoint in '{candidate}' ({reasons}): start a new run.dir")
     raise ConfigError(f"no complete checkpoint in '{path}': see `dtlaunch ckpt ls {path}`")
 
 
@@ -383,8 +426,16 @@ class CheckpointManager:
             return
         final = self.root / step_dir_name(step)
         try:
-            _write_json(tmp / STATE_FILE, trainer_state)
+            from dtlaunch.train.ckpt_integrity import collect_sidecars, default_algorithm, digest_bytes, digest_file
+
+            state_bytes = _write_json(tmp / STATE_FILE, trainer_state)
+            algorithm, digests = collect_sidecars(tmp)
+            algorithm = algorithm or default_algorithm()
+            digests[STATE_FILE] = digest_bytes(state_bytes, algorithm)
             files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+            for rel in files:
+                if rel not in digests:  # not written through DCP's streams (never expected): hash from disk
+                    digests[rel] = digest_file(tmp / rel, algorithm)
             marker = {
                 "format": FORMAT_VERSION,
                 "step": step,
@@ -397,6 +448,7 @@ class CheckpointManager:
                 "consumed_tokens": trainer_state["consumed_tokens"],
                 "files": files,
                 "bytes": sum(files.values()),
+                "checksums": {"algorithm": algorithm, "files": digests},
             }
             _write_json(tmp / MARKER, marker)
             if final.exists():  # re-saving a step after resuming from an older checkpoint
@@ -444,6 +496,7 @@ class CheckpointManager:
                 f"checkpoint '{path}' was written for a different model ({marker.get('model', {}).get('name')}, "
                 f"hash {marker.get('model_hash')}): resume with the same model config or start a new run.dir"
             )
+        phase(f"loading checkpoint {path.name}")
         started = time.perf_counter()
         self._load(path, marker)
         if self.rank == 0:
@@ -458,11 +511,13 @@ class CheckpointManager:
         load_path = str(self.cfg.checkpoint.load_path)
         if load_path:
             p = Path(load_path)
-            info, skipped = resolve_load_path(p if p.is_absolute() or p.exists() else self.run_dir / p)
+            info, skipped = resolve_load_path(p if p.is_absolute() or p.exists() else self.run_dir / p, verify=True)
         else:
-            info, skipped = newest_complete(self.root)
+            info, skipped = newest_complete(self.root, verify=True)
         for s in skipped:
             _log(f"skipping checkpoint {s.name}: {s.reason}")
+        if skipped and info is not None:
+            _log(f"falling back to {info.name} (step {info.step}), the newest intact checkpoint")
         if info is None:
             return None
         return {"path": str(info.path), "marker": info.marker}
@@ -539,17 +594,31 @@ class CheckpointManager:
 def _make_slow_writer_class() -> type:
     import torch.distributed.checkpoint as dcp
 
+    from dtlaunch.train.ckpt_integrity import default_algorithm, hashing_filesystem, write_sidecar
+
     class SlowWriter(dcp.FileSystemWriter):
-        """FileSystemWriter that can sleep before writing (debug.slow_save_s: kill-during-save tests)."""
+        """FileSystemWriter whose streams checksum what they write (the digests go into a sidecar file per
+        writer for rank 0's marker), and that can sleep before writing (debug.slow_save_s: kill-during-save
+        tests)."""
 
         def __init__(self, path: str, sleep_s: float) -> None:
             super().__init__(path)
             self.sleep_s = sleep_s
+            self.fs = hashing_filesystem(default_algorithm())
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             if self.sleep_s > 0:
                 time.sleep(self.sleep_s)
-            return super().write_data(plan, planner)
+            fut = super().write_data(plan, planner)
+            fut.wait()  # FileSystemWriter writes synchronously: its future is already done
+            tag = str(plan.storage_data.prefix).strip("_") or "0"
+            write_sidecar(Path(self.path), f"rank{tag}", self.fs.algorithm, dict(self.fs.digests))
+            return fut
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            super().finish(metadata, results)
+            digests = {k: v for k, v in self.fs.digests.items() if k == ".metadata"}
+            write_sidecar(Path(self.path), "metadata", self.fs.algorithm, digests)
 
     return SlowWriter
 
@@ -644,11 +713,13 @@ def _root_cause(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+def _write_json(path: Path, obj: dict) -> bytes:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return data
 
 
 def _fsync_dir(path: Path) -> None:

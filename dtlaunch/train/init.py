@@ -34,7 +34,7 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
     """
     src = init_source if init_source is not None else model
     model.to_empty(device=device)
-    # model.init_from=hf:DIR (engineer C): full tensors from a Hugging Face export instead of the seeded init.
+    # model.init_from=hf:DIR: full tensors from a Hugging Face export instead of the seeded init.
     from dtlaunch.convert.hf import cached_hf_weights
 
     pretrained = cached_hf_weights(src.cfg)

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtlaunch.config.compose import load_resolved
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
-from dtlaunch.errors import EXIT_PREEMPTED, DtlaunchError
+from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.launch.local import RUN_DIR_ENV
 from dtlaunch.models.llama import build_model
 from dtlaunch.train import preempt
@@ -32,6 +32,7 @@ from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.phases import phase
 from dtlaunch.train.step import StepContext, train_step
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
 
@@ -87,6 +88,10 @@ def maybe_fail(cfg: Any, step: int, rank: int) -> None:
     if step == cfg.debug.fail_at_step:
         if cfg.debug.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.debug.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
+            from dtlaunch.errors import InputError
+
+            raise InputError(f"injected input error at step {step} (debug.fail_at_step)")
         raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
     if step == cfg.debug.hang_at_step:
         # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
@@ -100,7 +105,7 @@ def maybe_fail(cfg: Any, step: int, rank: int) -> None:
 
 @record
 def main() -> None:
-    preempt.install()  # engineer FT: first, so that an early SIGTERM/SIGUSR1 is not fatal
+    preempt.install()  # first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
     # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
@@ -110,11 +115,18 @@ def main() -> None:
     env = init_distributed(cfg)
     try:
         train(cfg, run_dir, env)
-    except preempt.PreemptionStop as stop:  # engineer FT: checkpoint saved; a new start resumes
+    except preempt.PreemptionStop as stop:  # checkpoint saved; a new start resumes
         if env.rank == 0 and cfg.checkpoint.enabled:
             preempt.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
         shutdown(EXIT_PREEMPTED)
+    except DtlaunchError as exc:
+        if exc.exit_code != EXIT_BAD_INPUT:
+            raise
+        # The user's input, found wrong only here: the launcher reports it as such (exit 2).
+        from dtlaunch.launch.worker_errors import exit_with_input_error
+
+        exit_with_input_error(run_dir, env.rank, str(exc))
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()
@@ -133,6 +145,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     mesh = build_mesh(layout, env.device.type)
     accum = grad_accum_steps(cfg, layout)
     log(f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {mesh}; accumulation {accum}")
+    phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
     built = build_parts(cfg, layout, mesh, env, accum)
     parts = built["model_parts"]
     log(
@@ -167,7 +180,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     rates: list[float] = []
     state = _LoopState()
     last_eval: dict[str, float] = {}
-    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # engineer FT: names a late rank
+    watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
     sync = WindowSync(env.device, int(cfg.training.log_every), int(cfg.training.steps))
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)

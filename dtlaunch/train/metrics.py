@@ -200,12 +200,14 @@ class _Display:
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+            # What must stay visible at 80 columns comes first (step/total, loss, tokens/s, ETA); the bar
+            # takes what is left, and the other values are in metrics.jsonl and TensorBoard.
             self._progress = Progress(
                 TextColumn("[bold]train"),
-                BarColumn(),
                 MofNCompleteColumn(),
-                TimeRemainingColumn(),
                 TextColumn("{task.fields[stats]}"),
+                TimeRemainingColumn(),
+                BarColumn(bar_width=None),
             )
             self._task = self._progress.add_task("train", total=total, stats="")
             self._progress.start()
@@ -222,7 +224,10 @@ class _Display:
     def update(self, step: int, rec: dict[str, Any]) -> None:
         stats = self.describe(rec)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, stats=stats)
+            short = " | ".join(
+                p for p in stats.split(" | ") if p.startswith(("loss", "val_loss")) or p.endswith("tok/s")
+            )
+            self._progress.update(self._task, completed=step, stats=short)
         else:
             print(f"step {step}/{self.total} | {stats}", flush=True)
 

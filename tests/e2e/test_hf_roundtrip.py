@@ -115,7 +115,7 @@ def test_init_from_hf_starts_from_exported_weights(trained: Path, tmp_path: Path
     # weight (and lr*wd of 1.0), so one step keeps the weights exactly as loaded and
     # its checkpoint must hold exactly the exported tensors.
     run2 = tmp_path / "run2"
-    dtlaunch(
+    proc = dtlaunch(
         "train",
         f"recipe={trained.parent / 'tiny_rope31.yaml'}",
         "strategy=ddp",
@@ -125,5 +125,8 @@ def test_init_from_hf_starts_from_exported_weights(trained: Path, tmp_path: Path
         f"model.init_from=hf:{out}",
         "optim.lr=1e-30",
     )
+    # Said once (rank 0, although both DDP ranks load it), naming the directory.
+    assert proc.stdout.count(f"model.init_from: loaded {len(state)} tensors") == 1, proc.stdout[-3000:]
+    assert f"from {out}" in proc.stdout
     again, _, _ = load_checkpoint_model(run2)
     assert all(torch.equal(again[k], state[k]) for k in state)

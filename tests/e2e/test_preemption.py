@@ -78,15 +78,27 @@ def test_sigterm_to_cli_saves_exits_75_and_resumes_identically(trainer, tmp_path
     run_dir = tmp_path / "run"
     proc = start(run_dir, "recipe=tiny_ddp")
     wait_for_step(proc, run_dir, 2)
+    from dtlaunch.commands.status import local_status
+
+    # `dtlaunch status` of the live run: the launcher's pid, the step it is at.
+    live = local_status(run_dir.resolve())
+    assert live["state"] == "running" and live["pid"] == proc.pid and live["step"] >= 2, live
+    assert live["total_steps"] == STEPS
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     step = assert_preempted(proc, run_dir, "SIGTERM")
     assert time.monotonic() - sent < 60
+    stopped = local_status(run_dir.resolve())
+    assert stopped["state"] == "preempted" and stopped["step"] == step, stopped
+    assert stopped["newest_checkpoint"].endswith(f"step-{step:08d}"), stopped
 
     again = trainer.cli(["train", "recipe=tiny_ddp", *COMMON, f"run.dir={run_dir}"])
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-3000:]
     assert f"resumed from step-{step:08d}" in text
+    assert f"[dtlaunch] loading checkpoint step-{step:08d}" in again.stdout  # the phase line
+    done = local_status(run_dir.resolve())
+    assert done["state"] == "finished" and done["step"] == done["total_steps"] == STEPS, done
     losses = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     reference = {r["step"]: r["loss"] for r in map(json.loads, (ref_dir / "metrics.jsonl").read_text().splitlines())}
     assert losses == reference  # bit-identical fp32, every step

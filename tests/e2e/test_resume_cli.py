@@ -4,7 +4,7 @@
   (restarts with bit-identical losses on every layout: tests/e2e/test_fault_tolerance.py);
 - a worker SIGKILLed in the middle of an async save leaves an incomplete directory that the next start
   reports by name and skips in favour of the previous complete checkpoint;
-- `--no-resume` refuses a run directory with checkpoints; `ckpt ls` shows complete and incomplete ones.
+- `--no-resume` moves a run directory's checkpoints aside (byte-identical) and starts from step 1; `ckpt ls` shows complete and incomplete ones.
 """
 
 from __future__ import annotations
@@ -138,11 +138,19 @@ def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_no_resume_refuses_run_dir_with_checkpoints(tmp_path: Path) -> None:
+def test_no_resume_moves_checkpoints_aside_and_starts_fresh(tmp_path: Path) -> None:
     run = tmp_path / "run"
     first = dtlaunch("train", "recipe=tiny_ddp", f"run.dir={run}", *COMMON, "training.steps=3")
     assert first.returncode == 0, first.stderr[-3000:]
-    again = dtlaunch("train", "--no-resume", "recipe=tiny_ddp", f"run.dir={run}", *COMMON)
-    assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
-    err = again.stderr.strip().splitlines()
-    assert len(err) == 1 and "already has checkpoints" in err[0] and "--no-resume" in err[0], again.stderr
+    old = {p.relative_to(run / "checkpoints"): p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    assert any(p.name == "COMPLETE.json" for p in old)
+    again = dtlaunch("train", "--no-resume", "recipe=tiny_ddp", f"run.dir={run}", *COMMON, "training.steps=3")
+    text = again.stdout + again.stderr
+    assert again.returncode == 0, text[-3000:]
+    (moved,) = run.glob("checkpoints.prev-*")
+    assert f"moved the old checkpoints to {moved}" in text and "resumed from" not in text, text[-3000:]
+    # Every old file, byte for byte, under the new name; the fresh run wrote its own.
+    assert {p.relative_to(moved): p.read_bytes() for p in moved.rglob("*") if p.is_file()} == old
+    assert (run / "checkpoints" / "step-00000003" / "COMPLETE.json").is_file()
+    assert sorted(losses(run)) == [1, 2, 3] and len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len(list(run.glob("metrics.prev-*.jsonl"))) == 1

@@ -123,12 +123,20 @@ def test_worker_failure_is_one_line(trainer, tmp_path: Path) -> None:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("dtlaunch: error: rank 1 failed: RuntimeError: injected failure at step 2"), lines
-    assert "Traceback" in (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    # The line names the rank's log, and that file holds the worker's Python traceback.
+    log_path = tmp_path / "run" / "logs" / "rank1.log"
+    assert lines[0].endswith(f"(log: {log_path})"), lines
+    log = log_path.read_text()
+    assert "Traceback (most recent call last)" in log and "RuntimeError: injected failure at step 2" in log, log
+    from dtlaunch.commands.status import local_status
+
+    st = local_status((tmp_path / "run").resolve())
+    assert st["state"] == "failed" and "rank 1 failed" in st["error"] and st["step"] == 1, st
 
 
 def test_run_dir_contents(trainer, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    trainer.run(
+    proc = trainer.run(
         run_dir,
         "recipe=tiny_fsdp",
         "launch.nproc_per_node=2",
@@ -137,6 +145,12 @@ def test_run_dir_contents(trainer, tmp_path: Path) -> None:
         "debug.nan_at_steps=[2]",
         "training.loss_plot=true",
     )
+    # Phase lines, in order, then the end-of-run summary block.
+    out = proc.stdout
+    order = ["composing the job", "planning memory", "starting 2 worker(s)", "building the model", "run finished"]
+    positions = [out.find(p) for p in order]
+    assert -1 not in positions and positions == sorted(positions), out[-3000:]
+    assert f"tensorboard --logdir {run_dir / 'tb'}" in out and "tokens/s (median)" in out, out[-2000:]
     rows = trainer.metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # The poisoned step is skipped (counted), training goes on with finite losses.
@@ -147,6 +161,12 @@ def test_run_dir_contents(trainer, tmp_path: Path) -> None:
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 3 and summary["skipped_steps"] == 1
+    # The launcher's additions: tokens from the batch arithmetic, the loss of the last step, memory vs plan.
+    assert summary["steps"] == 3 and summary["tokens"] == 3 * 2 * 4 * 32
+    assert summary["final_loss"] == rows[-1]["loss"] and summary["wall_time_s"] > 0
+    assert summary["peak_mem_bytes_measured"] == max(summary["peak_mem_bytes_per_rank"]) > 0
+    assert summary["peak_mem_bytes_planned"] > 0 and summary["mfu"] is None  # CPU: no peak FLOP/s
+    assert summary["newest_checkpoint"] is None and summary["tensorboard"].endswith(str(run_dir / "tb"))
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]

@@ -85,6 +85,11 @@ def test_failure_line_names_rank_and_error(tmp_path: Path) -> None:
     # No error file (os._exit): the exit code is named.
     lone = {3: ProcessFailure(3, 8, 7, str(tmp_path / "missing.json"))}
     assert describe_failure(ChildFailedError("w", lone), tmp_path).startswith("rank 3 failed: exited with code 7")
+    # Killed by a signal (no Python error at all): the signal is named, and the log still pointed to.
+    killed = {2: ProcessFailure(2, 9, -9, str(tmp_path / "missing.json"))}
+    line = describe_failure(ChildFailedError("w", killed), tmp_path)
+    assert line.startswith("rank 2 failed: ") and "SIGKILL" in line, line
+    assert line.endswith(f"(log: {tmp_path / 'logs' / 'rank2.log'})"), line
 
 
 @pytest.mark.parametrize("schedule,last", [("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)])

@@ -1,0 +1,167 @@
+"""The allowed range of every numeric schema field, as data: one table keyed by the field's dotted path.
+
+`check_ranges` (run first by `validate`) reads the table; a value outside its range, or a float that is
+not finite (nan, inf), is a ConfigError naming the key, the value, the range and an example fix. A test
+checks that every int/float field of the schema has an entry, so a new field gets a rule too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from dtlaunch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """min <= value <= max (strict where `*_open`), or one of `also` (e.g. -1 = "the rest")."""
+
+    min: Optional[float] = None
+    max: Optional[float] = None
+    min_open: bool = False
+    max_open: bool = False
+    also: tuple = ()
+    meaning: str = ""  # what the extra values mean, for the message
+
+    def allows(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        if self.min is not None and (value <= self.min if self.min_open else value < self.min):
+            return False
+        if self.max is not None and (value >= self.max if self.max_open else value > self.max):
+            return False
+        return True
+
+    def describe(self) -> str:
+        if self.min is not None and self.max is not None:
+            text = (
+                f"in {'(' if self.min_open else '['}{_num(self.min)}, {_num(self.max)}{')' if self.max_open else ']'}"
+            )
+        elif self.min is not None:
+            text = f"{'>' if self.min_open else '>='} {_num(self.min)}"
+        elif self.max is not None:
+            text = f"{'<' if self.max_open else '<='} {_num(self.max)}"
+        else:
+            text = "finite"
+        if self.also:
+            text += " or " + " or ".join(_num(a) for a in self.also) + (f" ({self.meaning})" if self.meaning else "")
+        return text
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+POSITIVE = Range(0, min_open=True)
+AT_LEAST_1 = Range(1)
+NON_NEGATIVE = Range(0)
+FRACTION = Range(0, 1)  # [0, 1]
+PROBABILITY = Range(0, 1, max_open=True)  # [0, 1): Adam betas, a fragmentation share
+DEGREE = Range(1, also=(-1,), meaning="-1 = the rest of the world")
+STEP_OR_OFF = Range(0, also=(-1,), meaning="-1 = off")
+
+RANGES: dict[str, Range] = {
+    "model.dim": AT_LEAST_1,
+    "model.n_layers": AT_LEAST_1,
+    "model.n_heads": AT_LEAST_1,
+    "model.n_kv_heads": AT_LEAST_1,
+    "model.vocab_size": AT_LEAST_1,
+    "model.multiple_of": AT_LEAST_1,
+    "model.ffn_dim_multiplier": POSITIVE,
+    "model.ffn_dim": AT_LEAST_1,
+    "model.norm_eps": POSITIVE,
+    "model.rope_theta": POSITIVE,
+    "model.max_seq_len": AT_LEAST_1,
+    "model.rope_scaling.factor": POSITIVE,
+    "model.rope_scaling.low_freq_factor": POSITIVE,
+    "model.rope_scaling.high_freq_factor": POSITIVE,
+    "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
+    "strategy.dp_replicate": DEGREE,
+    "strategy.dp_shard": DEGREE,
+    "strategy.tp": DEGREE,
+    "strategy.pp": DEGREE,
+    "strategy.zero_stage": Range(0, 3),
+    "strategy.pp_microbatches": NON_NEGATIVE,
+    "strategy.pp_stages_per_rank": AT_LEAST_1,
+    "strategy.pp_layers_per_stage": AT_LEAST_1,  # lists: every element
+    "training.micro_batch": AT_LEAST_1,
+    "training.global_batch": NON_NEGATIVE,
+    "training.seq_len": AT_LEAST_1,
+    "training.steps": AT_LEAST_1,
+    "training.seed": NON_NEGATIVE,  # numpy's seed sequences take non-negative seeds only
+    "training.grad_clip": NON_NEGATIVE,
+    "training.max_bad_steps": NON_NEGATIVE,
+    "training.log_every": AT_LEAST_1,
+    "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation
+    "training.eval_batches": AT_LEAST_1,
+    "optim.lr": POSITIVE,
+    "optim.min_lr_ratio": FRACTION,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.beta1": PROBABILITY,
+    "optim.beta2": PROBABILITY,
+    "optim.eps": POSITIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "data.max_bytes": NON_NEGATIVE,
+    "data.val_fraction": PROBABILITY,
+    "checkpoint.every_steps": AT_LEAST_1,
+    "checkpoint.keep_last": AT_LEAST_1,
+    "hardware.memory_gib": POSITIVE,
+    "hardware.peak_tflops_bf16": NON_NEGATIVE,
+    "hardware.peak_tflops_fp32": NON_NEGATIVE,
+    "hardware.gpus_per_node": NON_NEGATIVE,
+    "hardware.intra_node_gbps": NON_NEGATIVE,
+    "hardware.inter_node_gbps": NON_NEGATIVE,
+    "hardware.context_gib": NON_NEGATIVE,
+    "hardware.comm_buffers_gib": NON_NEGATIVE,
+    "hardware.fragmentation": PROBABILITY,
+    "launch.nnodes": AT_LEAST_1,
+    "launch.nproc_per_node": NON_NEGATIVE,
+    "launch.node_rank": Range(0, also=(-1,), meaning="-1 = from the scheduler"),
+    "launch.max_restarts": NON_NEGATIVE,
+    "launch.timeout_s": AT_LEAST_1,
+    "launch.threads_per_worker": NON_NEGATIVE,
+    "cluster.nodes": AT_LEAST_1,
+    "cluster.gpus_per_node": NON_NEGATIVE,
+    "cluster.cpus_per_task": NON_NEGATIVE,
+    "cluster.signal_before_s": NON_NEGATIVE,
+    "debug.fail_at_step": STEP_OR_OFF,
+    "debug.fail_rank": NON_NEGATIVE,
+    "debug.hang_at_step": STEP_OR_OFF,
+    "debug.slow_save_s": NON_NEGATIVE,
+    "debug.nan_at_steps": AT_LEAST_1,
+}
+
+
+def _schema_default(key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.schema import JobConfig
+
+    return OmegaConf.select(OmegaConf.structured(JobConfig), key, default=None)
+
+
+def check_ranges(cfg: Any, notes: list[str]) -> None:
+    """Every numeric field inside its range, and finite."""
+    from omegaconf import OmegaConf
+
+    for key, rule in RANGES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if OmegaConf.is_list(value):
+            for i, item in enumerate(value):
+                _check_one(f"{key}[{i}]", item, rule, None)
+        else:
+            _check_one(key, value, rule, key)
+
+
+def _check_one(key: str, value: Any, rule: Range, default_of: Optional[str]) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # unset optional fields (model.ffn_dim, model.rope_scaling) have no value to check
+    finite = math.isfinite(value)
+    if finite and rule.allows(value):
+        return
+    default = _schema_default(default_of) if default_of else None
+    example = f", e.g. {key}={default}" if default is not None and rule.allows(default) else ""
+    what = "is not a finite number" if not finite else "is out of range"
+    raise ConfigError(f"{key}={value} {what}: set {key} to a value {rule.describe()}{example}")

@@ -1,0 +1,14 @@
+"""One line on the user's terminal when a run enters a slow phase, so a silent start is never a mystery.
+
+Only global rank 0 prints (its stdout is the terminal; other ranks' goes to their log files).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def phase(what: str) -> None:
+    """`[dtlaunch] <what>` on rank 0's stdout, flushed at once (the worker may then be busy for seconds)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[dtlaunch] {what}", flush=True)
