@@ -49,6 +49,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--reshard-after-forward", type=int, choices=(0, 1), default=1, help="FSDP2 only (ZeRO-3 = 1)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument(
+        "--broadcast-buffers", type=int, choices=(0, 1), default=1, help="DDP only: re-broadcast buffers every forward"
+    )
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--metrics-file", default="", help="also append rank 0's JSON lines here")
     return p.parse_args(argv)
@@ -89,7 +92,11 @@ def build(args: argparse.Namespace, device: torch.device, world: int):  # noqa: 
     elif args.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        from dtlaunch.train.parallelize import no_buffer_sync
+
+        ids = [device.index] if device.type == "cuda" else None
+        sync = {} if args.broadcast_buffers else no_buffer_sync()
+        model = DistributedDataParallel(model, device_ids=ids, **sync)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -60,7 +60,7 @@ def init() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def dtlaunch_side(recipe: str, world: int, run_dir: Path) -> tuple[Any, Any, Any, Any]:
+def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[Any, Any, Any, Any]:
     """(cfg, StepContext, MetricsLogger, PeakTracker) exactly as dtlaunch.train.main builds them."""
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, grad_accum_steps
@@ -74,11 +74,11 @@ def dtlaunch_side(recipe: str, world: int, run_dir: Path) -> tuple[Any, Any, Any
     from dtlaunch.train.step import StepContext
 
     cfg = compose(
-        [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000"]
+        [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000", *extra]
     ).cfg
     layout = Layout.resolve(cfg.strategy, world)
     mesh = build_mesh(layout, "cpu")
-    model = parallelize(build_model(cfg.model, device="meta"), mesh, cfg, layout)
+    model = parallelize(build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), mesh, cfg, layout)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     dp_rank, dp_size = dp_rank_size(mesh)
     ctx = StepContext(
@@ -100,16 +100,18 @@ def main() -> None:
     ap.add_argument("--recipe", default="tiny_ddp")
     ap.add_argument("--outer", type=int, default=15)
     ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("overrides", nargs="*", help="extra dtlaunch overrides, e.g. model=small")
     args = ap.parse_args()
     rank, world = init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from bench import handwritten
     from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.step import end_of_step, train_step
+    from dtlaunch.train.step import train_step
+    from dtlaunch.train.step_sync import WindowSync
 
     run_dir = Path(tempfile.mkdtemp(prefix="dtlaunch-step-overhead-"))
     (run_dir / "logs").mkdir()
-    cfg, ctx, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir)
+    cfg, ctx, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir, tuple(args.overrides))
     t = cfg.training
     from omegaconf import OmegaConf
 
@@ -122,6 +124,7 @@ def main() -> None:
             f"--micro-batch={t.micro_batch}",
             f"--seq-len={t.seq_len}",
             f"--steps={t.steps}",
+            "--broadcast-buffers=0",  # as dtlaunch's DDP
         ]
     )
     _, hw_model, hw_opt, hw_sched = handwritten.build(hw_args, torch.device("cpu"), world)
@@ -129,18 +132,20 @@ def main() -> None:
     vocab, mb, seq = int(cfg.model.vocab_size), int(t.micro_batch), int(t.seq_len)
     tokens_per_step = mb * world * seq
     step_no = [0]
+    sync = WindowSync(torch.device("cpu"), int(t.log_every), int(t.steps))
 
     def dt_iteration() -> None:  # the body of dtlaunch.train.main's loop (checkpoint=none)
         step_no[0] += 1
         began = time.perf_counter()
         with tracker.step(step_no[0]):
             r = train_step(ctx, step_no[0])
-            loss, _ = end_of_step(r.local_loss, 0)
-        rate = tokens_per_step / (time.perf_counter() - began)
-        metrics.log(
-            step_no[0],
-            {"loss": loss, "lr": 0.0, "grad_norm": r.grad_norm, "tokens_per_s": rate, "peak_mem_bytes": 0},
-        )
+            rate = tokens_per_step / (time.perf_counter() - began)
+            done = sync.push(step_no[0], r.local_loss, r.grad_norm, r.applied, 0, lr=0.0, rate=rate)
+        for o in done:
+            metrics.log(
+                o.step,
+                {"loss": o.loss, "lr": 0.0, "grad_norm": o.grad_norm, "tokens_per_s": rate, "peak_mem_bytes": 0},
+            )
 
     def hw_iteration() -> None:  # the body of bench/handwritten.py's loop, logging every step
         batch = torch.randint(0, vocab, (mb, seq + 1), generator=gen)
@@ -185,8 +190,15 @@ def main() -> None:
             lambda: float(handwritten.clip_grad_norm(hw_model, 1.0)), 50, args.outer
         )
         scalar = torch.ones(())
-        results["loss + preemption flag: dtlaunch step.end_of_step (one all-reduce when world > 1)"] = best_us(
-            lambda: end_of_step(scalar, 0), 50, args.outer
+        window = WindowSync(torch.device("cpu"), 1, 10**9)
+        pushed = [0]
+
+        def push_one() -> None:
+            pushed[0] += 1
+            window.push(pushed[0], scalar, scalar, True, 0)
+
+        results["loss + flags: dtlaunch WindowSync.push (one async all-reduce per log window)"] = best_us(
+            push_one, 50, args.outer
         )
         results["loss: float(loss) (hand-written)"] = best_us(lambda: float(scalar), 50, args.outer)
 

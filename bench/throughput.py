@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -52,10 +53,11 @@ class Case:
     def label(self) -> str:
         mode = {"tiny_ddp": "DDP", "tiny_fsdp": "FSDP2"}.get(self.recipe, self.recipe)
         # dtlaunch trains a world of one unwrapped (no DDP/FSDP for a single rank), and so does the reference.
-        return f"{'1 process' if self.nproc == 1 else f'{mode}, {self.nproc} processes'} ({self.recipe})"
+        job = " ".join((self.recipe, *self.extra))
+        return f"{'1 process' if self.nproc == 1 else f'{mode}, {self.nproc} processes'} ({job})"
 
 
-CASES = (Case("tiny_ddp", 1), Case("tiny_ddp", 2), Case("tiny_fsdp", 2))
+CASES = (Case("tiny_ddp", 1), Case("tiny_ddp", 2), Case("tiny_fsdp", 2), Case("tiny_ddp", 2, ("model=small",)))
 
 
 @dataclass
@@ -67,6 +69,8 @@ class RunResult:
     command: str
     error: str = ""
     steps_seen: int = 0
+    step_s: Optional[float] = None  # median wall time of one step after the warm-up (whole loop)
+    load: Optional[float] = None  # 1-minute load average when the run started (a shared machine's noise)
 
 
 @dataclass
@@ -124,6 +128,7 @@ def handwritten_args(cfg: Any, model_yaml: Path) -> list[str]:
         f"--dtype={cfg.precision.param_dtype}",
         f"--log-every={t.log_every}",
         *(["--compile"] if t.compile else []),
+        "--broadcast-buffers=0",  # dtlaunch's DDP does not re-broadcast the (constant) RoPE buffers
     ]
 
 
@@ -164,11 +169,20 @@ def steady_tokens_per_s(lines: list[dict], tokens_per_step: int, warmup: int) ->
     return tokens_per_step * (last - warmup) / dt if dt > 0 else None
 
 
+def median_step_s(lines: list[dict], warmup: int) -> Optional[float]:
+    """Median of the per-step differences of `elapsed_s` after step `warmup` (the per-step view of the
+    same whole-loop clock: a slow outlier step moves the mean, not this)."""
+    by_step = {int(r["step"]): float(r["elapsed_s"]) for r in lines if "step" in r and "elapsed_s" in r}
+    gaps = [by_step[s] - by_step[s - 1] for s in sorted(by_step) if s > warmup and s - 1 in by_step]
+    return statistics.median(gaps) if gaps else None
+
+
 def run_one(
     side: str, cmd: list[str], env: dict[str, str], metrics: Path, log: Path, tokens_per_step: int, warmup: int
 ) -> RunResult:
     """Start `cmd`, time its first metrics line and its exit, then read its steady-state throughput."""
     full_env = dict(os.environ, **env)
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     watch = FirstLine(metrics, t0)
     with log.open("w") as out:
@@ -176,12 +190,13 @@ def run_one(
     wall = time.perf_counter() - t0
     first = watch.stop()
     lines = read_metrics(metrics)
-    result = RunResult(side, None, first, wall, command_line(cmd, env), steps_seen=len(lines))
+    result = RunResult(side, None, first, wall, command_line(cmd, env), steps_seen=len(lines), load=load)
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
         result.error = f"exit {proc.returncode}: {' '.join(tail)[:300]}"
         return result
     result.tokens_per_s = steady_tokens_per_s(lines, tokens_per_step, warmup)
+    result.step_s = median_step_s(lines, warmup)
     if result.tokens_per_s is None:
         result.error = f"no steady-state window in {metrics} ({len(lines)} lines)"
     return result
@@ -226,7 +241,10 @@ def run(
                 pair = run_case_pair(res.case, steps, warmup, rep, work)
                 res.runs.extend(pair)
                 for r in pair:
-                    status = r.error or f"{r.tokens_per_s:,.0f} tok/s, first step {r.first_step_s:.2f} s"
+                    status = r.error or (
+                        f"{r.tokens_per_s:,.0f} tok/s, step {1e3 * (r.step_s or 0):.2f} ms, "
+                        f"first step {r.first_step_s:.2f} s, load {r.load:.2f}"
+                    )
                     print(f"  [{rep + 1}/{reps}] {res.case.label:40s} {r.side:12s} {status}", flush=True)
     finally:
         if keep is None:
@@ -241,12 +259,18 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
         dt = stats(r.tokens_per_s for r in res.of("dtlaunch"))
         hw = stats(r.tokens_per_s for r in res.of("handwritten"))
         ratio = dt["median"] / hw["median"] if dt["n"] and hw["n"] else None
+        dt_step = stats(r.step_s for r in res.of("dtlaunch") if r.step_s)
+        hw_step = stats(r.step_s for r in res.of("handwritten") if r.step_s)
+        step_ratio = hw_step["median"] / dt_step["median"] if dt_step["n"] and hw_step["n"] else None
         out.append(
             {
                 "case": res.case.label,
                 "dtlaunch_tokens_per_s": dt,
                 "handwritten_tokens_per_s": hw,
                 "ratio": ratio,
+                "dtlaunch_step_s": dt_step,
+                "handwritten_step_s": hw_step,
+                "per_step_ratio": step_ratio,
                 "dtlaunch_first_step_s": stats(r.first_step_s for r in res.of("dtlaunch") if r.first_step_s),
                 "handwritten_first_step_s": stats(r.first_step_s for r in res.of("handwritten") if r.first_step_s),
                 "commands": {side: next((r.command for r in res.runs if r.side == side), "") for side in _SIDES},
@@ -270,11 +294,20 @@ def table(summary: dict[str, Any]) -> str:
                 min_med_max(c["dtlaunch_tokens_per_s"], digits=0),
                 min_med_max(c["handwritten_tokens_per_s"], digits=0),
                 f"{ratio:.3f}" if ratio else "-",
+                f"{c.get('per_step_ratio'):.3f}" if c.get("per_step_ratio") else "-",
                 "yes" if ratio and ratio >= 0.98 else "no",
                 c["dtlaunch_tokens_per_s"]["n"],
             ]
         )
-    headers = ["case", "dtlaunch tok/s, median (min–max)", "hand-written tok/s", "ratio", "≥ 0.98", "reps"]
+    headers = [
+        "case",
+        "dtlaunch tok/s, median (min–max)",
+        "hand-written tok/s",
+        "whole-loop ratio",
+        "per-step ratio",
+        "≥ 0.98",
+        "reps",
+    ]
     return markdown_table(headers, rows)
 
 
@@ -286,10 +319,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--keep", default="", help="keep the run directories here")
     ap.add_argument("--json", default="", help="write the summary here")
+    ap.add_argument("--cases", default="", help="indices into CASES, e.g. 1,3 (default: all)")
     args = ap.parse_args()
     reps, steps = (2, 60) if args.quick else (args.reps, args.steps)
     keep = Path(args.keep) if args.keep else None
-    summary = summarize(run(reps=reps, steps=steps, warmup=args.warmup, keep=keep))
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
+    summary = summarize(run(cases, reps=reps, steps=steps, warmup=args.warmup, keep=keep))
     print(table(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,12 +1,15 @@
-"""GPU benchmark (H100/H200; ~20 minutes): tokens/s and MFU of a ~1.2B Llama (Llama-3.2-1B shape) in bf16
+"""GPU benchmark (H100/H200; ~30 minutes): tokens/s and MFU of a ~1.2B Llama (Llama-3.2-1B shape) in bf16
 with FSDP2 over every visible GPU (a single GPU trains it unwrapped, as dtlaunch does for a world of one),
-compile off/on, activation checkpointing none/selective/full; the planner's prediction (plan.json, the
-same figure `dtlaunch plan --json` prints) against the measured torch.cuda.max_memory_allocated
-(summary.json); the hand-written loop on the same job; and the largest model the planner says fits.
+compile off/on, activation checkpointing none / selective (op and layer policies, compile's memory
+budget) / full; truncated Llama-3.1-8B and -70B shapes (their real widths, few layers, so they fit one
+device) under the same AC and compile variants; the planner's prediction (plan.json, the same figure
+`dtlaunch plan --json` prints) against the measured torch.cuda.max_memory_allocated (summary.json); the
+hand-written loop on the same job (eager and compiled); and the largest model the planner says fits.
 
-    bash bench/gpu/run.sh            # or: python bench/gpu/gpu_bench.py [--steps 40] [--only 1b]
+    bash bench/gpu/run.sh            # or: make bench-gpu; python bench/gpu/gpu_bench.py [--steps 40] [--only 1b-eager]
+    python bench/gpu/gpu_bench.py --dry-run [--device-name "NVIDIA H100 80GB HBM3"]   # CPU: list + plan each run
 
-Writes bench/gpu/results/gpu-<device>-<date>.md and .json. Never run by CI.
+Writes bench/results/gpu-<date>-<device>.md and .json. Never run by CI.
 """
 
 from __future__ import annotations
@@ -39,6 +42,72 @@ LLAMA_1B = [
 # Candidates for "the largest that fits", biggest first; the planner picks (fits on the detected GPU).
 LLAMA_3B = ["model=llama3_8b", "model.name=llama_3b", "model.dim=3072", "model.n_layers=28", "model.n_heads=24"]
 LARGER = [("llama3_8b", ["model=llama3_8b"]), ("llama_3b", LLAMA_3B)]
+# Real widths, truncated depth: the per-layer activations and weights of the big models on one device.
+LLAMA_8B_4L = ["model=llama3_8b", "model.name=llama3_8b_4l", "model.n_layers=4"]
+LLAMA_70B_2L = ["model=llama3_70b", "model.name=llama3_70b_2l", "model.n_layers=2"]
+SEL = "training.activation_checkpointing=selective"
+FULL = "training.activation_checkpointing=full"
+COMPILE = "training.compile=true"
+BOTH = ("dtlaunch", "handwritten")
+
+
+def run_list(nproc: int, hw: str, steps: int, fits: Any) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """(name, dtlaunch overrides, sides) of every run; `fits(overrides)` -> bool picks the largest model."""
+    base = dict(nproc=nproc, hw=hw, steps=steps)
+    runs: list[tuple[str, list[str], tuple[str, ...]]] = [
+        ("1b-eager", job(LLAMA_1B, extra=[], **base), BOTH),
+        ("1b-compile", job(LLAMA_1B, extra=[COMPILE], **base), BOTH),
+        ("1b-eager-ac-op", job(LLAMA_1B, extra=[SEL], **base), ("dtlaunch",)),
+        ("1b-eager-ac-layer2", job(LLAMA_1B, extra=[SEL, "training.ac_policy=layer"], **base), ("dtlaunch",)),
+        ("1b-eager-ac-full", job(LLAMA_1B, extra=[FULL], **base), ("dtlaunch",)),
+        ("1b-compile-ac-op", job(LLAMA_1B, extra=[SEL, COMPILE], **base), ("dtlaunch",)),
+        ("1b-compile-ac-full", job(LLAMA_1B, extra=[FULL, COMPILE], **base), ("dtlaunch",)),
+        (
+            "1b-compile-budget-0.5",
+            job(LLAMA_1B, extra=[SEL, COMPILE, "training.ac_memory_budget=0.5"], **base),
+            ("dtlaunch",),
+        ),
+    ]
+    for tag, model in (("8b-4l", LLAMA_8B_4L), ("70b-2l", LLAMA_70B_2L)):
+        for ac_tag, ac in (("ac-none", []), ("ac-op", [SEL]), ("ac-full", [FULL])):
+            for c_tag, comp in (("eager", []), ("compile", [COMPILE])):
+                runs.append((f"{tag}-{c_tag}-{ac_tag}", job(model, extra=[*ac, *comp], **base), ("dtlaunch",)))
+    for name, model in LARGER:  # the largest the planner says fits, with full AC
+        overrides = job(model, extra=[FULL], **base)
+        if fits(overrides):
+            runs.append((f"largest-fitting-{name}-ac-full", overrides, ("dtlaunch",)))
+            break
+    return runs
+
+
+def dry_run(device_name: str, nproc: int, steps: int, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Every run composed, validated and planned in this process (no GPU, no torch.cuda): what the real
+    benchmark would run, with the plan it would compare against."""
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.plan.memory import plan_memory
+
+    hw = hardware_option(device_name)
+    plans: dict[tuple[str, ...], Any] = {}
+
+    def plan(overrides: list[str]) -> Any:
+        key = tuple(overrides)
+        if key not in plans:
+            job_ = load_job(overrides)
+            plans[key] = plan_memory(job_.cfg, job_.layout)
+        return plans[key]
+
+    rows = []
+    for name, overrides, sides in run_list(nproc, hw, steps, lambda ov: plan(ov).fits):
+        if only and name not in only:
+            continue
+        p = plan(overrides)
+        rows.append(
+            {"name": name, "sides": list(sides), "predicted_bytes": p.peak, "fits": p.fits, "overrides": overrides}
+        )
+        print(
+            f"  {name:32s} {'+'.join(sides):22s} plan {p.peak / 2**30:7.2f} GiB {'fits' if p.fits else 'DOES NOT FIT'}"
+        )
+    return rows
 
 
 def hardware_option(gpu_name: str) -> str:
@@ -135,12 +204,17 @@ def measure(name: str, side: str, overrides: list[str], work: Path, warmup: int)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10, help="excluded steps (a multiple of log_every=10)")
     ap.add_argument("--only", default="", help="comma-separated subset of run names (e.g. 1b-eager)")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: compose, validate and plan every run")
+    ap.add_argument("--device-name", default="NVIDIA H100 80GB HBM3", help="--dry-run: the GPU to plan for")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        dry_run(args.device_name, 1, args.steps, {s for s in args.only.split(",") if s})
+        return
     import torch
 
     if not torch.cuda.is_available():
@@ -151,23 +225,7 @@ def main() -> None:
     print(describe_machine(info), f"-> hardware={hw}, {nproc} GPU(s)", flush=True)
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="dtlaunch-gpu-bench-"))
-    base = dict(nproc=nproc, hw=hw, steps=args.steps)
-    runs: list[tuple[str, list[str], tuple[str, ...]]] = [
-        ("1b-eager", job(LLAMA_1B, extra=[], **base), ("dtlaunch", "handwritten")),
-        ("1b-compile", job(LLAMA_1B, extra=["training.compile=true"], **base), ("dtlaunch", "handwritten")),
-        (
-            "1b-eager-ac-selective",
-            job(LLAMA_1B, extra=["training.activation_checkpointing=selective"], **base),
-            ("dtlaunch",),
-        ),
-        ("1b-eager-ac-full", job(LLAMA_1B, extra=["training.activation_checkpointing=full"], **base), ("dtlaunch",)),
-    ]
-    for name, model in LARGER:  # the largest the planner says fits, with full AC
-        overrides = job(model, extra=["training.activation_checkpointing=full"], **base)
-        plan = plan_fits(overrides)
-        if plan and plan.get("fits"):
-            runs.append((f"largest-fitting-{name}-ac-full", overrides, ("dtlaunch",)))
-            break
+    runs = run_list(nproc, hw, args.steps, lambda ov: bool((plan_fits(ov) or {}).get("fits")))
     only = {s for s in args.only.split(",") if s}
     results = []
     for name, overrides, sides in runs:
@@ -200,8 +258,8 @@ def main() -> None:
         if pair.get("dtlaunch") and pair.get("handwritten"):
             ratios.append(f"- {name}: dtlaunch / hand-written = {pair['dtlaunch'] / pair['handwritten']:.3f}")
     device = re.sub(r"[^a-z0-9]+", "-", info["gpus"][0].lower()).strip("-")
-    stem = f"gpu-{device}-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}"
-    out_dir = BENCH / "gpu" / "results"
+    stem = f"gpu-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}-{device}"
+    out_dir = BENCH / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     md = "\n".join(
         [
@@ -209,8 +267,8 @@ def main() -> None:
             "",
             f"- machine: {describe_machine(info)}; hardware={hw}; {nproc} GPU(s)",
             f"- command: `bash bench/gpu/run.sh` ({' '.join(sys.argv[1:]) or 'defaults'}), {report['wall_s']:.0f} s",
-            f"- job: Llama 1B shape, bf16, FSDP2 (world {nproc}), micro-batch 4 x 2048 tokens per GPU, "
-            f"{args.steps} steps, first {args.warmup} excluded; one run per row",
+            f"- job: Llama 1B shape (and truncated 8B/70B shapes), bf16, FSDP2 (world {nproc}), micro-batch 4 "
+            f"x 2048 tokens per GPU, {args.steps} steps, first {args.warmup} excluded; one run per row",
             "",
             table,
             "",

@@ -96,6 +96,8 @@ RANGES: dict[str, Range] = {
     "training.grad_clip": NON_NEGATIVE,
     "training.max_bad_steps": NON_NEGATIVE,
     "training.log_every": AT_LEAST_1,
+    "training.ac_every_n_layers": AT_LEAST_1,  # 1 = every block
+    "training.ac_memory_budget": Range(0, 1),  # 0 = no budget, 1 = what compile saves anyway
     "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation
     "training.eval_batches": AT_LEAST_1,
     "optim.lr": POSITIVE,

@@ -93,6 +93,9 @@ class PrecisionConfig:
     reduce_dtype: str = "fp32"
     # Dynamic loss scaling; required for fp16 (validated), ignored otherwise.
     loss_scaling: bool = False
+    # Float8 matmuls in the blocks' linears through torchao (none | tensorwise | rowwise scaling); needs
+    # a hardware profile with float8 tensor cores (hardware.float8: Hopper, Blackwell).
+    float8: str = "none"
 
 
 @dataclass
@@ -104,6 +107,13 @@ class TrainingConfig:
     steps: int = 20
     seed: int = 1234
     activation_checkpointing: str = "none"
+    # Selective AC policy. op: inside each block save attention's output and every other matmul's,
+    # recompute the rest; layer: checkpoint (fully) every ac_every_n_layers-th block, keep the others.
+    ac_policy: str = "op"
+    ac_every_n_layers: int = 2
+    # Selective AC under compile by torch's activation-memory-budget partitioner instead of a policy:
+    # the fraction (0..1] of the compiled graph's saved activations to keep; 0 = off.
+    ac_memory_budget: float = 0.0
     compile: bool = False
     grad_clip: float = 1.0
     # Non-finite loss or grad norm: skip the step; stop after this many in a row.
@@ -251,6 +261,8 @@ class HardwareConfig:
     context_gib: float = 0.0
     comm_buffers_gib: float = 0.0
     fragmentation: float = 0.0
+    # Float8 tensor cores (Hopper, Ada, Blackwell): precision.float8 is refused on profiles without them.
+    float8: bool = False
 
 
 @dataclass

@@ -17,6 +17,8 @@ from dtlaunch.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "selective", "full")
+AC_POLICIES = ("op", "layer")
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 # Schedules by our name -> torch.distributed.pipelining class; other torch class names also work.
 PP_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -210,8 +212,28 @@ def check_precision(cfg: Any, notes: list[str]) -> None:
         _fail(f"precision.reduce_dtype='{p.reduce_dtype}' is unknown: use one of {', '.join(DTYPES)}")
     if p.param_dtype == "fp16" and not p.loss_scaling:
         _fail("precision.param_dtype=fp16 needs loss scaling (gradients underflow): set precision.loss_scaling=true")
+    check_float8(cfg)
     if cfg.hardware.name == "cpu" and "fp16" in (p.param_dtype, p.reduce_dtype) and cfg.cluster.kind == "local":
         notes.append("fp16 on CPU is slow and poorly supported; bf16 is the better choice there")
+
+
+def check_float8(cfg: Any) -> None:
+    p, hw = cfg.precision, cfg.hardware
+    if p.float8 not in FLOAT8_RECIPES:
+        _fail(f"precision.float8='{p.float8}' is unknown: use one of {', '.join(FLOAT8_RECIPES)}")
+    if p.float8 == "none":
+        return
+    if not hw.float8:
+        _fail(
+            f"precision.float8={p.float8} needs float8 tensor cores, which hardware={hw.name} does not have: "
+            "use a Hopper/Ada/Blackwell profile (e.g. hardware=h100_80gb) or precision.float8=none"
+        )
+    if p.param_dtype != "bf16":
+        _fail(
+            f"precision.float8={p.float8} computes the rest in bf16: set precision=bf16 (param_dtype is {p.param_dtype})"
+        )
+    if int(cfg.strategy.tp) > 1:
+        _fail(f"precision.float8={p.float8} with strategy.tp={cfg.strategy.tp} is not supported: use strategy.tp=1")
 
 
 def check_training(cfg: Any, notes: list[str]) -> None:
@@ -221,6 +243,7 @@ def check_training(cfg: Any, notes: list[str]) -> None:
             f"training.activation_checkpointing='{t.activation_checkpointing}' is unknown: use one of "
             f"{', '.join(AC_MODES)}"
         )
+    check_ac_options(t)
     if t.seq_len > cfg.model.max_seq_len:
         _fail(
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of "
@@ -230,6 +253,23 @@ def check_training(cfg: Any, notes: list[str]) -> None:
         _fail(f"optim.name='{cfg.optim.name}' is unknown: use adamw")
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         _fail(f"optim.schedule='{cfg.optim.schedule}' is unknown: use cosine, linear or constant")
+
+
+def check_ac_options(t: Any) -> None:
+    """The selective-AC knobs: a known policy, a positive layer stride, a budget in [0, 1] that needs compile."""
+    if t.ac_policy not in AC_POLICIES:
+        _fail(f"training.ac_policy='{t.ac_policy}' is unknown: use one of {', '.join(AC_POLICIES)}")
+    budget = float(t.ac_memory_budget)  # its range [0, 1] and ac_every_n_layers >= 1: config.ranges
+    if budget > 0 and not t.compile:
+        _fail(
+            f"training.ac_memory_budget={budget:g} is applied by torch.compile's partitioner: set "
+            "training.compile=true, or use training.ac_policy=op|layer without a budget"
+        )
+    if budget > 0 and t.activation_checkpointing != "selective":
+        _fail(
+            f"training.ac_memory_budget={budget:g} is a selective mode: set "
+            f"training.activation_checkpointing=selective (it is '{t.activation_checkpointing}')"
+        )
 
 
 def check_checkpoint(cfg: Any, notes: list[str]) -> None:

@@ -57,7 +57,7 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     gb = global_batch(cfg, lay)
     tokens = gb * t.seq_len
     flops_model = (6 * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
-    recompute = {"none": 0.0, "selective": 0.1, "full": 1 / 3}[t.activation_checkpointing]
+    recompute = recompute_fraction(t)
     compute = (
         flops_model * (1 + recompute) / (lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY)
     )
@@ -225,3 +225,18 @@ def _why(row: dict, best: dict) -> str:
     if deltas[worst] <= 0:
         return f"+{slower:.1f}% (ties; more memory)"
     return f"+{slower:.1f}%: {label[worst]}"
+
+
+def recompute_fraction(t: Any) -> float:
+    """Extra compute of activation checkpointing, as a fraction of forward + backward (3 forwards).
+    Full: one forward more (1/3). Op policy: the recomputed matmuls (wk, wo, w3) are about a third of a
+    Llama block's forward flops (Llama-3.1-8B: 36 %), so ~0.12. Layer policy: full on 1 block in n.
+    Memory budget: the partitioner recomputes the cheapest ops first; taken as the op policy's cost."""
+    mode = t.activation_checkpointing
+    if mode == "full":
+        return 1 / 3
+    if mode != "selective":
+        return 0.0
+    if t.ac_policy == "layer" and float(t.ac_memory_budget) == 0:
+        return 1 / (3 * int(t.ac_every_n_layers))
+    return 0.12

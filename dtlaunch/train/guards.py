@@ -1,14 +1,19 @@
 """Collective-timeout guard: name the ranks that never reached the step a collective timed out in.
 
 gloo reports a timed-out collective as "Timed out waiting Nms for recv ..." without saying which peer is
-missing. Each rank therefore records the step it has entered in the rendezvous store (one small `set` per
-step); when a collective times out, the rank that saw it reads the others' records and raises one line that
+missing. Each rank therefore records the step it has entered in the rendezvous store; when a collective times out, the rank that saw it reads the others' records and raises one line that
 names the ranks still behind. With NCCL the watchdog aborts the process instead of raising, so there only
 torch's own message (and the logs) remain.
+
+The record is written by a heartbeat thread a few times a second, not by the loop: a store `set` is a
+round trip to the launcher's TCP store, which every step would pay for. A collective times out only
+after launch.timeout_s (seconds), long after the heartbeat has written the step a rank reached.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -47,10 +52,24 @@ class StepWatch:
         self.world = world
         self.timeout_s = timeout_s
         self.store = _default_store()
+        self._step = -1  # the step this rank has entered; the heartbeat thread publishes it
+        self._written = -1
+        if self.store is not None:
+            threading.Thread(target=self._beat, name="dtlaunch-stepwatch", daemon=True).start()
 
     def reached(self, step: int) -> None:
-        if self.store is not None:
-            self.store.set(f"{_KEY}{self.rank}", str(step))
+        self._step = step
+
+    def _beat(self, period_s: float = 0.2) -> None:
+        while True:
+            step = self._step
+            if step != self._written:
+                try:
+                    self.store.set(f"{_KEY}{self.rank}", str(step))  # TCPStore's client is thread-safe
+                except (RuntimeError, ValueError, OSError):
+                    return  # the store is gone (shutdown): nothing left to record
+                self._written = step
+            time.sleep(period_s)
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:

@@ -33,7 +33,8 @@ from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
 from dtlaunch.train.phases import phase
-from dtlaunch.train.step import StepContext, end_of_step, train_step
+from dtlaunch.train.step import StepContext, train_step
+from dtlaunch.train.step_sync import StepOutcome, WindowSync
 
 
 class TrainingDiverged(DtlaunchError):
@@ -177,54 +178,48 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     tracker = PeakTracker(parts, optimizers, enabled=True, device=env.device)
     tokens_per_step = accum * int(cfg.training.micro_batch) * dp_size * int(cfg.training.seq_len)
     rates: list[float] = []
-    bad, skipped_total, last_loss = 0, 0, None
+    state = _LoopState()
     last_eval: dict[str, float] = {}
     watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
+    sync = WindowSync(env.device, int(cfg.training.log_every), int(cfg.training.steps))
     for step in range(start + 1, int(cfg.training.steps) + 1):
         maybe_fail(cfg, step, env.rank)
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
         with watch.step(step), tracker.step(step):
             result = train_step(ctx, step)
-            loss, signum = end_of_step(result.local_loss, preempt.requested())
-        rates.append(tokens_per_step / (time.perf_counter() - began))
-        skipped = not result.applied or not math.isfinite(loss)
-        last_loss = loss
-        bad = bad + 1 if skipped else 0
-        skipped_total += int(skipped)
+            rates.append(tokens_per_step / (time.perf_counter() - began))
+            done = sync.push(
+                step, result.local_loss, result.grad_norm, result.applied, preempt.requested(), lr=lr, rate=rates[-1]
+            )
         # Outside the step's timing; its own loader and no RNG, so training and resume are unaffected.
         evaluated = (
             evaluate(ctx, val_loader, int(cfg.training.eval_batches)) if val_loader and eval_steps(cfg, step) else {}
         )
-        last_eval = evaluated or last_eval
-        # Every step is logged; the logger buffers and writes/prints every training.log_every steps.
-        metrics.log(
-            step,
-            {
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": result.grad_norm,
-                "tokens_per_s": rates[-1],
-                "peak_mem_bytes": measure_peak_memory(tracker),
-                "skipped": int(skipped),
-                **evaluated,
-            },
-        )
-        if skipped and bad >= int(cfg.training.max_bad_steps):
-            raise TrainingDiverged(
-                f"{bad} steps in a row with a non-finite loss or gradient norm (last at step "
-                f"{step}): lower optim.lr, or raise training.max_bad_steps"
-            )
+        if evaluated:
+            last_eval = state.evals[step] = evaluated
+        _account(done, cfg, metrics, tracker, state)
+        if _saves_at(cfg, step):
+            # A checkpointed step's metrics line must exist before a restart can resume after it.
+            with watch.step(step):
+                _account(sync.drain(), cfg, metrics, tracker, state)
+            metrics.flush()
         ckpt.maybe_save(step)
-        # Preemption: end_of_step told every rank the same signal, so all stop after this step and save it.
-        if signum:
-            preempt.stopping(signum)
-        if signum and step < int(cfg.training.steps):
-            ckpt.save(step, final=True)
-            ckpt.close()
-            metrics.close()
-            metrics.finish_trackers(None)
-            raise preempt.PreemptionStop(step, signum)
+        # Preemption: every rank read the same window, so all stop after this step and save it.
+        if sync.signum:
+            with watch.step(step):
+                _account(sync.drain(), cfg, metrics, tracker, state)
+            preempt.stopping(sync.signum)
+            if step < int(cfg.training.steps):
+                ckpt.save(step, final=True)
+                ckpt.close()
+                metrics.close()
+                metrics.finish_trackers(None)
+                raise preempt.PreemptionStop(step, sync.signum)
+        state.ended[step] = time.perf_counter()
+    with watch.step(int(cfg.training.steps)):
+        _account(sync.drain(), cfg, metrics, tracker, state)
+    skipped_total, last_loss = state.skipped_total, state.last_loss
     final_step = max(start, int(cfg.training.steps))
     ckpt.save(final_step, final=True)
     ckpt.close()
@@ -234,6 +229,50 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     )
     metrics.finish_trackers(summary)
     log(f"done at step {final_step}; {skipped_total} skipped step(s)")
+
+
+class _LoopState:
+    """Counters the loop keeps across windows of step outcomes."""
+
+    def __init__(self) -> None:
+        self.bad = 0
+        self.skipped_total = 0
+        self.last_loss: float | None = None
+        self.ended: dict[int, float] = {}  # step -> perf_counter at the end of its loop iteration
+        self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
+
+
+def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, state: _LoopState) -> None:
+    """Metrics lines and the bad-step check for the steps whose window was just read."""
+    peak = measure_peak_memory(tracker) if done else 0  # once per window, not per step
+    for out in done:
+        skipped = not out.applied or not math.isfinite(out.loss)
+        state.last_loss = out.loss
+        state.bad = state.bad + 1 if skipped else 0
+        state.skipped_total += int(skipped)
+        values = {
+            "loss": out.loss,
+            "lr": out.host["lr"],
+            "grad_norm": out.grad_norm,
+            "tokens_per_s": out.host["rate"],
+            "peak_mem_bytes": peak,
+            "skipped": int(skipped),
+            **state.evals.pop(out.step, {}),
+        }
+        if out.step in state.ended:  # the step's own end, not when its window was read
+            values["ended_at"] = state.ended.pop(out.step)
+        metrics.log(out.step, values)
+        if skipped and state.bad >= int(cfg.training.max_bad_steps):
+            raise TrainingDiverged(
+                f"{state.bad} steps in a row with a non-finite loss or gradient norm (last at step "
+                f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
+            )
+
+
+def _saves_at(cfg: Any, step: int) -> bool:
+    """Whether CheckpointManager.maybe_save saves at `step` (its cadence)."""
+    every = int(cfg.checkpoint.every_steps)
+    return bool(cfg.checkpoint.enabled) and every > 0 and step % every == 0
 
 
 def _local_numel(p: torch.Tensor) -> int:

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 from dtlaunch.models.flops import flops_per_token, mfu
 
+TB_BATCH_S = 5.0  # seconds between hand-overs of buffered scalars to TensorBoard
+
 # Keys shown on the progress line, with their format.
 _SHOWN = (
     ("loss", "loss {:.4f}"),
@@ -77,6 +79,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
         self._tb: Any = None
+        self._tb_rows: list[tuple[str, float, int]] = []
+        self._tb_sent = 0.0  # the first step's scalars go at once (creates the event file early)
         self._t0 = self._t_window = time.perf_counter()
         self._world, self._tokens_per_step = _world_and_tokens(cfg)
         self._fpt = flops_per_token(cfg.model, int(cfg.training.seq_len))
@@ -115,7 +119,8 @@ class MetricsLogger:
             if u is not None:
                 rec.setdefault("mfu", u)
             rec.setdefault("peak_mem_bytes", peak)
-            rec["elapsed_s"] = round(now - self._t0, 3)
+            # When the step itself ended (the loop passes it: lines are written a window after their step).
+            rec["elapsed_s"] = round(rec.pop("ended_at", now) - self._t0, 4)
             rec["time"] = round(time.time(), 3)  # wall clock, for launch-overhead measurements
             self._jsonl.write(json.dumps(rec) + "\n")
             self._write_tb(step, rec)
@@ -124,15 +129,30 @@ class MetricsLogger:
         self._pending.clear()
 
     def _write_tb(self, step: int, rec: dict[str, Any]) -> None:
+        """Scalars are handed to TensorBoard in batches every TB_BATCH_S seconds (and at close): each
+        add_scalar wakes SummaryWriter's writer thread, ~20 us apiece, every step otherwise. TensorBoard
+        itself writes its file only every flush_secs (120 s), so nothing shows up later than before."""
         if not self._use_tb:
+            return
+        self._tb_rows.extend(
+            (k.replace("val_", "val/", 1) if k.startswith("val_") else f"train/{k}", v, step)
+            for k, v in rec.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        )
+        if time.perf_counter() - self._tb_sent >= TB_BATCH_S:
+            self._flush_tb()
+
+    def _flush_tb(self) -> None:
+        self._tb_sent = time.perf_counter()
+        if not self._tb_rows:
             return
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
-        for k, v in rec.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(k.replace("val_", "val/", 1) if k.startswith("val_") else f"train/{k}", v, step)
+        for tag, value, step in self._tb_rows:
+            self._tb.add_scalar(tag, value, step)
+        self._tb_rows.clear()
 
     def finish_trackers(self, summary: Optional[dict[str, Any]]) -> None:
         """Hand the end-of-run summary (None: the run stopped early) to W&B / MLflow and close them."""
@@ -147,6 +167,7 @@ class MetricsLogger:
         self.flush()
         self._display.stop()
         self._jsonl.close()
+        self._flush_tb()
         if self._tb is not None:
             self._tb.close()
         if self.cfg.training.loss_plot:

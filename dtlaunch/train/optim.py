@@ -88,3 +88,28 @@ def build_grad_scaler(cfg: Any, device: torch.device, group: Optional[Any] = Non
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(device=device.type, process_group=group)
+
+
+def skips_on_device(opt: Any) -> bool:
+    """A fused torch Adam/AdamW can skip a step inside its kernel (its `found_inf` input, the path
+    GradScaler uses), so a non-finite gradient norm needs no host sync. Only on accelerators: on CPU the
+    runtime keeps foreach (what the planner's CPU measurements were taken with) and decides on the host."""
+    return isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused")) and _on_accelerator(opt)
+
+
+def _on_accelerator(opt: torch.optim.Optimizer) -> bool:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            return local.device.type not in ("cpu", "meta")
+    return False
+
+
+def step_unless_nonfinite(opt: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """`opt.step()`, which leaves parameters, moments and step counts as they were when `grad_norm` is
+    not finite; decided on the device (fused Adam/AdamW only, see `skips_on_device`)."""
+    opt.found_inf = (~torch.isfinite(grad_norm)).float()  # type: ignore[attr-defined]
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf  # type: ignore[attr-defined]

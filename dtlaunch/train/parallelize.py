@@ -1,26 +1,24 @@
 """One path from a meta-device model (or pipeline stage) to a parallel, initialised module.
 
-Fixed order, one concern per function: tensor parallel -> activation checkpointing -> compile ->
+Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel -> activation checkpointing -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
-Activation checkpointing policy ("selective"): inside each block, save the outputs of the matmuls and
-of attention (the expensive ops, whose outputs are the big inputs of backward) and recompute everything
-elementwise (RMSNorm, RoPE, SiLU, residual adds), which costs little compute and frees the many small
-intermediate tensors. "full" recomputes the whole block in backward; "none" keeps everything.
+Activation checkpointing ("none", "full", and the "selective" policies): dtlaunch.train.ac.
 """
 
 from __future__ import annotations
 
 import contextlib
-from functools import partial
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtlaunch.config.layout import Layout
+from dtlaunch.train.ac import apply_ac
+from dtlaunch.train.float8 import apply_float8
 from dtlaunch.train.init import materialize_and_init
 from dtlaunch.train.mesh import dp_mesh, sub_mesh
 
@@ -33,12 +31,13 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper.
     """
     device = _device(world_mesh)
+    apply_float8(model, cfg.precision.float8, device)
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
         from dtlaunch.train.tensor_parallel import apply_tp
 
         apply_tp(model, tp_mesh, cfg)
-    apply_ac(model, cfg.training.activation_checkpointing)
+    apply_ac(model, cfg.training)
     if cfg.training.compile:
         apply_compile(model)
     zero = int(cfg.strategy.zero_stage)
@@ -56,48 +55,6 @@ def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
-
-
-def apply_ac(model: nn.Module, mode: str) -> None:
-    if mode == "none":
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    kwargs: dict[str, Any] = {"preserve_rng_state": False}
-    if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
-
-
-def _save_ops() -> set:
-    aten = torch.ops.aten
-    ops = {
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-    cudnn = getattr(aten, "_scaled_dot_product_cudnn_attention", None)
-    if cudnn is not None:
-        ops.add(cudnn.default)
-    return ops
-
-
-_SAVE_OPS: Optional[set] = None
-
-
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    global _SAVE_OPS
-    if _SAVE_OPS is None:
-        _SAVE_OPS = _save_ops()
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -128,7 +85,9 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any, device: torch.device
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, process_group=mesh.get_group(), device_ids=ids)
+    # No buffer broadcast before every forward (DDP's default): the model's buffers (RoPE tables) are
+    # computed identically on every rank and never change, and the broadcast costs a collective per step.
+    ddp = DistributedDataParallel(model, process_group=mesh.get_group(), device_ids=ids, **no_buffer_sync())
     reduce = cfg.precision.reduce_dtype
     if reduce != "fp32":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -136,6 +95,17 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any, device: torch.device
         hook = default_hooks.bf16_compress_hook if reduce == "bf16" else default_hooks.fp16_compress_hook
         ddp.register_comm_hook(mesh.get_group(), hook)
     return ddp
+
+
+def no_buffer_sync() -> dict:
+    """DDP's keyword for "no buffer broadcast before each forward": torch 2.13 renamed it."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def uses_fsdp(module: nn.Module) -> bool:

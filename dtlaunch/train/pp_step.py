@@ -80,8 +80,10 @@ def _squared_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
 
     Local sums are grouped by (mesh, sharded mesh dims) and all-reduced over the sharded dims only:
     replicated dims hold copies, which must not be added twice. Plain tensors are full copies.
+    Within a group the norms come from one multi-tensor kernel per (device, dtype) (what
+    torch.nn.utils.get_total_norm uses): one op per gradient would cost tens of microseconds each.
     """
-    groups: dict[tuple, torch.Tensor] = {}
+    locals_by_key: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         key: tuple = ()
         if isinstance(g, DTensor):
@@ -91,16 +93,16 @@ def _squared_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
             dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
             key = (g.device_mesh, dims) if dims else ()
             g = g.to_local()
-        sq = g.detach().float().pow(2).sum()
-        groups[key] = groups[key] + sq if key in groups else sq
-    total = torch.zeros(())
+        locals_by_key.setdefault(key, []).append(g.detach())
+    groups = {key: _sum_of_squares(ts) for key, ts in locals_by_key.items()}
+    total = None  # no host-side zero: copying it to a GPU would synchronise the stream every step
     for key, sq in groups.items():
         if key:
             mesh, dims = key
             for d in dims:
                 dist.all_reduce(sq, group=mesh.get_group(d))
-        total = total.to(sq.device) + sq
-    return total
+        total = sq if total is None else total + sq.to(total.device)
+    return total if total is not None else torch.zeros(())
 
 
 @torch.no_grad()
@@ -118,6 +120,25 @@ def clip_grad_norm(
     total = sq.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+        for (device, _), ts in _by_device_dtype(g.to_local() if isinstance(g, DTensor) else g for g in grads).items():
+            torch._foreach_mul_(ts, coef.to(device))
+    return total
+
+
+def _by_device_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 sum of the squares of every element, via one foreach norm per (device, dtype)."""
+    parts = []
+    for ts in _by_device_dtype(tensors).values():
+        norms = torch._foreach_norm(ts, 2.0, dtype=torch.float32)
+        parts.append(torch.stack(norms).pow(2).sum())
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p.to(total.device)
     return total

@@ -61,7 +61,7 @@ def requested() -> int:
 
 
 def stopping(signum: int) -> None:
-    """All ranks agreed to stop for `signum` (see dtlaunch.train.step.end_of_step): tell the launcher."""
+    """All ranks agreed to stop for `signum` (see dtlaunch.train.step_sync.WindowSync): tell the launcher."""
     _notify_agent(signum)
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.train.optim import skips_on_device, step_unless_nonfinite
 from dtlaunch.train.parallelize import compute_context, grad_sync
 from dtlaunch.train.pp_step import clip_grad_norm, pp_forward_backward
 from dtlaunch.train.tensor_parallel import cross_entropy
@@ -25,11 +25,13 @@ from dtlaunch.train.tensor_parallel import cross_entropy
 
 @dataclass
 class StepResult:
-    # This rank's loss (micro-step means / accum, summed), still on the device: `end_of_step` averages it.
+    # This rank's loss (micro-step means / accum, summed), still on the device: the loop's WindowSync
+    # averages it over ranks.
     local_loss: torch.Tensor
-    grad_norm: float
-    # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler).
-    applied: bool
+    grad_norm: torch.Tensor  # fp32 scalar, equal on every rank, not yet read by the host
+    # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler). A device
+    # tensor when the optimizer skips on the device (no host sync; see dtlaunch.train.optim).
+    applied: Any
 
 
 @dataclass
@@ -53,6 +55,7 @@ class StepContext:
         # Read once: OmegaConf attribute access costs tens of microseconds per step.
         self.grad_clip = float(self.cfg.training.grad_clip)
         self.nan_steps = frozenset(int(s) for s in self.cfg.debug.nan_at_steps)
+        self.skip_on_device = self.scaler is None and all(skips_on_device(o) for o in self.optimizers)
 
 
 def train_step(ctx: StepContext, step: int) -> StepResult:
@@ -60,21 +63,32 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
     poison = step in ctx.nan_steps  # test hook: a NaN loss must be skipped, not applied
     local_loss = torch.zeros((), device=ctx.device)
     for micro in range(ctx.accum):
-        inputs, targets = (t.to(ctx.device) for t in ctx.loader.next_batch())
+        inputs, targets = (to_device(t, ctx.device) for t in ctx.loader.next_batch())
         with grad_sync(ctx.model_parts, enabled=micro == ctx.accum - 1):
             local_loss += _micro_step(ctx, inputs, targets, poison)
     if ctx.scaler is not None:
         for opt in ctx.optimizers:
             ctx.scaler.unscale_(opt)
     params = [list(m.parameters()) for m in ctx.model_parts]
-    # The one host sync of the step: the global norm decides whether the update is applied. A non-finite
-    # loss on any rank makes every gradient, and so this all-reduced norm, non-finite on every rank.
-    grad_norm = float(clip_grad_norm(params, ctx.grad_clip, ctx.pp_mesh))
-    # With fp16 loss scaling an overflowing step is routine: the scaler skips it and lowers the scale.
-    applied = ctx.scaler is not None or math.isfinite(grad_norm)
-    if applied:
+    # The global norm decides whether the update is applied. A non-finite loss on any rank makes every
+    # gradient, and so this all-reduced norm, non-finite on every rank.
+    grad_norm = clip_grad_norm(params, ctx.grad_clip, ctx.pp_mesh)
+    if ctx.scaler is not None:
+        # With fp16 loss scaling an overflowing step is routine: the scaler skips it and lowers the scale.
+        applied: Any = True
         for opt in ctx.optimizers:
-            ctx.scaler.step(opt) if ctx.scaler is not None else opt.step()
+            ctx.scaler.step(opt)
+    elif ctx.skip_on_device:
+        # Fused AdamW skips a non-finite step inside its kernel: the host never waits for the norm.
+        applied = torch.isfinite(grad_norm)
+        for opt in ctx.optimizers:
+            step_unless_nonfinite(opt, grad_norm)
+    else:
+        # Host decision (free on CPU, where there is no queue of kernels to stall).
+        applied = math.isfinite(float(grad_norm))
+        if applied:
+            for opt in ctx.optimizers:
+                opt.step()
     if ctx.scaler is not None:
         ctx.scaler.update()
     for opt in ctx.optimizers:
@@ -82,6 +96,15 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
     for sched in ctx.schedulers:
         sched.step()
     return StepResult(local_loss=local_loss, grad_norm=grad_norm, applied=applied)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on the device. To a GPU through pinned memory without blocking: a plain `.to()` from
+    pageable memory synchronises the stream, so the host would wait for the previous step's kernels
+    before queueing this one's."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, poison: bool) -> torch.Tensor:
@@ -112,23 +135,3 @@ def _micro_step(ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor, p
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-def end_of_step(local_loss: torch.Tensor, signal_requested: int) -> tuple[float, int]:
-    """The one extra collective per step, on every rank: the data-parallel mean loss and whether any rank
-    was asked to stop (preemption), in a single SUM all-reduce of [loss, asked, signal number].
-
-    TP and PP peers hold equal copies of their replica's loss, so the world mean is the data-parallel
-    mean. The signal is recovered as the mean signal number over the ranks that got one."""
-    t = torch.stack(
-        [
-            local_loss.detach().float().reshape(()),
-            torch.tensor(float(signal_requested > 0), device=local_loss.device),
-            torch.tensor(float(signal_requested), device=local_loss.device),
-        ]
-    )
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.all_reduce(t)
-    loss, asked, total = t.tolist()
-    return loss / world, (round(total / asked) if asked else 0)

@@ -54,3 +54,27 @@ def test_summary_rows_render_goals() -> None:
     rows = run_all.summary_rows(r)
     assert rows[0][-1] == "yes" and rows[0][1].startswith("0.990")
     assert rows[1] == ["dtlaunch --help", "0.50 s", "< 0.3 s", "no"]
+
+
+def test_gpu_bench_dry_run_plans_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/gpu's CPU side: every run composes, validates and gets a plan that fits an H100."""
+    from bench.gpu import gpu_bench
+
+    names = [r[0] for r in gpu_bench.run_list(1, "h100_80gb", 20, lambda overrides: True)]
+    assert len(names) == len(set(names)) and {"1b-compile-budget-0.5", "70b-2l-compile-ac-op"} <= set(names)
+    some = {"1b-eager", "1b-compile", "1b-eager-ac-op", "1b-eager-ac-full", "70b-2l-compile-ac-op"}
+    rows = gpu_bench.dry_run("NVIDIA H100 80GB HBM3", nproc=1, steps=20, only=some)
+    assert {r["name"] for r in rows} == some and all(r["fits"] for r in rows), rows
+    by = {r["name"]: r["predicted_bytes"] for r in rows}
+    assert by["1b-eager-ac-full"] < by["1b-eager-ac-op"] < by["1b-eager"]
+    assert by["1b-compile"] < by["1b-eager"]
+    assert gpu_bench.hardware_option("NVIDIA H200") == "h200_141gb"
+
+
+def test_torchtitan_comparison_plans_every_published_config() -> None:
+    from bench import torchtitan_compare
+
+    assert len(torchtitan_compare.ROWS) == 9
+    rows = [torchtitan_compare.plan_row(torchtitan_compare.ROWS[i]) for i in (0, 6, 8)]  # 8B, 70B, 405B
+    assert all(r["planned_reserved_gib"] > 0 for r in rows)
+    assert "| 8B FSDP 8, op-SAC |" in torchtitan_compare.table(rows)

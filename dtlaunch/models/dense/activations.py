@@ -22,15 +22,17 @@ head; its output goes to RoPE, which saves no input: (4 + e)·(q + k) + 4·(a + 
 Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
 parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
 column-parallel linears is full: norms give (4h + eh + 4)/t + eh each.
-Selective AC (op-level, saves the outputs of matmuls and SDPA, recomputes norms/RoPE/SwiGLU
-pointwise): block input + q, k, v, wo, w1, w3, w2 outputs + SDPA out and logsumexp.
+Selective AC, op policy (dtlaunch.train.ac: attention and every other matmul saved, the 1st, 3rd, ...
+of the block): block input + wq, wv, w1, w2 outputs + SDPA out and logsumexp; wk, wo, w3 and
+everything elementwise are recomputed.
+Selective AC, layer policy: every n-th block is fully checkpointed, the others keep their no-AC set.
 Full AC: the block input only; during backward one block's no-AC set is live again (recompute).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES  # noqa: F401 (planner code reads it here too)
@@ -83,12 +85,20 @@ def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, 
     return 4 * d.h + 2 * e * d.h + 4
 
 
-def block_bytes_no_ac(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
+def block_bytes_no_ac(
+    d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+) -> float:
     attn = e * (2 * d.qw + 2 * d.k) + 4 * d.a
     if d.qk_norm:
         attn += (4 + e) * (d.qw + d.k) + 4 * (d.a + d.k // d.head)
     mlp = 4 * e * d.f
     norms = norm_bytes(d, e, tp, sp, autocast, 3) + norm_bytes(d, e, tp, sp, autocast, 2)
+    if compiled:
+        # Inductor's partitioner recomputes cheap pointwise values from what it saves anyway: each norm's
+        # fp32 copy of its input (4h) and SwiGLU's SiLU output (e·F) are not saved. Measured with
+        # saved-tensor hooks on compiled CPU blocks (fp32 and bf16, two shapes): exact.
+        norms -= 2 * 4 * d.h / (tp if tp > 1 and sp else 1)
+        mlp -= e * d.f
     return norms + (attn + mlp) / tp
 
 
@@ -97,21 +107,50 @@ def block_input_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autoc
     return (4 if autocast else e) * d.h / (tp if tp > 1 and sp else 1)
 
 
-def block_bytes_selective(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
-    # Matmul outputs: q (h), k, v (k each), wo (h, reduced to the residual), w1, w3 (F each), w2 (h);
-    # SDPA output (h) + logsumexp. wo/w2 outputs are sequence-sharded under SP.
-    sharded = e * (2 * d.qw + 2 * d.k + 2 * d.f) + 4 * d.a
-    residual_mm = 2 * e * d.h / (tp if tp > 1 and sp else 1)
+def block_bytes_selective(
+    d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+) -> float:
+    # Op policy: saved matmul outputs q (h), v (k), w1 (F), w2 (h, reduced to the residual, so
+    # sequence-sharded under SP); SDPA output (h) + logsumexp. Compiled, w2's output is not kept: eager
+    # SAC stores every must-save output, the compiled graph only those backward reads (the residual
+    # add's backward reads none). Measured on compiled CPU blocks.
+    sharded = e * (2 * d.qw + d.k + d.f) + 4 * d.a
+    residual_mm = 0.0 if compiled else e * d.h / (tp if tp > 1 and sp else 1)
     return block_input_bytes(d, e, tp, sp, autocast) + sharded / tp + residual_mm
 
 
-def block_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
-    """Bytes per token one block keeps from its forward until its backward."""
+def ac_mix(t: Any, layer_ids: Sequence[int]) -> dict[str, int]:
+    """How many of a stage's blocks run under each checkpointing kind ("none", "full", "selective",
+    "budget"). The layer policy checkpoints the every-th, 2·every-th, ... block by global index, the
+    rule of dtlaunch.train.ac.checkpointed_layer (not imported: the planner does not import torch)."""
+    mode, n = t.activation_checkpointing, len(layer_ids)
+    if mode == "selective" and float(t.ac_memory_budget) > 0:
+        return {"budget": n}
+    if mode == "selective" and t.ac_policy == "layer":
+        every = int(t.ac_every_n_layers)
+        ckpt = sum(1 for i in layer_ids if (i + 1) % every == 0)
+        return {"full": ckpt, "none": n - ckpt}
+    return {mode: n}
+
+
+def block_bytes_budget(
+    d: BlockDims, e: int, budget: float, tp: int = 1, sp: bool = False, autocast: bool = False
+) -> float:
+    """Compile's memory-budget partitioner keeps `budget` of what the graph would save without AC,
+    on top of the block input it always keeps."""
+    keep = block_input_bytes(d, e, tp, sp, autocast)
+    return keep + budget * (block_bytes_no_ac(d, e, tp, sp, autocast, compiled=True) - keep)
+
+
+def block_bytes(
+    d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+) -> float:
+    """Bytes per token one block keeps from its forward until its backward (`compiled`: training.compile)."""
     if ac == "full":
         return block_input_bytes(d, e, tp, sp, autocast)
     if ac == "selective":
-        return block_bytes_selective(d, e, tp, sp, autocast)
-    return block_bytes_no_ac(d, e, tp, sp, autocast)
+        return block_bytes_selective(d, e, tp, sp, autocast, compiled)
+    return block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
 
 
 def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:

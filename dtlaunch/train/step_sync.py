@@ -1,0 +1,127 @@
+"""What the ranks agree on after their steps, in one collective per logging window, read one window later.
+
+After each step every rank must learn the data-parallel mean loss (for the metrics), whether the update
+was applied (bad-step accounting) and whether any rank was asked to stop (preemption). These travel in
+a single SUM all-reduce per logging window (`training.log_every` steps), issued without waiting at the
+window's last step and read when the next window ends (or when the run stops). Neither the host nor
+the device waits in between: on a GPU the copy to host memory is queued behind the collective and is
+long finished when it is read, so kernel queueing never stalls; on CPU/gloo the collective runs in
+gloo's worker thread while the next steps compute.
+
+The trade-off: metrics lines, the bad-step check and a preemption stop lag by one window (one step at
+the default log_every=1). Every rank reads the same window at the same step, so they still all stop
+after the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class StepOutcome:
+    """One step as every rank sees it once its window is read."""
+
+    step: int
+    loss: float  # data-parallel mean
+    grad_norm: float
+    applied: bool
+    host: dict[str, Any] = field(default_factory=dict)  # values the loop measured on the host (lr, time)
+
+
+@dataclass
+class _Window:
+    steps: list[int]
+    host: list[dict[str, Any]]
+    reduced: torch.Tensor  # [loss per step..., asked, signal number], summed over ranks
+    local: torch.Tensor  # [grad norm per step..., applied per step...] (equal on every rank already)
+    work: Any = None  # the all-reduce in flight (gloo: waited for when read)
+    ready: Any = None  # CUDA event after the copies to the host
+
+
+class WindowSync:
+    """`push(step, ...)` after every step; returns the outcomes of the window that became readable."""
+
+    def __init__(self, device: torch.device, log_every: int, total_steps: int) -> None:
+        self.device = device
+        self.log_every = max(1, int(log_every))
+        self.total_steps = int(total_steps)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.signum = 0  # the stop signal every rank agreed on (0: none yet)
+        self._losses: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+        self._applied: list[Any] = []
+        self._steps: list[int] = []
+        self._host: list[dict[str, Any]] = []
+        self._in_flight: Optional[_Window] = None
+
+    def push(
+        self, step: int, local_loss: torch.Tensor, grad_norm: Any, applied: Any, signal_requested: int, **host: Any
+    ) -> list[StepOutcome]:
+        """Record this step; at a window's end send it and return the previous window's outcomes."""
+        self._steps.append(int(step))
+        self._losses.append(local_loss.detach().float().reshape(()))
+        self._norms.append(torch.as_tensor(grad_norm, dtype=torch.float32, device=self.device).reshape(()))
+        self._applied.append(applied)
+        self._host.append(host)
+        if step % self.log_every and step < self.total_steps:
+            return []
+        previous = self._in_flight
+        self._in_flight = self._send(signal_requested)
+        return self._read(previous) if previous is not None else []
+
+    def drain(self, signal_requested: int = 0) -> list[StepOutcome]:
+        """Everything not read yet (the run ends or stops): send the open window, read both."""
+        out = self._read(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = None
+        if self._steps:
+            out += self._read(self._send(signal_requested))
+        return out
+
+    def _send(self, signal_requested: int) -> _Window:
+        flags = torch.tensor([float(signal_requested > 0), float(signal_requested)])
+        if self.device.type == "cuda":  # a blocking copy from pageable memory would synchronise the stream
+            flags = flags.pin_memory().to(self.device, non_blocking=True)
+        reduced = torch.cat([torch.stack(self._losses), flags])
+        if all(isinstance(a, torch.Tensor) for a in self._applied):  # decided on the device
+            applied = torch.stack([a.float() for a in self._applied])
+        else:  # decided on the host (CPU, GradScaler): the flags are plain booleans
+            applied = torch.tensor([float(bool(a)) for a in self._applied])
+            if self.device.type == "cuda":
+                applied = applied.pin_memory().to(self.device, non_blocking=True)
+        local = torch.cat([torch.stack(self._norms), applied.to(self.device)])
+        win = _Window(self._steps, self._host, reduced, local)
+        self._steps, self._host, self._losses, self._norms, self._applied = [], [], [], [], []
+        if self.world > 1:
+            win.work = dist.all_reduce(win.reduced, async_op=True)
+        if self.device.type == "cuda":
+            # NCCL: wait() only orders the current stream after the collective; the copies follow it on
+            # the stream and the event says when they are done, so reading later never drains the queue.
+            if win.work is not None:
+                win.work.wait()
+                win.work = None
+            win.reduced = win.reduced.to("cpu", non_blocking=True)
+            win.local = win.local.to("cpu", non_blocking=True)
+            win.ready = torch.cuda.Event()
+            win.ready.record()
+        return win
+
+    def _read(self, win: _Window) -> list[StepOutcome]:
+        if win.work is not None:
+            win.work.wait()
+        if win.ready is not None:
+            win.ready.synchronize()
+        values = win.reduced.tolist()
+        local = win.local.tolist()
+        n = len(win.steps)
+        asked, total = values[n], values[n + 1]
+        if asked and not self.signum:
+            self.signum = round(total / asked)  # the mean signal number over the ranks that got one
+        return [
+            StepOutcome(step, values[i] / self.world, local[i], bool(local[n + i]), win.host[i])
+            for i, step in enumerate(win.steps)
+        ]
