@@ -52,7 +52,7 @@ def worker(out: Path, repeats: int) -> None:
 
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.models.shapes import human_count, param_count
     from dtlaunch.train.checkpoint import CheckpointManager, newest_complete
     from dtlaunch.train.dist_init import init_distributed

@@ -5,7 +5,7 @@ twice (the second call is measured, after compilation), and sums the unique stor
 saved-tensor hooks see, minus parameters and the RoPE tables (bytes per token). Eager selective AC keeps
 its saved values inside checkpoint's own storage, out of the hooks' sight, so AC rows are compiled only;
 eager AC is measured by the planner-accuracy runs instead. Compared with
-dtlaunch.plan.activations.block_bytes(..., compiled=True): the calibration of the compile model.
+dtlaunch.models.dense.activations.block_bytes(..., compiled=True): the calibration of the compile model.
 
     python bench/compile_saved.py [--models small,tiny] [--dtypes fp32,bf16]
 """
@@ -68,8 +68,8 @@ def saved_bytes_per_token(model: torch.nn.Module, mode: tuple, compiled: bool, d
 
 def main(argv: list[str] | None = None) -> None:
     from dtlaunch.config.compose import compose
+    from dtlaunch.models.dense import activations as act
     from dtlaunch.models.llama import build_model
-    from dtlaunch.plan import activations as act
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,tiny")

@@ -77,7 +77,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def build(args: argparse.Namespace, device: torch.device, world: int):  # noqa: ANN201 - (cfg, model, opt, sched)
     """The model (wrapped in DDP / FSDP2 when there is more than one rank), AdamW and its schedule."""
-    from dtlaunch.models.llama import Llama
+    from dtlaunch.models.dense.model import Llama
 
     cfg = model_config(args.model)
     torch.manual_seed(0)

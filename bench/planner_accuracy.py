@@ -3,6 +3,7 @@
   python bench/planner_accuracy.py            # single-process matrix (fake-PG rank 0, MemTracker)
   python bench/planner_accuracy.py --real     # real `dtlaunch train` runs; reads plan.json + summary.json
   python bench/planner_accuracy.py --real --only 3,7   # a subset (indices into REAL)
+  python bench/planner_accuracy.py --families # real runs of the other registry families (FAMILIES)
 
 --real writes bench/results/planner_accuracy_cpu.md. Bounds the issue asks for: median |error| <= 3 %,
 max <= 8 %. "Measured" is the max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter
@@ -62,6 +63,21 @@ REAL = [  # overrides for real multi-process runs
     ["strategy=zero1", N2, BF16],
     ["strategy=ddp", N2, FULL],
     ["strategy=3d", N8, "strategy.pp_microbatches=2"],
+]
+# The planner7m shape as each registered family (flags that change parameters or saved activations).
+QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]
+QWEN3 = ["model.arch=qwen3", "model.qk_norm=true", "model.head_dim=48"]
+TIED = ["model.tie_embeddings=true"]
+MISTRAL = ["model.arch=mistral", "model.sliding_window=64"]
+FAMILIES = [
+    [*QWEN2, "strategy=ddp", N2],
+    [*QWEN2, "strategy=tp", N2, BF16, SEL],
+    [*QWEN3, "strategy=zero3", N2],
+    [*QWEN3, "strategy=tp", N2],
+    [*QWEN3, "strategy=ddp", N2, BF16],
+    [*TIED, "strategy=ddp", N2],
+    [*TIED, "strategy=zero3", N2, SEL],
+    [*MISTRAL, "strategy=zero3", N2],
 ]
 RESULTS = Path(__file__).parent / "results"
 NOTES = [
@@ -212,6 +228,14 @@ if __name__ == "__main__":
     only = None
     if "--only" in sys.argv:
         only = [int(x) for x in sys.argv[sys.argv.index("--only") + 1].split(",")]
+    if "--families" in sys.argv:
+        rows = []
+        for ov in FAMILIES:
+            rows.append(run_real(ov))
+            print(_fmt(rows[-1]), flush=True)
+        errs = [abs(_err(r)) for r in rows if r["measured"]]
+        print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
+        sys.exit(0)
     is_real = "--real" in sys.argv
     rows = real(only) if is_real else single()
     errs = [abs(_err(r)) for r in rows if r["measured"]]

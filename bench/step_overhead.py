@@ -64,7 +64,7 @@ def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...]
     """(cfg, StepContext, MetricsLogger, PeakTracker) exactly as dtlaunch.train.main builds them."""
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, grad_accum_steps
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.data import build_loader
     from dtlaunch.train.memtrack import PeakTracker
     from dtlaunch.train.mesh import build_mesh, dp_rank_size

@@ -216,7 +216,9 @@ def ckpt_export(
     src: str = typer.Argument(
         ..., help="A run directory (its newest complete checkpoint) or a step-XXXXXXXX directory."
     ),
-    fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json for LlamaForCausalLM) or torch."),
+    fmt: str = typer.Option(
+        "hf", "--format", help="hf (safetensors + config.json of the model's architecture) or torch."
+    ),
     out: str = typer.Option(..., "--out", help="Output directory."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: split safetensors above this size."),
 ) -> None:
@@ -224,6 +226,21 @@ def ckpt_export(
     from dtlaunch.commands.ckpt import export_command
 
     raise typer.Exit(export_command(src, fmt, out, max_shard_size))
+
+
+@app.command()
+def generate(
+    source: str = typer.Argument(..., help="hf:DIR, a run directory (newest checkpoint) or a checkpoint directory."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most (EOS stops early)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this mass."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Continue a prompt with dtlaunch's own model code (KV cache, one process). Stdout: the text only."""
+    from dtlaunch.commands.generate import generate_command
+
+    raise typer.Exit(generate_command(source, prompt, max_new_tokens, temperature, top_p, seed))
 
 
 @data_app.command("prepare")

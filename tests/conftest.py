@@ -93,6 +93,58 @@ def worker_pid(run_dir: Path, rank: int) -> int | None:
     return None
 
 
+# Tiny random-weight Hugging Face directories, one per native family (transformers' own config
+# classes and save_pretrained), with a word-level tokenizer.json from the `tokenizers` package.
+TINY_HF = {
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}),  # 4 x 24 != hidden 64
+    "mistral": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+}
+TINY_HF_WORDS = [f"w{i}" for i in range(250)]
+
+
+def _tiny_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(TINY_HF_WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    base = tmp_path_factory.mktemp("tiny_hf")
+    out = {}
+    for i, (family, (cls_name, extra)) in enumerate(TINY_HF.items()):
+        config = getattr(transformers, cls_name)(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+            rms_norm_eps=1e-6,
+            eos_token_id=1,
+            **extra,
+        )
+        torch.manual_seed(100 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for p in model.parameters():  # visible biases and norm gains, not HF's zeros and ones
+                p.add_(torch.randn_like(p) * 0.05)
+        path = base / family
+        model.save_pretrained(path)
+        _tiny_tokenizer(path)
+        out[family] = path
+    return out
+
+
 # Words of the tiny test tokenizer and corpora: syllable pairs, a few hundred distinct words.
 _SYLLABLES = ["ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "ve", "zo", "ba", "du", "fe", "gi", "ho", "ju", "ly"]
 TINY_WORDS = [a + b for a in _SYLLABLES for b in _SYLLABLES]

@@ -50,7 +50,12 @@ def summary_table(job: Job) -> Any:
     t = Table(title=f"job: {job.recipe}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("model", f"{cfg.model.name} ({human_count(param_count(cfg.model))} params)")
+    t.add_row("model", f"{cfg.model.name} ({human_count(param_count(cfg.model))} params, model.arch={cfg.model.arch})")
+    from dtlaunch.config.hf_model import describe_hf_source
+
+    loaded = describe_hf_source(cfg)
+    if loaded:
+        t.add_row("weights", loaded)
     t.add_row(
         "layout",
         f"world {lay.world} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "

@@ -14,8 +14,8 @@ from dtlaunch.plan.memory import MemoryPlan, plan_memory
 def make_plan(job: Job) -> MemoryPlan:
     """The plan with notes and, when it does not fit, validated fix suggestions."""
     plan = plan_memory(job.cfg, job.layout)
-    plan.notes = list(job.notes)
-    if not plan.fits:
+    plan.notes = list(job.notes) + plan.notes
+    if not plan.fits and plan.worst.phase != "traced":
         from dtlaunch.plan.suggest import suggest
 
         plan.suggestions = suggest(job.cfg, job.layout)
@@ -26,6 +26,10 @@ def print_plan(plan: MemoryPlan, out: Any) -> None:
     from dtlaunch.plan.report import plan_table, suggestions_table, verdict_line
 
     out.print(plan_table(plan))
+    if plan.worst.phase == "traced":
+        from dtlaunch.plan.memory import TRACED_NOTE
+
+        out.print(TRACED_NOTE, markup=False, soft_wrap=True)
     out.print(verdict_line(plan))
     if plan.suggestions:
         out.print(suggestions_table(plan.suggestions))
@@ -85,6 +89,11 @@ def plan_command(
         print(json.dumps(data, indent=2))
         return 0 if plan.fits else 3
     out = console()
+    from dtlaunch.config.hf_model import describe_hf_source
+
+    loaded = describe_hf_source(job.cfg)
+    if loaded:
+        out.print(loaded, markup=False, soft_wrap=True)  # config.json only: no weights are read to plan
     print_plan(plan, out)
     if search:
         from dtlaunch.plan.report import search_table

@@ -42,6 +42,7 @@ def train_command(
         print(launch_command(job.cfg, run_dir), flush=True)
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
+    check_hf_weights(job.cfg)
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
     from dtlaunch.train.checkpoint import NO_RESUME_ENV
     from dtlaunch.train.data import prepare_run_data
@@ -72,6 +73,17 @@ def train_command(
     for line in summary_lines(summary, run_dir) if summary else []:
         out.print(line, markup=False, soft_wrap=True)
     return 0
+
+
+def check_hf_weights(cfg: Any) -> None:
+    """model.init_from=hf:DIR: every tensor present, expected and of the right shape (safetensors
+    headers only), before a run directory is created: a bad directory is exit 2 with nothing written."""
+    from dtlaunch.convert.hf import HFWeights, hf_init_dir
+    from dtlaunch.models.registry import model_spec
+
+    path = hf_init_dir(cfg.model)
+    if path is not None and model_spec(cfg.model).hf_names:  # hf_auto reads its own names in the workers
+        HFWeights(path, cfg.model)
 
 
 def _launch_recording_state(cfg: Any, run_dir: Path) -> None:

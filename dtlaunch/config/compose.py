@@ -267,6 +267,9 @@ def compose(
             raise ConfigError(explain_compose_error(exc, rest)) from exc
     for key, value in deferred:
         _set_dotted(resolved, key, value)
+    from dtlaunch.config.hf_model import apply_hf_model
+
+    apply_hf_model(resolved, rest)
     try:
         # `+key=value` passes Hydra (it opens the node) but the schema is closed: merging says so.
         # A deleted key (`~key`) falls back to its schema default.

@@ -74,6 +74,8 @@ RANGES: dict[str, Range] = {
     "model.norm_eps": POSITIVE,
     "model.rope_theta": POSITIVE,
     "model.max_seq_len": AT_LEAST_1,
+    "model.head_dim": AT_LEAST_1,
+    "model.sliding_window": AT_LEAST_1,
     "model.rope_scaling.factor": POSITIVE,
     "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE,

@@ -26,9 +26,15 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder. Width rules follow Meta's reference implementation."""
+    """A decoder from the model registry (dtlaunch/models/registry.py), chosen by `arch`.
+
+    The fields cover every registered dense decoder (Llama, Qwen2/2.5, Qwen3, Mistral): one decoder
+    with flags. Width rules follow Meta's reference implementation unless ffn_dim / head_dim are set.
+    """
 
     name: str = "tiny"
+    # Registry entry: llama, qwen2, qwen3, mistral (see `dtlaunch/models/registry.py`).
+    arch: str = "llama"
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -44,6 +50,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScalingConfig] = None
     max_seq_len: int = 2048
+    # Per-head width; None = dim // n_heads (Qwen3 sets it independently of dim).
+    head_dim: Optional[int] = None
+    # Bias on the q/k/v projections (Qwen2 / Qwen2.5).
+    qkv_bias: bool = False
+    # Per-head RMSNorm on q and k before RoPE (Qwen3).
+    qk_norm: bool = False
+    # Output head shares the token-embedding matrix (Llama 3.2 1B/3B, small Qwen).
+    tie_embeddings: bool = False
+    # Each token attends to at most this many previous positions (Mistral); None = full causal.
+    sliding_window: Optional[int] = None
+    # Your own module instead of a registry entry: "pkg.module.build", a callable taking this model
+    # section and returning an nn.Module that follows docs/models.md's protocol (planned by trace).
+    _target_: str = ""
     # Where initial weights come from: "random" (seeded init) or "hf:DIR" (safetensors export).
     init_from: str = "random"
 

@@ -42,14 +42,56 @@ def _fail(msg: str) -> None:
 
 
 def check_model_shape(cfg: Any, notes: list[str]) -> None:
+    from dtlaunch.models.registry import model_spec
+
     m = cfg.model
-    if m.dim % m.n_heads:
+    if m._target_:
+        check_target(cfg)
+        return
+    if m.arch == "hf_auto":
+        check_hf_auto(cfg)
+        return
+    spec = model_spec(m)
+    for key, value in spec.fixed.items():
+        if m[key] != value:
+            _fail(
+                f"model.{key}={m[key]} does not fit model.arch={m.arch} (which has {key}={value}): "
+                f"drop the override or pick the model.arch that has it"
+            )
+    if m.head_dim is None and m.dim % m.n_heads:
         _fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: pick a head count that divides it")
-    if (m.dim // m.n_heads) % 2:
-        _fail(f"model head dim {m.dim // m.n_heads} is odd: RoPE needs an even head dim; change model.dim or n_heads")
+    hd = m.head_dim or m.dim // m.n_heads
+    if hd % 2:
+        _fail(f"model head dim {hd} is odd: RoPE needs an even head dim; change model.dim, n_heads or head_dim")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        _fail(f"model.sliding_window={m.sliding_window} must be >= 1, or null for full causal attention")
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
         _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
+
+
+def check_target(cfg: Any) -> None:
+    """model._target_: importable, returns an nn.Module with `layers` (built on the meta device), and a
+    layout it can run: no tensor-parallel plan, no pipeline split, no Hugging Face weights."""
+    m, s = cfg.model, cfg.strategy
+    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
+        if value != 1:
+            _fail(f"{key}={value}: model._target_ modules have no tensor-parallel plan or pipeline split: use {key}=1")
+    if str(m.init_from) != "random":
+        _fail(f"model.init_from={m.init_from} with model._target_: load weights inside your build function instead")
+    from dtlaunch.models.custom.build import build_model
+
+    build_model(m, device="meta")
+
+
+def check_hf_auto(cfg: Any) -> None:
+    """model.arch=hf_auto: weights and architecture from a HF directory; data-parallel layouts only."""
+    s = cfg.strategy
+    if not str(cfg.model.init_from).startswith("hf:"):
+        _fail("model.arch=hf_auto needs model.init_from=hf:DIR: the architecture and weights come from DIR")
+    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
+        if value != 1:
+            _fail(f"{key}={value}: model.arch=hf_auto has no tensor-parallel plan or pipeline split here: use {key}=1")
 
 
 def check_layout(cfg: Any, notes: list[str]) -> Layout:
@@ -59,19 +101,14 @@ def check_layout(cfg: Any, notes: list[str]) -> Layout:
 def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     if layout.tp == 1:
         return
-    from dtlaunch.models.shapes import ffn_dim
+    from dtlaunch.models.registry import model_spec
 
     m = cfg.model
-    kv = m.n_kv_heads or m.n_heads
-    for key, value in (
-        ("model.n_heads", m.n_heads),
-        ("model.n_kv_heads", kv),
-        ("model.dim", m.dim),
-        ("model.vocab_size", m.vocab_size),
-        ("model FFN width", ffn_dim(m)),
-    ):
+    for key, value in model_spec(m).tp_divisors(m):
         if value % layout.tp:
-            _fail(f"strategy.tp={layout.tp} does not divide {key}={value}: choose a tp that divides it")
+            _fail(
+                f"strategy.tp={layout.tp} does not divide {key}={value} (model.arch={m.arch}): choose a tp that divides it"
+            )
     if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:
         _fail(
             f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
@@ -86,6 +123,11 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         _fail(
             f"strategy.pp_schedule='{name}' is unknown: use one of {', '.join(PP_SCHEDULES)} "
             f"or a torch.distributed.pipelining class name"
+        )
+    if layout.pp > 1 and cfg.model.tie_embeddings:
+        _fail(
+            f"model.tie_embeddings=true cannot run with strategy.pp={layout.pp} (the embedding and the head "
+            f"would live on different pipeline stages): use strategy.pp=1"
         )
     if layout.pp == 1:
         if s.pp_layers_per_stage:

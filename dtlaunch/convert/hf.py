@@ -1,139 +1,53 @@
-"""Checkpoint <-> Hugging Face LlamaForCausalLM (safetensors + config.json), and a single-file torch export.
+"""Checkpoint <-> Hugging Face directory (safetensors + config.json), and a single-file torch export.
 
-Names: Meta's (ours) <-> HF's, one table. RoPE layout: our attention rotates *interleaved* pairs
-(dims 2i, 2i+1) while HF rotates *halves* (dims i, i + d/2), so the rows of wq and wk are permuted within
-each head on export (row 2i+k -> row k*d/2 + i) and back on import. Everything is read and written
+Everything model-specific (tensor names, RoPE layout, config.json vocabulary) comes from the model's
+registry entry (`spec.names()`, `spec.hf`); this module moves tensors. Everything is read and written
 without pickle: DCP shards hold raw tensors, safetensors is a flat tensor format.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Optional
 
 from dtlaunch.errors import InputError
 
-# Ours -> HF, per transformer block; the '{}' is the block index.
-_BLOCK_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TORCH_FILE = "model.pt"
 
 
-def to_hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-    raise KeyError(f"no Hugging Face name for parameter '{name}'")
+def _spec(m: Any) -> Any:
+    from dtlaunch.models.registry import model_spec
 
-
-def from_hf_name(name: str) -> str:
-    for ours, theirs in _TOP_NAMES.items():
-        if name == theirs:
-            return ours
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m:
-        for ours, theirs in _BLOCK_NAMES.items():
-            if m.group(2) == theirs:
-                return f"layers.{m.group(1)}.{ours}"
-    raise KeyError(f"unknown Hugging Face Llama tensor '{name}'")
-
-
-def interleaved_to_halves(w: Any, n_heads: int) -> Any:
-    """Rows of a q/k projection, per head: ours (pairs 2i, 2i+1) -> HF (i, i + d/2)."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def halves_to_interleaved(w: Any, n_heads: int) -> Any:
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _heads_for(name: str, m: Any) -> Optional[int]:
-    from dtlaunch.models.shapes import kv_heads
-
-    if name.endswith("attention.wq.weight"):
-        return int(m.n_heads)
-    if name.endswith("attention.wk.weight"):
-        return kv_heads(m)
-    return None
+    return model_spec(m)
 
 
 def to_hf_state(state: dict, m: Any) -> dict:
-    """Our parameter dict -> HF's names and RoPE layout (contiguous tensors, ready for safetensors)."""
-    out = {}
-    for name, t in state.items():
-        heads = _heads_for(name, m)
-        t = interleaved_to_halves(t, heads) if heads else t
-        out[to_hf_name(name)] = t.contiguous()
-    return out
+    """Our parameter dict -> HF's names and layout (the model's registry entry decides both)."""
+    if not _spec(m).hf_names:  # model.arch=hf_auto: the names are transformers' own already
+        return {k: v.contiguous() for k, v in state.items()}
+    return _spec(m).names().to_hf_state(state, m)
 
 
 def from_hf_state(state: dict, m: Any) -> dict:
-    out = {}
-    for hf_name, t in state.items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue  # derived from the config; some exports carry it
-        name = from_hf_name(hf_name)
-        heads = _heads_for(name, m)
-        out[name] = (halves_to_interleaved(t, heads) if heads else t).contiguous()
-    return out
+    return _spec(m).names().from_hf_state(state, m)
 
 
 def hf_config(m: Any, dtype: str = "float32") -> dict:
-    """config.json for transformers' LlamaConfig."""
-    from dtlaunch.models.shapes import ffn_dim, head_dim, kv_heads
+    """config.json for the model's Hugging Face architecture."""
+    if _spec(m).hf is None:  # model.arch=hf_auto: the source directory's own config.json
+        from dtlaunch.config.hf_model import hf_source_dir, read_hf_config
 
-    rs = m.rope_scaling
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": int(m.dim),
-        "intermediate_size": ffn_dim(m),
-        "num_hidden_layers": int(m.n_layers),
-        "num_attention_heads": int(m.n_heads),
-        "num_key_value_heads": kv_heads(m),
-        "head_dim": head_dim(m),
-        "vocab_size": int(m.vocab_size),
-        "rms_norm_eps": float(m.norm_eps),
-        "rope_theta": float(m.rope_theta),
-        "rope_scaling": None
-        if rs is None
-        else {
-            "rope_type": "llama3",
-            "factor": float(rs.factor),
-            "low_freq_factor": float(rs.low_freq_factor),
-            "high_freq_factor": float(rs.high_freq_factor),
-            "original_max_position_embeddings": int(rs.original_max_seq_len),
-        },
-        "max_position_embeddings": int(m.max_seq_len),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-    }
+        src = hf_source_dir(m.init_from)
+        if src is None:
+            raise InputError("this checkpoint's model has no Hugging Face config to export")
+        return {**read_hf_config(src), "torch_dtype": dtype}
+    return _spec(m).hf.config_to_hf(m, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,51 +165,106 @@ def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Import (model.init_from=hf:DIR).
+# Import (model.init_from=hf:DIR): headers checked up front, then each rank reads only its slices.
 
 
-def read_safetensors_dir(path: Path) -> dict:
-    from safetensors.torch import load_file
+class HFWeights:
+    """A Hugging Face directory opened for reading parameters one at a time.
 
-    path = Path(path)
+    Construction reads only the safetensors headers (names, shapes) and checks them against the
+    model: a missing, extra or wrongly shaped tensor is an InputError naming it. `read(name, shape,
+    offset)` then returns one parameter's slice in our layout, read with safe_open's `get_slice`: a
+    rank holding a shard (FSDP / TP) reads its rows, never the whole tensor, and never the whole
+    model. Tensors whose rows the RoPE layout permutes within each head are read over the whole heads
+    the slice touches, permuted, and cut down.
+    """
+
+    def __init__(self, path: str | Path, m: Any) -> None:
+        path = Path(path)
+        self.path, self.m, self.spec = path, m, _spec(m)
+        self.names = self.spec.names()
+        self.files = _weight_files(path)
+        self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
+        shapes: dict[str, tuple[int, ...]] = {}
+        from safetensors import safe_open
+
+        tied = bool(getattr(m, "tie_embeddings", False))
+        for f in self.files:
+            with safe_open(str(path / f), framework="pt") as fh:
+                for hf_name in fh.keys():
+                    if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+                        continue
+                    try:
+                        ours = self.names.from_hf_name(hf_name)
+                    except InputError as exc:
+                        raise InputError(f"model.init_from=hf:{path}: {exc}") from None
+                    self.where[ours] = (f, hf_name)
+                    shapes[ours] = tuple(fh.get_slice(hf_name).get_shape())
+        expected = {n: tuple(p.shape) for n, p in self.spec.build(m, rope_len=1, device="meta").named_parameters()}
+        missing = sorted(set(expected) - set(shapes))
+        if missing:
+            raise InputError(
+                f"model.init_from=hf:{path}: tensor {self.names.to_hf_name(missing[0])} is missing "
+                f"({len(missing)} missing): the directory does not hold this model"
+            )
+        extra = sorted(set(shapes) - set(expected))
+        if extra:
+            raise InputError(
+                f"model.init_from=hf:{path}: unexpected tensor {self.names.to_hf_name(extra[0])} for this model config"
+            )
+        for name, shape in expected.items():
+            if shapes[name] != shape:
+                raise InputError(
+                    f"model.init_from=hf:{path}: {self.names.to_hf_name(name)} has shape {shapes[name]}, the model "
+                    f"config needs {shape}: the weights do not match config.json"
+                )
+        self.shapes = expected
+
+    def read(self, name: str, shape: Optional[tuple] = None, offset: Optional[tuple] = None) -> Any:
+        """Our parameter `name` (its [offset : offset + shape] block when given) as an fp32 tensor."""
+        from safetensors import safe_open
+
+        full = self.shapes[name]
+        shape = tuple(shape) if shape is not None else full
+        offset = tuple(offset) if offset is not None else (0,) * len(full)
+        heads = self.names._heads_for(name, self.m)
+        f, hf_name = self.where[name]
+        rows = (offset[0], offset[0] + shape[0]) if shape else (0, 0)
+        if heads:
+            per = full[0] // heads
+            rows_read = (rows[0] // per * per, -(-rows[1] // per) * per)
+        else:
+            rows_read = rows
+        with safe_open(str(self.path / f), framework="pt") as fh:
+            sl = fh.get_slice(hf_name)
+            index = (slice(*rows_read),) + tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))
+            t = sl[index] if full else sl[:]
+        if heads:
+            n = (rows_read[1] - rows_read[0]) // (full[0] // heads)
+            t = self.names.halves_to_interleaved(t, n) if n else t
+            t = t[rows[0] - rows_read[0] : rows[1] - rows_read[0]]
+        return t.float().contiguous()
+
+
+def _weight_files(path: Path) -> list[str]:
     if (path / INDEX_FILE).is_file():
-        files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
-    elif (path / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise InputError(
-            f"model.init_from: '{path}' has no {SINGLE_FILE} or {INDEX_FILE}: point it at a Hugging Face "
-            f"model directory (e.g. from `dtlaunch ckpt export --format hf`)"
-        )
-    state: dict = {}
-    for f in files:
-        state.update(load_file(str(path / f)))
-    return state
+        try:
+            return sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise InputError(f"model.init_from=hf:{path}: {INDEX_FILE} is not a valid index ({exc})") from exc
+    if (path / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise InputError(
+        f"model.init_from: '{path}' has no {SINGLE_FILE} or {INDEX_FILE}: point it at a Hugging Face "
+        f"model directory (e.g. from `dtlaunch ckpt export --format hf`)"
+    )
 
 
 def load_hf_weights(path: str | Path, m: Any) -> dict:
-    """{our parameter name: full fp32 tensor} from a HF Llama directory, checked against the model config."""
-    from dtlaunch.models.llama import build_model
-
-    path = Path(path)
-    state = from_hf_state(read_safetensors_dir(path), m)
-    expected = {n: tuple(p.shape) for n, p in build_model(m, rope_len=1, device="meta").named_parameters()}
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise InputError(
-            f"model.init_from=hf:{path}: tensor {to_hf_name(missing[0])} is missing "
-            f"({len(missing)} missing): the directory does not hold this model"
-        )
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise InputError(
-                f"model.init_from=hf:{path}: {to_hf_name(name)} has shape {tuple(state[name].shape)}, the model "
-                f"config needs {shape}: set the model config to match the checkpoint (see its config.json)"
-            )
-    extra = sorted(set(state) - set(expected))
-    if extra:
-        raise InputError(f"model.init_from=hf:{path}: unexpected tensor {to_hf_name(extra[0])} for this model config")
-    return {n: state[n].float() for n in expected}
+    """{our parameter name: full fp32 tensor} from a HF directory, checked against the model config
+    (one process: export tests, generate)."""
+    w = HFWeights(path, m)
+    return {n: w.read(n) for n in w.shapes}
 
 
 def hf_init_dir(m: Any) -> Optional[str]:
@@ -308,23 +277,26 @@ def hf_init_dir(m: Any) -> Optional[str]:
     return src[3:]
 
 
-_CACHE: dict[tuple[str, str], dict] = {}
+_CACHE: dict[tuple[str, str], HFWeights] = {}
 
 
-def cached_hf_weights(m: Any) -> Optional[dict]:
-    """load_hf_weights once per process (pipeline stages on one rank share it); None for random init."""
+def hf_weights(m: Any) -> Optional[HFWeights]:
+    """The opened directory of model.init_from (once per process: pipeline stages on one rank share
+    it); None for random init."""
     path = hf_init_dir(m)
-    if path is None:
-        return None
+    if path is None or not _spec(m).hf_names:
+        return None  # model.arch=hf_auto reads its own names (its module's init_param)
     from dtlaunch.config.schema import to_dict
 
     key = (path, json.dumps(to_dict(m), sort_keys=True))
     if key not in _CACHE:
         _CACHE.clear()
-        _CACHE[key] = load_hf_weights(path, m)
+        _CACHE[key] = HFWeights(path, m)
         from dtlaunch.train.phases import phase
 
         # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
-        n = sum(t.numel() for t in _CACHE[key].values())
-        phase(f"model.init_from: loaded {len(_CACHE[key])} tensors ({n:,} parameters) from {path}")
+        n = sum(math.prod(s) for s in _CACHE[key].shapes.values())
+        phase(
+            f"model.init_from: loaded {len(_CACHE[key].shapes)} tensors ({n:,} parameters) from {path}, slice by slice"
+        )
     return _CACHE[key]

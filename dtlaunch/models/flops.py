@@ -1,30 +1,22 @@
-"""Training FLOPs per token for our Llama (pure Python): MFU, benchmarks and the layout search.
-
-Convention (PaLM appendix B, also torchtitan's): forward + backward = 3x forward, a matmul of an
-m-vector by an (m x n) weight costs 2mn per token, so the weights cost 6*N per token where N counts
-every parameter that takes part in a matmul (all of them except the input embedding, a lookup; the
-untied output head counts). Attention scores and the weighted sum add 2 matmuls of width
-n_heads*head_dim against seq_len keys: 2 * 2 * L * (h*q) * s forward, times 3 = 12*L*h*q*s. The
-causal mask is *not* discounted (the usual MFU convention; kernels that skip the masked half do less
-real work, so MFU stays comparable across implementations).
-"""
+"""Training FLOPs per token (from the model's registry entry) and model FLOPs utilisation."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dtlaunch.models.shapes import head_dim, param_count
-
-
-def matmul_params(m: Any) -> int:
-    """Parameters used in matmuls: everything except the input embedding table."""
-    return param_count(m) - m.vocab_size * m.dim
-
 
 def flops_per_token(m: Any, seq_len: int) -> float:
     """Training (fwd + bwd) FLOPs per token at sequence length seq_len."""
-    attention = 12 * m.n_layers * m.n_heads * head_dim(m) * seq_len
-    return 6.0 * matmul_params(m) + attention
+    from dtlaunch.models.registry import model_spec
+
+    return float(model_spec(m).flops_per_token(m, seq_len))
+
+
+def matmul_params(m: Any) -> int:
+    """Parameters taking part in matmuls (all but the input embedding lookup)."""
+    from dtlaunch.models.registry import model_spec
+
+    return int(model_spec(m).matmul_params(m))
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops_per_device: float, n_devices: int) -> float | None:

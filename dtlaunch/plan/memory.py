@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
-from dtlaunch.models.shapes import block_params
-from dtlaunch.plan import activations as act
+from dtlaunch.models.dtypes import DTYPE_BYTES
+from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -100,7 +100,7 @@ class MemoryPlan:
         }
 
 
-def _block_tok(kind: str, d: act.BlockDims, e: int, t: Any, tp: int, sp: bool, autocast: bool, compiled: bool) -> float:
+def _block_tok(act: Any, kind: str, d: Any, e: int, t: Any, tp: int, sp: bool, autocast: bool, compiled: bool) -> float:
     """Saved bytes per token of one block under a checkpointing kind of `act.ac_mix`."""
     if kind == "budget":
         return act.block_bytes_budget(d, e, float(t.ac_memory_budget), tp, sp, autocast)
@@ -124,14 +124,17 @@ def in_flight(schedule: str, pp: int, rank: int, n_mb: int, per_rank: int = 1) -
 def _stage_params(m: Any, layers: int, first: bool, last: bool, tp: int) -> tuple[int, int, int]:
     """(params on one TP rank of the stage, one block's params, the root unit's params: embedding,
     final norm, output head on the stages that own them). Matrices divide by tp, norm weights not."""
-    h, v = m.dim, m.vocab_size
-    blk_norms = 2 * h
-    blk = (block_params(m) - blk_norms) // tp + blk_norms
+    spec = model_spec(m)
+    blk_norms = spec.block_norm_params(m)
+    blk = (spec.block_params(m) - blk_norms) // tp + blk_norms
     root = 0
     if first:
-        root += v * h // tp
+        root += spec.embedding_params(m) // tp
     if last:
-        root += v * h // tp + h
+        # A tied head is the embedding's matrix: counted once (tied models refuse pp > 1).
+        root += spec.head_params(m) // tp + m.dim
+        if spec.head_params(m) == 0 and not first:
+            root += spec.embedding_params(m) // tp
     return layers * blk + root, blk, root
 
 
@@ -139,11 +142,15 @@ def plan_stage(
     cfg: Any, layout: Layout, stage: int, layers: int, first: bool, last: bool, layer_ids: list[int] | None = None
 ) -> StagePlan:
     m, s, t = cfg.model, cfg.strategy, cfg.training
+    spec = model_spec(m)
+    act = spec.act()
     d = act.BlockDims.of(m)
+    norm_gains = spec.block_norm_params(m)
+    tied_head = spec.head_params(m) == 0
     tp, pp = layout.tp, layout.pp
     sp = bool(s.sequence_parallel) and tp > 1
-    e = act.DTYPE_BYTES[cfg.precision.param_dtype]
-    r = act.DTYPE_BYTES[cfg.precision.reduce_dtype]
+    e = DTYPE_BYTES[cfg.precision.param_dtype]
+    r = DTYPE_BYTES[cfg.precision.reduce_dtype]
     zero = int(s.zero_stage)
     fsdp = zero >= 2 and layout.dp > 1
     shard = layout.dp_shard if (zero >= 2 and layout.dp > 1) or zero == 1 else 1
@@ -160,7 +167,7 @@ def plan_stage(
 
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
-    rope_table = int(t.seq_len) * (d.h // d.a // 2)  # the runtime builds RoPE for training.seq_len positions
+    rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if fsdp and e != 4:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
@@ -182,9 +189,11 @@ def plan_stage(
     elif autocast and kept == layers:
         # Each weight's compute-dtype copy (not the embedding's, nor norm gains) is saved by its matmul
         # from forward to backward; under AC the casts are recomputed with the block instead.
-        lines["autocast weight copies"] = e * (p_rank - (v_h(m, tp) if first else 0) - 2 * d.h * layers)
+        # A tied matrix is also the head, a matmul weight: its cast is saved as well.
+        head_cast = v_h(m, tp) if tied_head and last else 0
+        lines["autocast weight copies"] = e * (p_rank - (v_h(m, tp) if first else 0) - norm_gains * layers + head_cast)
     elif autocast and kept:  # layer policy: the blocks it does not checkpoint keep their copies
-        lines["autocast weight copies"] = e * (kept * (blk - 2 * d.h) + (v_h(m, tp) if last else 0))
+        lines["autocast weight copies"] = e * (kept * (blk - norm_gains) + (v_h(m, tp) if last else 0))
     elif autocast and last:
         lines["autocast weight copies"] = e * v_h(m, tp)
     if fsdp and zero == 2:
@@ -200,7 +209,7 @@ def plan_stage(
         lines["float8 casts"] = 2 * (tokens + d.h) * d.f / tp
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     held = in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages)
-    by_kind = {k: _block_tok(k, d, e, t, tp, sp, autocast, compiled) for k in mix}
+    by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, autocast, compiled) for k in mix}
     if fsdp and sp and "selective" in by_kind:
         # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
@@ -236,7 +245,7 @@ def plan_stage(
     recompute = max((none_tok - by_kind[k] for k in mix if k != "none" and mix[k]), default=0.0)
     work = (act.backward_working_bytes(d, e, tp) + recompute) * tokens
     if autocast and kept < layers:
-        work += e * (blk - 2 * d.h)  # the recomputed block casts its weights again
+        work += e * (blk - norm_gains)  # the recomputed block casts its weights again
     held_act = lines["activations"] - (loss_saved * tokens * held if last else 0.0)
     if last:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
@@ -324,19 +333,22 @@ def _likely_worst(split: list[int], pp: int) -> set[int]:
 def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan:
     """Plan every pipeline rank (or, for the search, only those that can hold the peak)."""
     s = cfg.strategy
-    per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1
-    n_stages = layout.pp * per_rank
-    split = pp_stage_layers(cfg.model.n_layers, n_stages, list(s.pp_layers_per_stage) or None)
-    stages = []
-    ranks = range(layout.pp) if all_stages or per_rank > 1 else sorted(_likely_worst(split, layout.pp))
-    for rank in ranks:
-        # A rank owns stages rank, rank + pp, ... (interleaved); add its chunks up as one rank.
-        owned = list(range(rank, n_stages, layout.pp))
-        layers = sum(split[i] for i in owned)
-        ids = [sum(split[:i]) + j for i in owned for j in range(split[i])]  # global block indices
-        stages.append(
-            plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned, layer_ids=ids)
-        )
+    if not model_spec(cfg.model).analytic:
+        stages = [_traced_stage(cfg, layout)]
+    else:
+        per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1
+        n_stages = layout.pp * per_rank
+        split = pp_stage_layers(cfg.model.n_layers, n_stages, list(s.pp_layers_per_stage) or None)
+        stages = []
+        ranks = range(layout.pp) if all_stages or per_rank > 1 else sorted(_likely_worst(split, layout.pp))
+        for rank in ranks:
+            # A rank owns stages rank, rank + pp, ... (interleaved); add its chunks up as one rank.
+            owned = list(range(rank, n_stages, layout.pp))
+            layers = sum(split[i] for i in owned)
+            ids = [sum(split[:i]) + j for i in owned for j in range(split[i])]  # global block indices
+            stages.append(
+                plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned, layer_ids=ids)
+            )
     worst = max(stages, key=lambda sp: sp.peak)
     hw = cfg.hardware
     overheads = {
@@ -352,7 +364,9 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         "tp": layout.tp,
         "pp": layout.pp,
     }
+    notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
     return MemoryPlan(
+        notes=notes,
         recipe=str(cfg.recipe or "custom"),
         hardware=hw.name,
         capacity=hw.memory_gib * GIB,
@@ -360,4 +374,29 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         stages=stages,
         worst=worst,
         overheads=overheads,
+    )
+
+
+TRACED_NOTE = "no closed-form memory model for this model (model._target_ or model.arch=hf_auto): planned by tracing one training step"
+
+
+def _traced_stage(cfg: Any, layout: Layout) -> StagePlan:
+    """The plan of a model without a closed-form memory model: one traced step of the real runtime
+    on rank 0."""
+    from dtlaunch.plan.trace import trace_peak
+
+    # Fake tensors (no storage) where the runtime's path supports them (FSDP); DDP and single-process
+    # layouts swap parameters in place when materialising, which fake tensors refuse: real tensors there.
+    traced = trace_peak(cfg, layout, rank=0, fake=int(cfg.strategy.zero_stage) >= 2 and layout.dp > 1)
+    peak = float(traced["peak_bytes"])
+    params = int(model_spec(cfg.model).param_count(cfg.model))
+    lines = {k: float(v) for k, v in traced["categories"].items()}
+    return StagePlan(
+        stage=0,
+        layers=int(cfg.model.n_layers),
+        params=params,
+        lines=lines,
+        phases={"traced": peak},
+        phase="traced",
+        peak=peak,
     )

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from dtlaunch.config.layout import Layout, global_batch
-from dtlaunch.models.shapes import ffn_dim, kv_heads, param_count
+from dtlaunch.models.dtypes import DTYPE_BYTES
+from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
-from dtlaunch.plan.activations import DTYPE_BYTES
 from dtlaunch.plan.memory import plan_memory
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
@@ -45,7 +45,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_ok(m: Any, tp: int, seq: int) -> bool:
-    return all(v % tp == 0 for v in (m.n_heads, kv_heads(m), m.dim, m.vocab_size, ffn_dim(m), seq))
+    return seq % tp == 0 and all(v % tp == 0 for _, v in model_spec(m).tp_divisors(m))
 
 
 def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
@@ -53,7 +53,7 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     m, t, hw = cfg.model, cfg.training, cfg.hardware
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     r = DTYPE_BYTES[cfg.precision.reduce_dtype]
-    P = param_count(m)
+    P = model_spec(m).param_count(m)
     gb = global_batch(cfg, lay)
     tokens = gb * t.seq_len
     flops_model = (6 * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s

@@ -213,7 +213,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     from torch.distributed.fsdp import FSDPModule
 
     from dtlaunch.config.layout import pp_microbatches
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.registry import model_spec
     from dtlaunch.train.optim import build_optimizer
     from dtlaunch.train.parallelize import DTYPES, parallelize
     from dtlaunch.train.pipeline import build_stage_modules
@@ -226,7 +226,10 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     # references on them that the later materialisation (to_empty) refuses.
     with unset_fake_temporarily():
         (idx, part), *_ = build_stage_modules(
-            build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), cfg, layout, stage
+            model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"),
+            cfg,
+            layout,
+            stage,
         )
     part = parallelize(part, mesh, cfg, layout)
     opt = build_optimizer(part, cfg, device, fused=fused_optimizer(cfg.hardware))

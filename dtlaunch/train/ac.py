@@ -11,7 +11,7 @@
   min-cut partitioner keeps that fraction of the compiled graph's saved activations and recomputes
   the cheapest rest.
 
-The planner (dtlaunch.plan.activations) models each mode from the same rules.
+The planner (dtlaunch.models.dense.activations) models each mode from the same rules.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Materialise a meta-device model and give every parameter its layout-independent initial value.
 
 Each parameter (a plain tensor, or the local shard of a DTensor under FSDP/TP) is set to the matching
-slice of `Llama.init_param(name, full_shape, seed)`: the full value is computed on CPU from the seed and
+slice of the model's `init_param(name, full_shape, seed)` (its registry entry's seeded init): the full value is computed on CPU from the seed and
 the parameter's *model* name, then `distribute_tensor` cuts this rank's shard from it. So every layout
 starts from the weights a single process would have: the basis of loss parity.
 """
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Prefixes added by wrappers (DDP, activation checkpointing, torch.compile) that the model's own
 # parameter names do not have.
@@ -29,36 +30,61 @@ def model_param_name(name: str) -> str:
 def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init_source: Any = None) -> None:
     """`to_empty` on `device`, then initialise parameters (by name) and buffers (RoPE tables).
 
-    init_source: the object whose `init_param` / `rope_tables` give values (the unwrapped Llama); defaults
+    init_source: the object whose `init_param` / `buffer_values` give values (the unwrapped model); defaults
     to `model` itself.
     """
     src = init_source if init_source is not None else model
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
-    # model.init_from=hf:DIR: full tensors from a Hugging Face export instead of the seeded init.
-    from dtlaunch.convert.hf import cached_hf_weights
+    _retie(model, shared)
+    # model.init_from=hf:DIR: this rank's slices from a Hugging Face directory instead of the seeded init.
+    from dtlaunch.convert.hf import hf_weights
 
-    pretrained = cached_hf_weights(src.cfg)
+    pretrained = hf_weights(src.cfg)
     for name, p in model.named_parameters():
         pname = model_param_name(name)
-        full = pretrained[pname] if pretrained is not None else src.init_param(pname, tuple(p.shape), seed)
         if isinstance(p, DTensor):
+            local = p.to_local()
+            if pretrained is not None:
+                # Only this rank's block of the tensor is read from the safetensors file.
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                local.copy_(pretrained.read(pname, tuple(shape), tuple(offset)).to(device=device, dtype=p.dtype))
+                continue
+            full = src.init_param(pname, tuple(p.shape), seed)
             # src_data_rank=None: every rank holds the same full value, so each cuts its own shard locally
             # instead of receiving it from rank 0 (one collective per parameter otherwise).
             shard = distribute_tensor(
                 full.to(device=device, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None
             )
-            p.to_local().copy_(shard.to_local())
+            local.copy_(shard.to_local())
         else:
+            full = pretrained.read(pname) if pretrained is not None else src.init_param(pname, tuple(p.shape), seed)
             p.copy_(full.to(device=device, dtype=p.dtype))
     _init_rope_buffers(model, src, device)
 
 
-def _init_rope_buffers(model: nn.Module, src: Any, device: torch.device) -> None:
-    from dtlaunch.models.llama import rope_cache
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    """Names under which one Parameter is registered more than once (a head tied to the embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
-    cos, sin = rope_cache(src.cfg, src.rope_len, device)
+
+def _retie(model: nn.Module, shared: list[list[str]]) -> None:
+    """`to_empty` gives every module its own new tensor, splitting tied parameters: share them again."""
+    for first, *others in shared:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, param)
+
+
+def _init_rope_buffers(model: nn.Module, src: Any, device: torch.device) -> None:
+    """Derived buffers (RoPE tables) from the model's own `buffer_values`, matched by name suffix."""
+    values = src.buffer_values(device)
     for name, buf in model.named_buffers():
-        if name.endswith("rope_cos"):
-            buf.copy_(cos)
-        elif name.endswith("rope_sin"):
-            buf.copy_(sin)
+        clean = model_param_name(name)
+        for suffix, value in values.items():
+            if clean.endswith(suffix):
+                buf.copy_(value)

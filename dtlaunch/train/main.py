@@ -25,7 +25,7 @@ from dtlaunch.config.compose import load_resolved
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
 from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.launch.local import RUN_DIR_ENV
-from dtlaunch.models.llama import build_model
+from dtlaunch.models.registry import model_spec
 from dtlaunch.train import preempt
 from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
 from dtlaunch.train.guards import StepWatch
@@ -61,7 +61,7 @@ def log(msg: str) -> None:
 def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int) -> dict:
     """The model (or this rank's pipeline stages), parallelised and initialised."""
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
-    model = build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+    model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout)]}
     from dtlaunch.train.pipeline import build_schedule, build_stage_modules

@@ -14,7 +14,6 @@ checkpoints and the name-keyed init are layout independent.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -81,27 +80,16 @@ def stage_layer_ranges(n_layers: int, n_stages: int, explicit: list[int]) -> lis
     return [range(s, s + c) for s, c in zip(starts, counts, strict=True)]
 
 
-def split_stage(model: nn.Module, stage_idx: int, n_stages: int, layers: range) -> nn.Module:
-    """A copy of `model` keeping blocks `layers`, the embedding only on stage 0, the head on the last."""
-    part = copy.deepcopy(model)
-    for key in list(part.layers.keys()):
-        if int(key) not in layers:
-            del part.layers[key]
-    if stage_idx != 0:
-        part.tok_embeddings = None
-    if stage_idx != n_stages - 1:
-        part.norm = None
-        part.output = None
-    return part
-
-
 def build_stage_modules(model: nn.Module, cfg: Any, layout: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
     """(stage index, stage module) for each stage this pipeline rank runs, in schedule order."""
     s = cfg.strategy
     n_stages = layout.pp * int(s.pp_stages_per_rank)
     ranges = stage_layer_ranges(int(cfg.model.n_layers), n_stages, list(s.pp_layers_per_stage))
     ids = stage_ids(pp_rank, layout.pp, int(s.pp_stages_per_rank), s.pp_schedule)
-    return [(i, split_stage(model, i, n_stages, ranges[i])) for i in ids]
+    from dtlaunch.models.registry import model_spec
+
+    spec = model_spec(cfg.model)
+    return [(i, spec.split_stage(model, i, n_stages, ranges[i])) for i in ids]
 
 
 def build_schedule(

@@ -1,6 +1,7 @@
 """Tensor parallel (Megatron-style) with optional sequence parallel, and the loss on sharded logits.
 
-The plan is data: module name -> ParallelStyle, applied with `parallelize_module`. Names of modules a
+The plan is data, module name -> ParallelStyle, brought by the model's registry entry (for the dense
+decoder dtlaunch/models/dense/tp_plan.py) and applied with `parallelize_module`. Names of modules a
 pipeline stage does not own (tok_embeddings / norm / output set to None, deleted blocks) are skipped,
 so the same plan serves a full model and any pipeline stage.
 
@@ -27,31 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
-
-
-def model_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Styles for the modules outside the transformer blocks (embedding, final norm, output head)."""
-    # Shard(-1) logits stay a DTensor (use_local_output=False) so loss_parallel sees the layout.
-    if sequence_parallel:
-        return {
-            "tok_embeddings": VocabParallel(output_layout=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        }
-    return {
-        "tok_embeddings": VocabParallel(output_layout=Replicate()),
-        "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
-    }
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 
 class VocabParallel(ParallelStyle):
@@ -95,49 +73,23 @@ class _VocabParallelEmbedding(nn.Embedding):
         return partial.redistribute(self.tp_mesh, [self.output_layout]).to_local()
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Styles inside one TransformerBlock (names relative to the block)."""
-    plan: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    if not sequence_parallel:
-        # Replicated residual stream in, replicated out: the row-wise layers all-reduce.
-        plan["attention.wo"] = RowwiseParallel()
-        plan["feed_forward.w2"] = RowwiseParallel()
-        return plan
-    plan.update(
-        {
-            "attention_norm": SequenceParallel(),
-            # Attention's extra positional args are the plain RoPE cos/sin tables and the document mask (or
-            # None): None leaves them alone.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-                use_local_output=True,
-            ),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    )
-    return plan
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
-    """Shard `model` (a full Llama or a pipeline stage of one) over `tp_mesh` in place."""
+    """Shard `model` (a full model or a pipeline stage of one) over `tp_mesh` in place, with the
+    plan of its registry entry."""
+    from dtlaunch.models.registry import model_spec
+
+    spec = model_spec(cfg.model)
     sp = bool(cfg.strategy.sequence_parallel)
-    top = {name: style for name, style in model_plan(sp).items() if getattr(model, name, None) is not None}
+    top = {n: style for n, style in spec.tp_model_plan(cfg.model, sp).items() if getattr(model, n, None) is not None}
     if top:
         parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sp))
+    block = spec.tp_block_plan(cfg.model, sp)
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, block)
+    if getattr(cfg.model, "tie_embeddings", False) and getattr(model, "output", None) is not None:
+        # Each style distributed its own copy of the shared matrix; both are Shard(0) on the vocabulary,
+        # so the head can use the embedding's DTensor again and the two stay one parameter.
+        model.output.weight = model.tok_embeddings.weight
 
 
 def loss_context(cfg: Any, layout: Any) -> contextlib.AbstractContextManager:

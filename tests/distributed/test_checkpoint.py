@@ -206,7 +206,7 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.errors import DtlaunchError
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint import CheckpointManager
     from dtlaunch.train.data import build_loader
     from dtlaunch.train.dist_init import init_distributed

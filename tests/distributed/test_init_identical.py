@@ -27,7 +27,7 @@ def _worker(overrides: list[str]) -> None:
 
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.dist_init import init_distributed, shutdown
     from dtlaunch.train.init import model_param_name
     from dtlaunch.train.mesh import build_mesh

@@ -83,7 +83,7 @@ def test_stage_split_names_and_ownership() -> None:
 
     from dtlaunch.config.layout import Layout
     from dtlaunch.config.schema import JobConfig
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.pipeline import build_stage_modules, stage_ids
 
     cfg = OmegaConf.merge(
@@ -140,7 +140,7 @@ def _batches(cfg, steps: int, global_batch: int):
 def _reference(cfg, steps: int, global_batch: int) -> tuple[list[float], list[float]]:
     import torch
 
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.tensor_parallel import cross_entropy
 
     model = build_model(cfg.model, rope_len=cfg.training.seq_len, device="cpu")
@@ -165,7 +165,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
 
     from dtlaunch.config.layout import Layout, pp_microbatches
     from dtlaunch.config.schema import JobConfig
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.init import materialize_and_init
     from dtlaunch.train.mesh import build_mesh, dp_rank_size, sub_mesh
     from dtlaunch.train.pipeline import build_schedule, build_stage_modules

@@ -56,7 +56,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def our_model(run: Path) -> torch.nn.Module:
     from dtlaunch.convert.hf import load_checkpoint_model
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
 
     state, m, _ = load_checkpoint_model(run)
     model = build_model(m, device="cpu")

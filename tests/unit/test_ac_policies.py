@@ -15,8 +15,8 @@ import torch
 
 from dtlaunch.commands.common import load_job
 from dtlaunch.config.compose import compose
+from dtlaunch.models.dense.activations import ac_mix
 from dtlaunch.models.llama import build_model
-from dtlaunch.plan.activations import ac_mix
 from dtlaunch.train.ac import apply_ac, checkpointed_layer
 from dtlaunch.train.memtrack import StorageCounter
 

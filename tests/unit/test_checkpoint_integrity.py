@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dtlaunch.config.compose import compose
-from dtlaunch.models.llama import build_model
+from dtlaunch.models.dense.model import build_model
 from dtlaunch.train.checkpoint import MARKER, STATE_FILE, CheckpointManager, check_checkpoint, step_dir_name
 from dtlaunch.train.ckpt_integrity import digest_file
 from dtlaunch.train.init import materialize_and_init

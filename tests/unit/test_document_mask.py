@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dtlaunch.config.schema import ModelConfig
-from dtlaunch.models.llama import build_model
+from dtlaunch.models.dense.model import build_model
 from dtlaunch.train.data import document_inputs
 
 EOS = 1

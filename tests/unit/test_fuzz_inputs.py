@@ -372,7 +372,7 @@ def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omegaconf import OmegaConf
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint import CheckpointManager
     from dtlaunch.train.init import materialize_and_init
     from dtlaunch.train.optim import build_optimizer, build_scheduler

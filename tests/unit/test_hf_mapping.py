@@ -7,16 +7,10 @@ import torch
 from omegaconf import OmegaConf
 
 from dtlaunch.config.schema import ModelConfig
-from dtlaunch.convert.hf import (
-    from_hf_name,
-    from_hf_state,
-    halves_to_interleaved,
-    hf_config,
-    interleaved_to_halves,
-    to_hf_name,
-    to_hf_state,
-)
-from dtlaunch.models.llama import apply_rope, build_model, rope_cache
+from dtlaunch.convert.hf import from_hf_state, hf_config, to_hf_state
+from dtlaunch.errors import InputError
+from dtlaunch.models.dense.hf import from_hf_name, halves_to_interleaved, interleaved_to_halves, to_hf_name
+from dtlaunch.models.dense.model import apply_rope, build_model, rope_cache
 
 
 def tiny() -> ModelConfig:
@@ -33,7 +27,7 @@ def test_every_parameter_maps_both_ways() -> None:
     assert to_hf_name("layers.0.feed_forward.w2.weight") == "model.layers.0.mlp.down_proj.weight"
     assert to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert to_hf_name("output.weight") == "lm_head.weight"
-    with pytest.raises(KeyError):
+    with pytest.raises(InputError):
         from_hf_name("model.layers.0.self_attn.rotary_emb.weird")
 
 

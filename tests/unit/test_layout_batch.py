@@ -103,7 +103,7 @@ def test_lr_schedule(schedule: str, last: float) -> None:
 
 
 def test_weight_decay_on_matrices_only() -> None:
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.optim import param_groups
 
     model = build_model(_cfg().model, device="cpu")
@@ -116,7 +116,7 @@ def test_weight_decay_on_matrices_only() -> None:
 def test_wrapped_names_map_to_model_names() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.init import materialize_and_init, model_param_name
 
     cfg = _cfg()

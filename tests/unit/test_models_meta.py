@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtlaunch.config.compose import compose, group_options
-from dtlaunch.models.llama import build_model
+from dtlaunch.models.dense.model import build_model
 from dtlaunch.models.shapes import param_count
 
 PUBLISHED = {

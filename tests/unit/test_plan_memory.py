@@ -8,8 +8,8 @@ import pytest
 from dtlaunch.commands.common import load_job
 from dtlaunch.config.compose import list_recipes
 from dtlaunch.config.validate import validate
+from dtlaunch.models.dense import activations as act
 from dtlaunch.models.shapes import param_count
-from dtlaunch.plan import activations as act
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.search import search
 from dtlaunch.plan.suggest import _apply, suggest

@@ -1,15 +1,20 @@
-"""Llama 2 / 3 family decoder: RMSNorm, RoPE (with Llama-3.1 scaling), GQA attention, SwiGLU.
+"""The dense decoder behind the llama, qwen2, qwen3 and mistral registry entries: RMSNorm, RoPE (with
+Llama-3.1 scaling), GQA attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2),
+per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) and a head
+tied to the embedding (Llama 3.2 1B/3B, small Qwen).
 
 This module knows nothing of torch.distributed. Parallelism is applied from outside:
 - tensor parallel reshapes with the *local* head count (`view(B, S, -1, head_dim)`), so a sharded
   wq/wk/wv just yields fewer heads here;
 - pipeline splitting deletes blocks from `layers` (a ModuleDict keyed by the global block index, so
   parameter names stay those of the full model) and sets `tok_embeddings`/`norm`/`output` to None.
-Parameter names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...).
+Parameter names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...); a family's
+Hugging Face names are mapped by its registry entry (dtlaunch/models/<family>/hf.py).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from typing import Any, Optional
@@ -18,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlaunch.models.shapes import ffn_dim, head_dim, kv_heads
+from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 
 
 def rope_frequencies(m: Any) -> torch.Tensor:
@@ -75,21 +80,40 @@ class Attention(nn.Module):
     def __init__(self, m: Any) -> None:
         super().__init__()
         self.head_dim = head_dim(m)
-        self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=False)
-        self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=False)
+        bias = bool(getattr(m, "qkv_bias", False))
+        self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
+        self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
         self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=False)
+        # Per-head norms over head_dim, shared by all heads (so tensor parallel replicates them).
+        self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, m.norm_eps) if getattr(m, "qk_norm", False) else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, m.norm_eps) if getattr(m, "qk_norm", False) else None
+        self.sliding_window: Optional[int] = getattr(m, "sliding_window", None) or None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        """`mask`: (B, 1, S, S) boolean, True where a query may attend (causal within its document)."""
+        """`mask`: (B, 1, S, S) boolean, True where a query may attend (causal within its document);
+        `cache`: decoding only, the new tokens follow the cached positions."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        start = cache.length if cache is not None else 0
+        if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
+            cos, sin = cos[start:], sin[start:]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        mask = self._mask(mask, start, s, k.shape[1], x.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -99,6 +123,41 @@ class Attention(nn.Module):
             enable_gqa=q.shape[2] != k.shape[2],
         )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _mask(
+        self, doc_mask: Optional[torch.Tensor], start: int, s: int, total: int, device: torch.device
+    ) -> Optional[torch.Tensor]:
+        """None for plain causal attention over the whole sequence (SDPA's fast path); else a boolean
+        mask: causal from position `start` on (decoding with a cache), within the sliding window, and
+        within the document when a document mask is given."""
+        window = self.sliding_window
+        if start == 0 and (window is None or window >= total):
+            return doc_mask
+        qpos = torch.arange(start, start + s, device=device)[:, None]
+        kpos = torch.arange(total, device=device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        if doc_mask is not None:
+            mask = doc_mask & mask  # (B, 1, S, S) with (S, S)
+        return mask
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for one block (decoding; never in training)."""
+
+    def __init__(self) -> None:
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else int(self.k.shape[1])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
 
 
 class FeedForward(nn.Module):
@@ -121,13 +180,23 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(m.dim, ffn_dim(m))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        # The cache only when decoding: tensor parallel's input preparation expects (x, cos, sin, mask).
+        normed = self.attention_norm(x)
+        if cache is None:
+            h = x + self.attention(normed, cos, sin, mask)
+        else:
+            h = x + self.attention(normed, cos, sin, mask, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
     def __init__(self, m: Any, rope_len: Optional[int] = None) -> None:
         super().__init__()
         self.cfg = m
@@ -136,18 +205,26 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(m) for i in range(m.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(m.dim, m.vocab_size, bias=False)
+        if getattr(m, "tie_embeddings", False):
+            # One Parameter under two names; named_parameters() (init, FSDP, optimizer) sees it once.
+            self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, so checkpoints carry weights only.
         cos, sin = rope_cache(m, self.rope_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
-        self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        caches: Optional[list[KVCache]] = None,
     ) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden.
 
         Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
-        inside each document (causal and same document)."""
+        inside each document (causal and same document). `caches` (one per block, decoding only): the
+        new tokens follow the cached positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # One copy of the tables in the hidden state's dtype, shared by every block. Handed the fp32
         # tables, FSDP's mixed-precision hook would cast them again at each block's entry: a copy
@@ -161,8 +238,8 @@ class Llama(nn.Module):
             s = doc_ids.shape[1]
             causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
             mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -180,15 +257,23 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(self.init_param(name, tuple(p.shape), seed).to(p.dtype))
 
+    def buffer_values(self, device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
+        """Values of the derived (non-persistent) buffers, by name suffix: the RoPE tables."""
+        cos, sin = rope_cache(self.cfg, self.rope_len, device)
+        return {"rope_cos": cos, "rope_sin": sin}
+
     def init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The full (unsharded) initial value of parameter `name`, on CPU in fp32."""
         if name.endswith("norm.weight"):
             return torch.ones(shape)
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
         if name.startswith("tok_embeddings"):
-            std = 1.0
+            # A tied matrix is also the output head: unit rows would give logits of size sqrt(dim).
+            std = 0.02 if getattr(self.cfg, "tie_embeddings", False) else 1.0
         elif name.startswith("output"):
             std = self.cfg.dim**-0.5
+        elif name.endswith(".bias"):
+            return torch.zeros(shape)
         elif name.endswith(("wo.weight", "w2.weight")):
             # Residual projections scaled down with depth (GPT-2 / torchtitan practice).
             std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
@@ -197,7 +282,25 @@ class Llama(nn.Module):
         return torch.randn(shape, generator=g).mul_(std)
 
 
-def build_model(m: Any, rope_len: Optional[int] = None, device: str | torch.device = "meta") -> Llama:
+def split_stage(model: nn.Module, stage_idx: int, n_stages: int, layers: range) -> nn.Module:
+    """A copy of `model` keeping blocks `layers`, the embedding only on stage 0, the head on the last."""
+    part = copy.deepcopy(model)
+    for key in list(part.layers.keys()):
+        if int(key) not in layers:
+            del part.layers[key]
+    if stage_idx != 0:
+        part.tok_embeddings = None
+    if stage_idx != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+# The name Meta's reference and the rest of the code base know it by.
+Llama = Decoder
+
+
+def build_model(m: Any, rope_len: Optional[int] = None, device: str | torch.device = "meta") -> Decoder:
     """Build on `device` ('meta' costs no memory: the runtime materialises after parallelising)."""
     with torch.device(device):
-        return Llama(m, rope_len)
+        return Decoder(m, rope_len)

@@ -1,4 +1,4 @@
-"""Saved-activation bytes per token for OUR Llama block (dtlaunch/models/llama.py), counted op by op.
+"""Saved-activation bytes per token of the dense decoder block (dtlaunch/models/dense/model.py), op by op.
 
 What eager autograd keeps between forward and backward, per token of one micro-batch (e = bytes of
 the compute dtype, h = dim, k = kv-heads * head_dim, F = FFN width, a = heads):
@@ -15,7 +15,10 @@ Attention: wq/wk/wv share the norm output (counted above); RoPE multiplies by co
 SwiGLU: w1 out, silu out, w3 out, their product (w2's input): 4·e·F.
 Residual adds save nothing; the residual h1 is the fp32 input view of ffn_norm (counted there).
 
-Per block, no AC: 2·(4h + 2eh + 4) + e·(2h + 2k + 4F) + 4a.
+Per block, no AC: 2·(4h + 2eh + 4) + e·(2h + 2k + 4F) + 4a (h stands for the query width
+n_heads·head_dim in the attention terms; it differs from dim when head_dim is set, as on Qwen3).
+Per-head q/k RMSNorm (Qwen3): each keeps its input in fp32, the pre-weight value and one rsqrt per
+head; its output goes to RoPE, which saves no input: (4 + e)·(q + k) + 4·(a + kv heads).
 Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
 parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
 column-parallel linears is full: norms give (4h + eh + 4)/t + eh each.
@@ -31,9 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from dtlaunch.models.shapes import ffn_dim, head_dim, kv_heads
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
+from dtlaunch.models.dtypes import DTYPE_BYTES  # noqa: F401 (planner code reads it here too)
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,30 @@ class BlockDims:
     f: int
     a: int
     vocab: int
+    q: int = 0  # query width = n_heads * head_dim (0: equal to h)
+    qk_norm: bool = False
+    hd: int = 0  # head_dim (0: h // a)
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
-        return cls(h=m.dim, k=kv_heads(m) * head_dim(m), f=ffn_dim(m), a=m.n_heads, vocab=m.vocab_size)
+        return cls(
+            h=m.dim,
+            k=kv_heads(m) * head_dim(m),
+            f=ffn_dim(m),
+            a=m.n_heads,
+            vocab=m.vocab_size,
+            q=m.n_heads * head_dim(m),
+            qk_norm=bool(getattr(m, "qk_norm", False)),
+            hd=head_dim(m),
+        )
+
+    @property
+    def qw(self) -> int:
+        return self.q or self.h
+
+    @property
+    def head(self) -> int:
+        return self.hd or self.h // self.a
 
 
 def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, consumers: int = 1) -> float:
@@ -66,7 +88,9 @@ def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, 
 def block_bytes_no_ac(
     d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
 ) -> float:
-    attn = e * (2 * d.h + 2 * d.k) + 4 * d.a
+    attn = e * (2 * d.qw + 2 * d.k) + 4 * d.a
+    if d.qk_norm:
+        attn += (4 + e) * (d.qw + d.k) + 4 * (d.a + d.k // d.head)
     mlp = 4 * e * d.f
     norms = norm_bytes(d, e, tp, sp, autocast, 3) + norm_bytes(d, e, tp, sp, autocast, 2)
     if compiled:
@@ -90,7 +114,7 @@ def block_bytes_selective(
     # sequence-sharded under SP); SDPA output (h) + logsumexp. Compiled, w2's output is not kept: eager
     # SAC stores every must-save output, the compiled graph only those backward reads (the residual
     # add's backward reads none). Measured on compiled CPU blocks.
-    sharded = e * (2 * d.h + d.k + d.f) + 4 * d.a
+    sharded = e * (2 * d.qw + d.k + d.f) + 4 * d.a
     residual_mm = 0.0 if compiled else e * d.h / (tp if tp > 1 and sp else 1)
     return block_input_bytes(d, e, tp, sp, autocast) + sharded / tp + residual_mm
 
@@ -145,7 +169,7 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
 def rope_cast_bytes(d: BlockDims, e: int, seq: int) -> float:
     """Per block and micro-batch: RoPE casts its fp32 cos/sin tables to the compute dtype for q and
     k (4 tables of seq x head_dim/2, saved by the rotations); nothing in fp32 (no-op cast)."""
-    return 0.0 if e == 4 else 4 * seq * (d.h // d.a // 2) * e
+    return 0.0 if e == 4 else 4 * seq * (d.head // 2) * e
 
 
 def final_norm_bytes(d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:

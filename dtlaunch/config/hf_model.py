@@ -1,0 +1,133 @@
+"""`model.init_from=hf:DIR`: the model section comes from DIR/config.json (torch-free, weights unread).
+
+`architectures` picks the registry entry; every size is read from config.json and replaces the
+recipe's model group. A command-line override of a model field that contradicts config.json is an
+error naming both values (silently training another shape than the weights would fail later, or
+worse, load into a model the checkpoint does not describe).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from dtlaunch.errors import ConfigError
+
+# Model-section fields the user may still set with an hf: source: they do not describe the weights.
+_FREE = {"name", "init_from", "max_seq_len"}
+
+
+def hf_source_dir(init_from: Any) -> Optional[Path]:
+    src = str(init_from or "random")
+    if not src.startswith("hf:"):
+        return None
+    if not src[3:]:
+        raise ConfigError("model.init_from='hf:' names no directory: use model.init_from=hf:DIR")
+    return Path(src[3:]).expanduser()
+
+
+def read_hf_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"model.init_from=hf:{path}: no config.json there: point it at a Hugging Face model directory "
+            f"(e.g. one written by `dtlaunch ckpt export --format hf`)"
+        )
+    try:
+        return json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.init_from=hf:{path}: config.json is not readable JSON ({exc})") from exc
+
+
+def model_fields_from_hf(path: Path, config: Optional[dict] = None, arch: str = "") -> dict:
+    """The model section's fields described by DIR/config.json (arch included)."""
+    from dtlaunch.models.registry import spec_for_hf
+
+    c = config if config is not None else read_hf_config(path)
+    where = f"model.init_from=hf:{path}"
+    if arch == "hf_auto":
+        return _generic_fields(c, where)
+    spec = spec_for_hf(list(c.get("architectures") or []), where)
+    try:
+        fields = spec.hf.config_from_hf(c, where)
+    except KeyError as exc:
+        raise ConfigError(f"{where}: config.json has no {exc.args[0]}: it does not describe a model") from exc
+    fields["arch"] = spec.arch
+    return fields
+
+
+def _generic_fields(c: dict, where: str) -> dict:
+    """model.arch=hf_auto: the sizes the planner and summary show, read from the usual config.json keys
+    (transformers builds the model itself from the whole file)."""
+    try:
+        dim, layers, heads = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+        vocab = int(c["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: config.json lacks {exc} that model.arch=hf_auto reads") from exc
+    return {
+        "arch": "hf_auto",
+        "dim": dim,
+        "n_layers": layers,
+        "n_heads": heads,
+        "n_kv_heads": int(c.get("num_key_value_heads") or heads),
+        "vocab_size": vocab,
+        "max_seq_len": int(c.get("max_position_embeddings") or 2048),
+    }
+
+
+def _cli_model_keys(overrides: Sequence[str]) -> set[str]:
+    keys = set()
+    for ov in overrides:
+        m = re.match(r"\+{0,2}model\.([\w.]+)=", ov)
+        if m:
+            keys.add(m.group(1).split(".")[0])
+    return keys
+
+
+def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
+    """Replace resolved['model'] by what DIR/config.json describes; conflicting overrides are errors."""
+    model = resolved.get("model") or {}
+    path = hf_source_dir(model.get("init_from"))
+    if path is None:
+        return
+    given = _cli_model_keys(overrides)
+    fields = model_fields_from_hf(path, arch="hf_auto" if "arch" in given and model.get("arch") == "hf_auto" else "")
+    for key in sorted(given - _FREE):
+        if key in fields and _differs(model.get(key), fields[key]):
+            raise ConfigError(
+                f"model.{key}={model.get(key)} contradicts {path}/config.json ({key}={fields[key]}): "
+                f"drop the override, the model comes from model.init_from"
+            )
+    new = {"name": model.get("name") if "name" in given else path.name, "init_from": model["init_from"]}
+    new.update(fields)
+    if "max_seq_len" in given:
+        new["max_seq_len"] = model["max_seq_len"]
+    # Fields config.json does not describe go back to their defaults (not the recipe's model group).
+    resolved["model"] = new
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return abs(float(a) - float(b)) > 1e-12 * max(1.0, abs(float(b)))
+        except (TypeError, ValueError):
+            return True
+    return a != b
+
+
+def describe_hf_source(cfg: Any) -> Optional[str]:
+    """One line saying what model.init_from=hf:DIR loads (architecture, parameters, dtype, source)."""
+    path = hf_source_dir(cfg.model.init_from)
+    if path is None:
+        return None
+    from dtlaunch.models.shapes import param_count
+
+    c = read_hf_config(path)
+    arch = ", ".join(c.get("architectures") or [])
+    dtype = c.get("torch_dtype") or c.get("dtype") or "unknown dtype"
+    return (
+        f"loaded {arch} (model.arch={cfg.model.arch}) from {path}: {param_count(cfg.model):,} parameters, "
+        f"{dtype} weights"
+    )

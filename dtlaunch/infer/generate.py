@@ -1,0 +1,124 @@
+"""Text generation with dtlaunch's own model modules (the ones that train) and a KV cache, one process.
+
+SOURCE is `hf:DIR` (config.json, safetensors, tokenizer.json), a run directory (its newest complete
+checkpoint and the run's tokenizer) or a checkpoint directory inside a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dtlaunch.errors import InputError
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    m: Any  # the model section
+    tokenizer: Any
+    eos_id: Optional[int]
+    source: str
+
+
+def load_source(source: str, device: torch.device, max_len: int = 1) -> Loaded:
+    """The model (weights loaded, eval mode, RoPE for `max_len` positions: see set_positions) and
+    its tokenizer."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.schema import ModelConfig
+    from dtlaunch.data.tokenizer import load_tokenizer
+    from dtlaunch.models.registry import model_spec
+
+    if source.startswith("hf:"):
+        from dtlaunch.config.hf_model import model_fields_from_hf, read_hf_config
+        from dtlaunch.convert.hf import load_hf_weights
+
+        path = Path(source[3:]).expanduser()
+        c = read_hf_config(path)
+        fields = model_fields_from_hf(path, c)
+        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), {**fields, "name": path.name})
+        state = load_hf_weights(path, m)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise InputError(f"generate {source}: no tokenizer.json in {path}: add the model's tokenizer.json")
+        tokenizer = load_tokenizer(str(tok_file))
+        eos = c.get("eos_token_id")
+        eos_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else tokenizer.eos_id
+    else:
+        from dtlaunch.convert.hf import load_checkpoint_model
+
+        state, m, info = load_checkpoint_model(Path(source))
+        tokenizer = load_tokenizer(_run_tokenizer(Path(info.path)))
+        eos_id = getattr(tokenizer, "eos_id", None)
+    model = model_spec(m).build(m, rope_len=max_len, device=device)
+    model.init_weights(0)  # derived buffers (RoPE); every weight is then loaded
+    result = model.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    missing = [k for k in result.missing_keys if not (k == "output.weight" and m.tie_embeddings)]
+    if missing or result.unexpected_keys:
+        raise InputError(f"generate {source}: weights do not fit the model ({(missing + result.unexpected_keys)[0]})")
+    return Loaded(model.eval(), m, tokenizer, eos_id, source)
+
+
+def set_positions(model: torch.nn.Module, length: int) -> None:
+    """Rebuild the model's derived position tables (RoPE) for `length` positions."""
+    model.rope_len = length
+    for name, value in model.buffer_values(next(model.parameters()).device).items():
+        setattr(model, name, value)
+
+
+def _run_tokenizer(checkpoint: Path) -> str:
+    """The tokenizer a checkpoint's run trained with (its config.yaml's data.tokenizer)."""
+    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR
+
+    for parent in checkpoint.parents:
+        kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"  # the launcher's copy of the run's tokenizer
+        if kept.is_file():
+            return str(kept)
+        if (parent / "config.yaml").is_file():
+            return str(load_resolved(parent / "config.yaml").data.tokenizer)
+    return "byte"
+
+
+@torch.no_grad()
+def generate_ids(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: Optional[int] = None,
+) -> list[int]:
+    """New token ids after `prompt` (the EOS id included when it ends the text)."""
+    from dtlaunch.models.dense.model import KVCache
+
+    device = next(model.parameters()).device
+    caches = [KVCache() for _ in model.layers]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.tensor([prompt], dtype=torch.long, device=device)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(x, caches=caches)[0, -1].float()
+        nxt = _pick(logits, temperature, top_p, g)
+        out.append(nxt)
+        if eos_id is not None and nxt == eos_id:
+            break
+        x = torch.tensor([[nxt]], dtype=torch.long, device=device)
+    return out
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, g: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep = sorted_p.cumsum(0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=g))

@@ -1,0 +1,71 @@
+"""Closed-form shapes and parameter counts of the dense decoder (pure Python: planner and validators).
+
+One decoder covers Llama, Qwen2/2.5, Qwen3 and Mistral; the flags of the model section (qkv_bias,
+qk_norm, tie_embeddings, head_dim) change the counts here exactly as they change the modules.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def ffn_dim(m: Any) -> int:
+    """SwiGLU hidden width, Meta's rule: multiple_of * ceil(int(mult * floor(8*dim/3)) / multiple_of)."""
+    if m.ffn_dim:
+        return int(m.ffn_dim)
+    hidden = (8 * m.dim) // 3
+    hidden = int(m.ffn_dim_multiplier * hidden)
+    return m.multiple_of * math.ceil(hidden / m.multiple_of)
+
+
+def head_dim(m: Any) -> int:
+    return int(getattr(m, "head_dim", None) or m.dim // m.n_heads)
+
+
+def kv_heads(m: Any) -> int:
+    return m.n_kv_heads or m.n_heads
+
+
+def tied(m: Any) -> bool:
+    return bool(getattr(m, "tie_embeddings", False))
+
+
+def block_norm_params(m: Any) -> int:
+    """Norm gains of one block (never sharded by tensor parallel): two RMSNorms, plus q/k norms."""
+    return 2 * m.dim + (2 * head_dim(m) if getattr(m, "qk_norm", False) else 0)
+
+
+def block_params(m: Any) -> int:
+    """One block: q,k,v,o projections (+ q/k/v biases), SwiGLU (3 matrices), norm gains."""
+    h, d = m.dim, head_dim(m)
+    q, k = m.n_heads * d, kv_heads(m) * d
+    attn = 2 * h * q + 2 * h * k
+    if getattr(m, "qkv_bias", False):
+        attn += q + 2 * k
+    return attn + 3 * h * ffn_dim(m) + block_norm_params(m)
+
+
+def embedding_params(m: Any) -> int:
+    return m.vocab_size * m.dim
+
+
+def head_params(m: Any) -> int:
+    """The output head's own parameters: none when it shares the embedding matrix."""
+    return 0 if tied(m) else m.vocab_size * m.dim
+
+
+def param_count(m: Any) -> int:
+    """P = V*h (embedding) + V*h (output head, unless tied) + h (final norm) + L * block."""
+    return embedding_params(m) + head_params(m) + m.dim + m.n_layers * block_params(m)
+
+
+def tp_divisors(m: Any) -> list[tuple[str, int]]:
+    """(key, value) pairs a tensor-parallel degree must divide: whole heads per rank, even shards."""
+    return [
+        ("model.n_heads", m.n_heads),
+        ("model.n_kv_heads", kv_heads(m)),
+        ("model.dim", m.dim),
+        ("model.vocab_size", m.vocab_size),
+        ("model FFN width", ffn_dim(m)),
+    ]

@@ -1,0 +1,32 @@
+"""The dense decoder's registry entry, parametrised per family (llama, qwen2, qwen3, mistral)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.models.dense import flops, shapes
+from dtlaunch.models.dense.hf import DenseHF
+from dtlaunch.models.registry import ModelSpec
+
+
+def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple[str, ...], **fixed: Any) -> ModelSpec:
+    return ModelSpec(
+        arch=arch,
+        description=description,
+        builder="dtlaunch.models.dense.model:build_model",
+        tp_plan="dtlaunch.models.dense.tp_plan",
+        pipeline_split="dtlaunch.models.dense.model:split_stage",
+        hf_architectures=hf_architectures,
+        hf=hf,
+        hf_names="dtlaunch.models.dense.hf",
+        param_count=shapes.param_count,
+        block_params=shapes.block_params,
+        block_norm_params=shapes.block_norm_params,
+        embedding_params=shapes.embedding_params,
+        head_params=shapes.head_params,
+        flops_per_token=flops.flops_per_token,
+        matmul_params=flops.matmul_params,
+        tp_divisors=shapes.tp_divisors,
+        activations="dtlaunch.models.dense.activations",
+        fixed=dict(fixed),
+    )

@@ -1,0 +1,148 @@
+"""The model registry: every model dtlaunch trains natively is one `ModelSpec` entry, found by `model.arch`.
+
+An entry brings everything model-specific the runtime, planner and converters need, so `train/`,
+`plan/` and `convert/` look a model up here instead of importing one:
+- `builder`: builds the nn.Module on a device (meta for the runtime);
+- `tp_plan`: module name -> ParallelStyle for the parts outside and inside a block (data);
+- wrapping units: the built module's `layers` (see the protocol below), which activation
+  checkpointing, compile and FSDP wrap one by one;
+- `pipeline_split`: keeps a stage's blocks and the embedding / head on the first / last stage;
+- Hugging Face: architecture names, config.json <-> model section, tensor names and layouts;
+- planner functions: parameter counts, FLOPs, tensor-parallel divisibility, saved-activation model;
+- seeded init: the built module's `init_param(name, full_shape, seed)`.
+
+The protocol a built module follows (the runtime relies on nothing else): a `layers` ModuleDict keyed
+by the global block index (pipeline stages delete entries, names stay those of the full model), an
+`init_param(name, shape, seed)` giving any parameter's full initial value, `cfg` (the model section)
+and `rope_len`; optional top-level modules named by the TP plan are skipped when a stage has them None.
+
+Builders and TP plans are import paths ("module:attr") resolved on first use: this module and the
+planner functions are torch-free, so `dtlaunch plan` and `validate` never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+from dtlaunch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    description: str
+    # "module:function" building the model: (model section, rope_len, device) -> nn.Module.
+    builder: str
+    # "module" with model_plan(m, sp) / block_plan(m, sp) -> {module name: ParallelStyle}.
+    tp_plan: str
+    # "module:function" (model, stage index, n_stages, layer range) -> stage module.
+    pipeline_split: str
+    # Hugging Face: the `architectures` names this entry reads, and its adapter (see models/dense/hf.py):
+    # config_from_hf(config.json dict, where) -> model fields, config_to_hf(m, dtype) -> config.json.
+    hf_architectures: tuple[str, ...]
+    hf: Any
+    # "module" with to_hf_state / from_hf_state / to_hf_name (torch-free tensor reshaping).
+    hf_names: str
+    # Planner (pure Python): parameter counts, FLOPs and the saved-activation model ("module").
+    param_count: Callable[[Any], int]
+    block_params: Callable[[Any], int]
+    block_norm_params: Callable[[Any], int]
+    embedding_params: Callable[[Any], int]
+    head_params: Callable[[Any], int]
+    flops_per_token: Callable[[Any, int], float]
+    matmul_params: Callable[[Any], int]
+    tp_divisors: Callable[[Any], list]
+    # None: no closed-form memory model; the planner traces a step instead (plan/trace.py).
+    activations: Optional[str]
+    # Model-section fields this family fixes: config groups and config.json must agree with them.
+    fixed: dict = field(default_factory=dict)
+    # A tied head and embedding live on different pipeline stages: refused with pp > 1.
+    pp_tied_ok: bool = False
+
+    def build(self, m: Any, rope_len: Any = None, device: Any = "meta") -> Any:
+        return _resolve(self.builder)(m, rope_len=rope_len, device=device)
+
+    def tp_model_plan(self, m: Any, sequence_parallel: bool) -> dict:
+        return _module(self.tp_plan).model_plan(m, sequence_parallel)
+
+    def tp_block_plan(self, m: Any, sequence_parallel: bool) -> dict:
+        return _module(self.tp_plan).block_plan(m, sequence_parallel)
+
+    def split_stage(self, model: Any, stage: int, n_stages: int, layers: range) -> Any:
+        return _resolve(self.pipeline_split)(model, stage, n_stages, layers)
+
+    @property
+    def analytic(self) -> bool:
+        """Whether the planner has a closed-form memory model for this entry."""
+        return self.activations is not None
+
+    def act(self) -> ModuleType:
+        if self.activations is None:
+            raise ConfigError(f"model '{self.arch}' has no closed-form memory model: plan it by trace")
+        return _module(self.activations)
+
+    def names(self) -> ModuleType:
+        return _module(self.hf_names)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+_BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "hf_auto")
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.arch in _REGISTRY and _REGISTRY[spec.arch] is not spec:
+        raise ValueError(f"model arch '{spec.arch}' is registered twice")
+    _REGISTRY[spec.arch] = spec
+    return spec
+
+
+def _load_builtin() -> None:
+    for family in _BUILTIN:
+        importlib.import_module(f"dtlaunch.models.{family}")
+
+
+def registry() -> dict[str, ModelSpec]:
+    if not all(a in _REGISTRY for a in _BUILTIN):
+        _load_builtin()
+    return dict(_REGISTRY)
+
+
+def known_archs() -> list[str]:
+    return sorted(registry())
+
+
+def model_spec(m: Any) -> ModelSpec:
+    """The entry for a model section (or an arch name); `model._target_` selects the user-module entry."""
+    if not isinstance(m, str) and getattr(m, "_target_", ""):
+        from dtlaunch.models.custom import SPEC
+
+        return SPEC
+    arch = m if isinstance(m, str) else str(getattr(m, "arch", "llama") or "llama")
+    specs = registry()
+    if arch not in specs:
+        raise ConfigError(f"model.arch='{arch}' is not a registered model: use one of {', '.join(sorted(specs))}")
+    return specs[arch]
+
+
+def spec_for_hf(architectures: list[str], where: str) -> ModelSpec:
+    """The entry reading a config.json's `architectures`; the error names the known ones."""
+    for spec in registry().values():
+        if any(a in spec.hf_architectures for a in architectures or []):
+            return spec
+    known = sorted(a for s in registry().values() for a in s.hf_architectures)
+    raise ConfigError(
+        f"{where}: architecture {', '.join(architectures or ['(none)'])} is not one dtlaunch builds natively "
+        f"(known: {', '.join(known)}): use model.arch=hf_auto for other causal LMs (transformers builds them)"
+    )
+
+
+def _module(path: str) -> ModuleType:
+    return importlib.import_module(path)
+
+
+def _resolve(path: str) -> Callable:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,116 @@
+"""`model._target_=pkg.module.build`: a module defined outside dtlaunch (written into a temporary
+directory on PYTHONPATH) trains with DDP and FSDP2 + activation checkpointing to the same losses, is
+planned by trace, and a bad target is a one-line error with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+USER_MODULE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab, dim, n_layers):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim) for i in range(n_layers)})
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(h)
+
+
+def build(m):
+    return TinyLM(m.vocab_size, m.dim, m.n_layers)
+
+
+def not_a_module(m):
+    return 42
+"""
+RUN = [
+    "model._target_=user_lm.build",
+    "training.steps=3",
+    "training.seq_len=32",
+    "training.micro_batch=2",
+    "data=synthetic",
+    "checkpoint.enabled=false",
+    "training.loss_plot=false",
+    "launch.threads_per_worker=1",
+    "launch.nproc_per_node=2",
+]
+
+
+@pytest.fixture(scope="module")
+def user_path(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("userpkg")
+    (d / "user_lm.py").write_text(USER_MODULE)
+    return d
+
+
+def _dtlaunch(user_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(user_path))
+    return subprocess.run(
+        [sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_user_module_trains_in_every_data_parallel_layout(user_path: Path, tmp_path: Path) -> None:
+    losses, plans = {}, {}
+    for name, layout in {
+        "ddp": ["strategy=ddp"],
+        "fsdp_ac": ["strategy=fsdp", "training.activation_checkpointing=full"],
+    }.items():
+        run = tmp_path / name
+        proc = _dtlaunch(user_path, "train", *RUN, *layout, f"run.dir={run}")
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "planned by tracing one training step" in proc.stdout
+        losses[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        plan, summary = json.loads((run / "plan.json").read_text()), json.loads((run / "summary.json").read_text())
+        plans[name] = (plan["peak_bytes"], max(summary["peak_mem_bytes_per_rank"]))
+    assert max(abs(a - b) for a, b in zip(losses["ddp"], losses["fsdp_ac"], strict=True)) < 1e-4
+    for predicted, measured in plans.values():
+        assert abs(predicted - measured) / measured < 0.10, plans
+
+
+def test_bad_target_is_one_line_exit_2(user_path: Path) -> None:
+    proc = _dtlaunch(user_path, "validate", "model._target_=user_lm.not_a_module")
+    assert proc.returncode == 2 and "returned int, not an nn.Module" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model._target_=no_such_pkg.build"], "cannot import no_such_pkg"),
+        (["model._target_=user_lm.build", "strategy=tp"], "use strategy.tp=1"),
+    ],
+)
+def test_bad_target_messages(user_path: Path, monkeypatch, overrides: list[str], message: str) -> None:
+    from dtlaunch.config.compose import compose
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    monkeypatch.syspath_prepend(str(user_path))
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides).cfg)

@@ -1,0 +1,90 @@
+"""Tiny random-weight Qwen2, Qwen3, Mistral and tied Llama directories (made by transformers): our
+model, loaded through `model.init_from=hf:DIR`, computes transformers' logits within 1e-4."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dtlaunch.config.compose import compose
+from dtlaunch.convert.hf import load_hf_weights, save_hf
+from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.models.registry import model_spec
+
+transformers = pytest.importorskip("transformers")
+FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied"]
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "llama_tied": "llama"}
+
+
+def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:
+    m = compose(["model=tiny", f"model.init_from=hf:{path}"]).cfg.model
+    model = model_spec(m).build(m, rope_len=seq, device="cpu")
+    model.init_weights(0)  # buffers; the weights come next
+    state = load_hf_weights(path, m)
+    missing = model.load_state_dict(state, strict=False)
+    assert not missing.unexpected_keys and set(missing.missing_keys) <= {"output.weight"}
+    return model.eval(), m
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tiny_hf_dirs, family: str) -> None:
+    path = tiny_hf_dirs[family]
+    model, m = ours(path)
+    assert m.arch == ARCH[family] and m.dim == 64 and m.vocab_size == 256
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens) - ref(tokens).logits).abs().max().item()
+    assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
+
+
+def test_config_json_fills_the_model_section(tiny_hf_dirs) -> None:
+    m = compose(["model=llama3_8b", f"model.init_from=hf:{tiny_hf_dirs['qwen3']}"]).cfg.model
+    assert (m.arch, m.dim, m.head_dim, m.qk_norm, m.n_kv_heads, m.ffn_dim) == ("qwen3", 64, 24, True, 2, 96)
+    assert m.rope_scaling is None  # the recipe's Llama-3.1 scaling is gone with its group
+    m = compose(["model=tiny", f"model.init_from=hf:{tiny_hf_dirs['mistral']}"]).cfg.model
+    assert m.sliding_window == 8 and m.arch == "mistral"
+
+
+def test_contradicting_override_names_both_values(tiny_hf_dirs) -> None:
+    with pytest.raises(ConfigError, match=r"model.dim=128 contradicts .*config.json \(dim=64\)"):
+        compose(["model=tiny", "model.dim=128", f"model.init_from=hf:{tiny_hf_dirs['qwen2']}"])
+
+
+def test_unknown_architecture_names_known_ones_and_hf_auto(tiny_hf_dirs, tmp_path) -> None:
+    c = json.loads((tiny_hf_dirs["qwen2"] / "config.json").read_text())
+    c["architectures"] = ["Phi3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ConfigError, match=r"Phi3ForCausalLM .*Qwen3ForCausalLM.*model.arch=hf_auto"):
+        compose([f"model.init_from=hf:{tmp_path}"])
+
+
+def test_bad_tensors_are_named(tiny_hf_dirs, tmp_path) -> None:
+    model, m = ours(tiny_hf_dirs["qwen2"])
+    state = {k: v for k, v in model.state_dict().items() if "rope" not in k}
+    save_hf({k: v for k, v in state.items() if k != "layers.1.attention.wk.bias"}, m, tmp_path / "missing")
+    with pytest.raises(InputError, match=r"model.layers.1.self_attn.k_proj.bias is missing"):
+        load_hf_weights(tmp_path / "missing", m)
+    bad = dict(state, **{"layers.0.feed_forward.w1.weight": torch.zeros(8, 64)})
+    save_hf(bad, m, tmp_path / "shape")
+    with pytest.raises(InputError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(8, 64\)"):
+        load_hf_weights(tmp_path / "shape", m)
+
+
+def test_sharded_read_is_a_slice_of_the_full_tensor(tiny_hf_dirs, tmp_path) -> None:
+    """A rank's block of a RoPE-permuted tensor, read from an index of shards, equals the full read's."""
+    from dtlaunch.convert.hf import HFWeights
+
+    model, m = ours(tiny_hf_dirs["qwen3"])
+    state = {k: v for k, v in model.state_dict().items() if "rope" not in k}
+    save_hf(state, m, tmp_path / "sharded", max_shard_bytes=20_000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    w = HFWeights(tmp_path / "sharded", m)
+    full = w.read("layers.1.attention.wq.weight")
+    assert torch.equal(full, state["layers.1.attention.wq.weight"])
+    assert torch.equal(w.read("layers.1.attention.wq.weight", (30, 64), (17, 0)), full[17:47])
+    assert torch.equal(
+        w.read("layers.0.attention.k_norm.weight", (12,), (12,)), state["layers.0.attention.k_norm.weight"][12:]
+    )

@@ -1,0 +1,88 @@
+"""Registry entries: published sizes exact (closed form, our meta model and transformers' own meta
+model built from the same config.json), and the flags reach the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtlaunch.config.compose import compose
+from dtlaunch.convert.hf import hf_config
+from dtlaunch.models.registry import known_archs, model_spec
+from dtlaunch.models.shapes import param_count
+
+# Published totals (second-wave-facts.md: transformers' own config classes on the meta device).
+PUBLISHED = {
+    "qwen2.5_7b": 7_615_616_512,
+    "qwen3_8b": 8_190_735_360,
+    "mistral_7b": 7_248_023_552,
+}
+FAMILY_GROUPS = [
+    "qwen2.5_0.5b",
+    "qwen2.5_7b",
+    "qwen2.5_72b",
+    "qwen3_0.6b",
+    "qwen3_8b",
+    "qwen3_32b",
+    "mistral_7b",
+    "llama3.2_1b",
+    "llama3.2_3b",
+]
+
+
+def _transformers_count(m) -> int:
+    """transformers' model for the config.json we would export, built on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    c = hf_config(m)
+    config_cls = transformers.AutoConfig.for_model(c["model_type"]).__class__
+    keep = {k: v for k, v in c.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    config = config_cls(**keep)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == c["architectures"][0]
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", FAMILY_GROUPS)
+def test_family_sizes_match_transformers_and_published(name: str) -> None:
+    m = compose([f"model={name}"]).cfg.model
+    ours = sum(p.numel() for p in model_spec(m).build(m, rope_len=4, device="meta").parameters())
+    assert ours == param_count(m)
+    assert ours == _transformers_count(m)
+    if name in PUBLISHED:
+        assert ours == PUBLISHED[name]
+
+
+def test_registry_has_the_native_families() -> None:
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(known_archs())
+
+
+def test_flags_build_their_modules() -> None:
+    m = compose(["model=tiny", "model.arch=qwen3", "model.qk_norm=true", "model.head_dim=32"]).cfg.model
+    model = model_spec(m).build(m, rope_len=4, device="meta")
+    attn = model.layers["0"].attention
+    assert attn.q_norm.weight.shape == (32,) and attn.wq.weight.shape == (4 * 32, 64) and attn.wq.bias is None
+    m = compose(["model=tiny", "model.arch=qwen2", "model.qkv_bias=true", "model.tie_embeddings=true"]).cfg.model
+    model = model_spec(m).build(m, rope_len=4, device="meta")
+    assert model.layers["0"].attention.wk.bias.shape == (32,) and model.layers["0"].attention.wo.bias is None
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=qwen3_8b", "strategy=tp", "launch.nproc_per_node=3"], r"strategy.tp=3 does not divide .*qwen3"),
+        (["model=llama3.2_1b", "strategy=pp", "launch.nproc_per_node=2"], r"tie_embeddings=true cannot run with"),
+        (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
+        (
+            ["model.arch=gpt2"],
+            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, qwen2, qwen3",
+        ),
+    ],
+)
+def test_bad_family_layouts_are_one_line_errors(overrides: list[str], message: str) -> None:
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(overrides).cfg)
