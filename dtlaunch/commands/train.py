@@ -89,9 +89,12 @@ def check_hf_weights(cfg: Any) -> None:
 def _launch_recording_state(cfg: Any, run_dir: Path) -> None:
     """launch_local, with RUN/state.json saying what happened (read by `dtlaunch status`)."""
     from dtlaunch.errors import Preempted
-    from dtlaunch.launch.local import launch_local
+    from dtlaunch.launch.local import launch_local, node_rank_of
     from dtlaunch.launch.runstate import record_state
 
+    if int(cfg.launch.nnodes) > 1 and node_rank_of(cfg.launch) > 0:
+        launch_local(cfg, run_dir)  # node 0's launcher speaks for a multi-node run
+        return
     record_state(run_dir, "running", total_steps=int(cfg.training.steps))
     try:
         launch_local(cfg, run_dir)

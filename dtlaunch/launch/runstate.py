@@ -20,7 +20,9 @@ def record_state(run_dir: Path, state: str, **extra: Any) -> None:
     if state == "running":
         data.update(pid=os.getpid(), host=socket.gethostname(), started=time.time())
     data.update(state=state, updated=time.time(), **extra)
-    tmp = path.with_name(f".{STATE_NAME}.tmp")
+    # A name of this writer's own: the launchers of a multi-node run share the run directory, and a
+    # shared temporary name lets one rename away the file another is about to rename.
+    tmp = path.with_name(f".{STATE_NAME}.{socket.gethostname()}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
 
