@@ -88,6 +88,35 @@ class ModelSpec:
         return _module(self.hf_names)
 
 
+def traced_spec(arch: str, description: str, builder: str) -> ModelSpec:
+    """An entry with no closed-form shapes, tensor-parallel plan or pipeline split: sizes are counted on
+    the meta device (so it imports torch and the module) and the planner traces one real step."""
+
+    def count(m: Any) -> int:
+        return sum(p.numel() for p in _resolve(builder)(m, device="meta").parameters())
+
+    return ModelSpec(
+        arch=arch,
+        description=description,
+        builder=builder,
+        tp_plan="",
+        pipeline_split="",
+        hf_architectures=(),
+        hf=None,
+        hf_names="",
+        param_count=count,
+        block_params=lambda m: 0,
+        block_norm_params=lambda m: 0,
+        embedding_params=lambda m: 0,
+        head_params=lambda m: 0,
+        # Weights only: the module's attention cost is not known in closed form.
+        flops_per_token=lambda m, seq_len: 6.0 * count(m),
+        matmul_params=count,
+        tp_divisors=lambda m: [],
+        activations=None,
+    )
+
+
 _REGISTRY: dict[str, ModelSpec] = {}
 _BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "hf_auto")
 

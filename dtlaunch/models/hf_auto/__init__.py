@@ -9,35 +9,12 @@ on this path (validate asks for strategy.tp=1 and strategy.pp=1). Needs `pip ins
 
 from __future__ import annotations
 
-from typing import Any
-
-from dtlaunch.models.registry import ModelSpec, register
-
-
-def _count(m: Any) -> int:
-    from dtlaunch.models.hf_auto.build import build_model
-
-    return sum(p.numel() for p in build_model(m, device="meta").parameters())
-
+from dtlaunch.models.registry import register, traced_spec
 
 SPEC = register(
-    ModelSpec(
-        arch="hf_auto",
-        description="transformers' AutoModelForCausalLM for architectures without a native entry",
-        builder="dtlaunch.models.hf_auto.build:build_model",
-        tp_plan="",
-        pipeline_split="",
-        hf_architectures=(),
-        hf=None,
-        hf_names="",
-        param_count=_count,
-        block_params=lambda m: 0,
-        block_norm_params=lambda m: 0,
-        embedding_params=lambda m: 0,
-        head_params=lambda m: 0,
-        flops_per_token=lambda m, seq: 6.0 * _count(m),
-        matmul_params=_count,
-        tp_divisors=lambda m: [],
-        activations=None,
+    traced_spec(
+        "hf_auto",
+        "transformers' AutoModelForCausalLM for architectures without a native entry",
+        "dtlaunch.models.hf_auto.build:build_model",
     )
 )
