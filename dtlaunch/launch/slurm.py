@@ -214,13 +214,7 @@ def submit(job: Any, run_dir: Path, dry_run: bool = False) -> str:
         render_script(cfg, run_dir, cfg.run.name or run_dir.name)
         return ""
     script = write_script(cfg, run_dir, cfg.run.name or run_dir.name)
-    res = _run(["sbatch", "--parsable", str(script)])
-    if res.returncode != 0:
-        raise DtlaunchError(f"sbatch failed (exit {res.returncode}): {_first_line(res.stderr or res.stdout)}")
-    # --parsable prints "<id>" or "<id>;<cluster>".
-    job_id = res.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise DtlaunchError(f"sbatch printed no job id: {_first_line(res.stdout + res.stderr)}")
+    job_id = _sbatch(script)
     _record(run_dir, job_id, script)
     return job_id
 
@@ -367,6 +361,17 @@ def render_array_script(cfgs: Sequence[Any], run_dirs: Sequence[Path], sweep_dir
     return "\n".join(lines) + "\n"
 
 
+def _sbatch(script: Path) -> str:
+    """Submit a script; the job id (`--parsable` prints "<id>" or "<id>;<cluster>")."""
+    res = _run(["sbatch", "--parsable", str(script)])
+    if res.returncode != 0:
+        raise DtlaunchError(f"sbatch failed (exit {res.returncode}): {_first_line(res.stderr or res.stdout)}")
+    job_id = res.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise DtlaunchError(f"sbatch printed no job id: {_first_line(res.stdout + res.stderr)}")
+    return job_id
+
+
 def submit_array(script_text: str, sweep_dir: Path, run_dirs: Sequence[Path]) -> str:
     """Write and `sbatch` the array script; record task i's job id (`<array id>_<i>`) in run_dirs[i]."""
     sweep_dir = Path(sweep_dir)
@@ -374,12 +379,7 @@ def submit_array(script_text: str, sweep_dir: Path, run_dirs: Sequence[Path]) ->
     script = sweep_dir / ARRAY_SCRIPT_NAME
     script.write_text(script_text)
     script.chmod(0o755)
-    res = _run(["sbatch", "--parsable", str(script)])
-    if res.returncode != 0:
-        raise DtlaunchError(f"sbatch failed (exit {res.returncode}): {_first_line(res.stderr or res.stdout)}")
-    job_id = res.stdout.strip().split(";")[0]
-    if not job_id.isdigit():
-        raise DtlaunchError(f"sbatch printed no job id: {_first_line(res.stdout + res.stderr)}")
+    job_id = _sbatch(script)
     for i, run_dir in enumerate(run_dirs):
         _record(Path(run_dir), f"{job_id}_{i}", script)
     return job_id
