@@ -6,11 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-<<<<<<< HEAD
-.PHONY: install demo test test-fast lint format bench bench-gpu clean
-=======
-.PHONY: install demo test test-fast lint format bench wheel-smoke clean
->>>>>>> main
+.PHONY: install demo test test-fast lint format bench bench-gpu wheel-smoke clean
 
 install: $(STAMP)
 
@@ -49,13 +45,11 @@ format: install
 bench: install  ## CPU benchmark suite (<= 15 min); results in bench/results/
 	$(PY) bench/run_all.py
 
-<<<<<<< HEAD
 bench-gpu:  ## GPU benchmark (one or more CUDA GPUs, ~30 min); results in bench/results/gpu-<date>-<device>.*
 	bash bench/gpu/run.sh
-=======
+
 wheel-smoke:  ## build the wheel, install it in a fresh venv outside the checkout, run it from an empty dir
 	TORCH_PIN=$(TORCH_PIN) .ci/wheel_smoke.sh
->>>>>>> main
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info build dist
