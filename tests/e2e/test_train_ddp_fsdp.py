@@ -131,7 +131,10 @@ def test_worker_failure_is_one_line(trainer, tmp_path: Path) -> None:
     from dtlaunch.commands.status import local_status
 
     st = local_status((tmp_path / "run").resolve())
-    assert st["state"] == "failed" and "rank 1 failed" in st["error"] and st["step"] == 1, st
+    assert st["state"] == "failed" and "rank 1 failed" in st["error"], st
+    # A step's stats reach metrics.jsonl one logging window late (no per-step host sync): step 1's line
+    # is written when step 2 ends, and here step 2 never ends, so status may know no step yet.
+    assert st["step"] in (None, 1) and st["total_steps"] == 5, st
 
 
 def test_run_dir_contents(trainer, tmp_path: Path) -> None:
