@@ -102,6 +102,16 @@ TINY_HF = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
 }
 TINY_HF_WORDS = [f"w{i}" for i in range(250)]
+# The shape every tiny HF test model shares (2 layers, GQA 4/2 heads, 256-token vocabulary).
+TINY_HF_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+}
 
 
 def _tiny_tokenizer(path: Path) -> None:
@@ -121,18 +131,7 @@ def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("tiny_hf")
     out = {}
     for i, (family, (cls_name, extra)) in enumerate(TINY_HF.items()):
-        config = getattr(transformers, cls_name)(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=128,
-            rms_norm_eps=1e-6,
-            eos_token_id=1,
-            **extra,
-        )
+        config = getattr(transformers, cls_name)(**TINY_HF_SHAPE, rms_norm_eps=1e-6, eos_token_id=1, **extra)
         torch.manual_seed(100 + i)
         model = transformers.AutoModelForCausalLM.from_config(config).float()
         with torch.no_grad():
