@@ -85,6 +85,11 @@ class StrategyConfig:
     pp_stages_per_rank: int = 1
     # Layers per pipeline stage, e.g. [3, 5]; empty = as even as possible.
     pp_layers_per_stage: list[int] = field(default_factory=list)
+    # FSDP under a pipeline: false keeps the stage's gradients unsharded across the step's micro-batches
+    # and reduce-scatters once after the last (torch's and torchtitan's way: least communication, but the
+    # whole stage's unsharded gradients stay allocated); true reduce-scatters after every micro-batch's
+    # backward (sharded gradients only, one reduce-scatter per micro-batch). The plan models both.
+    pp_reshard_grads: bool = False
 
 
 @dataclass
