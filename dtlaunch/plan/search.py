@@ -83,6 +83,10 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
             vol = frac * p_local * (e + r) * accum
         else:
             vol = frac * p_local * (2 * r + e)
+        if lay.pp > 1 and z >= 2 and cfg.strategy.pp_reshard_grads:
+            # A reduce-scatter after every pipeline micro-batch instead of one per micro-step (and, ZeRO-2,
+            # the parameters gathered again for each micro-batch after its backward resharded them).
+            vol += frac * p_local * (r + (e if z == 2 else 0)) * accum * (n_mb - 1)
         parts["fsdp"] = vol / bw
     elif lay.dp > 1 and z == 0:
         bw = hardware.link_bandwidth(hw, lay.dp, stride)
@@ -146,6 +150,7 @@ def candidates(cfg: Any) -> list[tuple[Layout, dict, dict]]:
                                     "pp_stages_per_rank": v,
                                     "pp_microbatches": mb if pp > 1 else 0,
                                     "pp_layers_per_stage": [],
+                                    "pp_reshard_grads": False,
                                 }
                                 out.append(
                                     (lay, st, {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac})
@@ -172,6 +177,11 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
         job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
         job.training = SimpleNamespace(**{**vars(plain.training), **tr})
         plan = plan_memory(job, lay, all_stages=False)
+        if not plan.fits and lay.pp > 1 and st["zero_stage"] >= 2 and lay.dp > 1:
+            # Gradients reduce-scattered every pipeline micro-batch: less memory for more communication.
+            st = {**st, "pp_reshard_grads": True}
+            job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
+            plan = plan_memory(job, lay, all_stages=False)
         if not plan.fits:
             continue
         fitted.add(key)
@@ -210,8 +220,11 @@ def _overrides(st: dict, tr: dict) -> list[str]:
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
+        "pp_reshard_grads",
     )
-    return [f"strategy.{k}={st[k]}" for k in keys] + [f"training.{k}={v}" for k, v in tr.items()]
+    return [f"strategy.{k}={str(st[k]).lower() if isinstance(st[k], bool) else st[k]}" for k in keys] + [
+        f"training.{k}={v}" for k, v in tr.items()
+    ]
 
 
 def _why(row: dict, best: dict) -> str:

@@ -56,7 +56,9 @@ class ReshardingStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
-def make_stage(module: nn.Module, idx: int, n_stages: int, device: Any, group: Any, reshard_grads: bool) -> PipelineStage:
+def make_stage(
+    module: nn.Module, idx: int, n_stages: int, device: Any, group: Any, reshard_grads: bool
+) -> PipelineStage:
     """The pipeline stage for one stage module under the configured gradient policy."""
     cls = ReshardingStage if reshard_grads and isinstance(module, FSDPModule) else PipelineStage
     return cls(module, idx, n_stages, device, group=group)
