@@ -101,13 +101,14 @@ class _Exchange:
         self.group, self.cp = group, cp
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.new_empty((self.cp, *t.shape))
+        # Concatenated on dim 0 (the shape gloo and NCCL both take), then one row per rank.
+        out = t.new_empty((self.cp * t.shape[0], *t.shape[1:]))
         dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-        return out
+        return out.unflatten(0, (self.cp, -1))
 
     def reduce_scatter(self, per_rank: torch.Tensor) -> torch.Tensor:
         out = per_rank.new_empty(per_rank.shape[1:])
-        dist.reduce_scatter_tensor(out, per_rank.contiguous(), op=dist.ReduceOp.SUM, group=self.group)
+        dist.reduce_scatter_tensor(out, per_rank.flatten(0, 1).contiguous(), op=dist.ReduceOp.SUM, group=self.group)
         return out
 
 
