@@ -1,7 +1,8 @@
 """Predicted vs measured peak on real multi-process CPU runs (`dtlaunch train`, gloo, StorageCounter).
 
 A CI-sized subset of bench/planner_accuracy.py --real (the full matrix and its table live there):
-DDP, ZeRO-3 (+ selective AC), tensor parallel (+ sequence parallel), FSDP x TP and a 1F1B pipeline,
+DDP, ZeRO-3 (+ selective AC), tensor parallel (+ sequence parallel), FSDP x TP, a 1F1B pipeline and
+context parallel (with ZeRO-3, and with TP),
 on the 7M-parameter planner model at seq 128. Bounds from the issue: every run within 8 %, median
 within 3 %; under PP every stage is held to the 8 %.
 """
@@ -19,6 +20,14 @@ SUBSET = [
     ["strategy=tp", "launch.nproc_per_node=2"],
     ["strategy=fsdp_tp", "launch.nproc_per_node=4", "precision=bf16"],
     ["strategy=pp", "launch.nproc_per_node=2", "strategy.pp_microbatches=4"],
+    [
+        "strategy=zero3",
+        "strategy.cp=2",
+        "launch.nproc_per_node=2",
+        "precision=bf16",
+        "training.activation_checkpointing=selective",
+    ],
+    ["strategy=fsdp_tp", "strategy.cp=2", "strategy.dp_shard=1", "launch.nproc_per_node=4"],
 ]
 
 
