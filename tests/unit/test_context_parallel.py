@@ -84,6 +84,30 @@ def test_loader_hands_each_cp_rank_its_chunks_and_positions() -> None:
         assert torch.equal(x, inputs[:, pos]) and torch.equal(y, targets[:, pos])
 
 
+class _MaskedSource:
+    """Chat-like samples: ids and a target mask (only every third token is learnt)."""
+
+    num_samples = 8
+
+    def sample(self, index: int) -> np.ndarray:
+        ids = (np.arange(17) * (index + 3)) % 50
+        return np.stack([ids, (np.arange(17) % 3 == 0).astype(np.int64)])
+
+
+def test_masked_loss_weight_counts_the_cp_ranks() -> None:
+    """Each CP rank sums its chunk's target losses and gradients are averaged over the CP ranks too: the
+    weight carries the cp factor, so the mean over ranks of (chunk sums x weight) is the batch mean."""
+    whole = TokenLoader(_MaskedSource(), 2, 16, 3, 0, 1, 100)
+    _, targets = whole.next_batch()
+    chunks = []
+    for r in range(2):
+        part = TokenLoader(_MaskedSource(), 2, 16, 3, 0, 1, 100, cp_rank=r, cp_size=2)
+        chunks.append(part.next_batch()[1])
+        assert part.last_weight == pytest.approx(2 * whole.last_weight)
+    # The ranks' targets (ignored ones included) are exactly the whole batch's, cut into the chunks.
+    assert sorted(torch.cat(chunks, 1).flatten().tolist()) == sorted(targets.flatten().tolist())
+
+
 def _cfg(*overrides: str):
     return OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist(list(overrides)))
 
