@@ -199,10 +199,16 @@ class TorchRingAttention:
     torch assumes the same head-tail chunk layout the data loader produces."""
 
     def __init__(self, cp_mesh: Any) -> None:
-        from torch.distributed.tensor.experimental._attention import (
-            _cp_options,
-            _enable_context_parallel_dispatcher,
-        )
+        try:
+            from torch.distributed.tensor.experimental._attention import (
+                _cp_options,
+                _enable_context_parallel_dispatcher,
+            )
+        except ImportError as exc:  # an older torch without the dispatcher API
+            raise ConfigError(
+                f"strategy.cp on CUDA needs torch's context-parallel SDPA dispatcher, missing from torch "
+                f"{torch.__version__}: upgrade torch (2.9 or newer) or use strategy.cp=1"
+            ) from exc
 
         _cp_options.enable_load_balance = True
         _enable_context_parallel_dispatcher()
