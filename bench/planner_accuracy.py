@@ -35,6 +35,7 @@ SINGLE = [  # (strategy, world, precision, ac)
 N2, N4, N8 = "launch.nproc_per_node=2", "launch.nproc_per_node=4", "launch.nproc_per_node=8"
 SEL, FULL = "training.activation_checkpointing=selective", "training.activation_checkpointing=full"
 BF16 = "precision=bf16"
+CP2 = "strategy.cp=2"
 RESHARD = "strategy.pp_reshard_grads=true"
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
@@ -64,6 +65,14 @@ REAL = [  # overrides for real multi-process runs
     ["strategy=zero1", N2, BF16],
     ["strategy=ddp", N2, FULL],
     ["strategy=3d", N8, "strategy.pp_microbatches=2"],
+    # Context parallel (ring attention over gloo): each rank holds seq_len / cp tokens of every sample.
+    ["strategy=zero3", CP2, N2],
+    ["strategy=zero3", CP2, N4],
+    ["strategy=zero3", CP2, N2, BF16, SEL],
+    ["strategy=zero3", CP2, N2, FULL],
+    ["strategy=zero2", CP2, N2, BF16],
+    ["strategy=ddp", CP2, N2],
+    ["strategy=fsdp_tp", CP2, "strategy.dp_shard=1", N4],
     # FSDP under a 1F1B pipeline, both gradient policies (strategy.pp_reshard_grads).
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4"],
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", RESHARD],
