@@ -85,6 +85,7 @@ RANGES: dict[str, Range] = {
     "strategy.tp": DEGREE,
     "strategy.pp": DEGREE,
     "strategy.zero_stage": Range(0, 3),
+    "strategy.ep": AT_LEAST_1,
     "strategy.pp_microbatches": NON_NEGATIVE,
     "strategy.pp_stages_per_rank": AT_LEAST_1,
     "strategy.pp_layers_per_stage": AT_LEAST_1,  # lists: every element

@@ -85,6 +85,9 @@ class StrategyConfig:
     pp_stages_per_rank: int = 1
     # Layers per pipeline stage, e.g. [3, 5]; empty = as even as possible.
     pp_layers_per_stage: list[int] = field(default_factory=list)
+    # Expert parallel (mixture-of-experts models): routed experts split over `ep` ranks taken from the
+    # data-parallel shard ranks (ep divides dp_shard), not extra ranks; needs FSDP (zero_stage >= 2).
+    ep: int = 1
 
 
 @dataclass

@@ -176,6 +176,41 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
+def routed_experts(model: Any) -> int:
+    """Routed experts per MoE layer of `model` (a config section or plain namespace); 0 for a dense model."""
+    moe = getattr(model, "moe", None)
+    return int(getattr(moe, "num_experts", 0) or 0) if moe is not None else 0
+
+
+def check_expert_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """strategy.ep: a MoE model, FSDP, and a degree dividing both the experts and the shard ranks."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    experts = routed_experts(cfg.model)
+    if not experts:
+        _fail(
+            f"strategy.ep={ep} splits routed experts, but model.arch={cfg.model.arch} has none: use strategy.ep=1 "
+            f"or a mixture-of-experts model"
+        )
+    if experts % ep:
+        _fail(
+            f"strategy.ep={ep} does not divide model.moe.num_experts={experts}: choose an ep that divides it "
+            f"(each rank holds num_experts/ep experts)"
+        )
+    if int(cfg.strategy.zero_stage) < 2:
+        _fail(
+            f"strategy.ep={ep} needs FSDP for the parameters it does not split: set strategy.zero_stage=2 or 3 "
+            f"(it is {cfg.strategy.zero_stage})"
+        )
+    shard = layout.dp_shard * int(getattr(layout, "cp", 1))
+    if shard % ep:
+        _fail(
+            f"strategy.ep={ep} does not divide the {shard} data-parallel shard ranks it is taken from "
+            f"(strategy.dp_shard={layout.dp_shard}): choose an ep that divides it, or raise strategy.dp_shard"
+        )
+
+
 def check_batch(cfg: Any, layout: Layout, notes: list[str]) -> None:
     gb = global_batch(cfg, layout)
     per_step = cfg.training.micro_batch * layout.dp
@@ -428,6 +463,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
     check_tensor_parallel,
     check_pipeline,
+    check_expert_parallel,
     check_batch,
 ]
 
