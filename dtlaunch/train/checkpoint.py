@@ -219,6 +219,7 @@ def layout_description(cfg: Any, world: int) -> dict:
         "dp_shard": lay.dp_shard,
         "tp": lay.tp,
         "pp": lay.pp,
+        "ep": lay.ep,
         "zero_stage": int(cfg.strategy.zero_stage),
     }
 

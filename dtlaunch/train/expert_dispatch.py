@@ -51,9 +51,7 @@ class DispatchPlan:
     inverse: torch.Tensor  # expert-major row -> rank-major row
 
 
-def dispatch(
-    x: torch.Tensor, counts: torch.Tensor, group: Any
-) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+def dispatch(x: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """Send each token copy to the rank holding its expert.
 
     x: [T, dim] grouped by global expert; counts: int64 [E] tokens per global expert (this rank's).
