@@ -49,6 +49,8 @@ class DispatchPlan:
     in_splits: list[int]  # rows this rank sent to each peer
     out_splits: list[int]  # rows this rank received from each peer
     inverse: torch.Tensor  # expert-major row -> rank-major row
+    # A zero that depends on the received rows: see `combine`.
+    anchor: torch.Tensor | None = None
 
 
 def dispatch(x: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
@@ -71,12 +73,20 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.T
     order = _expert_major(recv, sum(out_splits))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return rows[order], recv.sum(0), DispatchPlan(in_splits=in_splits, out_splits=out_splits, inverse=inverse)
+    plan = DispatchPlan(in_splits=in_splits, out_splits=out_splits, inverse=inverse)
+    if rows.shape[0] == 0 and rows.requires_grad:
+        plan.anchor = rows.sum() * 0
+    return rows[order], recv.sum(0), plan
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
     """Expert outputs (expert-major, as dispatch returned the inputs) back to the ranks that sent them,
     in the order the tokens left: the layer's own grouped order."""
+    if plan.anchor is not None:
+        # This rank received no token: the experts' output does not depend on the (empty) received rows,
+        # so autograd would skip the dispatch's backward all-to-all here while the peers that sent this
+        # rank nothing still run theirs with it, and wait forever. The zero keeps it in the graph.
+        y = y + plan.anchor
     return all_to_all(y[plan.inverse], plan.in_splits, plan.out_splits, group)
 
 
