@@ -52,10 +52,12 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
         check_hf_auto(cfg)
         return
     spec = model_spec(m)
+    from omegaconf import OmegaConf
+
     for key, value in spec.fixed.items():
-        if m[key] != value:
+        if OmegaConf.select(m, key) != value:
             _fail(
-                f"model.{key}={m[key]} does not fit model.arch={m.arch} (which has {key}={value}): "
+                f"model.{key}={OmegaConf.select(m, key)} does not fit model.arch={m.arch} (which has {key}={value}): "
                 f"drop the override or pick the model.arch that has it"
             )
     if m.head_dim is None and m.dim % m.n_heads:
@@ -68,6 +70,41 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
         _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
+
+
+def check_moe(cfg: Any, notes: list[str]) -> None:
+    """model.moe: experts exactly on the MoE entries, top_k within them, dense layers inside the model."""
+    m = cfg.model
+    if m._target_ or m.arch == "hf_auto":
+        return
+    from dtlaunch.models.registry import model_spec
+
+    moe, n = m.moe, int(m.moe.num_experts)
+    is_moe = model_spec(m).builder.startswith("dtlaunch.models.moe.")
+    if is_moe and n < 1:
+        _fail(
+            f"model.moe.num_experts={n}: model.arch={m.arch} is a mixture of experts: set model.moe.num_experts, e.g. 8"
+        )
+    if not is_moe and n > 0:
+        _fail(
+            f"model.moe.num_experts={n} with model.arch={m.arch}, a dense decoder: use model.arch=moe (or qwen3_moe, "
+            f"mixtral), or set model.moe.num_experts=0"
+        )
+    if not is_moe:
+        return
+    if int(moe.top_k) > n:
+        _fail(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={n}: set model.moe.top_k <= {n}")
+    bad = [i for i in moe.dense_layers if int(i) >= int(m.n_layers)]
+    if bad:
+        _fail(
+            f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
+            f"list block indices below {m.n_layers}"
+        )
+    if int(cfg.strategy.tp) != 1:
+        _fail(
+            f"strategy.tp={cfg.strategy.tp} with model.arch={m.arch}: tensor parallel of MoE blocks is not "
+            f"supported yet: use strategy.tp=1"
+        )
 
 
 def check_target(cfg: Any) -> None:
@@ -450,6 +487,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     # divide by or index with these values.
     check_ranges,
     check_model_shape,
+    check_moe,
     check_precision,
     check_training,
     check_checkpoint,

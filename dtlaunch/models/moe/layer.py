@@ -111,14 +111,16 @@ class MoE(nn.Module):
         out = (unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        replay = _in_backward()
-        aux = self._aux_loss(scores, counts) if self.aux_loss_coef > 0 and self.training else None
-        if not replay:
+        # Training forwards only (not evaluation, which runs without grad). Activation checkpointing's
+        # replay computes the aux loss again (backward reads what it saved) but does not count again.
+        training = self.training and torch.is_grad_enabled()
+        aux = self._aux_loss(scores, counts) if self.aux_loss_coef > 0 and training else None
+        if training and not _in_backward():
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
                 if aux is not None:
                     self.aux_loss_stats += torch.stack([aux.detach(), torch.ones_like(aux)])
-        if aux is not None and torch.is_grad_enabled():
+        if aux is not None:
             out = _AddAuxGrad.apply(out, aux, self.aux_loss_coef * self.aux_grad_scale)
         return out.reshape(shape)
 
