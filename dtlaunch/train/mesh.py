@@ -12,10 +12,8 @@ for HSDP); everything else keeps FSDP over the whole "dp_shard".
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
-import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtlaunch.config.layout import Layout
@@ -82,18 +80,3 @@ def expert_meshes(mesh: DeviceMesh, ep: int) -> Optional[ExpertMeshes]:
         _EXPERT_MESHES[key] = ExpertMeshes(ep=sparse["ep"], fsdp=sparse[fsdp_dims])
     return _EXPERT_MESHES[key]
 
-
-def dp_reduce_sum(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A sum over the data-parallel ranks (in place), for per-rank counters such as MoE tokens per expert.
-
-    The data-parallel ranks are the ones that see different tokens: expert-parallel ranks are among them
-    (taken from dp_shard) and tensor-parallel peers are not (they hold copies of the same counts); each
-    pipeline rank counts its own layers."""
-    group = dp_mesh(mesh, flatten=True)
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        if group is not None:
-            dist.all_reduce(t, group=group.get_group())
-        return t
-
-    return reduce
