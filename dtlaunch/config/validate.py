@@ -100,11 +100,6 @@ def check_moe(cfg: Any, notes: list[str]) -> None:
             f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
             f"list block indices below {m.n_layers}"
         )
-    if int(cfg.strategy.tp) != 1:
-        _fail(
-            f"strategy.tp={cfg.strategy.tp} with model.arch={m.arch}: tensor parallel of MoE blocks is not "
-            f"supported yet: use strategy.tp=1"
-        )
 
 
 def check_target(cfg: Any) -> None:

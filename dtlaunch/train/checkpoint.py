@@ -230,7 +230,9 @@ def layout_str(layout: dict) -> str:
         return "?"
     return (
         f"world {layout.get('world')} = rep {layout.get('dp_replicate')} x shard {layout.get('dp_shard')} "
-        f"x tp {layout.get('tp')} x pp {layout.get('pp')}, zero {layout.get('zero_stage')}"
+        f"x tp {layout.get('tp')} x pp {layout.get('pp')}"
+        + (f" (ep {layout['ep']})" if layout.get("ep", 1) > 1 else "")
+        + f", zero {layout.get('zero_stage')}"
     )
 
 

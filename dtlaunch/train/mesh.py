@@ -79,4 +79,3 @@ def expert_meshes(mesh: DeviceMesh, ep: int) -> Optional[ExpertMeshes]:
         fsdp_dims = tuple(n for n in ("dp_replicate", "dp_shard_mod_ep") if n in (sparse.mesh_dim_names or ()))
         _EXPERT_MESHES[key] = ExpertMeshes(ep=sparse["ep"], fsdp=sparse[fsdp_dims])
     return _EXPERT_MESHES[key]
-
