@@ -16,13 +16,14 @@ fragmentation) come from the hardware profile and are reported as separate lines
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
-from dtlaunch.plan.experts import all_to_all_bytes, stage_routed_params
+from dtlaunch.plan.experts import all_to_all_bytes, imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -146,6 +147,10 @@ def plan_stage(
     spec = model_spec(m)
     act = spec.act()
     d = act.BlockDims.of(m)
+    if layout.ep > 1 and hasattr(d, "routed_scale"):
+        # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
+        # balanced share.
+        d = dataclasses.replace(d, routed_scale=imbalance(cfg))
     norm_gains = spec.block_norm_params(m)
     tied_head = spec.head_params(m) == 0
     tp, pp = layout.tp, layout.pp

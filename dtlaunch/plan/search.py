@@ -18,7 +18,7 @@ from itertools import product
 from types import SimpleNamespace
 from typing import Any
 
-from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
@@ -60,6 +60,9 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     gb = global_batch(cfg, lay)
     tokens = gb * t.seq_len
     flops_model = (6 * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
+    if num_routed_experts(m):
+        # A token multiplies only its top-k experts: the registry's count of active parameters.
+        flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
     recompute = recompute_fraction(t)
     compute = (
         flops_model * (1 + recompute) / (lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY)
@@ -83,7 +86,7 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     if lay.dp_shard > 1 and z >= 1:
         bw = hardware.link_bandwidth(hw, lay.dp_shard, stride)
         frac = (lay.dp_shard - 1) / lay.dp_shard
-        efsdp = lay.dp_shard // lay.ep
+        efsdp = expert_fsdp_degree(lay)
         # Per parameter bytes moved: all-gather(s) in the compute dtype + reduce-scatter in the reduce dtype.
         per_param = {3: (2 * e + r) * accum, 2: (e + r) * accum}.get(z, 2 * r + e)
         vol = frac * p_local * per_param
