@@ -100,11 +100,16 @@ def check_moe(cfg: Any, notes: list[str]) -> None:
             f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
             f"list block indices below {m.n_layers}"
         )
-    if int(cfg.strategy.tp) != 1:
-        _fail(
-            f"strategy.tp={cfg.strategy.tp} with model.arch={m.arch}: tensor parallel of MoE blocks is not "
-            f"supported yet: use strategy.tp=1"
-        )
+
+
+def check_moe_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    m = cfg.model
+    if m._target_ or m.arch == "hf_auto" or int(m.moe.num_experts) == 0 or layout.tp == 1:
+        return
+    _fail(
+        f"strategy.tp={layout.tp} with model.arch={m.arch}: tensor parallel of MoE blocks is not supported "
+        f"yet: use strategy.tp=1"
+    )
 
 
 def check_target(cfg: Any) -> None:
@@ -465,6 +470,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
     check_tensor_parallel,
+    check_moe_layout,
     check_pipeline,
     check_batch,
 ]
