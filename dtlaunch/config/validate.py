@@ -469,8 +469,8 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
-    check_tensor_parallel,
     check_moe_layout,
+    check_tensor_parallel,
     check_pipeline,
     check_batch,
 ]

@@ -73,12 +73,10 @@ def param_count(m: Any) -> int:
 
 
 def tp_divisors(m: Any) -> list[tuple[str, int]]:
-    """Tensor parallel shards attention (and the dense blocks' FFN); routed and shared experts stay whole
-    on every tensor-parallel rank (expert parallelism is how experts are split)."""
-    out = [d for d in dense.tp_divisors(m) if d[0] != "model FFN width"]
-    if len(sparse_layers(m)) < int(m.n_layers):
-        out.append(("model FFN width", ffn_dim(m)))
-    return out
+    """Tensor parallel would shard attention only (the FFN stays whole on every rank, see tp_plan.py);
+    it is not supported for MoE blocks yet: the entry "1" keeps `plan --search` at tp=1 (validate
+    names the reason first)."""
+    return [*dense.tp_divisors(m)[:-1], ("model.moe (no tensor parallel for MoE blocks yet)", 1)]
 
 
 block_norm_params = dense.block_norm_params
