@@ -367,7 +367,8 @@ class PlanConfig:
     """Assumptions of the memory planner that no other section states."""
 
     # Routed tokens the busiest expert-parallel rank receives, over the balanced share (max / mean of
-    # tokens per expert, as training logs it in moe_imbalance_max).
+    # tokens per expert, as training logs it in moe_imbalance_max). Default: tiny CPU runs
+    # (model=planner_moe, 20 steps) logged 1.13-1.22, median 1.18; rounded up.
     moe_imbalance: float = 1.25
 
 

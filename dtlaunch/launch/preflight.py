@@ -121,9 +121,11 @@ def check_model_matches(cfg: Any, info: Any) -> None:
         for k, md in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    # The registry's builder: a mixture of experts has no dense FFN tensors to expect.
     model = model_spec(cfg.model).build(cfg.model, rope_len=1, device="meta")
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # Persistent buffers are saved too (an MoE router's expert bias).
+    kept = set(model.state_dict())
+    expected.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in kept})
     mismatch = next((n for n in expected if saved.get(n) != expected[n]), None)
     if mismatch is None:
         extra = sorted(set(saved) - set(expected))

@@ -120,3 +120,13 @@ def test_published_sizes_count_exactly(group: str, expected: int, cls: str, hf: 
     m = compose([f"model={group}"]).cfg.model
     assert param_count(m) == theirs == expected
     assert sum(p.numel() for p in model_spec(m).build(m, rope_len=16, device="meta").parameters()) == expected
+
+
+def test_balancing_overrides_are_free_shape_overrides_contradict(tiny_moe_hf_dirs) -> None:
+    from dtlaunch.errors import ConfigError
+
+    path = tiny_moe_hf_dirs["mixtral"]
+    m = compose([f"model.init_from=hf:{path}", "model.moe.aux_loss_coef=0.01"]).cfg.model
+    assert m.moe.aux_loss_coef == 0.01 and m.moe.num_experts == 4
+    with pytest.raises(ConfigError, match=r"model.moe.top_k=3 contradicts .*config.json \(top_k=2\)"):
+        compose([f"model.init_from=hf:{path}", "model.moe.top_k=3"])

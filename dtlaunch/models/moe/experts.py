@@ -59,9 +59,11 @@ def _looped(
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"GroupedExperts: {sum(sizes)} tokens counted for {x.shape[0]} rows")
     outs = []
-    for e, rows in enumerate(torch.split(x, sizes)):
+    # unbind, not w1[e]: indexing's backward allocates a zero tensor of the whole stack per expert
+    # (E x the parameter size per block); unbind's stacks the experts' gradients once.
+    for rows, a, b, c in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
         if rows.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+            outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
     # No token at all: an empty result still depends on the weights (their gradient is zero, not None).
     if not outs:
         return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
