@@ -214,6 +214,19 @@ def routed_experts(model: Any) -> int:
     return int(getattr(moe, "num_experts", 0) or 0) if moe is not None else 0
 
 
+def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """Tensor parallel splits an MoE model's attention only; its routers and experts stay whole, plain
+    tensors beside the DTensors, which only FSDP (turning every parameter into a DTensor) lets the
+    optimizer's multi-tensor kernels take together."""
+    if layout.tp == 1 or not routed_experts(cfg.model):
+        return
+    if int(cfg.strategy.zero_stage) < 2 or layout.dp == 1:
+        _fail(
+            f"strategy.tp={layout.tp} with a mixture-of-experts model needs FSDP over 2+ data-parallel ranks "
+            f"(zero_stage={cfg.strategy.zero_stage}, dp={layout.dp}): use strategy=fsdp_tp, or strategy.tp=1"
+        )
+
+
 def check_expert_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     """strategy.ep: a MoE model, FSDP, and a degree dividing both the experts and the shard ranks."""
     ep = layout.ep
@@ -494,6 +507,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
+    check_moe_tensor_parallel,
     check_tensor_parallel,
     check_pipeline,
     check_expert_parallel,

@@ -161,6 +161,8 @@ def candidates(cfg: Any) -> list[tuple[Layout, dict, dict]]:
                 for zero in (0, 1, 2, 3):
                     if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero >= 1 and dp == 1):
                         continue
+                    if tp > 1 and num_routed_experts(m) and (zero < 2 or dp == 1):
+                        continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:
                         if pp * v > m.n_layers:
