@@ -92,6 +92,10 @@ MOE = [
         ["strategy=zero3", N2, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001"],
         ["strategy=zero3", N2, "model.moe.num_shared_experts=1", "model.moe.score_func=sigmoid"],
         ["strategy=pp", N2, "strategy.pp_microbatches=4"],
+        # Expert parallel: experts split over 2 ranks (all of dp_shard; then over 2 of 4, FSDP over the other 2).
+        ["strategy=zero3", N2, "strategy.ep=2"],
+        ["strategy=zero3", N4, "strategy.ep=2"],
+        ["strategy=zero2", N4, "strategy.ep=2", SEL],
     )
 ]
 RESULTS = Path(__file__).parent / "results"

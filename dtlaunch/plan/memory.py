@@ -23,7 +23,7 @@ from typing import Any
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
-from dtlaunch.plan.experts import all_to_all_bytes, imbalance, stage_routed_params
+from dtlaunch.plan.experts import all_to_all_bytes, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -150,7 +150,7 @@ def plan_stage(
     if layout.ep > 1 and hasattr(d, "routed_scale"):
         # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
         # balanced share.
-        d = dataclasses.replace(d, routed_scale=imbalance(cfg))
+        d = dataclasses.replace(d, routed_scale=rank_imbalance(cfg, layout.ep))
     norm_gains = spec.block_norm_params(m)
     tied_head = spec.head_params(m) == 0
     tp, pp = layout.tp, layout.pp

@@ -68,7 +68,10 @@ def test_ep_shards_what_fsdp_gathers_and_adds_all_to_all_buffers() -> None:
         assert a[key] == b[key], key
     assert a["unsharded parameters"] - b["unsharded parameters"] == pytest.approx(2 * (routed - routed // 8))
     assert "all-to-all buffers" not in a
-    copies = 4096 * m.moe.top_k * job.cfg.plan.moe_imbalance  # routed copies the busiest rank receives
+    # Routed copies the busiest rank receives: the balanced share times the rank imbalance, which goes
+    # from 1 (one rank, all experts) to plan.moe_imbalance (one expert a rank) with the EP degree.
+    rank_imbalance = 1 + (job.cfg.plan.moe_imbalance - 1) * (8 - 1) / (m.moe.num_experts - 1)
+    copies = 4096 * m.moe.top_k * rank_imbalance
     assert b["all-to-all buffers"] == pytest.approx(2 * 2 * copies * m.dim)
     assert ep8.layout["ep"] == 8
 
