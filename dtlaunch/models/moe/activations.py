@@ -96,7 +96,8 @@ def block_bytes_selective(
     d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
 ) -> float:
     """Op policy (every other matmul output saved): attention as the dense block; of the FFN the router
-    and, per routed copy, the gate and down outputs (approximate: not measured on MoE blocks)."""
+    and, per routed copy, the gate and down outputs (not counted op by op; checked on whole real runs,
+    `python bench/planner_accuracy.py --moe`)."""
     attn = dense.block_bytes_selective(_attention_only(d), e, tp, sp, autocast, compiled)
     routed = d.routed_scale * d.top_k * e * (d.fe + d.h)
     moe = router_bytes(d, e) + routed + e * (d.fs + d.h if d.fs else 0)
