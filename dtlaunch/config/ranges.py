@@ -93,6 +93,7 @@ RANGES: dict[str, Range] = {
     "strategy.dp_shard": DEGREE,
     "strategy.tp": DEGREE,
     "strategy.pp": DEGREE,
+    "strategy.cp": AT_LEAST_1,  # an explicit degree: it must also split training.seq_len
     "strategy.zero_stage": Range(0, 3),
     "strategy.ep": AT_LEAST_1,
     "strategy.pp_microbatches": NON_NEGATIVE,

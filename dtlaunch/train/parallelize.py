@@ -1,7 +1,8 @@
 """One path from a meta-device model (or pipeline stage) to a parallel, initialised module.
 
 Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
-expert parallel (routed experts only, dtlaunch.train.expert_parallel) -> activation checkpointing -> compile ->
+context parallel (swaps the attention kernel for ring attention) -> expert parallel (routed experts only,
+dtlaunch.train.expert_parallel) -> activation checkpointing -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
@@ -38,6 +39,11 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
         from dtlaunch.train.tensor_parallel import apply_tp
 
         apply_tp(model, tp_mesh, cfg)
+    cp_mesh = sub_mesh(world_mesh, "cp")
+    if cp_mesh is not None:
+        from dtlaunch.train.context_parallel import apply_cp
+
+        apply_cp(model, cp_mesh)  # attention over the whole sequence; TP's heads stay local to a CP rank
     experts = expert_meshes(world_mesh, layout.ep)
     if experts is not None:
         from dtlaunch.train.expert_parallel import apply_ep

@@ -28,8 +28,9 @@ MOE = ["model=tiny_moe", "strategy=zero3"]
             "strategy.dp_shard=2",
         ),
         ([*MOE, "launch.nproc_per_node=2", "strategy.ep=0"], "strategy.ep=0 is out of range"),
+        ([*MOE, "launch.nproc_per_node=4", "strategy.cp=2", "strategy.ep=2"], "with strategy.cp=2 is not supported"),
     ],
-    ids=["dense-model", "experts", "ddp", "dp-shard", "range"],
+    ids=["dense-model", "experts", "ddp", "dp-shard", "range", "cp"],
 )
 def test_layout_rules_name_the_fix(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
