@@ -265,7 +265,7 @@ def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> Non
     optimizer's multi-tensor kernels take together."""
     if layout.tp == 1 or not routed_experts(cfg.model):
         return
-    if int(cfg.strategy.zero_stage) < 2 or layout.dp == 1:
+    if int(cfg.strategy.zero_stage) < 2 or layout.dp * layout.cp == 1:
         _fail(
             f"strategy.tp={layout.tp} with a mixture-of-experts model needs FSDP over 2+ data-parallel ranks "
             f"(zero_stage={cfg.strategy.zero_stage}, dp={layout.dp}): use strategy=fsdp_tp, or strategy.tp=1"

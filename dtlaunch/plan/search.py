@@ -188,7 +188,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
-                    if tp > 1 and num_routed_experts(m) and (zero < 2 or dp == 1):
+                    if tp > 1 and num_routed_experts(m) and (zero < 2 or dp * cp == 1):
                         continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:

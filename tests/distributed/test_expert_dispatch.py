@@ -73,6 +73,7 @@ def _worker() -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2])
 def test_dispatch_combine_match_one_process(world: int) -> None:
     """2 ranks x 3 experts each: uneven splits in both directions, a rank that receives no token."""
