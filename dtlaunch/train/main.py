@@ -258,7 +258,8 @@ def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int
     # The data-parallel group only for the bias update (the statistics ride on the loop's window sync).
     dp = dp_mesh(mesh, flatten=True) if float(getattr(cfg.model.moe, "bias_update_rate", 0) or 0) > 0 else None
     n_mb = pp_microbatches(cfg, layout) if layout.pp > 1 else 1
-    return RouterTracker.maybe(cfg, parts, dp.get_group() if dp is not None else None, layout.tp, 1.0 / (accum * n_mb))
+    group = dp.get_group() if dp is not None else None
+    return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (accum * n_mb), pipeline=layout.pp > 1)
 
 
 def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, state: _LoopState, moe: Any = None) -> None:

@@ -19,22 +19,29 @@ from dtlaunch.models.moe.shapes import sparse_layers
 
 
 class RouterTracker:
-    def __init__(self, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float) -> None:
+    def __init__(
+        self, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool
+    ) -> None:
         m = cfg.model
         self.n_layers, self.num_experts = int(m.n_layers), int(m.moe.num_experts)
         self.sparse = sparse_layers(m)
         self.rate = float(m.moe.bias_update_rate)
         self.group, self.tp = dp_group, int(tp)
         balance.set_aux_grad_scale(parts, aux_grad_scale)
+        if pipeline:
+            for part in parts:
+                _forget_first_forward(part)
 
     @classmethod
-    def maybe(cls, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float) -> Optional[Any]:
+    def maybe(
+        cls, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool = False
+    ) -> Optional[Any]:
         """A tracker when the model has MoE layers, else None."""
         if int(getattr(getattr(cfg.model, "moe", None), "num_experts", 0) or 0) == 0:
             return None
         if not any(balance.moe_layers(p) for p in parts):
             return None
-        return cls(cfg, parts, dp_group, tp, aux_grad_scale)
+        return cls(cfg, parts, dp_group, tp, aux_grad_scale, pipeline)
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
@@ -50,3 +57,15 @@ class RouterTracker:
 
     def summarize(self, values: list[float]) -> dict[str, Any]:
         return balance.summarize(values, self.sparse, self.num_experts, self.tp)
+
+
+def _forget_first_forward(part: nn.Module) -> None:
+    """A pipeline stage's first forward is torch's shape / metadata inference (the first micro-batch on
+    the first stage, empty tensors on the others), run with grad on recent torch: what it routed is no
+    training step's, so the counters it touched are zeroed once it returns."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        balance.reset([module])
+        handle.remove()
+
+    handle = part.register_forward_hook(hook)
