@@ -29,7 +29,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.train import preempt
 from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
 from dtlaunch.train.guards import StepWatch
-from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
+from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
 from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
 from dtlaunch.train.phases import phase
@@ -156,7 +156,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     optimizers = [build_optimizer(p, cfg, env.device, zero1.get_group() if zero1 else None) for p in parts]
     schedulers = [build_scheduler(o, cfg) for o in optimizers]
     dp_rank, dp_size = dp_rank_size(mesh)
-    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size)
+    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(mesh))
     ctx = StepContext(
         cfg=cfg,
         model_parts=parts,
