@@ -242,11 +242,6 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
         job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
         job.training = SimpleNamespace(**{**vars(plain.training), **tr})
         plan = plan_memory(job, lay, all_stages=False)
-        if not plan.fits and lay.pp > 1 and st["zero_stage"] >= 2 and lay.dp > 1:
-            # Gradients reduce-scattered every pipeline micro-batch: less memory for more communication.
-            st = {**st, "pp_reshard_grads": True}
-            job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
-            plan = plan_memory(job, lay, all_stages=False)
         if not plan.fits:
             continue
         fitted.add(key)
