@@ -79,6 +79,14 @@ def test_hf_auto_layout_errors(tiny_hf_dirs, overrides: list[str], message: str)
         validate(compose([*overrides, *sp, "model.arch=hf_auto", f"model.init_from=hf:{tiny_hf_dirs['qwen3']}"]).cfg)
 
 
+def test_tied_head_cannot_be_split_over_pipeline_stages(tiny_hf_dirs) -> None:
+    over = ["strategy=pp", "launch.nproc_per_node=2", f"model.init_from=hf:{tiny_hf_dirs['llama_tied']}"]
+    with pytest.raises(
+        ConfigError, match=r"model.tie_embeddings=true cannot run with strategy.pp=2 .*use strategy.pp=1"
+    ):
+        validate(compose(over).cfg)
+
+
 def test_hf_auto_tensor_parallel_needs_the_models_plan(tmp_path) -> None:
     """Falcon's config class carries no base_model_tp_plan: tp > 1 is refused, naming strategy.tp=1;
     Phi-3's gathered fused projections need no head divisibility."""
