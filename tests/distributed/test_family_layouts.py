@@ -5,7 +5,7 @@ What differs per family meets each layout here: q/k/v biases (Qwen2) and per-hea
 independent head_dim (Qwen3) under column-parallel sharding, ZeRO and HSDP; sliding-window attention
 (Mistral) split over pipeline stages; a head tied to the embedding (Llama) under vocabulary-parallel TP
 and FSDP (pipeline stages cannot share it: refused by validate, tests/unit/test_hf_families.py). The workers run
-the runtime's own build (`build_parts`: TP -> AC -> FSDP/DDP, or the stage split) and `train_step` on
+the runtime object (`build_runtime`: TP -> AC -> FSDP/DDP, or the stage split) and `train_step` on
 seeded batches; the pytest process trains the same steps on one process with the same code and no mesh.
 fp32 losses and grad norms agree within 1e-4; bf16 (FSDP's parameter casting against the fp32
 reference) within the bounds at TOL. Compile is not repeated per family (tests/e2e/test_train_ddp_fsdp.py).
@@ -114,45 +114,35 @@ def train(overrides: list[str], world: int) -> dict:
     from dtlaunch.train.dist_init import DistEnv
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.step import StepContext, train_step
-    from dtlaunch.train.tensor_parallel import loss_context
 
     cfg = compose(overrides).cfg
     validate(cfg)
     device = torch.device("cpu")
     torch.manual_seed(int(cfg.training.seed))
-    if world == 1:
+    if world > 1:  # the worker's runtime object
+        from dtlaunch.train.mesh import dp_rank_size
+        from dtlaunch.train.runtime import build_runtime
+
+        env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
+        rt = build_runtime(cfg, env)
+        dp_rank, dp_size = dp_rank_size(rt.mesh)
+        ctx = rt.step_context(_Batches(int(cfg.training.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size)))
+    else:  # one process, no mesh: the plain model, the runtime's init, optimizer, schedule and step
         from dtlaunch.train.init import materialize_and_init
 
         layout = Layout.resolve(cfg.strategy, 1)
         model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
         materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
-        built, dp_rank, dp_size, mesh = {"model_parts": [model]}, 0, 1, None
-    else:
-        from dtlaunch.train.main import build_parts
-        from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
-
-        layout = Layout.resolve(cfg.strategy, world)
-        mesh = build_mesh(layout, "cpu")
-        env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
-        built = build_parts(cfg, layout, mesh, env, grad_accum_steps(cfg, layout))
-        dp_rank, dp_size = dp_rank_size(mesh)
-    parts = built["model_parts"]
-    zero1 = dp_mesh(mesh, flatten=True) if mesh is not None and cfg.strategy.zero_stage == 1 else None
-    optimizers = [build_optimizer(p, cfg, device, zero1.get_group() if zero1 else None) for p in parts]
-    loader = _Batches(int(cfg.training.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
-    ctx = StepContext(
-        cfg=cfg,
-        model_parts=parts,
-        optimizers=optimizers,
-        schedulers=[build_scheduler(o, cfg) for o in optimizers],
-        loader=loader,
-        device=device,
-        accum=grad_accum_steps(cfg, layout),
-        loss_context=lambda: loss_context(cfg, layout),
-        pipeline=built.get("pipeline"),
-        pipeline_loss=built.get("pipeline_loss"),
-        pp_mesh=built.get("pp_mesh"),
-    )
+        opt = build_optimizer(model, cfg, device)
+        ctx = StepContext(
+            cfg=cfg,
+            model_parts=[model],
+            optimizers=[opt],
+            schedulers=[build_scheduler(opt, cfg)],
+            loader=_Batches(int(cfg.training.micro_batch), 0, 1, int(cfg.model.vocab_size)),
+            device=device,
+            accum=grad_accum_steps(cfg, layout),
+        )
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         r = train_step(ctx, step)
