@@ -1,5 +1,5 @@
 """Every native family (Qwen2, Qwen3, Mistral, tied Llama) in the layouts the CLI parity tests run only
-for Llama, plus hf_auto tensor parallel, in ONE 4-process gloo launch against a single-process reference.
+for Llama, plus hf_auto tensor parallel, in ONE group of 4 gloo processes against a single-process reference.
 
 What differs per family meets each layout here: q/k/v biases (Qwen2) and per-head q/k norms with an
 independent head_dim (Qwen3) under column-parallel sharding, ZeRO and HSDP; sliding-window attention
@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -158,7 +155,7 @@ def train(overrides: list[str], world: int) -> dict:
 def _worker(out: str, dirs: dict[str, str]) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=WORLD)
     import time
 
     results = {}
@@ -186,22 +183,27 @@ def family_dirs(tiny_hf_dirs, tmp_path_factory) -> dict[str, str]:
     return {**{k: str(v) for k, v in tiny_hf_dirs.items()}, "phi3": str(phi3)}
 
 
+def _forked(rank: int, out: str, dirs: dict[str, str], port: int) -> None:
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    _worker(out, dirs)
+
+
 @pytest.fixture(scope="module")
 def launched(family_dirs, tmp_path_factory) -> dict:
+    """The 4 workers, forked from this process: they start with torch, transformers and dtlaunch already
+    imported (a torchrun launch spends ~5 CPU-seconds per process importing them)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
     out = tmp_path_factory.mktemp("family_layouts") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        __file__,
-        str(out),
-    ]
-    cmd.append(json.dumps(family_dirs))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_forked, args=(str(out), family_dirs, port), nprocs=WORLD, start_method="fork")
     return json.loads(out.read_text())
 
 
@@ -238,7 +240,3 @@ def test_families_match_one_process(layout: str, launched, references) -> None:
         assert norm_diff <= norm_tol, (family, got["grad_norm"], ref["grad_norm"])
         if got["precision"] == "bf16":
             assert got["loss"] != ref["loss"]  # bf16 compute really ran
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], json.loads(sys.argv[2]))
