@@ -7,7 +7,7 @@ independent head_dim (Qwen3) under column-parallel sharding, ZeRO and HSDP; slid
 and FSDP (pipeline stages cannot share it: refused by validate, tests/unit/test_hf_families.py). The workers run
 the runtime object (`build_runtime`: TP -> AC -> FSDP/DDP, or the stage split) and `train_step` on
 seeded batches; the pytest process trains the same steps on one process with the same code and no mesh.
-fp32 losses and grad norms agree within 1e-4; bf16 (FSDP's parameter casting against the fp32
+fp32 losses and grad norms (relative) agree within 1e-4; bf16 (FSDP's parameter casting against the fp32
 reference) within the bounds at TOL. Compile is not repeated per family (tests/e2e/test_train_ddp_fsdp.py).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
         ("qwen3", "phi3"),
     ),
 }
-# bf16: losses within the CLI tests' bound; grad norms within 10 % relative. After two Adam steps on the
+# (loss: absolute, grad norm: relative). bf16: losses within the CLI tests' bound; grad norms within 10 %. After two Adam steps on the
 # memorised batch the third step's norm moves by ~5 % between fp32 and bf16 even in one process
 # (measured on the tied Llama: 1.964 fp32, 1.871 with bf16 autocast, 1.851 under FSDP2 x TP in bf16).
 TOL = {"fp32": (1e-4, 1e-4), "bf16": (2e-2, 1e-1)}
@@ -156,14 +157,10 @@ def _worker(out: str, dirs: dict[str, str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=WORLD)
-    import time
-
     results = {}
     for layout, (_, families) in LAYOUTS.items():
         for family in families:
-            t0, c0 = time.perf_counter(), time.process_time()
             results[f"{layout}/{family}"] = train(_overrides(layout, dirs[family], WORLD), WORLD)
-            results[f"{layout}/{family}"]["time"] = (time.perf_counter() - t0, time.process_time() - c0)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
@@ -203,7 +200,13 @@ def launched(family_dirs, tmp_path_factory) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_forked, args=(str(out), family_dirs, port), nprocs=WORLD, start_method="fork")
+    ctx = mp.start_processes(_forked, args=(str(out), family_dirs, port), nprocs=WORLD, join=False, start_method="fork")
+    deadline = time.monotonic() + 600
+    while not ctx.join(timeout=5):  # raises with the worker's traceback if one fails
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the family layout workers did not finish within 600 s")
     return json.loads(out.read_text())
 
 
@@ -233,10 +236,7 @@ def test_families_match_one_process(layout: str, launched, references) -> None:
         assert ref["loss"][-1] < ref["loss"][0] - 0.5, ref  # the updates really move the loss
         loss_diff = max(abs(a - b) for a, b in zip(got["loss"], ref["loss"], strict=True))
         assert loss_diff <= loss_tol, (family, got["loss"], ref["loss"])
-        norm_diff = max(
-            abs(a - b) / (b if norm_tol > 1e-3 else 1.0)
-            for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True)
-        )
+        norm_diff = max(abs(a - b) / b for a, b in zip(got["grad_norm"], ref["grad_norm"], strict=True))
         assert norm_diff <= norm_tol, (family, got["grad_norm"], ref["grad_norm"])
         if got["precision"] == "bf16":
             assert got["loss"] != ref["loss"]  # bf16 compute really ran
