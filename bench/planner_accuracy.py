@@ -35,6 +35,7 @@ SINGLE = [  # (strategy, world, precision, ac)
 N2, N4, N8 = "launch.nproc_per_node=2", "launch.nproc_per_node=4", "launch.nproc_per_node=8"
 SEL, FULL = "training.activation_checkpointing=selective", "training.activation_checkpointing=full"
 BF16 = "precision=bf16"
+CP2 = "strategy.cp=2"
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
     ["strategy=ddp", N2, BF16],
@@ -63,6 +64,14 @@ REAL = [  # overrides for real multi-process runs
     ["strategy=zero1", N2, BF16],
     ["strategy=ddp", N2, FULL],
     ["strategy=3d", N8, "strategy.pp_microbatches=2"],
+    # Context parallel (ring attention over gloo): each rank holds seq_len / cp tokens of every sample.
+    ["strategy=zero3", CP2, N2],
+    ["strategy=zero3", CP2, N4],
+    ["strategy=zero3", CP2, N2, BF16, SEL],
+    ["strategy=zero3", CP2, N2, FULL],
+    ["strategy=zero2", CP2, N2, BF16],
+    ["strategy=ddp", CP2, N2],
+    ["strategy=fsdp_tp", CP2, "strategy.dp_shard=1", N4],
 ]
 # The planner7m shape as each registered family (flags that change parameters or saved activations).
 QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]

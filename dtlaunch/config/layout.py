@@ -10,7 +10,7 @@ from typing import Any
 
 from dtlaunch.errors import ConfigError
 
-DIMS = ("dp_replicate", "dp_shard", "tp", "pp")
+DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 
 
 def nproc_per_node(cfg: Any, detected_gpus: int | None = None) -> int:
@@ -31,23 +31,32 @@ def world_size(cfg: Any, detected_gpus: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Resolved parallel degrees; dp_replicate * dp_shard * tp * pp == world."""
+    """Resolved parallel degrees; dp_replicate * dp_shard * cp * tp * pp == world."""
 
     world: int
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int
+    # Context parallel: ranks that share each sample's sequence. They see the same samples (not part of
+    # `dp`), but hold parameter shards and average gradients like data-parallel ranks.
+    cp: int = 1
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different data."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def shard(self) -> int:
+        """Ranks one FSDP / ZeRO shard group spans: dp_shard x cp (context-parallel peers hold the same
+        parameters, so they share the shards, as torchtitan does)."""
+        return self.dp_shard * self.cp
+
     @classmethod
     def resolve(cls, strategy: Any, world: int) -> Layout:
         """Fill the one `-1` degree with the rest of the world; check the product."""
-        degrees = {d: int(getattr(strategy, d)) for d in DIMS}
+        degrees = {d: int(getattr(strategy, d, 1)) for d in DIMS}
         bad = [d for d, v in degrees.items() if v == 0 or v < -1]
         if bad:
             d = bad[0]

@@ -84,6 +84,7 @@ RANGES: dict[str, Range] = {
     "strategy.dp_shard": DEGREE,
     "strategy.tp": DEGREE,
     "strategy.pp": DEGREE,
+    "strategy.cp": AT_LEAST_1,  # an explicit degree: it must also split training.seq_len
     "strategy.zero_stage": Range(0, 3),
     "strategy.pp_microbatches": NON_NEGATIVE,
     "strategy.pp_stages_per_rank": AT_LEAST_1,

@@ -75,6 +75,9 @@ class StrategyConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    # Context parallel: each sequence split over this many ranks (load-balanced chunks, ring attention);
+    # parameters are sharded over dp_shard x cp.
+    cp: int = 1
     # 0 = DDP, 1 = optimizer state sharded, 2 = + gradients sharded, 3 = + parameters (FSDP full shard)
     zero_stage: int = 0
     sequence_parallel: bool = True

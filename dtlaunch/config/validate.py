@@ -122,6 +122,51 @@ def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
+def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """strategy.cp: 2·cp equal chunks per sequence (load balancing), plain causal attention of a
+    registry decoder, and the layouts the ring attention composes with."""
+    cp = layout.cp
+    if cp == 1:
+        return
+    m, s, t = cfg.model, cfg.strategy, cfg.training
+    if t.seq_len % (2 * cp):
+        _fail(
+            f"training.seq_len={t.seq_len} does not split into 2 x strategy.cp = {2 * cp} equal chunks "
+            f"(context parallel balances causal work with two chunks per rank): use a multiple of {2 * cp}"
+        )
+    local = t.seq_len // cp
+    if layout.tp > 1 and s.sequence_parallel and local % layout.tp:
+        _fail(
+            f"each context-parallel rank holds {local} tokens (training.seq_len={t.seq_len} / strategy.cp={cp}), "
+            f"not divisible by strategy.tp={layout.tp} for sequence parallel: change seq_len or set "
+            f"strategy.sequence_parallel=false"
+        )
+    if m._target_ or m.arch == "hf_auto":
+        _fail(f"strategy.cp={cp} needs a registry decoder's swappable attention: use strategy.cp=1 for this model")
+    if layout.pp > 1:
+        _fail(
+            f"strategy.cp={cp} with strategy.pp={layout.pp} is not supported (pipeline stages pass only hidden "
+            f"states, not the chunks' positions): use strategy.pp=1"
+        )
+    if cfg.data.document_mask:
+        _fail(
+            f"data.document_mask=true is not supported with strategy.cp={cp} (ring attention is plain causal): "
+            f"set data.document_mask=false or strategy.cp=1"
+        )
+    if m.sliding_window is not None and m.sliding_window < t.seq_len:
+        _fail(
+            f"model.sliding_window={m.sliding_window} is not supported with strategy.cp={cp} (ring attention is "
+            f"plain causal): set model.sliding_window=null, training.seq_len<={m.sliding_window} or strategy.cp=1"
+        )
+    if t.compile:
+        _fail(f"training.compile=true is not supported with strategy.cp={cp} yet: set training.compile=false")
+    if int(s.zero_stage) == 0 and layout.tp > 1:
+        _fail(
+            f"strategy.zero_stage=0 (DDP) cannot average gradients over strategy.cp={cp} ranks with "
+            f"strategy.tp={layout.tp}: use strategy.zero_stage=2 or 3 (FSDP)"
+        )
+
+
 def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
     s = cfg.strategy
     name = s.pp_schedule
@@ -206,7 +251,7 @@ def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
             f"strategy.zero_stage=1 shards the optimizer over plain DDP and cannot combine with "
             f"tp={layout.tp}/dp_replicate={layout.dp_replicate}: use strategy.zero_stage=2 or 3"
         )
-    if z in (2, 3) and layout.dp_shard == 1 and layout.dp_replicate > 1:
+    if z in (2, 3) and layout.shard == 1 and layout.dp_replicate > 1:
         notes.append("zero_stage with dp_shard=1 shards nothing: parameters are only replicated")
 
 
@@ -433,6 +478,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
     check_tensor_parallel,
+    check_context_parallel,
     check_pipeline,
     check_batch,
 ]

@@ -152,15 +152,17 @@ def plan_stage(
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     r = DTYPE_BYTES[cfg.precision.reduce_dtype]
     zero = int(s.zero_stage)
-    fsdp = zero >= 2 and layout.dp > 1
-    shard = layout.dp_shard if (zero >= 2 and layout.dp > 1) or zero == 1 else 1
-    ddp = zero in (0, 1) and layout.dp > 1
+    # Context-parallel ranks hold the same parameters: FSDP / ZeRO shard (and DDP averages) over dp x cp.
+    cp = layout.cp
+    fsdp = zero >= 2 and layout.dp * cp > 1
+    shard = layout.shard if (zero >= 2 and layout.dp * cp > 1) or zero == 1 else 1
+    ddp = zero in (0, 1) and layout.dp * cp > 1
     # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
     autocast = e != 4 and not fsdp
     p_rank, blk, root = _stage_params(m, layers, first, last, tp)
     accum = grad_accum_steps(cfg, layout)
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
-    tokens = (t.micro_batch // n_mb) * t.seq_len
+    tokens = (t.micro_batch // n_mb) * t.seq_len // cp  # this rank's tokens: CP splits each sequence
     mix = act.ac_mix(t, layer_ids if layer_ids is not None else list(range(layers)))
     kept = mix.get("none", 0)  # blocks that keep their whole no-AC set
     compiled = bool(t.compile)
@@ -169,6 +171,9 @@ def plan_stage(
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
     rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
+    if cp > 1:
+        # The tables picked at this rank's token positions (Decoder.forward), shared by every block.
+        lines["RoPE tables (CP positions)"] = 2 * (e if fsdp else 4) * (t.seq_len // cp) * (d.head // 2)
     if fsdp and e != 4:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
         # (llama.Llama.forward); every block shares that copy until backward is done.
@@ -210,6 +215,10 @@ def plan_stage(
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     held = in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages)
     by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, autocast, compiled) for k in mix}
+    if cp > 1 and fused_optimizer(cfg.hardware) and "none" in by_kind:
+        # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA,
+        # which then keeps the repeated copies for backward instead of the grouped ones.
+        by_kind["none"] += e * 2 * (d.qw - d.k) / tp
     if fsdp and sp and "selective" in by_kind:
         # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
@@ -223,7 +232,7 @@ def plan_stage(
         loss_saved = act.final_norm_bytes(d, e, tp, sp, autocast) + act.logits_forward_bytes(d, e, tp)
         per_token += loss_saved
     # Under autocast the hidden state stays fp32 and each block's RoPE casts its own table slices.
-    rope = act.rope_cast_bytes(d, e, int(t.seq_len)) * kept if autocast and not compiled else 0.0
+    rope = act.rope_cast_bytes(d, e, int(t.seq_len) // cp) * kept if autocast and not compiled else 0.0
     lines["activations"] = (per_token * tokens + rope * (t.micro_batch // n_mb) / t.micro_batch) * held
     base = sum(lines.values())
 
@@ -244,6 +253,8 @@ def plan_stage(
     none_tok = act.block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
     recompute = max((none_tok - by_kind[k] for k in mix if k != "none" and mix[k]), default=0.0)
     work = (act.backward_working_bytes(d, e, tp) + recompute) * tokens
+    if cp > 1:
+        work += cp_exchange_bytes(d, e, tp, (t.micro_batch // n_mb) * t.seq_len)
     if autocast and kept < layers:
         work += e * (blk - norm_gains)  # the recomputed block casts its weights again
     held_act = lines["activations"] - (loss_saved * tokens * held if last else 0.0)
@@ -318,6 +329,14 @@ def plan_stage(
     )
 
 
+def cp_exchange_bytes(d: Any, e: int, tp: int, sequence_tokens: int) -> float:
+    """Context parallel, inside one attention's backward: the whole sequence's K and V gathered from the
+    CP ranks (repeated to the query heads) and their fp32 gradients before the reduce-scatter back
+    (dtlaunch.train.context_parallel). Transient, one block at a time; the forward's gathered copies are
+    gone by then (each block gathers again in backward)."""
+    return 2 * (e + 4) * d.qw / tp * sequence_tokens
+
+
 def v_h(m: Any, tp: int) -> int:
     """Parameters of the embedding (or of the output head) on one TP rank."""
     return m.vocab_size * m.dim // tp
@@ -364,6 +383,8 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         "tp": layout.tp,
         "pp": layout.pp,
     }
+    if layout.cp > 1:
+        lay["cp"] = layout.cp
     notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
     return MemoryPlan(
         notes=notes,

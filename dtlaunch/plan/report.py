@@ -19,7 +19,9 @@ def plan_table(plan: MemoryPlan) -> Any:
     lay = plan.layout
     title = (
         f"memory plan: {plan.recipe} on {plan.hardware} — world {lay['world']} = dp_replicate "
-        f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']} x pp {lay['pp']}"
+        f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x "
+        + (f"cp {lay['cp']} x " if lay.get("cp", 1) > 1 else "")
+        + f"tp {lay['tp']} x pp {lay['pp']}"
     )
     t = Table(title=title, title_justify="left")
     t.add_column(f"per rank (most loaded: stage {w.stage}, peak in {w.phase})")
@@ -75,6 +77,7 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
         [
             str(i),
             f"{r['dp_replicate']}x{r['dp_shard']}x{r['tp']}x{r['pp']}"
+            + (f" cp{r['cp']}" if r.get("cp", 1) > 1 else "")
             + (f" {r['schedule']}" if r["schedule"] != "-" else ""),
             f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}",
             gib(r["device_total_bytes"]),
@@ -84,5 +87,8 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
         ]
         for i, r in enumerate(rows, 1)
     ]
-    title = "layouts that fit, fastest first (layout = dp_replicate x dp_shard x tp x pp, pipeline schedule)"
+    title = (
+        "layouts that fit, fastest first (layout = dp_replicate x dp_shard x tp x pp, cpN = context parallel "
+        "over N ranks, pipeline schedule)"
+    )
     return plain_table(headers, body, width, title=title)

@@ -1,11 +1,11 @@
-"""Layout search: every dp_replicate x dp_shard x tp x pp x schedule x ZeRO x AC x micro-batch for the
-job's GPU count that fits, ranked by an estimated step time.
+"""Layout search: every dp_replicate x dp_shard x cp x tp x pp x schedule x ZeRO x AC x micro-batch for
+the job's GPU count that fits, ranked by an estimated step time.
 
 Step time = compute (model FLOPs incl. recomputation, at the profile's peak x EFFICIENCY)
           + exposed communication (per collective: message size / bandwidth of the link the group
             spans; overlappable collectives only count what compute cannot hide)
           + pipeline bubble ((p-1)/(v·m) of the pipelined compute).
-Mesh order is pp (outer) x dp_replicate x dp_shard x tp (inner), as the runtime builds it, so a
+Mesh order is pp (outer) x dp_replicate x dp_shard x cp x tp (inner), as the runtime builds it, so a
 group is intra-node when its size times its stride fits in one node.
 Pure Python: plain namespaces instead of OmegaConf in the loop keep 1,024 GPUs under a second.
 """
@@ -63,9 +63,17 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     )
     accum = gb // (t.micro_batch * lay.dp)
     p_local = P / (lay.tp * lay.pp)
-    tok_mb = t.micro_batch * t.seq_len
+    tok_mb = t.micro_batch * t.seq_len // lay.cp  # tokens on one rank: CP splits each sequence
     comm_exposed = 0.0
     parts: dict[str, float] = {}
+    if lay.cp > 1:
+        bw = hardware.link_bandwidth(hw, lay.cp, lay.tp)
+        # Per layer: K and V all-gathered in forward and again in backward, their fp32 gradients
+        # reduce-scattered; not overlapped with the attention that waits for them.
+        kv = 2 * t.micro_batch * t.seq_len * kv_width(m) / lay.tp
+        vol = (lay.cp - 1) / lay.cp * kv * (2 * e + 4) * m.n_layers * accum
+        parts["cp"] = vol / bw
+        comm_exposed += parts["cp"]
     if lay.tp > 1:
         bw = hardware.link_bandwidth(hw, lay.tp, 1)
         # Per layer: all-gather + reduce-scatter around attention and MLP, forward and backward.
@@ -74,9 +82,9 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
         comm_exposed += parts["tp"]
     stride = lay.tp
     z = cfg.strategy.zero_stage
-    if lay.dp_shard > 1 and z >= 1:
-        bw = hardware.link_bandwidth(hw, lay.dp_shard, stride)
-        frac = (lay.dp_shard - 1) / lay.dp_shard
+    if lay.shard > 1 and z >= 1:
+        bw = hardware.link_bandwidth(hw, lay.shard, stride)
+        frac = (lay.shard - 1) / lay.shard
         if z == 3:
             vol = frac * p_local * (2 * e + r) * accum
         elif z == 2:
@@ -84,12 +92,12 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
         else:
             vol = frac * p_local * (2 * r + e)
         parts["fsdp"] = vol / bw
-    elif lay.dp > 1 and z == 0:
-        bw = hardware.link_bandwidth(hw, lay.dp, stride)
-        parts["ddp"] = 2 * (lay.dp - 1) / lay.dp * p_local * r / bw
+    elif lay.dp * lay.cp > 1 and z == 0:
+        bw = hardware.link_bandwidth(hw, lay.dp * lay.cp, stride)
+        parts["ddp"] = 2 * (lay.dp * lay.cp - 1) / (lay.dp * lay.cp) * p_local * r / bw
     if lay.dp_replicate > 1 and z >= 2:
-        bw = hardware.link_bandwidth(hw, lay.dp_replicate, stride * lay.dp_shard)
-        parts["hsdp"] = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * p_local / lay.dp_shard * r / bw
+        bw = hardware.link_bandwidth(hw, lay.dp_replicate, stride * lay.shard)
+        parts["hsdp"] = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * p_local / lay.shard * r / bw
     overlap = sum(parts.get(k, 0.0) for k in ("fsdp", "ddp", "hsdp"))
     comm_exposed += max(overlap - HIDDEN_FRACTION * compute, (1 - HIDDEN_FRACTION) * overlap)
     bubble = compute * (lay.pp - 1) / (v * n_mb) if lay.pp > 1 else 0.0
@@ -105,27 +113,46 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     }
 
 
-def candidates(cfg: Any) -> list[tuple[Layout, dict, dict]]:
-    """(layout, strategy values, training values) for every combination worth planning."""
+def cp_degrees(cfg: Any) -> list[int]:
+    """Context-parallel degrees worth searching: those that split the sequence into 2·cp chunks on a
+    registry decoder; CP inside a node (its K/V exchange runs every block)."""
+    m, t = cfg.model, cfg.training
+    world = Layout.resolve(cfg.strategy, _world(cfg)).world
+    per_node = int(cfg.hardware.gpus_per_node) or world
+    if getattr(m, "_target_", "") or m.arch == "hf_auto" or getattr(cfg.data, "document_mask", False):
+        return [1]
+    window = getattr(m, "sliding_window", None)
+    return [
+        cp
+        for cp in _divisors(world)
+        if cp == 1 or (cp <= per_node and t.seq_len % (2 * cp) == 0 and (window is None or window >= t.seq_len))
+    ]
+
+
+def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
+    """(layout, strategy values, training values) for every combination worth planning, with `cp`
+    context-parallel ranks (the other degrees fill world / cp)."""
     m, t, hw = cfg.model, cfg.training, cfg.hardware
     base = Layout.resolve(cfg.strategy, _world(cfg))
     world = base.world
     gb = global_batch(cfg, base)
     per_node = int(hw.gpus_per_node) or world
     out = []
-    for tp in _divisors(world):
-        if tp > per_node or not _tp_ok(m, tp, t.seq_len):
+    for tp in _divisors(world // cp):
+        if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp):
             continue
-        for pp in _divisors(world // tp):
-            if pp > m.n_layers:
+        for pp in _divisors(world // (tp * cp)):
+            if pp > m.n_layers or (pp > 1 and cp > 1):
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             for rep in _divisors(dp):
                 shard = dp // rep
-                if rep > 1 and (shard * tp * pp) % per_node:
+                if rep > 1 and (shard * cp * tp * pp) % per_node:
                     continue  # replicate across node groups only
                 for zero in (0, 1, 2, 3):
-                    if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero >= 1 and dp == 1):
+                    if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero >= 1 and dp * cp == 1):
+                        continue
+                    if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:
@@ -135,12 +162,13 @@ def candidates(cfg: Any) -> list[tuple[Layout, dict, dict]]:
                             if gb % (mb * dp) or (pp > 1 and mb < pp):
                                 continue
                             for ac in ("none", "selective", "full"):
-                                lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp)
+                                lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp)
                                 st = {
                                     "dp_replicate": rep,
                                     "dp_shard": shard,
                                     "tp": tp,
                                     "pp": pp,
+                                    "cp": cp,
                                     "zero_stage": zero,
                                     "pp_schedule": sched,
                                     "pp_stages_per_rank": v,
@@ -164,7 +192,7 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
     plain = _plain(cfg)
     rows = []
     fitted: set[tuple] = set()
-    for lay, st, tr in candidates(plain):
+    for lay, st, tr in (c for cp in cp_degrees(plain) for c in candidates(plain, cp)):
         key = (lay, *(st[k] for k in sorted(st) if k != "pp_layers_per_stage"), tr["micro_batch"])
         if key in fitted:
             continue  # a lighter AC mode already fits this layout: more recompute is only slower
@@ -206,6 +234,7 @@ def _overrides(st: dict, tr: dict) -> list[str]:
         "dp_shard",
         "tp",
         "pp",
+        "cp",
         "zero_stage",
         "pp_schedule",
         "pp_stages_per_rank",
@@ -225,6 +254,13 @@ def _why(row: dict, best: dict) -> str:
     if deltas[worst] <= 0:
         return f"+{slower:.1f}% (ties; more memory)"
     return f"+{slower:.1f}%: {label[worst]}"
+
+
+def kv_width(m: Any) -> int:
+    """Width of K (= of V) per token as the ring exchanges it: K/V heads repeated to the query heads."""
+    from dtlaunch.models.dense.shapes import head_dim
+
+    return int(m.n_heads) * head_dim(m)
 
 
 def recompute_fraction(t: Any) -> float:

@@ -41,6 +41,11 @@ def _changes(cfg: Any, layout: Any) -> list[Change]:
             )
         smaller //= 2
     for deg in (2, 4, 8):
+        cp = layout.cp * deg  # long sequences: split each over more ranks (validated like every change)
+        if layout.pp == 1 and layout.world % (cp * layout.tp) == 0 and t.seq_len % (2 * cp) == 0:
+            keep_batch = [f"training.global_batch={gb}"]
+            out.append((f"context parallel {cp}", 5, [f"strategy.cp={cp}", "strategy.dp_shard=-1", *keep_batch]))
+    for deg in (2, 4, 8):
         tp = layout.tp * deg
         if layout.world % (tp * layout.pp) == 0:
             out.append(

@@ -222,6 +222,7 @@ def layout_description(cfg: Any, world: int) -> dict:
         "dp_shard": lay.dp_shard,
         "tp": lay.tp,
         "pp": lay.pp,
+        "cp": lay.cp,
         "zero_stage": int(cfg.strategy.zero_stage),
     }
 
@@ -230,8 +231,9 @@ def layout_str(layout: dict) -> str:
     """'world 4 = rep 1 x shard 2 x tp 2 x pp 1, zero 3' (the layout a checkpoint was written by)."""
     if not layout:
         return "?"
+    cp = f"x cp {layout['cp']} " if layout.get("cp", 1) > 1 else ""
     return (
-        f"world {layout.get('world')} = rep {layout.get('dp_replicate')} x shard {layout.get('dp_shard')} "
+        f"world {layout.get('world')} = rep {layout.get('dp_replicate')} x shard {layout.get('dp_shard')} {cp}"
         f"x tp {layout.get('tp')} x pp {layout.get('pp')}, zero {layout.get('zero_stage')}"
     )
 

@@ -155,9 +155,19 @@ class TokenLoader:
         key: str = "data.path",
         shuffle: bool = True,
         global_batch: int = 0,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
+        # Context parallel: this rank keeps only its load-balanced chunks of every sequence (and hands
+        # the model their true positions for RoPE); its CP peers read the same samples.
+        self.cp_positions: Optional[np.ndarray] = None
+        if cp_size > 1:
+            from dtlaunch.train.context_parallel import local_positions
+
+            self.cp_positions = local_positions(seq_len, cp_rank, cp_size)
+        self.cp_size = cp_size
         self.source, self.micro_batch, self.seq_len, self.seed = source, micro_batch, seq_len, seed
         self.dp_rank, self.dp_size, self.vocab_size, self.key = dp_rank, dp_size, vocab_size, key
         self.shuffle = shuffle  # validation reads its samples in order
@@ -224,7 +234,9 @@ class TokenLoader:
             # averaged over dp ranks, is the mean over every target of the global batch: independent of
             # how the batch is split (layout, accumulation) and of how many targets each micro-batch holds.
             total = self._global_targets(step_start)
-            self.last_weight = self.global_batch / (self.micro_batch * total) if total else 0.0
+            # Under CP each rank sums over its share of the tokens and gradients are averaged over the CP
+            # ranks too: cp_size makes that average the sum again.
+            self.last_weight = self.global_batch * self.cp_size / (self.micro_batch * total) if total else 0.0
         top = int(rows.max())
         if top >= self.vocab_size:
             # Caught here, on the host: on a GPU an out-of-range id is an opaque device-side assert.
@@ -238,7 +250,12 @@ class TokenLoader:
         targets = batch[:, 1:].contiguous()
         if mask is not None:
             targets[torch.from_numpy(mask == 0)] = IGNORE_INDEX
-        return batch[:, :-1].contiguous(), targets
+        inputs = batch[:, :-1]
+        if self.cp_positions is not None:
+            keep = torch.from_numpy(self.cp_positions)
+            inputs, targets = inputs[:, keep], targets[:, keep]
+            self.last_model_args = {"positions": keep}
+        return inputs.contiguous(), targets.contiguous()
 
     def state_dict(self) -> dict[str, Any]:
         # Global, not per rank: identical on every rank, and valid for any dp size on resume.
@@ -466,8 +483,11 @@ def build_loader(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> TokenLo
     return build_loaders(cfg, run_dir, dp_rank, dp_size)[0]
 
 
-def build_loaders(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[TokenLoader, Optional[TokenLoader]]:
-    """(training loader, validation loader or None when evaluation is off) for this dp rank."""
+def build_loaders(
+    cfg: Any, run_dir: Path, dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1
+) -> tuple[TokenLoader, Optional[TokenLoader]]:
+    """(training loader, validation loader or None when evaluation is off) for this dp rank (and its
+    chunks of each sequence under context parallel)."""
     seq_len, mb = int(cfg.training.seq_len), int(cfg.training.micro_batch)
     vocab, seed = int(cfg.model.vocab_size), int(cfg.training.seed)
     train, val = data_sources(cfg, run_dir)
@@ -478,13 +498,14 @@ def build_loaders(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> tuple[
             f"global batch needs {gb}: add data, or lower training.seq_len / training.global_batch / "
             f"training.micro_batch"
         )
-    loader = TokenLoader(train, mb, seq_len, seed, dp_rank, dp_size, vocab, global_batch=gb)
+    cp = {"cp_rank": cp_rank, "cp_size": cp_size}
+    loader = TokenLoader(train, mb, seq_len, seed, dp_rank, dp_size, vocab, global_batch=gb, **cp)
     eos = _document_eos(cfg, train)
     loader.document_eos = eos
     if val is None or not eval_enabled(cfg):
         return loader, None
     val_loader = TokenLoader(
-        val, mb, seq_len, seed, dp_rank, dp_size, vocab, key="data.val_path", shuffle=False, global_batch=gb
+        val, mb, seq_len, seed, dp_rank, dp_size, vocab, key="data.val_path", shuffle=False, global_batch=gb, **cp
     )
     val_loader.document_eos = eos
     return loader, val_loader

@@ -30,7 +30,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.train import preempt
 from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
 from dtlaunch.train.guards import StepWatch
-from dtlaunch.train.mesh import build_mesh, dp_rank_size
+from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_rank_size
 from dtlaunch.train.parallelize import parallelize
 from dtlaunch.train.phases import phase
 from dtlaunch.train.runtime import build_runtime
@@ -153,7 +153,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         f"on this rank in {len(parts)} part(s)"
     )
     dp_rank, dp_size = dp_rank_size(mesh)
-    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size)
+    loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(mesh))
     ctx = rt.step_context(loader)
     ckpt = CheckpointManager(cfg, run_dir, parts, optimizers, schedulers, loader, env.rank)
     start = ckpt.resume()

@@ -1,8 +1,9 @@
 """The world DeviceMesh and the views of it each concern needs.
 
-Mesh dims, outermost first: ("pp", "dp_replicate", "dp_shard", "tp"); a dim of degree 1 is left out, so
-a name is present exactly when that parallelism is on. TP is innermost (its peers are neighbouring ranks,
-on one node), PP outermost. A world of one gets a 1-sized "dp_shard" dim so the code path stays uniform.
+Mesh dims, outermost first: ("pp", "dp_replicate", "dp_shard", "cp", "tp"); a dim of degree 1 is left
+out, so a name is present exactly when that parallelism is on. TP is innermost (its peers are
+neighbouring ranks, on one node), then CP (ring attention exchanges K/V every block), PP outermost. A
+world of one gets a 1-sized "dp_shard" dim so the code path stays uniform.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtlaunch.config.layout import Layout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_DIMS = ("dp_replicate", "dp_shard")
 
 
@@ -32,23 +33,46 @@ def sub_mesh(mesh: DeviceMesh, name: str) -> Optional[DeviceMesh]:
     return mesh[name] if has_dim(mesh, name) and mesh[name].size() > 1 else None
 
 
+def _flattened(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
+    """`names` of `mesh` as one dim called `name` (flattened once; later calls reuse it)."""
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return mesh[names]._flatten(name)
+
+
 def dp_mesh(mesh: DeviceMesh, flatten: bool = False) -> Optional[DeviceMesh]:
-    """The data-parallel ranks: ("dp_replicate", "dp_shard") as a 2-D mesh (HSDP), or one flat "dp" dim
-    (DDP, ZeRO-1, the loss average); None when there is no data parallelism."""
-    names = tuple(n for n in DP_DIMS if has_dim(mesh, n) and mesh[n].size() > 1)
-    if not names:
+    """The ranks that average gradients and share parameter shards: ("dp_replicate", "dp_shard") as a
+    2-D mesh (HSDP), or one flat "dp" dim (DDP, ZeRO-1); None when there are none. Context-parallel
+    ranks belong here too (they hold the same parameters and each computes the gradient of its share
+    of the tokens): "dp_shard" and "cp" are flattened into "dp_shard_cp"."""
+    present = tuple(n for n in ("dp_replicate", "dp_shard", "cp") if has_dim(mesh, n) and mesh[n].size() > 1)
+    if not present:
         return None
-    if len(names) == 1:
-        return mesh[names[0]]
-    sub = mesh[names]
-    return sub._flatten("dp") if flatten else sub
+    if len(present) == 1:
+        return mesh[present[0]]
+    if flatten:
+        return _flattened(mesh, present, "dp_cp" if "cp" in present else "dp")
+    if "dp_replicate" not in present:  # dp_shard x cp: one shard dim
+        return _flattened(mesh, present, "dp_shard_cp")
+    if "cp" in present and "dp_shard" in present:
+        _flattened(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+        return mesh[("dp_replicate", "dp_shard_cp")]
+    return mesh[present]
 
 
 def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's index among the data-parallel ranks, and their number (for the data loader)."""
+    """This rank's index among the data-parallel ranks, and their number (for the data loader; CP peers
+    read the same samples)."""
     rank, size = 0, 1
     for name in DP_DIMS:
         if has_dim(mesh, name):
             rank = rank * mesh[name].size() + mesh[name].get_local_rank()
             size *= mesh[name].size()
     return rank, size
+
+
+def cp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index in its context-parallel group and the group's size (1 without CP)."""
+    cp = sub_mesh(mesh, "cp")
+    return (cp.get_local_rank(), cp.size()) if cp is not None else (0, 1)

@@ -1,6 +1,7 @@
 """One path from a meta-device model (or pipeline stage) to a parallel, initialised module.
 
-Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel -> activation checkpointing -> compile ->
+Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
+context parallel (swaps the attention kernel for ring attention) -> activation checkpointing -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
@@ -38,6 +39,11 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
         from dtlaunch.train.tensor_parallel import apply_tp
 
         apply_tp(model, tp_mesh, cfg)
+    cp_mesh = sub_mesh(world_mesh, "cp")
+    if cp_mesh is not None:
+        from dtlaunch.train.context_parallel import apply_cp
+
+        apply_cp(model, cp_mesh)  # attention over the whole sequence; TP's heads stay local to a CP rank
     apply_ac(model, cfg.training)
     if cfg.training.compile:
         apply_compile(model)

@@ -34,7 +34,7 @@ def test_required_recipes_ship() -> None:
 def test_every_recipe_composes_and_validates(name: str) -> None:
     job = load_job([f"recipe={name}"])
     assert job.cfg.recipe == name
-    assert job.layout.world == job.layout.dp * job.layout.tp * job.layout.pp
+    assert job.layout.world == job.layout.dp * job.layout.cp * job.layout.tp * job.layout.pp
 
 
 def write_recipe(directory: Path, name: str, body: str) -> Path:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,13 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention (or `mask`'s, True = may attend) with grouped-query heads: torch's SDPA."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
 class Attention(nn.Module):
     def __init__(self, m: Any) -> None:
         super().__init__()
@@ -89,6 +96,9 @@ class Attention(nn.Module):
         self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, m.norm_eps) if getattr(m, "qk_norm", False) else None
         self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, m.norm_eps) if getattr(m, "qk_norm", False) else None
         self.sliding_window: Optional[int] = getattr(m, "sliding_window", None) or None
+        # The attention kernel, (q, k, v, mask) -> out on (B, heads, S, head_dim): a seam through which
+        # parallelism swaps in another (context parallel's ring attention) without this module knowing.
+        self.attention_fn: Callable[..., torch.Tensor] = sdpa
 
     def forward(
         self,
@@ -114,14 +124,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         mask = self._mask(mask, start, s, k.shape[1], x.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _mask(
