@@ -4,6 +4,7 @@
   python bench/planner_accuracy.py --real     # real `dtlaunch train` runs; reads plan.json + summary.json
   python bench/planner_accuracy.py --real --only 3,7   # a subset (indices into REAL)
   python bench/planner_accuracy.py --families # real runs of the other registry families (FAMILIES)
+  python bench/planner_accuracy.py --moe      # real runs of a mixture of experts (MOE)
 
 --real writes bench/results/planner_accuracy_cpu.md. Bounds the issue asks for: median |error| <= 3 %,
 max <= 8 %. "Measured" is the max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter
@@ -87,6 +88,27 @@ FAMILIES = [
     [*TIED, "strategy=ddp", N2],
     [*TIED, "strategy=zero3", N2, SEL],
     [*MISTRAL, "strategy=zero3", N2],
+]
+# Mixture of experts: the planner7m shape with 8 routed experts per block, top-2 (model=planner_moe).
+MOE = [
+    ["model=planner_moe", *ov]
+    for ov in (
+        ["strategy=ddp", N2],
+        ["strategy=ddp", N2, BF16],
+        ["strategy=zero2", N2],
+        ["strategy=zero3", N2],
+        ["strategy=zero3", N2, FULL],
+        ["strategy=zero3", N2, SEL],
+        ["strategy=zero3", N2, BF16],
+        ["strategy=ddp", N2, "training.micro_batch=16"],
+        ["strategy=zero3", N2, "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001"],
+        ["strategy=zero3", N2, "model.moe.num_shared_experts=1", "model.moe.score_func=sigmoid"],
+        ["strategy=pp", N2, "strategy.pp_microbatches=4"],
+        # Expert parallel: experts split over 2 ranks (all of dp_shard; then over 2 of 4, FSDP over the other 2).
+        ["strategy=zero3", N2, "strategy.ep=2"],
+        ["strategy=zero3", N4, "strategy.ep=2"],
+        ["strategy=zero2", N4, "strategy.ep=2", SEL],
+    )
 ]
 RESULTS = Path(__file__).parent / "results"
 NOTES = [
@@ -237,9 +259,9 @@ if __name__ == "__main__":
     only = None
     if "--only" in sys.argv:
         only = [int(x) for x in sys.argv[sys.argv.index("--only") + 1].split(",")]
-    if "--families" in sys.argv:
+    if "--families" in sys.argv or "--moe" in sys.argv:
         rows = []
-        for ov in FAMILIES:
+        for ov in FAMILIES if "--families" in sys.argv else MOE:
             rows.append(run_real(ov))
             print(_fmt(rows[-1]), flush=True)
         errs = [abs(_err(r)) for r in rows if r["measured"]]

@@ -144,6 +144,46 @@ def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+# Tiny mixture-of-experts directories: Qwen3-MoE with one dense (mlp_only) block and top-k weights left
+# unnormalised, Mixtral with its renormalised top-2 of 4 experts.
+TINY_HF_MOE = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 24,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    base = tmp_path_factory.mktemp("tiny_hf_moe")
+    out = {}
+    for i, (family, (cls_name, extra)) in enumerate(TINY_HF_MOE.items()):
+        config = getattr(transformers, cls_name)(
+            **TINY_HF_SHAPE, rms_norm_eps=1e-6, eos_token_id=1, tie_word_embeddings=False, **extra
+        )
+        torch.manual_seed(200 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for p in model.parameters():  # a router far from uniform, experts that differ visibly
+                p.add_(torch.randn_like(p) * 0.05)
+        path = base / family
+        model.save_pretrained(path)
+        _tiny_tokenizer(path)
+        out[family] = path
+    return out
+
+
 # Words of the tiny test tokenizer and corpora: syllable pairs, a few hundred distinct words.
 _SYLLABLES = ["ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "ve", "zo", "ba", "du", "fe", "gi", "ho", "ju", "ly"]
 TINY_WORDS = [a + b for a in _SYLLABLES for b in _SYLLABLES]

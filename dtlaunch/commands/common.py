@@ -59,7 +59,8 @@ def summary_table(job: Job) -> Any:
     t.add_row(
         "layout",
         f"world {lay.world} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
-        f"{f'cp {lay.cp} x ' if lay.cp > 1 else ''}tp {lay.tp} x pp {lay.pp}; zero_stage {cfg.strategy.zero_stage}",
+        f"{f'cp {lay.cp} x ' if lay.cp > 1 else ''}tp {lay.tp} x pp {lay.pp}; zero_stage {cfg.strategy.zero_stage}"
+        + (f"; expert parallel {lay.ep} (of dp_shard)" if lay.ep > 1 else ""),
     )
     gb = global_batch(cfg, lay)
     accum = grad_accum_steps(cfg, lay)

@@ -17,6 +17,8 @@ from dtlaunch.errors import ConfigError
 
 # Model-section fields the user may still set with an hf: source: they do not describe the weights.
 _FREE = {"name", "init_from", "max_seq_len"}
+# model.moe fields that are training choices, not the weights' shape (load balancing).
+_FREE_MOE = {"aux_loss_coef", "bias_update_rate"}
 
 
 def hf_source_dir(init_from: Any) -> Optional[Path]:
@@ -94,6 +96,15 @@ def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
         return
     given = _cli_model_keys(overrides)
     fields = model_fields_from_hf(path, arch="hf_auto" if "arch" in given and model.get("arch") == "hf_auto" else "")
+    moe_given = _cli_moe_keys(overrides)
+    for key in sorted(moe_given - _FREE_MOE):
+        ours, theirs = (model.get("moe") or {}).get(key), (fields.get("moe") or {}).get(key)
+        if key in (fields.get("moe") or {}) and _differs(ours, theirs):
+            raise ConfigError(
+                f"model.moe.{key}={ours} contradicts {path}/config.json ({key}={theirs}): drop the override, "
+                f"the model comes from model.init_from"
+            )
+    given.discard("moe")
     for key in sorted(given - _FREE):
         if key in fields and _differs(model.get(key), fields[key]):
             raise ConfigError(
@@ -104,8 +115,14 @@ def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
     new.update(fields)
     if "max_seq_len" in given:
         new["max_seq_len"] = model["max_seq_len"]
+    for key in moe_given & _FREE_MOE:
+        new.setdefault("moe", {})[key] = model["moe"][key]
     # Fields config.json does not describe go back to their defaults (not the recipe's model group).
     resolved["model"] = new
+
+
+def _cli_moe_keys(overrides: Sequence[str]) -> set[str]:
+    return {m.group(1) for ov in overrides if (m := re.match(r"\+{0,2}model\.moe\.(\w+)=", ov))}
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -31,7 +31,8 @@ def world_size(cfg: Any, detected_gpus: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Resolved parallel degrees; dp_replicate * dp_shard * cp * tp * pp == world."""
+    """Resolved parallel degrees; dp_replicate * dp_shard * cp * tp * pp == world. `ep` takes no ranks of
+    its own: it splits dp_shard into dp_shard / ep (FSDP of routed experts) x ep (expert parallel)."""
 
     world: int
     dp_replicate: int
@@ -41,6 +42,7 @@ class Layout:
     # Context parallel: ranks that share each sample's sequence. They see the same samples (not part of
     # `dp`), but hold parameter shards and average gradients like data-parallel ranks.
     cp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -84,7 +86,12 @@ class Layout:
                 f"layout {desc} = {fixed} ranks but the world has {world}: set one degree to -1 "
                 f"or change launch.nproc_per_node/launch.nnodes"
             )
-        return cls(world=world, **degrees)
+        return cls(world=world, **degrees, ep=int(getattr(strategy, "ep", 1)))
+
+
+def expert_fsdp_degree(layout: Layout) -> int:
+    """Shard ranks left to FSDP over routed experts once `ep` of them hold different experts."""
+    return layout.dp_shard // layout.ep
 
 
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:

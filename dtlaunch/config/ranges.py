@@ -80,12 +80,22 @@ RANGES: dict[str, Range] = {
     "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE,
     "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
+    "model.moe.num_experts": NON_NEGATIVE,  # 0 = dense
+    "model.moe.top_k": AT_LEAST_1,
+    "model.moe.expert_dim": AT_LEAST_1,
+    "model.moe.num_shared_experts": NON_NEGATIVE,
+    "model.moe.shared_expert_dim": AT_LEAST_1,
+    "model.moe.aux_loss_coef": NON_NEGATIVE,
+    "model.moe.bias_update_rate": NON_NEGATIVE,
+    "model.moe.sparse_step": AT_LEAST_1,
+    "model.moe.dense_layers": NON_NEGATIVE,  # lists: every element
     "strategy.dp_replicate": DEGREE,
     "strategy.dp_shard": DEGREE,
     "strategy.tp": DEGREE,
     "strategy.pp": DEGREE,
     "strategy.cp": AT_LEAST_1,  # an explicit degree: it must also split training.seq_len
     "strategy.zero_stage": Range(0, 3),
+    "strategy.ep": AT_LEAST_1,
     "strategy.pp_microbatches": NON_NEGATIVE,
     "strategy.pp_stages_per_rank": AT_LEAST_1,
     "strategy.pp_layers_per_stage": AT_LEAST_1,  # lists: every element
@@ -131,6 +141,7 @@ RANGES: dict[str, Range] = {
     "cluster.gpus_per_node": NON_NEGATIVE,
     "cluster.cpus_per_task": NON_NEGATIVE,
     "cluster.signal_before_s": NON_NEGATIVE,
+    "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,
     "debug.hang_at_step": STEP_OR_OFF,

@@ -60,6 +60,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Each token attends to at most this many previous positions (Mistral); None = full causal.
     sliding_window: Optional[int] = None
+    # Mixture of experts (model.arch=qwen3_moe, mixtral or moe); num_experts=0 on dense models.
+    moe: MoeConfig = field(default_factory=lambda: MoeConfig())
     # Your own module instead of a registry entry: "pkg.module.build", a callable taking this model
     # section and returning an nn.Module that follows docs/models.md's protocol (planned by trace).
     _target_: str = ""
@@ -88,6 +90,9 @@ class StrategyConfig:
     pp_stages_per_rank: int = 1
     # Layers per pipeline stage, e.g. [3, 5]; empty = as even as possible.
     pp_layers_per_stage: list[int] = field(default_factory=list)
+    # Expert parallel (mixture-of-experts models): routed experts split over `ep` ranks taken from the
+    # data-parallel shard ranks (ep divides dp_shard), not extra ranks; needs FSDP (zero_stage >= 2).
+    ep: int = 1
 
 
 @dataclass
@@ -171,6 +176,37 @@ class DataFormat(Choice):
     text = "text"  # a string in data.text_field
     chat = "chat"  # a list of {role, content} in data.messages_field; loss on assistant tokens only
     prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
+
+
+class MoeScoreFunc(Choice):
+    """How router logits become expert scores."""
+
+    softmax = "softmax"  # Mixtral, Qwen3-MoE
+    sigmoid = "sigmoid"  # DeepSeek-V3
+
+
+@dataclass
+class MoeConfig:
+    """Routed experts replacing the FFN of the sparse blocks (dtlaunch/models/moe/)."""
+
+    num_experts: int = 0
+    # Experts each token is routed to (token choice; no token is ever dropped).
+    top_k: int = 2
+    # Width of one routed expert's SwiGLU; None = the dense FFN width (Mixtral).
+    expert_dim: Optional[int] = None
+    # Experts every token goes through (DeepSeek), one SwiGLU of shared_expert_dim (None: n x expert_dim).
+    num_shared_experts: int = 0
+    shared_expert_dim: Optional[int] = None
+    score_func: MoeScoreFunc = MoeScoreFunc.softmax
+    # Rescale the chosen experts' weights to sum to 1 (Mixtral; Qwen3-30B-A3B's norm_topk_prob).
+    norm_topk: bool = True
+    # Load-balancing loss weight (0 = off), summed over the sparse blocks' mean.
+    aux_loss_coef: float = 0.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: per-step nudge of each expert's routing bias (0 = off).
+    bias_update_rate: float = 0.0
+    # Block i is sparse when (i + 1) % sparse_step == 0 and i is not in dense_layers (Qwen's rule).
+    sparse_step: int = 1
+    dense_layers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -330,6 +366,16 @@ class DebugConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Assumptions of the memory planner that no other section states."""
+
+    # Routed tokens the busiest expert-parallel rank receives, over the balanced share (max / mean of
+    # tokens per expert, as training logs it in moe_imbalance_max). Default: tiny CPU runs
+    # (model=planner_moe, 20 steps) logged 1.13-1.22, median 1.18; rounded up.
+    moe_imbalance: float = 1.25
+
+
+@dataclass
 class JobConfig:
     # The recipe this job came from (set by composition; informational).
     recipe: Optional[str] = None
@@ -346,6 +392,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {

@@ -52,10 +52,12 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
         check_hf_auto(cfg)
         return
     spec = model_spec(m)
+    from omegaconf import OmegaConf
+
     for key, value in spec.fixed.items():
-        if m[key] != value:
+        if OmegaConf.select(m, key) != value:
             _fail(
-                f"model.{key}={m[key]} does not fit model.arch={m.arch} (which has {key}={value}): "
+                f"model.{key}={OmegaConf.select(m, key)} does not fit model.arch={m.arch} (which has {key}={value}): "
                 f"drop the override or pick the model.arch that has it"
             )
     if m.head_dim is None and m.dim % m.n_heads:
@@ -68,6 +70,36 @@ def check_model_shape(cfg: Any, notes: list[str]) -> None:
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
         _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
+
+
+def check_moe(cfg: Any, notes: list[str]) -> None:
+    """model.moe: experts exactly on the MoE entries, top_k within them, dense layers inside the model."""
+    m = cfg.model
+    if m._target_ or m.arch == "hf_auto":
+        return
+    from dtlaunch.models.registry import model_spec
+
+    moe, n = m.moe, int(m.moe.num_experts)
+    is_moe = model_spec(m).builder.startswith("dtlaunch.models.moe.")
+    if is_moe and n < 1:
+        _fail(
+            f"model.moe.num_experts={n}: model.arch={m.arch} is a mixture of experts: set model.moe.num_experts, e.g. 8"
+        )
+    if not is_moe and n > 0:
+        _fail(
+            f"model.moe.num_experts={n} with model.arch={m.arch}, a dense decoder: use model.arch=moe (or qwen3_moe, "
+            f"mixtral), or set model.moe.num_experts=0"
+        )
+    if not is_moe:
+        return
+    if int(moe.top_k) > n:
+        _fail(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={n}: set model.moe.top_k <= {n}")
+    bad = [i for i in moe.dense_layers if int(i) >= int(m.n_layers)]
+    if bad:
+        _fail(
+            f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
+            f"list block indices below {m.n_layers}"
+        )
 
 
 def check_target(cfg: Any) -> None:
@@ -224,6 +256,58 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         _fail(
             f"training.micro_batch={cfg.training.micro_batch} is not divisible by strategy.pp_microbatches="
             f"{n_mb}: each pipeline micro-batch needs a whole number of samples"
+        )
+
+
+def routed_experts(model: Any) -> int:
+    """Routed experts per MoE layer of `model` (a config section or plain namespace); 0 for a dense model."""
+    moe = getattr(model, "moe", None)
+    return int(getattr(moe, "num_experts", 0) or 0) if moe is not None else 0
+
+
+def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """Tensor parallel splits an MoE model's attention only; its routers and experts stay whole, plain
+    tensors beside the DTensors, which only FSDP (turning every parameter into a DTensor) lets the
+    optimizer's multi-tensor kernels take together."""
+    if layout.tp == 1 or not routed_experts(cfg.model):
+        return
+    if int(cfg.strategy.zero_stage) < 2 or layout.dp * layout.cp == 1:
+        _fail(
+            f"strategy.tp={layout.tp} with a mixture-of-experts model needs FSDP over 2+ data-parallel ranks "
+            f"(zero_stage={cfg.strategy.zero_stage}, dp={layout.dp}): use strategy=fsdp_tp, or strategy.tp=1"
+        )
+
+
+def check_expert_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """strategy.ep: a MoE model, FSDP, and a degree dividing both the experts and the shard ranks."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    experts = routed_experts(cfg.model)
+    if not experts:
+        _fail(
+            f"strategy.ep={ep} splits routed experts, but model.arch={cfg.model.arch} has none: use strategy.ep=1 "
+            f"or a mixture-of-experts model"
+        )
+    if experts % ep:
+        _fail(
+            f"strategy.ep={ep} does not divide model.moe.num_experts={experts}: choose an ep that divides it "
+            f"(each rank holds num_experts/ep experts)"
+        )
+    if int(cfg.strategy.zero_stage) < 2:
+        _fail(
+            f"strategy.ep={ep} needs FSDP for the parameters it does not split: set strategy.zero_stage=2 or 3 "
+            f"(it is {cfg.strategy.zero_stage})"
+        )
+    if layout.cp > 1:
+        _fail(
+            f"strategy.ep={ep} with strategy.cp={layout.cp} is not supported yet: use expert parallel or "
+            f"context parallel (strategy.ep=1 or strategy.cp=1)"
+        )
+    if layout.dp_shard % ep:
+        _fail(
+            f"strategy.ep={ep} does not divide the data-parallel shard ranks it is taken from "
+            f"(strategy.dp_shard={layout.dp_shard}): choose an ep that divides it, or raise strategy.dp_shard"
         )
 
 
@@ -466,6 +550,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     # divide by or index with these values.
     check_ranges,
     check_model_shape,
+    check_moe,
     check_precision,
     check_training,
     check_checkpoint,
@@ -477,9 +562,11 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
+    check_moe_tensor_parallel,
     check_tensor_parallel,
     check_context_parallel,
     check_pipeline,
+    check_expert_parallel,
     check_batch,
 ]
 

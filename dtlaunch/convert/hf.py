@@ -185,21 +185,37 @@ class HFWeights:
         self.names = self.spec.names()
         self.files = _weight_files(path)
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
+        # Our 3-D expert tensors, stored by HF as one tensor per expert: name -> {expert: (file, HF name)}.
+        self.stacked: dict[str, dict[int, tuple[str, str]]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         from safetensors import safe_open
 
         tied = bool(getattr(m, "tie_embeddings", False))
+        expert_slot = getattr(self.names, "expert_slot", None)
         for f in self.files:
             with safe_open(str(path / f), framework="pt") as fh:
                 for hf_name in fh.keys():
                     if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
                         continue
                     try:
-                        ours = self.names.from_hf_name(hf_name)
+                        slot = expert_slot(hf_name) if expert_slot else None
+                        ours = slot[0] if slot else self.names.from_hf_name(hf_name)
                     except InputError as exc:
                         raise InputError(f"model.init_from=hf:{path}: {exc}") from None
+                    shape = tuple(fh.get_slice(hf_name).get_shape())
+                    if slot:
+                        self.stacked.setdefault(ours, {})[slot[1]] = (f, hf_name)
+                        shapes[ours] = (len(self.stacked[ours]), *shape)
+                        continue
                     self.where[ours] = (f, hf_name)
-                    shapes[ours] = tuple(fh.get_slice(hf_name).get_shape())
+                    shapes[ours] = shape
+        for ours, per in self.stacked.items():
+            if sorted(per) != list(range(len(per))):
+                missing_e = min(set(range(max(per) + 1)) - set(per))
+                raise InputError(
+                    f"model.init_from=hf:{path}: expert {missing_e} of {self.names.to_hf_name(ours)} is missing: "
+                    f"the directory does not hold this model"
+                )
         expected = {n: tuple(p.shape) for n, p in self.spec.build(m, rope_len=1, device="meta").named_parameters()}
         missing = sorted(set(expected) - set(shapes))
         if missing:
@@ -227,6 +243,8 @@ class HFWeights:
         full = self.shapes[name]
         shape = tuple(shape) if shape is not None else full
         offset = tuple(offset) if offset is not None else (0,) * len(full)
+        if name in self.stacked:
+            return self._read_experts(name, shape, offset)
         heads = self.names._heads_for(name, self.m)
         f, hf_name = self.where[name]
         rows = (offset[0], offset[0] + shape[0]) if shape else (0, 0)
@@ -244,6 +262,19 @@ class HFWeights:
             t = self.names.halves_to_interleaved(t, n) if n else t
             t = t[rows[0] - rows_read[0] : rows[1] - rows_read[0]]
         return t.float().contiguous()
+
+    def _read_experts(self, name: str, shape: tuple, offset: tuple) -> Any:
+        """Experts [offset[0], offset[0] + shape[0]) of a 3-D expert tensor, each cut to its block."""
+        import torch
+        from safetensors import safe_open
+
+        rows = []
+        for e in range(offset[0], offset[0] + shape[0]):
+            f, hf_name = self.stacked[name][e]
+            with safe_open(str(self.path / f), framework="pt") as fh:
+                sl = fh.get_slice(hf_name)
+                rows.append(sl[tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))])
+        return torch.stack(rows).float().contiguous()
 
 
 def _weight_files(path: Path) -> list[str]:

@@ -107,7 +107,7 @@ def check_model_matches(cfg: Any, info: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.registry import model_spec
 
     saved_model = info.marker.get("model", {})
     wanted = {k: v for k, v in _model_fields(cfg).items() if k != "init_from"}
@@ -121,8 +121,11 @@ def check_model_matches(cfg: Any, info: Any) -> None:
         for k, md in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    model = build_model(cfg.model, rope_len=1, device="meta")
+    model = model_spec(cfg.model).build(cfg.model, rope_len=1, device="meta")
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # Persistent buffers are saved too (an MoE router's expert bias).
+    kept = set(model.state_dict())
+    expected.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in kept})
     mismatch = next((n for n in expected if saved.get(n) != expected[n]), None)
     if mismatch is None:
         extra = sorted(set(saved) - set(expected))

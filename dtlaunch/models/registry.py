@@ -119,7 +119,7 @@ def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "") ->
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
-_BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "hf_auto")
+_BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "moe", "hf_auto")
 
 
 def register(spec: ModelSpec) -> ModelSpec:

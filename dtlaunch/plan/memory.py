@@ -16,12 +16,14 @@ fragmentation) come from the hardware profile and are reported as separate lines
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
+from dtlaunch.plan.experts import all_to_all_bytes, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -145,6 +147,10 @@ def plan_stage(
     spec = model_spec(m)
     act = spec.act()
     d = act.BlockDims.of(m)
+    if layout.ep > 1 and hasattr(d, "routed_scale"):
+        # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
+        # balanced share.
+        d = dataclasses.replace(d, routed_scale=rank_imbalance(cfg, layout.ep))
     norm_gains = spec.block_norm_params(m)
     tied_head = spec.head_params(m) == 0
     tp, pp = layout.tp, layout.pp
@@ -160,6 +166,14 @@ def plan_stage(
     # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
     autocast = e != 4 and not fsdp
     p_rank, blk, root = _stage_params(m, layers, first, last, tp)
+    # Routed experts (MoE): whole on every TP rank; a gathered block holds only this rank's 1/ep of them.
+    routed = stage_routed_params(m, layer_ids if layer_ids is not None else list(range(layers)))
+    if routed and tp > 1:
+        p_rank += routed - routed // tp
+        blk += (routed - routed // tp) // max(layers, 1)
+    not_gathered = routed - routed // layout.ep
+    p_gather = p_rank - not_gathered
+    blk_gather = blk - not_gathered // max(layers, 1)
     accum = grad_accum_steps(cfg, layout)
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
     tokens = (t.micro_batch // n_mb) * t.seq_len // cp  # this rank's tokens: CP splits each sequence
@@ -202,7 +216,7 @@ def plan_stage(
     elif autocast and last:
         lines["autocast weight copies"] = e * v_h(m, tp)
     if fsdp and zero == 2:
-        lines["unsharded parameters"] = e * p_rank if (shard > 1 or e != 4) else 0.0
+        lines["unsharded parameters"] = e * p_gather if (shard > 1 or e != 4) else 0.0
     elif fsdp:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
@@ -234,6 +248,9 @@ def plan_stage(
     # Under autocast the hidden state stays fp32 and each block's RoPE casts its own table slices.
     rope = act.rope_cast_bytes(d, e, int(t.seq_len) // cp) * kept if autocast and not compiled else 0.0
     lines["activations"] = (per_token * tokens + rope * (t.micro_batch // n_mb) / t.micro_batch) * held
+    a2a = all_to_all_bytes(cfg, layout.ep, tokens, e)
+    if a2a:
+        lines["all-to-all buffers"] = a2a
     base = sum(lines.values())
 
     # Backward, two moments: (1) log_softmax's backward on the last stage (everything forward kept +
@@ -247,7 +264,7 @@ def plan_stage(
     if fsdp:
         # The block being differentiated: its gathered parameters (ZeRO-3) and unsharded gradients
         # (+ their reduce-dtype copy). Measured: the prefetched next block does not add at the peak.
-        unit = (e * blk if zero == 3 else 0.0) + (e + (r if r != e else 0)) * blk
+        unit = (e * blk_gather if zero == 3 else 0.0) + (e + (r if r != e else 0)) * blk_gather
         head_grads = (e * (v_h(m, tp) + d.h) if last else 0.0) if zero == 3 else head_grads
     # The block being recomputed: the most any checkpointed kind of this stage re-creates at once.
     none_tok = act.block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
@@ -286,8 +303,10 @@ def plan_stage(
             # parameters stay gathered (ZeRO-3). They include the block in flight (`unit`), bar the
             # compute-dtype gradient it has just produced. Measured: Llama-3.1-8B FSDP(2) x PP(4)
             # stage 0 was 23 % under its trace without this.
-            gathered = e * p_rank - lines.get("unsharded parameters", 0.0) if zero == 3 else 0.0
-            all_grads = r * p_rank + gathered - ((e * blk if zero == 3 else 0.0) + r * blk if layers else 0.0)
+            gathered = e * p_gather - lines.get("unsharded parameters", 0.0) if zero == 3 else 0.0
+            all_grads = (
+                r * p_gather + gathered - ((e * blk_gather if zero == 3 else 0.0) + r * blk_gather if layers else 0.0)
+            )
         if layers:
             backward.append(at_first_blk - blk_grads - head_grads + all_grads - fewer)
         if last:
@@ -319,6 +338,7 @@ def plan_stage(
             "autocast weight copies",
             "accumulated gradients",
             "RoPE tables (compute dtype)",
+            "all-to-all buffers",
         ):
             lines.pop(k, None)
         lines["gradients"] = grads
@@ -383,6 +403,8 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         "tp": layout.tp,
         "pp": layout.pp,
     }
+    if layout.ep > 1:
+        lay["ep"] = layout.ep
     if layout.cp > 1:
         lay["cp"] = layout.cp
     notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]

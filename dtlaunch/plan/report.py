@@ -22,6 +22,7 @@ def plan_table(plan: MemoryPlan) -> Any:
         f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x "
         + (f"cp {lay['cp']} x " if lay.get("cp", 1) > 1 else "")
         + f"tp {lay['tp']} x pp {lay['pp']}"
+        + (f" (experts: ep {lay['ep']})" if lay.get("ep", 1) > 1 else "")
     )
     t = Table(title=title, title_justify="left")
     t.add_column(f"per rank (most loaded: stage {w.stage}, peak in {w.phase})")
@@ -79,7 +80,8 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
             f"{r['dp_replicate']}x{r['dp_shard']}x{r['tp']}x{r['pp']}"
             + (f" cp{r['cp']}" if r.get("cp", 1) > 1 else "")
             + (f" {r['schedule']}" if r["schedule"] != "-" else ""),
-            f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}",
+            f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}"
+            + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""),
             gib(r["device_total_bytes"]),
             f"{r['tokens_per_s']:,.0f}",
             f"{r['mfu'] * 100:.1f}%",

@@ -1,5 +1,6 @@
-"""Layout search: every dp_replicate x dp_shard x cp x tp x pp x schedule x ZeRO x AC x micro-batch for
-the job's GPU count that fits, ranked by an estimated step time.
+"""Layout search: every dp_replicate x dp_shard x cp x tp x pp x schedule x ZeRO x AC x micro-batch (and,
+for a mixture of experts, expert-parallel degree) for the job's GPU count that fits, ranked by an
+estimated step time.
 
 Step time = compute (model FLOPs incl. recomputation, at the profile's peak x EFFICIENCY)
           + exposed communication (per collective: message size / bandwidth of the link the group
@@ -13,13 +14,15 @@ Pure Python: plain namespaces instead of OmegaConf in the loop keep 1,024 GPUs u
 from __future__ import annotations
 
 import copy
+from itertools import product
 from types import SimpleNamespace
 from typing import Any
 
-from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
+from dtlaunch.plan.experts import a2a_volume_bytes, num_routed_experts, stage_routed_params
 from dtlaunch.plan.memory import plan_memory
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
@@ -57,12 +60,18 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     gb = global_batch(cfg, lay)
     tokens = gb * t.seq_len
     flops_model = (6 * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
+    if num_routed_experts(m):
+        # A token multiplies only its top-k experts: the registry's count of active parameters.
+        flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
     recompute = recompute_fraction(t)
     compute = (
         flops_model * (1 + recompute) / (lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY)
     )
     accum = gb // (t.micro_batch * lay.dp)
-    p_local = P / (lay.tp * lay.pp)
+    # Routed experts: not split by TP, split by EP; FSDP gathers them over dp_shard / ep ranks only.
+    routed = stage_routed_params(m, list(range(int(m.n_layers))))
+    p_local = (P - routed) / (lay.tp * lay.pp)
+    p_experts = routed / (lay.pp * lay.ep)
     tok_mb = t.micro_batch * t.seq_len // lay.cp  # tokens on one rank: CP splits each sequence
     comm_exposed = 0.0
     parts: dict[str, float] = {}
@@ -85,12 +94,12 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     if lay.shard > 1 and z >= 1:
         bw = hardware.link_bandwidth(hw, lay.shard, stride)
         frac = (lay.shard - 1) / lay.shard
-        if z == 3:
-            vol = frac * p_local * (2 * e + r) * accum
-        elif z == 2:
-            vol = frac * p_local * (e + r) * accum
-        else:
-            vol = frac * p_local * (2 * r + e)
+        efsdp = expert_fsdp_degree(lay)
+        # Per parameter bytes moved: all-gather(s) in the compute dtype + reduce-scatter in the reduce dtype.
+        per_param = {3: (2 * e + r) * accum, 2: (e + r) * accum}.get(z, 2 * r + e)
+        vol = frac * p_local * per_param
+        if efsdp > 1:
+            vol += (efsdp - 1) / efsdp * p_experts * per_param
         parts["fsdp"] = vol / bw
     elif lay.dp * lay.cp > 1 and z == 0:
         bw = hardware.link_bandwidth(hw, lay.dp * lay.cp, stride)
@@ -98,6 +107,12 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     if lay.dp_replicate > 1 and z >= 2:
         bw = hardware.link_bandwidth(hw, lay.dp_replicate, stride * lay.shard)
         parts["hsdp"] = 2 * (lay.dp_replicate - 1) / lay.dp_replicate * p_local / lay.shard * r / bw
+    if lay.ep > 1:
+        # Dispatch + combine, forward and backward, in every sparse block: on the critical path.
+        bw = hardware.link_bandwidth(hw, lay.ep, stride)
+        n_sparse = routed / max(1, _routed_per_sparse_block(m)) / lay.pp
+        parts["ep"] = a2a_volume_bytes(cfg, lay.ep, tok_mb, e) * n_sparse * accum / bw
+        comm_exposed += parts["ep"]
     overlap = sum(parts.get(k, 0.0) for k in ("fsdp", "ddp", "hsdp"))
     comm_exposed += max(overlap - HIDDEN_FRACTION * compute, (1 - HIDDEN_FRACTION) * overlap)
     bubble = compute * (lay.pp - 1) / (v * n_mb) if lay.pp > 1 else 0.0
@@ -111,6 +126,25 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
         "total": compute + comm_exposed + bubble,
         "flops": flops_model,
     }
+
+
+def _routed_per_sparse_block(m: Any) -> int:
+    return 3 * num_routed_experts(m) * int(m.dim) * _expert_width(m) if num_routed_experts(m) else 0
+
+
+def _expert_width(m: Any) -> int:
+    from dtlaunch.models.moe.shapes import expert_dim
+
+    return expert_dim(m)
+
+
+def _ep_degrees(m: Any, shard: int, zero: int, cp: int) -> list[int]:
+    """Expert-parallel degrees for a layout: 1, and with FSDP (no CP) every divisor of dp_shard that
+    splits the routed experts evenly."""
+    experts = num_routed_experts(m)
+    if not experts or zero < 2 or cp > 1:
+        return [1]
+    return [d for d in _divisors(shard) if experts % d == 0]
 
 
 def cp_degrees(cfg: Any) -> list[int]:
@@ -154,6 +188,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
+                    if tp > 1 and num_routed_experts(m) and (zero < 2 or dp * cp == 1):
+                        continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:
                         if pp * v > m.n_layers:
@@ -161,8 +197,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         for mb in MICRO_BATCHES:
                             if gb % (mb * dp) or (pp > 1 and mb < pp):
                                 continue
-                            for ac in ("none", "selective", "full"):
-                                lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp)
+                            for ep, ac in product(_ep_degrees(m, shard, zero, cp), ("none", "selective", "full")):
+                                lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
                                 st = {
                                     "dp_replicate": rep,
                                     "dp_shard": shard,
@@ -174,6 +210,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                     "pp_stages_per_rank": v,
                                     "pp_microbatches": mb if pp > 1 else 0,
                                     "pp_layers_per_stage": [],
+                                    "ep": ep,
                                 }
                                 out.append(
                                     (lay, st, {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac})
@@ -240,6 +277,8 @@ def _overrides(st: dict, tr: dict) -> list[str]:
         "pp_stages_per_rank",
         "pp_microbatches",
     )
+    if st.get("ep", 1) > 1:
+        keys += ("ep",)
     return [f"strategy.{k}={st[k]}" for k in keys] + [f"training.{k}={v}" for k, v in tr.items()]
 
 

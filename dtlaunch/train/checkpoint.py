@@ -222,6 +222,7 @@ def layout_description(cfg: Any, world: int) -> dict:
         "dp_shard": lay.dp_shard,
         "tp": lay.tp,
         "pp": lay.pp,
+        "ep": lay.ep,
         "cp": lay.cp,
         "zero_stage": int(cfg.strategy.zero_stage),
     }
@@ -234,7 +235,9 @@ def layout_str(layout: dict) -> str:
     cp = f"x cp {layout['cp']} " if layout.get("cp", 1) > 1 else ""
     return (
         f"world {layout.get('world')} = rep {layout.get('dp_replicate')} x shard {layout.get('dp_shard')} {cp}"
-        f"x tp {layout.get('tp')} x pp {layout.get('pp')}, zero {layout.get('zero_stage')}"
+        f"x tp {layout.get('tp')} x pp {layout.get('pp')}"
+        + (f" (ep {layout['ep']})" if layout.get("ep", 1) > 1 else "")
+        + f", zero {layout.get('zero_stage')}"
     )
 
 

@@ -30,7 +30,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.train import preempt
 from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
 from dtlaunch.train.guards import StepWatch
-from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_rank_size
+from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
 from dtlaunch.train.parallelize import parallelize
 from dtlaunch.train.phases import phase
 from dtlaunch.train.runtime import build_runtime
@@ -154,7 +154,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     )
     dp_rank, dp_size = dp_rank_size(mesh)
     loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(mesh))
-    ctx = rt.step_context(loader)
+    ctx = rt.step_context(loader, moe=_router_tracker(cfg, parts, mesh, layout, accum))
     ckpt = CheckpointManager(cfg, run_dir, parts, optimizers, schedulers, loader, env.rank)
     start = ckpt.resume()
     log(f"training steps {start + 1}..{cfg.training.steps}")
@@ -174,7 +174,14 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
             result = rt.step(ctx, step)
             rates.append(tokens_per_step / (time.perf_counter() - began))
             done = sync.push(
-                step, result.local_loss, result.grad_norm, result.applied, preempt.requested(), lr=lr, rate=rates[-1]
+                step,
+                result.local_loss,
+                result.grad_norm,
+                result.applied,
+                preempt.requested(),
+                stats=result.router_stats,
+                lr=lr,
+                rate=rates[-1],
             )
         # Outside the step's timing; its own loader and no RNG, so training and resume are unaffected.
         evaluated = (
@@ -182,17 +189,17 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         )
         if evaluated:
             last_eval = state.evals[step] = evaluated
-        _account(done, cfg, metrics, tracker, state)
+        _account(done, cfg, metrics, tracker, state, ctx.moe)
         if _saves_at(cfg, step):
             # A checkpointed step's metrics line must exist before a restart can resume after it.
             with watch.step(step):
-                _account(sync.drain(), cfg, metrics, tracker, state)
+                _account(sync.drain(), cfg, metrics, tracker, state, ctx.moe)
             metrics.flush()
         ckpt.maybe_save(step)
         # Preemption: every rank read the same window, so all stop after this step and save it.
         if sync.signum:
             with watch.step(step):
-                _account(sync.drain(), cfg, metrics, tracker, state)
+                _account(sync.drain(), cfg, metrics, tracker, state, ctx.moe)
             preempt.stopping(sync.signum)
             if step < int(cfg.training.steps):
                 ckpt.save(step, final=True)
@@ -202,7 +209,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
                 raise preempt.PreemptionStop(step, sync.signum)
         state.ended[step] = time.perf_counter()
     with watch.step(int(cfg.training.steps)):
-        _account(sync.drain(), cfg, metrics, tracker, state)
+        _account(sync.drain(), cfg, metrics, tracker, state, ctx.moe)
     skipped_total, last_loss = state.skipped_total, state.last_loss
     final_step = max(start, int(cfg.training.steps))
     ckpt.save(final_step, final=True)
@@ -226,7 +233,19 @@ class _LoopState:
         self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
 
 
-def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, state: _LoopState) -> None:
+def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int) -> Any:
+    """Balancing and router statistics of an MoE model (None for dense ones). The aux loss's gradient
+    is scaled like the loss: by 1 / the micro-batches (pipeline ones included) summed into a step."""
+    from dtlaunch.train.moe_stats import RouterTracker
+
+    # The data-parallel group only for the bias update (the statistics ride on the loop's window sync).
+    dp = dp_mesh(mesh, flatten=True) if float(getattr(cfg.model.moe, "bias_update_rate", 0) or 0) > 0 else None
+    n_mb = pp_microbatches(cfg, layout) if layout.pp > 1 else 1
+    group = dp.get_group() if dp is not None else None
+    return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (accum * n_mb), pipeline=layout.pp > 1)
+
+
+def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, state: _LoopState, moe: Any = None) -> None:
     """Metrics lines and the bad-step check for the steps whose window was just read."""
     peak = measure_peak_memory(tracker) if done else 0  # once per window, not per step
     for out in done:
@@ -242,6 +261,7 @@ def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, stat
             "peak_mem_bytes": peak,
             "skipped": int(skipped),
             **state.evals.pop(out.step, {}),
+            **(moe.summarize(out.stats) if moe is not None and out.stats else {}),
         }
         if out.step in state.ended:  # the step's own end, not when its window was read
             values["ended_at"] = state.ended.pop(out.step)

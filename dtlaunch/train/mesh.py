@@ -4,11 +4,16 @@ Mesh dims, outermost first: ("pp", "dp_replicate", "dp_shard", "cp", "tp"); a di
 out, so a name is present exactly when that parallelism is on. TP is innermost (its peers are
 neighbouring ranks, on one node), then CP (ring attention exchanges K/V every block), PP outermost. A
 world of one gets a 1-sized "dp_shard" dim so the code path stays uniform.
+
+Expert parallel borrows its ranks from "dp_shard": a second view of the same world unflattens
+"dp_shard" into ("dp_shard_mod_ep", "ep") (inner ep: EP peers are neighbours). Routed experts are
+sharded over "ep" and FSDP-sharded over the shard ranks left ("dp_shard_mod_ep", with "dp_replicate"
+for HSDP); everything else keeps FSDP over the whole "dp_shard".
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -76,3 +81,25 @@ def cp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
     """This rank's index in its context-parallel group and the group's size (1 without CP)."""
     cp = sub_mesh(mesh, "cp")
     return (cp.get_local_rank(), cp.size()) if cp is not None else (0, 1)
+
+
+class ExpertMeshes(NamedTuple):
+    ep: DeviceMesh  # ranks holding different experts (the all-to-all group)
+    fsdp: DeviceMesh  # ranks holding the same experts: FSDP (or HSDP, 2-D) over them
+
+
+_EXPERT_MESHES: dict[int, ExpertMeshes] = {}
+
+
+def expert_meshes(mesh: DeviceMesh, ep: int) -> Optional[ExpertMeshes]:
+    """The EP and expert-FSDP views of the world mesh (None without expert parallel). Built once per
+    world mesh: unflattening creates process groups, and every pipeline stage of a rank shares them."""
+    if ep <= 1:
+        return None
+    key = id(mesh)
+    if key not in _EXPERT_MESHES:
+        shard = mesh["dp_shard"].size()
+        sparse = mesh._unflatten("dp_shard", (shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+        fsdp_dims = tuple(n for n in ("dp_replicate", "dp_shard_mod_ep") if n in (sparse.mesh_dim_names or ()))
+        _EXPERT_MESHES[key] = ExpertMeshes(ep=sparse["ep"], fsdp=sparse[fsdp_dims])
+    return _EXPERT_MESHES[key]

@@ -1,7 +1,8 @@
 """One path from a meta-device model (or pipeline stage) to a parallel, initialised module.
 
 Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
-context parallel (swaps the attention kernel for ring attention) -> activation checkpointing -> compile ->
+context parallel (swaps the attention kernel for ring attention) -> expert parallel (routed experts only,
+dtlaunch.train.expert_parallel) -> activation checkpointing -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
@@ -21,7 +22,7 @@ from dtlaunch.config.layout import Layout
 from dtlaunch.train.ac import apply_ac
 from dtlaunch.train.float8 import apply_float8
 from dtlaunch.train.init import materialize_and_init
-from dtlaunch.train.mesh import dp_mesh, sub_mesh
+from dtlaunch.train.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,13 +45,18 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
         from dtlaunch.train.context_parallel import apply_cp
 
         apply_cp(model, cp_mesh)  # attention over the whole sequence; TP's heads stay local to a CP rank
+    experts = expert_meshes(world_mesh, layout.ep)
+    if experts is not None:
+        from dtlaunch.train.expert_parallel import apply_ep
+
+        apply_ep(model, experts.ep)
     apply_ac(model, cfg.training)
     if cfg.training.compile:
         apply_compile(model)
     zero = int(cfg.strategy.zero_stage)
     data_mesh = dp_mesh(world_mesh)
     if data_mesh is not None and zero >= 2:
-        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3)
+        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
     if init:
         materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
     else:
@@ -81,14 +87,46 @@ def mp_policy(cfg: Any) -> Any:
     )
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Any, reshard_after_forward: bool) -> None:
-    """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP."""
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: Any,
+    reshard_after_forward: bool,
+    experts: ExpertMeshes | None = None,
+    dp: int = 1,
+) -> None:
+    """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP.
+
+    Under expert parallel each block's routed experts are their own FSDP unit on the expert-FSDP mesh
+    (the shard ranks that hold the same experts), before the block takes the rest over `mesh`."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mp_policy(cfg)
     for block in model.layers.values():
+        if experts is not None:
+            shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def shard_experts(block: nn.Module, meshes: ExpertMeshes, policy: Any, reshard_after_forward: bool, dp: int) -> None:
+    """FSDP2 over the routed experts of `block`; their gradients divided by all `dp` data-parallel ranks.
+
+    FSDP averages over its own mesh, the ranks holding the same experts; but each expert's gradient
+    already sums the tokens of all EP peers (the all-to-all brought them), so the mean over the global
+    batch divides by the whole data-parallel degree."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlaunch.train.expert_parallel import routed_expert_modules
+
+    for experts in routed_expert_modules(block):
+        fully_shard(experts, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        experts.set_gradient_divide_factor(float(dp))
+        shard_group = meshes.fsdp.size(meshes.fsdp.ndim - 1)
+        if meshes.fsdp.device_type == "cpu" and shard_group > 1:
+            # A divide factor other than the group size is a pre-multiplied sum, which gloo lacks: sum,
+            # then divide. (Not on a 1-rank shard group: torch then divides its local copy already.)
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any, device: torch.device) -> nn.Module:

@@ -32,8 +32,9 @@ class Runtime:
     pipeline_loss: Optional[Any] = None
     pp_mesh: Optional[Any] = None
 
-    def step_context(self, loader: Any) -> StepContext:
-        """What `train_step` needs, reading batches from `loader` (None: the caller feeds micro-steps)."""
+    def step_context(self, loader: Any, moe: Any = None) -> StepContext:
+        """What `train_step` needs, reading batches from `loader` (None: the caller feeds micro-steps);
+        `moe`: an MoE model's router tracker (dtlaunch.train.moe_stats)."""
         from dtlaunch.train.tensor_parallel import loss_context
 
         cfg, layout = self.cfg, self.layout
@@ -50,6 +51,7 @@ class Runtime:
             pipeline_loss=self.pipeline_loss,
             pp_mesh=self.pp_mesh,
             scaler=self.scaler,
+            moe=moe,
         )
 
     def step(self, ctx: StepContext, step: int) -> StepResult:

@@ -32,6 +32,8 @@ class StepResult:
     # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler). A device
     # tensor when the optimizer skips on the device (no host sync; see dtlaunch.train.optim).
     applied: Any
+    # Mixture of experts: this rank's router statistics (dtlaunch.train.moe_stats), still on the device.
+    router_stats: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -50,6 +52,7 @@ class StepContext:
     pipeline_loss: Optional[Any] = None  # dtlaunch.train.pp_step.PipelineLoss
     pp_mesh: Optional[Any] = None
     scaler: Optional[Any] = None
+    moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models
 
     def __post_init__(self) -> None:
         # Read once: OmegaConf attribute access costs tens of microseconds per step.
@@ -95,7 +98,8 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
         opt.zero_grad(set_to_none=True)
     for sched in ctx.schedulers:
         sched.step()
-    return StepResult(local_loss=local_loss, grad_norm=grad_norm, applied=applied)
+    stats = ctx.moe.after_step(ctx.model_parts) if ctx.moe is not None else None
+    return StepResult(local_loss=local_loss, grad_norm=grad_norm, applied=applied, router_stats=stats)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

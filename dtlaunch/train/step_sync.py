@@ -31,6 +31,7 @@ class StepOutcome:
     grad_norm: float
     applied: bool
     host: dict[str, Any] = field(default_factory=dict)  # values the loop measured on the host (lr, time)
+    stats: Optional[list[float]] = None  # the step's extra vector (router statistics), summed over ranks
 
 
 @dataclass
@@ -39,6 +40,7 @@ class _Window:
     host: list[dict[str, Any]]
     reduced: torch.Tensor  # [loss per step..., asked, signal number], summed over ranks
     local: torch.Tensor  # [grad norm per step..., applied per step...] (equal on every rank already)
+    stats_len: int = 0  # per step, at the end of `reduced` (after the flags)
     work: Any = None  # the all-reduce in flight (gloo: waited for when read)
     ready: Any = None  # CUDA event after the copies to the host
 
@@ -57,12 +59,23 @@ class WindowSync:
         self._applied: list[Any] = []
         self._steps: list[int] = []
         self._host: list[dict[str, Any]] = []
+        self._stats: list[torch.Tensor] = []
         self._in_flight: Optional[_Window] = None
 
     def push(
-        self, step: int, local_loss: torch.Tensor, grad_norm: Any, applied: Any, signal_requested: int, **host: Any
+        self,
+        step: int,
+        local_loss: torch.Tensor,
+        grad_norm: Any,
+        applied: Any,
+        signal_requested: int,
+        stats: Optional[torch.Tensor] = None,
+        **host: Any,
     ) -> list[StepOutcome]:
-        """Record this step; at a window's end send it and return the previous window's outcomes."""
+        """Record this step; at a window's end send it and return the previous window's outcomes.
+        `stats`: a device vector of the same length every step and rank, summed over ranks with the loss."""
+        if stats is not None:
+            self._stats.append(stats.detach().float().reshape(-1))
         self._steps.append(int(step))
         self._losses.append(local_loss.detach().float().reshape(()))
         self._norms.append(torch.as_tensor(grad_norm, dtype=torch.float32, device=self.device).reshape(()))
@@ -86,7 +99,8 @@ class WindowSync:
         flags = torch.tensor([float(signal_requested > 0), float(signal_requested)])
         if self.device.type == "cuda":  # a blocking copy from pageable memory would synchronise the stream
             flags = flags.pin_memory().to(self.device, non_blocking=True)
-        reduced = torch.cat([torch.stack(self._losses), flags])
+        stats_len = self._stats[0].numel() if self._stats else 0
+        reduced = torch.cat([torch.stack(self._losses), flags, *self._stats])
         if all(isinstance(a, torch.Tensor) for a in self._applied):  # decided on the device
             applied = torch.stack([a.float() for a in self._applied])
         else:  # decided on the host (CPU, GradScaler): the flags are plain booleans
@@ -94,8 +108,9 @@ class WindowSync:
             if self.device.type == "cuda":
                 applied = applied.pin_memory().to(self.device, non_blocking=True)
         local = torch.cat([torch.stack(self._norms), applied.to(self.device)])
-        win = _Window(self._steps, self._host, reduced, local)
+        win = _Window(self._steps, self._host, reduced, local, stats_len)
         self._steps, self._host, self._losses, self._norms, self._applied = [], [], [], [], []
+        self._stats = []
         if self.world > 1:
             win.work = dist.all_reduce(win.reduced, async_op=True)
         if self.device.type == "cuda":
@@ -121,7 +136,15 @@ class WindowSync:
         asked, total = values[n], values[n + 1]
         if asked and not self.signum:
             self.signum = round(total / asked)  # the mean signal number over the ranks that got one
+        k = win.stats_len
         return [
-            StepOutcome(step, values[i] / self.world, local[i], bool(local[n + i]), win.host[i])
+            StepOutcome(
+                step,
+                values[i] / self.world,
+                local[i],
+                bool(local[n + i]),
+                win.host[i],
+                values[n + 2 + i * k : n + 2 + (i + 1) * k] if k else None,
+            )
             for i, step in enumerate(win.steps)
         ]

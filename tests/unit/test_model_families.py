@@ -76,7 +76,7 @@ def test_flags_build_their_modules() -> None:
         (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
         (
             ["model.arch=gpt2"],
-            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, qwen2, qwen3",
+            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, mixtral, moe, qwen2, qwen3, qwen3_moe",
         ),
     ],
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtlaunch.config.compose import compose, group_options
-from dtlaunch.models.dense.model import build_model
+from dtlaunch.models.registry import model_spec
 from dtlaunch.models.shapes import param_count
 
 PUBLISHED = {
@@ -21,7 +21,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", group_options("model"))
 def test_meta_model_matches_closed_form(name: str) -> None:
     m = compose([f"model={name}"]).cfg.model
-    model = build_model(m, rope_len=16, device="meta")
+    model = model_spec(m).build(m, rope_len=16, device="meta")
     counted = sum(p.numel() for p in model.parameters())
     assert counted == param_count(m)
     if name in PUBLISHED:

@@ -159,7 +159,7 @@ class DenseHF:
         if self.sliding:
             window = getattr(m, "sliding_window", None)
             out["sliding_window"] = window
-            if self.model_type != "mistral":
+            if self.model_type not in ("mistral", "mixtral"):
                 out["use_sliding_window"] = window is not None
                 out["max_window_layers"] = 0 if window is not None else int(m.n_layers)
                 kind = "sliding_attention" if window is not None else "full_attention"
@@ -218,7 +218,7 @@ class DenseHF:
         window = c.get("sliding_window")
         if not window:
             return None
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             return int(window)
         kinds = c.get("layer_types")
         if kinds is None:  # older Qwen configs: the first max_window_layers layers attend fully

@@ -205,7 +205,7 @@ class Decoder(nn.Module):
         self.cfg = m
         self.rope_len = rope_len or m.max_seq_len
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(m.vocab_size, m.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(m) for i in range(m.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(m, i) for i in range(m.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(m.dim, m.vocab_size, bias=False)
         if getattr(m, "tie_embeddings", False):
@@ -245,6 +245,10 @@ class Decoder(nn.Module):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def make_block(self, m: Any, layer: int) -> nn.Module:
+        """Block `layer` (a subclass swaps in its own, e.g. the MoE decoder's sparse blocks)."""
+        return TransformerBlock(m)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -1,0 +1,134 @@
+"""Saved-activation bytes per token of the MoE decoder's blocks (dtlaunch/models/moe/layer.py), op by op.
+
+Attention and the norms are the dense block's (dtlaunch/models/dense/activations.py). A sparse block's
+FFN keeps, per token (e = compute-dtype bytes, h = dim, F = expert width, k = top_k, E = experts; the
+router computes in fp32), measured with saved-tensor hooks on CPU in fp32 and bf16 (exact):
+- router: softmax / sigmoid output 4E, top-k ids 8k, with normalised weights their fp32 pre-norm
+  values and the sum (4k + 8), and the weights the combine multiplies by (4k in fp32, e·k cast);
+- dispatch: the stable-sort order and the token index of every copy (8k each), the grouped copies
+  (k·e·h), saved by the experts' first matmuls;
+- experts: per routed copy the gate and up outputs, SiLU output and their product (4·e·F each);
+- combine: the expert outputs back in token order (k·e·h), saved by the multiply by the weights;
+- shared experts: one SwiGLU (4·e·F_shared); its input is the norm output, counted with the norm.
+The routed terms (dispatch copies, experts, combine) are what one rank holds for its tokens; under
+expert parallelism a rank instead holds the copies routed to its experts, `routed_scale` times the
+balanced share (plan.moe_imbalance: the busiest rank's load over the mean), which the planner sets.
+Blocks that are dense (model.moe.sparse_step / dense_layers) keep the dense SwiGLU; the planner sizes
+a stage with the mean block (`sparse` = the share of sparse blocks).
+Tensor parallel leaves the FFN whole on every rank (dtlaunch/models/moe/tp_plan.py): not divided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dtlaunch.models.dense import activations as dense
+from dtlaunch.models.dense.activations import (  # noqa: F401 (the planner reads these here)
+    DTYPE_BYTES,
+    ac_mix,
+    block_input_bytes,
+    embedding_bytes,
+    final_norm_bytes,
+    logits_backward_bytes,
+    logits_forward_bytes,
+    norm_bytes,
+    rope_cast_bytes,
+)
+from dtlaunch.models.moe.shapes import expert_dim, shared_dim, sparse_layers
+
+
+@dataclass(frozen=True)
+class BlockDims(dense.BlockDims):
+    experts: int = 0
+    top_k: int = 1
+    fe: int = 0  # one routed expert's width
+    fs: int = 0  # the shared experts' width (0: none)
+    norm_topk: bool = True
+    sparse: float = 1.0  # share of the blocks that are sparse
+    routed_scale: float = 1.0  # routed copies on this rank over the balanced share (expert parallel)
+
+    @classmethod
+    def of(cls, m: Any) -> BlockDims:
+        base = dense.BlockDims.of(m)
+        return cls(
+            **dataclasses.asdict(base),
+            experts=int(m.moe.num_experts),
+            top_k=int(m.moe.top_k),
+            fe=expert_dim(m),
+            fs=shared_dim(m),
+            norm_topk=bool(m.moe.norm_topk),
+            sparse=len(sparse_layers(m)) / int(m.n_layers),
+        )
+
+
+def _attention_only(d: BlockDims) -> dense.BlockDims:
+    return dense.BlockDims(h=d.h, k=d.k, f=0, a=d.a, vocab=d.vocab, q=d.q, qk_norm=d.qk_norm, hd=d.hd)
+
+
+def router_bytes(d: BlockDims, e: int) -> float:
+    k = d.top_k
+    return 4 * d.experts + 8 * k + ((4 * k + 8) if d.norm_topk else 0) + (4 * k if e == 4 else e * k)
+
+
+def routed_bytes(d: BlockDims, e: int) -> float:
+    """Per token, the bytes that scale with the routed copies a rank holds (dispatch, experts, combine)."""
+    k = d.top_k
+    return 16 * k + 2 * k * e * d.h + 4 * k * e * d.fe
+
+
+def moe_ffn_bytes(d: BlockDims, e: int) -> float:
+    return router_bytes(d, e) + d.routed_scale * routed_bytes(d, e) + 4 * e * d.fs
+
+
+def _ffn_bytes(d: BlockDims, e: int, tp: int) -> float:
+    return d.sparse * moe_ffn_bytes(d, e) + (1 - d.sparse) * 4 * e * d.f / tp
+
+
+def block_bytes_no_ac(
+    d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+) -> float:
+    return dense.block_bytes_no_ac(_attention_only(d), e, tp, sp, autocast, compiled) + _ffn_bytes(d, e, tp)
+
+
+def block_bytes_selective(
+    d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+) -> float:
+    """Op policy (every other matmul output saved): attention as the dense block; of the FFN the router
+    and, per routed copy, the gate and down outputs (not counted op by op; checked on whole real runs,
+    `python bench/planner_accuracy.py --moe`)."""
+    attn = dense.block_bytes_selective(_attention_only(d), e, tp, sp, autocast, compiled)
+    routed = d.routed_scale * d.top_k * e * (d.fe + d.h)
+    moe = router_bytes(d, e) + routed + e * (d.fs + d.h if d.fs else 0)
+    return attn + d.sparse * moe + (1 - d.sparse) * e * d.f / tp
+
+
+def block_bytes_budget(
+    d: BlockDims, e: int, budget: float, tp: int = 1, sp: bool = False, autocast: bool = False
+) -> float:
+    keep = block_input_bytes(d, e, tp, sp, autocast)
+    return keep + budget * (block_bytes_no_ac(d, e, tp, sp, autocast, compiled=True) - keep)
+
+
+def block_bytes(
+    d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+) -> float:
+    if ac == "full":
+        return block_input_bytes(d, e, tp, sp, autocast)
+    if ac == "selective":
+        return block_bytes_selective(d, e, tp, sp, autocast, compiled)
+    return block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
+
+
+def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
+    if ac == "none":
+        return 0.0
+    return block_bytes_no_ac(d, e, tp, sp, autocast) - block_bytes(d, e, ac, tp, sp, autocast)
+
+
+def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
+    """Inside a sparse block's backward: the residual gradient, the gradients of the combined and the
+    grouped copies (k·h each), and the shared SwiGLU's two F-wide gradients."""
+    moe = e * d.h + d.routed_scale * 2 * e * d.top_k * d.h + 2 * e * d.fs
+    return d.sparse * moe + (1 - d.sparse) * dense.backward_working_bytes(d, e, tp)

@@ -1,0 +1,79 @@
+"""The routed experts of one MoE layer: SwiGLU FFNs stacked on a leading expert dimension.
+
+Parameters are 3-D with the expert index first (`w1`, `w3`: [experts, hidden, dim], gate and up;
+`w2`: [experts, dim, hidden], down), so expert parallelism shards them with Shard(0) and a rank's
+module simply holds fewer experts. `forward(x, num_tokens_per_expert)` takes the token copies already
+grouped by expert in expert order (what `MoE` and an expert-parallel dispatch hand it) and returns
+their outputs in the same order. Every expert's rows are computed on their own, so any split of the
+experts into contiguous groups gives the same numbers as the whole.
+
+Kernels: `torch._grouped_mm` (one launch for all experts, no host sync) where it is supported and
+fast (CUDA sm90+, bf16, 16-byte aligned rows); elsewhere an exact loop of matmuls over the experts,
+which reads the counts on the host (free on CPU, where there is no kernel queue to stall).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard when expert parallel or FSDP made it a DTensor (the one place model code
+    sees one: the dispatch hooks hand this module local tokens, so its weights must be local too)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: CUDA Hopper or newer in bf16, with every row
+    a multiple of 16 bytes (torch refuses other strides)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
+        return False
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(s * x.element_size() % 16 == 0 for s in (w.shape[1], w.shape[2]))
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        if grouped_mm_supported(x, w1):
+            return _grouped(x, w1, w2, w3, num_tokens_per_expert)
+        return _looped(x, w1, w2, w3, num_tokens_per_expert)
+
+
+def _looped(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    sizes = [int(c) for c in counts.tolist()]
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"GroupedExperts: {sum(sizes)} tokens counted for {x.shape[0]} rows")
+    outs = []
+    # unbind, not w1[e]: indexing's backward allocates a zero tensor of the whole stack per expert
+    # (E x the parameter size per block); unbind's stacks the experts' gradients once.
+    for rows, a, b, c in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
+        if rows.shape[0]:
+            outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
+    # No token at all: an empty result still depends on the weights (their gradient is zero, not None).
+    if not outs:
+        return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+    return torch.cat(outs)
+
+
+def _grouped(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs).type_as(x)

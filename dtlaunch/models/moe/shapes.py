@@ -1,0 +1,88 @@
+"""Closed-form shapes and parameter counts of the MoE decoder (pure Python: planner and validators).
+
+A block is the dense decoder's block (attention, norms) whose SwiGLU is, on the sparse blocks, a router
+(dim x experts), `num_experts` routed SwiGLUs of width expert_dim and optionally one shared SwiGLU.
+Counts are split into routed-expert parameters (what expert parallelism shards) and the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.models.dense import shapes as dense
+from dtlaunch.models.dense.shapes import ffn_dim
+
+
+def is_sparse(m: Any, layer: int) -> bool:
+    """Qwen's rule (decoder_sparse_step, mlp_only_layers): every sparse_step-th block, bar the dense ones."""
+    moe = m.moe
+    return int(moe.num_experts) > 0 and layer not in set(moe.dense_layers) and (layer + 1) % int(moe.sparse_step) == 0
+
+
+def sparse_layers(m: Any) -> list[int]:
+    return [i for i in range(int(m.n_layers)) if is_sparse(m, i)]
+
+
+def expert_dim(m: Any) -> int:
+    return int(m.moe.expert_dim or ffn_dim(m))
+
+
+def shared_dim(m: Any) -> int:
+    """Width of the one SwiGLU holding the shared experts (0: none)."""
+    n = int(m.moe.num_shared_experts)
+    return 0 if n == 0 else int(m.moe.shared_expert_dim or n * expert_dim(m))
+
+
+def attention_params(m: Any) -> int:
+    """A block without its FFN: attention projections (+ biases) and norm gains."""
+    return dense.block_params(m) - 3 * m.dim * ffn_dim(m)
+
+
+def routed_params(m: Any) -> int:
+    """One sparse block's routed experts (w1, w2, w3 of every expert): what expert parallel shards."""
+    return 3 * int(m.moe.num_experts) * m.dim * expert_dim(m)
+
+
+def layer_params(m: Any, layer: int) -> dict[str, int]:
+    """One block's parameters: {"routed": routed experts, "other": attention, norms, router, shared / dense FFN}."""
+    if not is_sparse(m, layer):
+        return {"routed": 0, "other": dense.block_params(m)}
+    other = attention_params(m) + int(m.moe.num_experts) * m.dim + 3 * m.dim * shared_dim(m)
+    return {"routed": routed_params(m), "other": other}
+
+
+def active_layer_params(m: Any, layer: int) -> int:
+    """Parameters one token multiplies in a block: its top-k routed experts, not all of them."""
+    p = layer_params(m, layer)
+    if not is_sparse(m, layer):
+        return p["other"]
+    return p["other"] + 3 * int(m.moe.top_k) * m.dim * expert_dim(m)
+
+
+def blocks_params(m: Any) -> int:
+    return sum(sum(layer_params(m, i).values()) for i in range(int(m.n_layers)))
+
+
+def block_params(m: Any) -> int:
+    """The mean block (the planner sizes a stage as layers x block; exact when every block is sparse)."""
+    return round(blocks_params(m) / int(m.n_layers))
+
+
+def param_count(m: Any) -> int:
+    return dense.embedding_params(m) + dense.head_params(m) + m.dim + blocks_params(m)
+
+
+def tp_divisors(m: Any) -> list[tuple[str, int]]:
+    """Tensor parallel shards attention (and the dense blocks' FFN); routed and shared experts stay whole
+    on every tensor-parallel rank (expert parallelism is how experts are split)."""
+    out = [d for d in dense.tp_divisors(m) if d[0] != "model FFN width"]
+    if len(sparse_layers(m)) < int(m.n_layers):
+        out.append(("model FFN width", ffn_dim(m)))
+    return out
+
+
+block_norm_params = dense.block_norm_params
+embedding_params = dense.embedding_params
+head_params = dense.head_params
+head_dim = dense.head_dim
+kv_heads = dense.kv_heads

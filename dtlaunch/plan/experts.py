@@ -1,0 +1,63 @@
+"""What expert parallel changes in the per-rank memory plan (pure Python, never imports torch).
+
+Routed-expert parameters are split `ep` ways and then FSDP-sharded over the dp_shard / ep ranks left,
+so their sharded bytes (parameters, gradients, AdamW state) are those of plain FSDP over dp_shard;
+what shrinks is everything FSDP *unshards*: a gathered block holds only its 1/ep of the experts. Tensor
+parallel does not split routed experts (every TP rank holds them whole). The token dispatch adds
+all-to-all buffers: the busiest rank receives more than its balanced share of routed token copies
+(`rank_imbalance`, from `plan.moe_imbalance`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def num_routed_experts(m: Any) -> int:
+    moe = getattr(m, "moe", None)
+    return int(getattr(moe, "num_experts", 0) or 0) if moe is not None else 0
+
+
+def stage_routed_params(m: Any, layer_ids: list[int]) -> int:
+    """Routed-expert parameters of the blocks `layer_ids` (0 for a dense model)."""
+    if not num_routed_experts(m):
+        return 0
+    from dtlaunch.models.moe.shapes import layer_params
+
+    return sum(layer_params(m, i)["routed"] for i in layer_ids)
+
+
+def imbalance(cfg: Any) -> float:
+    """plan.moe_imbalance: the busiest expert's routed copies over the mean (what training logs)."""
+    plan = getattr(cfg, "plan", None)
+    return float(getattr(plan, "moe_imbalance", 1.0)) if plan is not None else 1.0
+
+
+def rank_imbalance(cfg: Any, ep: int) -> float:
+    """The busiest EP rank's routed copies over the mean. Exact at the two ends: 1 when one rank holds
+    every expert, plan.moe_imbalance when each rank holds one; in between a rank's load sums E / ep
+    experts' and evens out, interpolated linearly in the rank count. (The bench's EP rows, 4 experts a
+    rank: measured peaks showed no extra routed load over the mean.)"""
+    experts = num_routed_experts(cfg.model)
+    if ep <= 1 or experts <= 1:
+        return 1.0
+    return 1.0 + (imbalance(cfg) - 1.0) * (ep - 1) / (experts - 1)
+
+
+def all_to_all_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
+    """Dispatch/combine buffers of the MoE layer in flight: the received token copies (busiest rank) and
+    their expert-major copy; on the way back the outputs and their rank-major copy, the same size."""
+    m = cfg.model
+    if ep <= 1 or not num_routed_experts(m):
+        return 0.0
+    copies = tokens * int(m.moe.top_k) * rank_imbalance(cfg, ep)
+    return 2.0 * e * copies * int(m.dim)
+
+
+def a2a_volume_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
+    """Bytes one rank sends per MoE layer and micro-batch, forward + backward (4 all-to-alls): the
+    (ep - 1) / ep of its routed copies that leave for other ranks."""
+    m = cfg.model
+    if ep <= 1 or not num_routed_experts(m):
+        return 0.0
+    return 4.0 * (ep - 1) / ep * tokens * int(m.moe.top_k) * int(m.dim) * e

@@ -1,0 +1,132 @@
+"""Tiny random Qwen3-MoE and Mixtral directories (made by transformers): loaded through
+`model.init_from=hf:DIR`, our MoE decoder computes transformers' logits within 1e-4 and decodes its
+greedy tokens; the published sizes count exactly the parameters of transformers' own meta models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtlaunch.config.compose import compose
+from dtlaunch.convert.hf import HFWeights, load_hf_weights, save_hf
+from dtlaunch.errors import InputError
+from dtlaunch.infer.generate import generate_ids, load_source, set_positions
+from dtlaunch.models.registry import model_spec
+from dtlaunch.models.shapes import param_count
+
+transformers = pytest.importorskip("transformers")
+FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:
+    m = compose(["model=tiny", f"model.init_from=hf:{path}"]).cfg.model
+    model = model_spec(m).build(m, rope_len=seq, device="cpu")
+    model.init_weights(0)
+    model.load_state_dict(load_hf_weights(path, m), strict=True)
+    return model.eval(), m
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_tokens_match_transformers(tiny_moe_hf_dirs, family: str) -> None:
+    path = tiny_moe_hf_dirs[family]
+    model, m = ours(path)
+    assert m.arch == family and m.moe.num_experts == 4 and m.moe.top_k == 2
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(tokens) - ref(tokens).logits).abs().max().item()
+    assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
+    # `dtlaunch generate hf:DIR --temperature 0` decodes with load_source + generate_ids.
+    loaded = load_source(f"hf:{path}", torch.device("cpu"))
+    prompt = [int(i) for i in loaded.tokenizer.encode(b"w3 w17 w42 w5 w99 w8")]
+    set_positions(loaded.model, len(prompt) + 12)
+    got = generate_ids(loaded.model, prompt, 12, eos_id=None)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert got == want[0, len(prompt) :].tolist()
+
+
+def test_config_json_fills_the_moe_section(tiny_moe_hf_dirs) -> None:
+    m = compose(["model=mixtral_8x7b", f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_moe']}"]).cfg.model
+    assert (m.arch, m.dim, m.ffn_dim, m.moe.expert_dim, m.moe.norm_topk, list(m.moe.dense_layers)) == (
+        "qwen3_moe",
+        64,
+        96,
+        32,
+        False,
+        [1],
+    )
+
+
+def test_expert_slices_and_bad_tensors(tiny_moe_hf_dirs, tmp_path) -> None:
+    """A rank's experts and rows, read from an index of shards, equal the full read's; a missing
+    expert is named."""
+    model, m = ours(tiny_moe_hf_dirs["qwen3_moe"])
+    state = {k: v for k, v in model.state_dict().items() if "rope" not in k}
+    save_hf(state, m, tmp_path / "sharded", max_shard_bytes=20_000)
+    w = HFWeights(tmp_path / "sharded", m)
+    full = w.read("layers.0.feed_forward.experts.w2")
+    assert torch.equal(full, state["layers.0.feed_forward.experts.w2"])
+    assert torch.equal(w.read("layers.0.feed_forward.experts.w2", (2, 64, 16), (1, 0, 16)), full[1:3, :, 16:])
+    del state["layers.0.feed_forward.experts.w1"]
+    save_hf(state, m, tmp_path / "missing")
+    with pytest.raises(InputError, match=r"model.layers.0.mlp.experts.0.gate_proj.weight is missing"):
+        load_hf_weights(tmp_path / "missing", m)
+
+
+@pytest.mark.parametrize(
+    "group,expected,cls,hf",
+    [
+        (
+            "qwen3_30b_a3b",
+            30_532_122_624,
+            "Qwen3MoeConfig",
+            dict(
+                hidden_size=2048,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                vocab_size=151936,
+                num_experts=128,
+                num_experts_per_tok=8,
+                tie_word_embeddings=False,
+            ),
+        ),
+        (
+            "mixtral_8x7b",
+            46_702_792_704,
+            "MixtralConfig",
+            dict(
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                vocab_size=32000,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                tie_word_embeddings=False,
+            ),
+        ),
+    ],
+)
+def test_published_sizes_count_exactly(group: str, expected: int, cls: str, hf: dict) -> None:
+    config = getattr(transformers, cls)(**hf)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    m = compose([f"model={group}"]).cfg.model
+    assert param_count(m) == theirs == expected
+    assert sum(p.numel() for p in model_spec(m).build(m, rope_len=16, device="meta").parameters()) == expected
+
+
+def test_balancing_overrides_are_free_shape_overrides_contradict(tiny_moe_hf_dirs) -> None:
+    from dtlaunch.errors import ConfigError
+
+    path = tiny_moe_hf_dirs["mixtral"]
+    m = compose([f"model.init_from=hf:{path}", "model.moe.aux_loss_coef=0.01"]).cfg.model
+    assert m.moe.aux_loss_coef == 0.01 and m.moe.num_experts == 4
+    with pytest.raises(ConfigError, match=r"model.moe.top_k=3 contradicts .*config.json \(top_k=2\)"):
+        compose([f"model.init_from=hf:{path}", "model.moe.top_k=3"])
