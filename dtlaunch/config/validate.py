@@ -119,13 +119,19 @@ def check_target(cfg: Any) -> None:
 
 
 def check_hf_auto(cfg: Any) -> None:
-    """model.arch=hf_auto: weights and architecture from a HF directory; data-parallel layouts only."""
+    """model.arch=hf_auto: weights and architecture from a HF directory; tensor parallel only from the
+    architecture's own plan, no pipeline split."""
     s = cfg.strategy
     if not str(cfg.model.init_from).startswith("hf:"):
         _fail("model.arch=hf_auto needs model.init_from=hf:DIR: the architecture and weights come from DIR")
-    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
-        if value != 1:
-            _fail(f"{key}={value}: model.arch=hf_auto has no tensor-parallel plan or pipeline split here: use {key}=1")
+    if s.pp != 1:
+        _fail(f"strategy.pp={s.pp}: model.arch=hf_auto has no pipeline split: use strategy.pp=1")
+    if s.tp != 1:
+        from dtlaunch.models.hf_auto.tp_plan import check
+
+        problem = check(cfg.model, int(s.tp), bool(s.sequence_parallel))
+        if problem:
+            _fail(problem)
 
 
 def check_layout(cfg: Any, notes: list[str]) -> Layout:

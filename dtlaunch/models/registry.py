@@ -88,9 +88,10 @@ class ModelSpec:
         return _module(self.hf_names)
 
 
-def traced_spec(arch: str, description: str, builder: str) -> ModelSpec:
-    """An entry with no closed-form shapes, tensor-parallel plan or pipeline split: sizes are counted on
-    the meta device (so it imports torch and the module) and the planner traces one real step."""
+def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "") -> ModelSpec:
+    """An entry with no closed-form shapes or pipeline split (and a tensor-parallel plan only where
+    `tp_plan` names one): sizes are counted on the meta device (so it imports torch and the module) and
+    the planner traces one real step."""
 
     def count(m: Any) -> int:
         return sum(p.numel() for p in _resolve(builder)(m, device="meta").parameters())
@@ -99,7 +100,7 @@ def traced_spec(arch: str, description: str, builder: str) -> ModelSpec:
         arch=arch,
         description=description,
         builder=builder,
-        tp_plan="",
+        tp_plan=tp_plan,
         pipeline_split="",
         hf_architectures=(),
         hf=None,

@@ -2,8 +2,9 @@
 
 Rank `rank` of the full world is emulated with the "fake" process-group backend (collectives move no
 data but allocate what a real rank allocates), on real CPU tensors when the run is small enough, else
-under FakeTensorMode (shapes and dtypes, no storage). The build is the runtime's own code: the model on
-meta, `parallelize` (TP -> AC -> FSDP/DDP) or the pipeline stage split, the optimizer; then `steps`
+under FakeTensorMode (shapes and dtypes, no storage). The build is the worker's own runtime object
+(dtlaunch.train.runtime.build_runtime: the model on meta, `parallelize` (TP -> AC -> FSDP/DDP) or the
+pipeline stage split, the optimizer; weights allocated without values under fake tensors); then `steps`
 optimizer steps of forward, loss under the runtime's loss context, backward, grad clipping, AdamW step,
 zero_grad — the runtime's train_step minus its host-side float() reads, which a fake tensor cannot do.
 The first step runs untracked (it creates the optimizer state); of each step's accumulation micro-steps
@@ -68,7 +69,7 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with mode, _skip_init(fake), _real_meshes(fake):
+        with mode, _real_meshes(fake):
             torch.manual_seed(int(cfg.training.seed))
             return {**_trace(cfg, layout, mesh, rank, steps), "tensors": "fake" if fake else "real"}
     finally:
@@ -99,71 +100,31 @@ def _real_meshes(fake: bool) -> Any:
         DeviceMesh.__init__ = real  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def _skip_init(fake: bool) -> Any:
-    """Under FakeTensorMode weights have no values: materialise (allocate) but skip the seeded init,
-    whose full-size CPU tensors would otherwise be built from a real generator."""
-    if not fake:
-        yield
-        return
-    from dtlaunch.train import parallelize as par
-
-    real = par.materialize_and_init
-
-    def alloc_only(model: Any, device: Any, seed: int, init_source: Any = None) -> None:
-        model.to_empty(device=device)
-
-    par.materialize_and_init = alloc_only
-    try:
-        yield
-    finally:
-        par.materialize_and_init = real
-
-
 def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     if layout.pp > 1:
         return _trace_pipeline(cfg, layout, mesh, rank, steps)
     import torch
+    from torch._guards import active_fake_mode
 
     from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.main import build_parts
-    from dtlaunch.train.mesh import dp_mesh
-    from dtlaunch.train.optim import build_optimizer
-    from dtlaunch.train.step import StepContext
-    from dtlaunch.train.tensor_parallel import loss_context
+    from dtlaunch.train.runtime import build_runtime
 
     device = torch.device("cpu")
-    accum = grad_accum_steps(cfg, layout)
     env = DistEnv(rank=rank, world=layout.world, local_rank=rank, restart=0, device=device, backend="fake")
-    built = build_parts(cfg, layout, mesh, env, accum)
-    parts = built["model_parts"]
+    # The worker's runtime; under fake tensors the weights are allocated without values (a seeded init
+    # would build full-size real tensors), and the optimizer uses the kernels of the traced hardware.
+    rt = build_runtime(
+        cfg, env, layout, mesh, init=active_fake_mode() is None, fused=fused_optimizer(cfg.hardware), loss_scaler=False
+    )
+    parts, optimizers = rt.model_parts, rt.optimizers
     for part in parts:
         _local_ddp_hook(part)
-    zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
-    optimizers = [
-        build_optimizer(p, cfg, device, zero1.get_group() if zero1 else None, fused_optimizer(cfg.hardware))
-        for p in parts
-    ]
-    ctx = StepContext(
-        cfg=cfg,
-        model_parts=parts,
-        optimizers=optimizers,
-        schedulers=[],
-        loader=None,
-        device=device,
-        accum=accum,
-        loss_context=lambda: loss_context(cfg, layout),
-        pipeline=built.get("pipeline"),
-        pipeline_loss=built.get("pipeline_loss"),
-        pp_mesh=built.get("pp_mesh"),
-    )
+    ctx = rt.step_context(loader=None)
     # The first step runs untracked. It creates the optimizer state (later steps hold the same state, so
     # their peak is the run's), and it fills DTensor's sharding-propagation cache: on a cache miss that
     # propagation runs ops on full, unsharded shapes under the active fake mode, which the tracker would
     # count as allocations (measured: 13x the real optimizer state on the first step of an 8B trace).
     _one_step(ctx, None, warmup=True)
-    from torch._guards import active_fake_mode
-
     fake_mode = active_fake_mode()
     if fake_mode is not None:
         # Fake tensors: the peak from StorageCounter (the runtime's own measure), without categories.
@@ -209,6 +170,7 @@ PP_ORDERS = {
 def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     """Rank `rank`'s pipeline stage, its micro-batches in the schedule's order (see the module doc)."""
     import torch
+    from torch._guards import active_fake_mode
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.fsdp import FSDPModule
 
@@ -232,7 +194,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
             layout,
             stage,
         )
-    part = parallelize(part, mesh, cfg, layout)
+    part = parallelize(part, mesh, cfg, layout, init=active_fake_mode() is None)
     opt = build_optimizer(part, cfg, device, fused=fused_optimizer(cfg.hardware))
     t, m = cfg.training, cfg.model
     n_mb, accum = pp_microbatches(cfg, layout), grad_accum_steps(cfg, layout)

@@ -7,11 +7,12 @@ On disk (`run_dir/checkpoint.dir/`):
 A directory without a valid marker, or whose files do not match the marker, is never loaded. Checksums
 are computed while the files are written (ckpt_integrity.py) and verified before a checkpoint is used.
 
-What is saved: model and optimizer through `get_state_dict` (DDP, FSDP2, TP DTensors and pipeline
-stage parts alike; parameter names are the full model's in every layout, and the optimizer state is
-flattened to `state.<fqn>.<key>` so parts merge and reshard freely), per-rank RNG states (tensors
-keyed by rank), and - as JSON, never pickle - step, consumed samples/tokens, LR schedulers, the data
-loader's global position, the config hash and the layout that wrote it.
+What is saved: one dict of `Stateful` states (dtlaunch/train/states.py): the model and optimizer states
+through DCP (DDP, FSDP2, TP DTensors and pipeline stage parts alike; parameter names are the full
+model's in every layout, and the optimizer state is flattened to `state.<fqn>.<key>` so parts merge and
+reshard freely), per-rank RNG states (tensors keyed by rank), and - as JSON, never pickle - the LR
+schedulers' state, step, consumed samples/tokens, the data loader's global position, the config hash
+and the layout that wrote it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ TMP_PREFIX = ".tmp-step-"
 MARKER = "COMPLETE.json"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
+# States kept in the JSON trainer state (plain numbers, never pickle) rather than in DCP's files.
+JSON_STATES = ("schedulers",)
 NO_RESUME_ENV = "DTLAUNCH_NO_RESUME"
 # Set by the launcher for the workers: the checkpoint it verified ("<path>\n<marker mtime ns>"), so that
 # rank 0 does not read every byte of it a second time.
@@ -299,17 +302,15 @@ class CheckpointManager:
                 opt.register_step_pre_hook(lambda *_: self.wait_staged())
         self.last_saved_step = -1
         self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
+        from dtlaunch.train.states import train_states
+
+        # Model and optimizer go through DCP, the schedulers into the JSON trainer state.
+        self.states = train_states(self.model_parts, self.optimizers, self.schedulers)
 
     # ---- state --------------------------------------------------------------------------------
 
-    def _part_state(self, i: int) -> tuple[dict, dict]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        optims = [_local_optimizer(self.optimizers[i])] if self.optimizers else []
-        if optims and optims[0] is not self.optimizers[i]:
-            _sync_zero_param_groups(self.optimizers[i], to_inner=True)
-        return get_state_dict(self.model_parts[i], optims, options=opts)
+    def _tensor_states(self) -> dict[str, Any]:
+        return {k: v for k, v in self.states.items() if k not in JSON_STATES}
 
     def _rng_state(self) -> dict:
         import torch
@@ -331,7 +332,7 @@ class CheckpointManager:
             "consumed_samples": step * gb,
             "consumed_tokens": step * gb * int(self.cfg.training.seq_len),
             "loader": loader_state,
-            "schedulers": [s.state_dict() for s in self.schedulers],
+            **{k: v for name in JSON_STATES for k, v in self.states[name].state_dict().items()},
         }
 
     # ---- save ---------------------------------------------------------------------------------
@@ -359,11 +360,7 @@ class CheckpointManager:
             except OSError as exc:
                 raise CheckpointSaveError(f"cannot create checkpoint directory '{self.root}': {exc}") from exc
         self._barrier()
-        state: dict[str, Any] = {"model": {}, "optim": {}, "rng": self._rng_state()}
-        for i in range(len(self.model_parts)):
-            msd, osd = self._part_state(i)
-            state["model"].update(msd)
-            state["optim"].update(osd)
+        state: dict[str, Any] = {**self._tensor_states(), "rng": self._rng_state()}
         trainer_state = self._trainer_state(step)
         writer = _SlowWriter(str(tmp), self.slow_save_s)
         started = time.perf_counter()
@@ -530,14 +527,10 @@ class CheckpointManager:
     def _load(self, path: Path, marker: dict) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        parts = [self._part_state(i) for i in range(len(self.model_parts))]
-        state: dict[str, Any] = {"model": {}, "optim": {}}
-        for msd, osd in parts:
-            state["model"].update(msd)
-            state["optim"].update(osd)
+        # DCP reads into each state's state_dict() and hands the result to its load_state_dict().
+        state: dict[str, Any] = self._tensor_states()
         # RNG streams belong to ranks: restore them only when the world is the one that saved.
         same_world = marker.get("layout", {}).get("world") == self.world
         rng_key = f"rank{self.rank}"
@@ -547,30 +540,16 @@ class CheckpointManager:
                 rng["cuda"] = torch.cuda.get_rng_state()
             state["rng"] = {rng_key: rng}
         dcp.load(state, checkpoint_id=str(path), planner=_SafeLoadPlanner(), process_group=self.pg)
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        for i, (msd, osd) in enumerate(parts):
-            optims = [_local_optimizer(self.optimizers[i])] if self.optimizers else []
-            set_state_dict(
-                self.model_parts[i],
-                optims,
-                model_state_dict={k: state["model"][k] for k in msd},
-                optim_state_dict={k: state["optim"][k] for k in osd},
-                options=opts,
-            )
-            if optims and optims[0] is not self.optimizers[i]:
-                _sync_zero_param_groups(self.optimizers[i])
         if "rng" in state:
             torch.set_rng_state(state["rng"][rng_key]["cpu"])
             if "cuda" in state["rng"][rng_key]:
                 torch.cuda.set_rng_state(state["rng"][rng_key]["cuda"])
         trainer = json.loads((path / STATE_FILE).read_text())
-        # One scheduler per model part, all stepped together: any saved one fits every part here, so a
-        # run with 2 pipeline stages per rank resumes on 1 (or none) and back.
-        saved = trainer["schedulers"]
-        if any(sd != saved[0] for sd in saved[1:]):
-            raise ConfigError(f"checkpoint '{path}' holds LR schedulers in different states: it is damaged")
-        for sched in self.schedulers:
-            sched.load_state_dict(saved[0])
+        for name in JSON_STATES:
+            try:
+                self.states[name].load_state_dict(trainer)
+            except ConfigError as exc:
+                raise ConfigError(f"checkpoint '{path}': {exc}") from exc
         if self.loader is not None and trainer.get("loader"):
             self.loader.load_state_dict(trainer["loader"])
 
@@ -668,28 +647,6 @@ def _SafeLoadPlanner() -> Any:  # noqa: N802
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return SafeLoadPlanner()
-
-
-def _local_optimizer(opt: Any) -> Any:
-    """ZeRO-1 (ZeroRedundancyOptimizer): its inner optimizer holds the state of the parameters this rank
-    owns. Saved flat by parameter name, each owned entry exists on exactly one rank, so the union over ranks
-    is the full optimizer state - loadable by any layout, and loadable from any layout (each rank reads
-    the entries of the parameters it owns). The wrapper's own state_dict would need a consolidation onto
-    one rank first."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
-
-
-def _sync_zero_param_groups(opt: Any, to_inner: bool = False) -> None:
-    """ZeroRedundancyOptimizer copies its own param_groups' hyper-parameters into the inner optimizer only
-    at the start of each step, so the inner lr lags the scheduler by one step. Save the wrapper's current
-    values (to_inner=True before saving) and give them back to the wrapper after loading."""
-    for outer, inner in zip(opt.param_groups, opt.optim.param_groups, strict=True):
-        src, dst = (outer, inner) if to_inner else (inner, outer)
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value
 
 
 def _SAVE_ERRORS() -> tuple:  # noqa: N802

@@ -1,7 +1,8 @@
 """Worker entry point: `python -m dtlaunch.train.main` under torchrun; reads $DTLAUNCH_RUN_DIR/config.yaml.
 
-Order: config -> process group -> mesh -> model on meta -> parallelize (or pipeline split + parallelize
-per stage) -> optimizer, schedule, loader -> resume -> loop -> final save -> summary -> barrier + destroy.
+Order: config -> process group -> mesh -> the runtime (dtlaunch.train.runtime: model on meta ->
+parallelize, or pipeline split + parallelize per stage -> optimizers, schedules) -> loader -> resume ->
+loop -> final save -> summary -> barrier + destroy.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from dtlaunch.train import preempt
 from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
 from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
-from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
 from dtlaunch.train.parallelize import parallelize
 from dtlaunch.train.phases import phase
-from dtlaunch.train.step import StepContext, train_step
+from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
 
 
@@ -58,19 +58,20 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%T')}] {msg}", file=sys.stderr, flush=True)
 
 
-def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int) -> dict:
-    """The model (or this rank's pipeline stages), parallelised and initialised."""
+def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:
+    """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
+    init=False)."""
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     if layout.pp == 1:
-        return {"model_parts": [parallelize(model, mesh, cfg, layout)]}
+        return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
     from dtlaunch.train.pipeline import build_schedule, build_stage_modules
     from dtlaunch.train.pp_step import pipeline_loss_fn
     from dtlaunch.train.tensor_parallel import cross_entropy
 
     pp_mesh = mesh["pp"]
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
-    parts = [(i, parallelize(part, mesh, cfg, layout)) for i, part in parts]
+    parts = [(i, parallelize(part, mesh, cfg, layout, init=init)) for i, part in parts]
     loss = pipeline_loss_fn(cross_entropy, pp_microbatches(cfg, layout), accum)
     plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
     return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
@@ -138,7 +139,6 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     from dtlaunch.train.evaluate import eval_steps, evaluate
     from dtlaunch.train.memtrack import PeakTracker
     from dtlaunch.train.metrics import MetricsLogger
-    from dtlaunch.train.tensor_parallel import loss_context
 
     torch.manual_seed(int(cfg.training.seed))
     layout = Layout.resolve(cfg.strategy, env.world)
@@ -146,32 +146,15 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     accum = grad_accum_steps(cfg, layout)
     log(f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {mesh}; accumulation {accum}")
     phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
-    built = build_parts(cfg, layout, mesh, env, accum)
-    parts = built["model_parts"]
+    rt = build_runtime(cfg, env, layout, mesh)
+    parts, optimizers, schedulers = rt.model_parts, rt.optimizers, rt.schedulers
     log(
         f"parallelised: {sum(_local_numel(p) for m in parts for p in m.parameters()):,} parameter elements "
         f"on this rank in {len(parts)} part(s)"
     )
-    zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
-    optimizers = [build_optimizer(p, cfg, env.device, zero1.get_group() if zero1 else None) for p in parts]
-    schedulers = [build_scheduler(o, cfg) for o in optimizers]
     dp_rank, dp_size = dp_rank_size(mesh)
     loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(mesh))
-    ctx = StepContext(
-        cfg=cfg,
-        model_parts=parts,
-        optimizers=optimizers,
-        schedulers=schedulers,
-        loader=loader,
-        device=env.device,
-        accum=accum,
-        loss_context=lambda: loss_context(cfg, layout),
-        pipeline=built.get("pipeline"),
-        pipeline_loss=built.get("pipeline_loss"),
-        pp_mesh=built.get("pp_mesh"),
-        scaler=build_grad_scaler(cfg, env.device),
-        moe=_router_tracker(cfg, parts, mesh, layout, accum),
-    )
+    ctx = rt.step_context(loader, moe=_router_tracker(cfg, parts, mesh, layout, accum))
     ckpt = CheckpointManager(cfg, run_dir, parts, optimizers, schedulers, loader, env.rank)
     start = ckpt.resume()
     log(f"training steps {start + 1}..{cfg.training.steps}")
@@ -188,7 +171,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
         with watch.step(step), tracker.step(step):
-            result = train_step(ctx, step)
+            result = rt.step(ctx, step)
             rates.append(tokens_per_step / (time.perf_counter() - began))
             done = sync.push(
                 step,

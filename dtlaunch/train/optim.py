@@ -15,11 +15,19 @@ from torch import nn
 
 
 def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for _, p in params:
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """Decayed matrices, then undecayed gains. A group holding both plain tensors and DTensors (a
+    tensor-parallel plan that leaves some matrices whole, as hf_auto's) is split by kind: foreach
+    kernels refuse a mix."""
+    groups = []
+    trainable = [p for _, p in params if p.requires_grad]
+    for decay in (True, False):
+        by_kind: dict[bool, list] = {}
+        for p in trainable:
+            if (p.ndim >= 2) == decay:
+                by_kind.setdefault(hasattr(p, "device_mesh"), []).append(p)
+        for ps in by_kind.values() or [[]]:
+            groups.append({"params": ps, "weight_decay": weight_decay if decay else 0.0})
+    return groups
 
 
 def adamw_kwargs(cfg: Any, device: torch.device, fused: Optional[bool] = None) -> dict:
@@ -55,7 +63,8 @@ def build_optimizer(
         weight_decay=groups[0]["weight_decay"],
         **kw,
     )
-    opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+    for group in groups[1:]:
+        opt.add_param_group(group)
     return opt
 
 

@@ -27,10 +27,11 @@ from dtlaunch.train.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layout) -> nn.Module:
+def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layout, init: bool = True) -> nn.Module:
     """Apply the layout to `model` (a Llama or a pipeline stage of one) and initialise its weights.
 
-    Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper.
+    Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper. init=False
+    allocates the parameters without giving them values (`plan --trace` under fake tensors).
     """
     device = _device(world_mesh)
     apply_float8(model, cfg.precision.float8, device)
@@ -56,7 +57,10 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     data_mesh = dp_mesh(world_mesh)
     if data_mesh is not None and zero >= 2:
         apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
-    materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+    if init:
+        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+    else:
+        model.to_empty(device=device)
     if data_mesh is not None and zero <= 1:
         # DDP x TP is refused by dtlaunch.config.validate.check_zero before launch.
         return apply_ddp(model, dp_mesh(world_mesh, flatten=True), cfg, device)

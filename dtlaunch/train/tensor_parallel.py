@@ -22,6 +22,7 @@ a 2 GiB bf16 transient per GPU at the end of backward, and the dense V x h scatt
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
 import torch
@@ -84,8 +85,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     block = spec.tp_block_plan(cfg.model, sp)
+    # An entry whose modules keep head counts as attributes fixes them to this rank's share.
+    localize = getattr(importlib.import_module(spec.tp_plan), "localize_heads", None)
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, block)
+        if localize is not None:
+            localize(layer, cfg.model, tp_mesh.size())
     if getattr(cfg.model, "tie_embeddings", False) and getattr(model, "output", None) is not None:
         # Each style distributed its own copy of the shared matrix; both are Shard(0) on the vocabulary,
         # so the head can use the embedding's DTensor again and the two stay one parameter.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dtlaunch.config.compose import compose
+from dtlaunch.config.validate import validate
 from dtlaunch.convert.hf import load_hf_weights, save_hf
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.models.registry import model_spec
@@ -59,6 +60,48 @@ def test_unknown_architecture_names_known_ones_and_hf_auto(tiny_hf_dirs, tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(ConfigError, match=r"Phi3ForCausalLM .*Qwen3ForCausalLM.*model.arch=hf_auto"):
         compose([f"model.init_from=hf:{tmp_path}"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["strategy.tp=2"],
+            r"strategy.sequence_parallel=true: model.arch=hf_auto .*set strategy.sequence_parallel=false",
+        ),
+        (["strategy.tp=4"], r"strategy.tp=4 does not divide num_key_value_heads=2 of .*choose a tp that divides it"),
+        (["strategy.pp=2"], r"strategy.pp=2: model.arch=hf_auto has no pipeline split: use strategy.pp=1"),
+    ],
+)
+def test_hf_auto_layout_errors(tiny_hf_dirs, overrides: list[str], message: str) -> None:
+    sp = [] if "strategy.tp=2" in overrides else ["strategy.sequence_parallel=false"]
+    with pytest.raises(ConfigError, match=message):
+        validate(compose([*overrides, *sp, "model.arch=hf_auto", f"model.init_from=hf:{tiny_hf_dirs['qwen3']}"]).cfg)
+
+
+def test_tied_head_cannot_be_split_over_pipeline_stages(tiny_hf_dirs) -> None:
+    over = ["strategy=pp", "launch.nproc_per_node=2", f"model.init_from=hf:{tiny_hf_dirs['llama_tied']}"]
+    with pytest.raises(
+        ConfigError, match=r"model.tie_embeddings=true cannot run with strategy.pp=2 .*use strategy.pp=1"
+    ):
+        validate(compose(over).cfg)
+
+
+def test_hf_auto_tensor_parallel_needs_the_models_plan(tmp_path) -> None:
+    """Falcon's config class carries no base_model_tp_plan: tp > 1 is refused, naming strategy.tp=1;
+    Phi-3's gathered fused projections need no head divisibility."""
+    transformers.FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256
+    ).save_pretrained(tmp_path / "falcon")
+    args = ["strategy.tp=2", "strategy.sequence_parallel=false", "model.arch=hf_auto"]
+    with pytest.raises(
+        ConfigError, match=r"strategy.tp=2: model_type=falcon has no base_model_tp_plan .*use strategy.tp=1$"
+    ):
+        validate(compose([*args, f"model.init_from=hf:{tmp_path / 'falcon'}"]).cfg)
+    transformers.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=3, vocab_size=256).save_pretrained(
+        tmp_path / "phi3"
+    )
+    assert validate(compose([*args, f"model.init_from=hf:{tmp_path / 'phi3'}"]).cfg).layout.tp == 2
 
 
 def test_bad_tensors_are_named(tiny_hf_dirs, tmp_path) -> None:
