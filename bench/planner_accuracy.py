@@ -37,6 +37,7 @@ N2, N4, N8 = "launch.nproc_per_node=2", "launch.nproc_per_node=4", "launch.nproc
 SEL, FULL = "training.activation_checkpointing=selective", "training.activation_checkpointing=full"
 BF16 = "precision=bf16"
 CP2 = "strategy.cp=2"
+RESHARD = "strategy.pp_reshard_grads=true"
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
     ["strategy=ddp", N2, BF16],
@@ -73,6 +74,11 @@ REAL = [  # overrides for real multi-process runs
     ["strategy=zero2", CP2, N2, BF16],
     ["strategy=ddp", CP2, N2],
     ["strategy=fsdp_tp", CP2, "strategy.dp_shard=1", N4],
+    # FSDP under a 1F1B pipeline, both gradient policies (strategy.pp_reshard_grads).
+    ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4"],
+    ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", RESHARD],
+    ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", BF16],
+    ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", BF16, RESHARD],
 ]
 # The planner7m shape as each registered family (flags that change parameters or saved activations).
 QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]

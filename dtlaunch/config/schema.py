@@ -93,6 +93,11 @@ class StrategyConfig:
     # Expert parallel (mixture-of-experts models): routed experts split over `ep` ranks taken from the
     # data-parallel shard ranks (ep divides dp_shard), not extra ranks; needs FSDP (zero_stage >= 2).
     ep: int = 1
+    # FSDP under a pipeline: false keeps the stage's gradients unsharded across the step's micro-batches
+    # and reduce-scatters once after the last (torch's and torchtitan's way: least communication, but the
+    # whole stage's unsharded gradients stay allocated); true reduce-scatters after every micro-batch's
+    # backward (sharded gradients only, one reduce-scatter per micro-batch). The plan models both.
+    pp_reshard_grads: bool = False
 
 
 @dataclass

@@ -29,6 +29,8 @@ PP_SCHEDULES = {
     "zbv": "ScheduleZBVZeroBubble",
 }
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv"}
+# Schedules whose backward runs as separate input- and weight-gradient passes.
+SPLIT_BACKWARD = ("ZeroBubble", "ZBV", "DualPipe")
 
 
 @dataclass
@@ -215,6 +217,19 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
     if layout.pp == 1:
         if s.pp_layers_per_stage:
             _fail("strategy.pp_layers_per_stage is set but strategy.pp=1: remove it or set strategy.pp")
+    if s.pp_reshard_grads and (layout.pp == 1 or s.zero_stage < 2 or layout.dp == 1):
+        _fail(
+            f"strategy.pp_reshard_grads=true applies to FSDP under a pipeline (strategy.pp > 1, zero_stage 2 or 3, "
+            f"dp > 1), not to pp={layout.pp}, zero_stage={s.zero_stage}, dp={layout.dp}: remove it"
+        )
+    if s.pp_reshard_grads and any(k in PP_SCHEDULES.get(name, name) for k in SPLIT_BACKWARD):
+        # These schedules compute input gradients before weight gradients: a per-micro-batch
+        # reduce-scatter would run before the weight gradients exist.
+        _fail(
+            f"strategy.pp_reshard_grads=true cannot run with strategy.pp_schedule={name} (it splits backward "
+            f"into input and weight passes): use pp_schedule=1f1b, gpipe or interleaved_1f1b, or remove it"
+        )
+    if layout.pp == 1:
         return
     if s.pp_stages_per_rank < 1:
         _fail(f"strategy.pp_stages_per_rank={s.pp_stages_per_rank} must be >= 1")

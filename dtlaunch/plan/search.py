@@ -100,6 +100,10 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
         vol = frac * p_local * per_param
         if efsdp > 1:
             vol += (efsdp - 1) / efsdp * p_experts * per_param
+        if lay.pp > 1 and z >= 2 and cfg.strategy.pp_reshard_grads:
+            # A reduce-scatter after every pipeline micro-batch instead of one per micro-step (and, ZeRO-2,
+            # the parameters gathered again for each micro-batch after its backward resharded them).
+            vol += frac * p_local * (r + (e if z == 2 else 0)) * accum * (n_mb - 1)
         parts["fsdp"] = vol / bw
     elif lay.dp * lay.cp > 1 and z == 0:
         bw = hardware.link_bandwidth(hw, lay.dp * lay.cp, stride)
@@ -211,6 +215,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                     "pp_microbatches": mb if pp > 1 else 0,
                                     "pp_layers_per_stage": [],
                                     "ep": ep,
+                                    "pp_reshard_grads": False,
                                 }
                                 out.append(
                                     (lay, st, {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac})
@@ -276,10 +281,13 @@ def _overrides(st: dict, tr: dict) -> list[str]:
         "pp_schedule",
         "pp_stages_per_rank",
         "pp_microbatches",
+        "pp_reshard_grads",
     )
     if st.get("ep", 1) > 1:
         keys += ("ep",)
-    return [f"strategy.{k}={st[k]}" for k in keys] + [f"training.{k}={v}" for k, v in tr.items()]
+    return [f"strategy.{k}={str(st[k]).lower() if isinstance(st[k], bool) else st[k]}" for k in keys] + [
+        f"training.{k}={v}" for k, v in tr.items()
+    ]
 
 
 def _why(row: dict, best: dict) -> str:

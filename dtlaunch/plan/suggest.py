@@ -20,6 +20,9 @@ def _changes(cfg: Any, layout: Any) -> list[Change]:
     for z in (1, 2, 3):
         if z > s.zero_stage and layout.dp > 1 and (z != 1 or zero_ok):
             out.append((f"raise ZeRO stage to {z}", z, [f"strategy.zero_stage={z}"]))
+    if layout.pp > 1 and s.zero_stage >= 2 and layout.dp > 1 and not s.pp_reshard_grads:
+        # Only more reduce-scatters (one per pipeline micro-batch): no recompute, same numerics.
+        out.append(("reduce-scatter gradients every pipeline micro-batch", 1, ["strategy.pp_reshard_grads=true"]))
     order = ["none", "selective", "full"]
     for i, mode in enumerate(order):
         if i > order.index(t.activation_checkpointing):

@@ -179,6 +179,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     from dtlaunch.train.optim import build_optimizer
     from dtlaunch.train.parallelize import DTYPES, parallelize
     from dtlaunch.train.pipeline import build_stage_modules
+    from dtlaunch.train.pp_stage import set_fsdp_sync
     from dtlaunch.train.pp_step import clip_grad_norm
     from dtlaunch.train.tensor_parallel import cross_entropy
 
@@ -205,6 +206,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     hidden_dtype = DTYPES[cfg.precision.param_dtype if fsdp else "fp32"]
     order = PP_ORDERS[cfg.strategy.pp_schedule](n_mb, layout.pp, stage)
     scale = 1.0 / (n_mb * accum)
+    reshard = bool(cfg.strategy.pp_reshard_grads)
 
     def one_step(warmup: bool = False) -> None:
         from dtlaunch.train.parallelize import compute_context
@@ -213,10 +215,8 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
             held: dict[int, tuple[Any, Any]] = {}
             for kind, i in order:
                 last_bwd = kind == "B" and i == n_mb - 1
-                if fsdp:  # what torch's stage does around each backward
-                    part.set_is_last_backward(last_bwd)
-                    part.set_requires_gradient_sync(last_bwd)
-                    part.set_reshard_after_backward(last_bwd)
+                if fsdp:  # what the pipeline stage (dtlaunch.train.pp_stage) does around each backward
+                    set_fsdp_sync(part, last_bwd or reshard)
                 if kind == "F":
                     if first:
                         x = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))

@@ -20,12 +20,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
 from dtlaunch.config.validate import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
+from dtlaunch.train.pp_stage import make_stage
 
 # Schedules whose two stages per rank form a "V": rank r holds stages r and (n_stages - 1 - r).
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -110,7 +111,8 @@ def build_schedule(
     """
     n_stages = layout.pp * int(cfg.strategy.pp_stages_per_rank)
     group = pp_mesh.get_group()
-    stages = [PipelineStage(module, idx, n_stages, device, group=group) for idx, module in stage_modules]
+    reshard = bool(cfg.strategy.pp_reshard_grads)
+    stages = [make_stage(module, idx, n_stages, device, group, reshard) for idx, module in stage_modules]
     cls = schedule_class(cfg.strategy.pp_schedule)
     n_mb = pp_microbatches(cfg, layout)
     if issubclass(cls, PipelineScheduleSingle):

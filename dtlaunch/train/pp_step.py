@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtlaunch.train.pipeline import PipelinePlan
+if TYPE_CHECKING:  # torch.distributed.pipelining (and torch._dynamo with it) only where a pipeline runs
+    from dtlaunch.train.pipeline import PipelinePlan
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

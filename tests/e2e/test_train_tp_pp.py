@@ -47,6 +47,21 @@ LAYOUTS = {
         ["recipe=tiny_pp", "model=tiny_deep", "training.micro_batch=4", "strategy.pp_layers_per_stage=[3,5]"],
     ),
     "fsdp_tp_pp_2x2x2": ("tiny_deep", ["recipe=tiny_3d", "training.micro_batch=2"]),
+    # FSDP x PP reduce-scattering after every pipeline micro-batch (the 3-D layout above keeps the
+    # gradients unsharded across micro-batches, the default).
+    "fsdp_pp_reshard_2x2": (
+        "tiny_deep",
+        [
+            "recipe=tiny_pp",
+            "model=tiny_deep",
+            "launch.nproc_per_node=4",
+            "strategy.pp=2",
+            "strategy.dp_shard=2",
+            "strategy.zero_stage=3",
+            "strategy.pp_reshard_grads=true",
+            "training.micro_batch=2",
+        ],
+    ),
 }
 
 
