@@ -114,6 +114,13 @@ TINY_HF_SHAPE = {
 }
 
 
+@pytest.fixture(scope="session")
+def tiny_hf_shape() -> dict:
+    """TINY_HF_SHAPE for test modules: `from conftest import ...` is ambiguous once tests/system/conftest.py
+    has been imported under the same module name, so tests take the shape through this fixture."""
+    return dict(TINY_HF_SHAPE)
+
+
 def _tiny_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -168,14 +168,13 @@ def _worker(out: str, dirs: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tiny_hf_dirs, tmp_path_factory) -> dict[str, str]:
+def family_dirs(tiny_hf_dirs, tiny_hf_shape, tmp_path_factory) -> dict[str, str]:
     transformers = pytest.importorskip("transformers")
     import torch
-    from conftest import TINY_HF_SHAPE
 
     phi3 = tmp_path_factory.mktemp("phi3")
     torch.manual_seed(0)
-    config = transformers.Phi3Config(**TINY_HF_SHAPE, pad_token_id=0)
+    config = transformers.Phi3Config(**tiny_hf_shape, pad_token_id=0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(phi3)
     return {**{k: str(v) for k, v in tiny_hf_dirs.items()}, "phi3": str(phi3)}
 

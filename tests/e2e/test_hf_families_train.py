@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_HF_SHAPE
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -109,10 +108,10 @@ def test_hf_auto_trains_like_the_native_entry(trainer, parity_runs, tiny_hf_dirs
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-4, (ref, got)
 
 
-def test_hf_auto_architecture_without_native_entry(trainer, tmp_path) -> None:
+def test_hf_auto_architecture_without_native_entry(trainer, tiny_hf_shape, tmp_path) -> None:
     """A tiny Phi-3 (no registry entry) trains under FSDP2 + AC; its plan (by trace) is within 10 %.
     (Layout parity of the hf_auto path is checked above against the native qwen2 entry.)"""
-    config = transformers.Phi3Config(**TINY_HF_SHAPE, pad_token_id=0)
+    config = transformers.Phi3Config(**tiny_hf_shape, pad_token_id=0)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "phi3")
     run = tmp_path / "run"
