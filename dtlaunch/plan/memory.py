@@ -150,7 +150,7 @@ def plan_stage(
     if layout.ep > 1 and hasattr(d, "routed_scale"):
         # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
         # balanced share.
-        d = dataclasses.replace(d, routed_scale=rank_imbalance(cfg, layout.ep))
+        d = dataclasses.replace(d, routed_scale=rank_imbalance(cfg, layout.ep), ep=layout.ep)
     norm_gains = spec.block_norm_params(m)
     tied_head = spec.head_params(m) == 0
     tp, pp = layout.tp, layout.pp

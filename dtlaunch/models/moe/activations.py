@@ -48,6 +48,7 @@ class BlockDims(dense.BlockDims):
     norm_topk: bool = True
     sparse: float = 1.0  # share of the blocks that are sparse
     routed_scale: float = 1.0  # routed copies on this rank over the balanced share (expert parallel)
+    ep: int = 1  # expert-parallel degree: a rank runs experts / ep of them
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
@@ -92,16 +93,38 @@ def block_bytes_no_ac(
     return dense.block_bytes_no_ac(_attention_only(d), e, tp, sp, autocast, compiled) + _ffn_bytes(d, e, tp)
 
 
+# Matmuls of a sparse block before its first expert: wq, wk, wv, wo and the router's gate.
+_MATMULS_BEFORE_EXPERTS = 5
+
+
+def _saves_down(position: int) -> bool:
+    """Whether the op policy saves the gate (w1) and down (w2) outputs of the SwiGLU whose w1 is the
+    `position`-th (1-based) matmul of the block: it saves the odd-numbered ones, so a SwiGLU starting
+    on an odd number keeps w1 and w2, one starting on an even number keeps only w3 (the up output)."""
+    return position % 2 == 1
+
+
 def block_bytes_selective(
     d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
 ) -> float:
-    """Op policy (every other matmul output saved): attention as the dense block; of the FFN the router
-    and, per routed copy, the gate and down outputs (not counted op by op; checked on whole real runs,
-    `python bench/planner_accuracy.py --moe`)."""
-    attn = dense.block_bytes_selective(_attention_only(d), e, tp, sp, autocast, compiled)
-    routed = d.routed_scale * d.top_k * e * (d.fe + d.h)
-    moe = router_bytes(d, e) + routed + e * (d.fs + d.h if d.fs else 0)
-    return attn + d.sparse * moe + (1 - d.sparse) * e * d.f / tp
+    """Op policy (every other matmul output of the block saved, counted in call order; ac.py): attention
+    as the dense block (its four matmuls: q and v saved); the router's gate output (saved; softmax,
+    top-k and the weights are recomputed); then the experts on CPU run three matmuls each, one expert
+    after the other (experts.py `_looped`), so the saved ones alternate between experts: the first
+    local expert keeps its up output (F), the second its gate and down outputs (F + h), and so on.
+    Per routed copy that is F, plus h on every other local expert (half of them when they are even in
+    number; balanced routing). The shared experts come after and follow the same parity. (The
+    dense block's fourth saved matmul, its FFN's down output, has no counterpart here.)"""
+    attn = dense.block_bytes_selective(_attention_only(d), e, tp, sp, autocast, compiled=True)
+    local = max(1, d.experts // d.ep)
+    first = _MATMULS_BEFORE_EXPERTS + 1
+    with_down = sum(_saves_down(first + 3 * j) for j in range(local)) / local
+    routed = d.routed_scale * d.top_k * e * (d.fe + with_down * d.h)
+    shared = e * (d.fs + (d.h if _saves_down(first + 3 * local) else 0)) if d.fs else 0.0
+    moe = e * d.experts + routed + shared
+    # Dense blocks: the dense model's count (its down output included unless compiled).
+    dense_ffn = dense.block_bytes_selective(_attention_only(d), e, tp, sp, autocast, compiled) - attn
+    return attn + d.sparse * moe + (1 - d.sparse) * (e * d.f / tp + dense_ffn)
 
 
 def block_bytes_budget(
