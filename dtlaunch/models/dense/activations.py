@@ -32,7 +32,7 @@ Full AC: the block input only; during backward one block's no-AC set is live aga
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES  # noqa: F401 (planner code reads it here too)
@@ -133,31 +133,34 @@ def ac_mix(t: Any, layer_ids: Sequence[int]) -> dict[str, int]:
     return {mode: n}
 
 
-def block_bytes_budget(
-    d: BlockDims, e: int, budget: float, tp: int = 1, sp: bool = False, autocast: bool = False
-) -> float:
-    """Compile's memory-budget partitioner keeps `budget` of what the graph would save without AC,
-    on top of the block input it always keeps."""
-    keep = block_input_bytes(d, e, tp, sp, autocast)
-    return keep + budget * (block_bytes_no_ac(d, e, tp, sp, autocast, compiled=True) - keep)
+def ac_policy_functions(
+    no_ac: Callable[..., float], selective: Callable[..., float]
+) -> tuple[Callable[..., float], ...]:
+    """`block_bytes` and `block_bytes_budget` for a family, from its own no-AC and
+    selective models: full AC and the budget partitioner work the same way for every block."""
+
+    def block_bytes_budget(
+        d: Any, e: int, budget: float, tp: int = 1, sp: bool = False, autocast: bool = False
+    ) -> float:
+        """Compile's memory-budget partitioner keeps `budget` of what the graph would save without AC,
+        on top of the block input it always keeps."""
+        keep = block_input_bytes(d, e, tp, sp, autocast)
+        return keep + budget * (no_ac(d, e, tp, sp, autocast, compiled=True) - keep)
+
+    def block_bytes(
+        d: Any, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
+    ) -> float:
+        """Bytes per token one block keeps from its forward until its backward (`compiled`: training.compile)."""
+        if ac == "full":
+            return block_input_bytes(d, e, tp, sp, autocast)
+        if ac == "selective":
+            return selective(d, e, tp, sp, autocast, compiled)
+        return no_ac(d, e, tp, sp, autocast, compiled)
+
+    return block_bytes, block_bytes_budget
 
 
-def block_bytes(
-    d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
-) -> float:
-    """Bytes per token one block keeps from its forward until its backward (`compiled`: training.compile)."""
-    if ac == "full":
-        return block_input_bytes(d, e, tp, sp, autocast)
-    if ac == "selective":
-        return block_bytes_selective(d, e, tp, sp, autocast, compiled)
-    return block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
-
-
-def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
-    """Extra bytes per token live while one checkpointed block is recomputed in backward."""
-    if ac == "none":
-        return 0.0
-    return block_bytes_no_ac(d, e, tp, sp, autocast) - block_bytes(d, e, ac, tp, sp, autocast)
+block_bytes, block_bytes_budget = ac_policy_functions(block_bytes_no_ac, block_bytes_selective)
 
 
 def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:

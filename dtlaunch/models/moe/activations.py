@@ -127,27 +127,7 @@ def block_bytes_selective(
     return attn + d.sparse * moe + (1 - d.sparse) * (e * d.f / tp + dense_ffn)
 
 
-def block_bytes_budget(
-    d: BlockDims, e: int, budget: float, tp: int = 1, sp: bool = False, autocast: bool = False
-) -> float:
-    keep = block_input_bytes(d, e, tp, sp, autocast)
-    return keep + budget * (block_bytes_no_ac(d, e, tp, sp, autocast, compiled=True) - keep)
-
-
-def block_bytes(
-    d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
-) -> float:
-    if ac == "full":
-        return block_input_bytes(d, e, tp, sp, autocast)
-    if ac == "selective":
-        return block_bytes_selective(d, e, tp, sp, autocast, compiled)
-    return block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
-
-
-def recompute_bytes(d: BlockDims, e: int, ac: str, tp: int = 1, sp: bool = False, autocast: bool = False) -> float:
-    if ac == "none":
-        return 0.0
-    return block_bytes_no_ac(d, e, tp, sp, autocast) - block_bytes(d, e, ac, tp, sp, autocast)
+block_bytes, block_bytes_budget = dense.ac_policy_functions(block_bytes_no_ac, block_bytes_selective)
 
 
 def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
