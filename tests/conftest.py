@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,25 +131,30 @@ def _tiny_tokenizer(path: Path) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def _save_tiny_hf_dirs(base: Path, families: dict, seed: int, **common: Any) -> dict[str, Path]:
+    """One random-weight directory (weights, config.json, tokenizer) per family, from transformers'
+    config classes. Every parameter is perturbed so biases, norm gains and routers are visibly non-trivial."""
     transformers = pytest.importorskip("transformers")
     import torch
 
-    base = tmp_path_factory.mktemp("tiny_hf")
     out = {}
-    for i, (family, (cls_name, extra)) in enumerate(TINY_HF.items()):
-        config = getattr(transformers, cls_name)(**TINY_HF_SHAPE, rms_norm_eps=1e-6, eos_token_id=1, **extra)
-        torch.manual_seed(100 + i)
+    for i, (family, (cls_name, extra)) in enumerate(families.items()):
+        config = getattr(transformers, cls_name)(**TINY_HF_SHAPE, rms_norm_eps=1e-6, eos_token_id=1, **common, **extra)
+        torch.manual_seed(seed + i)
         model = transformers.AutoModelForCausalLM.from_config(config).float()
         with torch.no_grad():
-            for p in model.parameters():  # visible biases and norm gains, not HF's zeros and ones
+            for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         path = base / family
         model.save_pretrained(path)
         _tiny_tokenizer(path)
         out[family] = path
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return _save_tiny_hf_dirs(tmp_path_factory.mktemp("tiny_hf"), TINY_HF, seed=100)
 
 
 # Tiny mixture-of-experts directories: Qwen3-MoE with one dense (mlp_only) block and top-k weights left
@@ -170,25 +176,7 @@ TINY_HF_MOE = {
 
 @pytest.fixture(scope="session")
 def tiny_moe_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    base = tmp_path_factory.mktemp("tiny_hf_moe")
-    out = {}
-    for i, (family, (cls_name, extra)) in enumerate(TINY_HF_MOE.items()):
-        config = getattr(transformers, cls_name)(
-            **TINY_HF_SHAPE, rms_norm_eps=1e-6, eos_token_id=1, tie_word_embeddings=False, **extra
-        )
-        torch.manual_seed(200 + i)
-        model = transformers.AutoModelForCausalLM.from_config(config).float()
-        with torch.no_grad():
-            for p in model.parameters():  # a router far from uniform, experts that differ visibly
-                p.add_(torch.randn_like(p) * 0.05)
-        path = base / family
-        model.save_pretrained(path)
-        _tiny_tokenizer(path)
-        out[family] = path
-    return out
+    return _save_tiny_hf_dirs(tmp_path_factory.mktemp("tiny_hf_moe"), TINY_HF_MOE, seed=200, tie_word_embeddings=False)
 
 
 # Words of the tiny test tokenizer and corpora: syllable pairs, a few hundred distinct words.
