@@ -39,6 +39,8 @@ SEL, FULL = "training.activation_checkpointing=selective", "training.activation_
 BF16 = "precision=bf16"
 CP2 = "strategy.cp=2"
 RESHARD = "strategy.pp_reshard_grads=true"
+GPIPE = "strategy.pp_schedule=gpipe"
+PP_FSDP = ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4"]
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
     ["strategy=ddp", N2, BF16],
@@ -80,6 +82,11 @@ REAL = [  # overrides for real multi-process runs
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", RESHARD],
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", BF16],
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", BF16, RESHARD],
+    # FSDP under GPipe (every micro-batch's forward before the first backward), both gradient policies.
+    [*PP_FSDP, GPIPE],
+    [*PP_FSDP, GPIPE, RESHARD],
+    [*PP_FSDP, GPIPE, BF16],
+    [*PP_FSDP, GPIPE, BF16, RESHARD],
 ]
 # The planner7m shape as each registered family (flags that change parameters or saved activations).
 QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]
