@@ -23,7 +23,7 @@ from typing import Any
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
-from dtlaunch.plan.experts import all_to_all_bytes, rank_imbalance, stage_routed_params
+from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -147,6 +147,8 @@ def plan_stage(
     spec = model_spec(m)
     act = spec.act()
     d = act.BlockDims.of(m)
+    if hasattr(d, "grouped"):
+        d = dataclasses.replace(d, grouped=grouped_gemm(cfg))
     if layout.ep > 1 and hasattr(d, "routed_scale"):
         # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
         # balanced share.
