@@ -133,8 +133,9 @@ NOTES = [
     "- On CPU the gloo backend's reduce-scatter copies its whole input (NCCL does not): FSDP rows carry "
     "that transient; the planner targets NCCL and does not add it.",
     "- FSDP x TP with selective AC carries an empirical term (one gathered hidden state per block).",
-    "- MoE with selective AC on CPU: the op policy saves every other matmul output in call order and the "
-    "experts run one after the other, so the saved outputs alternate by expert (up; gate and down; ...).",
+    "- MoE with selective AC: the op policy saves every other matmul output in call order; the experts' "
+    "grouped GEMM (torch._grouped_mm, on CPU too) counts as one matmul and keeps its up output; with the "
+    "per-expert loop (older torch) the saved outputs alternate by expert (up; gate and down; ...).",
     "- PP: per-stage errors are listed; the table's error is the most loaded rank's (the plan's peak).",
 ]
 
