@@ -58,16 +58,17 @@ def _is_fake(x: torch.Tensor) -> bool:
 @functools.cache
 def cpu_grouped_mm_dtypes() -> frozenset:
     """The dtypes this torch's CPU `_grouped_mm` runs (forward and backward): a probe on tiny real
-    tensors, once per process (older torch has no CPU kernel and raises)."""
+    tensors, once per process (older torch has no CPU kernel and raises). `GroupedExperts` runs it when
+    it is built: inside a checkpointed forward its ops would pass through the AC policy."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     ok = set()
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), torch.enable_grad():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             try:
                 x = torch.ones(4, 8, dtype=dtype, device="cpu", requires_grad=True)
                 w = torch.ones(2, 8, 8, dtype=dtype, device="cpu", requires_grad=True)
-                offs = torch.tensor([1, 4], dtype=torch.int32)
+                offs = torch.tensor([1, 4], dtype=torch.int32, device="cpu")
                 out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
                 out.backward(torch.ones_like(out))
                 ok.add(dtype)
@@ -83,6 +84,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        cpu_grouped_mm_dtypes()
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
