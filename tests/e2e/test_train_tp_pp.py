@@ -5,7 +5,7 @@ the last pipeline stage).
 It trains for 5 steps on the same global batch of 4 synthetic samples (fp32); its logged loss and grad norm
 must equal those of one process on the same model within 1e-4. grad_clip is set below the observed norms
 (~0.73) so that the global norm is not only logged but also used to clip. The other tensor / pipeline layouts
-are checked in-process against one process by tests/distributed/test_tp_pp_layouts.py (same steps, same
+are checked in-process against one process by tests/distributed/test_parallel_layouts.py (same steps, same
 tolerance); tensor and pipeline parallel runs also go through the CLI in test_hf_families_train.py (TP+SP),
 test_fault_tolerance.py, test_resume_cli.py (1F1B, ZBV) and test_train_cp.py (FSDP x TP x CP).
 """

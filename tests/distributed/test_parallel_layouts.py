@@ -1,11 +1,13 @@
-"""Loss and grad-norm parity of the tensor / pipeline layouts with one process, in two forked gloo groups.
+"""Loss and grad-norm parity of data-parallel (ZeRO, HSDP, activation checkpointing), tensor and pipeline
+layouts with one process, in two forked gloo groups (2 and 4 workers).
 
-Every layout trains the tiny Llama (or its 8-layer variant) for 5 steps on the same global batch of 4
-sequences of 32 tokens (fp32, Adam, warm-up); the workers run the runtime object (`build_runtime`, then
+Every layout trains the tiny Llama (or its 8-layer variant) for 5 steps on the same global batch of 4 (8 for
+the data-parallel layouts) sequences of 32 tokens (fp32, Adam, warm-up); the workers run the runtime object (`build_runtime`, then
 `train_step`, tests/distributed/forked_training.py) and the pytest process trains the same steps on one
 process with the same code and no mesh. Loss and grad norm must agree within 1e-4 (absolute) at every
 step. grad_clip sits below the observed norms so the global norm is not only logged but also used to clip.
-The 3-D recipe (FSDP x TP x PP on 8 workers) runs through `dtlaunch train`: tests/e2e/test_train_tp_pp.py.
+Through `dtlaunch train`: plain DDP, accumulation, bf16 / fp16 and compile (tests/e2e/test_train_ddp_fsdp.py),
+and the 3-D recipe (FSDP x TP x PP on 8 workers, tests/e2e/test_train_tp_pp.py).
 """
 
 from __future__ import annotations
@@ -22,9 +24,26 @@ COMMON = ["training.seq_len=32", "optim.warmup_steps=2", "optim.lr=1e-2", "train
 REFERENCES = {
     "tiny": ["recipe=tiny_tp", "training.micro_batch=4"],
     "tiny_deep": ["recipe=tiny_pp", "model=tiny_deep", "training.micro_batch=4"],
+    "tiny_gb8": ["recipe=tiny_ddp", "training.micro_batch=8"],  # the data-parallel layouts' batch of 8
 }
 # name -> (world, reference model, overrides)
 LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
+    # Data parallel: ZeRO stages 1-3, HSDP, activation checkpointing (recomputes the same values).
+    "zero1_2": (2, "tiny_gb8", ["recipe=tiny_ddp", "strategy=zero1", "training.micro_batch=4"]),
+    "zero2_2": (2, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero2", "training.micro_batch=4"]),
+    "zero3_2": (2, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=4"]),
+    "hsdp_2x2": (4, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),
+    "ac_selective_zero3": (
+        2,
+        "tiny_gb8",
+        ["recipe=tiny_fsdp", "training.micro_batch=4", "training.activation_checkpointing=selective"],
+    ),
+    "ac_full_ddp": (
+        2,
+        "tiny_gb8",
+        ["recipe=tiny_ddp", "training.micro_batch=4", "training.activation_checkpointing=full"],
+    ),
+    # Tensor and pipeline parallel.
     "tp_sp_2": (2, "tiny", ["recipe=tiny_tp", "training.micro_batch=4"]),
     "tp_no_sp_2": (2, "tiny", ["recipe=tiny_tp", "training.micro_batch=4", "strategy.sequence_parallel=false"]),
     "pp_gpipe_2": (2, "tiny", ["recipe=tiny_pp", "training.micro_batch=4", "strategy.pp_schedule=gpipe"]),
