@@ -6,6 +6,7 @@
   python bench/planner_accuracy.py --families # real runs of the other registry families (FAMILIES)
   python bench/planner_accuracy.py --moe      # real runs of a mixture of experts (MOE)
   python bench/planner_accuracy.py --moe --only 5,14   # a subset (indices into MOE; --families alike)
+  python bench/planner_accuracy.py --float8   # real runs with float8 linears (torchao, emulated on CPU)
 
 --real writes bench/results/planner_accuracy_cpu.md. Bounds the issue asks for: median |error| <= 3 %,
 max <= 8 %. "Measured" is the max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter
@@ -41,6 +42,13 @@ CP2 = "strategy.cp=2"
 RESHARD = "strategy.pp_reshard_grads=true"
 GPIPE = "strategy.pp_schedule=gpipe"
 PP_FSDP = ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4"]
+# Float8 (torchao's emulated matmuls on CPU: the same float8 copies and scales as on a GPU).
+F8 = ["precision=bf16", "precision.float8=tensorwise", "precision.float8_emulate=true"]
+FLOAT8 = [
+    ["strategy=tp", N2, "strategy.sequence_parallel=false", *F8],
+    ["strategy=zero3", N2, *F8],
+    ["strategy=ddp", N2, *F8],
+]
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
     ["strategy=ddp", N2, BF16],
@@ -277,9 +285,10 @@ if __name__ == "__main__":
     only = None
     if "--only" in sys.argv:
         only = [int(x) for x in sys.argv[sys.argv.index("--only") + 1].split(",")]
-    if "--families" in sys.argv or "--moe" in sys.argv:
+    if "--families" in sys.argv or "--moe" in sys.argv or "--float8" in sys.argv:
         rows = []
-        for i, ov in enumerate(FAMILIES if "--families" in sys.argv else MOE):
+        table = FAMILIES if "--families" in sys.argv else MOE if "--moe" in sys.argv else FLOAT8
+        for i, ov in enumerate(table):
             if only is not None and i not in only:
                 continue
             rows.append(run_real(ov))

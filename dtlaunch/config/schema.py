@@ -109,6 +109,9 @@ class PrecisionConfig:
     # Float8 matmuls in the blocks' linears through torchao (none | tensorwise | rowwise scaling); needs
     # a hardware profile with float8 tensor cores (hardware.float8: Hopper, Blackwell).
     float8: str = "none"
+    # Test and debug path, not a speed feature: torchao's emulated float8 matmuls (the same casts and scales,
+    # products computed in fp32) let precision.float8 run on CPU or GPUs without float8 tensor cores.
+    float8_emulate: bool = False
 
 
 @dataclass

@@ -371,19 +371,38 @@ def check_float8(cfg: Any) -> None:
     p, hw = cfg.precision, cfg.hardware
     if p.float8 not in FLOAT8_RECIPES:
         _fail(f"precision.float8='{p.float8}' is unknown: use one of {', '.join(FLOAT8_RECIPES)}")
+    emulate = bool(p.float8_emulate)
     if p.float8 == "none":
+        if emulate:
+            _fail(
+                "precision.float8_emulate=true emulates float8 matmuls, but precision.float8=none: "
+                "set precision.float8=tensorwise (or rowwise), or precision.float8_emulate=false"
+            )
         return
-    if not hw.float8:
+    if not hw.float8 and not emulate:
         _fail(
             f"precision.float8={p.float8} needs float8 tensor cores, which hardware={hw.name} does not have: "
-            "use a Hopper/Ada/Blackwell profile (e.g. hardware=h100_80gb) or precision.float8=none"
+            "use a Hopper/Ada/Blackwell profile (e.g. hardware=h100_80gb) or precision.float8=none "
+            "(precision.float8_emulate=true runs its numerics without them, for tests only: no speed-up)"
         )
     if p.param_dtype != "bf16":
         _fail(
             f"precision.float8={p.float8} computes the rest in bf16: set precision=bf16 (param_dtype is {p.param_dtype})"
         )
-    if int(cfg.strategy.tp) > 1:
-        _fail(f"precision.float8={p.float8} with strategy.tp={cfg.strategy.tp} is not supported: use strategy.tp=1")
+    if emulate and cfg.training.compile:
+        # torchao's emulation is for eager runs (torchtitan refuses the pair too).
+        _fail("precision.float8_emulate=true runs eagerly only: set training.compile=false")
+
+
+def check_float8_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    hw, la = cfg.hardware, cfg.launch
+    gloo = la.backend == "gloo" or (la.backend == "auto" and int(hw.gpus_per_node) == 0)
+    if cfg.precision.float8 == "tensorwise" and layout.tp > 1 and cfg.strategy.sequence_parallel and gloo:
+        # torchao's float8 TP styles all-gather float8 activations under sequence parallel; gloo has no float8.
+        _fail(
+            "precision.float8=tensorwise with strategy.sequence_parallel=true all-gathers float8 activations, "
+            "which gloo cannot: set strategy.sequence_parallel=false (or precision.float8=rowwise)"
+        )
 
 
 def check_training(cfg: Any, notes: list[str]) -> None:
@@ -583,6 +602,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_pipeline,
     check_expert_parallel,
     check_batch,
+    check_float8_tensor_parallel,
 ]
 
 

@@ -224,9 +224,12 @@ def plan_stage(
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
         lines["unsharded parameters"] = e * (root - (v_h(m, tp) if first else 0))
     if cfg.precision.float8 != "none":
-        # torchao's Float8Linear saves the same bf16 input and weight a bf16 linear does, so activations
-        # and parameters are unchanged; on top, one linear at a time holds float8 (1-byte) copies of its
-        # input and weight and their transposes. Bounded by the widest (F-wide) linear.
+        # torchao's Float8Linear saves its input and the parameter itself (no compute-dtype weight copy:
+        # it casts to float8 inside), so only the head, still a plain linear, keeps an autocast copy; on
+        # top, one linear at a time holds float8 (1-byte) copies of its input and weight and their
+        # transposes, bounded by the widest (F-wide) linear and split by TP like the linear itself.
+        if "autocast weight copies" in lines:
+            lines["autocast weight copies"] = min(lines["autocast weight copies"], e * v_h(m, tp) if last else 0.0)
         lines["float8 casts"] = 2 * (tokens + d.h) * d.f / tp
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     held = in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages)

@@ -34,7 +34,9 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     allocates the parameters without giving them values (`plan --trace` under fake tensors).
     """
     device = _device(world_mesh)
-    apply_float8(model, cfg.precision.float8, device)
+    zero = int(cfg.strategy.zero_stage)
+    data_mesh = dp_mesh(world_mesh)
+    apply_float8(model, cfg.precision, device, fsdp=data_mesh is not None and zero >= 2)
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
         from dtlaunch.train.tensor_parallel import apply_tp
@@ -53,8 +55,6 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     apply_ac(model, cfg.training)
     if cfg.training.compile:
         apply_compile(model)
-    zero = int(cfg.strategy.zero_stage)
-    data_mesh = dp_mesh(world_mesh)
     if data_mesh is not None and zero >= 2:
         apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
     if init:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.train.float8 import scale_precompute
 from dtlaunch.train.optim import skips_on_device, step_unless_nonfinite
 from dtlaunch.train.parallelize import compute_context, grad_sync
 from dtlaunch.train.pp_step import clip_grad_norm, pp_forward_backward
@@ -59,6 +60,8 @@ class StepContext:
         self.grad_clip = float(self.cfg.training.grad_clip)
         self.nan_steps = frozenset(int(s) for s in self.cfg.debug.nan_at_steps)
         self.skip_on_device = self.scaler is None and all(skips_on_device(o) for o in self.optimizers)
+        # Float8 weights all-gathered by FSDP: their scales, recomputed after every optimizer step.
+        self.float8_scales = scale_precompute(self.model_parts) if self.cfg.precision.float8 != "none" else None
         # The parameters whose gradients are clipped, listed once: walking the module tree costs more
         # than the norm itself on a small model. After parallelize the registered parameters are final
         # (FSDP2 registers its sharded ones, which hold the gradients, between steps).
@@ -97,6 +100,8 @@ def train_step(ctx: StepContext, step: int) -> StepResult:
                 opt.step()
     if ctx.scaler is not None:
         ctx.scaler.update()
+    if ctx.float8_scales is not None:
+        ctx.float8_scales()
     for opt in ctx.optimizers:
         opt.zero_grad(set_to_none=True)
     for sched in ctx.schedulers:

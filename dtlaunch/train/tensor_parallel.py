@@ -82,13 +82,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
     spec = model_spec(cfg.model)
     sp = bool(cfg.strategy.sequence_parallel)
     top = {n: style for n, style in spec.tp_model_plan(cfg.model, sp).items() if getattr(model, n, None) is not None}
+    float8 = cfg.precision.float8 != "none"
+    if float8:  # float8 linears (converted before TP) take torchao's styles: dtlaunch.train.float8
+        from dtlaunch.train.float8 import float8_tp_plan
     if top:
-        parallelize_module(model, tp_mesh, top)
+        parallelize_module(model, tp_mesh, float8_tp_plan(top, model) if float8 else top)
     block = spec.tp_block_plan(cfg.model, sp)
     # An entry whose modules keep head counts as attributes fixes them to this rank's share.
     localize = getattr(importlib.import_module(spec.tp_plan), "localize_heads", None)
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, block)
+        parallelize_module(layer, tp_mesh, float8_tp_plan(block, layer) if float8 else block)
         if localize is not None:
             localize(layer, cfg.model, tp_mesh.size())
     if getattr(cfg.model, "tie_embeddings", False) and getattr(model, "output", None) is not None:
