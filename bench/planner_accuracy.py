@@ -40,6 +40,8 @@ SEL, FULL = "training.activation_checkpointing=selective", "training.activation_
 BF16 = "precision=bf16"
 CP2 = "strategy.cp=2"
 RESHARD = "strategy.pp_reshard_grads=true"
+GPIPE = "strategy.pp_schedule=gpipe"
+PP_FSDP = ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4"]
 # Float8 (torchao's emulated matmuls on CPU: the same float8 copies and scales as on a GPU).
 F8 = ["precision=bf16", "precision.float8=tensorwise", "precision.float8_emulate=true"]
 FLOAT8 = [
@@ -88,6 +90,11 @@ REAL = [  # overrides for real multi-process runs
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", RESHARD],
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", BF16],
     ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4", BF16, RESHARD],
+    # FSDP under GPipe (every micro-batch's forward before the first backward), both gradient policies.
+    [*PP_FSDP, GPIPE],
+    [*PP_FSDP, GPIPE, RESHARD],
+    [*PP_FSDP, GPIPE, BF16],
+    [*PP_FSDP, GPIPE, BF16, RESHARD],
 ]
 # The planner7m shape as each registered family (flags that change parameters or saved activations).
 QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]
@@ -134,8 +141,9 @@ NOTES = [
     "- On CPU the gloo backend's reduce-scatter copies its whole input (NCCL does not): FSDP rows carry "
     "that transient; the planner targets NCCL and does not add it.",
     "- FSDP x TP with selective AC carries an empirical term (one gathered hidden state per block).",
-    "- MoE with selective AC on CPU: the op policy saves every other matmul output in call order and the "
-    "experts run one after the other, so the saved outputs alternate by expert (up; gate and down; ...).",
+    "- MoE with selective AC: the op policy saves every other matmul output in call order; the experts' "
+    "grouped GEMM (torch._grouped_mm, on CPU too) counts as one matmul and keeps its up output; with the "
+    "per-expert loop (older torch) the saved outputs alternate by expert (up; gate and down; ...).",
     "- PP: per-stage errors are listed; the table's error is the most loaded rank's (the plan's peak).",
 ]
 

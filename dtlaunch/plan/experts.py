@@ -61,3 +61,21 @@ def a2a_volume_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
     if ep <= 1 or not num_routed_experts(m):
         return 0.0
     return 4.0 * (ep - 1) / ep * tokens * int(m.moe.top_k) * int(m.dim) * e
+
+
+def grouped_gemm(cfg: Any) -> bool:
+    """Whether the runtime computes the routed experts with torch's grouped GEMM rather than one matmul
+    per expert (dtlaunch.models.moe.experts.grouped_mm_supported), which changes what the op-level
+    selective AC saves. Rows must be multiples of 16 bytes. GPU: Hopper profiles in bf16 (torch's fast
+    kernel needs sm90). CPU: every torch this project supports has the kernel, except under compile in
+    fp32 (torch's shape function takes bf16 only)."""
+    from dtlaunch.models.dtypes import DTYPE_BYTES
+    from dtlaunch.models.moe.shapes import expert_dim
+
+    e = DTYPE_BYTES[cfg.precision.param_dtype]
+    if (int(cfg.model.dim) * e) % 16 or (expert_dim(cfg.model) * e) % 16:
+        return False
+    hw = cfg.hardware
+    if int(hw.gpus_per_node) > 0:
+        return e == 2 and cfg.precision.param_dtype == "bf16" and str(hw.name).startswith(("h100", "h200"))
+    return not (bool(cfg.training.compile) and e == 4)

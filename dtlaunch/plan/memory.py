@@ -23,7 +23,7 @@ from typing import Any
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
-from dtlaunch.plan.experts import all_to_all_bytes, rank_imbalance, stage_routed_params
+from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 
 GIB = 1024**3
@@ -147,6 +147,8 @@ def plan_stage(
     spec = model_spec(m)
     act = spec.act()
     d = act.BlockDims.of(m)
+    if hasattr(d, "grouped"):
+        d = dataclasses.replace(d, grouped=grouped_gemm(cfg))
     if layout.ep > 1 and hasattr(d, "routed_scale"):
         # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
         # balanced share.
@@ -277,7 +279,10 @@ def plan_stage(
         work += cp_exchange_bytes(d, e, tp, (t.micro_batch // n_mb) * t.seq_len)
     if autocast and kept < layers:
         work += e * (blk - norm_gains)  # the recomputed block casts its weights again
-    held_act = lines["activations"] - (loss_saved * tokens * held if last else 0.0)
+    # The loss backward frees the final norm's and log_softmax's saved tensors of its own micro-batch
+    # only: under a pipeline the other micro-batches in flight keep theirs. (Subtracting them for every
+    # micro-batch in flight put GPipe's last stage 13 % under real gloo runs.)
+    held_act = lines["activations"] - (loss_saved * tokens if last else 0.0)
     if last:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
     blk_grads = (4 * blk / (shard if fsdp else 1)) if layers else 0.0
@@ -298,8 +303,11 @@ def plan_stage(
         # GPipe: one fewer). Measured on real 1F1B runs: this, not the first backward, is stage 0's peak.
         per_mb = lines["activations"] / held
         fewer = per_mb if held >= n_mb else 0.0
+        # 1F1B's steady state runs a forward between two backwards, which reshards the blocks (ZeRO-3);
+        # GPipe's backwards follow one another, so what a backward left gathered stays gathered.
+        fresh = held < n_mb
         all_grads = grads if accum == 1 else 0.0  # with accumulation they are in `base` already
-        gathered = 0.0
+        gathered = in_unit = 0.0
         # strategy.pp_reshard_grads=true: every micro-batch's backward reduce-scatters block by block as a
         # non-pipelined FSDP micro-step does, so the later micro-batches only add to sharded gradients.
         if fsdp and not s.pp_reshard_grads:
@@ -309,9 +317,18 @@ def plan_stage(
             # compute-dtype gradient it has just produced. Measured: Llama-3.1-8B FSDP(2) x PP(4)
             # stage 0 was 23 % under its trace without this.
             gathered = e * p_gather - lines.get("unsharded parameters", 0.0) if zero == 3 else 0.0
-            all_grads = (
-                r * p_gather + gathered - ((e * blk_gather if zero == 3 else 0.0) + r * blk_gather if layers else 0.0)
-            )
+            # `unit` holds the block's gathered parameters (in `gathered`), the compute-dtype gradient it
+            # has just produced (a transient before it is added in) and, with a reduce dtype other than
+            # the compute dtype, the accumulated copy (in r * p_gather). Measured (fake-tensor trace,
+            # planner7m FSDP(2) x PP(2), 1F1B, fp32): the transient is in the peak.
+            in_unit = (e * blk_gather if zero == 3 else 0.0) + (r * blk_gather if r != e else 0.0)
+            all_grads = r * p_gather + gathered - (in_unit if layers else 0.0)
+            if layers:
+                # The first micro-batch's backward at its last block: every block before it left its
+                # unsharded gradients and (ZeRO-3) its gathered parameters. Measured (real gloo runs,
+                # planner7m FSDP(2) x PP(2), GPipe): the last stage's peak (13 % under without it).
+                kept = r * blk_gather + (e * blk_gather if zero == 3 else 0.0)
+                backward.append(at_first_blk - blk_grads + (layers - 1) * (kept - blk_tok * tokens))
         if layers and fsdp and s.pp_reshard_grads:
             # Every micro-batch's backward reduce-scatters block by block. At a block's reduce-scatter its
             # unsharded gradients are copied into FSDP's flat reduce-scatter input while still referenced:
@@ -327,13 +344,21 @@ def plan_stage(
             # FSDP(2) x PP(2), 1F1B, fp32 and bf16): both stages within 3 %.
             regathered = e * v_h(m, tp) if first and zero == 3 else 0.0
             backward.append(at_first_blk + rs_copy + all_grads + regathered - fewer)
+        elif layers and fresh and gathered:
+            # 1F1B: the blocks are gathered again one at a time, as this micro-batch's activations are
+            # freed: the stage's gradients with the first block's activations, or every block gathered
+            # with the last block's. (Counting both at once put stage 1 of 1F1B 8 % over real runs.)
+            later = at_first_blk - blk_grads - head_grads + all_grads - fewer
+            backward.append(later - gathered)
+            backward.append(later - (layers - 1) * blk_tok * tokens)
         elif layers:
             backward.append(at_first_blk - blk_grads - head_grads + all_grads - fewer)
         if last:
-            # At a later micro-batch's loss backward the blocks' parameters are sharded again (that
-            # micro-batch's forward resharded them); only the gradients stayed unsharded. Measured
+            # At a later micro-batch's loss backward: every gradient of the stage. Under 1F1B the blocks'
+            # parameters are sharded again (that micro-batch's forward resharded them); measured
             # (fake-tensor trace, Llama-3.1-8B FSDP(2) x PP(4), last stage): 12 % over without this.
-            backward.append(base + loss_bwd + all_grads - gathered - fewer)
+            # Under GPipe they stay gathered from the previous backward.
+            backward.append(base + loss_bwd + all_grads + in_unit - (gathered if fresh else 0.0) - fewer)
     opt_temp = 0.0 if fused_optimizer(cfg.hardware) else 4 * p_rank / shard
     phases = {
         "forward": base,

@@ -212,7 +212,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
         from dtlaunch.train.parallelize import compute_context
 
         for _ in traced_micro_steps(accum, warmup):
-            held: dict[int, tuple[Any, Any]] = {}
+            held: dict[int, tuple[Any, ...]] = {}
             for kind, i in order:
                 last_bwd = kind == "B" and i == n_mb - 1
                 if fsdp:  # what the pipeline stage (dtlaunch.train.pp_stage) does around each backward
@@ -224,17 +224,19 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
                         x = torch.randn(mb, int(t.seq_len), int(m.dim), dtype=hidden_dtype, requires_grad=True)
                     with compute_context([part], cfg, device):
                         out = part(x)
+                    # The stage keeps its output (on the last stage the logits) referenced until that
+                    # micro-batch's backward (torch's PipelineStage.fwd_cache), not only the loss.
+                    held[i] = (x, out)
                     if last:
                         y = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))
-                        out = cross_entropy(out, y) * scale
-                    held[i] = (x, out)
+                        held[i] = (x, cross_entropy(out, y) * scale, out)
                 else:
-                    x, out = held.pop(i)
+                    x, out, *_ = held.pop(i)
                     if last:
                         out.backward()
                     else:  # the gradient received from the next stage
                         out.backward(torch.randn_like(out))
-                    del x, out
+                    del x, out, _
         clip_grad_norm([list(part.parameters())], float(t.grad_clip), mesh["pp"])
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -2,7 +2,8 @@
 
 - full: every block keeps only its input and is recomputed whole in backward.
 - selective, ac_policy=op: inside each block, save the outputs of attention and of every other
-  matmul (the 1st, 3rd, ... of the block: wq, wv, w1, w2), recompute the rest (the other matmuls and
+  matmul (the 1st, 3rd, ... of the block: wq, wv, w1, w2; an MoE experts' grouped GEMM counts as one),
+  recompute the rest (the other matmuls and
   everything elementwise: norms, RoPE, SiLU). Recomputing half the matmuls frees their outputs (the
   F-wide w3 output among them) for about a sixth more block compute; elementwise ops cost little.
 - selective, ac_policy=layer: checkpoint (fully) every `ac_every_n_layers`-th block (the n-th, 2n-th,
@@ -89,7 +90,13 @@ def _op_policy(counts: dict[str, int]) -> Callable[..., Any]:
     global _SAVED, _MATMULS
     if _SAVED is None or _MATMULS is None:
         _SAVED = _always_saved()
+        # The MoE experts' grouped GEMM (all experts in one call) counts as one matmul: the alternation
+        # then recomputes the gate and down projections and keeps the up one, as the per-expert loop
+        # keeps about every other one (torchtitan's op list saves no grouped GEMM, recomputing every
+        # expert matmul: the experts are most of an MoE block's FLOPs).
         _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+        if hasattr(torch.ops.aten, "_grouped_mm"):
+            _MATMULS.add(torch.ops.aten._grouped_mm.default)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         if op in _MATMULS:

@@ -4,6 +4,7 @@ from the first block's input to the last block's output (= what the blocks keep 
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from dtlaunch.commands.common import load_job
 from dtlaunch.models.moe import activations as act
+from dtlaunch.models.moe import experts
 from dtlaunch.models.moe.model import build_model
 from dtlaunch.train.ac import apply_ac
 from dtlaunch.train.memtrack import StorageCounter
@@ -18,7 +20,7 @@ from dtlaunch.train.memtrack import StorageCounter
 BATCH, SEQ = 2, 64
 
 
-def _kept_by_blocks(overrides: list[str], mode: str) -> tuple[float, float]:
+def _kept_by_blocks(overrides: list[str], mode: str, grouped: bool = False) -> tuple[float, float]:
     m = load_job(["model=planner_moe", "model.n_layers=2", *overrides]).cfg.model
     torch.manual_seed(0)
     model = build_model(m, rope_len=SEQ, device="cpu")
@@ -34,15 +36,28 @@ def _kept_by_blocks(overrides: list[str], mode: str) -> tuple[float, float]:
         model(torch.randint(0, m.vocab_size, (BATCH, SEQ)))
     # Block 0's input existed before the first mark; the last block's output is the next one's input.
     measured = marks[-1] - marks[0]
-    predicted = act.block_bytes(act.BlockDims.of(m), 4, mode) * BATCH * SEQ * m.n_layers
+    d = dataclasses.replace(act.BlockDims.of(m), grouped=grouped)
+    predicted = act.block_bytes(d, 4, mode) * BATCH * SEQ * m.n_layers
     return measured, predicted
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
 @pytest.mark.parametrize(
     "mode,shared", [("none", []), ("selective", []), ("selective", ["model.moe.num_shared_experts=1"])]
 )
-def test_block_bytes_match_what_the_runtime_keeps(mode: str, shared: list[str]) -> None:
-    measured, predicted = _kept_by_blocks(shared, mode)
+def test_block_bytes_match_what_the_runtime_keeps(
+    mode: str, shared: list[str], grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both expert kernels: the per-expert loop (torch without a CPU grouped GEMM) and torch._grouped_mm."""
+    if grouped and torch.float32 not in experts.cpu_grouped_mm_dtypes():
+        pytest.skip("torch._grouped_mm has no CPU kernel here")
+    if not grouped:
+        monkeypatch.setattr(experts, "cpu_grouped_mm_dtypes", lambda: frozenset())
+    measured, predicted = _kept_by_blocks(shared, mode, grouped)
+    if grouped and mode == "none":
+        # The grouped GEMM also keeps its int32 group offsets (4 B per expert and block, not per token).
+        assert measured - predicted == 4 * 8 * 2
+        return
     # Selective: the experts' saved outputs alternate by expert, so the exact figure depends on how the
     # router splits the tokens; the planner assumes a balanced split.
     assert predicted == pytest.approx(measured, rel=0.02 if mode == "selective" else 1e-6)

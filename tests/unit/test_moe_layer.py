@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dtlaunch.models.moe.experts import GroupedExperts, _grouped
+from dtlaunch.models.moe import experts
+from dtlaunch.models.moe.experts import GroupedExperts, _grouped, _looped, cpu_grouped_mm_dtypes, grouped_mm_supported
 from dtlaunch.models.moe.layer import MoE
 
 DIM, HIDDEN, E = 16, 24, 4
@@ -42,18 +43,52 @@ def test_grouped_experts_match_a_per_row_reference_and_any_split() -> None:
         part.load_state_dict({k: v[lo:hi] for k, v in ex.state_dict().items()})
         rows = slice(int(counts[:lo].sum()), int(counts[:hi].sum()))
         halves.append(part(x[rows], counts[lo:hi]))
-    assert torch.equal(torch.cat(halves), out)
+    # Bit for bit with the loop; the grouped kernel's blocking follows the group sizes (within an ulp).
+    torch.testing.assert_close(torch.cat(halves), out, rtol=1e-6, atol=1e-7)
 
 
-def test_grouped_mm_kernel_equals_the_loop_where_torch_has_it() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_kernel_equals_the_loop_forward_and_backward(dtype: torch.dtype) -> None:
+    """Where this torch runs `_grouped_mm` on CPU the experts use it: same numbers as the loop (with an
+    expert that gets no token), gradients included."""
+    if dtype not in cpu_grouped_mm_dtypes():
+        pytest.skip(f"torch._grouped_mm has no CPU kernel for {dtype} here")
+    ex = _experts()
+    counts = torch.tensor([4, 1, 0, 3])
+    x0, g = torch.randn(8, DIM, dtype=dtype), torch.randn(8, DIM, dtype=dtype)
+    results = []
+    for kernel in (_grouped, _looped):
+        x = x0.clone().requires_grad_()
+        ws = [p.detach().to(dtype).requires_grad_() for p in (ex.w1, ex.w2, ex.w3)]
+        out = kernel(x, *ws, counts)
+        out.backward(g)
+        results.append([out, x.grad, *(w.grad for w in ws)])
+    for fast, loop in zip(*results, strict=True):
+        assert torch.allclose(fast.float(), loop.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_experts_pick_the_grouped_kernel_by_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    ex = _experts()
+    x = torch.randn(8, DIM)
+    assert grouped_mm_supported(x, ex.w1, torch.float32) == (torch.float32 in cpu_grouped_mm_dtypes())
+    # Rows that are not a multiple of 16 bytes, or a torch without the CPU kernel: the loop.
+    assert not grouped_mm_supported(torch.randn(8, 6), torch.randn(2, 8, 6), torch.float32)
+    monkeypatch.setattr(experts, "cpu_grouped_mm_dtypes", lambda: frozenset())
+    assert not grouped_mm_supported(x, ex.w1, torch.float32)
+    counts = torch.tensor([4, 1, 0, 3])
+    assert torch.equal(ex(x, counts), _looped(x, ex.w1, ex.w2, ex.w3, counts))
+
+
+def test_grouped_kernel_under_autocast_computes_in_the_autocast_dtype() -> None:
+    """torch has no autocast rule for `_grouped_mm`: the experts cast for it, as autocast does for the loop."""
     ex = _experts()
     counts = torch.tensor([4, 1, 0, 3])
     x = torch.randn(8, DIM)
-    try:
-        fast = _grouped(x, ex.w1, ex.w2, ex.w3, counts)
-    except (AttributeError, RuntimeError, NotImplementedError) as exc:
-        pytest.skip(f"torch._grouped_mm not available on CPU here: {exc}")
-    assert torch.allclose(fast, ex(x, counts), atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ex(x, counts)
+        loop = _looped(x, ex.w1, ex.w2, ex.w3, counts)
+    assert out.dtype == loop.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), loop.float(), rtol=1e-2, atol=1e-3)
 
 
 def _moe(score_func: str = "softmax", norm: bool = True, shared: int = 0, coef: float = 0.0) -> MoE:

@@ -49,6 +49,7 @@ class BlockDims(dense.BlockDims):
     sparse: float = 1.0  # share of the blocks that are sparse
     routed_scale: float = 1.0  # routed copies on this rank over the balanced share (expert parallel)
     ep: int = 1  # expert-parallel degree: a rank runs experts / ep of them
+    grouped: bool = False  # the experts run as torch's grouped GEMM (three calls), not a loop per expert
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
@@ -116,7 +117,10 @@ def block_bytes_selective(
     number; balanced routing). The shared experts come after and follow the same parity. (The
     dense block's fourth saved matmul, its FFN's down output, has no counterpart here.)"""
     attn = dense.block_bytes_selective(_attention_only(d), e, tp, sp, autocast, compiled=True)
-    local = max(1, d.experts // d.ep)
+    # The grouped GEMM is one matmul for all experts (ac.py counts it once): like a single expert, it
+    # starts on the 6th matmul and keeps only its up output, F per routed copy (measured with the
+    # runtime's AC on CPU, tests/unit/test_moe_activations.py).
+    local = 1 if d.grouped else max(1, d.experts // d.ep)
     first = _MATMULS_BEFORE_EXPERTS + 1
     with_down = sum(_saves_down(first + 3 * j) for j in range(local)) / local
     routed = d.routed_scale * d.top_k * e * (d.fe + with_down * d.h)

@@ -5,14 +5,20 @@ Parameters are 3-D with the expert index first (`w1`, `w3`: [experts, hidden, di
 module simply holds fewer experts. `forward(x, num_tokens_per_expert)` takes the token copies already
 grouped by expert in expert order (what `MoE` and an expert-parallel dispatch hand it) and returns
 their outputs in the same order. Every expert's rows are computed on their own, so any split of the
-experts into contiguous groups gives the same numbers as the whole.
+experts into contiguous groups gives the same numbers as the whole (bit for bit with the loop, within
+an ulp with the grouped kernel, whose blocking follows the group sizes).
 
-Kernels: `torch._grouped_mm` (one launch for all experts, no host sync) where it is supported and
-fast (CUDA sm90+, bf16, 16-byte aligned rows); elsewhere an exact loop of matmuls over the experts,
-which reads the counts on the host (free on CPU, where there is no kernel queue to stall).
+Kernels: `torch._grouped_mm` (one call for all experts, no host sync) where torch runs it: CUDA sm90+
+in bf16, and CPU where this torch has the kernel (a probe, not a version check), with 16-byte aligned
+rows. On CPU it gives the loop's numbers bit for bit, forward and backward, and is not slower
+(bench/moe_experts_kernel.py). Elsewhere an exact loop of matmuls over the experts, which reads the
+counts on the host. Under autocast the operands are cast to the autocast dtype first (torch has no
+autocast rule for the grouped op), so both kernels compute in the same dtype.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +32,49 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else p
 
 
-def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these operands: CUDA Hopper or newer in bf16, with every row
-    a multiple of 16 bytes (torch refuses other strides)."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16):
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM takes these operands computed in `dtype`: every row a multiple of 16
+    bytes (torch refuses other strides), and CUDA Hopper or newer in bf16, or a CPU kernel for `dtype`.
+    Traced (fake tensors, torch.compile), torch's shape function takes bf16 only."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
-    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(x.device) < (9, 0):
+    if any(s * torch.empty((), dtype=dtype).element_size() % 16 for s in (w.shape[1], w.shape[2])):
         return False
-    return all(s * x.element_size() % 16 == 0 for s in (w.shape[1], w.shape[2]))
+    if x.is_cuda:
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if x.device.type != "cpu":
+        return False
+    if dtype != torch.bfloat16 and (torch.compiler.is_compiling() or _is_fake(x)):
+        return False
+    return dtype in cpu_grouped_mm_dtypes()
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
+
+
+@functools.cache
+def cpu_grouped_mm_dtypes() -> frozenset:
+    """The dtypes this torch's CPU `_grouped_mm` runs (forward and backward): a probe on tiny real
+    tensors, once per process (older torch has no CPU kernel and raises). `GroupedExperts` runs it when
+    it is built: inside a checkpointed forward its ops would pass through the AC policy."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    ok = set()
+    with unset_fake_temporarily(), torch.enable_grad():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            try:
+                x = torch.ones(4, 8, dtype=dtype, device="cpu", requires_grad=True)
+                w = torch.ones(2, 8, 8, dtype=dtype, device="cpu", requires_grad=True)
+                offs = torch.tensor([1, 4], dtype=torch.int32, device="cpu")
+                out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+                out.backward(torch.ones_like(out))
+                ok.add(dtype)
+            except (RuntimeError, NotImplementedError, AttributeError):
+                pass
+    return frozenset(ok)
 
 
 class GroupedExperts(nn.Module):
@@ -43,12 +84,15 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        cpu_grouped_mm_dtypes()
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        if grouped_mm_supported(x, w1):
-            return _grouped(x, w1, w2, w3, num_tokens_per_expert)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if grouped_mm_supported(x, w1, dtype):
+            return _grouped(*(t.to(dtype) for t in (x, w1, w2, w3)), num_tokens_per_expert)
         return _looped(x, w1, w2, w3, num_tokens_per_expert)
 
 
@@ -76,4 +120,4 @@ def _grouped(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
     up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs).type_as(x)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
