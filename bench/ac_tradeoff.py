@@ -150,6 +150,25 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def write(runs: Sequence[dict[str, Any]], models: Sequence[str], args: argparse.Namespace, info: dict) -> dict:
+    """The summary of the runs so far, written to --markdown / --json when given."""
+    rows = summarize(runs, models)
+    loads = [r["load"] for r in runs]
+    head = (
+        f"{describe_machine(info)}; 1-minute load {min(loads):.2f}–{max(loads):.2f} at the runs' starts\n\n"
+        f"`{this_command()}`: one process, fp32, {args.threads} thread(s), micro-batch {args.micro_batch} x "
+        f"{args.seq_len} tokens, {args.steps} steps, steps after {args.warmup} timed, {len(runs)} runs "
+        f"({args.reps} alternated repetitions per mode planned)"
+    )
+    text = head + "\n\n" + table(rows)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    report = {"machine": info, "args": vars(args), "rows": rows, "runs": list(runs), "text": text}
+    if args.json:
+        write_json(Path(args.json), report)
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,tiny")
@@ -167,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(describe_machine(info), flush=True)
     work = Path(tempfile.mkdtemp(prefix="dtlaunch-ac-tradeoff-"))
     runs: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"text": "no run finished"}
     modes = list(MODES)
     try:
         for rep in range(args.reps):
@@ -174,26 +194,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for model in models:
                 for mode in order:
                     runs.append(one_run(model, mode, args, work, f"{model}-{modes.index(mode)}-r{rep}"))
+                    report = write(runs, models, args, info)  # after every run: an interrupted bench keeps it
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows = summarize(runs, models)
-    loads = [r["load"] for r in runs]
-    head = (
-        f"{describe_machine(info)}; 1-minute load {min(loads):.2f}–{max(loads):.2f} at the runs' starts\n\n"
-        f"`{this_command()}`: one process, fp32, {args.threads} thread(s), micro-batch {args.micro_batch} x "
-        f"{args.seq_len} tokens, {args.steps} steps, steps after {args.warmup} timed, {args.reps} alternated "
-        "repetitions per mode"
-    )
-    text = head + "\n\n" + table(rows)
-    print(text)
+    print(report["text"])
     errors = [f"{r['model']} {r['mode']}: {r['error']}" for r in runs if r["error"]]
     if errors:
         print("errors:\n" + "\n".join(errors))
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    report = {"machine": info, "args": vars(args), "rows": rows, "runs": runs, "load_range": [min(loads), max(loads)]}
-    if args.json:
-        write_json(Path(args.json), report)
     return report
 
 
