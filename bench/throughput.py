@@ -237,7 +237,9 @@ def run_case_pair(case: Case, steps: int, warmup: int, rep: int, work: Path) -> 
     overrides = job_overrides(case, steps, threads)
     cfg = composed(overrides)
     tokens_per_step = int(cfg.training.micro_batch) * case.nproc * int(cfg.training.seq_len)
-    tag = f"{case.recipe}-n{case.nproc}-r{rep}"
+    # Every case gets its own directories: two cases of one recipe differ only by their extra overrides.
+    extra = "".join(f"-{x}" for x in case.extra).replace("=", "_").replace("/", "_")
+    tag = f"{case.recipe}{extra}-n{case.nproc}-r{rep}"
     dt_dir, hw_dir = work / f"dt-{tag}", work / f"hw-{tag}"
     hw_dir.mkdir(parents=True, exist_ok=True)
     dt_cmd = [venv_bin("dtlaunch"), "train", *overrides, f"run.dir={dt_dir}"]

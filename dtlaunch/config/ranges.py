@@ -107,6 +107,7 @@ RANGES: dict[str, Range] = {
     "training.grad_clip": NON_NEGATIVE,
     "training.max_bad_steps": NON_NEGATIVE,
     "training.log_every": AT_LEAST_1,
+    "training.sync_interval_s": NON_NEGATIVE,  # 0 = one collective per log_every steps exactly
     "training.ac_every_n_layers": AT_LEAST_1,  # 1 = every block
     "training.ac_memory_budget": Range(0, 1),  # 0 = no budget, 1 = what compile saves anyway
     "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation

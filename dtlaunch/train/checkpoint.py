@@ -281,6 +281,7 @@ class CheckpointManager:
         self.loader = loader
         self.rank = rank
         self.enabled = bool(cfg.checkpoint.enabled)
+        self.every_steps = int(cfg.checkpoint.every_steps)  # read once: the loop asks every step
         self.dist = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size() if self.dist else 1
         if len(self.optimizers) not in (0, len(self.model_parts)) and not (
@@ -342,8 +343,7 @@ class CheckpointManager:
         if not self.enabled:
             return
         self._poll_pending()
-        every = int(self.cfg.checkpoint.every_steps)
-        if every > 0 and step % every == 0:
+        if self.every_steps > 0 and step % self.every_steps == 0:
             self.save(step, final=False)
 
     def save(self, step: int, final: bool = False) -> None:

@@ -20,12 +20,6 @@ from dtlaunch.train.parallelize import compute_context
 from dtlaunch.train.tensor_parallel import cross_entropy
 
 
-def eval_steps(cfg: Any, step: int) -> bool:
-    """Evaluate after this optimizer step: every training.eval_every steps and at the last one."""
-    every = int(cfg.training.eval_every)
-    return every > 0 and (step % every == 0 or step == int(cfg.training.steps))
-
-
 @torch.no_grad()
 def evaluate(ctx: Any, val_loader: Any, batches: int) -> dict[str, float]:
     """{"val_loss", "val_ppl"}: the mean loss over every target of `batches` global batches (one host sync).

@@ -15,6 +15,7 @@ import signal
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,19 +83,56 @@ def measure_peak_memory(tracker: Any) -> int:
     return int(tracker.peak_bytes()) if tracker is not None else 0
 
 
-def maybe_fail(cfg: Any, step: int, rank: int) -> None:
+@dataclass(frozen=True)
+class LoopSettings:
+    """The config values the loop consults every step, read once: an OmegaConf attribute read costs
+    tens of microseconds, and about ten of them per step were a measurable part of a small model's step."""
+
+    steps: int
+    save_every: int  # 0: no periodic checkpoint (checkpointing off, or only at the end)
+    eval_every: int
+    eval_batches: int
+    max_bad_steps: int
+    fail_at_step: int  # fault injection (debug.*): -1 when this rank does not fail, or after a restart
+    hang_at_step: int
+    fail_mode: str
+
+    @classmethod
+    def of(cls, cfg: Any, rank: int) -> LoopSettings:
+        t, d = cfg.training, cfg.debug
+        injects = rank == int(d.fail_rank) and restart_count() == 0
+        every = int(cfg.checkpoint.every_steps)
+        return cls(
+            steps=int(t.steps),
+            save_every=every if bool(cfg.checkpoint.enabled) and every > 0 else 0,
+            eval_every=int(t.eval_every),
+            eval_batches=int(t.eval_batches),
+            max_bad_steps=int(t.max_bad_steps),
+            fail_at_step=int(d.fail_at_step) if injects else -1,
+            hang_at_step=int(d.hang_at_step) if injects else -1,
+            fail_mode=str(d.fail_mode),
+        )
+
+    def saves_at(self, step: int) -> bool:
+        """Whether CheckpointManager.maybe_save saves at `step` (its cadence)."""
+        return self.save_every > 0 and step % self.save_every == 0
+
+    def evaluates_at(self, step: int) -> bool:
+        """Evaluate after this optimizer step: every training.eval_every steps and at the last one."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps)
+
+
+def maybe_fail(loop: LoopSettings, step: int) -> None:
     """Fault injection for tests: fail `debug.fail_rank` at `debug.fail_at_step`, first attempt only."""
-    if rank != cfg.debug.fail_rank or restart_count() != 0:
-        return
-    if step == cfg.debug.fail_at_step:
-        if cfg.debug.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
+    if step == loop.fail_at_step:
+        if loop.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
             os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.debug.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
+        if loop.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
             from dtlaunch.errors import InputError
 
             raise InputError(f"injected input error at step {step} (debug.fail_at_step)")
         raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
-    if step == cfg.debug.hang_at_step:
+    if step == loop.hang_at_step:
         # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
         # when the launcher stops it, like a process with the default SIGTERM action.
         log(f"hanging at step {step} (debug.hang_at_step)")
@@ -136,7 +174,7 @@ def main() -> None:
 def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     from dtlaunch.train.checkpoint import CheckpointManager
     from dtlaunch.train.data import build_loaders
-    from dtlaunch.train.evaluate import eval_steps, evaluate
+    from dtlaunch.train.evaluate import evaluate
     from dtlaunch.train.memtrack import PeakTracker
     from dtlaunch.train.metrics import MetricsLogger
 
@@ -165,9 +203,10 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     state = _LoopState()
     last_eval: dict[str, float] = {}
     watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
-    sync = WindowSync(env.device, int(cfg.training.log_every), int(cfg.training.steps))
-    for step in range(start + 1, int(cfg.training.steps) + 1):
-        maybe_fail(cfg, step, env.rank)
+    loop = LoopSettings.of(cfg, env.rank)
+    sync = WindowSync(env.device, int(cfg.training.log_every), loop.steps, float(cfg.training.sync_interval_s))
+    for step in range(start + 1, loop.steps + 1):
+        maybe_fail(loop, step)
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
         with watch.step(step), tracker.step(step):
@@ -184,34 +223,32 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
                 rate=rates[-1],
             )
         # Outside the step's timing; its own loader and no RNG, so training and resume are unaffected.
-        evaluated = (
-            evaluate(ctx, val_loader, int(cfg.training.eval_batches)) if val_loader and eval_steps(cfg, step) else {}
-        )
+        evaluated = evaluate(ctx, val_loader, loop.eval_batches) if val_loader and loop.evaluates_at(step) else {}
         if evaluated:
             last_eval = state.evals[step] = evaluated
-        _account(done, cfg, metrics, tracker, state, ctx.moe)
-        if _saves_at(cfg, step):
+        _account(done, loop, metrics, tracker, state, ctx.moe)
+        if loop.saves_at(step):
             # A checkpointed step's metrics line must exist before a restart can resume after it.
             with watch.step(step):
-                _account(sync.drain(), cfg, metrics, tracker, state, ctx.moe)
+                _account(sync.drain(), loop, metrics, tracker, state, ctx.moe)
             metrics.flush()
         ckpt.maybe_save(step)
         # Preemption: every rank read the same window, so all stop after this step and save it.
         if sync.signum:
             with watch.step(step):
-                _account(sync.drain(), cfg, metrics, tracker, state, ctx.moe)
+                _account(sync.drain(), loop, metrics, tracker, state, ctx.moe)
             preempt.stopping(sync.signum)
-            if step < int(cfg.training.steps):
+            if step < loop.steps:
                 ckpt.save(step, final=True)
                 ckpt.close()
                 metrics.close()
                 metrics.finish_trackers(None)
                 raise preempt.PreemptionStop(step, sync.signum)
         state.ended[step] = time.perf_counter()
-    with watch.step(int(cfg.training.steps)):
-        _account(sync.drain(), cfg, metrics, tracker, state, ctx.moe)
+    with watch.step(loop.steps):
+        _account(sync.drain(), loop, metrics, tracker, state, ctx.moe)
     skipped_total, last_loss = state.skipped_total, state.last_loss
-    final_step = max(start, int(cfg.training.steps))
+    final_step = max(start, loop.steps)
     ckpt.save(final_step, final=True)
     ckpt.close()
     metrics.close()
@@ -245,7 +282,9 @@ def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int
     return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (accum * n_mb), pipeline=layout.pp > 1)
 
 
-def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, state: _LoopState, moe: Any = None) -> None:
+def _account(
+    done: list[StepOutcome], loop: LoopSettings, metrics: Any, tracker: Any, state: _LoopState, moe: Any = None
+) -> None:
     """Metrics lines and the bad-step check for the steps whose window was just read."""
     peak = measure_peak_memory(tracker) if done else 0  # once per window, not per step
     for out in done:
@@ -266,17 +305,11 @@ def _account(done: list[StepOutcome], cfg: Any, metrics: Any, tracker: Any, stat
         if out.step in state.ended:  # the step's own end, not when its window was read
             values["ended_at"] = state.ended.pop(out.step)
         metrics.log(out.step, values)
-        if skipped and state.bad >= int(cfg.training.max_bad_steps):
+        if skipped and state.bad >= loop.max_bad_steps:
             raise TrainingDiverged(
                 f"{state.bad} steps in a row with a non-finite loss or gradient norm (last at step "
                 f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
             )
-
-
-def _saves_at(cfg: Any, step: int) -> bool:
-    """Whether CheckpointManager.maybe_save saves at `step` (its cadence)."""
-    every = int(cfg.checkpoint.every_steps)
-    return bool(cfg.checkpoint.enabled) and every > 0 and step % every == 0
 
 
 def _local_numel(p: torch.Tensor) -> int:

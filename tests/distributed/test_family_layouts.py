@@ -1,5 +1,7 @@
 """Every native family (Qwen2, Qwen3, Mistral, tied Llama) in the layouts the CLI parity tests run only
 for Llama, plus hf_auto tensor parallel, in ONE group of 4 gloo processes against a single-process reference.
+This is where each family's layout parity lives; tests/e2e/test_hf_families_train.py launches one family
+through `dtlaunch train` to prove the CLI path from a Hugging Face directory.
 
 What differs per family meets each layout here: q/k/v biases (Qwen2) and per-head q/k norms with an
 independent head_dim (Qwen3) under column-parallel sharding, ZeRO and HSDP; sliding-window attention
@@ -13,17 +15,12 @@ reference) within the bounds at TOL. Compile is not repeated per family (tests/e
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from pathlib import Path
-
 import pytest
+from forked_training import run_forked, train
 
 WORLD = 4
 STEPS = 3
-GLOBAL_BATCH = 4
-COMMON = ["training.seq_len=32", f"training.global_batch={GLOBAL_BATCH}", "optim.warmup_steps=1", "optim.lr=1e-2"]
+COMMON = ["training.seq_len=32", "training.global_batch=4", "optim.warmup_steps=1", "optim.lr=1e-2"]
 # name -> (overrides, families). World 4; the per-rank batch makes every layout's global batch 4.
 LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "zero1_dp4_ac_op": (
@@ -50,6 +47,8 @@ LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     ),
     # strategy=3d at 4 ranks: pipeline x tensor parallel with sequence parallel (FSDP has dp=1 here).
     "3d_pp2_tp2_sp": (["strategy=3d", "training.micro_batch=4"], ("qwen2", "qwen3", "mistral")),
+    # fp32 FSDP2 x TP (+SP) for the tied head, which pipeline layouts (the fp32 TP cases above) cannot hold.
+    "fsdp2_tp2_sp_tied": (["strategy=fsdp_tp", "training.micro_batch=2"], ("llama_tied",)),
     "fsdp2_tp2_bf16": (
         ["strategy=fsdp_tp", "precision=bf16", "training.micro_batch=2"],
         ("qwen2", "qwen3", "mistral", "llama_tied"),
@@ -77,96 +76,6 @@ def _overrides(layout: str, hf_dir: str, world: int) -> list[str]:
     ]
 
 
-class _Batches:
-    """The loader's interface over seeded global batches: data-parallel rank `dp_rank`'s micro-batches of
-    each (the global batch cut into dp x accumulation micro-batches, rank r taking the r-th run of them)."""
-
-    def __init__(self, micro_batch: int, dp_rank: int, dp_size: int, vocab: int) -> None:
-        import torch
-
-        self.gen = torch.Generator()
-        self.micro_batch, self.dp_rank, self.dp_size, self.vocab = micro_batch, dp_rank, dp_size, vocab
-        self.pending: list = []
-
-    def next_batch(self) -> tuple:
-        import torch
-
-        if not self.pending:  # the same global batch every step: the loss must fall as it is learnt
-            tokens = torch.randint(0, self.vocab, (GLOBAL_BATCH, 33), generator=self.gen.manual_seed(7))
-            chunks = tokens.view(-1, self.micro_batch, 33)
-            per_rank = chunks.shape[0] // self.dp_size
-            self.pending = list(chunks[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
-        t = self.pending.pop(0)
-        return t[:, :-1], t[:, 1:]
-
-
-def train(overrides: list[str], world: int) -> dict:
-    """STEPS steps of the runtime's build and train_step; world 1 = the single-process reference."""
-    import torch
-    import torch.distributed as dist
-
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, grad_accum_steps
-    from dtlaunch.config.validate import validate
-    from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.step import StepContext, train_step
-
-    cfg = compose(overrides).cfg
-    validate(cfg)
-    device = torch.device("cpu")
-    torch.manual_seed(int(cfg.training.seed))
-    if world > 1:  # the worker's runtime object
-        from dtlaunch.train.mesh import dp_rank_size
-        from dtlaunch.train.runtime import build_runtime
-
-        env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
-        rt = build_runtime(cfg, env)
-        dp_rank, dp_size = dp_rank_size(rt.mesh)
-        ctx = rt.step_context(_Batches(int(cfg.training.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size)))
-    else:  # one process, no mesh: the plain model, the runtime's init, optimizer, schedule and step
-        from dtlaunch.train.init import materialize_and_init
-
-        layout = Layout.resolve(cfg.strategy, 1)
-        model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
-        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
-        opt = build_optimizer(model, cfg, device)
-        ctx = StepContext(
-            cfg=cfg,
-            model_parts=[model],
-            optimizers=[opt],
-            schedulers=[build_scheduler(opt, cfg)],
-            loader=_Batches(int(cfg.training.micro_batch), 0, 1, int(cfg.model.vocab_size)),
-            device=device,
-            accum=grad_accum_steps(cfg, layout),
-        )
-    losses, norms = [], []
-    for step in range(1, STEPS + 1):
-        r = train_step(ctx, step)
-        loss = r.local_loss.clone()
-        if world > 1:  # the loop's mean over ranks (TP / PP ranks of a replica hold the same value)
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
-        norms.append(float(r.grad_norm))
-    return {"loss": losses, "grad_norm": norms, "precision": str(cfg.precision.param_dtype)}
-
-
-def _worker(out: str, dirs: dict[str, str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=WORLD)
-    results = {}
-    for layout, (_, families) in LAYOUTS.items():
-        for family in families:
-            results[f"{layout}/{family}"] = train(_overrides(layout, dirs[family], WORLD), WORLD)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def family_dirs(tiny_hf_dirs, tiny_hf_shape, tmp_path_factory) -> dict[str, str]:
     transformers = pytest.importorskip("transformers")
@@ -179,34 +88,18 @@ def family_dirs(tiny_hf_dirs, tiny_hf_shape, tmp_path_factory) -> dict[str, str]
     return {**{k: str(v) for k, v in tiny_hf_dirs.items()}, "phi3": str(phi3)}
 
 
-def _forked(rank: int, out: str, dirs: dict[str, str], port: int) -> None:
-    import torch
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    _worker(out, dirs)
-
-
 @pytest.fixture(scope="module")
 def launched(family_dirs, tmp_path_factory) -> dict:
-    """The 4 workers, forked from this process: they start with torch, transformers and dtlaunch already
-    imported (a torchrun launch spends ~5 CPU-seconds per process importing them)."""
-    import socket
+    """Every (layout, family) pair in one group of 4 forked workers."""
 
-    import torch.multiprocessing as mp
+    def run_all() -> dict:
+        return {
+            f"{layout}/{family}": train(_overrides(layout, family_dirs[family], WORLD), WORLD, STEPS)
+            for layout, (_, families) in LAYOUTS.items()
+            for family in families
+        }
 
-    out = tmp_path_factory.mktemp("family_layouts") / "results.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.start_processes(_forked, args=(str(out), family_dirs, port), nprocs=WORLD, join=False, start_method="fork")
-    deadline = time.monotonic() + 600
-    while not ctx.join(timeout=5):  # raises with the worker's traceback if one fails
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("the family layout workers did not finish within 600 s")
-    return json.loads(out.read_text())
+    return run_forked(WORLD, run_all, tmp_path_factory.mktemp("family_layouts") / "results.json")
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +113,7 @@ def references(family_dirs) -> dict:
         if key not in cache:
             over = ["model=tiny", f"model.init_from=hf:{family_dirs[family]}", "launch.nproc_per_node=1", *COMMON]
             over += ["training.micro_batch=4", *(["model.arch=hf_auto"] if hf_auto else [])]
-            cache[key] = train(over, 1)
+            cache[key] = train(over, 1, STEPS)
         return cache[key]
 
     return get

@@ -57,7 +57,7 @@ def run_case(name: str, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
-# tests/e2e/test_train_tp_pp.py runs the other layouts through the CLI (loss and grad norm vs one process);
+# tests/distributed/test_parallel_layouts.py runs the other layouts (loss and grad norm vs one process, Adam);
 # here, with SGD so that a wrong clipping factor shows in the loss, the cases that are not there: the
 # V-shaped ZBV schedule and FSDP x TP, whose grad norm needs the _StridedShard placement handled.
 

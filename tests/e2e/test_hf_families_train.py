@@ -1,9 +1,12 @@
-"""Training from tiny Hugging Face directories (Qwen2, Qwen3, Mistral, tied Llama) through the CLI.
+"""Training from tiny Hugging Face directories (Qwen2, Qwen3, Mistral, tied Llama, Qwen3-MoE) through the CLI.
 
-- the first steps' losses agree across DDP, FSDP2 and TP+SP within 1e-4 (same weights, same data);
+- `dtlaunch train` from a Qwen2 directory (q/k/v biases sliced column-wise under TP) gives the same first
+  losses under DDP and TP+SP within 1e-4 (same weights, same data). Every family in every layout is checked
+  in-process against one process by tests/distributed/test_family_layouts.py; this launch proves the CLI path.
 - after one step at a negligible learning rate (1e-30 is below fp32 rounding of every weight), the
   checkpoint exported with `ckpt export --format hf` holds the original tensors bit for bit, under
-  the original names (tied head written once), and transformers loads it to the same logits.
+  the original names (tied head written once), and transformers loads it to the same logits; for every
+  dense family and for Qwen3-MoE (experts, router, one dense block).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied"]
 # Global batch 4 in every layout: two data-parallel ranks of 2 samples, or one TP group of 4.
 LAYOUTS = {
     "ddp": ["strategy=ddp", "training.micro_batch=2"],
@@ -29,26 +31,24 @@ COMMON = ["training.steps=3", "training.seq_len=32", "launch.nproc_per_node=2"]
 
 
 @pytest.fixture(scope="module")
-def parity_runs(trainer, tiny_hf_dirs, tmp_path_factory) -> dict:
-    cache: dict[tuple[str, str], Path] = {}
+def qwen2_runs(trainer, tiny_hf_dirs, tmp_path_factory) -> dict:
+    """Native qwen2 runs by layout, each launched once on first use."""
+    cache: dict[str, Path] = {}
 
-    def get(family: str, layout: str) -> Path:
-        if (family, layout) not in cache:
-            run = tmp_path_factory.mktemp(f"{family}_{layout}")
-            trainer.run(run, *COMMON, *LAYOUTS[layout], f"model.init_from=hf:{tiny_hf_dirs[family]}")
-            cache[family, layout] = run
-        return cache[family, layout]
+    def get(layout: str) -> Path:
+        if layout not in cache:
+            run = tmp_path_factory.mktemp(f"qwen2_{layout}")
+            trainer.run(run, *COMMON, *LAYOUTS[layout], f"model.init_from=hf:{tiny_hf_dirs['qwen2']}")
+            cache[layout] = run
+        return cache[layout]
 
     return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_losses_agree_across_layouts(trainer, parity_runs, family: str) -> None:
-    ref = trainer.losses(parity_runs(family, "ddp"))
+def test_losses_agree_across_layouts(trainer, qwen2_runs) -> None:
+    ref, got = trainer.losses(qwen2_runs("ddp")), trainer.losses(qwen2_runs("tp_sp"))
     assert len(ref) == 3
-    for layout in ("fsdp", "tp_sp"):
-        got = trainer.losses(parity_runs(family, layout))
-        assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-4, (layout, ref, got)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-4, (ref, got)
 
 
 def _tensors(path: Path) -> dict:
@@ -58,9 +58,11 @@ def _tensors(path: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_export_reproduces_the_original_directory(trainer, tiny_hf_dirs, tmp_path, family: str) -> None:
-    src = tiny_hf_dirs[family]
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "llama_tied", "qwen3_moe"])
+def test_export_reproduces_the_original_directory(
+    trainer, tiny_hf_dirs, tiny_moe_hf_dirs, tmp_path, family: str
+) -> None:
+    src = {**tiny_hf_dirs, **tiny_moe_hf_dirs}[family]
     run = tmp_path / "run"
     trainer.run(
         run,
@@ -91,7 +93,7 @@ def test_export_reproduces_the_original_directory(trainer, tiny_hf_dirs, tmp_pat
     assert (a - b).abs().max().item() < 1e-4
 
 
-def test_hf_auto_trains_like_the_native_entry(trainer, parity_runs, tiny_hf_dirs, tmp_path) -> None:
+def test_hf_auto_trains_like_the_native_entry(trainer, qwen2_runs, tiny_hf_dirs, tmp_path) -> None:
     """model.arch=hf_auto (transformers' own Qwen2 modules) under FSDP2 + full AC gives the native
     qwen2 entry's DDP losses."""
     run = tmp_path / "hf_auto"
@@ -104,7 +106,7 @@ def test_hf_auto_trains_like_the_native_entry(trainer, parity_runs, tiny_hf_dirs
         f"model.init_from=hf:{tiny_hf_dirs['qwen2']}",
     )
     assert "planned by tracing one training step" in proc.stdout
-    ref, got = trainer.losses(parity_runs("qwen2", "ddp")), trainer.losses(run)
+    ref, got = trainer.losses(qwen2_runs("ddp")), trainer.losses(run)
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) < 1e-4, (ref, got)
 
 

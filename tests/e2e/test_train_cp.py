@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-4
 COMMON = ["recipe=tiny_fsdp", "training.grad_clip=0.5"]
 CKPT = ["checkpoint.enabled=true", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
-# Exactly tests/e2e/test_train_tp_pp.py's one-process reference, so that a session runs it once.
+# The tiny Llama in one process on the same global batch of 4.
 REFERENCE = ["recipe=tiny_tp", "launch.nproc_per_node=1", "training.micro_batch=4", "training.grad_clip=0.5"]
 LAYOUTS = {
     "cp2": ["strategy.cp=2", "strategy.dp_shard=1", "training.micro_batch=4", *CKPT],

@@ -41,6 +41,33 @@ def test_a_stop_signal_is_agreed_when_its_window_is_read() -> None:
     assert sync.signum == 15
 
 
+def test_fast_steps_widen_the_window_in_whole_log_every_periods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of 1/128 s and an interval of 10 of them (exact in binary): after the first window is read,
+    windows span 10 steps (5 periods of log_every=2); every outcome still arrives, in order, and the
+    last step closes a window."""
+    clock = [0.0]
+    monkeypatch.setattr("dtlaunch.train.step_sync.time.perf_counter", lambda: clock[0])
+    sync = WindowSync(torch.device("cpu"), log_every=2, total_steps=40, interval_s=10 / 128)
+    sent_at, seen = [], []
+    for step in range(1, 41):
+        clock[0] += 1 / 128
+        before = sync._in_flight
+        seen += [o.step for o in _push(sync, step, float(step))]
+        if sync._in_flight is not before:
+            sent_at.append(step)
+    seen += [o.step for o in sync.drain()]
+    assert seen == list(range(1, 41))
+    # The first proposal is read with the second window; the last step closes a short one.
+    assert sent_at == [2, 4, 14, 24, 34, 40] and sync.window == 10
+
+
+def test_interval_zero_keeps_one_window_per_log_every() -> None:
+    sync = WindowSync(torch.device("cpu"), log_every=3, total_steps=12, interval_s=0.0)
+    for step in range(1, 13):
+        _push(sync, step, 1.0)
+    assert sync.window == 3
+
+
 def test_fused_adamw_skips_a_nonfinite_step_on_the_device() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)

@@ -57,6 +57,27 @@ def test_lines_per_step_and_lazy_sync(tmp_path: Path, capsys: pytest.CaptureFixt
     assert [line.split(" |")[0] for line in out.splitlines()] == ["step 5/12", "step 10/12", "step 12/12"]
 
 
+def test_tensorboard_reads_every_scalar_of_every_step(tmp_path: Path) -> None:
+    """TensorBoard's own reader sees each metric of each step, with the step's value and wall time."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    cfg = make_cfg(steps=7, log_every=3)
+    cfg.training.loss_plot = False
+    m = MetricsLogger(tmp_path, cfg, enabled=True)
+    for s in range(1, 8):
+        m.log(s, {"loss": 5.0 - s / 2, "lr": 1e-3 * s, "val_loss": 9.0 - s, "skipped": 0})
+    m.close()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/skipped", "val/loss"} <= tags, tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 8))
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in recs])
+    assert [e.value for e in acc.Scalars("val/loss")] == pytest.approx([9.0 - s for s in range(1, 8)])
+    assert [e.wall_time for e in loss] == pytest.approx([r["time"] for r in recs], abs=1e-3)
+
+
 def test_loss_plot_can_be_turned_off(tmp_path: Path) -> None:
     cfg = make_cfg(steps=2, log_every=1)
     cfg.training.loss_plot = False

@@ -1,8 +1,8 @@
 """`strategy.pp_reshard_grads`: FSDP's gradient policy across pipeline micro-batches, in the config, the
 planner and the runtime's pipeline stage (dtlaunch.train.pp_stage).
 
-Loss parity of both policies with one process: tests/e2e/test_train_tp_pp.py (fsdp_pp_reshard_2x2, and the
-3-D layout for the default). Predicted vs measured peaks of both: bench/planner_accuracy.py --real.
+Loss parity of both policies with one process: tests/distributed/test_parallel_layouts.py (fsdp_pp_reshard_2x2),
+and tests/e2e/test_train_tp_pp.py (the 3-D recipe, for the default). Predicted vs measured peaks of both: bench/planner_accuracy.py --real.
 """
 
 from __future__ import annotations

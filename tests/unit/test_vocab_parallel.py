@@ -3,7 +3,7 @@
 Rank `r` of a 4-way TP group is emulated with the fake process group. Its collectives move no data,
 so the forward's summed output is not checked here; with a Replicate output the backward needs no
 collective, so the gradient is exact. Numerics across real ranks: the TP loss-parity tests
-(tests/e2e/test_train_tp_pp.py, tests/distributed/test_tp_pp.py)."""
+(tests/distributed/test_parallel_layouts.py, tests/distributed/test_tp_pp.py)."""
 
 import pytest
 import torch

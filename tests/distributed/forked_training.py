@@ -1,0 +1,135 @@
+"""Layout parity in-process: gloo workers forked from the pytest process run the runtime object
+(`build_runtime`, then `train_step`) on seeded batches; one process trains the same steps with the same
+code and no mesh. Forked workers start with torch and dtlaunch already imported (a torchrun launch spends
+~5 CPU-seconds per process importing them), so one group can run many layouts in a few seconds.
+
+Imported by the test modules of this folder (pytest puts the folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+class SeededBatches:
+    """The loader's interface over one seeded global batch of `global_batch` x (seq_len + 1) tokens, the
+    same every step (the loss must fall as it is learnt): data-parallel rank `dp_rank`'s micro-batches of
+    it (the batch cut into dp x accumulation micro-batches, rank r taking the r-th run of them)."""
+
+    def __init__(self, global_batch: int, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int, vocab: int):
+        import torch
+
+        self.gen = torch.Generator()
+        self.global_batch, self.seq_len = global_batch, seq_len
+        self.micro_batch, self.dp_rank, self.dp_size, self.vocab = micro_batch, dp_rank, dp_size, vocab
+        self.pending: list = []
+
+    def next_batch(self) -> tuple:
+        import torch
+
+        if not self.pending:
+            shape = (self.global_batch, self.seq_len + 1)
+            tokens = torch.randint(0, self.vocab, shape, generator=self.gen.manual_seed(7))
+            chunks = tokens.view(-1, self.micro_batch, self.seq_len + 1)
+            per_rank = chunks.shape[0] // self.dp_size
+            self.pending = list(chunks[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
+        t = self.pending.pop(0)
+        return t[:, :-1], t[:, 1:]
+
+
+def train(overrides: list[str], world: int, steps: int) -> dict:
+    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference."""
+    import torch
+    import torch.distributed as dist
+
+    from dtlaunch.config.compose import compose
+    from dtlaunch.config.layout import Layout, global_batch, grad_accum_steps
+    from dtlaunch.config.validate import validate
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.dist_init import DistEnv
+    from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.step import StepContext, train_step
+
+    cfg = compose(overrides).cfg
+    validate(cfg)
+    device = torch.device("cpu")
+    torch.manual_seed(int(cfg.training.seed))
+    t = cfg.training
+    gb = global_batch(cfg, Layout.resolve(cfg.strategy, world))
+
+    def batches(dp_rank: int, dp_size: int) -> SeededBatches:
+        return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
+
+    if world > 1:  # the worker's runtime object
+        from dtlaunch.train.mesh import dp_rank_size
+        from dtlaunch.train.runtime import build_runtime
+
+        env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
+        rt = build_runtime(cfg, env)
+        ctx = rt.step_context(batches(*dp_rank_size(rt.mesh)))
+    else:  # one process, no mesh: the plain model, the runtime's init, optimizer, schedule and step
+        from dtlaunch.train.init import materialize_and_init
+
+        layout = Layout.resolve(cfg.strategy, 1)
+        model = model_spec(cfg.model).build(cfg.model, rope_len=int(t.seq_len), device="meta")
+        materialize_and_init(model, device, int(t.seed), init_source=model)
+        opt = build_optimizer(model, cfg, device)
+        ctx = StepContext(
+            cfg=cfg,
+            model_parts=[model],
+            optimizers=[opt],
+            schedulers=[build_scheduler(opt, cfg)],
+            loader=batches(0, 1),
+            device=device,
+            accum=grad_accum_steps(cfg, layout),
+        )
+    losses, norms = [], []
+    for step in range(1, steps + 1):
+        r = train_step(ctx, step)
+        loss = r.local_loss.clone()
+        if world > 1:  # the loop's mean over ranks (TP / PP ranks of a replica hold the same value)
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))
+        norms.append(float(r.grad_norm))
+    return {"loss": losses, "grad_norm": norms, "precision": str(cfg.precision.param_dtype)}
+
+
+def _forked(rank: int, world: int, port: int, out: str, run_all: Callable[[], dict]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = run_all()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_forked(world: int, run_all: Callable[[], dict], out: Path, timeout: float = 600) -> dict:
+    """Fork `world` gloo workers that each call `run_all()` (every layout of the group, in order) and
+    return rank 0's results. A worker's traceback fails the test; so does a group still running at `timeout`."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = (world, port, str(out), run_all)
+    ctx = mp.start_processes(_forked, args=args, nprocs=world, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=5):  # raises with the worker's traceback if one fails
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"the {world} forked workers did not finish within {timeout:.0f} s")
+    return json.loads(out.read_text())
