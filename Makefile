@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-fast lint format bench bench-gpu wheel-smoke clean
+.PHONY: install demo test test-fast lint format bench bench-gpu bench-gpu-rehearse wheel-smoke clean
 
 install: $(STAMP)
 
@@ -47,6 +47,9 @@ bench: install  ## CPU benchmark suite (<= 15 min); results in bench/results/
 
 bench-gpu:  ## GPU benchmark (one or more CUDA GPUs, ~30 min); results in bench/results/gpu-<date>-<device>.*
 	bash bench/gpu/run.sh
+
+bench-gpu-rehearse: install  ## the GPU benchmark's every run on CPU at tiny shapes (no compile; ~5-10 min)
+	PATH="$(abspath $(BIN)):$$PATH" bash bench/gpu/run.sh --rehearse
 
 wheel-smoke:  ## build the wheel, install it in a fresh venv outside the checkout, run it from an empty dir
 	TORCH_PIN=$(TORCH_PIN) .ci/wheel_smoke.sh

@@ -178,19 +178,31 @@ def median_step_s(lines: list[dict], warmup: int) -> Optional[float]:
 
 
 def run_one(
-    side: str, cmd: list[str], env: dict[str, str], metrics: Path, log: Path, tokens_per_step: int, warmup: int
+    side: str,
+    cmd: list[str],
+    env: dict[str, str],
+    metrics: Path,
+    log: Path,
+    tokens_per_step: int,
+    warmup: int,
+    timeout: Optional[float] = None,
 ) -> RunResult:
-    """Start `cmd`, time its first metrics line and its exit, then read its steady-state throughput."""
+    """Start `cmd`, time its first metrics line and its exit, then read its steady-state throughput.
+    Past `timeout` seconds the run is stopped (see `wait_or_stop`) and reported as timed out."""
     full_env = dict(os.environ, **env)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     watch = FirstLine(metrics, t0)
     with log.open("w") as out:
-        proc = subprocess.run(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        timed_out = wait_or_stop(proc, timeout)
     wall = time.perf_counter() - t0
     first = watch.stop()
     lines = read_metrics(metrics)
     result = RunResult(side, None, first, wall, command_line(cmd, env), steps_seen=len(lines), load=load)
+    if timed_out:
+        result.error = f"timed out after {timeout:.0f} s (stopped; {len(lines)} steps logged)"
+        return result
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
         result.error = f"exit {proc.returncode}: {' '.join(tail)[:300]}"
@@ -200,6 +212,23 @@ def run_one(
     if result.tokens_per_s is None:
         result.error = f"no steady-state window in {metrics} ({len(lines)} lines)"
     return result
+
+
+def wait_or_stop(proc: subprocess.Popen, timeout: Optional[float], grace: float = 45.0) -> bool:
+    """Wait for `proc`; True if it outlived `timeout`. Then SIGTERM first: dtlaunch and torchrun stop
+    their workers on it (torchrun starts them in sessions of their own, which a SIGKILL of the parent
+    would leave running and holding the GPU); SIGKILL only after `grace` seconds."""
+    try:
+        proc.wait(timeout=timeout)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return True
 
 
 def run_case_pair(case: Case, steps: int, warmup: int, rep: int, work: Path) -> list[RunResult]:

@@ -1,15 +1,34 @@
-"""GPU benchmark (H100/H200; ~30 minutes): tokens/s and MFU of a ~1.2B Llama (Llama-3.2-1B shape) in bf16
-with FSDP2 over every visible GPU (a single GPU trains it unwrapped, as dtlaunch does for a world of one),
-compile off/on, activation checkpointing none / selective (op and layer policies, compile's memory
-budget) / full; truncated Llama-3.1-8B and -70B shapes (their real widths, few layers, so they fit one
-device) under the same AC and compile variants; the planner's prediction (plan.json, the same figure
-`dtlaunch plan --json` prints) against the measured torch.cuda.max_memory_allocated (summary.json); the
-hand-written loop on the same job (eager and compiled); and the largest model the planner says fits.
+"""GPU benchmark (one H100/H200, two parts of ~8 minutes): on layouts that fit one GPU, the planner's
+prediction against what the GPU measured, and dtlaunch's throughput against the hand-written loop.
 
-    bash bench/gpu/run.sh            # or: make bench-gpu; python bench/gpu/gpu_bench.py [--steps 40] [--only 1b-eager]
-    python bench/gpu/gpu_bench.py --dry-run [--device-name "NVIDIA H100 80GB HBM3"]   # CPU: list + plan each run
+- Llama-3.2-1B shape (1.5B parameters), eager and compiled: `dtlaunch train` vs bench/handwritten.py on
+  the same job (tokens/s, MFU).
+- Truncated Llama-3.1-8B (4 layers) and -70B (2 layers) shapes (real widths, so a block's activations and
+  weights are the real ones): activation checkpointing none / op-SAC / layer-SAC / full and compile's
+  memory budget, compile off/on, float8 (tensorwise, rowwise; torchao).
+- The largest model the planner says fits, with full AC.
 
-Writes bench/results/gpu-<date>-<device>.md and .json. Never run by CI.
+Every dtlaunch run compares the plan (plan.json: the figure `dtlaunch plan --json` prints) with the
+worker's torch.cuda.max_memory_allocated (summary.json), and the plan's device total (peak + CUDA
+context and allocator overheads) with the peak of nvidia-smi's memory.used during the run.
+All bf16, micro-batch 4 x 2048 tokens per GPU, FSDP2 strategy (a world of one trains unwrapped).
+
+    bash bench/gpu/run.sh --part 1 --budget-s 480       # or: make bench-gpu (all parts, no budget)
+    bash bench/gpu/run.sh --part 2 --budget-s 480
+    python bench/gpu/gpu_bench.py --merge bench/results/gpu-<date>-<device>-part{1,2}.json
+    python bench/gpu/gpu_bench.py --dry-run             # CPU: compose and plan every run
+    python bench/gpu/gpu_bench.py --rehearse            # CPU: every run end to end, tiny shapes (see below)
+
+Results: bench/results/gpu-<date>-<device>[-partN].md and .json (--results-dir elsewhere), rewritten after
+every run, so a run cut short keeps what it measured. With --budget-s the bench starts no run it cannot
+finish inside the budget and stops one that overruns; what it left out is listed as skipped.
+
+--rehearse runs the same code on CPU: every run of the list, shrunk (dim 64, 2 layers, vocab 512,
+micro-batch 2 x 64 tokens, 6 steps), through the same measurement, hand-written comparison, plan
+check and results writer, into a temporary directory. Left out there, because they need CUDA: float8
+runs (torchao's float8 matmuls; the rehearsal only checks that torchao's float8 API resolves, when it
+is installed) and the nvidia-smi memory watch; compiled runs are left out unless --rehearse-compile
+(inductor on CPU takes minutes per run). Never run by CI except the rehearsal's unit test.
 """
 
 from __future__ import annotations
@@ -17,97 +36,176 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench import throughput  # noqa: E402
-from bench.common import BENCH, ROOT, describe_machine, machine_info, markdown_table, venv_bin, write_json  # noqa: E402
+from bench.common import BENCH, ROOT, describe_machine, markdown_table, write_json  # noqa: E402
 
 # Llama-3.2-1B's shape (untied output head: 1.50B parameters, 1.24B of them in matmuls).
-LLAMA_1B = [
+LLAMA_1B = (
     "model=llama3_8b",
     "model.name=llama_1b",
     "model.dim=2048",
     "model.n_layers=16",
     "model.n_heads=32",
     "model.n_kv_heads=8",
-]
-# Candidates for "the largest that fits", biggest first; the planner picks (fits on the detected GPU).
-LLAMA_3B = ["model=llama3_8b", "model.name=llama_3b", "model.dim=3072", "model.n_layers=28", "model.n_heads=24"]
-LARGER = [("llama3_8b", ["model=llama3_8b"]), ("llama_3b", LLAMA_3B)]
+)
+LLAMA_3B = ("model=llama3_8b", "model.name=llama_3b", "model.dim=3072", "model.n_layers=28", "model.n_heads=24")
 # Real widths, truncated depth: the per-layer activations and weights of the big models on one device.
-LLAMA_8B_4L = ["model=llama3_8b", "model.name=llama3_8b_4l", "model.n_layers=4"]
-LLAMA_70B_2L = ["model=llama3_70b", "model.name=llama3_70b_2l", "model.n_layers=2"]
+LLAMA_8B_4L = ("model=llama3_8b", "model.name=llama3_8b_4l", "model.n_layers=4")
+LLAMA_70B_2L = ("model=llama3_70b", "model.name=llama3_70b_2l", "model.n_layers=2")
+# Candidates for "the largest that fits", biggest first; the planner picks.
+LARGER = (("llama3_8b", ("model=llama3_8b",)), ("llama_3b", LLAMA_3B))
+
 SEL = "training.activation_checkpointing=selective"
-FULL = "training.activation_checkpointing=full"
-COMPILE = "training.compile=true"
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "ac-none": (),
+    "ac-op": (SEL, "training.ac_policy=op"),
+    "ac-layer": (SEL, "training.ac_policy=layer", "training.ac_every_n_layers=2"),
+    "ac-full": ("training.activation_checkpointing=full",),
+    "budget-0.5": (SEL, "training.ac_memory_budget=0.5"),  # compile only (validated)
+    "float8-tensorwise": ("precision.float8=tensorwise",),
+    "float8-rowwise": ("precision.float8=rowwise",),
+}
 BOTH = ("dtlaunch", "handwritten")
+# A run is not started with less than this left of --budget-s (its timeout would cut it short anyway).
+MIN_START_S = {False: 45.0, True: 90.0}  # eager, compiled
+
+# Tiny shapes for --rehearse: the same overrides, these keys replaced (later keys win in `shrink`).
+REHEARSAL_SHAPE = (
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=512",
+    "model.multiple_of=32",
+    "training.micro_batch=2",
+    "training.seq_len=64",
+    "training.log_every=2",
+    "optim.warmup_steps=2",
+)
 
 
-def run_list(nproc: int, hw: str, steps: int, fits: Any) -> list[tuple[str, list[str], tuple[str, ...]]]:
-    """(name, dtlaunch overrides, sides) of every run; `fits(overrides)` -> bool picks the largest model."""
-    base = dict(nproc=nproc, hw=hw, steps=steps)
-    runs: list[tuple[str, list[str], tuple[str, ...]]] = [
-        ("1b-eager", job(LLAMA_1B, extra=[], **base), BOTH),
-        ("1b-compile", job(LLAMA_1B, extra=[COMPILE], **base), BOTH),
-        ("1b-eager-ac-op", job(LLAMA_1B, extra=[SEL], **base), ("dtlaunch",)),
-        ("1b-eager-ac-layer2", job(LLAMA_1B, extra=[SEL, "training.ac_policy=layer"], **base), ("dtlaunch",)),
-        ("1b-eager-ac-full", job(LLAMA_1B, extra=[FULL], **base), ("dtlaunch",)),
-        ("1b-compile-ac-op", job(LLAMA_1B, extra=[SEL, COMPILE], **base), ("dtlaunch",)),
-        ("1b-compile-ac-full", job(LLAMA_1B, extra=[FULL, COMPILE], **base), ("dtlaunch",)),
-        (
-            "1b-compile-budget-0.5",
-            job(LLAMA_1B, extra=[SEL, COMPILE, "training.ac_memory_budget=0.5"], **base),
-            ("dtlaunch",),
-        ),
+@dataclass(frozen=True)
+class Run:
+    """One row of the benchmark: a model family, eager or compiled, one AC/precision variant."""
+
+    family: str  # "1b", "8b-4l", ...
+    compile: bool
+    variant: str  # a VARIANTS key
+    overrides: tuple[str, ...]
+    sides: tuple[str, ...] = ("dtlaunch",)
+    part: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-{'compile' if self.compile else 'eager'}-{self.variant}"
+
+
+def job(model: Sequence[str], nproc: int, hw: str, steps: int, extra: Sequence[str]) -> tuple[str, ...]:
+    return (
+        *model,
+        "strategy=fsdp",
+        "precision=bf16",
+        f"hardware={hw}",
+        f"launch.nproc_per_node={nproc}",
+        "training.micro_batch=4",
+        "training.seq_len=2048",
+        f"training.steps={steps}",
+        "training.log_every=10",  # one host sync per 10 steps in the logger, on both sides
+        "optim.warmup_steps=5",
+        "checkpoint=none",
+        "data=synthetic",
+        "training.loss_plot=false",  # matplotlib at the end of every run: seconds of GPU time for nothing
+        *extra,
+    )
+
+
+def run_list(nproc: int, hw: str, steps: int, fits: Callable[[tuple[str, ...]], bool]) -> list[Run | LargestFitting]:
+    """Every run, most important first within each part (a part cut short by its budget loses its tail).
+    Part 1: the dtlaunch / hand-written comparison and the AC trade-off on the 8B width; part 2: compile's
+    memory budget, float8, the 70B width and the largest model that fits. `fits(overrides)` is asked only
+    for the largest-model candidates, lazily (see `selected`)."""
+
+    def run(family: str, model: Sequence[str], compiled: bool, variant: str, part: int, sides=("dtlaunch",)) -> Run:
+        extra = [*VARIANTS[variant], *(["training.compile=true"] if compiled else [])]
+        return Run(family, compiled, variant, job(model, nproc, hw, steps, extra), tuple(sides), part)
+
+    runs: list[Run | LargestFitting] = [
+        run("1b", LLAMA_1B, False, "ac-none", 1, BOTH),
+        run("8b-4l", LLAMA_8B_4L, False, "ac-none", 1),
+        run("8b-4l", LLAMA_8B_4L, False, "ac-op", 1),
+        run("8b-4l", LLAMA_8B_4L, False, "ac-full", 1),
+        run("8b-4l", LLAMA_8B_4L, False, "ac-layer", 1),
+        run("1b", LLAMA_1B, True, "ac-none", 1, BOTH),
+        run("8b-4l", LLAMA_8B_4L, True, "ac-none", 1),
+        run("8b-4l", LLAMA_8B_4L, True, "ac-op", 1),
+        run("8b-4l", LLAMA_8B_4L, True, "ac-full", 1),
+        run("8b-4l", LLAMA_8B_4L, True, "budget-0.5", 2),
+        run("8b-4l", LLAMA_8B_4L, True, "float8-tensorwise", 2),
+        run("8b-4l", LLAMA_8B_4L, True, "float8-rowwise", 2),
+        run("70b-2l", LLAMA_70B_2L, False, "ac-none", 2),
+        run("70b-2l", LLAMA_70B_2L, False, "ac-op", 2),
+        run("70b-2l", LLAMA_70B_2L, False, "ac-full", 2),
+        run("70b-2l", LLAMA_70B_2L, True, "ac-op", 2),
     ]
-    for tag, model in (("8b-4l", LLAMA_8B_4L), ("70b-2l", LLAMA_70B_2L)):
-        for ac_tag, ac in (("ac-none", []), ("ac-op", [SEL]), ("ac-full", [FULL])):
-            for c_tag, comp in (("eager", []), ("compile", [COMPILE])):
-                runs.append((f"{tag}-{c_tag}-{ac_tag}", job(model, extra=[*ac, *comp], **base), ("dtlaunch",)))
-    for name, model in LARGER:  # the largest the planner says fits, with full AC
-        overrides = job(model, extra=[FULL], **base)
-        if fits(overrides):
-            runs.append((f"largest-fitting-{name}-ac-full", overrides, ("dtlaunch",)))
-            break
+    runs.append(LargestFitting(nproc, hw, steps, fits))  # resolved by `selected`
+    runs += [
+        run("70b-2l", LLAMA_70B_2L, True, "ac-none", 2),
+        run("70b-2l", LLAMA_70B_2L, True, "ac-full", 2),
+    ]
     return runs
 
 
-def dry_run(device_name: str, nproc: int, steps: int, only: set[str] | None = None) -> list[dict[str, Any]]:
-    """Every run composed, validated and planned in this process (no GPU, no torch.cuda): what the real
-    benchmark would run, with the plan it would compare against."""
-    from dtlaunch.commands.common import load_job
-    from dtlaunch.plan.memory import plan_memory
+@dataclass
+class LargestFitting:
+    """Placeholder for "the largest candidate the planner says fits, with full AC": the planner is asked
+    only when the run is selected, so `--only`/`--part` runs never pay for it."""
 
-    hw = hardware_option(device_name)
-    plans: dict[tuple[str, ...], Any] = {}
+    nproc: int
+    hw: str
+    steps: int
+    fits: Callable[[tuple[str, ...]], bool] = field(repr=False)
+    name: str = "largest-fitting"
+    part: int = 2
 
-    def plan(overrides: list[str]) -> Any:
-        key = tuple(overrides)
-        if key not in plans:
-            job_ = load_job(overrides)
-            plans[key] = plan_memory(job_.cfg, job_.layout)
-        return plans[key]
+    def resolve(self) -> Optional[Run]:
+        for tag, model in LARGER:
+            overrides = job(model, self.nproc, self.hw, self.steps, VARIANTS["ac-full"])
+            if self.fits(overrides):
+                return Run(f"largest-{tag}", False, "ac-full", overrides, ("dtlaunch",), self.part)
+        return None
 
-    rows = []
-    for name, overrides, sides in run_list(nproc, hw, steps, lambda ov: plan(ov).fits):
-        if only and name not in only:
+
+def selected(runs: Sequence[Run | LargestFitting], only: set[str], part: int) -> list[Run]:
+    """The runs `--only` (names, or 'largest-fitting') and `--part` keep, placeholders resolved."""
+    out = []
+    for r in runs:
+        if (part and r.part != part) or (only and r.name not in only):
             continue
-        p = plan(overrides)
-        rows.append(
-            {"name": name, "sides": list(sides), "predicted_bytes": p.peak, "fits": p.fits, "overrides": overrides}
-        )
-        print(
-            f"  {name:32s} {'+'.join(sides):22s} plan {p.peak / 2**30:7.2f} GiB {'fits' if p.fits else 'DOES NOT FIT'}"
-        )
-    return rows
+        if isinstance(r, LargestFitting):
+            r = r.resolve()
+            if r is None:
+                continue
+        out.append(r)
+    return out
+
+
+def shrink(overrides: Sequence[str], extra: Sequence[str] = REHEARSAL_SHAPE) -> tuple[str, ...]:
+    """`overrides` with the keys of `extra` replaced (or added): the same job at a tiny shape."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return (*(o for o in overrides if o.split("=", 1)[0] not in keys), *extra)
 
 
 def hardware_option(gpu_name: str) -> str:
@@ -122,48 +220,130 @@ def hardware_option(gpu_name: str) -> str:
     return "h100_80gb"
 
 
-def job(model: list[str], nproc: int, hw: str, steps: int, extra: list[str]) -> list[str]:
-    return [
-        *model,
-        "strategy=fsdp",
-        "precision=bf16",
-        f"hardware={hw}",
-        f"launch.nproc_per_node={nproc}",
-        "training.micro_batch=4",
-        "training.seq_len=2048",
-        f"training.steps={steps}",
-        "training.log_every=10",  # one host sync per 10 steps in the logger, on both sides
-        "optim.warmup_steps=5",
-        "checkpoint=none",
-        "data=synthetic",
-        *extra,
-    ]
+def console(name: str, module: str) -> list[str]:
+    """A console script next to this interpreter or on PATH, else `python -m module`: on a GPU machine
+    dtlaunch may run from the checkout (PYTHONPATH, see run.sh) with no `dtlaunch` script installed."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return [str(here)]
+    found = shutil.which(name)
+    return [found] if found else [sys.executable, "-m", module]
 
 
-def plan_fits(overrides: list[str]) -> Optional[dict[str, Any]]:
+# The GPU, asked in a child process: the bench's own process must not hold a CUDA context (hundreds of
+# MiB of the device) while the runs it measures are on it.
+_DEVICE_INFO = """
+import importlib.util, json
+import torch
+from bench.common import machine_info
+info = machine_info()
+info["cuda"] = torch.version.cuda
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info["capability"] = list(torch.cuda.get_device_capability(0))
+    info["gpu_memory_bytes"] = int(p.total_memory)
+info["torchao"] = None
+if importlib.util.find_spec("torchao") is not None:
+    import torchao
+    info["torchao"] = getattr(torchao, "__version__", "?")
+print("DEVICE_INFO " + json.dumps(info))
+"""
+
+
+def device_info() -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", _DEVICE_INFO], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("DEVICE_INFO "):
+            return json.loads(line[len("DEVICE_INFO ") :])
+    raise SystemExit(f"could not read the machine's description: {(done.stderr or done.stdout).strip()[-500:]}")
+
+
+def plan_fits(overrides: Sequence[str]) -> Optional[dict[str, Any]]:
     """`dtlaunch plan --json` for a job: the planner's verdict and peak, or None if it failed."""
     done = subprocess.run(
-        [venv_bin("dtlaunch"), "plan", *overrides, "--json"], cwd=ROOT, capture_output=True, text=True
+        [*console("dtlaunch", "dtlaunch"), "plan", *overrides, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     match = re.search(r"^\{.*^\}", done.stdout, re.S | re.M)
     return json.loads(match.group(0)) if match else None
 
 
-def measure(name: str, side: str, overrides: list[str], work: Path, warmup: int) -> dict[str, Any]:
+class DeviceMemoryWatch:
+    """Peak of nvidia-smi's memory.used (all GPUs' largest) while a run is on the device: what the
+    process really holds, CUDA context and the allocator's cache included (max_memory_allocated sees
+    tensors only). None where there is no nvidia-smi (the rehearsal on CPU)."""
+
+    def __init__(self, period_ms: int = 200) -> None:
+        self.period_ms = period_ms
+        self.peak_mib: Optional[int] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> DeviceMemoryWatch:
+        exe = shutil.which("nvidia-smi")
+        if exe:
+            cmd = [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"]
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._thread = threading.Thread(target=self._read, daemon=True)
+            self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                mib = int(float(line.strip()))
+            except ValueError:
+                continue
+            self.peak_mib = mib if self.peak_mib is None else max(self.peak_mib, mib)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @staticmethod
+    def idle_mib() -> Optional[int]:
+        """memory.used before anything of ours is on the device (subtracted from each run's peak)."""
+        exe = shutil.which("nvidia-smi")
+        if not exe:
+            return None
+        done = subprocess.run(
+            [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+        )
+        values = [int(float(v)) for v in done.stdout.split() if v.replace(".", "", 1).isdigit()]
+        return max(values) if values else None
+
+
+def measure(
+    run: Run, side: str, work: Path, warmup: int, timeout: Optional[float], idle_mib: Optional[int]
+) -> dict[str, Any]:
     """One run of dtlaunch (or the hand-written loop on the same job): tokens/s, MFU, memory."""
     from dtlaunch.models.flops import flops_per_token
 
-    cfg = throughput.composed(overrides)
+    cfg = throughput.composed(list(run.overrides))
     nproc = int(cfg.launch.nproc_per_node)
-    run_dir = work / f"{name}-{side}"
+    run_dir = work / f"{run.name}-{side}"
     run_dir.mkdir(parents=True, exist_ok=True)
     tokens_per_step = int(cfg.training.micro_batch) * nproc * int(cfg.training.seq_len)
     if side == "dtlaunch":
-        cmd = [venv_bin("dtlaunch"), "train", *overrides, f"run.dir={run_dir}", "--force"]
+        cmd = [*console("dtlaunch", "dtlaunch"), "train", *run.overrides, f"run.dir={run_dir}", "--force"]
         metrics = run_dir / "metrics.jsonl"
     else:
         cmd = [
-            venv_bin("torchrun"),
+            *console("torchrun", "torch.distributed.run"),
             "--standalone",
             f"--nproc-per-node={nproc}",
             str(BENCH / "handwritten.py"),
@@ -171,116 +351,340 @@ def measure(name: str, side: str, overrides: list[str], work: Path, warmup: int)
             f"--metrics-file={run_dir / 'hw-metrics.jsonl'}",
         ]
         metrics = run_dir / "hw-metrics.jsonl"
-    res = throughput.run_one(
-        side, cmd, {"DTLAUNCH_PROGRESS": "plain"}, metrics, run_dir / "out.log", tokens_per_step, warmup
-    )
+    log = run_dir / "out.log"
+    with DeviceMemoryWatch() as watch:
+        res = throughput.run_one(
+            side, cmd, {"DTLAUNCH_PROGRESS": "plain"}, metrics, log, tokens_per_step, warmup, timeout=timeout
+        )
     peak_tflops = float(cfg.hardware.peak_tflops_bf16)
     fpt = flops_per_token(cfg.model, int(cfg.training.seq_len))
     out: dict[str, Any] = {
-        "name": name,
+        "name": run.name,
+        "family": run.family,
+        "compile": run.compile,
+        "variant": run.variant,
+        "part": run.part,
         "side": side,
         "command": res.command,
         "tokens_per_s": res.tokens_per_s,
+        "step_s": res.step_s,
         "mfu": res.tokens_per_s * fpt / (peak_tflops * 1e12 * nproc) if res.tokens_per_s and peak_tflops else None,
         "first_step_s": res.first_step_s,
         "wall_s": res.wall_s,
         "error": res.error,
+        "device_used_peak_bytes": (watch.peak_mib - (idle_mib or 0)) * 2**20 if watch.peak_mib is not None else None,
     }
-    if side == "dtlaunch" and not res.error:
-        plan = json.loads((run_dir / "plan.json").read_text())
-        summary = json.loads((run_dir / "summary.json").read_text())
-        measured = max(summary["peak_mem_bytes_per_rank"])
-        out.update(predicted_bytes=plan["peak_bytes"], measured_bytes=measured)
-        out["error_pct"] = (plan["peak_bytes"] - measured) / measured * 100 if measured else None
+    if res.error and log.exists():  # the run's own output, for a failure read from the JSON alone
+        lines = log.read_text(errors="replace").strip().splitlines()
+        out["log_tail"] = lines[-40:]
+        cause = first_exception(lines)
+        if cause and res.error.startswith("exit"):
+            out["error"] = f"{res.error.split(':', 1)[0]}: {cause}"[:300]
+    plan_file, summary_file = run_dir / "plan.json", run_dir / "summary.json"
+    if side == "dtlaunch" and plan_file.exists():
+        plan = json.loads(plan_file.read_text())
+        out.update(predicted_bytes=plan["peak_bytes"], predicted_device_total_bytes=plan["device_total_bytes"])
+    if side == "dtlaunch" and not res.error and summary_file.exists():
+        measured = max(json.loads(summary_file.read_text())["peak_mem_bytes_per_rank"])
+        out["measured_bytes"] = measured
+        if out.get("predicted_bytes") and measured:
+            out["error_pct"] = (out["predicted_bytes"] - measured) / measured * 100
     elif side == "handwritten" and not res.error:
-        log = (run_dir / "out.log").read_text()
-        m = re.search(r'"peak_mem_bytes_per_rank": \[([\d, ]+)\]', log)
+        m = re.search(r'"peak_mem_bytes_per_rank": \[([\d, ]+)\]', log.read_text())
         out["measured_bytes"] = max(int(x) for x in m.group(1).split(",")) if m else None
-    print(
-        f"  {name:28s} {side:12s} "
-        + (out["error"] or f"{out['tokens_per_s']:,.0f} tok/s, MFU {100 * (out['mfu'] or 0):.1f} %"),
-        flush=True,
-    )
+    status = out["error"] or f"{out['tokens_per_s']:,.0f} tok/s, MFU {100 * (out['mfu'] or 0):.1f} %"
+    print(f"  {run.name:32s} {side:12s} {status} ({res.wall_s:.0f} s)", flush=True)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=10, help="excluded steps (a multiple of log_every=10)")
-    ap.add_argument("--only", default="", help="comma-separated subset of run names (e.g. 1b-eager)")
-    ap.add_argument("--dry-run", action="store_true", help="no GPU: compose, validate and plan every run")
-    ap.add_argument("--device-name", default="NVIDIA H100 80GB HBM3", help="--dry-run: the GPU to plan for")
-    args = ap.parse_args(argv)
-    if args.dry_run:
-        dry_run(args.device_name, 1, args.steps, {s for s in args.only.split(",") if s})
-        return
-    import torch
+_EXCEPTION = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception)\b.*)")
 
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu needs a CUDA GPU and a CUDA build of torch (this torch sees none)")
-    info = machine_info()
-    nproc = torch.cuda.device_count()
-    hw = hardware_option(info["gpus"][0])
-    print(describe_machine(info), f"-> hardware={hw}, {nproc} GPU(s)", flush=True)
-    t0 = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="dtlaunch-gpu-bench-"))
-    runs = run_list(nproc, hw, args.steps, lambda ov: bool((plan_fits(ov) or {}).get("fits")))
-    only = {s for s in args.only.split(",") if s}
-    results = []
-    for name, overrides, sides in runs:
-        if only and name not in only:
-            continue
-        for side in sides:
-            results.append(measure(name, side, overrides, work, args.warmup))
-    report = {"machine": info, "hardware": hw, "nproc": nproc, "steps": args.steps, "runs": results}
-    report["wall_s"] = time.perf_counter() - t0
+
+def first_exception(lines: Sequence[str]) -> str:
+    """The worker's own exception line ('ModuleNotFoundError: ...'), not torchrun's ChildFailedError report
+    that ends the log; '' when there is none."""
+    for line in lines:
+        m = _EXCEPTION.match(line)
+        if m and "ChildFailedError" not in m.group(1) and ":" in m.group(1):
+            return m.group(1).strip()
+    return ""
+
+
+def skipped(run: Run, side: str, why: str) -> dict[str, Any]:
+    print(f"  {run.name:32s} {side:12s} skipped: {why}", flush=True)
+    return {
+        "name": run.name,
+        "family": run.family,
+        "compile": run.compile,
+        "variant": run.variant,
+        "part": run.part,
+        "side": side,
+        "command": "",
+        "tokens_per_s": None,
+        "mfu": None,
+        "error": "",
+        "skipped": why,
+    }
+
+
+def skip_reason(
+    run: Run, info: dict[str, Any], rehearse: bool, rehearse_compile: bool, left_s: Optional[float] = None
+) -> str:
+    """Why `run` is not started here ('' when it is); `left_s`: what is left of --budget-s, if any."""
+    if run.variant.startswith("float8"):
+        if rehearse:
+            return "float8 matmuls need CUDA (rehearsal on CPU)" + float8_api_check(run.variant)
+        if not info.get("torchao"):
+            return "torchao is not installed (bench/gpu/wheels.sh carries it to the GPU machine)"
+        if tuple(info.get("capability") or (0, 0)) < (8, 9):
+            return f"float8 needs compute capability 8.9+, this GPU has {info.get('capability')}"
+    if rehearse and run.compile and not rehearse_compile:
+        return "compile on CPU takes minutes per run (--rehearse-compile runs it)"
+    if left_s is not None and left_s < MIN_START_S[run.compile]:
+        return f"time budget spent ({left_s:.0f} s left)"
+    return ""
+
+
+def float8_api_check(variant: str) -> str:
+    """In the rehearsal: whether torchao's float8 API that dtlaunch calls resolves for this recipe."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+    except ImportError:
+        return "; torchao not installed here"
+    Float8LinearConfig.from_recipe_name(variant.split("-", 1)[1])
+    return "; torchao's float8 API resolves"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The results file's Markdown: one row per side of each run, the dtlaunch / hand-written ratios,
+    the AC trade-off read off the table, and every command."""
+    info, results = report["machine"], report["runs"]
+    unit, scale = ("MiB", 2**20) if report.get("rehearsal") else ("GiB", 2**30)  # tiny shapes: MiB
+
+    def gib(v: Any) -> str:
+        return f"{v / scale:.2f}" if v else "-"
+
     rows = []
     for r in results:
-        pred, meas = r.get("predicted_bytes"), r.get("measured_bytes")
+        if r.get("skipped"):
+            speed = f"skipped: {r['skipped']}"
+        else:
+            speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else (r["error"] or "?")[:100]
         rows.append(
             [
                 r["name"],
                 r["side"],
-                f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else r["error"][:80],
-                f"{100 * r['mfu']:.1f} %" if r["mfu"] else "-",
-                f"{pred / 2**30:.2f}" if pred else "-",
-                f"{meas / 2**30:.2f}" if meas else "-",
+                speed,
+                f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "-",
+                gib(r.get("predicted_bytes")),
+                gib(r.get("measured_bytes")),
                 f"{r['error_pct']:+.1f} %" if r.get("error_pct") is not None else "-",
+                gib(r.get("predicted_device_total_bytes")),
+                gib(r.get("device_used_peak_bytes")),
             ]
         )
-    table = markdown_table(
-        ["run", "side", "tokens/s", "MFU", "predicted GiB", "max_memory_allocated GiB", "plan error"], rows
-    )
-    ratios = []
-    for name in {r["name"] for r in results}:
+    headers = [
+        "run",
+        "side",
+        "tokens/s",
+        "MFU",
+        f"plan {unit}",
+        f"max_memory_allocated {unit}",
+        "plan error",
+        f"plan device total {unit}",
+        f"nvidia-smi peak {unit}",
+    ]
+    title = "REHEARSAL on CPU (tiny shapes; not a measurement)" if report.get("rehearsal") else "GPU benchmark"
+    lines = [
+        f"# dtlaunch {title}, {info['date']}",
+        "",
+        f"- machine: {describe_machine(info)}; hardware={report['hardware']}; {report['nproc']} GPU(s)",
+        f"- command: `{report['command']}`, {report['wall_s']:.0f} s",
+        f"- job: bf16, world {report['nproc']}, micro-batch {report['micro_batch']} x {report['seq_len']} tokens "
+        f"per GPU, {report['steps']} steps, first {report['warmup']} excluded; one run per row",
+        "",
+        markdown_table(headers, rows),
+        "",
+        *ratio_lines(results),
+        "",
+        *ac_lines(results),
+        "",
+        "Commands:",
+        *[f"- {r['name']} / {r['side']}: `{r['command']}`" for r in results if r.get("command")],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def ratio_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    out = []
+    for name in dict.fromkeys(r["name"] for r in results):
         pair = {r["side"]: r["tokens_per_s"] for r in results if r["name"] == name}
         if pair.get("dtlaunch") and pair.get("handwritten"):
-            ratios.append(f"- {name}: dtlaunch / hand-written = {pair['dtlaunch'] / pair['handwritten']:.3f}")
-    device = re.sub(r"[^a-z0-9]+", "-", info["gpus"][0].lower()).strip("-")
-    stem = f"gpu-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}-{device}"
-    out_dir = BENCH / "results"
+            out.append(f"- {name}: dtlaunch / hand-written tokens/s = {pair['dtlaunch'] / pair['handwritten']:.3f}")
+    return out
+
+
+def ac_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Selective AC against none and full, per model and compile mode: the goal is op-SAC faster than
+    full AC (speed ratio > 1) with less memory than none (memory ratio < 1)."""
+    by: dict[tuple[str, bool], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if r["side"] == "dtlaunch" and r.get("tokens_per_s"):
+            by.setdefault((r["family"], r["compile"]), {})[r["variant"]] = r
+    out = []
+    for (family, compiled), v in by.items():
+        none, full = v.get("ac-none"), v.get("ac-full")
+        for sel in ("ac-op", "ac-layer", "budget-0.5"):
+            s = v.get(sel)
+            if not s:
+                continue
+            parts = []
+            if full:
+                parts.append(f"tokens/s vs full AC {s['tokens_per_s'] / full['tokens_per_s']:.3f}")
+            if none:
+                parts.append(f"tokens/s vs none {s['tokens_per_s'] / none['tokens_per_s']:.3f}")
+                if s.get("measured_bytes") and none.get("measured_bytes"):
+                    parts.append(f"memory vs none {s['measured_bytes'] / none['measured_bytes']:.3f}")
+            if parts:
+                out.append(f"- {family} {'compiled' if compiled else 'eager'}, {sel}: " + ", ".join(parts))
+    return ["Selective AC (goal: faster than full AC, less memory than none):", *out] if out else []
+
+
+def result_stem(device: str, part: int, when: Optional[datetime] = None) -> str:
+    date = (when or datetime.now(timezone.utc)).strftime("%Y-%m-%d")
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return f"gpu-{date}-{slug}" + (f"-part{part}" if part else "")
+
+
+def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = "\n".join(
-        [
-            f"# dtlaunch GPU benchmark, {info['date']}",
-            "",
-            f"- machine: {describe_machine(info)}; hardware={hw}; {nproc} GPU(s)",
-            f"- command: `bash bench/gpu/run.sh` ({' '.join(sys.argv[1:]) or 'defaults'}), {report['wall_s']:.0f} s",
-            f"- job: Llama 1B shape (and truncated 8B/70B shapes), bf16, FSDP2 (world {nproc}), micro-batch 4 "
-            f"x 2048 tokens per GPU, {args.steps} steps, first {args.warmup} excluded; one run per row",
-            "",
-            table,
-            "",
-            *ratios,
-            "",
-            "Commands:",
-            *[f"- {r['name']} / {r['side']}: `{r['command']}`" for r in results],
-        ]
-    )
-    (out_dir / f"{stem}.md").write_text(md + "\n")
+    (out_dir / f"{stem}.md").write_text(render(report))
     write_json(out_dir / f"{stem}.json", report)
-    print(md)
+    return out_dir / f"{stem}.md"
+
+
+def merge(files: Sequence[Path], out_dir: Path) -> Path:
+    """One results file from the parts' JSON files (one GPU session runs the parts as separate commands)."""
+    reports = [json.loads(Path(f).read_text()) for f in files]
+    reports.sort(key=lambda r: r.get("part") or 0)
+    merged = dict(reports[0], part=0, runs=[run for r in reports for run in r["runs"]])
+    merged["wall_s"] = sum(r["wall_s"] for r in reports)
+    merged["command"] = " ; ".join(r["command"] for r in reports)
+    stem = re.sub(r"-part\d+$", "", Path(files[0]).stem)
+    return write_report(merged, out_dir, stem)
+
+
+def dry_run(device_name: str, nproc: int, steps: int, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Every run composed, validated and planned in this process (no GPU, no torch.cuda): what the real
+    benchmark would run, with the plan it would compare against."""
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.plan.memory import plan_memory
+
+    hw = hardware_option(device_name)
+    plans: dict[tuple[str, ...], Any] = {}
+
+    def plan(overrides: tuple[str, ...]) -> Any:
+        if overrides not in plans:
+            job_ = load_job(list(overrides))
+            plans[overrides] = plan_memory(job_.cfg, job_.layout)
+        return plans[overrides]
+
+    rows = []
+    for r in selected(run_list(nproc, hw, steps, lambda ov: plan(ov).fits), only or set(), 0):
+        p = plan(r.overrides)
+        rows.append({"name": r.name, "sides": list(r.sides), "predicted_bytes": p.peak, "fits": p.fits, "part": r.part})
+        print(
+            f"  {r.name:32s} part {r.part} {'+'.join(r.sides):22s} plan {p.peak / 2**30:7.2f} GiB "
+            f"{'fits' if p.fits else 'DOES NOT FIT'}"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=0, help="steps per run (default 30; 6 with --rehearse)")
+    ap.add_argument("--warmup", type=int, default=-1, help="steps excluded from tokens/s (default 10; 2 rehearsed)")
+    ap.add_argument("--only", default="", help="comma-separated run names (e.g. 1b-eager-ac-none,largest-fitting)")
+    ap.add_argument("--part", type=int, default=0, help="run only this part (1 or 2; default: all)")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no run past this many seconds (0: no limit)")
+    ap.add_argument("--run-timeout", type=float, default=0, help="stop a run after this long (default 360 s)")
+    ap.add_argument("--results-dir", default="", help="default bench/results (a temporary dir with --rehearse)")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: compose, validate and plan every run")
+    ap.add_argument("--device-name", default="NVIDIA H100 80GB HBM3", help="--dry-run/--rehearse: GPU to plan for")
+    ap.add_argument("--rehearse", action="store_true", help="CPU: every run end to end at tiny shapes")
+    ap.add_argument("--rehearse-compile", action="store_true", help="--rehearse: compiled runs too (slow)")
+    ap.add_argument("--merge", nargs="+", default=[], help="part JSON files to merge into one results file")
+    args = ap.parse_args(argv)
+    only = {s for s in args.only.split(",") if s}
+    steps = args.steps or (6 if args.rehearse else 30)
+    warmup = args.warmup if args.warmup >= 0 else (2 if args.rehearse else 10)
+    if args.merge:
+        path = merge([Path(f) for f in args.merge], Path(args.results_dir) if args.results_dir else BENCH / "results")
+        print(f"merged into {path}")
+        return path
+    if args.dry_run:
+        dry_run(args.device_name, 1, steps, only)
+        return None
+
+    info = device_info()
+    if args.rehearse:
+        nproc, device = 1, f"{args.device_name} (rehearsal on CPU)"
+        out_dir = Path(args.results_dir or tempfile.mkdtemp(prefix="dtlaunch-gpu-rehearsal-"))
+    else:
+        if not info["gpus"]:
+            sys.exit("bench/gpu needs a CUDA GPU and a CUDA build of torch (this torch sees none); --rehearse on CPU")
+        nproc, device = len(info["gpus"]), info["gpus"][0]
+        out_dir = Path(args.results_dir) if args.results_dir else BENCH / "results"
+    hw = hardware_option(device)
+    print(describe_machine(info), f"-> hardware={hw}, {nproc} GPU(s)", flush=True)
+
+    def fits(overrides: tuple[str, ...]) -> bool:
+        return bool((plan_fits(shrink(overrides) if args.rehearse else overrides) or {}).get("fits"))
+
+    runs = selected(run_list(nproc, hw, steps, fits), only, args.part)
+    if args.rehearse:
+        runs = [Run(r.family, r.compile, r.variant, shrink(r.overrides), r.sides, r.part) for r in runs]
+    t0 = time.perf_counter()
+    deadline = t0 + args.budget_s if args.budget_s else None
+    cap = args.run_timeout or (1800.0 if args.rehearse else 360.0)
+    work = Path(tempfile.mkdtemp(prefix="dtlaunch-gpu-bench-"))
+    shape = throughput.composed(list(runs[0].overrides)).training if runs else {}
+    report: dict[str, Any] = {
+        "machine": info,
+        "device": device,
+        "hardware": hw,
+        "nproc": nproc,
+        "part": args.part,
+        "rehearsal": args.rehearse,
+        "steps": steps,
+        "warmup": warmup,
+        "micro_batch": int(shape["micro_batch"]) if runs else None,
+        "seq_len": int(shape["seq_len"]) if runs else None,
+        "command": " ".join(["bench/gpu/gpu_bench.py", *(argv if argv is not None else sys.argv[1:])]),
+        "runs": [],
+        "wall_s": 0.0,
+    }
+    stem = result_stem(device, args.part)
+    idle = DeviceMemoryWatch.idle_mib()
+    try:
+        for run in runs:
+            for side in run.sides:
+                left = deadline - time.perf_counter() if deadline else None
+                why = skip_reason(run, info, args.rehearse, args.rehearse_compile, left)
+                if why:
+                    report["runs"].append(skipped(run, side, why))
+                    continue
+                timeout = min(cap, left) if left is not None else cap
+                report["runs"].append(measure(run, side, work, warmup, timeout, idle))
+                report["wall_s"] = time.perf_counter() - t0
+                write_report(report, out_dir, stem)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["wall_s"] = time.perf_counter() - t0
+    path = write_report(report, out_dir, stem)
+    print(render(report))
+    print(f"results: {path} and {path.with_suffix('.json')}")
+    return path
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ steady-state throughput formula and the hand-written loop's flags. No timing is 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -60,15 +61,62 @@ def test_gpu_bench_dry_run_plans_every_run(capsys: pytest.CaptureFixture[str]) -
     """bench/gpu's CPU side: every run composes, validates and gets a plan that fits an H100."""
     from bench.gpu import gpu_bench
 
-    names = [r[0] for r in gpu_bench.run_list(1, "h100_80gb", 20, lambda overrides: True)]
-    assert len(names) == len(set(names)) and {"1b-compile-budget-0.5", "70b-2l-compile-ac-op"} <= set(names)
-    some = {"1b-eager", "1b-compile", "1b-eager-ac-op", "1b-eager-ac-full", "70b-2l-compile-ac-op"}
-    rows = gpu_bench.dry_run("NVIDIA H100 80GB HBM3", nproc=1, steps=20, only=some)
-    assert {r["name"] for r in rows} == some and all(r["fits"] for r in rows), rows
+    runs = gpu_bench.run_list(1, "h100_80gb", 20, lambda overrides: True)
+    names = [r.name for r in runs]
+    assert len(names) == len(set(names)) and {"8b-4l-compile-budget-0.5", "70b-2l-compile-ac-op"} <= set(names)
+    assert {r.part for r in runs} == {1, 2}
+    some = {"1b-eager-ac-none", "1b-compile-ac-none", "8b-4l-eager-ac-op", "8b-4l-eager-ac-full", "8b-4l-eager-ac-none"}
+    rows = gpu_bench.dry_run("NVIDIA H100 80GB HBM3", nproc=1, steps=20, only=some | {"70b-2l-compile-ac-op"})
+    assert {r["name"] for r in rows} == some | {"70b-2l-compile-ac-op"} and all(r["fits"] for r in rows), rows
     by = {r["name"]: r["predicted_bytes"] for r in rows}
-    assert by["1b-eager-ac-full"] < by["1b-eager-ac-op"] < by["1b-eager"]
-    assert by["1b-compile"] < by["1b-eager"]
+    assert by["8b-4l-eager-ac-full"] < by["8b-4l-eager-ac-op"] < by["8b-4l-eager-ac-none"]
+    assert by["1b-compile-ac-none"] < by["1b-eager-ac-none"]
     assert gpu_bench.hardware_option("NVIDIA H200") == "h200_141gb"
+
+
+def test_gpu_bench_rehearsal_runs_the_whole_pipeline_on_cpu(tmp_path: Path) -> None:
+    """`gpu_bench.py --rehearse`: the GPU benchmark's own code end to end on CPU at a tiny shape: both
+    sides of a run (dtlaunch train, the hand-written loop under torchrun), the plan-vs-measured read-out,
+    the results files and the merge of parts; runs that need CUDA are listed as skipped, not run."""
+    from bench.gpu import gpu_bench
+
+    only = "1b-eager-ac-none,8b-4l-compile-ac-op"
+    md = gpu_bench.main(["--rehearse", "--part", "1", "--only", only, "--steps", "4", "--results-dir", str(tmp_path)])
+    report = json.loads(md.with_suffix(".json").read_text())
+    runs = {(r["name"], r["side"]): r for r in report["runs"]}
+    assert set(runs) == {
+        ("1b-eager-ac-none", "dtlaunch"),
+        ("1b-eager-ac-none", "handwritten"),
+        ("8b-4l-compile-ac-op", "dtlaunch"),
+    }
+    dt, hw = runs["1b-eager-ac-none", "dtlaunch"], runs["1b-eager-ac-none", "handwritten"]
+    assert not dt["error"] and not hw["error"], (dt.get("log_tail"), hw.get("log_tail"))
+    assert dt["tokens_per_s"] > 0 and hw["tokens_per_s"] > 0 and dt["measured_bytes"] > 0
+    assert abs(dt["error_pct"]) < 25  # the plan of the tiny job against the CPU tracker's measured peak
+    assert "compile" in runs["8b-4l-compile-ac-op", "dtlaunch"]["skipped"]
+    text = md.read_text()
+    assert md.name.endswith("-part1.md") and "REHEARSAL on CPU" in text and "dtlaunch / hand-written" in text
+    merged = gpu_bench.merge([md.with_suffix(".json")], tmp_path)
+    assert "-part" not in merged.name and json.loads(merged.with_suffix(".json").read_text())["runs"] == report["runs"]
+
+
+def test_gpu_bench_skips_what_cannot_run() -> None:
+    from bench.gpu import gpu_bench
+
+    runs = {r.name: r for r in gpu_bench.run_list(1, "h100_80gb", 20, lambda overrides: True)}
+    f8, eager = runs["8b-4l-compile-float8-rowwise"], runs["8b-4l-eager-ac-op"]
+    h100 = {"torchao": "0.18.0", "capability": [9, 0]}
+    assert gpu_bench.skip_reason(f8, h100, rehearse=False, rehearse_compile=False) == ""
+    assert "torchao" in gpu_bench.skip_reason(f8, {"capability": [9, 0]}, False, False)
+    assert "8.9" in gpu_bench.skip_reason(f8, {"torchao": "0.18.0", "capability": [8, 0]}, False, False)
+    assert "CUDA" in gpu_bench.skip_reason(f8, {}, rehearse=True, rehearse_compile=True)
+    assert "budget" in gpu_bench.skip_reason(eager, h100, False, False, left_s=10.0)
+    assert gpu_bench.skip_reason(eager, h100, False, False, left_s=300.0) == ""
+    shrunk = gpu_bench.shrink(eager.overrides)
+    assert "model.dim=64" in shrunk and "training.seq_len=2048" not in shrunk and eager.variant == "ac-op"
+    assert gpu_bench.first_exception(["x", "ModuleNotFoundError: No module named 'dtlaunch'", "y"]).startswith(
+        "ModuleNotFoundError"
+    )
 
 
 def test_torchtitan_comparison_plans_every_published_config() -> None:
