@@ -359,12 +359,7 @@ def measure(
     peak_tflops = float(cfg.hardware.peak_tflops_bf16)
     fpt = flops_per_token(cfg.model, int(cfg.training.seq_len))
     out: dict[str, Any] = {
-        "name": run.name,
-        "family": run.family,
-        "compile": run.compile,
-        "variant": run.variant,
-        "part": run.part,
-        "side": side,
+        **identity(run, side),
         "command": res.command,
         "tokens_per_s": res.tokens_per_s,
         "step_s": res.step_s,
@@ -410,8 +405,8 @@ def first_exception(lines: Sequence[str]) -> str:
     return ""
 
 
-def skipped(run: Run, side: str, why: str) -> dict[str, Any]:
-    print(f"  {run.name:32s} {side:12s} skipped: {why}", flush=True)
+def identity(run: Run, side: str) -> dict[str, Any]:
+    """The fields that name a result: which run, which side."""
     return {
         "name": run.name,
         "family": run.family,
@@ -419,6 +414,13 @@ def skipped(run: Run, side: str, why: str) -> dict[str, Any]:
         "variant": run.variant,
         "part": run.part,
         "side": side,
+    }
+
+
+def skipped(run: Run, side: str, why: str) -> dict[str, Any]:
+    print(f"  {run.name:32s} {side:12s} skipped: {why}", flush=True)
+    return {
+        **identity(run, side),
         "command": "",
         "tokens_per_s": None,
         "mfu": None,

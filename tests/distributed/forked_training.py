@@ -44,18 +44,43 @@ class SeededBatches:
         return t[:, :-1], t[:, 1:]
 
 
+def one_process_context(cfg: object, device: object, loader: object, prepare: Callable | None = None) -> object:
+    """The single-process reference: one process, no mesh, the plain model with the runtime's init,
+    optimizer, schedule and step. `prepare(model)` runs on the meta-device model before its init (a
+    conversion the layouts also apply, e.g. float8)."""
+    from dtlaunch.config.layout import Layout, grad_accum_steps
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.init import materialize_and_init
+    from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.step import StepContext
+
+    t = cfg.training
+    model = model_spec(cfg.model).build(cfg.model, rope_len=int(t.seq_len), device="meta")
+    if prepare is not None:
+        prepare(model)
+    materialize_and_init(model, device, int(t.seed), init_source=model)
+    opt = build_optimizer(model, cfg, device)
+    return StepContext(
+        cfg=cfg,
+        model_parts=[model],
+        optimizers=[opt],
+        schedulers=[build_scheduler(opt, cfg)],
+        loader=loader,
+        device=device,
+        accum=grad_accum_steps(cfg, Layout.resolve(cfg.strategy, 1)),
+    )
+
+
 def train(overrides: list[str], world: int, steps: int) -> dict:
     """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference."""
     import torch
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, global_batch, grad_accum_steps
+    from dtlaunch.config.layout import Layout, global_batch
     from dtlaunch.config.validate import validate
-    from dtlaunch.models.registry import model_spec
     from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.step import StepContext, train_step
+    from dtlaunch.train.step import train_step
 
     cfg = compose(overrides).cfg
     validate(cfg)
@@ -74,22 +99,8 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
         rt = build_runtime(cfg, env)
         ctx = rt.step_context(batches(*dp_rank_size(rt.mesh)))
-    else:  # one process, no mesh: the plain model, the runtime's init, optimizer, schedule and step
-        from dtlaunch.train.init import materialize_and_init
-
-        layout = Layout.resolve(cfg.strategy, 1)
-        model = model_spec(cfg.model).build(cfg.model, rope_len=int(t.seq_len), device="meta")
-        materialize_and_init(model, device, int(t.seed), init_source=model)
-        opt = build_optimizer(model, cfg, device)
-        ctx = StepContext(
-            cfg=cfg,
-            model_parts=[model],
-            optimizers=[opt],
-            schedulers=[build_scheduler(opt, cfg)],
-            loader=batches(0, 1),
-            device=device,
-            accum=grad_accum_steps(cfg, layout),
-        )
+    else:
+        ctx = one_process_context(cfg, device, batches(0, 1))
     losses, norms = [], []
     for step in range(1, steps + 1):
         r = train_step(ctx, step)

@@ -20,6 +20,8 @@ import pytest
 
 torchao = pytest.importorskip("torchao")
 
+from forked_training import one_process_context  # noqa: E402  (after the skip: pytest puts this folder on sys.path)
+
 WORLD = 2
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -77,14 +79,10 @@ def train(overrides: list[str], world: int) -> dict:
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.config.validate import validate
-    from dtlaunch.models.registry import model_spec
     from dtlaunch.train.dist_init import DistEnv
     from dtlaunch.train.float8 import apply_float8
-    from dtlaunch.train.init import materialize_and_init
-    from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.step import StepContext, train_step
+    from dtlaunch.train.step import train_step
 
     cfg = compose([*COMMON, f"launch.nproc_per_node={world}", *overrides]).cfg
     validate(cfg)
@@ -99,19 +97,8 @@ def train(overrides: list[str], world: int) -> dict:
         dp_rank, dp_size = dp_rank_size(rt.mesh)
         ctx = rt.step_context(_Batches(int(cfg.training.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size)))
     else:
-        model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
-        apply_float8(model, cfg.precision, device)
-        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
-        opt = build_optimizer(model, cfg, device)
-        ctx = StepContext(
-            cfg=cfg,
-            model_parts=[model],
-            optimizers=[opt],
-            schedulers=[build_scheduler(opt, cfg)],
-            loader=_Batches(int(cfg.training.micro_batch), 0, 1, int(cfg.model.vocab_size)),
-            device=device,
-            accum=grad_accum_steps(cfg, Layout.resolve(cfg.strategy, 1)),
-        )
+        loader = _Batches(int(cfg.training.micro_batch), 0, 1, int(cfg.model.vocab_size))
+        ctx = one_process_context(cfg, device, loader, prepare=lambda m: apply_float8(m, cfg.precision, device))
     model = ctx.model_parts[0]
     wq = next(iter(getattr(model, "module", model).layers.values())).attention.wq
     # What ran: the first block's query projection and its weight (FSDP / TP: the DTensor's local part).
