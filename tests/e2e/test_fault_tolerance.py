@@ -74,6 +74,8 @@ def test_failed_worker_restarts_and_matches(
             f"debug.fail_rank={kill_rank}",
             f"debug.fail_mode={mode}",
             "launch.max_restarts=1",
+            # One window per step whatever the step time, so which lines attempt 0 wrote is exact below.
+            "training.sync_interval_s=0",
         ]
     )
     text = proc.stdout + proc.stderr

@@ -67,6 +67,8 @@ def runs(trainer, tmp_path_factory) -> dict[str, Path]:
         proc = trainer.cli(["train", *COMMON, *args, f"run.dir={out[name]}"])
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     kill = ["debug.fail_at_step=8", "debug.fail_rank=1", "debug.fail_mode=sigkill", "launch.max_restarts=1"]
+    # One window per step whatever the step time: attempt 0's lines 5 and 6 then exist to compare with attempt 1's.
+    kill.append("training.sync_interval_s=0")
     proc = trainer.cli(["train", *COMMON, *EP2, *kill, f"run.dir={out['ep2']}"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out["ep2_text"] = proc.stdout + proc.stderr  # type: ignore[assignment]
