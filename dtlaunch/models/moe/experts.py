@@ -38,7 +38,7 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -
     Traced (fake tensors, torch.compile), torch's shape function takes bf16 only."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
-    if any(s * torch.empty((), dtype=dtype).element_size() % 16 for s in (w.shape[1], w.shape[2])):
+    if any(s * dtype.itemsize % 16 for s in (w.shape[1], w.shape[2])):
         return False
     if x.is_cuda:
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
