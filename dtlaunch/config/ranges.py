@@ -108,6 +108,7 @@ RANGES: dict[str, Range] = {
     "training.max_bad_steps": NON_NEGATIVE,
     "training.log_every": AT_LEAST_1,
     "training.sync_interval_s": NON_NEGATIVE,  # 0 = one collective per log_every steps exactly
+    "training.straggler_threshold": NON_NEGATIVE,  # 0 = off
     "training.ac_every_n_layers": AT_LEAST_1,  # 1 = every block
     "training.ac_memory_budget": Range(0, 1),  # 0 = no budget, 1 = what compile saves anyway
     "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation
@@ -138,6 +139,7 @@ RANGES: dict[str, Range] = {
     "launch.max_restarts": NON_NEGATIVE,
     "launch.timeout_s": AT_LEAST_1,
     "launch.threads_per_worker": NON_NEGATIVE,
+    "launch.flight_recorder_entries": NON_NEGATIVE,  # 0 = off
     "cluster.nodes": AT_LEAST_1,
     "cluster.gpus_per_node": NON_NEGATIVE,
     "cluster.cpus_per_task": NON_NEGATIVE,
@@ -147,6 +149,8 @@ RANGES: dict[str, Range] = {
     "debug.fail_rank": NON_NEGATIVE,
     "debug.hang_at_step": STEP_OR_OFF,
     "debug.slow_save_s": NON_NEGATIVE,
+    "debug.hold_at_step": STEP_OR_OFF,
+    "debug.slow_step_s": NON_NEGATIVE,
     "debug.nan_at_steps": AT_LEAST_1,
 }
 

@@ -146,6 +146,10 @@ class TrainingConfig:
     eval_batches: int = 4
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
     loss_plot: bool = True
+    # Name a rank whose own time per step (its step time less its wait for the others at the step's
+    # collectives) is this fraction above the other ranks' median, over the run and on the live line.
+    # Needs the flight recorder (launch.flight_recorder_entries > 0). 0 = off.
+    straggler_threshold: float = 0.10
 
 
 @dataclass
@@ -331,6 +335,9 @@ class LaunchConfig:
     backend: str = "auto"
     # Threads per worker process on CPU (0 = cores / local workers).
     threads_per_worker: int = 0
+    # Entries of torch's collective flight recorder per rank (TORCH_FR_BUFFER_SIZE; 0 = off). A collective
+    # that times out makes every rank dump its record to RUN/flight_recorder/ for `torchfrtrace`.
+    flight_recorder_entries: int = 2000
 
 
 @dataclass
@@ -376,6 +383,13 @@ class DebugConfig:
     nan_at_steps: list[int] = field(default_factory=list)
     # Sleep this long (s) inside a checkpoint save on rank 1 (tests kill-during-save).
     slow_save_s: float = 0.0
+    # `fail_rank` waits at the start of this step (first attempt only) until it receives SIGTERM / SIGUSR1,
+    # logging "holding at step N"; its peers wait for it in their next collective. Tests signal a run at
+    # a known step this way instead of by timing. training.steps + 1: after the last step, before the final
+    # checkpoint (fail_at_step and hang_at_step read it the same way).
+    hold_at_step: int = -1
+    # `fail_rank` sleeps this long (s) in every step (tests the slow-rank report).
+    slow_step_s: float = 0.0
 
 
 @dataclass

@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,10 @@ def worker_env(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> dic
     threads = int(cfg.launch.threads_per_worker)
     if threads <= 0:
         threads = max(1, (os.cpu_count() or 1) // nproc_per_node(cfg, detected_gpus))
-    return {RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": str(threads)}
+    from dtlaunch.train.flight_recorder import launch_env
+
+    recorder = launch_env(int(cfg.launch.flight_recorder_entries), run_dir)
+    return {RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": str(threads), **recorder}
 
 
 def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> str:
@@ -111,7 +115,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     from torch.distributed.run import get_args_parser, run
 
     from dtlaunch.launch import worker_errors
-    from dtlaunch.train import preempt
+    from dtlaunch.train import flight_recorder, preempt
 
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
@@ -120,6 +124,8 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     args.signals_to_handle = preempt.agent_signals()
     preempt.clear_marker(run_dir)
     worker_errors.clear(run_dir)
+    flight_recorder.clear(run_dir)
+    launched_at = time.time()
     os.environ.update(worker_env(cfg, run_dir, gpus))
     # torchrun's agent logs every failure and SIGTERM it sends as several warning lines; the user gets
     # our single line instead (the details stay in logs/rank<R>.log).
@@ -135,7 +141,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
             run(args)
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
-            raise Preempted(preempted_message(run_dir, "a signal")) from None
+            raise Preempted(preempted_message(run_dir, "a signal", cfg)) from None
         message = worker_errors.read(run_dir)
         if message is not None:  # a worker found bad input: the user's error (exit 2), not a crash
             raise InputError(message) from None
@@ -143,18 +149,40 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
-        raise Preempted(preempted_message(run_dir, exc.sigval.name)) from None
+        if preempt.read_marker(run_dir) is None and finished_since(run_dir, launched_at, int(cfg.training.steps)):
+            return  # the signal came after the last step's checkpoint and summary: the run is complete
+        raise Preempted(preempted_message(run_dir, exc.sigval.name, cfg)) from None
     finally:
         for n, lvl in levels.items():
             logging.getLogger(n).setLevel(lvl)
 
 
-def preempted_message(run_dir: Path, signame: str) -> str:
+def finished_since(run_dir: Path, launched_at: float, total_steps: int) -> bool:
+    """Whether this launch's workers completed the run: rank 0 writes summary.json after the final
+    checkpoint, so a fresh one (not an earlier launch's) that reached the last step means done."""
+    import json
+
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < launched_at:
+            return False
+        return int(json.loads(path.read_text()).get("final_step") or 0) >= total_steps
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+def preempted_message(run_dir: Path, signame: str, cfg: Any = None) -> str:
     """The one line for a stopped run: where it was saved (exit 75), or that nothing was (exit 1)."""
     from dtlaunch.train import preempt
 
     marker = preempt.read_marker(run_dir)
     if marker is None:
+        older = _newest_checkpoint(cfg, run_dir) if cfg is not None else None
+        if older is not None:  # not saved at the stop, but a new start still resumes from an earlier one
+            return (
+                f"stopped by {signame} before the workers saved at a step boundary; the newest checkpoint is "
+                f"{older.path.name}: run the same command again to resume from it"
+            )
         raise WorkerFailed(
             f"stopped by {signame} before a checkpoint was saved (the workers did not reach a step boundary in "
             f"launch.timeout_s, or checkpoint.enabled=false): see {run_dir / 'logs'}"
@@ -163,6 +191,12 @@ def preempted_message(run_dir: Path, signame: str) -> str:
         f"preempted by {marker['signal']}: checkpoint saved at step {marker['step']}; "
         f"run the same command again to resume"
     )
+
+
+def _newest_checkpoint(cfg: Any, run_dir: Path) -> Any:
+    from dtlaunch.train.checkpoint import checkpoint_root, newest_complete
+
+    return newest_complete(checkpoint_root(cfg, run_dir))[0] if cfg.checkpoint.enabled else None
 
 
 # Errors a rank reports because a *peer* died (its collective lost the connection) or because the agent

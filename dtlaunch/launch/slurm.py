@@ -121,6 +121,10 @@ def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "")
             f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} > 0 ? "
             f"${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} : 1 ))"
         )
+    from dtlaunch.train.flight_recorder import launch_env
+
+    # torch's collective flight recorder (launch.flight_recorder_entries): dumped on a collective timeout.
+    lines += [f"export {k}={_q('run.dir', v)}" for k, v in launch_env(int(la.flight_recorder_entries), run_dir).items()]
     if cfg.cluster.setup:
         lines.append("# cluster.setup (shell code, run as written)")
         lines += [str(s) for s in cfg.cluster.setup]

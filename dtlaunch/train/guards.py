@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from dtlaunch.errors import EXIT_WORKER_FAILED, DtlaunchError
+from dtlaunch.train import flight_recorder
 
 _KEY = "dtlaunch/reached/"
 
@@ -54,14 +55,22 @@ class StepWatch:
         self.store = _default_store()
         self._step = -1  # the step this rank has entered; the heartbeat thread publishes it
         self._written = -1
+        self.dumps = flight_recorder.PeerDumps(self.store, rank, world)
         if self.store is not None:
             threading.Thread(target=self._beat, name="dtlaunch-stepwatch", daemon=True).start()
 
     def reached(self, step: int) -> None:
         self._step = step
 
-    def _beat(self, period_s: float = 0.2) -> None:
+    def _beat(self, period_s: float = 0.2, poll_every: int = 5) -> None:
+        beats = 0
         while True:
+            beats += 1
+            if beats % poll_every == 0:  # a peer's collective timed out: write this rank's flight record
+                try:
+                    self.dumps.poll()
+                except (RuntimeError, ValueError, OSError):
+                    return
             step = self._step
             if step != self._written:
                 try:
@@ -96,13 +105,23 @@ class StepWatch:
                 late[r] = last
         return late
 
-    def explain(self, step: int, exc: BaseException) -> CollectiveTimeout:
+    def explain(self, step: int, exc: BaseException, dump_wait_s: float = 10.0) -> CollectiveTimeout:
         late = self.behind(step)
+        own = flight_recorder.record()  # before the dumps: the collective this rank is stuck in
+        what = flight_recorder.last_collective(own)
         where = f"a collective at step {step} waited longer than launch.timeout_s={self.timeout_s:g}s"
+        where += f" ({what})" if what else ""
+        dumped = self.dumps.collect(dump_wait_s)
+        folder = flight_recorder.dump_dir()
+        record = (
+            f"; flight records of {dumped}/{self.world} ranks in {folder}: {flight_recorder.analyse_command(folder)}"
+            if dumped and folder is not None
+            else ""
+        )
         if late:
             who = ", ".join(
                 f"rank {r} (last at step {s})" if s >= 0 else f"rank {r} (no step yet)" for r, s in late.items()
             )
-            return CollectiveTimeout(f"{where}: did not arrive: {who}; see logs/rank{next(iter(late))}.log")
+            return CollectiveTimeout(f"{where}: did not arrive: {who}; see logs/rank{next(iter(late))}.log{record}")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return CollectiveTimeout(f"{where}: every rank reached the step, one is stuck inside it ({first})")
+        return CollectiveTimeout(f"{where}: every rank reached the step, one is stuck inside it ({first}){record}")

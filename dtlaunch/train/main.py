@@ -96,6 +96,8 @@ class LoopSettings:
     fail_at_step: int  # fault injection (debug.*): -1 when this rank does not fail, or after a restart
     hang_at_step: int
     fail_mode: str
+    hold_at_step: int
+    slow_step_s: float  # fault injection: this rank sleeps this long in every step (0: not this rank)
 
     @classmethod
     def of(cls, cfg: Any, rank: int) -> LoopSettings:
@@ -111,6 +113,8 @@ class LoopSettings:
             fail_at_step=int(d.fail_at_step) if injects else -1,
             hang_at_step=int(d.hang_at_step) if injects else -1,
             fail_mode=str(d.fail_mode),
+            hold_at_step=int(d.hold_at_step) if injects else -1,
+            slow_step_s=float(d.slow_step_s) if rank == int(d.fail_rank) else 0.0,
         )
 
     def saves_at(self, step: int) -> bool:
@@ -140,6 +144,11 @@ def maybe_fail(loop: LoopSettings, step: int) -> None:
             time.sleep(0.05)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
+    if step == loop.hold_at_step:
+        # Tests signal a run at a known step: this rank waits here, its peers in their next collective.
+        log(f"holding at step {step} (debug.hold_at_step)")
+        while not preempt.requested():
+            time.sleep(0.01)
 
 
 @record
@@ -210,6 +219,8 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
         with watch.step(step), tracker.step(step):
+            if loop.slow_step_s:  # a slow rank (debug.slow_step_s): its peers wait for it in the step's collectives
+                time.sleep(loop.slow_step_s)
             result = rt.step(ctx, step)
             rates.append(tokens_per_step / (time.perf_counter() - began))
             done = sync.push(
@@ -247,6 +258,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         state.ended[step] = time.perf_counter()
     with watch.step(loop.steps):
         _account(sync.drain(), loop, metrics, tracker, state, ctx.moe)
+    maybe_fail(loop, loop.steps + 1)  # fault injection "after the last step": before the final checkpoint
     skipped_total, last_loss = state.skipped_total, state.last_loss
     final_step = max(start, loop.steps)
     ckpt.save(final_step, final=True)

@@ -1,5 +1,9 @@
 """Preemption through the CLI: SIGTERM / SIGUSR1 -> every rank stops at the same step boundary, saves that
 step, and `dtlaunch train` exits 75 with one line; the same command again resumes with identical losses.
+
+No test signals a run by watching its progress (a fast machine finishes first, a slow one is signalled
+before it started): rank `debug.fail_rank` holds at `debug.hold_at_step` until the signal arrives, and one
+collective per step (training.sync_interval_s=0) makes the step every rank stops after exact.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import worker_pid
 
-STEPS = 30  # long enough that a signal sent after step 2 lands mid-run
+STEPS = 30
+HOLD = 4  # rank 1 waits at the start of this step for the signal
 COMMON = [
     f"training.steps={STEPS}",
     "training.seq_len=32",
@@ -23,7 +28,11 @@ COMMON = [
     "checkpoint.every_steps=1000",
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "training.sync_interval_s=0",
 ]
+# The signal reaches the held rank before its step HOLD; the flag rides on that step's collective, which
+# every rank reads one step later: all stop after HOLD + 1.
+STOP = HOLD + 1
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -40,15 +49,25 @@ def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
+def wait_until_held(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
+    """Until rank 1 logs that it holds at `step` (debug.hold_at_step)."""
     deadline = time.monotonic() + timeout
-    while len(steps_logged(run_dir)) < step:
+    log = run_dir / "logs" / "rank1.log"
+    while not (log.is_file() and f"holding at step {step} (debug.hold_at_step)" in log.read_text()):
         if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
             out, err = proc.communicate()
             pytest.fail(
                 f"run ended (rc {proc.returncode}) or stalled before step {step}:\n{out[-2000:]}\n{err[-2000:]}"
             )
         time.sleep(0.05)
+
+
+def held(run_dir: Path, *overrides: str, step: int = HOLD) -> subprocess.Popen:
+    """A run whose rank 1 holds at `step`, waited for."""
+    proc = start(run_dir, *overrides, f"debug.hold_at_step={step}", "debug.fail_rank=1")
+    wait_until_held(proc, run_dir, step)
+    return proc
 
 
 def assert_preempted(proc: subprocess.Popen, run_dir: Path, signame: str) -> int:
@@ -58,7 +77,7 @@ def assert_preempted(proc: subprocess.Popen, run_dir: Path, signame: str) -> int
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"preempted by {signame}: checkpoint saved at step" in lines[0], err
     step = int(lines[0].split("at step ")[1].split(";")[0])
-    assert 2 <= step < STEPS
+    assert step == STOP
     # Every rank stopped after the same step, and that step is the last one logged.
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
@@ -76,13 +95,16 @@ def test_sigterm_to_cli_saves_exits_75_and_resumes_identically(trainer, tmp_path
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "recipe=tiny_ddp")
-    wait_for_step(proc, run_dir, 2)
+    proc = held(run_dir, "recipe=tiny_ddp")
     from dtlaunch.commands.status import local_status
 
-    # `dtlaunch status` of the live run: the launcher's pid, the step it is at.
+    # `dtlaunch status` of the live run: the launcher's pid, the step it is at. Rank 0 logs step HOLD - 2
+    # once its step HOLD - 1 is done, which the held rank does not prevent.
+    deadline = time.monotonic() + 120
+    while (local_status(run_dir.resolve())["step"] or 0) < HOLD - 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     live = local_status(run_dir.resolve())
-    assert live["state"] == "running" and live["pid"] == proc.pid and live["step"] >= 2, live
+    assert live["state"] == "running" and live["pid"] == proc.pid and live["step"] == HOLD - 2, live
     assert live["total_steps"] == STEPS
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -108,10 +130,22 @@ def test_sigterm_to_cli_saves_exits_75_and_resumes_identically(trainer, tmp_path
 def test_sigusr1_to_one_worker_stops_every_rank_without_restart(tmp_path: Path) -> None:
     """Only rank 1 gets the signal; the all-reduce makes rank 0 stop too; max_restarts=1 must not restart."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "recipe=tiny_fsdp", "launch.max_restarts=1")
-    wait_for_step(proc, run_dir, 2)
+    proc = held(run_dir, "recipe=tiny_fsdp", "launch.max_restarts=1")
     pid = worker_pid(run_dir, 1)
     assert pid is not None, f"no worker of rank 1 for {run_dir}"
     os.kill(pid, signal.SIGUSR1)
     assert_preempted(proc, run_dir, "SIGUSR1")
     assert "attempt 1" not in (run_dir / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_after_the_last_step_is_a_finished_run(tmp_path: Path) -> None:
+    """The signal lands while the final checkpoint is being written: the run is complete, exit 0."""
+    run_dir = tmp_path / "run"
+    proc = held(run_dir, "recipe=tiny_ddp", "training.steps=4", step=5)  # 5 = after the last step
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "run finished" in out and "SIGTERM" not in out + err, out[-2000:] + err[-2000:]
+    assert (run_dir / "checkpoints" / f"step-{4:08d}" / "COMPLETE.json").is_file()
+    assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"

@@ -42,7 +42,11 @@ def test_launch_command(tmp_path: Path) -> None:
     from dtlaunch.launch.local import launch_command
 
     cmd = launch_command(_cfg("launch.max_restarts=2", "launch.threads_per_worker=3"), tmp_path)
-    assert cmd.startswith(f"DTLAUNCH_RUN_DIR={tmp_path} OMP_NUM_THREADS=3 torchrun ")
+    assert cmd.startswith(f"DTLAUNCH_RUN_DIR={tmp_path} OMP_NUM_THREADS=3 ")
+    # The collective flight recorder is on unless launch.flight_recorder_entries=0.
+    assert f"TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE={tmp_path}/flight_recorder/rank_ " in cmd
+    off = launch_command(_cfg("launch.flight_recorder_entries=0"), tmp_path)
+    assert "TORCH_FR" not in off and " torchrun " in off
     for part in ("--nproc-per-node=2", "--max-restarts=2", "--standalone", "-m dtlaunch.train.main"):
         assert part in cmd
     multi = launch_command(_cfg("launch.nnodes=2", "launch.rdzv_endpoint=node0:29500"), tmp_path)
