@@ -303,6 +303,18 @@ def status(
     raise typer.Exit(run_status_command(run, root, as_json=as_json))
 
 
+@app.command()
+def debug(
+    run: str = typer.Argument(..., help="Run directory (or a name under --root) of a live local run."),
+    root: Optional[str] = typer.Option(None, "--root", help="Where runs live (run.root; default runs)."),
+    py_spy: bool = typer.Option(False, "--py-spy", help="Read the stacks with py-spy instead of a signal."),
+) -> None:
+    """Every rank's Python stacks of a live run, now (SIGUSR2 -> faulthandler into the rank logs, or py-spy)."""
+    from dtlaunch.commands.debug import debug_command
+
+    raise typer.Exit(debug_command(run, root, py_spy=py_spy))
+
+
 def run() -> None:
     """Console entry point: one-line errors with documented exit codes."""
     from dtlaunch.errors import DtlaunchError

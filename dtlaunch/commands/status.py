@@ -111,11 +111,8 @@ def _last_activity(run_dir: Path) -> float:
     return max(f.stat().st_mtime for f in files if f.exists())
 
 
-def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -> int:
-    from dtlaunch.commands.common import console
-
-    if run is None:
-        return recent_runs_command(root, as_json)
+def resolve_run_dir(run: str, root: Optional[str]) -> Path:
+    """A run given as a directory or as a name under `root` (run.root), made absolute."""
     from dtlaunch.config.schema import RunConfig
 
     root = root or RunConfig().root
@@ -124,7 +121,15 @@ def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -
         run_dir = Path(root) / run
     if not run_dir.is_dir():
         raise InputError(f"run '{run}' not found: give a run directory (or a name under {root}/)")
-    run_dir = run_dir.resolve()
+    return run_dir.resolve()
+
+
+def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -> int:
+    from dtlaunch.commands.common import console
+
+    if run is None:
+        return recent_runs_command(root, as_json)
+    run_dir = resolve_run_dir(run, root)
     if (run_dir / "sweep.json").is_file() and not (run_dir / "config.yaml").is_file():
         return recent_runs_command(str(run_dir), as_json)  # a sweep directory: its points
     if (run_dir / "slurm.json").is_file():

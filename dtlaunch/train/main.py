@@ -159,6 +159,8 @@ def main() -> None:
     # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
     # torchrun reports only the signal: dump every thread's stack into the rank's log first.
     faulthandler.enable(all_threads=True)
+    # `dtlaunch debug RUN`: every thread's stack into this log on demand, while the run goes on.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     cfg = load_resolved(run_dir / "config.yaml")
     env = init_distributed(cfg)
     try:

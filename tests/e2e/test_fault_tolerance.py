@@ -127,13 +127,17 @@ def test_bad_steps_in_a_row_stop_the_run(trainer, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_stuck_rank_is_named_after_the_collective_timeout(trainer, tmp_path: Path) -> None:
-    """Rank 1 stops at step 3; rank 0's collective gives up after launch.timeout_s and names rank 1."""
+    """Rank 1 stops at step 3; rank 0's collective gives up after launch.timeout_s and names rank 1, the
+    collective, and the flight records both ranks dumped; torch's analyser finds rank 1 missing in them."""
+    import subprocess
+    import sys
     import time
 
     timeout_s = 10
+    run_dir = tmp_path / "run"
     began = time.monotonic()
     proc = trainer.run(
-        tmp_path / "run",
+        run_dir,
         "recipe=tiny_ddp",
         "debug.hang_at_step=3",
         "debug.fail_rank=1",
@@ -143,7 +147,20 @@ def test_stuck_rank_is_named_after_the_collective_timeout(trainer, tmp_path: Pat
     took = time.monotonic() - began
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = one_error_line(proc)
-    assert f"a collective at step 3 waited longer than launch.timeout_s={timeout_s}s" in line, line
+    assert f"a collective at step 3 waited longer than launch.timeout_s={timeout_s}s (all_reduce #" in line, line
     assert "did not arrive: rank 1 (last at step 2)" in line, line
+    records = run_dir / "flight_recorder"
+    assert f"flight records of 2/2 ranks in {records}: torchfrtrace {records}" in line, line
+    assert sorted(p.name for p in records.iterdir()) == ["rank_0", "rank_1"]
+    # The printed command, run as printed (the console script next to this interpreter).
+    tool = Path(sys.executable).parent / "torchfrtrace"
+    cmd = (
+        [str(tool), str(records)]
+        if tool.is_file()
+        else [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(records)]
+    )
+    analysis = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert analysis.returncode == 0, analysis.stderr[-3000:]
+    assert "missing ranks: {1}" in analysis.stdout and "collective: gloo:all_reduce" in analysis.stdout, analysis
     # Bounded: start-up plus the timeout plus the teardown, not a hang (measured ~15 s + 10 s + 5 s here).
     assert took < 150, took
