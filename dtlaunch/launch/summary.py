@@ -92,6 +92,15 @@ def summary_lines(summary: dict[str, Any], run_dir: Path) -> list[str]:
         if planned:
             mem += f" vs {human_bytes(planned)} planned"
         rows.append(("peak memory", mem))
+    slow = summary.get("slow_rank")
+    if isinstance(slow, dict):  # dtlaunch.train.stragglers: persistently slower than the others
+        rows.append(
+            (
+                "slow rank",
+                f"rank {slow['rank']}: {slow['median_ms']:.1f} ms/step (median) vs {slow['others_median_ms']:.1f} ms "
+                f"on the other ranks (+{100 * slow['slower_by']:.0f}%)",
+            )
+        )
     rows.append(("checkpoint", summary.get("newest_checkpoint") or "none (checkpoint.enabled=false)"))
     rows.append(("tensorboard", summary.get("tensorboard", "")))
     return [f"run finished: {run_dir}"] + [f"  {label:<12} {value}" for label, value in rows]

@@ -215,7 +215,10 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     last_eval: dict[str, float] = {}
     watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
     loop = LoopSettings.of(cfg, env.rank)
-    sync = WindowSync(env.device, int(cfg.training.log_every), loop.steps, float(cfg.training.sync_interval_s))
+    pace = _rank_pace(cfg, env, state)  # per-rank times per step; names a slow rank (training.straggler_threshold)
+    sync = WindowSync(
+        env.device, int(cfg.training.log_every), loop.steps, float(cfg.training.sync_interval_s), pace=pace
+    )
     for step in range(start + 1, loop.steps + 1):
         maybe_fail(loop, step)
         lr = schedulers[0].get_last_lr()[0]
@@ -223,7 +226,11 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         with watch.step(step), tracker.step(step):
             if loop.slow_step_s:  # a slow rank (debug.slow_step_s): its peers wait for it in the step's collectives
                 time.sleep(loop.slow_step_s)
+            if pace is not None:
+                pace.started()
             result = rt.step(ctx, step)
+            if pace is not None:
+                pace.ended()
             rates.append(tokens_per_step / (time.perf_counter() - began))
             done = sync.push(
                 step,
@@ -267,7 +274,15 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     ckpt.close()
     metrics.close()
     summary = write_summary(
-        run_dir, env, final_step, last_loss, rates, skipped_total, measure_peak_memory(tracker), last_eval
+        run_dir,
+        env,
+        final_step,
+        last_loss,
+        rates,
+        skipped_total,
+        measure_peak_memory(tracker),
+        last_eval,
+        extra=_straggler_summary(state.stragglers),
     )
     metrics.finish_trackers(summary)
     log(f"done at step {final_step}; {skipped_total} skipped step(s)")
@@ -282,6 +297,25 @@ class _LoopState:
         self.last_loss: float | None = None
         self.ended: dict[int, float] = {}  # step -> perf_counter at the end of its loop iteration
         self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
+        self.stragglers: Any = None  # dtlaunch.train.stragglers.StragglerWatch on global rank 0
+
+
+def _rank_pace(cfg: Any, env: DistEnv, state: _LoopState) -> Any:
+    """The per-rank timing that rides on the window collective (None: off, or a world of one)."""
+    from dtlaunch.train.stragglers import RankPace, StragglerWatch
+
+    threshold = float(cfg.training.straggler_threshold)
+    if threshold <= 0 or env.world < 2:
+        return None
+    if env.rank == 0:
+        state.stragglers = StragglerWatch(env.world, threshold)
+    return RankPace(env.rank, env.world)
+
+
+def _straggler_summary(watch: Any) -> dict[str, Any]:
+    if watch is None or not watch.windows:
+        return {}
+    return {"step_ms_per_rank_median": [round(m, 3) for m in watch.medians()], "slow_rank": watch.slowest()}
 
 
 def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int) -> Any:
@@ -318,12 +352,29 @@ def _account(
         }
         if out.step in state.ended:  # the step's own end, not when its window was read
             values["ended_at"] = state.ended.pop(out.step)
+        if out.ranks is not None and state.stragglers is not None:
+            values.update(_rank_times(out.ranks, state.stragglers))
         metrics.log(out.step, values)
         if skipped and state.bad >= loop.max_bad_steps:
             raise TrainingDiverged(
                 f"{state.bad} steps in a row with a non-finite loss or gradient norm (last at step "
                 f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
             )
+
+
+def _rank_times(payload: list[float], watch: Any) -> dict[str, Any]:
+    """A window's per-rank own time per step (metrics), and the slow rank the live line names."""
+    from dtlaunch.train.stragglers import own_ms
+
+    own = own_ms(payload, watch.world)
+    if own is None:
+        return {}
+    watch.add(own)
+    values: dict[str, Any] = {"rank_step_ms": [round(v, 3) for v in own]}
+    slow = watch.slowest(watch.RECENT)
+    if slow is not None:
+        values.update(slow_rank=slow["rank"], slow_rank_ms=slow["median_ms"], others_ms=slow["others_median_ms"])
+    return values
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -339,6 +390,7 @@ def write_summary(
     skipped: int,
     peak: int,
     last_eval: dict[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     peaks = [0] * env.world
     dist.all_gather_object(peaks, peak)
@@ -352,6 +404,7 @@ def write_summary(
         "peak_mem_bytes_per_rank": peaks,
         "world": env.world,
         **(last_eval or {}),
+        **(extra or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

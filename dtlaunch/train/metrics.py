@@ -226,13 +226,15 @@ class _Display:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
         if isinstance(rec.get("peak_mem_bytes"), int):
             parts.append(f"mem {human_bytes(rec['peak_mem_bytes'])}")
+        if isinstance(rec.get("slow_rank"), int):  # dtlaunch.train.stragglers
+            parts.append(f"slow rank {rec['slow_rank']}: {rec['slow_rank_ms']:.1f} vs {rec['others_ms']:.1f} ms/step")
         return " | ".join(parts)
 
     def update(self, step: int, rec: dict[str, Any]) -> None:
         stats = self.describe(rec)
         if self._progress is not None:
             short = " | ".join(
-                p for p in stats.split(" | ") if p.startswith(("loss", "val_loss")) or p.endswith("tok/s")
+                p for p in stats.split(" | ") if p.startswith(("loss", "val_loss", "slow rank")) or p.endswith("tok/s")
             )
             self._progress.update(self._task, completed=step, stats=short)
         else:

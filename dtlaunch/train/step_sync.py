@@ -39,6 +39,7 @@ class StepOutcome:
     applied: bool
     host: dict[str, Any] = field(default_factory=dict)  # values the loop measured on the host (lr, time)
     stats: Optional[list[float]] = None  # the step's extra vector (router statistics), summed over ranks
+    ranks: Optional[list[float]] = None  # last step of a window: the per-rank payload (dtlaunch.train.stragglers)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class _Window:
     reduced: torch.Tensor  # [loss per step..., asked, signal number, next window], summed over ranks
     local: torch.Tensor  # [grad norm per step..., applied per step...] (equal on every rank already)
     stats_len: int = 0  # per step, at the end of `reduced` (after the flags)
+    ranks_len: int = 0  # the per-rank payload, at the very end of `reduced`
     work: Any = None  # the all-reduce in flight (gloo: waited for when read)
     ready: Any = None  # CUDA event after the copies to the host
 
@@ -57,8 +59,11 @@ class WindowSync:
 
     MAX_WINDOWS = 100  # a window spans at most this many log_every periods
 
-    def __init__(self, device: torch.device, log_every: int, total_steps: int, interval_s: float = 0.0) -> None:
+    def __init__(
+        self, device: torch.device, log_every: int, total_steps: int, interval_s: float = 0.0, pace: Any = None
+    ) -> None:
         self.device = device
+        self.pace = pace  # dtlaunch.train.stragglers.RankPace: one slot per rank in each window
         self.log_every = max(1, int(log_every))
         self.total_steps = int(total_steps)
         self.interval_s = float(interval_s)
@@ -136,7 +141,9 @@ class WindowSync:
         if self.device.type == "cuda":  # a blocking copy from pageable memory would synchronise the stream
             flags = flags.pin_memory().to(self.device, non_blocking=True)
         stats_len = self._stats[0].numel() if self._stats else 0
-        reduced = torch.cat([torch.stack(self._losses), flags, *self._stats])
+        ranks = self.pace.payload() if self.pace is not None else []
+        extra = [torch.tensor(ranks).pin_memory().to(self.device, non_blocking=True)] if ranks else []
+        reduced = torch.cat([torch.stack(self._losses), flags, *self._stats, *extra])
         if all(isinstance(a, torch.Tensor) for a in self._applied):  # decided on the device
             applied = torch.stack([a.float() for a in self._applied])
         else:  # decided on the host (CPU, GradScaler): the flags are plain booleans
@@ -144,7 +151,7 @@ class WindowSync:
             if self.device.type == "cuda":
                 applied = applied.pin_memory().to(self.device, non_blocking=True)
         local = torch.cat([torch.stack(self._norms), applied.to(self.device)])
-        win = _Window(self._steps, self._host, reduced, local, stats_len)
+        win = _Window(self._steps, self._host, reduced, local, stats_len, len(ranks))
         self._steps, self._host, self._losses, self._norms, self._applied = [], [], [], [], []
         self._stats = []
         if self.world > 1:
@@ -165,9 +172,10 @@ class WindowSync:
         """The CPU path of `_send`: the same window, built from host numbers."""
         flags = [float(signal_requested > 0), float(signal_requested), self._proposal()]
         stats_len = len(self._stats[0]) if self._stats else 0
-        reduced = torch.tensor([*self._losses, *flags, *(v for row in self._stats for v in row)])
+        ranks = self.pace.payload() if self.pace is not None else []
+        reduced = torch.tensor([*self._losses, *flags, *(v for row in self._stats for v in row), *ranks])
         local = torch.tensor([*self._norms, *(float(a) for a in self._applied)])
-        win = _Window(self._steps, self._host, reduced, local, stats_len)
+        win = _Window(self._steps, self._host, reduced, local, stats_len, len(ranks))
         self._steps, self._host, self._losses, self._norms, self._applied = [], [], [], [], []
         self._stats = []
         if self.world > 1:
@@ -187,7 +195,7 @@ class WindowSync:
             self.signum = round(total / asked)  # the mean signal number over the ranks that got one
         self.window = max(self.log_every, window)
         k = win.stats_len
-        return [
+        out = [
             StepOutcome(
                 step,
                 values[i] / self.world,
@@ -198,3 +206,6 @@ class WindowSync:
             )
             for i, step in enumerate(win.steps)
         ]
+        if win.ranks_len and out:
+            out[-1].ranks = values[len(values) - win.ranks_len :]
+        return out

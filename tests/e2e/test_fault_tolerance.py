@@ -161,6 +161,29 @@ def test_stuck_rank_is_named_after_the_collective_timeout(trainer, tmp_path: Pat
     )
     analysis = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert analysis.returncode == 0, analysis.stderr[-3000:]
-    assert "missing ranks: {1}" in analysis.stdout and "collective: gloo:all_reduce" in analysis.stdout, analysis
+    report = analysis.stdout + analysis.stderr  # the analyser logs its findings
+    assert "missing ranks: {1}" in report and "collective: gloo:all_reduce" in report, report[-3000:]
     # Bounded: start-up plus the timeout plus the teardown, not a hang (measured ~15 s + 10 s + 5 s here).
     assert took < 150, took
+
+
+@pytest.mark.slow
+def test_slow_rank_is_named_in_the_summary(trainer, tmp_path: Path) -> None:
+    """Rank 1 sleeps 0.2 s in every step (debug.slow_step_s): rank 0 waits for it in each step's
+    collective, and the end summary names rank 1 with its median against the other's."""
+    run_dir = tmp_path / "run"
+    proc = trainer.run(
+        run_dir,
+        "recipe=tiny_ddp",
+        "training.steps=8",
+        "training.sync_interval_s=0",
+        "debug.slow_step_s=0.2",
+        "debug.fail_rank=1",
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["slow_rank"]["rank"] == 1, summary
+    assert summary["slow_rank"]["slower_by"] > 0.1, summary
+    assert "slow rank    rank 1: " in proc.stdout and "ms on the other ranks" in proc.stdout, proc.stdout[-2000:]
+    rows = metrics_rows(run_dir)
+    assert all(len(r["rank_step_ms"]) == 2 for r in rows if "rank_step_ms" in r)
+    assert any(r.get("slow_rank") == 1 for r in rows)  # the live line named it as well
