@@ -146,9 +146,8 @@ class TrainingConfig:
     eval_batches: int = 4
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
     loss_plot: bool = True
-    # Name a rank whose own time per step (its step time less its wait for the others at the step's
-    # collectives) is this fraction above the other ranks' median, over the run and on the live line.
-    # Needs the flight recorder (launch.flight_recorder_entries > 0). 0 = off.
+    # Name a rank whose own time per step (its step period less its wait for the latest rank to start the
+    # step) is this fraction above the other ranks' median, on the live line and in the summary. 0 = off.
     straggler_threshold: float = 0.10
 
 
