@@ -26,8 +26,8 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dtlaunch.train import ckpt_integrity
-    from dtlaunch.train.checkpoint import _SlowWriter
+    from dtlaunch.train.checkpoint import integrity as ckpt_integrity
+    from dtlaunch.train.checkpoint.manager import _SlowWriter
 
     if args.algorithm:
         ckpt_integrity.default_algorithm = lambda: args.algorithm  # type: ignore[assignment]

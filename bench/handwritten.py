@@ -92,7 +92,7 @@ def build(args: argparse.Namespace, device: torch.device, world: int):  # noqa: 
     elif args.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        from dtlaunch.train.parallelize import no_buffer_sync
+        from dtlaunch.train.parallel.parallelize import no_buffer_sync
 
         ids = [device.index] if device.type == "cuda" else None
         sync = {} if args.broadcast_buffers else no_buffer_sync()

@@ -66,11 +66,11 @@ def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...]
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.data import build_loader
-    from dtlaunch.train.memtrack import PeakTracker
-    from dtlaunch.train.mesh import build_mesh, dp_rank_size
-    from dtlaunch.train.metrics import MetricsLogger
+    from dtlaunch.train.observe.memtrack import PeakTracker
+    from dtlaunch.train.observe.metrics import MetricsLogger
     from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.parallelize import parallelize
+    from dtlaunch.train.parallel.mesh import build_mesh, dp_rank_size
+    from dtlaunch.train.parallel.parallelize import parallelize
     from dtlaunch.train.step import StepContext
 
     cfg = compose(
@@ -105,7 +105,7 @@ def main() -> None:
     rank, world = init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from bench import handwritten
-    from dtlaunch.train.pp_step import clip_grad_norm
+    from dtlaunch.train.parallel.pp_step import clip_grad_norm
     from dtlaunch.train.step import train_step
     from dtlaunch.train.step_sync import WindowSync
 

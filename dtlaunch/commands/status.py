@@ -61,7 +61,7 @@ def local_status(run_dir: Path) -> dict[str, Any]:
     """state, step, total_steps, last_loss, newest_checkpoint, pid, host, error for one run directory."""
     from dtlaunch.launch.runstate import pid_alive, read_state
     from dtlaunch.train import preempt
-    from dtlaunch.train.checkpoint import newest_complete
+    from dtlaunch.train.checkpoint.manager import newest_complete
 
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"'{run_dir}' is not a dtlaunch run directory (no config.yaml): give runs/<name>")

@@ -44,7 +44,7 @@ def train_command(
 
     check_hf_weights(job.cfg)
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
-    from dtlaunch.train.checkpoint import NO_RESUME_ENV
+    from dtlaunch.train.checkpoint.manager import NO_RESUME_ENV
     from dtlaunch.train.data import prepare_run_data
 
     if no_resume:

@@ -72,7 +72,7 @@ def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from dtlaunch.train.checkpoint import _SafeLoadPlanner, resolve_load_path
+    from dtlaunch.train.checkpoint.manager import _SafeLoadPlanner, resolve_load_path
 
     info, _ = resolve_load_path(Path(path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata()

@@ -69,7 +69,7 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
     against the config: same parameter names and shapes. Returns its CheckpointInfo, or None."""
     import os
 
-    from dtlaunch.train.checkpoint import (
+    from dtlaunch.train.checkpoint.manager import (
         NO_RESUME_ENV,
         VERIFIED_ENV,
         checkpoint_root,
@@ -96,7 +96,7 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
         say(f"resuming from {info.name} (step {info.step}), the newest intact checkpoint")
     check_model_matches(cfg, info)
     if info.verified:
-        from dtlaunch.train.checkpoint import verified_stamp
+        from dtlaunch.train.checkpoint.manager import verified_stamp
 
         os.environ[VERIFIED_ENV] = verified_stamp(info.path)
     return info

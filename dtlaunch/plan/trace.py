@@ -60,7 +60,7 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
-    from dtlaunch.train.mesh import build_mesh
+    from dtlaunch.train.parallel.mesh import build_mesh
 
     mesh = build_mesh(layout, "cpu")  # outside FakeTensorMode: the mesh holds real rank tensors
     mode: Any = contextlib.nullcontext()
@@ -106,7 +106,7 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     import torch
     from torch._guards import active_fake_mode
 
-    from dtlaunch.train.dist_init import DistEnv
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.runtime import build_runtime
 
     device = torch.device("cpu")
@@ -177,11 +177,11 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     from dtlaunch.config.layout import pp_microbatches
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.optim import build_optimizer
-    from dtlaunch.train.parallelize import DTYPES, parallelize
-    from dtlaunch.train.pipeline import build_stage_modules
-    from dtlaunch.train.pp_stage import set_fsdp_sync
-    from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.tensor_parallel import cross_entropy
+    from dtlaunch.train.parallel.parallelize import DTYPES, parallelize
+    from dtlaunch.train.parallel.pipeline import build_stage_modules
+    from dtlaunch.train.parallel.pp_stage import set_fsdp_sync
+    from dtlaunch.train.parallel.pp_step import clip_grad_norm
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     device = torch.device("cpu")
     stage = rank // (layout.world // layout.pp)  # pp is the outermost mesh dimension
@@ -209,13 +209,13 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     reshard = bool(cfg.strategy.pp_reshard_grads)
 
     def one_step(warmup: bool = False) -> None:
-        from dtlaunch.train.parallelize import compute_context
+        from dtlaunch.train.parallel.parallelize import compute_context
 
         for _ in traced_micro_steps(accum, warmup):
             held: dict[int, tuple[Any, ...]] = {}
             for kind, i in order:
                 last_bwd = kind == "B" and i == n_mb - 1
-                if fsdp:  # what the pipeline stage (dtlaunch.train.pp_stage) does around each backward
+                if fsdp:  # what the pipeline stage (dtlaunch.train.parallel.pp_stage) does around each backward
                     set_fsdp_sync(part, last_bwd or reshard)
                 if kind == "F":
                     if first:
@@ -258,7 +258,7 @@ def _counted_peak(one_step: Any, parts: list, optimizers: list, steps: int) -> i
     untracked warm-up), with what exists between steps counted first."""
     from torch._guards import active_fake_mode
 
-    from dtlaunch.train.memtrack import StorageCounter, state_tensors
+    from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 
     counter = StorageCounter(fake_mode=active_fake_mode())
     for _ in range(_tracked_steps(steps)):
@@ -326,8 +326,8 @@ def _one_step(ctx: Any, tracker: Optional[Any], warmup: bool = False) -> None:
     `traced_micro_steps`, clipping, AdamW, zero_grad."""
     import torch
 
-    from dtlaunch.train.parallelize import grad_sync
-    from dtlaunch.train.pp_step import clip_grad_norm
+    from dtlaunch.train.parallel.parallelize import grad_sync
+    from dtlaunch.train.parallel.pp_step import clip_grad_norm
     from dtlaunch.train.step import _micro_step
 
     t = ctx.cfg.training

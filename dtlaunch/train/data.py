@@ -164,7 +164,7 @@ class TokenLoader:
         # the model their true positions for RoPE); its CP peers read the same samples.
         self.cp_positions: Optional[np.ndarray] = None
         if cp_size > 1:
-            from dtlaunch.train.context_parallel import local_positions
+            from dtlaunch.train.parallel.context_parallel import local_positions
 
             self.cp_positions = local_positions(seq_len, cp_rank, cp_size)
         self.cp_size = cp_size

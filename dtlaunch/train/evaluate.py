@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.parallelize import compute_context
-from dtlaunch.train.tensor_parallel import cross_entropy
+from dtlaunch.train.parallel.parallelize import compute_context
+from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
 
 @torch.no_grad()

@@ -29,10 +29,10 @@ from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.launch.local import RUN_DIR_ENV
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train import preempt
-from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, shutdown
-from dtlaunch.train.guards import StepWatch
-from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
-from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.observe.guards import StepWatch
+from dtlaunch.train.parallel.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
+from dtlaunch.train.parallel.parallelize import parallelize
+from dtlaunch.train.parallel.process_group import DistEnv, init_distributed, restart_count, shutdown
 from dtlaunch.train.phases import phase
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
@@ -66,9 +66,9 @@ def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, i
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
-    from dtlaunch.train.pipeline import build_schedule, build_stage_modules
-    from dtlaunch.train.pp_step import pipeline_loss_fn
-    from dtlaunch.train.tensor_parallel import cross_entropy
+    from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
+    from dtlaunch.train.parallel.pp_step import pipeline_loss_fn
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     pp_mesh = mesh["pp"]
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
@@ -172,11 +172,11 @@ def main() -> None:
 
 
 def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
-    from dtlaunch.train.checkpoint import CheckpointManager
+    from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.data import build_loaders
     from dtlaunch.train.evaluate import evaluate
-    from dtlaunch.train.memtrack import PeakTracker
-    from dtlaunch.train.metrics import MetricsLogger
+    from dtlaunch.train.observe.memtrack import PeakTracker
+    from dtlaunch.train.observe.metrics import MetricsLogger
 
     torch.manual_seed(int(cfg.training.seed))
     layout = Layout.resolve(cfg.strategy, env.world)

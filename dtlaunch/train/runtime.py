@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from dtlaunch.config.layout import Layout, grad_accum_steps
-from dtlaunch.train.dist_init import DistEnv
+from dtlaunch.train.parallel.process_group import DistEnv
 from dtlaunch.train.step import StepContext, StepResult, train_step
 
 
@@ -28,14 +28,14 @@ class Runtime:
     optimizers: list
     schedulers: list
     scaler: Optional[Any] = None
-    pipeline: Optional[Any] = None  # dtlaunch.train.pipeline.PipelinePlan
+    pipeline: Optional[Any] = None  # dtlaunch.train.parallel.pipeline.PipelinePlan
     pipeline_loss: Optional[Any] = None
     pp_mesh: Optional[Any] = None
 
     def step_context(self, loader: Any, moe: Any = None) -> StepContext:
         """What `train_step` needs, reading batches from `loader` (None: the caller feeds micro-steps);
         `moe`: an MoE model's router tracker (dtlaunch.train.moe_stats)."""
-        from dtlaunch.train.tensor_parallel import loss_context
+        from dtlaunch.train.parallel.tensor_parallel import loss_context
 
         cfg, layout = self.cfg, self.layout
         return StepContext(
@@ -73,8 +73,8 @@ def build_runtime(
     allocates the parameters without their initial values; `fused` overrides the optimizer's kernel
     choice (see dtlaunch.train.optim.adamw_kwargs); `loss_scaler=False` leaves fp16 loss scaling out."""
     from dtlaunch.train.main import build_parts
-    from dtlaunch.train.mesh import build_mesh, dp_mesh
     from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
+    from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh
 
     layout = layout if layout is not None else Layout.resolve(cfg.strategy, env.world)
     mesh = mesh if mesh is not None else build_mesh(layout, env.device.type)

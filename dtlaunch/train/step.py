@@ -3,7 +3,7 @@
 Loss scaling for parity with one big batch: each micro-step's loss is its token mean divided by the
 number of accumulation micro-steps, so gradients summed over micro-steps (and averaged over data-parallel
 ranks by DDP/FSDP) equal those of the mean over the whole global batch. Under PP the schedule runs the
-micro-step and the pipeline loss carries the same scaling (dtlaunch.train.pp_step).
+micro-step and the pipeline loss carries the same scaling (dtlaunch.train.parallel.pp_step).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.float8 import scale_precompute
 from dtlaunch.train.optim import skips_on_device, step_unless_nonfinite
-from dtlaunch.train.parallelize import compute_context, grad_sync
-from dtlaunch.train.pp_step import clip_grad_norm, pp_forward_backward
-from dtlaunch.train.tensor_parallel import cross_entropy
+from dtlaunch.train.parallel.float8 import scale_precompute
+from dtlaunch.train.parallel.parallelize import compute_context, grad_sync
+from dtlaunch.train.parallel.pp_step import clip_grad_norm, pp_forward_backward
+from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
 
 @dataclass
@@ -49,8 +49,8 @@ class StepContext:
     device: torch.device
     accum: int
     loss_context: Callable[[], Any] = contextlib.nullcontext
-    pipeline: Optional[Any] = None  # dtlaunch.train.pipeline.PipelinePlan
-    pipeline_loss: Optional[Any] = None  # dtlaunch.train.pp_step.PipelineLoss
+    pipeline: Optional[Any] = None  # dtlaunch.train.parallel.pipeline.PipelinePlan
+    pipeline_loss: Optional[Any] = None  # dtlaunch.train.parallel.pp_step.PipelineLoss
     pp_mesh: Optional[Any] = None
     scaler: Optional[Any] = None
     moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models

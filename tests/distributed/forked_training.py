@@ -50,8 +50,8 @@ def one_process_context(cfg: object, device: object, loader: object, prepare: Ca
     conversion the layouts also apply, e.g. float8)."""
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.init import materialize_and_init
     from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.parallel.init_weights import materialize_and_init
     from dtlaunch.train.step import StepContext
 
     t = cfg.training
@@ -79,7 +79,7 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, global_batch
     from dtlaunch.config.validate import validate
-    from dtlaunch.train.dist_init import DistEnv
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
 
     cfg = compose(overrides).cfg
@@ -93,7 +93,7 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
 
     if world > 1:  # the worker's runtime object
-        from dtlaunch.train.mesh import dp_rank_size
+        from dtlaunch.train.parallel.mesh import dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")

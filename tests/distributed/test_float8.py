@@ -80,8 +80,8 @@ def train(overrides: list[str], world: int) -> dict:
 
     from dtlaunch.config.compose import compose
     from dtlaunch.config.validate import validate
-    from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.float8 import apply_float8
+    from dtlaunch.train.parallel.float8 import apply_float8
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
 
     cfg = compose([*COMMON, f"launch.nproc_per_node={world}", *overrides]).cfg
@@ -89,7 +89,7 @@ def train(overrides: list[str], world: int) -> dict:
     device = torch.device("cpu")
     torch.manual_seed(int(cfg.training.seed))
     if world > 1:
-        from dtlaunch.train.mesh import dp_rank_size
+        from dtlaunch.train.parallel.mesh import dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")

@@ -88,7 +88,7 @@ class MetricsLogger:
         self._peak_tflops = float(cfg.hardware.peak_tflops_bf16 if low else cfg.hardware.peak_tflops_fp32)
         self._display = _Display(self.total_steps)
         self._use_tb = "tensorboard" in [str(t) for t in cfg.logging.trackers]
-        from dtlaunch.train.trackers import Trackers
+        from dtlaunch.train.observe.trackers import Trackers
 
         self._trackers = Trackers(self.run_dir, cfg)
         self._t0 = self._t_window = time.perf_counter()  # a tracker's start-up is no training time

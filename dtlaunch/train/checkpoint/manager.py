@@ -7,7 +7,7 @@ On disk (`run_dir/checkpoint.dir/`):
 A directory without a valid marker, or whose files do not match the marker, is never loaded. Checksums
 are computed while the files are written (ckpt_integrity.py) and verified before a checkpoint is used.
 
-What is saved: one dict of `Stateful` states (dtlaunch/train/states.py): the model and optimizer states
+What is saved: one dict of `Stateful` states (dtlaunch/train/checkpoint/states.py): the model and optimizer states
 through DCP (DDP, FSDP2, TP DTensors and pipeline stage parts alike; parameter names are the full
 model's in every layout, and the optimizer state is flattened to `state.<fqn>.<key>` so parts merge and
 reshard freely), per-rank RNG states (tensors keyed by rank), and - as JSON, never pickle - the LR
@@ -123,7 +123,7 @@ def check_checkpoint(path: Path, verify: bool = False) -> CheckpointInfo:
 def verify_info(info: CheckpointInfo) -> CheckpointInfo:
     """Check a complete checkpoint's contents against the marker's checksums (markers written before
     checksums existed are checked by size only); a mismatch makes it incomplete, naming the file."""
-    from dtlaunch.train.ckpt_integrity import verify_files
+    from dtlaunch.train.checkpoint.integrity import verify_files
 
     checksums = info.marker.get("checksums")
     if info.complete and not info.verified and verified_by_launcher(info.path):
@@ -303,7 +303,7 @@ class CheckpointManager:
                 opt.register_step_pre_hook(lambda *_: self.wait_staged())
         self.last_saved_step = -1
         self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
-        from dtlaunch.train.states import train_states
+        from dtlaunch.train.checkpoint.states import train_states
 
         # Model and optimizer go through DCP, the schedulers into the JSON trainer state.
         self.states = train_states(self.model_parts, self.optimizers, self.schedulers)
@@ -428,7 +428,12 @@ class CheckpointManager:
             return
         final = self.root / step_dir_name(step)
         try:
-            from dtlaunch.train.ckpt_integrity import collect_sidecars, default_algorithm, digest_bytes, digest_file
+            from dtlaunch.train.checkpoint.integrity import (
+                collect_sidecars,
+                default_algorithm,
+                digest_bytes,
+                digest_file,
+            )
 
             state_bytes = _write_json(tmp / STATE_FILE, trainer_state)
             algorithm, digests = collect_sidecars(tmp)
@@ -578,7 +583,7 @@ class CheckpointManager:
 def _make_slow_writer_class() -> type:
     import torch.distributed.checkpoint as dcp
 
-    from dtlaunch.train.ckpt_integrity import default_algorithm, hashing_filesystem, write_sidecar
+    from dtlaunch.train.checkpoint.integrity import default_algorithm, hashing_filesystem, write_sidecar
 
     class SlowWriter(dcp.FileSystemWriter):
         """FileSystemWriter whose streams checksum what they write (the digests go into a sidecar file per
