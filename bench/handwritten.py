@@ -63,7 +63,7 @@ def model_config(name: str):  # noqa: ANN201 - an OmegaConf node
 
     from dtlaunch.config.schema import ModelConfig
 
-    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "dtlaunch" / "configs" / "model" / f"{name}.yaml"
+    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "configs" / "model" / f"{name}.yaml"
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
 
 
