@@ -54,7 +54,8 @@ def worker(out: Path, repeats: int) -> None:
     from dtlaunch.config.layout import Layout
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.models.shapes import human_count, param_count
-    from dtlaunch.train.checkpoint.manager import CheckpointManager, newest_complete
+    from dtlaunch.run.checkpoints import newest_complete
+    from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.mesh import build_mesh
     from dtlaunch.train.parallel.parallelize import parallelize

@@ -26,14 +26,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dtlaunch.config.compose import load_resolved
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
 from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
-from dtlaunch.launch.local import RUN_DIR_ENV
 from dtlaunch.models.registry import model_spec
-from dtlaunch.train import preempt
+from dtlaunch.run import preemption
+from dtlaunch.run.env import RUN_DIR_ENV
+from dtlaunch.run.phases import phase
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.parallel.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
 from dtlaunch.train.parallel.parallelize import parallelize
 from dtlaunch.train.parallel.process_group import DistEnv, init_distributed, restart_count, shutdown
-from dtlaunch.train.phases import phase
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
 
@@ -136,7 +136,7 @@ def maybe_fail(loop: LoopSettings, step: int) -> None:
         # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
         # when the launcher stops it, like a process with the default SIGTERM action.
         log(f"hanging at step {step} (debug.hang_at_step)")
-        while not preempt.requested():
+        while not preemption.requested():
             time.sleep(0.05)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -144,7 +144,7 @@ def maybe_fail(loop: LoopSettings, step: int) -> None:
 
 @record
 def main() -> None:
-    preempt.install()  # first, so that an early SIGTERM/SIGUSR1 is not fatal
+    preemption.install()  # first, so that an early SIGTERM/SIGUSR1 is not fatal
     run_dir = Path(os.environ[RUN_DIR_ENV])
     redirect_logs(run_dir, int(os.environ.get("RANK", "0")))
     # A crash inside torch's C++ (a segfault in a collective) kills the rank with no Python trace and
@@ -154,9 +154,9 @@ def main() -> None:
     env = init_distributed(cfg)
     try:
         train(cfg, run_dir, env)
-    except preempt.PreemptionStop as stop:  # checkpoint saved; a new start resumes
+    except preemption.PreemptionStop as stop:  # checkpoint saved; a new start resumes
         if env.rank == 0 and cfg.checkpoint.enabled:
-            preempt.write_marker(run_dir, stop.step, stop.signum)
+            preemption.write_marker(run_dir, stop.step, stop.signum)
         log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
         shutdown(EXIT_PREEMPTED)
     except DtlaunchError as exc:
@@ -217,7 +217,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
                 result.local_loss,
                 result.grad_norm,
                 result.applied,
-                preempt.requested(),
+                preemption.requested(),
                 stats=result.router_stats,
                 lr=lr,
                 rate=rates[-1],
@@ -237,13 +237,13 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         if sync.signum:
             with watch.step(step):
                 _account(sync.drain(), loop, metrics, tracker, state, ctx.moe)
-            preempt.stopping(sync.signum)
+            preemption.stopping(sync.signum)
             if step < loop.steps:
                 ckpt.save(step, final=True)
                 ckpt.close()
                 metrics.close()
                 metrics.finish_trackers(None)
-                raise preempt.PreemptionStop(step, sync.signum)
+                raise preemption.PreemptionStop(step, sync.signum)
         state.ended[step] = time.perf_counter()
     with watch.step(loop.steps):
         _account(sync.drain(), loop, metrics, tracker, state, ctx.moe)
