@@ -108,8 +108,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from dtlaunch.launch import worker_errors
-    from dtlaunch.run import preemption
+    from dtlaunch.run import preemption, worker_errors
 
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
