@@ -19,9 +19,7 @@ from typing import Any
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, InputError, Preempted, WorkerFailed
-
-WORKER_MODULE = "dtlaunch.train.main"
-RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
+from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
 
 def _detected_gpus(cfg: Any) -> int:
@@ -72,7 +70,7 @@ def worker_env(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> dic
     threads = int(cfg.launch.threads_per_worker)
     if threads <= 0:
         threads = max(1, (os.cpu_count() or 1) // nproc_per_node(cfg, detected_gpus))
-    from dtlaunch.train.flight_recorder import launch_env
+    from dtlaunch.run.flight_recorder import launch_env
 
     recorder = launch_env(int(cfg.launch.flight_recorder_entries), run_dir)
     return {RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": str(threads), **recorder}
@@ -114,15 +112,14 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from dtlaunch.launch import worker_errors
-    from dtlaunch.train import flight_recorder, preempt
+    from dtlaunch.run import flight_recorder, preemption, worker_errors
 
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
     args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
-    # SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
-    args.signals_to_handle = preempt.agent_signals()
-    preempt.clear_marker(run_dir)
+    # SIGTERM/SIGUSR1 are ours (preemption.forward_signals), not the agent's.
+    args.signals_to_handle = preemption.agent_signals()
+    preemption.clear_marker(run_dir)
     worker_errors.clear(run_dir)
     flight_recorder.clear(run_dir)
     launched_at = time.time()
@@ -137,7 +134,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     for n in names:
         logging.getLogger(n).setLevel(logging.CRITICAL)
     try:
-        with preempt.forward_signals(grace_s=float(cfg.launch.timeout_s)):
+        with preemption.forward_signals(grace_s=float(cfg.launch.timeout_s)):
             run(args)
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
@@ -149,7 +146,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
-        if preempt.read_marker(run_dir) is None and finished_since(run_dir, launched_at, int(cfg.training.steps)):
+        if preemption.read_marker(run_dir) is None and finished_since(run_dir, launched_at, int(cfg.training.steps)):
             return  # the signal came after the last step's checkpoint and summary: the run is complete
         raise Preempted(preempted_message(run_dir, exc.sigval.name, cfg)) from None
     finally:
@@ -173,9 +170,9 @@ def finished_since(run_dir: Path, launched_at: float, total_steps: int) -> bool:
 
 def preempted_message(run_dir: Path, signame: str, cfg: Any = None) -> str:
     """The one line for a stopped run: where it was saved (exit 75), or that nothing was (exit 1)."""
-    from dtlaunch.train import preempt
+    from dtlaunch.run import preemption
 
-    marker = preempt.read_marker(run_dir)
+    marker = preemption.read_marker(run_dir)
     if marker is None:
         older = _newest_checkpoint(cfg, run_dir) if cfg is not None else None
         if older is not None:  # not saved at the stop, but a new start still resumes from an earlier one
@@ -194,7 +191,7 @@ def preempted_message(run_dir: Path, signame: str, cfg: Any = None) -> str:
 
 
 def _newest_checkpoint(cfg: Any, run_dir: Path) -> Any:
-    from dtlaunch.train.checkpoint import checkpoint_root, newest_complete
+    from dtlaunch.run.checkpoints import checkpoint_root, newest_complete
 
     return newest_complete(checkpoint_root(cfg, run_dir))[0] if cfg.checkpoint.enabled else None
 

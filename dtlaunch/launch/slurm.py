@@ -22,11 +22,10 @@ from typing import Any, Callable, Sequence
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, ConfigError, DtlaunchError, InputError
+from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
 SCRIPT_NAME = "slurm.sbatch"
 RECORD_NAME = "slurm.json"
-WORKER_MODULE = "dtlaunch.train.main"
-RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
 # Rendezvous ports are derived from the job id so that two jobs sharing a node do not collide.
 PORT_BASE, PORT_SPAN = 20000, 20000
 
@@ -121,7 +120,7 @@ def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "")
             f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} > 0 ? "
             f"${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} : 1 ))"
         )
-    from dtlaunch.train.flight_recorder import launch_env
+    from dtlaunch.run.flight_recorder import launch_env
 
     # torch's collective flight recorder (launch.flight_recorder_entries): dumped on a collective timeout.
     lines += [f"export {k}={_q('run.dir', v)}" for k, v in launch_env(int(la.flight_recorder_entries), run_dir).items()]

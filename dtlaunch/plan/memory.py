@@ -202,7 +202,7 @@ def plan_stage(
         lines["DDP buckets"] = 4 * p_rank
     if accum > 1:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
-        # reduce-scatters every micro-step (dtlaunch.train.parallelize.grad_sync) and keeps only shards.
+        # reduce-scatters every micro-step (dtlaunch.train.parallel.parallelize.grad_sync) and keeps only shards.
         lines["accumulated gradients"] = grads
     if autocast and kept and compiled:
         # Compiled blocks recompute their weights' casts in backward instead of saving them.
@@ -397,7 +397,7 @@ def plan_stage(
 def cp_exchange_bytes(d: Any, e: int, tp: int, sequence_tokens: int) -> float:
     """Context parallel, inside one attention's backward: the whole sequence's K and V gathered from the
     CP ranks (repeated to the query heads) and their fp32 gradients before the reduce-scatter back
-    (dtlaunch.train.context_parallel). Transient, one block at a time; the forward's gathered copies are
+    (dtlaunch.train.parallel.context_parallel). Transient, one block at a time; the forward's gathered copies are
     gone by then (each block gathers again in backward)."""
     return 2 * (e + 4) * d.qw / tp * sequence_tokens
 

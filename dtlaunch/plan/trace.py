@@ -4,10 +4,10 @@ Rank `rank` of the full world is emulated with the "fake" process-group backend 
 data but allocate what a real rank allocates), on real CPU tensors when the run is small enough, else
 under FakeTensorMode (shapes and dtypes, no storage). The build is the worker's own runtime object
 (dtlaunch.train.runtime.build_runtime: the model on meta, `parallelize` (TP -> AC -> FSDP/DDP) or the
-pipeline stage split, the optimizer; weights allocated without values under fake tensors); then `steps`
-optimizer steps of forward, loss under the runtime's loss context, backward, grad clipping, AdamW step,
-zero_grad — the runtime's train_step minus its host-side float() reads, which a fake tensor cannot do.
-The first step runs untracked (it creates the optimizer state); of each step's accumulation micro-steps
+pipeline stage split, the optimizer, the schedules; weights allocated without values under fake tensors);
+then `steps` runs of the worker's own `train_step` (dtlaunch.train.step) on random tokens, without its
+host-side read of the gradient norm (a fake tensor has no value) and without fp16 loss scaling (its
+overflow check reads the host too; its state is a few scalars). The first step runs untracked (it creates the optimizer state); of each step's accumulation micro-steps
 only the first and the last run (`traced_micro_steps`). On real tensors torch's MemTracker gives the
 peak and the bytes per category (parameters, gradients, optimizer state, activations, temporaries);
 on fake tensors the runtime's StorageCounter gives the peak (torch's trackers mis-size fake DTensor
@@ -60,7 +60,7 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
-    from dtlaunch.train.mesh import build_mesh
+    from dtlaunch.train.parallel.mesh import build_mesh
 
     mesh = build_mesh(layout, "cpu")  # outside FakeTensorMode: the mesh holds real rank tensors
     mode: Any = contextlib.nullcontext()
@@ -106,7 +106,7 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     import torch
     from torch._guards import active_fake_mode
 
-    from dtlaunch.train.dist_init import DistEnv
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.runtime import build_runtime
 
     device = torch.device("cpu")
@@ -119,18 +119,18 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     parts, optimizers = rt.model_parts, rt.optimizers
     for part in parts:
         _local_ddp_hook(part)
-    ctx = rt.step_context(loader=None)
+    batches = RandomBatches(cfg)
     # The first step runs untracked. It creates the optimizer state (later steps hold the same state, so
     # their peak is the run's), and it fills DTensor's sharding-propagation cache: on a cache miss that
     # propagation runs ops on full, unsharded shapes under the active fake mode, which the tracker would
     # count as allocations (measured: 13x the real optimizer state on the first step of an 8B trace).
-    _one_step(ctx, None, warmup=True)
+    _one_step(rt, batches, None, warmup=True)
     fake_mode = active_fake_mode()
     if fake_mode is not None:
         # Fake tensors: the peak from StorageCounter (the runtime's own measure), without categories.
         # torch's trackers mis-size fake FSDP x TP shards: they follow FSDP's storage resizes with global
         # sizes (measured: a phantom full vocab x dim fp32 "Temp" on a 64-rank trace, +76 %).
-        peak = _counted_peak(lambda: _one_step(ctx, None), parts, optimizers, steps)
+        peak = _counted_peak(lambda: _one_step(rt, batches, None), parts, optimizers, steps)
         return {"peak_bytes": peak, "categories": {}, "rank": rank, "stage": 0}
     # Real tensors: torch's tracker, which also splits the peak into categories (its peak equals
     # StorageCounter's on real tensors: tests/unit/test_memtrack.py).
@@ -138,7 +138,7 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     peak, snap = 0, {}
     for _ in range(_tracked_steps(steps)):
         with tracker:
-            _one_step(ctx, tracker)
+            _one_step(rt, batches, tracker)
         cur = tracker.get_tracker_snapshot("peak")
         total = int(sum(d.get("Total", 0) for d in cur.values()))
         if total >= peak:
@@ -177,11 +177,11 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     from dtlaunch.config.layout import pp_microbatches
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.optim import build_optimizer
-    from dtlaunch.train.parallelize import DTYPES, parallelize
-    from dtlaunch.train.pipeline import build_stage_modules
-    from dtlaunch.train.pp_stage import set_fsdp_sync
-    from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.tensor_parallel import cross_entropy
+    from dtlaunch.train.parallel.parallelize import DTYPES, parallelize
+    from dtlaunch.train.parallel.pipeline import build_stage_modules
+    from dtlaunch.train.parallel.pp_stage import set_fsdp_sync
+    from dtlaunch.train.parallel.pp_step import clip_grad_norm
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     device = torch.device("cpu")
     stage = rank // (layout.world // layout.pp)  # pp is the outermost mesh dimension
@@ -209,13 +209,13 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     reshard = bool(cfg.strategy.pp_reshard_grads)
 
     def one_step(warmup: bool = False) -> None:
-        from dtlaunch.train.parallelize import compute_context
+        from dtlaunch.train.parallel.parallelize import compute_context
 
         for _ in traced_micro_steps(accum, warmup):
             held: dict[int, tuple[Any, ...]] = {}
             for kind, i in order:
                 last_bwd = kind == "B" and i == n_mb - 1
-                if fsdp:  # what the pipeline stage (dtlaunch.train.pp_stage) does around each backward
+                if fsdp:  # what the pipeline stage (dtlaunch.train.parallel.pp_stage) does around each backward
                     set_fsdp_sync(part, last_bwd or reshard)
                 if kind == "F":
                     if first:
@@ -258,7 +258,7 @@ def _counted_peak(one_step: Any, parts: list, optimizers: list, steps: int) -> i
     untracked warm-up), with what exists between steps counted first."""
     from torch._guards import active_fake_mode
 
-    from dtlaunch.train.memtrack import StorageCounter, state_tensors
+    from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 
     counter = StorageCounter(fake_mode=active_fake_mode())
     for _ in range(_tracked_steps(steps)):
@@ -320,24 +320,29 @@ def traced_micro_steps(accum: int, warmup: bool = False) -> list[int]:
     return [0, accum - 1]
 
 
-def _one_step(ctx: Any, tracker: Optional[Any], warmup: bool = False) -> None:
-    """train_step (dtlaunch.train.step) minus its host-side float() reads: the runtime's own micro-step
-    (forward, loss under the loss context, backward; or the pipeline schedule) for the micro-steps of
-    `traced_micro_steps`, clipping, AdamW, zero_grad."""
-    import torch
+class RandomBatches:
+    """Random token micro-batches of the configured shape: what the trace feeds `train_step`."""
 
-    from dtlaunch.train.parallelize import grad_sync
-    from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.step import _micro_step
+    def __init__(self, cfg: Any) -> None:
+        t = cfg.training
+        self.shape = (int(t.micro_batch), int(t.seq_len) + 1)
+        self.vocab = int(cfg.model.vocab_size)
 
-    t = ctx.cfg.training
-    for n, micro in enumerate(traced_micro_steps(ctx.accum, warmup)):
+    def next_batch(self) -> tuple[Any, Any]:
+        import torch
+
+        tokens = torch.randint(0, self.vocab, self.shape)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def _one_step(rt: Any, batches: RandomBatches, tracker: Optional[Any], warmup: bool = False) -> None:
+    """The worker's train_step for the micro-steps of `traced_micro_steps`, with no host reads; torch's
+    tracker restarts its per-module statistics before each micro-step after the first."""
+    from dtlaunch.train.step import train_step
+
+    def before_micro(n: int) -> None:
         if n and tracker is not None:
             tracker.reset_mod_stats()
-        tokens = torch.randint(0, int(ctx.cfg.model.vocab_size), (int(t.micro_batch), int(t.seq_len) + 1))
-        with grad_sync(ctx.model_parts, enabled=micro == ctx.accum - 1):
-            _micro_step(ctx, tokens[:, :-1], tokens[:, 1:], False)
-    clip_grad_norm([list(m.parameters()) for m in ctx.model_parts], float(t.grad_clip), ctx.pp_mesh)
-    for opt in ctx.optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+
+    micro = traced_micro_steps(rt.accum, warmup)
+    train_step(rt, batches, 0, micro_steps=micro, host_reads=False, before_micro=before_micro)

@@ -39,7 +39,7 @@ class StepOutcome:
     applied: bool
     host: dict[str, Any] = field(default_factory=dict)  # values the loop measured on the host (lr, time)
     stats: Optional[list[float]] = None  # the step's extra vector (router statistics), summed over ranks
-    ranks: Optional[list[float]] = None  # last step of a window: the per-rank payload (dtlaunch.train.stragglers)
+    ranks: Optional[list[float]] = None  # last step of a window: the per-rank payload (dtlaunch.train.observe.stragglers)
 
 
 @dataclass
@@ -63,7 +63,7 @@ class WindowSync:
         self, device: torch.device, log_every: int, total_steps: int, interval_s: float = 0.0, pace: Any = None
     ) -> None:
         self.device = device
-        self.pace = pace  # dtlaunch.train.stragglers.RankPace: one slot per rank in each window
+        self.pace = pace  # dtlaunch.train.observe.stragglers.RankPace: one slot per rank in each window
         self.log_every = max(1, int(log_every))
         self.total_steps = int(total_steps)
         self.interval_s = float(interval_s)

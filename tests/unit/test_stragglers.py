@@ -3,7 +3,7 @@ measured, and the rule that names a rank only when it is persistently slower by 
 
 from __future__ import annotations
 
-from dtlaunch.train.stragglers import StragglerWatch, own_ms
+from dtlaunch.train.observe.stragglers import StragglerWatch, own_ms
 
 
 def test_own_time_is_the_period_less_the_wait_for_the_latest_rank() -> None:

@@ -6,7 +6,7 @@ head_dim entries shared by every head: `SequenceParallel(sequence_dim=2)` keeps 
 replicated and sums its gradient over the tensor-parallel ranks (each rank saw only its heads).
 Sequence parallel (SP) additionally shards the residual stream and the block norms on the sequence.
 The embedding and head styles (vocabulary-parallel embedding, vocabulary-sharded logits) come from
-`dtlaunch.train.tensor_parallel`.
+`dtlaunch.train.parallel.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 def model_plan(m: Any, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Styles for the modules outside the blocks (embedding, final norm, output head)."""
-    from dtlaunch.train.tensor_parallel import VocabParallel
+    from dtlaunch.train.parallel.tensor_parallel import VocabParallel
 
     # Shard(-1) logits stay a DTensor (use_local_output=False) so loss_parallel sees the layout.
     if sequence_parallel:

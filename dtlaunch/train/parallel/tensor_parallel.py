@@ -83,8 +83,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
     sp = bool(cfg.strategy.sequence_parallel)
     top = {n: style for n, style in spec.tp_model_plan(cfg.model, sp).items() if getattr(model, n, None) is not None}
     float8 = cfg.precision.float8 != "none"
-    if float8:  # float8 linears (converted before TP) take torchao's styles: dtlaunch.train.float8
-        from dtlaunch.train.float8 import float8_tp_plan
+    if float8:  # float8 linears (converted before TP) take torchao's styles: dtlaunch.train.parallel.float8
+        from dtlaunch.train.parallel.float8 import float8_tp_plan
     if top:
         parallelize_module(model, tp_mesh, float8_tp_plan(top, model) if float8 else top)
     block = spec.tp_block_plan(cfg.model, sp)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from dtlaunch.errors import EXIT_WORKER_FAILED, DtlaunchError
-from dtlaunch.train import flight_recorder
+from dtlaunch.train.observe import flight_recorder
 
 _KEY = "dtlaunch/reached/"
 

@@ -1,10 +1,8 @@
-"""torch's collective flight recorder: on for every run, dumped by every live rank when a collective times out.
+"""torch's collective flight recorder, the workers' side: every live rank dumps its record when a collective
+times out (the launcher turns the recorder on: dtlaunch.run.flight_recorder).
 
-The recorder keeps the last launch.flight_recorder_entries collectives of each rank (group, sequence number,
-sizes, the Python stack that issued it) in a ring buffer; torch fills it when TORCH_FR_BUFFER_SIZE is set
-before the process group starts, which the launcher does. NCCL dumps it itself on a timeout (into files
-named TORCH_FR_DUMP_TEMP_FILE + rank). gloo has no dump-on-timeout, so the rank whose collective timed out
-(dtlaunch.train.guards) dumps its own record through torch's on-demand API and asks the others, through the
+NCCL dumps the record itself on a timeout (into files named TORCH_FR_DUMP_TEMP_FILE + rank). gloo has no
+dump-on-timeout, so the rank whose collective timed out (dtlaunch.train.observe.guards) dumps its own record through torch's on-demand API and asks the others, through the
 rendezvous store, to do the same: their step-watch threads poll for the request, so a rank stuck in
 Python (or waiting in another collective) still writes its record.
 
@@ -21,41 +19,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-PREFIX_ENV = "TORCH_FR_DUMP_TEMP_FILE"
-DIR_NAME = "flight_recorder"
-FILE_PREFIX = "rank_"  # the analyser reads the rank from the digits after a common prefix
+from dtlaunch.run.flight_recorder import FILE_PREFIX, analyse_command, dump_dir
+
+__all__ = ["PeerDumps", "analyse_command", "dump", "dump_dir", "last_collective", "record"]
+
 _REQUEST = "dtlaunch/fr/request"
 _DUMPED = "dtlaunch/fr/dumped/"
-
-
-def launch_env(entries: int, run_dir: Path) -> dict[str, str]:
-    """Variables for the workers (torch reads them when the process group starts); {} when off."""
-    if entries <= 0:
-        return {}
-    return {
-        BUFFER_ENV: str(entries),
-        PREFIX_ENV: str(Path(run_dir) / DIR_NAME / FILE_PREFIX),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # NCCL's watchdog writes the same files itself
-    }
-
-
-def clear(run_dir: Path) -> None:
-    """Before a launch: an earlier launch's records must not be analysed with this one's."""
-    for f in (Path(run_dir) / DIR_NAME).glob(f"{FILE_PREFIX}*"):
-        f.unlink(missing_ok=True)
-
-
-def dump_dir() -> Optional[Path]:
-    """Where this run's records go, or None when the recorder is off."""
-    prefix = os.environ.get(PREFIX_ENV, "")
-    if int(os.environ.get(BUFFER_ENV, "0") or 0) <= 0 or not prefix:
-        return None
-    return Path(prefix).parent
-
-
-def analyse_command(directory: Path) -> str:
-    return f"torchfrtrace {directory}"
 
 
 def _group_table() -> dict[str, dict[str, str]]:

@@ -101,10 +101,29 @@ class StragglerWatch:
             "slower_by": round(med[rank] / others - 1, 4),
         }
 
+    def summary(self) -> dict:
+        """For summary.json: each rank's median own time per step, and the slow rank (None if none)."""
+        if not self.windows:
+            return {}
+        return {"step_ms_per_rank_median": [round(m, 3) for m in self.medians()], "slow_rank": self.slowest()}
+
     def live(self) -> str:
         """A short part for the live line ('' when no rank stands out)."""
         slow = self.slowest(self.RECENT)
         return describe(slow) if slow else ""
+
+
+def rank_times(payload: list[float], watch: StragglerWatch) -> dict:
+    """A window's metrics: each rank's own time per step, and the slow rank the live line names."""
+    own = own_ms(payload, watch.world)
+    if own is None:
+        return {}
+    watch.add(own)
+    values: dict = {"rank_step_ms": [round(v, 3) for v in own]}
+    slow = watch.slowest(watch.RECENT)
+    if slow is not None:
+        values.update(slow_rank=slow["rank"], slow_rank_ms=slow["median_ms"], others_ms=slow["others_median_ms"])
+    return values
 
 
 def describe(slow: dict) -> str:
