@@ -29,7 +29,9 @@ from typing import Any, Optional
 
 from dtlaunch.config.layout import Layout, grad_accum_steps
 from dtlaunch.errors import ConfigError
+from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.plan.stage import plan_stages
 
 # Above this analytic per-rank peak the trace uses fake tensors instead of real CPU ones.
 REAL_TENSOR_LIMIT = 4 * 1024**3
@@ -42,9 +44,7 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
     reproduced real gloo runs' MemTracker peaks to 0.01 %), fake tensors above (fake and real traces
     of the same run agree within 3 %: tests/unit/test_plan_trace.py)."""
     if fake is None:
-        from dtlaunch.plan.memory import plan_memory
-
-        fake = plan_memory(cfg, layout).peak > REAL_TENSOR_LIMIT
+        fake = traced_with_fake_tensors(cfg, layout)
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -74,6 +74,15 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
             return {**_trace(cfg, layout, mesh, rank, steps), "tensors": "fake" if fake else "real"}
     finally:
         dist.destroy_process_group()
+
+
+def traced_with_fake_tensors(cfg: Any, layout: Layout) -> bool:
+    """Fake tensors when the analytic peak is over REAL_TENSOR_LIMIT. A model without a closed-form plan:
+    fake tensors (no storage) where the runtime's path supports them (FSDP); DDP and single-process
+    layouts swap parameters in place when materialising, which fake tensors refuse: real tensors there."""
+    if not model_spec(cfg.model).analytic:
+        return int(cfg.strategy.zero_stage) >= 2 and layout.dp > 1
+    return max(s.peak for s in plan_stages(cfg, layout, all_stages=False)) > REAL_TENSOR_LIMIT
 
 
 @contextlib.contextmanager
@@ -175,7 +184,6 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     from torch.distributed.fsdp import FSDPModule
 
     from dtlaunch.config.layout import pp_microbatches
-    from dtlaunch.models.registry import model_spec
     from dtlaunch.train.optim import build_optimizer
     from dtlaunch.train.parallel.parallelize import DTYPES, parallelize
     from dtlaunch.train.parallel.pipeline import build_stage_modules
