@@ -3,7 +3,7 @@
 An entry brings everything model-specific the runtime, planner and converters need, so `train/`,
 `plan/` and `convert/` look a model up here instead of importing one:
 - `builder`: builds the nn.Module on a device (meta for the runtime);
-- `tp_plan`: module name -> ParallelStyle for the parts outside and inside a block (data);
+- `tp_plan`: module name -> style (dtlaunch.models.tp_styles) for the parts outside and inside a block (data);
 - wrapping units: the built module's `layers` (see the protocol below), which activation
   checkpointing, compile and FSDP wrap one by one;
 - `pipeline_split`: keeps a stage's blocks and the embedding / head on the first / last stage;
@@ -36,7 +36,7 @@ class ModelSpec:
     description: str
     # "module:function" building the model: (model section, rope_len, device) -> nn.Module.
     builder: str
-    # "module" with model_plan(m, sp) / block_plan(m, sp) -> {module name: ParallelStyle}.
+    # "module" with model_plan(m, sp) / block_plan(m, sp) -> {module name: style} (models/tp_styles.py).
     tp_plan: str
     # "module:function" (model, stage index, n_stages, layer range) -> stage module.
     pipeline_split: str
