@@ -164,7 +164,7 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
     multi = name in MULTI_STAGE_SCHEDULES or any(k in name for k in ("Interleaved", "Looped", "ZBV", "DualPipe"))
     if multi and s.pp_stages_per_rank < 2:
         _fail(f"strategy.pp_schedule={name} runs several stages per rank: set strategy.pp_stages_per_rank=2 (or more)")
-    # R1b: V-shaped schedules (ZBV, DualPipeV) place exactly two stages per rank.
+    # V-shaped schedules (ZBV, DualPipeV) place exactly two stages per rank.
     if (name == "zbv" or name.endswith(("ZBVZeroBubble", "DualPipeV"))) and s.pp_stages_per_rank != 2:
         _fail(f"strategy.pp_schedule={name} places exactly 2 stages per rank in a V: set strategy.pp_stages_per_rank=2")
     if not multi and s.pp_stages_per_rank != 1:

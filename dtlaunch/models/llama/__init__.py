@@ -15,13 +15,3 @@ SPEC = register(
         sliding_window=None,
     )
 )
-
-
-def __getattr__(name: str) -> object:
-    """The decoder's modules by their old address (`from dtlaunch.models.llama import build_model`),
-    imported on first use so that importing this entry stays torch-free."""
-    from dtlaunch.models.dense import model
-
-    if hasattr(model, name):
-        return getattr(model, name)
-    raise AttributeError(f"module 'dtlaunch.models.llama' has no attribute '{name}'")
