@@ -69,7 +69,7 @@ def saved_bytes_per_token(model: torch.nn.Module, mode: tuple, compiled: bool, d
 def main(argv: list[str] | None = None) -> None:
     from dtlaunch.config.compose import compose
     from dtlaunch.models.dense import activations as act
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,tiny")

@@ -82,7 +82,12 @@ def test_float8_tensor_parallel_styles() -> None:
         PrepareFloat8ModuleInput,
     )
 
-    from dtlaunch.models.dense.tp_plan import block_plan
+    from dtlaunch.models.dense import tp_plan
+    from dtlaunch.train.parallel.tensor_parallel import torch_plan
+
+    def block_plan(m, sp):
+        return torch_plan(tp_plan.block_plan(m, sp))
+
     from dtlaunch.train.parallel.float8 import float8_tp_plan
 
     model, cfg, _ = _converted_block("tensorwise", multiple_of=20)
