@@ -12,6 +12,7 @@ JobSet failurePolicy) starts the pod group again, and it resumes from the newest
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from pathlib import Path
@@ -209,7 +210,8 @@ def api_client(context: str = "") -> Any:
             "(or print the manifests with --dry-run and `kubectl apply -f -`)"
         ) from None
     try:
-        config.load_kube_config(context=context or None)
+        # $KUBECONFIG read now: the client reads it once at import, which may be before it was set.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, context=context or None)
     except Exception as kube_exc:  # no kubeconfig: try the pod's service account
         try:
             config.load_incluster_config()
