@@ -131,6 +131,10 @@ def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -
         from dtlaunch.commands.submit_remote import kubernetes_status_command
 
         return kubernetes_status_command(run_dir, as_json=as_json)
+    if (run_dir / "skypilot.json").is_file():
+        from dtlaunch.commands.submit_remote import skypilot_status_command
+
+        return skypilot_status_command(run_dir, as_json=as_json)
     if (run_dir / "slurm.json").is_file():
         from dtlaunch.commands.submit import status_command
 

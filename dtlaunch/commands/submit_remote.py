@@ -85,3 +85,16 @@ def kubernetes_status_command(run_dir: Path, as_json: bool) -> int:
     line = f"{st['kind']} {st['job']}: {st['state']}" + (f" ({st['reason']})" if st["reason"] else "")
     print(line)
     return 0
+
+
+def skypilot_status_command(run_dir: Path, as_json: bool) -> int:
+    """What was launched and where SkyPilot reports on it (its state lives in SkyPilot's own API server)."""
+    from dtlaunch.launch import skypilot
+
+    rec = json.loads((run_dir / skypilot.RECORD_NAME).read_text())
+    follow = "sky jobs queue" if "jobs" in rec.get("command", []) else "sky status"
+    if as_json:
+        print(json.dumps({**rec, "run_dir": str(run_dir), "follow": follow}))
+        return 0
+    print(f"SkyPilot task {rec['name']} (launched {rec.get('submitted_at', '?')}): see `{follow}`")
+    return 0

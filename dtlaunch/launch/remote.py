@@ -12,7 +12,6 @@ checkpoint, run it again) as a local or Slurm run. The run directory lives on st
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -127,7 +126,6 @@ def train_command(config_word: str, node_rank: str, endpoint: str) -> str:
     """`dtlaunch train` on one node. All three are shell text where variables expand: config_word an
     already quoted path, node_rank and endpoint go inside double quotes."""
     return f'exec dtlaunch train recipe={config_word} launch.node_rank="{node_rank}" launch.rdzv_endpoint="{endpoint}"'
-
 
 
 def nodes_check(var: str, nodes: int, scheduler: str) -> str:

@@ -68,19 +68,24 @@ def run_script(cfg: Any, run_dir: str, config_text: str, file_name: str, nodes: 
     """`run:`: write the shipped config, then `dtlaunch train` as node SKYPILOT_NODE_RANK, meeting at the
     first node's address."""
     port = int(cfg.cluster.sky.rdzv_port)
-    return "\n".join(
-        [
-            "set -eu",
-            remote.nodes_check("SKYPILOT_NUM_NODES", nodes, "SkyPilot"),
-            'head_ip=$(printf "%s\\n" "$SKYPILOT_NODE_IPS" | head -n 1)',
-            'config_dir=$(mktemp -d)',
-            f'cat > "$config_dir"/{shlex.quote(file_name)} <<\'{remote.HEREDOC_END}\'',
-            config_text.rstrip("\n"),
-            remote.HEREDOC_END,
-            f"mkdir -p {shlex.quote(run_dir)}",
-            remote.train_command(f'"$config_dir"/{shlex.quote(file_name)}', "$SKYPILOT_NODE_RANK", f"$head_ip:{port}"),
-        ]
-    ) + "\n"
+    return (
+        "\n".join(
+            [
+                "set -eu",
+                remote.nodes_check("SKYPILOT_NUM_NODES", nodes, "SkyPilot"),
+                'head_ip=$(printf "%s\\n" "$SKYPILOT_NODE_IPS" | head -n 1)',
+                "config_dir=$(mktemp -d)",
+                f"cat > \"$config_dir\"/{shlex.quote(file_name)} <<'{remote.HEREDOC_END}'",
+                config_text.rstrip("\n"),
+                remote.HEREDOC_END,
+                f"mkdir -p {shlex.quote(run_dir)}",
+                remote.train_command(
+                    f'"$config_dir"/{shlex.quote(file_name)}', "$SKYPILOT_NODE_RANK", f"$head_ip:{port}"
+                ),
+            ]
+        )
+        + "\n"
+    )
 
 
 def render(cfg: Any, run_name: str) -> dict[str, Any]:

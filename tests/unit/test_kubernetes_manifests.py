@@ -135,7 +135,7 @@ def test_shipped_config_composes_back_to_the_same_job(tmp_path: Path) -> None:
     overrides = [*BASE, *GPU, "training.steps=7", "optim.lr=1e-4"]
     job = load_job(overrides)
     cm, tj = kubernetes.render(job.cfg, "llama-run")
-    (name, text), = cm["data"].items()
+    ((name, text),) = cm["data"].items()
     (tmp_path / name).write_text(text)
     again = load_job([f"recipe={tmp_path / name}"])
     a = OmegaConf.to_container(job.cfg, resolve=True)
@@ -177,7 +177,9 @@ def test_bad_input_refused_before_anything_is_applied(
     assert not (tmp_path / "runs").exists()
 
 
-def test_plan_that_does_not_fit_refuses_to_submit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_plan_that_does_not_fit_refuses_to_submit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     args = [*BASE, "hardware=h100_80gb", "model=llama3_8b", "strategy=ddp", "launch.nproc_per_node=0", "--dry-run"]
     monkeypatch.setattr(sys, "argv", ["dtlaunch", "submit", *args])
     with pytest.raises(SystemExit) as exc:
@@ -214,7 +216,9 @@ class _FakeApiServer(BaseHTTPRequestHandler):
         if obj is None:
             self._reply(404, {"kind": "Status", "message": "not found"})
             return
-        status = {"conditions": [{"type": "Running", "status": "True", "reason": "PodsRunning", "lastTransitionTime": "t"}]}
+        status = {
+            "conditions": [{"type": "Running", "status": "True", "reason": "PodsRunning", "lastTransitionTime": "t"}]
+        }
         self._reply(200, {**obj, "status": status})
 
     def log_message(self, *args: Any) -> None:

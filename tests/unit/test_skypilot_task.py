@@ -66,7 +66,9 @@ def submit_dry_run(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pyt
     return out
 
 
-def test_task_parsed_by_skypilot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_task_parsed_by_skypilot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     overrides = [*BASE, *GPU, "run.name=llama-run", "cluster.sky.use_spot=true", "+cluster.sky.env.NCCL_DEBUG=WARN"]
     overrides += ["cluster.setup=['pip install dtlaunch']", "cluster.sky.max_restarts_on_errors=2"]
     path = tmp_path / "task.yaml"
@@ -91,7 +93,10 @@ def test_task_parsed_by_skypilot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     [
         (["cluster.sky.bucket="], "cluster.sky.bucket"),
         (["cluster.sky.bucket=Acme_Runs"], "cluster.sky.bucket='Acme_Runs'"),
-        (["hardware=h100_94gb", "launch.nproc_per_node=0", "model=llama3_8b", "strategy=fsdp"], "cluster.sky.accelerator"),
+        (
+            ["hardware=h100_94gb", "launch.nproc_per_node=0", "model=llama3_8b", "strategy=fsdp"],
+            "cluster.sky.accelerator",
+        ),
         ([*GPU, "launch.nproc_per_node=2"], "launch.nproc_per_node=2"),
         (["cluster.sky.rdzv_port=0"], "cluster.sky.rdzv_port"),
     ],
