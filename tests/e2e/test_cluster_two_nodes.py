@@ -75,13 +75,13 @@ def _check_trained(run_dir: Path) -> None:
     assert saved and saved[-1].endswith(str(STEPS)), saved
 
 
-def test_trainjob_command_trains_on_two_nodes(tmp_path: Path) -> None:
-    pvc = tmp_path / "pvc"
+def _trainjob_nodes(tmp_path: Path, pvc: Path, *overrides: str) -> tuple[list[list[str]], list[dict[str, str]]]:
+    """The TrainJob's command and the environment of its two pods, with the ConfigMap written to a
+    directory of this test (mounted at /etc/dtlaunch in a pod)."""
     job = load_job([*TINY, "cluster=kubernetes", "cluster.k8s.image=img", "cluster.k8s.pvc=runs",
-                    f"cluster.k8s.mount_path={pvc}"])  # fmt: skip
+                    f"cluster.k8s.mount_path={pvc}", *overrides])  # fmt: skip
     cm, trainjob = kubernetes.render(job.cfg, "two-nodes")
-    # The ConfigMap as the pods see it, mounted at a directory of this test instead of /etc/dtlaunch.
-    config_dir = tmp_path / "configmap"
+    config_dir = tmp_path / f"configmap-{len(list(tmp_path.glob('configmap-*')))}"
     config_dir.mkdir()
     for name, text in cm["data"].items():
         (config_dir / name).write_text(text)
@@ -101,7 +101,16 @@ def test_trainjob_command_trains_on_two_nodes(tmp_path: Path) -> None:
         )
         for rank in range(2)
     ]
-    _run_nodes([command, command], envs, tmp_path)
+    return [command, command], envs
+
+
+def test_trainjob_command_trains_on_two_nodes_and_resumes(tmp_path: Path) -> None:
+    pvc = tmp_path / "pvc"
+    _run_nodes(*_trainjob_nodes(tmp_path, pvc, f"training.steps={STEPS // 2}"), tmp_path)
+    assert (pvc / "two-nodes" / "checkpoints" / f"step-{STEPS // 2:08d}").is_dir()
+    # Submitted again for more steps, onto the same PVC: it resumes from that checkpoint (metrics.jsonl
+    # would hold steps 1.. twice after a fresh start).
+    _run_nodes(*_trainjob_nodes(tmp_path, pvc), tmp_path)
     _check_trained(pvc / "two-nodes")
 
 
