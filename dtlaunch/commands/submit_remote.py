@@ -59,6 +59,7 @@ def submit_remote(job: Job, dry_run: bool) -> int:
     else:
         from dtlaunch.launch import skypilot
 
+        skypilot.require_cli()
         run_dir = create_run_dir(job.cfg, job.recipe)
         job_name = skypilot.submit(job.cfg, run_dir, rendered)
         out.print(f"submitted SkyPilot task {job_name}", markup=False)

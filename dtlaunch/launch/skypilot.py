@@ -136,12 +136,17 @@ def launch_command(cfg: Any, task_file: Path, name: str) -> list[str]:
     return ["sky", "launch", "--yes", "--cluster", cfg.cluster.sky.cluster_name or name, str(task_file)]
 
 
-def submit(cfg: Any, run_dir: Path, task: dict[str, Any]) -> str:
-    """Write the task into the run directory and launch it with SkyPilot's CLI; the job's name."""
+def require_cli() -> None:
     if shutil.which("sky") is None:
         raise DtlaunchError(
-            "`sky` not found on PATH: pip install skypilot (or print the task with --dry-run and run `sky launch`)"
+            "`sky` not found on PATH: install SkyPilot (pipx install skypilot), or print the task with --dry-run "
+            "and launch it with `sky jobs launch`"
         )
+
+
+def submit(cfg: Any, run_dir: Path, task: dict[str, Any]) -> str:
+    """Write the task into the run directory and launch it with SkyPilot's CLI; the job's name."""
+    require_cli()
     path = Path(run_dir) / TASK_NAME
     path.write_text(to_yaml(task))
     cmd = launch_command(cfg, path, task["name"])

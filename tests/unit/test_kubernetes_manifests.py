@@ -207,8 +207,18 @@ class _FakeApiServer(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.requests.append(("POST", self.path))
-        self.objects[f"{self.path}/{body['metadata']['name']}"] = body
+        key = f"{self.path}/{body['metadata']['name']}"
+        if key in self.objects:
+            self._reply(409, {"kind": "Status", "reason": "AlreadyExists", "message": f"{key} already exists"})
+            return
+        self.objects[key] = body
         self._reply(201, body)
+
+    def do_PUT(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append(("PUT", self.path))
+        self.objects[self.path] = body
+        self._reply(200, body)
 
     def do_GET(self) -> None:  # noqa: N802
         self.requests.append(("GET", self.path))
@@ -271,3 +281,29 @@ def test_submit_applies_and_status_reads_back(
         run()
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == "TrainJob demo-run: Running (PodsRunning)"
+
+
+def test_pytorchjob_applied_and_a_second_submission_refused(
+    api_server: tuple[str, type], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    kubeconfig, handler = api_server
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    args = ["dtlaunch", "submit", *BASE, "run.name=pt", "cluster.k8s.api=pytorchjob", "cluster.nodes=2"]
+    monkeypatch.setattr(sys, "argv", args)
+    with pytest.raises(SystemExit) as exc:
+        run()
+    assert exc.value.code == 0, capsys.readouterr().err
+    sent = handler.objects["/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/pt"]
+    assert sent["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    capsys.readouterr()
+    # The same run again while the job exists: the ConfigMap is replaced, the job refused in one line.
+    with pytest.raises(SystemExit) as exc:
+        run()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "dtlaunch: error: PyTorchJob pt already exists in namespace default: delete it first "
+        "(kubectl delete pytorchjobs pt -n default); the new one resumes from the run's checkpoints"
+    ]
+    assert ("PUT", "/api/v1/namespaces/default/configmaps/pt-config") in handler.requests

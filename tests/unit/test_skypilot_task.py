@@ -113,3 +113,20 @@ def test_bad_input_refused_before_anything_is_launched(
     assert exc.value.code == 2, err
     assert len(lines) == 1 and expected in lines[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_submit_without_sky_is_one_line_and_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", "submit", *BASE, "run.name=r"])
+    with pytest.raises(SystemExit) as exc:
+        run()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "dtlaunch: error: `sky` not found on PATH: install SkyPilot (pipx install skypilot), or print the task "
+        "with --dry-run and launch it with `sky jobs launch`"
+    ]
+    assert not (tmp_path / "runs").exists()
