@@ -15,15 +15,14 @@ from typing import Any
 from dtlaunch.commands.common import Job, console, summary_table
 
 
-def _fix_run_name(job: Job) -> tuple[Path, str]:
-    """Resolve run.name once (it holds a timestamp by default): the local run directory and the name the
-    nodes use for theirs on the shared storage."""
+def _fix_run_name(job: Job) -> str:
+    """Resolve run.name once (it holds a timestamp by default, and the local record and the nodes' run
+    directory must agree on it); the name the nodes use for their run directory on the shared storage."""
     from dtlaunch.launch.rundir import run_dir_for, run_name
 
     if not job.cfg.run.name and not job.cfg.run.dir:
         job.cfg.run.name = run_name(job.cfg, job.recipe)
-    run_dir = run_dir_for(job.cfg, job.recipe).resolve()
-    return run_dir, str(job.cfg.run.name or run_dir.name)
+    return str(job.cfg.run.name or run_dir_for(job.cfg, job.recipe).name)
 
 
 def _render(job: Job, name: str) -> tuple[Any, str]:
@@ -39,7 +38,7 @@ def _render(job: Job, name: str) -> tuple[Any, str]:
 
 
 def submit_remote(job: Job, dry_run: bool) -> int:
-    run_dir, name = _fix_run_name(job)
+    name = _fix_run_name(job)
     rendered, text = _render(job, name)
     if dry_run:
         print(text, end="")  # alone on stdout: `dtlaunch submit ... --dry-run | kubectl apply -f -`

@@ -127,7 +127,7 @@ def render(cfg: Any, run_name: str) -> list[dict[str, Any]]:
     """[ConfigMap, TrainJob | PyTorchJob] as plain dicts (what the API server receives)."""
     _check(cfg)
     k = cfg.cluster.k8s
-    name = remote.job_name(cfg, run_name, k.job_name)
+    name = remote.job_name(run_name, k.job_name)
     config_map = f"{name}-config"
     gpus = remote.gpus_per_node(cfg)
     nproc = remote.workers_per_node(cfg)

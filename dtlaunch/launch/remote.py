@@ -45,14 +45,14 @@ def check_dns_subdomain(key: str, value: str) -> str:
     return value
 
 
-def job_name(cfg: Any, run_name: str, explicit: str) -> str:
+def job_name(run_name: str, explicit: str = "", key: str = "cluster.k8s.job_name") -> str:
     """The cluster-side name of the job: `explicit` (checked, refused when invalid), else the run name
     lowercased with every other character run turned into '-' (a run name like `tiny_ddp-20260101-120000`
     is not a DNS label). Starts with a letter: TrainJob and PyTorchJob names are RFC 1035 labels."""
     if explicit:
-        name = check_dns_label("cluster job name", explicit, JOB_NAME_MAX)
+        name = check_dns_label(key, explicit, JOB_NAME_MAX)
         if not name[0].isalpha():
-            raise ConfigError(f"job name {explicit!r} must start with a letter (Kubernetes service names do)")
+            raise ConfigError(f"{key}={explicit!r} must start with a letter (Kubernetes service names do)")
         return name
     name = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")
     if not name or not name[0].isalpha():

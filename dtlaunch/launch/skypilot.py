@@ -94,7 +94,7 @@ def render(cfg: Any, run_name: str) -> dict[str, Any]:
     s = cfg.cluster.sky
     nodes = int(cfg.cluster.nodes)
     nproc = remote.workers_per_node(cfg)
-    name = remote.job_name(cfg, run_name, "")
+    name = remote.job_name(run_name)
     run_dir = remote.node_run_dir(s.mount_path, run_name)
     file_name = remote.recipe_file_name(str(cfg.recipe or ""))
     config_text = remote.shipped_config(cfg, run_dir, name, nodes, nproc)
