@@ -336,6 +336,65 @@ class LaunchConfig:
     threads_per_worker: int = 0
 
 
+class K8sApi(Choice):
+    """Which Kubeflow resource carries a Kubernetes job."""
+
+    trainjob = "trainjob"  # Kubeflow Trainer v2: trainer.kubeflow.org/v1alpha1 TrainJob
+    pytorchjob = "pytorchjob"  # Training Operator v1: kubeflow.org/v1 PyTorchJob
+
+
+@dataclass
+class K8sConfig:
+    """cluster=kubernetes: where the job runs and what its pods get."""
+
+    api: K8sApi = K8sApi.trainjob
+    namespace: str = "default"
+    # Container image with dtlaunch installed (required).
+    image: str = ""
+    # PersistentVolumeClaim holding run directories and checkpoints (required: a pod's own disk is lost
+    # with the pod). Mounted on every node at mount_path; the run directory is <mount_path>/<run name>.
+    pvc: str = ""
+    mount_path: str = "/mnt/dtlaunch"
+    # The ClusterTrainingRuntime a TrainJob refers to.
+    runtime: str = "torch-distributed"
+    service_account: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    # Pod tolerations, as Kubernetes writes them: [{key: ..., operator: Exists, effect: NoSchedule}].
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    # Requests = limits per node, as Kubernetes quantities ("32", "256Gi"); empty = none.
+    cpu: str = ""
+    memory: str = ""
+    # Job name; empty = the run name made DNS-safe (lowercase, '-' for other characters).
+    job_name: str = ""
+    # kubeconfig context for submit and status; empty = the current one (or in-cluster config).
+    context: str = ""
+
+
+@dataclass
+class SkyConfig:
+    """cluster=skypilot: what SkyPilot provisions and where the run directory lives."""
+
+    # Accelerator name as SkyPilot spells it (H100, A100-80GB); empty = from the hardware profile.
+    accelerator: str = ""
+    cloud: str = ""
+    use_spot: bool = False
+    # Bucket mounted on every node at mount_path, holding run directories and checkpoints (required).
+    bucket: str = ""
+    # Bucket store (s3, gcs, azure, r2, ...); empty = SkyPilot's choice.
+    store: str = ""
+    mount_path: str = "/mnt/dtlaunch"
+    # `sky jobs launch` (managed: recovered after preemption) or `sky launch` on a cluster of this name.
+    managed: bool = True
+    cluster_name: str = ""
+    # Port of the rendezvous on the first node.
+    rdzv_port: int = 29500
+    # Restarts after a failure of the run itself; exit 75 (stopped at a checkpoint) always restarts.
+    max_restarts_on_errors: int = 0
+    image_id: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class ClusterConfig:
     kind: str = "local"
@@ -353,6 +412,8 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     # Seconds before the time limit at which Slurm signals the job to checkpoint.
     signal_before_s: int = 120
+    k8s: K8sConfig = field(default_factory=K8sConfig)
+    sky: SkyConfig = field(default_factory=SkyConfig)
 
 
 @dataclass

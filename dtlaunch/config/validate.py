@@ -490,8 +490,8 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"launch.nnodes={la.nnodes} needs a rendezvous: set launch.rdzv_endpoint=HOST:PORT (the first node)")
     if la.timeout_s <= 0:
         _fail(f"launch.timeout_s={la.timeout_s} must be > 0")
-    if cfg.cluster.kind not in ("local", "slurm"):
-        _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local or cluster=slurm")
+    if cfg.cluster.kind not in ("local", "slurm", "kubernetes", "skypilot"):
+        _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local, slurm, kubernetes or skypilot")
     if cfg.debug.fail_mode not in ("raise", "sigkill", "input"):  # fault injection: how the rank fails
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 
