@@ -60,8 +60,7 @@ class ChatEncoder:
                 raise InputError(
                     f"{key}: unknown role '{m['role']}' at {where}: use one of {', '.join(ROLES)} (fix the record)"
                 )
-        ids: list[int] = []
-        mask: list[int] = []
+        assistant_chars = bytearray()  # 1 per character of the rendering that an assistant turn added
         before = ""
         for k in range(1, len(messages) + 1):
             text = self._hf.apply_chat_template(messages[:k], tokenize=False)
@@ -70,11 +69,15 @@ class ChatEncoder:
                     f"{key}: the chat template does not render a conversation as the rendering of its first turns "
                     f"plus more text (at {where}); loss masking needs a template that does"
                 )
-            piece = self._ids(text[len(before) :])
-            ids += piece
-            mask += [int(messages[k - 1]["role"] == "assistant")] * len(piece)
+            assistant_chars += bytes([messages[k - 1]["role"] == "assistant"]) * (len(text) - len(before))
             before = text
-        return np.asarray(ids, dtype=self.dtype), np.asarray(mask, dtype=np.uint8)
+        # The whole rendering is tokenized at once, so the ids are exactly what the tokenizer gives the
+        # conversation (a turn boundary without whitespace, "[/INST]answer", may merge across it); a token
+        # belongs to the turn its first character came from.
+        enc = self._backend.encode(before, add_special_tokens=False)
+        chars = np.frombuffer(bytes(assistant_chars) + b"\0", dtype=np.uint8)
+        starts = np.fromiter((o[0] for o in enc.offsets), dtype=np.int64, count=len(enc.ids))
+        return np.asarray(enc.ids, dtype=self.dtype), chars[np.minimum(starts, len(before))].astype(np.uint8)
 
     def prompt_completion(self, prompt: Any, completion: Any, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(prompt, str) or not isinstance(completion, str):

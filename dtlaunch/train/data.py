@@ -331,11 +331,14 @@ def record_options(cfg: Any) -> dict[str, Any]:
 
 
 def _chat_template_id(cfg: Any) -> dict[str, str]:
-    """data.chat_template's text decides the tokens too (absent when unset: earlier cache keys stay valid)."""
+    """For chat records, how they were encoded and data.chat_template's text decide the tokens too."""
     from dtlaunch.data.chat_templates import template_identity
 
+    if str(cfg.data.format) != "chat":
+        return {}
+    # "encoding": chat records are tokenized as one rendering (earlier entries, turn by turn, are not reused).
     spec = str(cfg.data.chat_template)
-    return {"chat_template": template_identity(spec)} if spec and str(cfg.data.format) == "chat" else {}
+    return {"encoding": "whole", **({"chat_template": template_identity(spec)} if spec else {})}
 
 
 def record_fields(cfg: Any) -> list[str]:
