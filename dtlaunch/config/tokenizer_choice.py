@@ -71,3 +71,15 @@ def effective_tokenizer(cfg: Any) -> str:
         return spec
     own = model_tokenizer_file(cfg.model.init_from)
     return str(own) if own is not None else BYTE
+
+
+def shards_tokenizer_problem(cfg: Any, shards_tokenizer: str) -> Optional[str]:
+    """data.kind=tokens: shards prepared with the byte tokenizer for a model with its own are refused
+    like data.tokenizer=byte is (their meta.json names the tokenizer they were made with)."""
+    own = model_tokenizer_file(cfg.model.init_from)
+    if shards_tokenizer != BYTE or own is None or cfg.data.force_tokenizer:
+        return None
+    return (
+        f"data.path='{cfg.data.path}' was prepared with the byte tokenizer but model.init_from has its own ({own}): "
+        f"re-run `dtlaunch data prepare ... --tokenizer {own}`, or set data.force_tokenizer=true to train on them"
+    )

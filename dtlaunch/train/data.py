@@ -407,6 +407,13 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
         from dtlaunch.config.layout import Layout, global_batch, world_size
 
         gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+        if kind == "tokens":
+            from dtlaunch.config.tokenizer_choice import shards_tokenizer_problem
+
+            meta = open_shards(_shard_dir(cfg, run_dir, "train"), "data.path").meta
+            problem = shards_tokenizer_problem(cfg, str(meta.get("tokenizer", "")))
+            if problem:
+                raise ConfigError(problem)
         train, val = data_sources(cfg, run_dir)
         _check_enough(train, gb, "data.path", cfg)
         if val is not None:

@@ -211,3 +211,17 @@ def test_validate_reads_data_chat_template(tmp_path: Path) -> None:
     validate(compose([*base, "data.format=chat", "data.chat_template=qwen"]).cfg)
     with pytest.raises(ConfigError, match="data.chat_template=qwen is used only with data.format=chat"):
         validate(compose([*base, "data.chat_template=qwen"]).cfg)
+
+
+def test_the_template_a_run_trained_with_goes_into_its_tokenizer_and_export(tmp_path: Path) -> None:
+    from dtlaunch.config.compose import compose
+    from dtlaunch.convert.hf import export_tokenizer
+    from dtlaunch.train.data import keep_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok", CONTROL)
+    run = tmp_path / "run"
+    over = ["data.kind=jsonl", f"data.path={tok}", f"data.tokenizer={tok}", "data.format=chat"]
+    keep_tokenizer(compose([*over, "data.chat_template=llama3"]).cfg, run)
+    export_tokenizer(run / "checkpoints" / "step-00000001", tmp_path / "export")
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert loaded.chat_template == load_chat_template("llama3")

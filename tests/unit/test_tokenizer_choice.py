@@ -99,3 +99,15 @@ def test_synthetic_run_from_hf_keeps_and_decodes_with_the_models_tokenizer(model
     text = (run / "config.yaml").read_text().replace(str(cfg.data.tokenizer), "byte")
     (old / "config.yaml").write_text(text)
     assert _run_tokenizer(old / "checkpoints" / "step-00000001") == str((model_dir / "tokenizer.json").resolve())
+
+
+def test_byte_token_shards_for_a_model_with_its_own_tokenizer_are_refused(model_dir: Path, tmp_path: Path) -> None:
+    from dtlaunch.data.prepare import prepare_corpus
+    from dtlaunch.data.tokenizer import ByteTokenizer
+    from dtlaunch.train.data import prepare_run_data
+
+    (tmp_path / "a.txt").write_text("w1 w2 w3 " * 400)
+    prepare_corpus([str(tmp_path / "a.txt")], tmp_path / "shards", ByteTokenizer(), pattern="*.txt")
+    over = [f"model.init_from=hf:{model_dir}", "data.kind=tokens", f"data.path={tmp_path / 'shards'}"]
+    with pytest.raises(ConfigError, match=r"prepared with the byte tokenizer but model.init_from has its own"):
+        prepare_run_data(compose(over).cfg, tmp_path / "run")
