@@ -225,3 +225,29 @@ def test_the_template_a_run_trained_with_goes_into_its_tokenizer_and_export(tmp_
     export_tokenizer(run / "checkpoints" / "step-00000001", tmp_path / "export")
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     assert loaded.chat_template == load_chat_template("llama3")
+
+
+def test_byte_level_bpe_masks_exactly_the_assistant_text(tmp_path: Path) -> None:
+    """With a Qwen-like byte-level BPE, the target tokens decode to exactly the text the assistant turns add."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from dtlaunch.data.chat import ChatEncoder
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    messages = [SYSTEM, *CONVERSATIONS[1]]
+    ids, mask = ChatEncoder(tmp_path / "tokenizer.json", np.dtype(np.uint16), "qwen").chat(messages, "x:1", "k")
+    ref = hf_tokenizer(tmp_path / "tokenizer.json", QWEN_REF)
+    assert ids.tolist() == ref.apply_chat_template(messages, tokenize=True, return_dict=False)
+    answers = "".join(
+        f"<|im_start|>assistant\n{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant"
+    )
+    assert ref.decode(ids[mask == 1].tolist()) == answers
