@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
 from dtlaunch.config.ranges import check_ranges
-from dtlaunch.config.tokenizer_choice import effective_tokenizer, tokenizer_problem
+from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -462,6 +462,8 @@ def check_data(cfg: Any, notes: list[str]) -> None:
     problem = tokenizer_problem(cfg)
     if problem:
         _fail(problem)
+    if d.force_tokenizer and d.tokenizer == "byte" and model_tokenizer_file(cfg.model.init_from) is not None:
+        notes.append(f"data.force_tokenizer=true: training on byte ids, not those of {cfg.model.init_from}'s tokenizer")
     if d.tokenizer not in ("auto", "byte") and not os.path.isfile(d.tokenizer):
         _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte', 'auto' nor an existing tokenizer.json file")
     if effective_tokenizer(cfg) == "byte" and d.kind != "synthetic" and cfg.model.vocab_size < 258:
