@@ -499,8 +499,8 @@ def check_format(cfg: Any) -> None:
         _fail(f"data.format={d.format} reads records: use data.kind=jsonl, parquet or hf (not {d.kind})")
     if effective_tokenizer(cfg) == "byte":
         _fail(
-            f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): set "
-            f"data.tokenizer=auto or the path of a tokenizer.json"
+            f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): use "
+            f"model.init_from=hf:DIR (its tokenizer) or set data.tokenizer to the path of a tokenizer.json"
         )
     if cfg.strategy.pp > 1:
         _fail(

@@ -2,9 +2,11 @@
 produce: assistant turns, or the completion).
 
 A conversation is rendered with transformers' apply_chat_template, using data.chat_template (a built-in
-name or a Jinja file) when given, else the tokenizer's own (tokenizer_config.json beside tokenizer.json). Which tokens belong to which turn is
-found by rendering growing prefixes of the conversation: the text a turn adds is the difference between
-the rendering with and without it, so each turn's span is exact whatever the template looks like.
+name or a Jinja file) when given, else the tokenizer's own (tokenizer_config.json beside tokenizer.json).
+Which characters belong to which turn is found by rendering growing prefixes of the conversation: the
+text a turn adds is the difference between the rendering with and without it, so each turn's span is
+exact whatever the template looks like. The whole rendering is then tokenized once, and a token is a
+target when its first character came from an assistant turn.
 """
 
 from __future__ import annotations
