@@ -216,7 +216,7 @@ def test_validate_reads_data_chat_template(tmp_path: Path) -> None:
 def test_the_template_a_run_trained_with_goes_into_its_tokenizer_and_export(tmp_path: Path) -> None:
     from dtlaunch.config.compose import compose
     from dtlaunch.convert.hf import export_tokenizer
-    from dtlaunch.train.data import keep_tokenizer
+    from dtlaunch.data.run_data import keep_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok", CONTROL)
     run = tmp_path / "run"
