@@ -230,9 +230,13 @@ class DataConfig:
     kind: DataKind = DataKind.synthetic
     # tokens: a directory of shards or a glob; other kinds: a directory, file or glob.
     path: str = ""
-    # "byte" (built-in, 256 ids + specials), "auto" (tokenizer.json of model.init_from=hf:DIR) or a
-    # path to a Hugging Face tokenizer.json.
-    tokenizer: str = "byte"
+    # "auto": the model's own tokenizer.json when model.init_from=hf:DIR, else "byte"; resolved once by the
+    # launcher, so the run's config.yaml names the file used. "byte" (built-in, 256 ids + specials) or the
+    # path of a Hugging Face tokenizer.json.
+    tokenizer: str = "auto"
+    # data.tokenizer=byte with a model.init_from=hf:DIR that has its own tokenizer is refused (ids that mean
+    # nothing to the model); true trains on them anyway.
+    force_tokenizer: bool = False
     # text kind: file pattern inside `path` when it is a directory (other kinds pick their own extension).
     pattern: str = "**/*.py"
     # Cap on text read for the built-in corpus (bytes), to keep start-up short.
@@ -241,6 +245,9 @@ class DataConfig:
     # jsonl / parquet / hf: the record field (column) holding the document text.
     text_field: str = "text"
     messages_field: str = "messages"
+    # data.format=chat: a built-in template (chatml, llama3, qwen, mistral) or the path of a Jinja file;
+    # replaces the tokenizer's own chat_template. Empty: the tokenizer's (refused when it has none).
+    chat_template: str = ""
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
