@@ -27,9 +27,18 @@ $(DEMO_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)  ## train the embedded default: ~5M-param Llama, 2 gloo workers, Python stdlib text
 	$(BIN)/dtlaunch train recipe=demo
 
+# SkyPilot pins an older click than typer needs, so it gets a venv of its own; the tests that parse
+# SkyPilot task YAML run its python (DTLAUNCH_SKY_PYTHON). Submitting calls the `sky` CLI the same way.
+SKY_VENV ?= .venv-sky
+SKY_STAMP := $(SKY_VENV)/.installed
+$(SKY_STAMP):
+	python3 -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/pip install -q 'skypilot==0.14.1'
+	touch $(SKY_STAMP)
+
 # Tests run `dtlaunch` as a user does, so the venv's console script must be on PATH.
-test: install  ## the whole suite: unit, multi-process, end-to-end and system tests
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q --durations=25
+test: install $(SKY_STAMP)  ## the whole suite: unit, multi-process, end-to-end and system tests
+	DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q --durations=25
 
 test-fast: install  ## unit tests only
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q tests/unit
@@ -55,4 +64,4 @@ wheel-smoke:  ## build the wheel, install it in a fresh venv outside the checkou
 	TORCH_PIN=$(TORCH_PIN) .ci/wheel_smoke.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info build dist
+	rm -rf $(VENV) $(SKY_VENV) runs .pytest_cache .ruff_cache *.egg-info build dist

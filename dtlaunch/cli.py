@@ -276,12 +276,14 @@ def data_prepare(
 @app.command()
 def submit(
     overrides: Optional[List[str]] = OVERRIDES,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script; create and submit nothing."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the sbatch script / Kubernetes manifests / SkyPilot task; submit nothing."
+    ),
     force: bool = typer.Option(False, "--force", help="Submit even if the memory plan does not fit."),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
     multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: submit one Slurm job array, a task a point."),
 ) -> None:
-    """Write an sbatch script into the run directory and submit it to Slurm (needs cluster=slurm)."""
+    """Submit the job to Slurm, Kubernetes (Kubeflow) or SkyPilot: cluster=slurm|kubernetes|skypilot."""
     if multirun:
         from dtlaunch.commands.sweep import sweep_submit_command
 

@@ -132,6 +132,14 @@ def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -
     run_dir = resolve_run_dir(run, root)
     if (run_dir / "sweep.json").is_file() and not (run_dir / "config.yaml").is_file():
         return recent_runs_command(str(run_dir), as_json)  # a sweep directory: its points
+    if (run_dir / "kubernetes.json").is_file():
+        from dtlaunch.commands.submit_remote import kubernetes_status_command
+
+        return kubernetes_status_command(run_dir, as_json=as_json)
+    if (run_dir / "skypilot.json").is_file():
+        from dtlaunch.commands.submit_remote import skypilot_status_command
+
+        return skypilot_status_command(run_dir, as_json=as_json)
     if (run_dir / "slurm.json").is_file():
         from dtlaunch.commands.submit import status_command
 

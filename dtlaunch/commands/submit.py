@@ -32,9 +32,15 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
     from dtlaunch.launch.rundir import run_dir_for
 
     job = load_job(overrides, recipe_dirs)
-    if job.cfg.cluster.kind != "slurm":
-        raise ConfigError(f"cluster.kind='{job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm")
+    if job.cfg.cluster.kind not in ("slurm", "kubernetes", "skypilot"):
+        raise ConfigError(
+            f"cluster.kind='{job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm, kubernetes or skypilot"
+        )
     _plan_gate(job, force, to_stderr=dry_run)
+    if job.cfg.cluster.kind != "slurm":
+        from dtlaunch.commands.submit_remote import submit_remote
+
+        return submit_remote(job, dry_run)
     out = console()
     if dry_run:
         run_dir = run_dir_for(job.cfg, job.recipe).resolve()

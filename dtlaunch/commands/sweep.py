@@ -238,7 +238,10 @@ def sweep_submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], d
     for p in points:
         assert p.job is not None
         if p.job.cfg.cluster.kind != "slurm":
-            raise ConfigError(f"cluster.kind='{p.job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm")
+            raise ConfigError(
+                f"cluster.kind='{p.job.cfg.cluster.kind}': a sweep (-m) is submitted as a Slurm job array only; "
+                f"add cluster=slurm, or submit each point without -m"
+            )
     script = slurm.render_array_script([p.job.cfg for p in points], [p.run_dir for p in points], sweep_dir)
     if dry_run:
         print(script, end="")  # the script alone on stdout, as `submit --dry-run`

@@ -268,6 +268,9 @@ def compose(
     missing = sorted(OmegaConf.missing_keys(typed))
     if missing:
         raise ConfigError(f"missing value for '{missing[0]}': set it on the command line, e.g. {missing[0]}=...")
+    from dtlaunch.config.tokenizer_choice import resolve_auto_tokenizer
+
+    resolve_auto_tokenizer(typed)
     OmegaConf.set_struct(typed, True)
     return Composed(cfg=typed, choices=choices, overrides=list(overrides), unresolved_yaml=unresolved)
 

@@ -25,7 +25,8 @@ def nproc_per_node(cfg: Any, detected_gpus: int | None = None) -> int:
 
 
 def world_size(cfg: Any, detected_gpus: int | None = None) -> int:
-    nodes = cfg.cluster.nodes if cfg.cluster.kind == "slurm" else cfg.launch.nnodes
+    # A scheduler's node count (Slurm, Kubernetes, SkyPilot) says how many nodes the job gets.
+    nodes = cfg.cluster.nodes if cfg.cluster.kind != "local" else cfg.launch.nnodes
     return int(nodes) * nproc_per_node(cfg, detected_gpus)
 
 

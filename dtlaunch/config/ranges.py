@@ -144,6 +144,8 @@ RANGES: dict[str, Range] = {
     "cluster.gpus_per_node": NON_NEGATIVE,
     "cluster.cpus_per_task": NON_NEGATIVE,
     "cluster.signal_before_s": NON_NEGATIVE,
+    "cluster.sky.rdzv_port": Range(1, 65535),
+    "cluster.sky.max_restarts_on_errors": NON_NEGATIVE,
     "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,

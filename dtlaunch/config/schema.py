@@ -233,9 +233,13 @@ class DataConfig:
     kind: DataKind = DataKind.synthetic
     # tokens: a directory of shards or a glob; other kinds: a directory, file or glob.
     path: str = ""
-    # "byte" (built-in, 256 ids + specials), "auto" (tokenizer.json of model.init_from=hf:DIR) or a
-    # path to a Hugging Face tokenizer.json.
-    tokenizer: str = "byte"
+    # "auto": the model's own tokenizer.json when model.init_from=hf:DIR, else "byte"; resolved once by the
+    # launcher, so the run's config.yaml names the file used. "byte" (built-in, 256 ids + specials) or the
+    # path of a Hugging Face tokenizer.json.
+    tokenizer: str = "auto"
+    # data.tokenizer=byte with a model.init_from=hf:DIR that has its own tokenizer is refused (ids that mean
+    # nothing to the model); true trains on them anyway.
+    force_tokenizer: bool = False
     # text kind: file pattern inside `path` when it is a directory (other kinds pick their own extension).
     pattern: str = "**/*.py"
     # Cap on text read for the built-in corpus (bytes), to keep start-up short.
@@ -244,6 +248,9 @@ class DataConfig:
     # jsonl / parquet / hf: the record field (column) holding the document text.
     text_field: str = "text"
     messages_field: str = "messages"
+    # data.format=chat: a built-in template (chatml, llama3, qwen, mistral) or the path of a Jinja file;
+    # replaces the tokenizer's own chat_template. Empty: the tokenizer's (refused when it has none).
+    chat_template: str = ""
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
@@ -342,6 +349,65 @@ class LaunchConfig:
     flight_recorder_entries: int = 2000
 
 
+class K8sApi(Choice):
+    """Which Kubeflow resource carries a Kubernetes job."""
+
+    trainjob = "trainjob"  # Kubeflow Trainer v2: trainer.kubeflow.org/v1alpha1 TrainJob
+    pytorchjob = "pytorchjob"  # Training Operator v1: kubeflow.org/v1 PyTorchJob
+
+
+@dataclass
+class K8sConfig:
+    """cluster=kubernetes: where the job runs and what its pods get."""
+
+    api: K8sApi = K8sApi.trainjob
+    namespace: str = "default"
+    # Container image with dtlaunch installed (required).
+    image: str = ""
+    # PersistentVolumeClaim holding run directories and checkpoints (required: a pod's own disk is lost
+    # with the pod). Mounted on every node at mount_path; the run directory is <mount_path>/<run name>.
+    pvc: str = ""
+    mount_path: str = "/mnt/dtlaunch"
+    # The ClusterTrainingRuntime a TrainJob refers to.
+    runtime: str = "torch-distributed"
+    service_account: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    # Pod tolerations, as Kubernetes writes them: [{key: ..., operator: Exists, effect: NoSchedule}].
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    # Requests = limits per node, as Kubernetes quantities ("32", "256Gi"); empty = none.
+    cpu: str = ""
+    memory: str = ""
+    # Job name; empty = the run name made DNS-safe (lowercase, '-' for other characters).
+    job_name: str = ""
+    # kubeconfig context for submit and status; empty = the current one (or in-cluster config).
+    context: str = ""
+
+
+@dataclass
+class SkyConfig:
+    """cluster=skypilot: what SkyPilot provisions and where the run directory lives."""
+
+    # Accelerator name as SkyPilot spells it (H100, A100-80GB); empty = from the hardware profile.
+    accelerator: str = ""
+    cloud: str = ""
+    use_spot: bool = False
+    # Bucket mounted on every node at mount_path, holding run directories and checkpoints (required).
+    bucket: str = ""
+    # Bucket store (s3, gcs, azure, r2, ...); empty = SkyPilot's choice.
+    store: str = ""
+    mount_path: str = "/mnt/dtlaunch"
+    # `sky jobs launch` (managed: recovered after preemption) or `sky launch` on a cluster of this name.
+    managed: bool = True
+    cluster_name: str = ""
+    # Port of the rendezvous on the first node.
+    rdzv_port: int = 29500
+    # Restarts after a failure of the run itself; exit 75 (stopped at a checkpoint) always restarts.
+    max_restarts_on_errors: int = 0
+    image_id: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class ClusterConfig:
     kind: str = "local"
@@ -359,6 +425,8 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     # Seconds before the time limit at which Slurm signals the job to checkpoint.
     signal_before_s: int = 120
+    k8s: K8sConfig = field(default_factory=K8sConfig)
+    sky: SkyConfig = field(default_factory=SkyConfig)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
 from dtlaunch.config.ranges import check_ranges
+from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -386,17 +387,14 @@ def check_data(cfg: Any, notes: list[str]) -> None:
             _fail(f"data.path is empty but data.kind={d.kind} reads files: set data.path=<dir, file or glob>")
         if not (os.path.exists(d.path) or glob.glob(d.path, recursive=True)):
             _fail(f"data.path='{d.path}' does not exist: fix the path (tokens: run `dtlaunch data prepare` first)")
-    if d.tokenizer == "auto":
-        if not str(cfg.model.init_from).startswith("hf:"):
-            _fail(
-                f"data.tokenizer=auto takes the tokenizer of model.init_from=hf:DIR but model.init_from="
-                f"'{cfg.model.init_from}': set data.tokenizer=byte or the path of a tokenizer.json"
-            )
-        if not os.path.isfile(os.path.join(str(cfg.model.init_from)[3:], "tokenizer.json")):
-            _fail(f"data.tokenizer=auto: {cfg.model.init_from[3:]}/tokenizer.json does not exist: set data.tokenizer")
-    elif d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
+    problem = tokenizer_problem(cfg)
+    if problem:
+        _fail(problem)
+    if d.force_tokenizer and d.tokenizer == "byte" and model_tokenizer_file(cfg.model.init_from) is not None:
+        notes.append(f"data.force_tokenizer=true: training on byte ids, not those of {cfg.model.init_from}'s tokenizer")
+    if d.tokenizer not in ("auto", "byte") and not os.path.isfile(d.tokenizer):
         _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte', 'auto' nor an existing tokenizer.json file")
-    if d.tokenizer == "byte" and d.kind != "synthetic" and cfg.model.vocab_size < 258:
+    if effective_tokenizer(cfg) == "byte" and d.kind != "synthetic" and cfg.model.vocab_size < 258:
         _fail(
             f"model.vocab_size={cfg.model.vocab_size} is too small for the byte tokenizer (258 ids): "
             f"use model.vocab_size>=258"
@@ -417,15 +415,20 @@ def check_data(cfg: Any, notes: list[str]) -> None:
 
 
 def check_format(cfg: Any) -> None:
+    from dtlaunch.data.chat_templates import chat_template_problem
+
     d = cfg.data
+    problem = chat_template_problem(str(d.chat_template), str(d.format))
+    if problem:
+        _fail(problem)
     if d.format == "text":
         return
     if d.kind not in ("jsonl", "parquet", "hf"):
         _fail(f"data.format={d.format} reads records: use data.kind=jsonl, parquet or hf (not {d.kind})")
-    if d.tokenizer == "byte":
+    if effective_tokenizer(cfg) == "byte":
         _fail(
-            f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): set "
-            f"data.tokenizer=auto or the path of a tokenizer.json"
+            f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): use "
+            f"model.init_from=hf:DIR (its tokenizer) or set data.tokenizer to the path of a tokenizer.json"
         )
     if cfg.strategy.pp > 1:
         _fail(
@@ -490,8 +493,8 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"launch.nnodes={la.nnodes} needs a rendezvous: set launch.rdzv_endpoint=HOST:PORT (the first node)")
     if la.timeout_s <= 0:
         _fail(f"launch.timeout_s={la.timeout_s} must be > 0")
-    if cfg.cluster.kind not in ("local", "slurm"):
-        _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local or cluster=slurm")
+    if cfg.cluster.kind not in ("local", "slurm", "kubernetes", "skypilot"):
+        _fail(f"cluster.kind='{cfg.cluster.kind}' is unknown: use cluster=local, slurm, kubernetes or skypilot")
     if cfg.debug.fail_mode not in ("raise", "sigkill", "input"):  # fault injection: how the rank fails
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 

@@ -60,7 +60,19 @@ def record_options(cfg: Any) -> dict[str, Any]:
         "format": str(cfg.data.format),
         "fields": record_fields(cfg),
         "split": str(cfg.data.split) if kind == "hf" else "",
+        **_chat_template_id(cfg),
     }
+
+
+def _chat_template_id(cfg: Any) -> dict[str, str]:
+    """For chat records, how they were encoded and data.chat_template's text decide the tokens too."""
+    from dtlaunch.data.chat_templates import template_identity
+
+    if str(cfg.data.format) != "chat":
+        return {}
+    # "encoding": chat records are tokenized as one rendering (earlier entries, turn by turn, are not reused).
+    spec = str(cfg.data.chat_template)
+    return {"encoding": "whole", **({"chat_template": template_identity(spec)} if spec else {})}
 
 
 def record_fields(cfg: Any) -> list[str]:
@@ -83,7 +95,7 @@ def encoded_batches(cfg: Any, tok: Any, path: str, key: str) -> Any:
         return encode_batches(tok, iter_documents(kind, path, str(cfg.data.text_field), split, key))
     from dtlaunch.data.chat import ChatEncoder, encode_records
 
-    encoder = ChatEncoder(Path(tok.name), tok._dtype)
+    encoder = ChatEncoder(Path(tok.name), tok._dtype, str(cfg.data.chat_template), chat=fmt == "chat")
     return encode_records(encoder, fmt, iter_records(kind, path, record_fields(cfg), split, key), key)
 
 
@@ -127,6 +139,8 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
         from dtlaunch.config.layout import Layout, global_batch, world_size
 
         gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+        if kind == "tokens":
+            _check_shards_tokenizer(cfg, run_dir)
         train, val = data_sources(cfg, run_dir)
         _check_enough(train, gb, "data.path", cfg)
         if val is not None:
@@ -134,18 +148,37 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
     return summary
 
 
+def _check_shards_tokenizer(cfg: Any, run_dir: Path) -> None:
+    """data.kind=tokens shards made with the byte tokenizer, for a model with its own, are refused."""
+    from dtlaunch.config.tokenizer_choice import shards_tokenizer_problem
+    from dtlaunch.data.shards import open_shards
+    from dtlaunch.data.sources import shard_dir
+    from dtlaunch.errors import ConfigError
+
+    meta = open_shards(shard_dir(cfg, run_dir, "train"), "data.path").meta
+    problem = shards_tokenizer_problem(cfg, str(meta.get("tokenizer", "")))
+    if problem:
+        raise ConfigError(problem)
+
+
 def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
     """A Hugging Face tokenizer travels with the run (run_dir/tokenizer), so that `ckpt export --format hf`
-    can write it beside the weights even if the original file moves or changes."""
+    can write it beside the weights and `generate RUN_DIR` decode with it, even if the original file moves
+    or changes. Synthetic runs from hf:DIR keep the model's tokenizer too (their data.tokenizer is it)."""
     from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files, resolve_tokenizer_spec
 
-    if str(cfg.data.kind) == "synthetic":
-        return
     spec = resolve_tokenizer_spec(str(cfg.data.tokenizer), str(cfg.model.init_from))
     if spec in ("", "byte"):
         return
     path = Path(spec).expanduser()
-    copy_tokenizer_files(path / "tokenizer.json" if path.is_dir() else path, run_dir / RUN_TOKENIZER_DIR)
+    out = run_dir / RUN_TOKENIZER_DIR
+    copy_tokenizer_files(path / "tokenizer.json" if path.is_dir() else path, out)
+    if str(cfg.data.chat_template) and str(cfg.data.format) == "chat":
+        from dtlaunch.data.chat_templates import load_chat_template
+        from dtlaunch.data.tokenizer import set_chat_template
+
+        # The template the run trained with goes with its tokenizer (and so into `ckpt export --format hf`).
+        set_chat_template(out, load_chat_template(str(cfg.data.chat_template)))
 
 
 def _check_enough(source: SampleSource, gb: int, key: str, cfg: Any) -> None:

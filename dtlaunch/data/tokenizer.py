@@ -149,3 +149,14 @@ def copy_tokenizer_files(tokenizer_json: Path, out: Path) -> list[Path]:
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
         copied.append(out / "tokenizer_config.json")
     return copied
+
+
+def set_chat_template(tokenizer_dir: Path, template: str) -> None:
+    """Write `template` as the chat_template of tokenizer_dir/tokenizer_config.json (the file
+    transformers' AutoTokenizer reads it from)."""
+    import json
+
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config, indent=1) + "\n")

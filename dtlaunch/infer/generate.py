@@ -80,8 +80,19 @@ def _run_tokenizer(checkpoint: Path) -> str:
         if kept.is_file():
             return str(kept)
         if (parent / "config.yaml").is_file():
-            return str(load_resolved(parent / "config.yaml").data.tokenizer)
+            return _configured_tokenizer(load_resolved(parent / "config.yaml"))
     return "byte"
+
+
+def _configured_tokenizer(cfg: Any) -> str:
+    """data.tokenizer of a run without a kept tokenizer (runs from before the launcher kept one). Its ids
+    on synthetic data are the model's own, so such a run from hf:DIR decodes with DIR's tokenizer."""
+    from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file
+
+    own = model_tokenizer_file(cfg.model.init_from)
+    if str(cfg.data.kind) == "synthetic" and own is not None:
+        return str(own)
+    return effective_tokenizer(cfg)
 
 
 @torch.no_grad()

@@ -1,0 +1,85 @@
+"""Which tokenizer a job uses: `data.tokenizer=auto` (the default) is the model's own.
+
+A model loaded from `model.init_from=hf:DIR` was trained on DIR/tokenizer.json's ids; any other ids
+(the byte tokenizer's, say) still fit its vocabulary and train without an error, into garbage. So `auto`
+becomes that file, resolved once here by the launcher: the run's config.yaml names the file used and the
+workers never guess. Without an hf: source `auto` is the built-in byte tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from dtlaunch.config.hf_model import hf_source_dir
+
+AUTO = "auto"
+BYTE = "byte"
+
+
+def model_tokenizer_file(init_from: Any) -> Optional[Path]:
+    """DIR/tokenizer.json of model.init_from=hf:DIR when it exists, else None."""
+    path = hf_source_dir(init_from)
+    if path is None:
+        return None
+    file = path / "tokenizer.json"
+    return file.resolve() if file.is_file() else None
+
+
+def resolve_auto_tokenizer(cfg: Any) -> None:
+    """Replace data.tokenizer=auto by what it means for this model, in place. Left as `auto` (validate
+    refuses it, naming the fix) only when the hf: directory has no tokenizer.json and the data needs one."""
+    if str(cfg.data.tokenizer) != AUTO:
+        return
+    own = model_tokenizer_file(cfg.model.init_from)
+    if own is not None:
+        cfg.data.tokenizer = str(own)
+    elif hf_source_dir(cfg.model.init_from) is None or str(cfg.data.kind) == "synthetic":
+        # No model tokenizer to honour; synthetic data is random ids and needs none either.
+        cfg.data.tokenizer = BYTE
+
+
+def tokenizer_problem(cfg: Any) -> Optional[str]:
+    """The one-line refusal for a tokenizer that contradicts the model, or None (validate's data rule)."""
+    d = cfg.data
+    source = hf_source_dir(cfg.model.init_from)
+    if str(d.tokenizer) == AUTO and source is not None and model_tokenizer_file(cfg.model.init_from) is None:
+        other = sorted(p.name for p in source.glob("tokenizer*") if p.is_file())
+        found = (
+            f" (it holds {', '.join(other)}: save it as tokenizer.json with transformers' AutoTokenizer)"
+            if other
+            else ""
+        )
+        return (
+            f"data.tokenizer=auto: model.init_from=hf:{source} has no tokenizer.json{found}; add the model's "
+            f"tokenizer.json there or set data.tokenizer to its path"
+        )
+    if str(d.tokenizer) == BYTE and not d.force_tokenizer:
+        own = model_tokenizer_file(cfg.model.init_from)
+        if own is not None:
+            return (
+                f"data.tokenizer=byte but model.init_from=hf:{source} has its own tokenizer ({own}): drop "
+                f"data.tokenizer to use the model's, or set data.force_tokenizer=true to train on byte ids anyway"
+            )
+    return None
+
+
+def effective_tokenizer(cfg: Any) -> str:
+    """data.tokenizer as the run will use it (`auto` read as resolve_auto_tokenizer would)."""
+    spec = str(cfg.data.tokenizer)
+    if spec != AUTO:
+        return spec
+    own = model_tokenizer_file(cfg.model.init_from)
+    return str(own) if own is not None else BYTE
+
+
+def shards_tokenizer_problem(cfg: Any, shards_tokenizer: str) -> Optional[str]:
+    """data.kind=tokens: shards prepared with the byte tokenizer for a model with its own are refused
+    like data.tokenizer=byte is (their meta.json names the tokenizer they were made with)."""
+    own = model_tokenizer_file(cfg.model.init_from)
+    if shards_tokenizer != BYTE or own is None or cfg.data.force_tokenizer:
+        return None
+    return (
+        f"data.path='{cfg.data.path}' was prepared with the byte tokenizer but model.init_from has its own ({own}): "
+        f"re-run `dtlaunch data prepare ... --tokenizer {own}`, or set data.force_tokenizer=true to train on them"
+    )
