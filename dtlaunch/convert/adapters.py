@@ -124,10 +124,18 @@ def from_peft_state(state: dict, m: Any, where: str) -> dict:
 
 def peft_config(adapters: Adapters) -> dict:
     """adapter_config.json: the keys peft reads (LoraConfig), for a causal LM."""
-    from dtlaunch.models.lora import hf_module_name
+    from dtlaunch.models.lora import expert_names, hf_module_name
 
     spec = _spec(adapters.m)
     targets = sorted({hf_module_name(spec, fqn).rsplit(".", 1)[-1] for fqn in adapters.linears()})
+    shared = sorted(set(targets) & expert_names(spec.build(adapters.m, rope_len=1, device="meta"), spec))
+    if shared:
+        # transformers fuses a MoE model's experts, and peft adapts every module of a target's name, experts too.
+        raise InputError(
+            f"--format peft: the adapters on the dense MLP ({', '.join(shared)}) share their names with the routed "
+            "experts, which peft would adapt as well: use --format hf (merged), or train with "
+            "peft.targets=[q_proj,k_proj,v_proj,o_proj]"
+        )
     rec = adapters.record
     return {
         "peft_type": "LORA",
