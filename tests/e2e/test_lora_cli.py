@@ -183,11 +183,10 @@ def test_generate_with_run_adapters_and_peft_dir(runs: dict, exports: dict, base
     prompt = ["--prompt", "w1 w2 w3 w4", "--max-new-tokens", "6"]
     from_run = dtlaunch("generate", str(runs["fsdp"]), *prompt)
     from_dir = dtlaunch("generate", f"hf:{base}", "--adapter", str(exports["fsdp"]["peft"]), *prompt)
-    plain = dtlaunch("generate", f"hf:{base}", *prompt)
-    for proc in (from_run, from_dir, plain):
+    for proc in (from_run, from_dir):
         ok(proc)
+    # (That the adapters change the model's output: test_peft_round_trip_and_merged_export.)
     assert from_run.stdout.strip() and from_run.stdout == from_dir.stdout
-    assert plain.stdout != from_dir.stdout  # the adapters change the continuation
 
 
 def test_changed_base_is_refused(runs: dict, exports: dict, base: Path, tmp_path: Path) -> None:
