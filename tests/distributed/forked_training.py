@@ -73,8 +73,9 @@ def one_process_context(cfg: object, device: object, loader: object, prepare: Ca
     )
 
 
-def train(overrides: list[str], world: int, steps: int) -> dict:
-    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference."""
+def train(overrides: list[str], world: int, steps: int, inspect: Callable | None = None) -> dict:
+    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference.
+    `inspect(ctx)` (every rank, after the last step) adds its JSON-able result under "inspect"."""
     import torch
     import torch.distributed as dist
 
@@ -112,7 +113,10 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
             loss /= world
         losses.append(float(loss))
         norms.append(float(r.grad_norm))
-    return {"loss": losses, "grad_norm": norms, "precision": str(cfg.precision.param_dtype)}
+    out = {"loss": losses, "grad_norm": norms, "precision": str(cfg.precision.param_dtype)}
+    if inspect is not None:
+        out["inspect"] = inspect(ctx)
+    return out
 
 
 def _forked(rank: int, world: int, port: int, out: str, run_all: Callable[[], dict]) -> None:
