@@ -8,14 +8,14 @@ parameters, `lora_a` [rank, in] and `lora_b` [out, rank]:
 which is what Hugging Face peft computes, so an adapter trained here loads there unchanged. B starts at
 zero (training starts from the base model's outputs), A Kaiming-uniform (torch's nn.Linear default,
 bound 1/sqrt(in)) drawn from a generator seeded by the run's seed and the parameter's name: the runtime
-computes the full value and cuts each rank's shard from it (dtlaunch.train.init), so every layout
+computes the full value and cuts each rank's shard from it (dtlaunch.train.parallel.init_weights), so every layout
 starts from the same adapters.
 
 Targets are Hugging Face module names (q_proj, v_proj, gate_proj, ...): each linear of the blocks is
 named through its family's HF name mapping (`ModelSpec.names().to_hf_name`), so the same
 `peft.targets` work for every family. The output head never takes an adapter.
 
-No torch.distributed here: tensor parallel styles for these linears live in dtlaunch.train.lora_tp.
+No torch.distributed here: tensor parallel styles for these linears live in dtlaunch.train.parallel.lora_tp.
 """
 
 from __future__ import annotations

@@ -51,16 +51,16 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
 }
 
 
-def frozen_base(ctx) -> dict:
+def frozen_base(rt) -> dict:
     """After training: frozen parameters with a gradient, frozen parameters that moved from their initial
     value (gathered whole), and optimizer state entries that are not adapters."""
     import torch
 
-    from dtlaunch.train.init import model_param_name
+    from dtlaunch.train.parallel.init_weights import model_param_name
 
-    seed = int(ctx.cfg.training.seed)
+    seed = int(rt.cfg.training.seed)
     frozen = with_grad = moved = 0
-    for part in ctx.model_parts:
+    for part in rt.model_parts:
         model = getattr(part, "module", part)  # DDP's wrapper
         for name, p in part.named_parameters():
             if p.requires_grad:
@@ -70,7 +70,7 @@ def frozen_base(ctx) -> dict:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             init = model.init_param(model_param_name(name), tuple(full.shape), seed)
             moved += not torch.equal(full.detach(), init.to(full.dtype))
-    optimized = [p for opt in ctx.optimizers for p in getattr(opt, "optim", opt).state]
+    optimized = [p for opt in rt.optimizers for p in getattr(opt, "optim", opt).state]
     return {
         "frozen": frozen,
         "frozen_with_grad": with_grad,
