@@ -144,6 +144,11 @@ RANGES: dict[str, Range] = {
     "cluster.signal_before_s": NON_NEGATIVE,
     "cluster.sky.rdzv_port": Range(1, 65535),
     "cluster.sky.max_restarts_on_errors": NON_NEGATIVE,
+    "peft.rank": AT_LEAST_1,
+    "peft.alpha": POSITIVE,
+    "peft.dropout": PROBABILITY,
+    "peft.nf4_block_size": AT_LEAST_1,
+    "peft.nf4_scaler_block_size": AT_LEAST_1,
     "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,
