@@ -34,6 +34,7 @@ from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
 from dtlaunch.train.parallelize import parallelize
 from dtlaunch.train.phases import phase
+from dtlaunch.train.profiling import oom_snapshot, profiled
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
 
@@ -166,6 +167,12 @@ def main() -> None:
         from dtlaunch.launch.worker_errors import exit_with_input_error
 
         exit_with_input_error(run_dir, env.rank, str(exc))
+    except torch.OutOfMemoryError as exc:
+        snapshot = oom_snapshot(run_dir, env.rank)
+        if snapshot is None:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise torch.OutOfMemoryError(f"memory snapshot {snapshot} (open at pytorch.org/memory_viz); {first}") from exc
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()
@@ -193,6 +200,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     dp_rank, dp_size = dp_rank_size(mesh)
     loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(mesh))
     ctx = rt.step_context(loader, moe=_router_tracker(cfg, parts, mesh, layout, accum))
+    step_fn = profiled(rt.step, ctx, cfg, run_dir, env.rank, env.device)  # rt.step itself unless profiling
     ckpt = CheckpointManager(cfg, run_dir, parts, optimizers, schedulers, loader, env.rank)
     start = ckpt.resume()
     log(f"training steps {start + 1}..{cfg.training.steps}")
@@ -210,7 +218,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
         lr = schedulers[0].get_last_lr()[0]
         began = time.perf_counter()
         with watch.step(step), tracker.step(step):
-            result = rt.step(ctx, step)
+            result = step_fn(ctx, step)
             rates.append(tokens_per_step / (time.perf_counter() - began))
             done = sync.push(
                 step,
