@@ -4,8 +4,9 @@ the launcher and `dtlaunch report` use it).
 The step is the span of the `dtlaunch.step` annotation (dtlaunch.train.profiling). Inside it, every instant
 is put in exactly one category, so the categories add up to the step's span:
 
-- data: inside a `dtlaunch.data` annotation (the loader's `next_batch`);
-- compute: an operator runs on the training thread (CPU), or a non-communication kernel runs on the GPU;
+- data: inside a `dtlaunch.data` annotation (the loader's `next_batch`), on GPU only while no kernel runs;
+- compute: an operator runs on the training thread (CPU; outside the loader), or a non-communication
+  kernel runs on the GPU;
 - comm exposed: a collective is in flight (gloo's work on its own threads, `gloo:*` / `nccl:*` events and
   NCCL kernels) while nothing computes: the step waits for it;
 - bubble: the same for point-to-point send/recv (pipeline parallelism): a stage waits for its neighbour;
@@ -119,7 +120,11 @@ def breakdown(events: list[dict]) -> dict[str, float]:
             for e in events
             if e.get("cat") == "cpu_op" and e.get("tid") == main_tid and not str(e["name"]).startswith(_NOT_COMPUTE)
         ]
-    compute = subtract(intersect(union(_span(e) for e in compute_events), step), data)
+    compute = intersect(union(_span(e) for e in compute_events), step)
+    if gpu_kernels:  # the GPU computing while the host loads the next batch: that loading costs nothing
+        data = subtract(data, compute)
+    else:  # one thread: the operators inside the loader's annotation are the loading
+        compute = subtract(compute, data)
     comm_events = [e for e in events if _is_comm(e)]
     p2p = intersect(union(_span(e) for e in comm_events if _P2P.search(str(e["name"]))), step)
     collective = intersect(union(_span(e) for e in comm_events if not _P2P.search(str(e["name"]))), step)

@@ -45,9 +45,10 @@ def profiled(step_fn: Callable, ctx: Any, cfg: Any, run_dir: Path, rank: int, de
     steps (and labels data loading in `ctx`'s loader)."""
     if not bool(cfg.profiling.enabled):
         return step_fn
-    ctx.loader = _LabelledLoader(ctx.loader)
+    ctx.loader = loader = _LabelledLoader(ctx.loader)
     steps = profiled_steps(cfg.profiling, int(cfg.training.steps))
-    return StepProfiler(step_fn, steps, int(cfg.profiling.warmup), bool(cfg.profiling.memory), run_dir, rank, device)
+    pr = cfg.profiling
+    return StepProfiler(step_fn, steps, int(pr.warmup), bool(pr.memory), run_dir, rank, device, loader)
 
 
 class _LabelledLoader:
@@ -56,8 +57,11 @@ class _LabelledLoader:
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader
+        self.active = False  # set by StepProfiler while a profiler runs: other steps pay nothing
 
     def next_batch(self) -> Any:
+        if not self.active:
+            return self._loader.next_batch()
         with record_function(DATA_ANNOTATION):
             return self._loader.next_batch()
 
@@ -78,8 +82,10 @@ class StepProfiler:
         run_dir: Path,
         rank: int,
         device: torch.device,
+        loader: Any = None,
     ) -> None:
         self._step_fn = step_fn
+        self._loader = loader
         self._profiled = set(steps)
         self._warmup = warmup
         self._cuda = device.type == "cuda"
@@ -97,6 +103,8 @@ class StepProfiler:
             return self._step_fn(ctx, step)
         if self._prof is None:
             self._start(step)
+            if self._loader is not None:
+                self._loader.active = True
         self._step = step
         with record_function(STEP_ANNOTATION):
             began = time.perf_counter()
@@ -108,6 +116,8 @@ class StepProfiler:
         if step + 1 not in self._touched:
             self._prof.stop()
             self._prof = None
+            if self._loader is not None:
+                self._loader.active = False
         return result
 
     def _start(self, first: int) -> None:

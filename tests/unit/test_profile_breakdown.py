@@ -68,6 +68,21 @@ def test_categories_of_a_hand_made_step() -> None:
     assert sum(got[c] for c in CATEGORIES) == pytest.approx(got["step_s"])
 
 
+def test_categories_of_a_hand_made_gpu_step() -> None:
+    # GPU: compute is kernel time. Kernels 10..50; an NCCL kernel 40..60 (overlapped 10, exposed 10); the
+    # host loads data 0..20, of which 10..20 is hidden behind kernels (data 10). Host: 100 - 40 - 10 - 10.
+    events = [
+        _op("dtlaunch.step", 0, 100, cat="user_annotation"),
+        _op("dtlaunch.data", 0, 20, cat="user_annotation"),
+        _op("aten::mm", 0, 15),  # host-side operators do not count as compute when kernels exist
+        _op("sm90_gemm_kernel", 10, 40, tid=7, cat="kernel"),
+        _op("ncclDevKernel_AllGather_RING_LL", 40, 20, tid=8, cat="kernel"),
+    ]
+    got = breakdown(events)
+    want = {"compute": 40, "comm_exposed": 10, "bubble": 0, "data": 10, "host": 40, "comm_overlapped": 10}
+    assert {k: round(v * 1e6, 6) for k, v in got.items() if k != "step_s"} == want
+
+
 def test_a_trace_without_the_step_annotation_is_refused() -> None:
     with pytest.raises(ValueError, match="dtlaunch.step"):
         breakdown([_op("aten::mm", 0, 10)])
