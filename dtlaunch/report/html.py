@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import statistics
 from html import escape
 from pathlib import Path
 from typing import Any, Optional
@@ -68,7 +69,17 @@ def _measured_peaks(run: RunData) -> dict[int, int]:
 
 
 def _overview(run: RunData) -> str:
-    s, cfg = run.summary, run.config
+    # A run without summary.json (failed, preempted, running): what its metrics say so far.
+    _, losses = run.series("loss")
+    _, speeds = run.series("tokens_per_s")
+    peaks = _measured_peaks(run)
+    s = {
+        "final_loss": losses[-1] if losses else None,
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "peak_mem_bytes_measured": max(peaks.values()) if peaks else None,
+        **{k: v for k, v in run.summary.items() if v is not None},
+    }
+    cfg = run.config
     layout = run.plan.get("layout") or {}
     steps = (cfg.get("training") or {}).get("steps")
     last_step = run.metrics[-1].get("step") if run.metrics else None
@@ -78,7 +89,7 @@ def _overview(run: RunData) -> str:
         ["model", str((cfg.get("model") or {}).get("name") or "-")],
         ["layout", ", ".join(f"{k} {v}" for k, v in layout.items()) or "-"],
         ["steps", f"{last_step if last_step is not None else '-'} of {steps if steps is not None else '?'}"],
-        ["final loss", _num(s.get("final_loss", run.series("loss")[1][-1] if run.series("loss")[1] else None))],
+        ["final loss", _num(s.get("final_loss"))],
         ["val loss", _num(s.get("val_loss"))],
         ["tokens/s (median)", _num(s.get("tokens_per_s"), "{:,.0f}")],
         ["MFU", _num(s.get("mfu") * 100 if isinstance(s.get("mfu"), float) else None, "{:.1f} %")],
@@ -143,7 +154,10 @@ def run_report(run: RunData) -> str:
         vs, vl = run.series("val_loss")
         if vs:
             series.append(("val_loss", vs, vl))
-        body.append(_figure(plots.line_plot(series, "loss", "training and validation loss"), "per optimizer step"))
+        marks = [(la.resumed_from, f"resumed after {la.resumed_from}") for la in run.launches if la.resumed_from]
+        figure = plots.line_plot(series, "loss", "training and validation loss", marks=marks)
+        caption = "per optimizer step" + ("; dotted lines: where the run resumed from a checkpoint" if marks else "")
+        body.append(_figure(figure, caption))
     else:
         body.append("<p>no metrics logged</p>")
     ts, tps = run.series("tokens_per_s")

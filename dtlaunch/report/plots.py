@@ -56,12 +56,28 @@ def line_plot(
     title: str,
     right: Optional[tuple[str, Sequence[float], Sequence[float], str]] = None,
     markers: bool = False,
+    marks: Sequence[tuple[float, str]] = (),
 ) -> str:
-    """Lines (label, x, y) against step; `right`: one more line on a second y axis (label, x, y, ylabel)."""
+    """Lines (label, x, y) against step; `right`: one more line on a second y axis (label, x, y, ylabel);
+    `marks`: vertical dashed lines (step, label), e.g. where a run resumed."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.4))
     for label, x, y in series:
         ax.plot(x, y, "o-" if markers or len(x) < 3 else "-", label=label, markersize=3)
+    for step, label in marks:
+        ax.axvline(step, color="grey", linestyle=":", lw=1)
+        ax.annotate(
+            label,
+            (step, 0.03),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, 0),
+            textcoords="offset points",
+            fontsize="small",
+            color="grey",
+        )
+    xs = [v for _, x, _ in series for v in x]
+    if xs and min(xs) == max(xs):  # one point: a readable axis around it
+        ax.set_xlim(min(xs) - 1, max(xs) + 1)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -90,14 +106,22 @@ def memory_plot(measured: dict[int, int], planned: dict[int, dict[str, int]]) ->
     width = 0.38
     categories = sorted({c for lines in planned.values() for c in lines})
     colours = dict(zip(categories, itertools.cycle(plt.get_cmap("tab20").colors), strict=False))
+    labelled: set[str] = set()
+
+    def label(text: str) -> str | None:  # each legend entry once
+        if text in labelled:
+            return None
+        labelled.add(text)
+        return text
+
     for i, rank in enumerate(ranks):
         if rank in measured:
-            ax.bar(i - width / 2, measured[rank] / MIB, width, color="#333333", label="measured" if i == 0 else None)
+            ax.bar(i - width / 2, measured[rank] / MIB, width, color="#333333", label=label("measured"))
         bottom = 0.0
         for c in categories:
             v = planned.get(rank, {}).get(c, 0) / MIB
             if v > 0:
-                ax.bar(i + width / 2, v, width, bottom=bottom, color=colours[c], label=f"plan: {c}" if i == 0 else None)
+                ax.bar(i + width / 2, v, width, bottom=bottom, color=colours[c], label=label(f"plan: {c}"))
                 bottom += v
     ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylabel("peak memory (MiB)")
