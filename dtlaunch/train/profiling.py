@@ -45,7 +45,9 @@ def profiled(step_fn: Callable, ctx: Any, cfg: Any, run_dir: Path, rank: int, de
     steps (and labels data loading in `ctx`'s loader)."""
     if not bool(cfg.profiling.enabled):
         return step_fn
-    ctx.loader = loader = _LabelledLoader(ctx.loader)
+    loader = None
+    if ctx.loader is not None:  # None: the caller feeds the micro-steps (no loading inside the step)
+        ctx.loader = loader = _LabelledLoader(ctx.loader)
     steps = profiled_steps(cfg.profiling, int(cfg.training.steps))
     pr = cfg.profiling
     return StepProfiler(step_fn, steps, int(pr.warmup), bool(pr.memory), run_dir, rank, device, loader)
@@ -87,7 +89,6 @@ class StepProfiler:
         self._step_fn = step_fn
         self._loader = loader
         self._profiled = set(steps)
-        self._warmup = warmup
         self._cuda = device.type == "cuda"
         self._memory = memory
         self._dir = Path(run_dir) / "profile"
@@ -118,6 +119,8 @@ class StepProfiler:
             self._prof = None
             if self._loader is not None:
                 self._loader.active = False
+            if self._memory and self._cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)
         return result
 
     def _start(self, first: int) -> None:
@@ -151,8 +154,6 @@ class StepProfiler:
         Path(f"{base}.timing.json").write_text(json.dumps(timing) + "\n")
         if self._memory and self._cuda:
             torch.cuda.memory._dump_snapshot(f"{base}.memory.pickle")
-            if self._step + 1 not in self._profiled:
-                torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def oom_snapshot(run_dir: Path, rank: int) -> str | None:

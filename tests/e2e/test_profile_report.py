@@ -115,27 +115,28 @@ def test_report_of_a_finished_then_resumed_run(trainer, profiled_run, tmp_path: 
     assert len(page.svgs) == 4, len(page.svgs)
     # The same run extended to 6 steps resumes from its step-4 checkpoint.
     trainer.run(run_dir, *PROFILED[:-1], "training.steps=6", "profiling.steps=[5]")
-    text = (tmp_path / "resumed.html").name
-    page = _report(trainer, run_dir, tmp_path / text)
-    body = (tmp_path / text).read_text()
+    _report(trainer, run_dir, tmp_path / "resumed.html")
+    body = (tmp_path / "resumed.html").read_text()
     assert "resumed after step 4" in body and "started at step 1" in body
     assert "step-00000006" in body
-    if shutil.which("chromium-headless-shell") or shutil.which("chromium"):
-        _render(tmp_path / text, len(page.svgs))
 
 
-def _render(html: Path, svgs: int) -> None:
-    """Chromium's DOM of the page: every figure is there as an SVG element (the parser accepted them)."""
-    exe = shutil.which("chromium-headless-shell") or shutil.which("chromium")
-    proc = subprocess.run(
-        [str(exe), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", html.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium installed")
+def test_report_renders_in_a_headless_browser(trainer, profiled_run, tmp_path: Path) -> None:
+    """Chromium's DOM of the page holds every figure as an SVG element (its parser accepted them), and a
+    screenshot of the page is drawn."""
+    html = tmp_path / "report.html"
+    page = _report(trainer, profiled_run[0], html)
+    common = [str(BROWSER), "--headless", "--no-sandbox", "--disable-gpu"]
+    proc = subprocess.run([*common, "--dump-dom", html.as_uri()], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    dom = proc.stdout
-    assert dom.count("<svg") == svgs and "</html>" in dom, dom[:2000]
+    assert proc.stdout.count("<svg") == len(page.svgs) > 0 and "</html>" in proc.stdout, proc.stdout[:2000]
+    shot = tmp_path / "report.png"
+    proc = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1200,2000", html.as_uri()], timeout=120)
+    assert proc.returncode == 0 and shot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_report_of_a_failed_run_and_of_a_sweep(trainer, tmp_path: Path) -> None:
