@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,6 +131,8 @@ class StepProfiler:
                 return ProfilerAction.RECORD_AND_SAVE
             return ProfilerAction.WARMUP if step in self._touched else ProfilerAction.NONE
 
+        # One trace per step is the point: torch's note that a new cycle drops the last one's events is noise.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
         self._prof = profile(
             activities=activities,
