@@ -132,7 +132,7 @@ def _profile_section(run: RunData) -> list[str]:
         + [_num(r["measured_step_s"] and 1e3 * r["measured_step_s"], "{:.1f}")]
         for r in rows
     ]
-    headers = ["rank", "step", *CATEGORIES, "comm overlapped", "clock"]
+    headers = ["rank", "step", "compute", "exposed comm", "bubble", "data", "host", "comm overlapped", "clock"]
     slowest = max(rows, key=lambda r: r["step_s"])
     return [
         f"<h2>step time breakdown (profiled step {escape(steps)}, ms)</h2>",
