@@ -68,18 +68,21 @@ def _measured_peaks(run: RunData) -> dict[int, int]:
     return {0: int(max(peaks))} if peaks else {}
 
 
-def _overview(run: RunData) -> str:
-    # A run without summary.json (failed, preempted, running): what its metrics say so far.
+def _numbers(run: RunData) -> dict[str, Any]:
+    """summary.json, completed for a run without one (failed, preempted, running) by its metrics so far."""
     _, losses = run.series("loss")
     _, speeds = run.series("tokens_per_s")
     peaks = _measured_peaks(run)
-    s = {
+    return {
         "final_loss": losses[-1] if losses else None,
         "tokens_per_s": statistics.median(speeds) if speeds else None,
         "peak_mem_bytes_measured": max(peaks.values()) if peaks else None,
         **{k: v for k, v in run.summary.items() if v is not None},
     }
-    cfg = run.config
+
+
+def _overview(run: RunData) -> str:
+    s, cfg = _numbers(run), run.config
     layout = run.plan.get("layout") or {}
     steps = (cfg.get("training") or {}).get("steps")
     last_step = run.metrics[-1].get("step") if run.metrics else None
@@ -191,7 +194,7 @@ def sweep_report(sweep_dir: Path, record: dict, runs: list[Optional[RunData]]) -
     labels = [f"#{p.get('index')}" for p in points]
     rows = []
     for p, run in zip(points, runs, strict=True):
-        s = p.get("summary") or (run.summary if run else {})
+        s = {**(_numbers(run) if run else {}), **(p.get("summary") or {})}
         rows.append(
             [
                 f"#{p.get('index')}",
@@ -221,9 +224,7 @@ def sweep_report(sweep_dir: Path, record: dict, runs: list[Optional[RunData]]) -
         body.append("<h2>throughput</h2>")
         values = [float(v.replace(",", "")) for _, v in speeds]
         body.append(_figure(plots.bar_plot([lab for lab, _ in speeds], values, "tokens/s", "median tokens/s"), ""))
-    mems = [
-        (lab, (p.get("summary") or {}).get("peak_mem_bytes_measured")) for lab, p in zip(labels, points, strict=True)
-    ]
+    mems = [(lab, _numbers(run).get("peak_mem_bytes_measured")) for lab, run in zip(labels, runs, strict=True) if run]
     mems = [(lab, m) for lab, m in mems if isinstance(m, (int, float))]
     if mems:
         body.append("<h2>memory</h2>")
