@@ -200,7 +200,7 @@ def train(cfg: Any, run_dir: Path, env: DistEnv) -> None:
     dp_rank, dp_size = dp_rank_size(mesh)
     loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(mesh))
     ctx = rt.step_context(loader, moe=_router_tracker(cfg, parts, mesh, layout, accum))
-    step_fn = profiled(rt.step, ctx, cfg, run_dir, env.rank, env.device)  # rt.step itself unless profiling
+    step_fn, ctx.loader = profiled(rt.step, ctx.loader, cfg, run_dir, env.rank, env.device)  # same unless profiling
     ckpt = CheckpointManager(cfg, run_dir, parts, optimizers, schedulers, loader, env.rank)
     start = ckpt.resume()
     log(f"training steps {start + 1}..{cfg.training.steps}")

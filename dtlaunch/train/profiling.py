@@ -1,7 +1,7 @@
 """torch.profiler around chosen training steps (profiling.*): one Chrome trace per rank and step.
 
-The loop calls `profiled(rt.step)` once; with profiling off that returns the step function itself, so an
-unprofiled run does no extra work per step. With it on, a step far from the profiled ones costs one set
+The loop calls `profiled(step_fn, loader, ...)` once; with profiling off that returns the step function and
+the loader themselves, so an unprofiled run does no extra work per step. With it on, a step far from the profiled ones costs one set
 lookup; the warm-up steps before a profiled step (profiling.warmup) run the profiler without keeping the
 events, so its start-up cost lands there and not in the profiled step.
 
@@ -41,17 +41,19 @@ def profiled_steps(pr: Any, total_steps: int) -> list[int]:
     return sorted(s for s in chosen if 1 <= s <= total_steps)
 
 
-def profiled(step_fn: Callable, ctx: Any, cfg: Any, run_dir: Path, rank: int, device: torch.device) -> Callable:
-    """`step_fn` itself when profiling is off; else a function with its signature that profiles the chosen
-    steps (and labels data loading in `ctx`'s loader)."""
+def profiled(
+    step_fn: Callable, loader: Any, cfg: Any, run_dir: Path, rank: int, device: torch.device
+) -> tuple[Callable, Any]:
+    """`(step_fn, loader)` themselves when profiling is off. Else a function with step_fn's signature (the
+    step number its last argument) that profiles the chosen steps, and the loader with its loading labelled
+    for the trace (to be passed to that function in place of `loader`)."""
     if not bool(cfg.profiling.enabled):
-        return step_fn
-    loader = None
-    if ctx.loader is not None:  # None: the caller feeds the micro-steps (no loading inside the step)
-        ctx.loader = loader = _LabelledLoader(ctx.loader)
-    steps = profiled_steps(cfg.profiling, int(cfg.training.steps))
+        return step_fn, loader
+    labelled = _LabelledLoader(loader) if loader is not None else None
     pr = cfg.profiling
-    return StepProfiler(step_fn, steps, int(pr.warmup), bool(pr.memory), run_dir, rank, device, loader)
+    steps = profiled_steps(pr, int(cfg.training.steps))
+    profiler = StepProfiler(step_fn, steps, int(pr.warmup), bool(pr.memory), run_dir, rank, device, labelled)
+    return profiler, labelled
 
 
 class _LabelledLoader:
@@ -100,9 +102,10 @@ class StepProfiler:
         # Steps at which a profiler runs: each profiled step and the warm-up steps before it.
         self._touched = {s - k for s in steps for k in range(warmup + 1) if s - k >= 1}
 
-    def __call__(self, ctx: Any, step: int) -> Any:
+    def __call__(self, *args: Any) -> Any:
+        step = int(args[-1])
         if step not in self._touched:
-            return self._step_fn(ctx, step)
+            return self._step_fn(*args)
         if self._prof is None:
             self._start(step)
             if self._loader is not None:
@@ -110,7 +113,7 @@ class StepProfiler:
         self._step = step
         with record_function(STEP_ANNOTATION):
             began = time.perf_counter()
-            result = self._step_fn(ctx, step)
+            result = self._step_fn(*args)
             if self._cuda:
                 torch.cuda.synchronize()  # the step's kernels inside its span, as the trace shows them
             self._measured[step] = time.perf_counter() - began

@@ -36,19 +36,19 @@ def _cfg(enabled: bool) -> object:
 
 
 def test_profiling_off_returns_the_step_function_itself(tmp_path: Path) -> None:
-    ctx = SimpleNamespace(loader=_Loader())
-    loader = ctx.loader
-    assert profiled(_step, ctx, _cfg(False), tmp_path, 0, torch.device("cpu")) is _step
-    assert ctx.loader is loader
+    loader = _Loader()
+    fn, got = profiled(_step, loader, _cfg(False), tmp_path, 0, torch.device("cpu"))
+    assert fn is _step and got is loader
     assert not (tmp_path / "profile").exists()
 
 
 def test_the_chosen_steps_get_one_trace_each(tmp_path: Path) -> None:
-    ctx = SimpleNamespace(loader=_Loader())
-    fn = profiled(_step, ctx, _cfg(True), tmp_path, 3, torch.device("cpu"))
+    loader = _Loader()
+    fn, labelled = profiled(_step, loader, _cfg(True), tmp_path, 3, torch.device("cpu"))
+    ctx = SimpleNamespace(loader=labelled)
     results = [fn(ctx, s) for s in range(1, 8)]
     assert all(isinstance(r, torch.Tensor) for r in results)
-    assert ctx.loader.batches == 7 and ctx.loader.last_weight is None  # the loader's own attributes
+    assert loader.batches == 7 and labelled.last_weight is None  # the loader's own attributes
     # steps=[2] plus every 3rd of 7 steps; warm-up steps (1, 5) keep nothing.
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step-2", "step-3", "step-6"]
     for n in (2, 3, 6):
