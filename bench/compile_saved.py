@@ -26,7 +26,7 @@ import torch
 from bench.common import markdown_table
 
 B, S = 2, 128
-MODES = {  # name -> (training section for dtlaunch.train.ac.apply_ac, planner kind)
+MODES = {  # name -> (training section for dtlaunch.train.parallel.ac.apply_ac, planner kind)
     "none": ("none", "op", 0.0),
     "selective (op)": ("selective", "op", 0.0),
     "full": ("full", "op", 0.0),
@@ -34,7 +34,7 @@ MODES = {  # name -> (training section for dtlaunch.train.ac.apply_ac, planner k
 
 
 def saved_bytes_per_token(model: torch.nn.Module, mode: tuple, compiled: bool, dtype: torch.dtype, dim: int) -> float:
-    from dtlaunch.train.ac import apply_ac
+    from dtlaunch.train.parallel.ac import apply_ac
 
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleDict({"0": copy.deepcopy(model.layers["0"])})

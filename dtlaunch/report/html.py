@@ -10,8 +10,8 @@ from html import escape
 from pathlib import Path
 from typing import Any, Optional
 
-from dtlaunch.observe.breakdown import CATEGORIES, mean_per_rank
 from dtlaunch.report import plots
+from dtlaunch.report.breakdown import CATEGORIES, mean_per_rank
 from dtlaunch.report.rundata import RunData, planned_bytes_of_rank
 
 _STYLE = """
@@ -27,7 +27,7 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; 
 
 
 def _bytes(n: Any) -> str:
-    from dtlaunch.train.metrics import human_bytes
+    from dtlaunch.run.metrics_file import human_bytes
 
     return human_bytes(float(n)) if isinstance(n, (int, float)) else "-"
 

@@ -120,7 +120,7 @@ def _launches(log: Path) -> list[Launch]:
 
 
 def _checkpoints(run_dir: Path, config: dict) -> list[dict]:
-    from dtlaunch.train.checkpoint import scan_checkpoints
+    from dtlaunch.run.checkpoints import scan_checkpoints
 
     ckpt = config.get("checkpoint") or {}
     root = Path(str(ckpt.get("dir") or "checkpoints"))
@@ -145,7 +145,8 @@ def read_run(run_dir: Path) -> RunData:
         config = yaml.safe_load(text) or {}
     except yaml.YAMLError:
         config = {}
-    from dtlaunch.observe.breakdown import profile_summary
+    from dtlaunch.report.breakdown import profile_summary
+    from dtlaunch.run.profile_files import PROFILE_DIR, SUMMARY_NAME
 
     return RunData(
         run_dir=run_dir,
@@ -157,7 +158,7 @@ def read_run(run_dir: Path) -> RunData:
         plan=_json(run_dir / "plan.json"),
         checkpoints=_checkpoints(run_dir, config if isinstance(config, dict) else {}),
         launches=_launches(run_dir / "logs" / "rank0.log"),
-        profile=_json(run_dir / "profile" / "summary.json") or profile_summary(run_dir),
+        profile=_json(run_dir / PROFILE_DIR / SUMMARY_NAME) or profile_summary(run_dir),
     )
 
 

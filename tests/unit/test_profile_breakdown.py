@@ -1,4 +1,4 @@
-"""The step-time breakdown's interval arithmetic and categories (dtlaunch.observe.breakdown).
+"""The step-time breakdown's interval arithmetic and categories (dtlaunch.report.breakdown).
 
 The interval operations are checked against counting points on a fine grid (an independent way to the
 same lengths); the categories on a small hand-made trace whose answer is worked out in the comments.
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from dtlaunch.observe.breakdown import CATEGORIES, breakdown, intersect, length, subtract, union
+from dtlaunch.report.breakdown import CATEGORIES, breakdown, intersect, length, subtract, union
 
 
 def _grid_length(pred, lo: int = 0, hi: int = 200) -> float:

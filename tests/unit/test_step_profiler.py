@@ -1,4 +1,4 @@
-"""dtlaunch.train.profiling in one process: which steps get a trace, what a trace holds, and that with
+"""dtlaunch.train.observe.profiling in one process: which steps get a trace, what a trace holds, and that with
 profiling off the loop gets its own step function back (no wrapper, no per-step work)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
-from dtlaunch.observe.breakdown import breakdown, load_events
-from dtlaunch.train.profiling import profiled
+from dtlaunch.report.breakdown import breakdown, load_events
+from dtlaunch.train.observe.profiling import profiled
 
 
 class _Loader:

@@ -8,7 +8,7 @@ SPEC = register(
     dense_spec(
         "llama",
         "Llama 2 / 3.x decoder (GQA, SwiGLU, RoPE with Llama-3.1 scaling)",
-        DenseHF("LlamaForCausalLM", "llama"),
+        DenseHF("LlamaForCausalLM", "llama", extra_config=(("attention_bias", False), ("mlp_bias", False))),
         ("LlamaForCausalLM",),
         qkv_bias=False,
         qk_norm=False,

@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
 from dtlaunch.config.validate import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
-from dtlaunch.train.pp_stage import make_stage
+from dtlaunch.train.parallel.pp_stage import make_stage
 
 # Schedules whose two stages per rank form a "V": rank r holds stages r and (n_stages - 1 - r).
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")

@@ -7,7 +7,7 @@ events, so its start-up cost lands there and not in the profiled step.
 
 Written per rank, under RUN/profile/step-<n>/:
 - rank<r>.json.gz: the trace (Perfetto, chrome://tracing); the step is the span of the
-  `dtlaunch.step` annotation and data loading that of `dtlaunch.data` (dtlaunch.observe.breakdown reads them);
+  `dtlaunch.step` annotation and data loading that of `dtlaunch.data` (dtlaunch.report.breakdown reads them);
 - rank<r>.timing.json: the step's wall time measured with a plain clock around the same span, so that the
   breakdown can be checked against a timer that is not the profiler's;
 - rank<r>.memory.pickle (GPU, profiling.memory): the CUDA allocator's history (pytorch.org/memory_viz).
@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
-STEP_ANNOTATION = "dtlaunch.step"
-DATA_ANNOTATION = "dtlaunch.data"
+from dtlaunch.run.profile_files import DATA_ANNOTATION, PROFILE_DIR, STEP_ANNOTATION
+
 MEMORY_HISTORY_ENTRIES = 100_000
 
 
@@ -94,7 +94,7 @@ class StepProfiler:
         self._profiled = set(steps)
         self._cuda = device.type == "cuda"
         self._memory = memory
-        self._dir = Path(run_dir) / "profile"
+        self._dir = Path(run_dir) / PROFILE_DIR
         self._rank = rank
         self._prof: Any = None
         self._step = 0  # the step being run (the trace callback names its files after it)
@@ -167,7 +167,7 @@ def oom_snapshot(run_dir: Path, rank: int) -> str | None:
     RUN/profile/oom-rank<r>.pickle for pytorch.org/memory_viz; the path, or None without CUDA."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
-    path = Path(run_dir) / "profile" / f"oom-rank{rank}.pickle"
+    path = Path(run_dir) / PROFILE_DIR / f"oom-rank{rank}.pickle"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(path))

@@ -1,7 +1,7 @@
 """Where a profiled step's time went, per rank, read from the traces torch.profiler wrote (no torch here:
 the launcher and `dtlaunch report` use it).
 
-The step is the span of the `dtlaunch.step` annotation (dtlaunch.train.profiling). Inside it, every instant
+The step is the span of the `dtlaunch.step` annotation the worker adds around it. Inside it, every instant
 is put in exactly one category, so the categories add up to the step's span:
 
 - data: inside a `dtlaunch.data` annotation (the loader's `next_batch`), on GPU only while no kernel runs;
@@ -23,10 +23,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-STEP_ANNOTATION = "dtlaunch.step"
-DATA_ANNOTATION = "dtlaunch.data"
-PROFILE_DIR = "profile"
-SUMMARY_NAME = "summary.json"
+from dtlaunch.run.profile_files import DATA_ANNOTATION, PROFILE_DIR, STEP_ANNOTATION, SUMMARY_NAME
+
 CATEGORIES = ("compute", "comm_exposed", "bubble", "data", "host")
 
 _COMM_PREFIXES = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
