@@ -311,6 +311,17 @@ def status(
     raise typer.Exit(run_status_command(run, root, as_json=as_json))
 
 
+@app.command()
+def report(
+    run: str = typer.Argument(..., help="Run directory (runs/<name>) or sweep directory."),
+    out: Optional[str] = typer.Option(None, "--out", help="HTML file to write (default RUN/report.html)."),
+) -> None:
+    """One self-contained HTML page: loss, speed, memory vs plan, step-time breakdown, checkpoints, config."""
+    from dtlaunch.commands.report import report_command
+
+    raise typer.Exit(report_command(run, out))
+
+
 def run() -> None:
     """Console entry point: one-line errors with documented exit codes."""
     from dtlaunch.errors import DtlaunchError

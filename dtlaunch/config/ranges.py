@@ -155,6 +155,9 @@ RANGES: dict[str, Range] = {
     "debug.hang_at_step": STEP_OR_OFF,
     "debug.slow_save_s": NON_NEGATIVE,
     "debug.nan_at_steps": AT_LEAST_1,
+    "profiling.steps": AT_LEAST_1,
+    "profiling.every": NON_NEGATIVE,
+    "profiling.warmup": NON_NEGATIVE,
 }
 
 

@@ -486,6 +486,24 @@ class DebugConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """torch.profiler traces of chosen steps: RUN/profile/step-<n>/rank<r>.json.gz per rank (Perfetto or
+    chrome://tracing), and a step-time breakdown per rank printed at the end (RUN/profile/summary.json).
+    Only the profiled steps and their warm-up steps pay for it; with enabled=false the loop is unchanged."""
+
+    enabled: bool = False
+    # Steps to profile (each gets its own trace) ...
+    steps: list[int] = field(default_factory=lambda: [3])
+    # ... and every N-th step too (N, 2N, ...); 0: only `steps`.
+    every: int = 0
+    # Steps the profiler runs before a profiled step without keeping them: its start-up cost lands there.
+    warmup: int = 1
+    # GPU: the CUDA allocator's history over the profiled steps, RUN/profile/step-<n>/rank<r>.memory.pickle
+    # (open at pytorch.org/memory_viz); CPU: the profiler's memory events in the trace.
+    memory: bool = False
+
+
+@dataclass
 class PlanConfig:
     """Assumptions of the memory planner that no other section states."""
 
@@ -514,6 +532,7 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {

@@ -500,6 +500,17 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 
 
+def check_profiling(cfg: Any, notes: list[str]) -> None:
+    pr, steps = cfg.profiling, int(cfg.training.steps)
+    if not pr.enabled:
+        return
+    if not any(1 <= int(s) <= steps for s in pr.steps) and not 0 < pr.every <= steps:
+        _fail(
+            f"profiling.steps={list(pr.steps)} / profiling.every={pr.every} profile no step of "
+            f"training.steps={steps}: list steps in 1..{steps}, e.g. profiling.steps=[{min(3, steps)}]"
+        )
+
+
 def check_run_name(cfg: Any, notes: list[str]) -> None:
     # run.name names a directory under run.root ('group/name' is fine): an absolute name or a '..' part
     # would put the run, and every file it writes, outside run.root.
@@ -523,6 +534,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_logging,
     check_hardware,
     check_launch,
+    check_profiling,
     check_run_name,
     check_peft,
 ]
