@@ -72,6 +72,11 @@ def train_command(
     summary = complete_summary(job.cfg, job.layout, run_dir, time.perf_counter() - began)
     for line in summary_lines(summary, run_dir) if summary else []:
         out.print(line, markup=False, soft_wrap=True)
+    if job.cfg.profiling.enabled:
+        from dtlaunch.report.breakdown import breakdown_lines, write_profile_summary
+
+        for line in breakdown_lines(write_profile_summary(run_dir), run_dir):
+            out.print(line, markup=False, soft_wrap=True)
     return 0
 
 

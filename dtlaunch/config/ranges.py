@@ -146,6 +146,11 @@ RANGES: dict[str, Range] = {
     "cluster.signal_before_s": NON_NEGATIVE,
     "cluster.sky.rdzv_port": Range(1, 65535),
     "cluster.sky.max_restarts_on_errors": NON_NEGATIVE,
+    "peft.rank": AT_LEAST_1,
+    "peft.alpha": POSITIVE,
+    "peft.dropout": PROBABILITY,
+    "peft.nf4_block_size": AT_LEAST_1,
+    "peft.nf4_scaler_block_size": AT_LEAST_1,
     "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,
@@ -154,6 +159,9 @@ RANGES: dict[str, Range] = {
     "debug.hold_at_step": STEP_OR_OFF,
     "debug.slow_step_s": NON_NEGATIVE,
     "debug.nan_at_steps": AT_LEAST_1,
+    "profiling.steps": AT_LEAST_1,
+    "profiling.every": NON_NEGATIVE,
+    "profiling.warmup": NON_NEGATIVE,
 }
 
 

@@ -228,6 +228,42 @@ class MoeConfig:
     dense_layers: list[int] = field(default_factory=list)
 
 
+class PeftMethod(Choice):
+    """Which parameters train: all of them, or low-rank adapters on a frozen base."""
+
+    none = "none"  # full training
+    lora = "lora"  # adapters on a frozen base in the training dtype
+    qlora = "qlora"  # adapters on a frozen base stored as 4-bit NF4 (torchao)
+
+
+# Hugging Face module names an adapter can go on (a model accepts those it has); `all-linear` = every
+# linear of the blocks (never the output head), as peft reads it.
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning: the base weights are frozen, only the adapters train.
+
+    An adapted linear computes W x + (alpha / rank) * B A dropout(x), with A [rank, in] and B [out, rank];
+    B starts at zero, so training starts from the base model's exact outputs.
+    """
+
+    method: PeftMethod = PeftMethod.none
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Hugging Face module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
+    # all-linear. Default: attention's q, v, output and the MLP, torchtune's shipped Llama-3 LoRA choice
+    # (k adds little, the MLP adapters most of the quality; the output head stays frozen).
+    targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # qlora: elements per NF4 quantization block, and blocks per scaler block (torchao's / torchtune's).
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
+
+
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.synthetic
@@ -463,6 +499,24 @@ class DebugConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """torch.profiler traces of chosen steps: RUN/profile/step-<n>/rank<r>.json.gz per rank (Perfetto or
+    chrome://tracing), and a step-time breakdown per rank printed at the end (RUN/profile/summary.json).
+    Only the profiled steps and their warm-up steps pay for it; with enabled=false the loop is unchanged."""
+
+    enabled: bool = False
+    # Steps to profile (each gets its own trace) ...
+    steps: list[int] = field(default_factory=lambda: [3])
+    # ... and every N-th step too (N, 2N, ...); 0: only `steps`.
+    every: int = 0
+    # Steps the profiler runs before a profiled step without keeping them: its start-up cost lands there.
+    warmup: int = 1
+    # GPU: the CUDA allocator's history over the profiled steps, RUN/profile/step-<n>/rank<r>.memory.pickle
+    # (open at pytorch.org/memory_viz); CPU: the profiler's memory events in the trace.
+    memory: bool = False
+
+
+@dataclass
 class PlanConfig:
     """Assumptions of the memory planner that no other section states."""
 
@@ -490,6 +544,8 @@ class JobConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -503,6 +559,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "hardware": HardwareConfig,
     "launch": LaunchConfig,
     "cluster": ClusterConfig,
+    "peft": PeftConfig,
 }
 
 

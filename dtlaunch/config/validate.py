@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.ranges import check_ranges
 from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
@@ -499,6 +500,17 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 
 
+def check_profiling(cfg: Any, notes: list[str]) -> None:
+    pr, steps = cfg.profiling, int(cfg.training.steps)
+    if not pr.enabled:
+        return
+    if not any(1 <= int(s) <= steps for s in pr.steps) and not 0 < pr.every <= steps:
+        _fail(
+            f"profiling.steps={list(pr.steps)} / profiling.every={pr.every} profile no step of "
+            f"training.steps={steps}: list steps in 1..{steps}, e.g. profiling.steps=[{min(3, steps)}]"
+        )
+
+
 def check_run_name(cfg: Any, notes: list[str]) -> None:
     # run.name names a directory under run.root ('group/name' is fine): an absolute name or a '..' part
     # would put the run, and every file it writes, outside run.root.
@@ -522,7 +534,9 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_logging,
     check_hardware,
     check_launch,
+    check_profiling,
     check_run_name,
+    check_peft,
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,

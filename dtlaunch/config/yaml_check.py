@@ -27,6 +27,7 @@ SECTIONS = (
     "cluster",
     "run",
     "debug",
+    "profiling",
 )
 
 _HINT = "a recipe is a YAML mapping, e.g. '# @package _global_' then 'training:' and an indented 'steps: 100'"

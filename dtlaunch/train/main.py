@@ -15,12 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtlaunch.config.compose import load_resolved
 from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.env import RUN_DIR_ENV
+from dtlaunch.train.observe.profiling import oom_snapshot
 from dtlaunch.train.parallel.process_group import init_distributed, restart_count, shutdown
 from dtlaunch.train.trainer import Trainer, log
 
@@ -63,6 +65,12 @@ def main() -> None:
         from dtlaunch.run.worker_errors import exit_with_input_error
 
         exit_with_input_error(run_dir, env.rank, str(exc))
+    except torch.OutOfMemoryError as exc:
+        snapshot = oom_snapshot(run_dir, env.rank)
+        if snapshot is None:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise torch.OutOfMemoryError(f"memory snapshot {snapshot} (open at pytorch.org/memory_viz); {first}") from exc
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()

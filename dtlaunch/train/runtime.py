@@ -58,9 +58,11 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
     init=False)."""
     from dtlaunch.train.parallel.parallelize import parallelize
+    from dtlaunch.train.peft import apply_peft
 
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+    apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules

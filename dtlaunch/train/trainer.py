@@ -33,6 +33,7 @@ from dtlaunch.train.evaluate import evaluate
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
+from dtlaunch.train.observe.profiling import profiled
 from dtlaunch.train.observe.stragglers import RankPace, StragglerWatch, rank_times
 from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
 from dtlaunch.train.parallel.process_group import DistEnv, restart_count
@@ -165,11 +166,13 @@ class Trainer:
             self.totals.stragglers = StragglerWatch(env.world, float(t.straggler_threshold))
         self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s), pace=self.pace)
         self.tokens_per_step = rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
+        # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
+        self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
 
     def fit(self) -> None:
         """Steps start+1 .. training.steps, then the final checkpoint and the summary. A preemption stop
         saves the step it stopped after and raises PreemptionStop (the worker exits 75)."""
-        loop, rt, sync = self.loop, self.rt, self.sync
+        loop, rt, sync, step_fn, batches = self.loop, self.rt, self.sync, self.step_fn, self.step_loader
         log(f"training steps {self.start + 1}..{loop.steps}")
         try:
             for step in range(self.start + 1, loop.steps + 1):
@@ -181,7 +184,7 @@ class Trainer:
                         time.sleep(loop.slow_step_s)
                     if self.pace is not None:
                         self.pace.started()
-                    result = train_step(rt, self.loader, step)
+                    result = step_fn(rt, batches, step)
                     if self.pace is not None:
                         self.pace.ended()
                     rate = self.tokens_per_step / (time.perf_counter() - began)

@@ -14,6 +14,8 @@ from dtlaunch.cli import run
 # (arguments after `dtlaunch validate`, text the one-line error must contain)
 BAD_INPUTS: list[tuple[list[str], str]] = [
     (["training.micro_bach=2"], "training.micro_bach"),
+    (["profiling.enabled=true", "training.steps=2", "profiling.steps=[5]"], "profiling.steps=[5]"),
+    (["profiling.steps=[0]"], "profiling.steps"),
     (["training.micro_bach=2"], "did you mean 'micro_batch'"),
     (["trainig.steps=3"], "trainig"),
     (["training.steps=abc"], "training.steps"),
