@@ -39,7 +39,7 @@ class StepOutcome:
     applied: bool
     host: dict[str, Any] = field(default_factory=dict)  # values the loop measured on the host (lr, time)
     stats: Optional[list[float]] = None  # the step's extra vector (router statistics), summed over ranks
-    ranks: Optional[list[float]] = None  # last step of a window: the per-rank payload (dtlaunch.train.observe.stragglers)
+    ranks: Optional[list[float]] = None  # a window's last step: the per-rank payload (observe.stragglers)
 
 
 @dataclass

@@ -185,5 +185,5 @@ def test_slow_rank_is_named_in_the_summary(trainer, tmp_path: Path) -> None:
     assert summary["slow_rank"]["slower_by"] > 0.1, summary
     assert "slow rank    rank 1: " in proc.stdout and "ms on the other ranks" in proc.stdout, proc.stdout[-2000:]
     rows = metrics_rows(run_dir)
-    assert all(len(r["rank_step_ms"]) == 2 for r in rows if "rank_step_ms" in r)
+    assert all(len(r["rank_step_s"]) == 2 for r in rows if "rank_step_s" in r)
     assert any(r.get("slow_rank") == 1 for r in rows)  # the live line named it as well

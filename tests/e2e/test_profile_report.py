@@ -111,8 +111,9 @@ def test_report_of_a_finished_then_resumed_run(trainer, profiled_run, tmp_path: 
     page = _report(trainer, run_dir, tmp_path / "finished.html", cli=True)
     assert {"loss", "throughput", "memory", "config"} <= set(page.headings), page.headings
     assert any(h.startswith("step time breakdown") for h in page.headings), page.headings
-    # loss, throughput, memory, breakdown
-    assert len(page.svgs) == 4, len(page.svgs)
+    # loss, throughput, memory, breakdown, and the step time per rank (rank_step_s: the slow-rank report)
+    assert len(page.svgs) == 5, len(page.svgs)
+    assert "step time per rank" in page.headings, page.headings
     # The same run extended to 6 steps resumes from its step-4 checkpoint.
     trainer.run(run_dir, *PROFILED[:-1], "training.steps=6", "profiling.steps=[5]")
     _report(trainer, run_dir, tmp_path / "resumed.html")

@@ -119,7 +119,7 @@ def rank_times(payload: list[float], watch: StragglerWatch) -> dict:
     if own is None:
         return {}
     watch.add(own)
-    values: dict = {"rank_step_ms": [round(v, 3) for v in own]}
+    values: dict = {"rank_step_s": [round(v / 1e3, 6) for v in own]}  # seconds, as `dtlaunch report` reads it
     slow = watch.slowest(watch.RECENT)
     if slow is not None:
         values.update(slow_rank=slow["rank"], slow_rank_ms=slow["median_ms"], others_ms=slow["others_median_ms"])
