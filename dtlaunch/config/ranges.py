@@ -142,6 +142,11 @@ RANGES: dict[str, Range] = {
     "cluster.gpus_per_node": NON_NEGATIVE,
     "cluster.cpus_per_task": NON_NEGATIVE,
     "cluster.signal_before_s": NON_NEGATIVE,
+    "peft.rank": AT_LEAST_1,
+    "peft.alpha": POSITIVE,
+    "peft.dropout": PROBABILITY,
+    "peft.nf4_block_size": AT_LEAST_1,
+    "peft.nf4_scaler_block_size": AT_LEAST_1,
     "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,

@@ -222,6 +222,42 @@ class MoeConfig:
     dense_layers: list[int] = field(default_factory=list)
 
 
+class PeftMethod(Choice):
+    """Which parameters train: all of them, or low-rank adapters on a frozen base."""
+
+    none = "none"  # full training
+    lora = "lora"  # adapters on a frozen base in the training dtype
+    qlora = "qlora"  # adapters on a frozen base stored as 4-bit NF4 (torchao)
+
+
+# Hugging Face module names an adapter can go on (a model accepts those it has); `all-linear` = every
+# linear of the blocks (never the output head), as peft reads it.
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning: the base weights are frozen, only the adapters train.
+
+    An adapted linear computes W x + (alpha / rank) * B A dropout(x), with A [rank, in] and B [out, rank];
+    B starts at zero, so training starts from the base model's exact outputs.
+    """
+
+    method: PeftMethod = PeftMethod.none
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Hugging Face module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
+    # all-linear. Default: attention's q, v, output and the MLP, torchtune's shipped Llama-3 LoRA choice
+    # (k adds little, the MLP adapters most of the quality; the output head stays frozen).
+    targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # qlora: elements per NF4 quantization block, and blocks per scaler block (torchao's / torchtune's).
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
+
+
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.synthetic
@@ -406,6 +442,7 @@ class JobConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -419,6 +456,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "hardware": HardwareConfig,
     "launch": LaunchConfig,
     "cluster": ClusterConfig,
+    "peft": PeftConfig,
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.ranges import check_ranges
 from dtlaunch.errors import ConfigError
 
@@ -593,6 +594,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_hardware,
     check_launch,
     check_run_name,
+    check_peft,
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,

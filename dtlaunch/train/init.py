@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dtlaunch.models.lora import is_adapter
+
 # Prefixes added by wrappers (DDP, activation checkpointing, torch.compile) that the model's own
 # parameter names do not have.
 _WRAPPER_PARTS = re.compile(r"(^|\.)(module|_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
@@ -43,9 +45,11 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
     pretrained = hf_weights(src.cfg)
     for name, p in model.named_parameters():
         pname = model_param_name(name)
+        # Adapters (dtlaunch.models.lora) are not in the base's files: their init comes from init_param.
+        from_base = pretrained is not None and not is_adapter(pname)
         if isinstance(p, DTensor):
             local = p.to_local()
-            if pretrained is not None:
+            if from_base:
                 # Only this rank's block of the tensor is read from the safetensors file.
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 local.copy_(pretrained.read(pname, tuple(shape), tuple(offset)).to(device=device, dtype=p.dtype))
@@ -58,7 +62,7 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
             )
             local.copy_(shard.to_local())
         else:
-            full = pretrained.read(pname) if pretrained is not None else src.init_param(pname, tuple(p.shape), seed)
+            full = pretrained.read(pname) if from_base else src.init_param(pname, tuple(p.shape), seed)
             p.copy_(full.to(device=device, dtype=p.dtype))
     _init_rope_buffers(model, src, device)
 

@@ -33,6 +33,7 @@ from dtlaunch.train.dist_init import DistEnv, init_distributed, restart_count, s
 from dtlaunch.train.guards import StepWatch
 from dtlaunch.train.mesh import build_mesh, cp_rank_size, dp_mesh, dp_rank_size
 from dtlaunch.train.parallelize import parallelize
+from dtlaunch.train.peft import apply_peft
 from dtlaunch.train.phases import phase
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
@@ -64,6 +65,7 @@ def build_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, i
     init=False)."""
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+    apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
     from dtlaunch.train.pipeline import build_schedule, build_stage_modules

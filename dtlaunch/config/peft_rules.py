@@ -1,0 +1,56 @@
+"""Rules of the `peft` section (LoRA / QLoRA), run by `validate` before any worker starts.
+
+peft.rank, peft.alpha and peft.dropout have their ranges in config/ranges.py. Here: the pairs that do
+not go together, and the target names, which only the model can judge: the model is built on the meta
+device (no memory; torch is imported only when peft.method is not none) and its linears are named
+through the family's Hugging Face mapping, so the error lists exactly the names this model accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.errors import ConfigError
+
+QLORA_DTYPES = ("bf16", "fp32")
+
+
+def check_peft(cfg: Any, notes: list[str]) -> None:
+    peft = cfg.peft
+    method = str(peft.method)
+    if method == "none":
+        return
+    m = cfg.model
+    if getattr(m, "_target_", ""):
+        raise ConfigError(
+            f"peft.method={method} adapts registry models only, not model._target_={m._target_}: "
+            "set peft.method=none or use a registered model.arch"
+        )
+    if str(m.arch) == "hf_auto":
+        raise ConfigError(
+            f"peft.method={method} is not supported with model.arch=hf_auto: use a natively built family "
+            "(llama, qwen2, qwen3, mistral, qwen3_moe, mixtral) or peft.method=none"
+        )
+    if str(cfg.precision.float8) != "none":
+        raise ConfigError(
+            f"precision.float8={cfg.precision.float8} with peft.method={method}: the frozen base is not "
+            "trained in float8; set precision.float8=none"
+        )
+    if method == "qlora" and str(cfg.precision.param_dtype) not in QLORA_DTYPES:
+        raise ConfigError(
+            f"peft.method=qlora with precision.param_dtype={cfg.precision.param_dtype}: the NF4 base "
+            f"dequantizes to {' or '.join(QLORA_DTYPES)}; set precision=bf16"
+        )
+    check_targets(cfg)
+    if str(m.init_from) == "random":
+        notes.append(f"peft.method={method} on a randomly initialised base (model.init_from=random)")
+
+
+def check_targets(cfg: Any) -> None:
+    """Every name in peft.targets matches a linear of this model (the error lists the valid ones)."""
+    from dtlaunch.models.lora import select_targets
+    from dtlaunch.models.registry import model_spec
+
+    spec = model_spec(cfg.model)
+    model = spec.build(cfg.model, rope_len=1, device="meta")
+    select_targets(model, spec, list(cfg.peft.targets), str(cfg.model.arch))

@@ -1,0 +1,177 @@
+"""Low-rank adapters (LoRA) on the linears of a built model; everything else frozen.
+
+An adapted linear keeps its original `weight` (and `bias`) as the frozen base and gains two trainable
+parameters, `lora_a` [rank, in] and `lora_b` [out, rank]:
+
+    y = x W^T + b + (alpha / rank) * (dropout(x) A^T) B^T
+
+which is what Hugging Face peft computes, so an adapter trained here loads there unchanged. B starts at
+zero (training starts from the base model's outputs), A Kaiming-uniform (torch's nn.Linear default,
+bound 1/sqrt(in)) drawn from a generator seeded by the run's seed and the parameter's name: the runtime
+computes the full value and cuts each rank's shard from it (dtlaunch.train.init), so every layout
+starts from the same adapters.
+
+Targets are Hugging Face module names (q_proj, v_proj, gate_proj, ...): each linear of the blocks is
+named through its family's HF name mapping (`ModelSpec.names().to_hf_name`), so the same
+`peft.targets` work for every family. The output head never takes an adapter.
+
+No torch.distributed here: tensor parallel styles for these linears live in dtlaunch.train.lora_tp.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import zlib
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlaunch.errors import ConfigError
+
+ALL_LINEAR = "all-linear"
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear + adapters. Made by `adapt_linear` (the class of an existing nn.Linear is swapped, so its
+    parameters keep their identity and names); `isinstance(m, nn.Linear)` stays true."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+    rank: int
+    scaling: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
+        return out + self.scaling * F.linear(F.linear(h, self.lora_a), self.lora_b)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+def adapt_linear(linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> LoRALinear:
+    """Turn `linear` into a LoRALinear in place (adapters allocated on the weight's device, meta included;
+    values come from `adapter_init`)."""
+    if not isinstance(linear, nn.Linear) or isinstance(linear, LoRALinear):
+        raise TypeError(f"adapt_linear takes a plain nn.Linear, not {type(linear).__name__}")
+    w = linear.weight
+    linear.__class__ = LoRALinear
+    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
+    linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
+    linear.rank, linear.scaling, linear.lora_dropout = int(rank), float(alpha) / int(rank), float(dropout)
+    return linear  # type: ignore[return-value]
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a (model) parameter name is an adapter's: '<linear fqn>.lora_a' / '.lora_b'."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
+
+
+def adapter_init(name: str, shape: tuple[int, ...], seed: int) -> Optional[torch.Tensor]:
+    """The full initial value of adapter `name` (fp32, CPU), None for other parameters."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "lora_b":
+        return torch.zeros(shape)
+    if leaf != "lora_a":
+        return None
+    # Its own stream: a different (seed, name) key than any base parameter's.
+    g = torch.Generator().manual_seed((seed * 1_000_033 + zlib.crc32(name.encode())) % (2**63))
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and peft initialise A
+    return torch.rand(shape, generator=g).mul_(2 * bound).sub_(bound)
+
+
+def hf_module_name(spec: Any, fqn: str) -> str:
+    """The Hugging Face module path of our module `fqn` (the family's mapping of its weight's name)."""
+    if not getattr(spec, "hf_names", ""):
+        return fqn  # a transformers model (hf_auto) already carries HF names
+    return spec.names().to_hf_name(f"{fqn}.weight").rsplit(".", 1)[0]
+
+
+def candidate_linears(model: nn.Module, spec: Any) -> dict[str, str]:
+    """Every linear inside the blocks: our fqn -> its Hugging Face module name (leaf = the target name)."""
+    out = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) and _in_block(fqn):
+            out[fqn] = hf_module_name(spec, fqn)
+    return out
+
+
+def _in_block(fqn: str) -> bool:
+    # The protocol's `layers` ModuleDict (hf_auto: the decoder layers under their transformers path).
+    parts = fqn.split(".")
+    return "layers" in parts[:-1]
+
+
+def _non_linear_names(model: nn.Module, spec: Any) -> set[str]:
+    """HF leaf names of block parameters that are not linears (routed experts' 3-D weights): named in
+    the error so that `gate_proj` on a MoE model says why it is refused."""
+    linear = {f"{fqn}." for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    names = set()
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or not _in_block(name) or any(name.startswith(f) for f in linear):
+            continue
+        try:
+            hf = spec.names().to_hf_name(name) if getattr(spec, "hf_names", "") else name
+        except (KeyError, ValueError):
+            continue
+        names.add(hf.rsplit(".", 2)[-2])
+    return names
+
+
+def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: str = "") -> dict[str, str]:
+    """fqn -> HF module name of the linears `targets` selects; a name matching none is a ConfigError that
+    lists the valid ones for this model."""
+    linears = candidate_linears(model, spec)
+    valid = sorted({hf.rsplit(".", 1)[-1] for hf in linears.values()})
+    wanted = [str(t) for t in targets]
+    if not wanted:
+        raise ConfigError(f"peft.targets is empty: name modules to adapt, e.g. peft.targets=[{','.join(valid)}]")
+    if ALL_LINEAR in wanted:
+        return linears
+    where = f" of model.arch={arch}" if arch else ""
+    experts = _non_linear_names(model, spec)
+    for t in wanted:
+        if t in valid:
+            continue
+        why = " (routed experts take no adapters)" if t in experts else ""
+        raise ConfigError(
+            f"peft.targets: '{t}' is not a linear module{where}{why}: use some of {', '.join(valid)} or {ALL_LINEAR}"
+        )
+    return {fqn: hf for fqn, hf in linears.items() if hf.rsplit(".", 1)[-1] in wanted}
+
+
+def apply_lora(model: nn.Module, spec: Any, peft: Any) -> list[str]:
+    """Adapt the linears `peft.targets` names (peft.rank, peft.alpha, peft.dropout), freeze every other
+    parameter, and route the adapters' initial values through the model's `init_param`. Returns the
+    adapted fqns. Works on a meta model, before any parallelisation or pipeline split."""
+    chosen = select_targets(model, spec, peft.targets, str(getattr(getattr(model, "cfg", None), "arch", "")))
+    for fqn in chosen:
+        adapt_linear(model.get_submodule(fqn), int(peft.rank), float(peft.alpha), float(peft.dropout))
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    base_init = model.init_param
+
+    def init_param(self: nn.Module, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        value = adapter_init(name, shape, seed)
+        return value if value is not None else base_init(name, shape, seed)
+
+    # An instance method, as hf_auto's and custom models' init_param are: init.py and init_weights call it.
+    model.init_param = types.MethodType(init_param, model)
+    return list(chosen)
+
+
+def adapted_linears(model: nn.Module) -> dict[str, LoRALinear]:
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@torch.no_grad()
+def merged_weight(linear: LoRALinear) -> torch.Tensor:
+    """W + scaling * B A (the base weight's dtype), for export and inference without adapters."""
+    w = linear.weight
+    delta = (linear.lora_b.float() @ linear.lora_a.float()) * linear.scaling
+    return (w.float() + delta).to(w.dtype)
