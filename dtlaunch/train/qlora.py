@@ -16,7 +16,7 @@ materialise + init, where `load_nf4_param` gives each NF4 weight its value -> DD
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,13 +44,17 @@ def quantize_base(model: nn.Module, cfg: Any, shards: int) -> list[str]:
 
 
 @torch.no_grad()
-def load_nf4_param(param: torch.Tensor, full_value: Callable[[], torch.Tensor]) -> bool:
-    """If `param` is (or shards) an NF4 weight, give it the quantised value of `full_value()` (the whole
-    weight, computed only here) and return True; else return False and touch nothing."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+def load_nf4_param(param: torch.Tensor, name: str, src: Any, seed: int, pretrained: Any = None) -> bool:
+    """If `param` is (or shards) an NF4 weight, give it the quantised value of the whole weight `name`
+    (from `pretrained`'s file, else `src.init_param`; computed only here) and return True; else return
+    False and touch nothing."""
+    # The DTensor's own local tensor (FSDP2 gathers from it), not `to_local()`'s new wrapper around the
+    # same data: the mean and code table are set as attributes.
+    local = param._local_tensor if isinstance(param, DTensor) else param
     if not is_nf4(local):
         return False
-    full = to_nf4(full_value(), local.block_size, local.scaler_block_size, local.dtype)
+    value = pretrained.read(name) if pretrained is not None else src.init_param(name, tuple(param.shape), seed)
+    full = to_nf4(value, local.block_size, local.scaler_block_size, local.dtype)
     index, count = 0, 1
     if isinstance(param, DTensor):
         rows = local.shape[0]
