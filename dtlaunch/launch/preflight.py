@@ -107,8 +107,10 @@ def check_model_matches(cfg: Any, info: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from dtlaunch.convert.base_fingerprint import check_base
     from dtlaunch.models.registry import model_spec
 
+    check_base(cfg, info.marker, f"checkpoint {info.name} in '{info.path.parent}'")
     saved_model = info.marker.get("model", {})
     wanted = {k: v for k, v in _model_fields(cfg).items() if k != "init_from"}
     differs = [k for k, v in wanted.items() if k in saved_model and saved_model[k] != v]
@@ -121,8 +123,12 @@ def check_model_matches(cfg: Any, info: Any) -> None:
         for k, md in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
+    from dtlaunch.train.peft import apply_peft
+
     model = model_spec(cfg.model).build(cfg.model, rope_len=1, device="meta")
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    apply_peft(model, cfg)
+    # peft: the checkpoint holds the adapters only (the frozen base is re-read from model.init_from).
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     # Persistent buffers are saved too (an MoE router's expert bias).
     kept = set(model.state_dict())
     expected.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in kept})

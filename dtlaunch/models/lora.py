@@ -152,8 +152,7 @@ def apply_lora(model: nn.Module, spec: Any, peft: Any) -> list[str]:
     chosen = select_targets(model, spec, peft.targets, str(getattr(getattr(model, "cfg", None), "arch", "")))
     for fqn in chosen:
         adapt_linear(model.get_submodule(fqn), int(peft.rank), float(peft.alpha), float(peft.dropout))
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+    freeze_base(model)
     base_init = model.init_param
 
     def init_param(self: nn.Module, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -163,6 +162,13 @@ def apply_lora(model: nn.Module, spec: Any, peft: Any) -> list[str]:
     # An instance method, as hf_auto's and custom models' init_param are: init.py and init_weights call it.
     model.init_param = types.MethodType(init_param, model)
     return list(chosen)
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only adapters train. Also after tensor parallel: torch's SequenceParallel (and the replication of
+    parameters a style leaves alone) registers new Parameters without their requires_grad."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
 
 
 def adapted_linears(model: nn.Module) -> dict[str, LoRALinear]:

@@ -303,10 +303,13 @@ class CheckpointManager:
                 opt.register_step_pre_hook(lambda *_: self.wait_staged())
         self.last_saved_step = -1
         self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
+        from dtlaunch.convert.base_fingerprint import peft_record
         from dtlaunch.train.states import train_states
 
+        # peft: only the adapters are saved; the marker names the frozen base they belong to.
+        self.peft = peft_record(cfg)
         # Model and optimizer go through DCP, the schedulers into the JSON trainer state.
-        self.states = train_states(self.model_parts, self.optimizers, self.schedulers)
+        self.states = train_states(self.model_parts, self.optimizers, self.schedulers, self.peft is not None)
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -452,6 +455,8 @@ class CheckpointManager:
                 "bytes": sum(files.values()),
                 "checksums": {"algorithm": algorithm, "files": digests},
             }
+            if self.peft is not None:
+                marker["peft"] = self.peft
             _write_json(tmp / MARKER, marker)
             if final.exists():  # re-saving a step after resuming from an older checkpoint
                 _remove_tree(final)
@@ -498,6 +503,9 @@ class CheckpointManager:
                 f"checkpoint '{path}' was written for a different model ({marker.get('model', {}).get('name')}, "
                 f"hash {marker.get('model_hash')}): resume with the same model config or start a new run.dir"
             )
+        from dtlaunch.convert.base_fingerprint import check_base
+
+        check_base(self.cfg, marker, f"checkpoint '{path}'")
         phase(f"loading checkpoint {path.name}")
         started = time.perf_counter()
         self._load(path, marker)

@@ -22,9 +22,18 @@ from dtlaunch.errors import ConfigError
 
 
 class ModelState(Stateful):
-    def __init__(self, model_parts: list) -> None:
+    """trainable_only (peft): the frozen base is not copied into checkpoints (it is re-read from its source,
+    whose fingerprint the marker records); only the parameters that train are saved and loaded."""
+
+    def __init__(self, model_parts: list, trainable_only: bool = False) -> None:
         self.model_parts = list(model_parts)
+        self.trainable_only = trainable_only
         self._keys: list[list[str]] = []
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -32,7 +41,7 @@ class ModelState(Stateful):
         out: dict[str, Any] = {}
         self._keys = []
         for part in self.model_parts:
-            sd = get_model_state_dict(part)
+            sd = get_model_state_dict(part, options=self._options())
             self._keys.append(list(sd))
             out.update(sd)
         return out
@@ -43,7 +52,7 @@ class ModelState(Stateful):
         if not self._keys:  # which entries belong to which part
             self.state_dict()
         for part, keys in zip(self.model_parts, self._keys, strict=True):
-            set_model_state_dict(part, {k: state_dict[k] for k in keys})
+            set_model_state_dict(part, {k: state_dict[k] for k in keys}, options=self._options())
 
 
 class OptimizerState(Stateful):
@@ -103,10 +112,12 @@ class SchedulerState(Stateful):
             sched.load_state_dict(saved[0])
 
 
-def train_states(model_parts: list, optimizers: list, schedulers: list) -> dict[str, Stateful]:
+def train_states(
+    model_parts: list, optimizers: list, schedulers: list, trainable_only: bool = False
+) -> dict[str, Stateful]:
     """The checkpoint's states by name; "model" and "optim" go through DCP, "schedulers" into JSON."""
     return {
-        "model": ModelState(model_parts),
+        "model": ModelState(model_parts, trainable_only),
         "optim": OptimizerState(model_parts, optimizers),
         "schedulers": SchedulerState(schedulers),
     }

@@ -97,6 +97,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
         parallelize_module(layer, tp_mesh, lora_tp_plan(float8_tp_plan(block, layer) if float8 else block, layer))
         if localize is not None:
             localize(layer, cfg.model, tp_mesh.size())
+    if getattr(cfg, "peft", None) is not None and str(cfg.peft.method) != "none":
+        from dtlaunch.models.lora import freeze_base
+
+        freeze_base(model)  # the styles re-create some parameters (norms) as trainable ones
     if getattr(cfg.model, "tie_embeddings", False) and getattr(model, "output", None) is not None:
         # Each style distributed its own copy of the shared matrix; both are Shard(0) on the vocabulary,
         # so the head can use the embedding's DTensor again and the two stay one parameter.

@@ -52,10 +52,12 @@ def one_process_context(cfg: object, device: object, loader: object, prepare: Ca
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.init import materialize_and_init
     from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.peft import apply_peft
     from dtlaunch.train.step import StepContext
 
     t = cfg.training
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(t.seq_len), device="meta")
+    apply_peft(model, cfg)  # as the worker's build_parts does (no-op for peft.method=none)
     if prepare is not None:
         prepare(model)
     materialize_and_init(model, device, int(t.seed), init_source=model)
