@@ -61,6 +61,8 @@ class ModelSpec:
     fixed: dict = field(default_factory=dict)
     # A tied head and embedding live on different pipeline stages: refused with pp > 1.
     pp_tied_ok: bool = False
+    # One block's linears, HF name -> (out, in, column-parallel): the planner's LoRA / QLoRA lines.
+    block_linears: Optional[Callable[[Any], dict]] = None
 
     def build(self, m: Any, rope_len: Any = None, device: Any = "meta") -> Any:
         return _resolve(self.builder)(m, rope_len=rope_len, device=device)

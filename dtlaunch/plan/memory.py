@@ -25,6 +25,7 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.plan.peft import gathered_block, param_lines, peft_terms
 
 GIB = 1024**3
 PHASES = ("forward", "backward", "optimizer")
@@ -182,9 +183,14 @@ def plan_stage(
     mix = act.ac_mix(t, layer_ids if layer_ids is not None else list(range(layers)))
     kept = mix.get("none", 0)  # blocks that keep their whole no-AC set
     compiled = bool(t.compile)
+    # Fine-tuning (peft.method=lora/qlora): only the adapters train; QLoRA's base is NF4 (plan/peft.py).
+    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, autocast)
+    trained, trained_blk = (ft.adapters, ft.adapters_block) if ft else (p_rank, blk)
 
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
+    if ft:
+        lines.update(param_lines(ft, p_rank, layers, shard if fsdp else 1))
     rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if cp > 1:
@@ -194,12 +200,12 @@ def plan_stage(
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
         # (llama.Llama.forward); every block shares that copy until backward is done.
         lines["RoPE tables (compute dtype)"] = 2 * e * rope_table
-    lines["optimizer state"] = 8 * p_rank / shard
-    grads = 4 * p_rank / (shard if fsdp else 1)
+    lines["optimizer state"] = 8 * trained / shard
+    grads = 4 * trained / (shard if fsdp else 1)
     if ddp:
         # DDP (gradient_as_bucket_view off) keeps flat fp32 buckets for the whole run; gradients are
         # separate tensors, allocated in backward and set to None after the step.
-        lines["DDP buckets"] = 4 * p_rank
+        lines["DDP buckets"] = 4 * trained
     if accum > 1:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
         # reduce-scatters every micro-step (dtlaunch.train.parallelize.grad_sync) and keeps only shards.
@@ -217,8 +223,13 @@ def plan_stage(
         lines["autocast weight copies"] = e * (kept * (blk - norm_gains) + (v_h(m, tp) if last else 0))
     elif autocast and last:
         lines["autocast weight copies"] = e * v_h(m, tp)
+    if ft and autocast and kept == layers and not compiled:
+        # The adapters' casts are saved too; QLoRA's NF4 matmuls save the NF4 weight, not a cast.
+        lines["autocast weight copies"] += e * (ft.adapters - (ft.quantised_block * layers if ft.qlora else 0))
     if fsdp and zero == 2:
         lines["unsharded parameters"] = e * p_gather if (shard > 1 or e != 4) else 0.0
+        if ft:
+            lines["unsharded parameters"] += layers * (gathered_block(ft, blk, e) - e * blk)
     elif fsdp:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
@@ -243,12 +254,18 @@ def plan_stage(
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
         by_kind["selective"] += e * d.h
     per_token = sum(n * by_kind[k] for k, n in mix.items())
+    if ft:
+        # The frozen base keeps less (frozen norm gains; the first block's input needs no gradient);
+        # the adapters' own saved tensors are the "LoRA activations" line.
+        per_token += kept * ft.act_block + (ft.act_first if first and kept else 0.0)
+        lines["LoRA activations"] = kept * ft.adapter_act * tokens * held
     blk_tok = per_token / layers if layers else 0.0  # the mean block
     if first:
         per_token += act.embedding_bytes(d, e)
     loss_saved = 0.0
     if last:
-        loss_saved = act.final_norm_bytes(d, e, tp, sp, autocast) + act.logits_forward_bytes(d, e, tp)
+        final_norm = ft.final_norm if ft else act.final_norm_bytes(d, e, tp, sp, autocast)
+        loss_saved = final_norm + act.logits_forward_bytes(d, e, tp)
         per_token += loss_saved
     # Under autocast the hidden state stays fp32 and each block's RoPE casts its own table slices.
     rope = act.rope_cast_bytes(d, e, int(t.seq_len) // cp) * kept if autocast and not compiled else 0.0
@@ -271,10 +288,16 @@ def plan_stage(
         # (+ their reduce-dtype copy). Measured: the prefetched next block does not add at the peak.
         unit = (e * blk_gather if zero == 3 else 0.0) + (e + (r if r != e else 0)) * blk_gather
         head_grads = (e * (v_h(m, tp) + d.h) if last else 0.0) if zero == 3 else head_grads
+        if ft:
+            unit = (gathered_block(ft, blk_gather, e) if zero == 3 else 0.0) + (e + (r if r != e else 0)) * trained_blk
+    if ft:
+        head_grads = 0.0  # the head and final norm are frozen
     # The block being recomputed: the most any checkpointed kind of this stage re-creates at once.
     none_tok = act.block_bytes_no_ac(d, e, tp, sp, autocast, compiled)
     recompute = max((none_tok - by_kind[k] for k in mix if k != "none" and mix[k]), default=0.0)
     work = (act.backward_working_bytes(d, e, tp) + recompute) * tokens
+    if ft and ft.qlora:
+        work += ft.dequant  # one NF4 weight dequantised for its matmul
     if cp > 1:
         work += cp_exchange_bytes(d, e, tp, (t.micro_batch // n_mb) * t.seq_len)
     if autocast and kept < layers:
@@ -285,16 +308,16 @@ def plan_stage(
     held_act = lines["activations"] - (loss_saved * tokens if last else 0.0)
     if last:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
-    blk_grads = (4 * blk / (shard if fsdp else 1)) if layers else 0.0
+    blk_grads = (4 * trained_blk / (shard if fsdp else 1)) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
     # Gradients produced since the first block: with accumulation they already exist from the earlier
     # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
     grown = max(0, layers - 1) * blk_grads if accum == 1 else 0.0
     at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * held + grown
-    if first and fsdp and zero == 3:
+    if first and fsdp and zero == 3 and not ft:  # (a frozen embedding has no gradient)
         at_last_blk += e * v_h(m, tp)  # the embedding's unsharded gradient before its reduce-scatter
-    elif first and accum == 1:
+    elif first and accum == 1 and not ft:
         at_last_blk += 4 * v_h(m, tp) / (shard if fsdp else 1)
     backward = [base + loss_bwd, at_first_blk if layers else 0.0, at_last_blk if layers else 0.0]
     if pp > 1 and n_mb > 1:
@@ -359,13 +382,15 @@ def plan_stage(
             # (fake-tensor trace, Llama-3.1-8B FSDP(2) x PP(4), last stage): 12 % over without this.
             # Under GPipe they stay gathered from the previous backward.
             backward.append(base + loss_bwd + all_grads + in_unit - (gathered if fresh else 0.0) - fewer)
-    opt_temp = 0.0 if fused_optimizer(cfg.hardware) else 4 * p_rank / shard
+    opt_temp = 0.0 if fused_optimizer(cfg.hardware) else 4 * trained / shard
     phases = {
         "forward": base,
         "backward": max(backward),
         # Optimizer step: activations and unsharded buffers are gone; gradients are complete, and
         # foreach AdamW (CPU) allocates one temporary the size of the local fp32 state.
         "optimizer": lines["parameters"]
+        + lines.get("adapter parameters", 0.0)
+        + lines.get("NF4 base weights", 0.0)
         + lines["buffers"]
         + lines["optimizer state"]
         + lines.get("DDP buckets", 0.0)
@@ -384,6 +409,7 @@ def plan_stage(
             "accumulated gradients",
             "RoPE tables (compute dtype)",
             "all-to-all buffers",
+            "LoRA activations",
         ):
             lines.pop(k, None)
         lines["gradients"] = grads
