@@ -190,7 +190,8 @@ def plan_stage(
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * p_rank / (shard if fsdp else 1)
     if ft:
-        lines.update(param_lines(ft, p_rank, layers, shard if fsdp else 1))
+        frozen_linear = layers * (blk - norm_gains) + (spec.head_params(m) // tp if last else 0)
+        lines.update(param_lines(ft, p_rank, frozen_linear, layers, shard if fsdp else 1, e))
     rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if cp > 1:
@@ -223,9 +224,11 @@ def plan_stage(
         lines["autocast weight copies"] = e * (kept * (blk - norm_gains) + (v_h(m, tp) if last else 0))
     elif autocast and last:
         lines["autocast weight copies"] = e * v_h(m, tp)
-    if ft and autocast and kept == layers and not compiled:
-        # The adapters' casts are saved too; QLoRA's NF4 matmuls save the NF4 weight, not a cast.
-        lines["autocast weight copies"] += e * (ft.adapters - (ft.quantised_block * layers if ft.qlora else 0))
+    if ft and autocast:
+        # Frozen linears are stored in the compute dtype (their cast is the weight itself), QLoRA's NF4
+        # matmuls save the NF4 weight: only the adapters' casts (and a tied head's) are copies.
+        adapters = ft.adapters if kept == layers and not compiled else 0.0
+        lines["autocast weight copies"] = e * (adapters + (v_h(m, tp) if tied_head and last else 0))
     if fsdp and zero == 2:
         lines["unsharded parameters"] = e * p_gather if (shard > 1 or e != 4) else 0.0
         if ft:
@@ -301,7 +304,7 @@ def plan_stage(
     if cp > 1:
         work += cp_exchange_bytes(d, e, tp, (t.micro_batch // n_mb) * t.seq_len)
     if autocast and kept < layers:
-        work += e * (blk - norm_gains)  # the recomputed block casts its weights again
+        work += e * (ft.adapters_block if ft else blk - norm_gains)  # the recomputed block casts its weights again
     # The loss backward frees the final norm's and log_softmax's saved tensors of its own micro-batch
     # only: under a pipeline the other micro-batches in flight keep theirs. (Subtracting them for every
     # micro-batch in flight put GPipe's last stage 13 % under real gloo runs.)

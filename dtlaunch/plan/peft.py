@@ -1,6 +1,8 @@
 """The memory planner's fine-tuning terms (peft.method=lora / qlora; pure Python, never imports torch).
 
 What changes against full training, per rank (dtlaunch.plan.memory.plan_stage applies it):
+- the frozen linears are stored in the compute dtype (dtlaunch.train.frozen_base): no fp32 master, and
+  under autocast no saved cast of them (the cast is the weight itself);
 - only the adapters train: gradients, AdamW state, DDP buckets and the optimizer's temporaries count
   the adapters (`lora_a` [rank, in], `lora_b` [out, rank] per adapted linear, split by tensor parallel
   as dtlaunch.train.lora_tp does); the frozen base has none, the head and embedding no gradient;
@@ -131,11 +133,15 @@ def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, au
     )
 
 
-def param_lines(ft: PeftTerms, p_rank: int, layers: int, shards: int) -> dict[str, float]:
+def param_lines(ft: PeftTerms, p_rank: int, frozen_linear: int, layers: int, shards: int, e: int) -> dict[str, float]:
     """The parameter lines of a fine-tuning stage (replacing full training's "parameters"): the frozen
-    base kept in fp32 (FSDP2 shards, DDP replicas), the adapters (fp32) and QLoRA's NF4 block linears."""
+    linears (`frozen_linear` parameters: the blocks' and the head's) in the compute dtype, the rest of the
+    base (embedding, norm gains) and the adapters in fp32, QLoRA's block linears in NF4 instead."""
     quantised = ft.quantised_block * layers
-    lines = {"parameters": 4 * (p_rank - quantised) / shards, "adapter parameters": 4 * ft.adapters / shards}
+    lines = {
+        "parameters": (4 * (p_rank - frozen_linear) + e * (frozen_linear - quantised)) / shards,
+        "adapter parameters": 4 * ft.adapters / shards,
+    }
     if ft.qlora:
         lines["NF4 base weights"] = layers * (ft.nf4_block_shard if shards > 1 else ft.nf4_block)
     return lines

@@ -21,9 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtlaunch.config.layout import Layout
 from dtlaunch.train.ac import apply_ac
 from dtlaunch.train.float8 import apply_float8
+from dtlaunch.train.frozen_base import convert_frozen_base
 from dtlaunch.train.init import materialize_and_init
 from dtlaunch.train.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
-from dtlaunch.train.qlora import ddp_skip_nf4, quantize_base
+from dtlaunch.train.qlora import ddp_skip_nf4
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,8 +58,9 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     if cfg.training.compile:
         apply_compile(model)
     fsdp = data_mesh is not None and zero >= 2
-    # peft.method=qlora: the frozen block linears become NF4 here, on meta, so that FSDP2 shards 4-bit data.
-    quantize_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1)
+    # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
+    # FSDP2 shards what is stored.
+    convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1)
     if fsdp:
         apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
     if init:

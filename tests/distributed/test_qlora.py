@@ -51,8 +51,7 @@ def train(method: str, overrides: list[str], world: int) -> dict:
     from dtlaunch.config.validate import validate
     from dtlaunch.models.nf4 import is_nf4
     from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.peft import apply_peft
-    from dtlaunch.train.qlora import quantize_base
+    from dtlaunch.train.frozen_base import convert_frozen_base
     from dtlaunch.train.step import train_step
 
     cfg = compose([*COMMON, f"peft={method}", f"launch.nproc_per_node={world}", *overrides]).cfg
@@ -74,12 +73,8 @@ def train(method: str, overrides: list[str], world: int) -> dict:
         ctx = rt.step_context(batches(dist.get_rank(), world))
         _record_all_gathers(gathers)
     else:
-
-        def prepare(model: torch.nn.Module) -> None:
-            apply_peft(model, cfg)
-            quantize_base(model, cfg, shards=1)
-
-        ctx = one_process_context(cfg, device, batches(0, 1), prepare=prepare)
+        # The worker's conversion of the frozen base (compute-dtype linears, NF4 block linears).
+        ctx = one_process_context(cfg, device, batches(0, 1), prepare=lambda m: convert_frozen_base(m, cfg, 1))
     model = getattr(ctx.model_parts[0], "module", ctx.model_parts[0])
     losses = []
     for step in range(1, STEPS + 1):
@@ -94,6 +89,7 @@ def train(method: str, overrides: list[str], world: int) -> dict:
         "nf4": sum(is_nf4(getattr(p, "_local_tensor", p)) for p in model.parameters()),
         "wq": type(getattr(wq, "_local_tensor", wq)).__name__,
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "head_dtype": str(model.output.weight.dtype),
     }
     if gathers:
         out["gathers"] = gathers
@@ -148,6 +144,7 @@ def test_qlora_layout_matches_one_process(layout: str, launched: dict, one_proce
     assert got["wq"] == ref["wq"] == "NF4Tensor"
     assert got["nf4"] == ref["nf4"] == 2 * 7  # every block linear of the 2 blocks
     assert got["trainable"] == ref["trainable"] and all(".lora_" in n for n in ref["trainable"])
+    assert got["head_dtype"] == ref["head_dtype"] == "torch.bfloat16"  # the frozen head in the compute dtype
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"], strict=True)) <= LAYOUT_TOL, (got, ref)
 
 
