@@ -256,6 +256,8 @@ def plan_stage(
         # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
         by_kind["selective"] += e * d.h
+    if ft and "selective" in by_kind and t.ac_policy == "op":
+        by_kind["selective"] += ft.selective
     per_token = sum(n * by_kind[k] for k, n in mix.items())
     if ft:
         # The frozen base keeps less (frozen norm gains; the first block's input needs no gradient);

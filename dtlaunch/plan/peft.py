@@ -18,7 +18,9 @@ What changes against full training, per rank (dtlaunch.plan.memory.plan_stage ap
   autocast a frozen linear without an adapter no longer saves its own cast of a norm output (-e·in);
   a dropout > 0 keeps its mask and dropped input (+(1 + e)·in). The first block's input does not need
   a gradient (the embedding is frozen), so its first norm saves nothing of its own (-(4h + 4)); the
-  final norm before the frozen head keeps only its fp32 input view and rsqrt (4h + 4).
+  final norm before the frozen head keeps only its fp32 input view and rsqrt (4h + 4). Under selective
+  AC's op policy (every other matmul's output saved) the adapters' matmuls join the alternation, which
+  then keeps other outputs: counted from the call order (measured on real runs: exact).
 
 Shapes come from the model family (`ModelSpec.block_linears`: Hugging Face name -> (out, in,
 column-parallel)); a family without it has no closed-form fine-tuning plan.
@@ -60,6 +62,7 @@ class PeftTerms:
     act_first: float  # the first block, on top (frozen embedding: its input needs no gradient)
     final_norm: float  # saved bytes per token of the final norm before the frozen head
     dequant: float  # transient bytes of dequantising the largest NF4 linear once
+    selective: float  # selective AC (op policy): saved matmul outputs per token, against full training
 
     @property
     def qlora(self) -> bool:
@@ -130,7 +133,24 @@ def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, au
         act_first=-(4 * h + 4) / sp_div,
         final_norm=(4 * h + 4) / sp_div,
         dequant=dequant,
+        selective=saved_matmuls(shapes, chosen, rank, tp, sp, e) - saved_matmuls(shapes, [], rank, tp, sp, e),
     )
+
+
+def saved_matmuls(
+    shapes: dict[str, tuple[int, int, bool]], chosen: list[str], rank: int, tp: int, sp: bool, e: int
+) -> float:
+    """Bytes per token of the matmul outputs selective AC's op policy saves in one block: the 1st, 3rd,
+    ... matmul in call order (dtlaunch.train.ac), where an adapted linear calls three (base, A, B) and
+    `shapes` is in forward order. Column-parallel outputs are sharded by TP, row-parallel ones (partial
+    sums) only under sequence parallel; A's rank-wide output is whole on every TP rank."""
+    outs: list[float] = []
+    for name, (out, _inp, colwise) in shapes.items():
+        width = out / tp if colwise else out / (tp if tp > 1 and sp else 1)
+        outs.append(width)
+        if name in chosen:
+            outs += [rank, out / tp if colwise else out]
+    return e * sum(outs[0::2])
 
 
 def param_lines(ft: PeftTerms, p_rank: int, frozen_linear: int, layers: int, shards: int, e: int) -> dict[str, float]:
