@@ -173,3 +173,19 @@ def gathered_block(ft: PeftTerms, blk: float, e: int) -> float:
     if ft.qlora:
         return e * (blk - ft.quantised_block) + ft.nf4_block + e * ft.adapters_block
     return e * (blk + ft.adapters_block)
+
+
+def qlora_layout_ok(cfg: Any, tp: int, pp: int, dp: int, replicas: int) -> bool:
+    """Whether a searched layout can run QLoRA (dtlaunch.config.qlora_rules): no tensor or pipeline
+    parallel, and every block linear's FSDP row shard holds whole NF4 blocks. Other methods: always."""
+    if str(cfg.peft.method) != "qlora":
+        return True
+    if tp > 1 or pp > 1:
+        return False
+    shards = dp // replicas if replicas > 1 and dp // replicas > 1 else dp
+    b, s = int(cfg.peft.nf4_block_size), int(cfg.peft.nf4_scaler_block_size)
+    for out, inp, _ in linears(cfg).values():
+        n = out // shards * inp
+        if out % shards or n % b or (n // b) % s:
+            return False
+    return True
