@@ -50,13 +50,6 @@ def nf4_fits(numel: int, block_size: int, scaler_block_size: int) -> bool:
     return numel % block_size == 0 and (numel // block_size) % scaler_block_size == 0
 
 
-def nf4_bytes(numel: int, block_size: int, scaler_block_size: int, dtype_bytes: int) -> int:
-    """Bytes of an NF4 tensor of `numel` elements: codes, int8 block scales, per-scaler-block factors
-    (in the tensor's dtype), the mean and the 16-entry code table (both in that dtype)."""
-    n_blocks = numel // block_size
-    return numel // 2 + n_blocks + (n_blocks // scaler_block_size) * dtype_bytes + 17 * dtype_bytes
-
-
 def frozen_block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The linears of the decoder blocks whose weight is frozen (the base QLoRA quantises): 2-D weights
     of modules with a `weight` and an `in_features`, under `model.layers`. Embedding, output head and
