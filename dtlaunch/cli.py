@@ -217,12 +217,15 @@ def ckpt_export(
         ..., help="A run directory (its newest complete checkpoint) or a step-XXXXXXXX directory."
     ),
     fmt: str = typer.Option(
-        "hf", "--format", help="hf (safetensors + config.json of the model's architecture) or torch."
+        "hf",
+        "--format",
+        help="hf (safetensors + config.json of the model's architecture; a LoRA run: the base with the adapters "
+        "merged), torch, or peft (a LoRA run's adapters for peft.PeftModel.from_pretrained).",
     ),
     out: str = typer.Option(..., "--out", help="Output directory."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="hf: split safetensors above this size."),
 ) -> None:
-    """Export a checkpoint to Hugging Face safetensors or one consolidated torch file."""
+    """Export a checkpoint to Hugging Face safetensors, one consolidated torch file, or peft adapters."""
     from dtlaunch.commands.ckpt import export_command
 
     raise typer.Exit(export_command(src, fmt, out, max_shard_size))
@@ -236,11 +239,14 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the most likely tokens up to this mass."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    adapter: str = typer.Option(
+        "", "--adapter", help="A peft LoRA adapter directory to apply to an hf:DIR base (merged into its weights)."
+    ),
 ) -> None:
     """Continue a prompt with dtlaunch's own model code (KV cache, one process). Stdout: the text only."""
     from dtlaunch.commands.generate import generate_command
 
-    raise typer.Exit(generate_command(source, prompt, max_new_tokens, temperature, top_p, seed))
+    raise typer.Exit(generate_command(source, prompt, max_new_tokens, temperature, top_p, seed, adapter))
 
 
 @data_app.command("prepare")

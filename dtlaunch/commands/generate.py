@@ -8,7 +8,9 @@ import time
 from dtlaunch.errors import InputError
 
 
-def generate_command(source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> int:
+def generate_command(
+    source: str, prompt: str, max_new_tokens: int, temperature: float, top_p: float, seed: int, adapter: str = ""
+) -> int:
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens} must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -19,7 +21,7 @@ def generate_command(source: str, prompt: str, max_new_tokens: int, temperature:
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     start = time.perf_counter()
-    loaded = load_source(source, device)
+    loaded = load_source(source, device, adapter=adapter)
     ids = [int(i) for i in loaded.tokenizer.encode(prompt.encode("utf-8"))]
     if not ids:
         raise InputError("--prompt is empty after tokenisation: give some text")

@@ -84,6 +84,10 @@ def peft_record(cfg: Any) -> Optional[dict]:
         "targets": [str(t) for t in peft.targets],
         "base": src,
         "base_fingerprint": fingerprint(src[3:]) if src.startswith("hf:") else None,
+        # QLoRA's NF4 base is quantised from this dtype: a merged export rounds the same way.
+        "base_dtype": str(cfg.precision.param_dtype),
+        "nf4_block_size": int(peft.nf4_block_size),
+        "nf4_scaler_block_size": int(peft.nf4_scaler_block_size),
     }
 
 

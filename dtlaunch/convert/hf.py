@@ -144,8 +144,13 @@ def save_torch(state: dict, m: Any, out: Path) -> Path:
 
 
 def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
-    if fmt not in ("hf", "torch"):
-        raise InputError(f"--format {fmt!r} is not an export format: use hf or torch")
+    if fmt not in ("hf", "torch", "peft"):
+        raise InputError(f"--format {fmt!r} is not an export format: use hf, torch or peft")
+    from dtlaunch.convert.adapters import export_adapters
+
+    adapters = export_adapters(src, fmt, out, max_shard_bytes)  # a LoRA run: its adapters, or merged
+    if adapters is not None:
+        return adapters
     state, m, info = load_checkpoint_model(src)
     if fmt == "hf":
         return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)

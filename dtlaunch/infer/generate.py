@@ -24,9 +24,12 @@ class Loaded:
     source: str
 
 
-def load_source(source: str, device: torch.device, max_len: int = 1) -> Loaded:
+def load_source(source: str, device: torch.device, max_len: int = 1, adapter: str = "") -> Loaded:
     """The model (weights loaded, eval mode, RoPE for `max_len` positions: see set_positions) and
-    its tokenizer."""
+    its tokenizer. A LoRA run's adapters, or a peft adapter directory (`adapter`, with an hf: source),
+    are merged into the base's weights (dtlaunch.convert.adapters)."""
+    if adapter and not source.startswith("hf:"):
+        raise InputError(f"--adapter {adapter}: adapters go on an hf:DIR base; a run directory brings its own")
     from omegaconf import OmegaConf
 
     from dtlaunch.config.schema import ModelConfig
@@ -42,6 +45,10 @@ def load_source(source: str, device: torch.device, max_len: int = 1) -> Loaded:
         fields = model_fields_from_hf(path, c)
         m = OmegaConf.merge(OmegaConf.structured(ModelConfig), {**fields, "name": path.name})
         state = load_hf_weights(path, m)
+        if adapter:
+            from dtlaunch.convert.adapters import load_peft_dir, merge
+
+            state = merge(state, load_peft_dir(Path(adapter).expanduser(), m, path), f"--adapter {adapter}")
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise InputError(f"generate {source}: no tokenizer.json in {path}: add the model's tokenizer.json")
@@ -50,8 +57,14 @@ def load_source(source: str, device: torch.device, max_len: int = 1) -> Loaded:
         eos_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else tokenizer.eos_id
     else:
         from dtlaunch.convert.hf import load_checkpoint_model
+        from dtlaunch.train.checkpoint import resolve_load_path
 
-        state, m, info = load_checkpoint_model(Path(source))
+        if resolve_load_path(Path(source))[0].marker.get("peft"):  # a LoRA run: its base + its adapters
+            from dtlaunch.convert.adapters import merged_run_state
+
+            state, m, info = merged_run_state(Path(source))
+        else:
+            state, m, info = load_checkpoint_model(Path(source))
         tokenizer = load_tokenizer(_run_tokenizer(Path(info.path)))
         eos_id = getattr(tokenizer, "eos_id", None)
     model = model_spec(m).build(m, rope_len=max_len, device=device)

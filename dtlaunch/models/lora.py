@@ -107,7 +107,7 @@ def _in_block(fqn: str) -> bool:
     return "layers" in parts[:-1]
 
 
-def _non_linear_names(model: nn.Module, spec: Any) -> set[str]:
+def expert_names(model: nn.Module, spec: Any) -> set[str]:
     """HF leaf names of block parameters that are not linears (routed experts' 3-D weights): named in
     the error so that `gate_proj` on a MoE model says why it is refused."""
     linear = {f"{fqn}." for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -134,7 +134,7 @@ def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: st
     if ALL_LINEAR in wanted:
         return linears
     where = f" of model.arch={arch}" if arch else ""
-    experts = _non_linear_names(model, spec)
+    experts = expert_names(model, spec)
     for t in wanted:
         if t in valid:
             continue

@@ -27,7 +27,8 @@ def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float
                 by_kind.setdefault(hasattr(p, "device_mesh"), []).append(p)
         for ps in by_kind.values() or [[]]:
             groups.append({"params": ps, "weight_decay": weight_decay if decay else 0.0})
-    return groups
+    # No empty group (LoRA trains matrices only): a flattened optimizer state dict cannot load one.
+    return [g for g in groups if g["params"]] or groups[:1]
 
 
 def adamw_kwargs(cfg: Any, device: torch.device, fused: Optional[bool] = None) -> dict:

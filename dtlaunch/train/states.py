@@ -42,6 +42,9 @@ class ModelState(Stateful):
         self._keys = []
         for part in self.model_parts:
             sd = get_model_state_dict(part, options=self._options())
+            if self.trainable_only:
+                # torch drops a frozen parameter under its first name only: a tied head stays otherwise.
+                sd = {k: v for k, v in sd.items() if k not in _frozen_names(part)}
             self._keys.append(list(sd))
             out.update(sd)
         return out
@@ -53,6 +56,12 @@ class ModelState(Stateful):
             self.state_dict()
         for part, keys in zip(self.model_parts, self._keys, strict=True):
             set_model_state_dict(part, {k: state_dict[k] for k in keys}, options=self._options())
+
+
+def _frozen_names(part: Any) -> set[str]:
+    from dtlaunch.train.init import model_param_name
+
+    return {model_param_name(n) for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 class OptimizerState(Stateful):

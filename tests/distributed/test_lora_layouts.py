@@ -1,7 +1,7 @@
 """LoRA loss parity of every parallel layout with one process, in two forked gloo groups (2 and 4 workers).
 
 The tiny Llama with rank-8 adapters on all of its block linears (so both column- and row-parallel linears
-carry adapters under tensor parallel) trains 5 steps; the workers run the runtime object (`build_runtime`,
+carry adapters under tensor parallel) trains 4 steps; the workers run the runtime object (`build_runtime`,
 then `train_step`, tests/distributed/forked_training.py), the pytest process the same steps on one process
 with no mesh. Loss and grad norm must agree within 1e-4 at every step. Also checked on every layout: only
 the adapters hold gradients and optimizer state, and the frozen base does not move.
@@ -15,7 +15,7 @@ from forked_training import run_forked, train
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
-STEPS = 5
+STEPS = 4
 # A high learning rate and grad_clip below the norms: the adapters move the loss within 5 steps, and the
 # global norm over the adapters' shards is used to clip.
 COMMON = [
@@ -37,11 +37,9 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "zero2_2": (2, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero2", "training.micro_batch=4"]),
     "zero3_2": (2, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=4"]),
     "tp_sp_2": (2, "tiny", ["recipe=tiny_tp", "training.micro_batch=4"]),
-    "tp_no_sp_2": (2, "tiny", ["recipe=tiny_tp", "training.micro_batch=4", "strategy.sequence_parallel=false"]),
     "pp_1f1b_2": (2, "tiny", ["recipe=tiny_pp", "training.micro_batch=4", "strategy.pp_schedule=1f1b"]),
     "hsdp_2x2": (4, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),
     "fsdp_tp_2x2": (4, "tiny", ["recipe=tiny_tp", "strategy=fsdp_tp", "training.micro_batch=2"]),
-    "pp_tp_2x2": (4, "tiny", ["recipe=tiny_pp", "strategy.tp=2", "training.micro_batch=4"]),
 }
 
 
