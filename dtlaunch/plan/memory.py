@@ -315,6 +315,10 @@ def plan_stage(
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
     blk_grads = (4 * trained_blk / (shard if fsdp else 1)) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
+    if ft and fsdp and zero == 3 and first and kept == 0:
+        # Fine-tuning under full AC: the root unit's frozen embedding is still gathered when the blocks'
+        # backward starts (traced real FSDP2 step, planner7m LoRA fp32: embedding + head + one block).
+        at_first_blk += e * v_h(m, tp)
     # Gradients produced since the first block: with accumulation they already exist from the earlier
     # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
