@@ -25,7 +25,7 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
-from dtlaunch.plan.peft import gathered_block, param_lines, peft_terms
+from dtlaunch.plan.peft import gathered_block, param_lines, peft_notes, peft_terms
 
 GIB = 1024**3
 PHASES = ("forward", "backward", "optimizer")
@@ -488,6 +488,7 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
     if layout.cp > 1:
         lay["cp"] = layout.cp
     notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
+    notes += peft_notes(cfg)
     if layout.pp > 1 and int(s.zero_stage) >= 2 and layout.dp > 1:
         n_mb = pp_microbatches(cfg, layout)
         notes.append(

@@ -23,15 +23,13 @@ What changes against full training, per rank (dtlaunch.plan.memory.plan_stage ap
   then keeps other outputs: counted from the call order (measured on real runs: exact).
 
 Shapes come from the model family (`ModelSpec.block_linears`: Hugging Face name -> (out, in,
-column-parallel)); a family without it has no closed-form fine-tuning plan.
+column-parallel)); a family without them is planned as full training, with a note.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-from dtlaunch.errors import ConfigError
 
 ALL_LINEAR = "all-linear"
 # Linears that read the same norm output (autocast: each saves its own cast of it).
@@ -69,16 +67,23 @@ class PeftTerms:
         return self.method == "qlora"
 
 
-def linears(cfg: Any) -> dict[str, tuple[int, int, bool]]:
+def linears(cfg: Any) -> dict[str, tuple[int, int, bool]] | None:
+    """One block's linears from the model family; None when the family does not give them."""
     from dtlaunch.models.registry import model_spec
 
     spec = model_spec(cfg.model)
-    if spec.block_linears is None:
-        raise ConfigError(
-            f"peft.method={cfg.peft.method}: no closed-form fine-tuning memory plan for model.arch={cfg.model.arch}; "
-            "plan a dense family (llama, qwen2, qwen3, mistral) or use peft=none"
-        )
-    return dict(spec.block_linears(cfg.model))
+    return None if spec.block_linears is None else dict(spec.block_linears(cfg.model))
+
+
+def peft_notes(cfg: Any) -> list[str]:
+    """The plan's note for a fine-tuning run of a family without closed-form fine-tuning terms."""
+    method = str(cfg.peft.method)
+    if method == "none" or linears(cfg) is not None:
+        return []
+    return [
+        f"peft.method={method}: no closed-form fine-tuning terms for model.arch={cfg.model.arch}; planned as full "
+        "training (an upper bound: the base's gradients and optimizer state are counted)"
+    ]
 
 
 def adapted(cfg: Any, names: list[str]) -> list[str]:
@@ -99,6 +104,8 @@ def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, au
     if method == "none":
         return None
     shapes = linears(cfg)
+    if shapes is None:
+        return None  # planned as full training, with a note (peft_notes)
     chosen = adapted(cfg, list(shapes))
     rank = int(p.rank)
     h = int(cfg.model.dim)
@@ -184,7 +191,7 @@ def qlora_layout_ok(cfg: Any, tp: int, pp: int, dp: int, replicas: int) -> bool:
         return False
     shards = dp // replicas if replicas > 1 and dp // replicas > 1 else dp
     b, s = int(cfg.peft.nf4_block_size), int(cfg.peft.nf4_scaler_block_size)
-    for out, inp, _ in linears(cfg).values():
+    for out, inp, _ in (linears(cfg) or {}).values():
         n = out // shards * inp
         if out % shards or n % b or (n // b) % s:
             return False
