@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.common` importable
 
 from bench import throughput
 from bench.common import describe_machine, machine_info, markdown_table, this_command, venv_bin, write_json
-from dtlaunch.train.metrics import read_metrics
+from dtlaunch.run.metrics_file import read_metrics
 
 SEL = "training.activation_checkpointing=selective"
 MODES: dict[str, tuple[str, ...]] = {

@@ -38,7 +38,7 @@ MODEL = [
 def _train_step(model: object, opt: object, cfg: object) -> None:
     import torch
 
-    from dtlaunch.train.tensor_parallel import cross_entropy
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     tokens = torch.randint(0, int(cfg.model.vocab_size), (1, int(cfg.training.seq_len) + 1))
     loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
@@ -54,11 +54,12 @@ def worker(out: Path, repeats: int) -> None:
     from dtlaunch.config.layout import Layout
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.models.shapes import human_count, param_count
-    from dtlaunch.train.checkpoint import CheckpointManager, newest_complete
-    from dtlaunch.train.dist_init import init_distributed
-    from dtlaunch.train.mesh import build_mesh
+    from dtlaunch.run.checkpoints import newest_complete
+    from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.parallelize import parallelize
+    from dtlaunch.train.parallel.mesh import build_mesh
+    from dtlaunch.train.parallel.parallelize import parallelize
+    from dtlaunch.train.parallel.process_group import init_distributed
 
     results: dict[str, list[float]] = {
         "sync": [],

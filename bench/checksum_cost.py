@@ -26,11 +26,11 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dtlaunch.train import ckpt_integrity
-    from dtlaunch.train.checkpoint import _SlowWriter
+    from dtlaunch.run import checksums
+    from dtlaunch.train.checkpoint.manager import _SlowWriter
 
     if args.algorithm:
-        ckpt_integrity.default_algorithm = lambda: args.algorithm  # type: ignore[assignment]
+        checksums.default_algorithm = lambda: args.algorithm  # type: ignore[assignment]
     n = int(args.params) // 16
     # 16 tensors per kind: weights, two Adam moments, one more fp32 copy (like master weights): 4 x params.
     state = {f"{kind}.{i}": torch.randn(n) for kind in ("model", "exp_avg", "exp_avg_sq", "extra") for i in range(16)}
@@ -47,7 +47,7 @@ def main() -> None:
             if r:
                 times[mode].append(time.perf_counter() - t)
     plain, summed = statistics.median(times["plain"]), statistics.median(times["checksummed"])
-    algo = ckpt_integrity.default_algorithm()
+    algo = checksums.default_algorithm()
     print(
         f"save of {total / 2**20:.0f} MiB: plain {plain:.3f} s, checksummed ({algo}) {summed:.3f} s "
         f"-> checksum overhead {100 * (summed - plain) / plain:+.1f} % (median of {args.repeats})"

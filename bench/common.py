@@ -102,9 +102,18 @@ def stats(values: Iterable[float]) -> dict[str, Any]:
 
 
 def command_line(cmd: Sequence[str], env: Optional[dict[str, str]] = None) -> str:
-    """A copy-pasteable shell command, with the environment variables that differ from ours in front."""
+    """A copy-pasteable shell command, with the environment variables that differ from ours in front;
+    paths inside the checkout are written relative to it and the venv's programs by name, so a results
+    file reads the same on every machine."""
     prefix = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()]
-    return " ".join([*prefix, *(shlex.quote(c) for c in cmd)])
+    return " ".join([*prefix, *(shlex.quote(_portable(str(c))) for c in cmd)])
+
+
+def _portable(arg: str) -> str:
+    for venv in (ROOT / ".venv" / "bin", Path(sys.executable).parent):
+        if arg.startswith(f"{venv}/"):
+            return Path(arg).name
+    return arg[len(f"{ROOT}/") :] if arg.startswith(f"{ROOT}/") else arg
 
 
 def this_command() -> str:

@@ -26,7 +26,7 @@ import torch
 from bench.common import markdown_table
 
 B, S = 2, 128
-MODES = {  # name -> (training section for dtlaunch.train.ac.apply_ac, planner kind)
+MODES = {  # name -> (training section for dtlaunch.train.parallel.ac.apply_ac, planner kind)
     "none": ("none", "op", 0.0),
     "selective (op)": ("selective", "op", 0.0),
     "full": ("full", "op", 0.0),
@@ -34,7 +34,7 @@ MODES = {  # name -> (training section for dtlaunch.train.ac.apply_ac, planner k
 
 
 def saved_bytes_per_token(model: torch.nn.Module, mode: tuple, compiled: bool, dtype: torch.dtype, dim: int) -> float:
-    from dtlaunch.train.ac import apply_ac
+    from dtlaunch.train.parallel.ac import apply_ac
 
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleDict({"0": copy.deepcopy(model.layers["0"])})
@@ -69,7 +69,7 @@ def saved_bytes_per_token(model: torch.nn.Module, mode: tuple, compiled: bool, d
 def main(argv: list[str] | None = None) -> None:
     from dtlaunch.config.compose import compose
     from dtlaunch.models.dense import activations as act
-    from dtlaunch.models.llama import build_model
+    from dtlaunch.models.dense.model import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,tiny")

@@ -63,7 +63,7 @@ def model_config(name: str):  # noqa: ANN201 - an OmegaConf node
 
     from dtlaunch.config.schema import ModelConfig
 
-    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "dtlaunch" / "configs" / "model" / f"{name}.yaml"
+    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "configs" / "model" / f"{name}.yaml"
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
 
 
@@ -92,7 +92,7 @@ def build(args: argparse.Namespace, device: torch.device, world: int):  # noqa: 
     elif args.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        from dtlaunch.train.parallelize import no_buffer_sync
+        from dtlaunch.train.parallel.parallelize import no_buffer_sync
 
         ids = [device.index] if device.type == "cuda" else None
         sync = {} if args.broadcast_buffers else no_buffer_sync()

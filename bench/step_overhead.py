@@ -61,17 +61,17 @@ def init() -> tuple[int, int]:
 
 
 def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[Any, Any, Any, Any]:
-    """(cfg, StepContext, MetricsLogger, PeakTracker) exactly as dtlaunch.train.main builds them."""
+    """(cfg, Runtime, loader, MetricsLogger, PeakTracker) as the worker's Trainer builds them."""
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.data import build_loader
-    from dtlaunch.train.memtrack import PeakTracker
-    from dtlaunch.train.mesh import build_mesh, dp_rank_size
-    from dtlaunch.train.metrics import MetricsLogger
+    from dtlaunch.train.observe.memtrack import PeakTracker
+    from dtlaunch.train.observe.metrics import MetricsLogger
     from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.parallelize import parallelize
-    from dtlaunch.train.step import StepContext
+    from dtlaunch.train.parallel.mesh import build_mesh, dp_rank_size
+    from dtlaunch.train.parallel.parallelize import parallelize
+    from dtlaunch.train.runtime import Runtime
 
     cfg = compose(
         [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000", *extra]
@@ -81,18 +81,20 @@ def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...]
     model = parallelize(build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), mesh, cfg, layout)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     dp_rank, dp_size = dp_rank_size(mesh)
-    ctx = StepContext(
+    rt = Runtime(
         cfg=cfg,
+        layout=layout,
+        mesh=mesh,
+        device=torch.device("cpu"),
+        accum=grad_accum_steps(cfg, layout),
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
-        loader=build_loader(cfg, run_dir, dp_rank, dp_size),
-        device=torch.device("cpu"),
-        accum=grad_accum_steps(cfg, layout),
     )
+    loader = build_loader(cfg, run_dir, dp_rank, dp_size)
     metrics = MetricsLogger(run_dir, cfg, enabled=dist.get_rank() == 0)
     tracker = PeakTracker([model], [opt], enabled=True, device=torch.device("cpu"))
-    return cfg, ctx, metrics, tracker
+    return cfg, rt, loader, metrics, tracker
 
 
 def main() -> None:
@@ -105,13 +107,13 @@ def main() -> None:
     rank, world = init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from bench import handwritten
-    from dtlaunch.train.pp_step import clip_grad_norm
+    from dtlaunch.train.parallel.pp_step import clip_grad_norm
     from dtlaunch.train.step import train_step
     from dtlaunch.train.step_sync import WindowSync
 
     run_dir = Path(tempfile.mkdtemp(prefix="dtlaunch-step-overhead-"))
     (run_dir / "logs").mkdir()
-    cfg, ctx, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir, tuple(args.overrides))
+    cfg, rt, loader, metrics, tracker = dtlaunch_side(args.recipe, world, run_dir, tuple(args.overrides))
     t = cfg.training
     from omegaconf import OmegaConf
 
@@ -134,11 +136,11 @@ def main() -> None:
     step_no = [0]
     sync = WindowSync(torch.device("cpu"), int(t.log_every), int(t.steps))
 
-    def dt_iteration() -> None:  # the body of dtlaunch.train.main's loop (checkpoint=none)
+    def dt_iteration() -> None:  # the body of the Trainer's loop (checkpoint=none)
         step_no[0] += 1
         began = time.perf_counter()
         with tracker.step(step_no[0]):
-            r = train_step(ctx, step_no[0])
+            r = train_step(rt, loader, step_no[0])
             rate = tokens_per_step / (time.perf_counter() - began)
             done = sync.push(step_no[0], r.local_loss, r.grad_norm, r.applied, 0, lr=0.0, rate=rate)
         for o in done:
@@ -179,7 +181,7 @@ def main() -> None:
         results["iteration: hand-written"] = hw_best
         hw_backward()
         params = [list(hw_model.parameters())]
-        results["data: dtlaunch TokenLoader.next_batch"] = best_us(ctx.loader.next_batch, 50, args.outer)
+        results["data: dtlaunch TokenLoader.next_batch"] = best_us(loader.next_batch, 50, args.outer)
         results["data: torch.randint"] = best_us(
             lambda: torch.randint(0, vocab, (mb, seq + 1), generator=gen), 50, args.outer
         )

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command_line, markdown_table, min_med_max, stats, usable_cores, venv_bin
-from dtlaunch.train.metrics import read_metrics
+from dtlaunch.run.metrics_file import read_metrics
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def _compact(layout: dict) -> str:
 
 def _checkpoints_dir(run: Path) -> Path:
     """A run directory (its config's checkpoint.dir) or a checkpoints directory itself."""
-    from dtlaunch.train.checkpoint import checkpoint_root
+    from dtlaunch.run.checkpoints import checkpoint_root
 
     if (run / "config.yaml").is_file():
         from dtlaunch.config.compose import load_resolved
@@ -40,7 +40,7 @@ def _checkpoints_dir(run: Path) -> Path:
 def ls_command(run: str) -> int:
     from rich.table import Table
 
-    from dtlaunch.train.checkpoint import dir_size, scan_checkpoints
+    from dtlaunch.run.checkpoints import dir_size, scan_checkpoints
 
     path = Path(run)
     if not path.is_dir():
@@ -80,7 +80,7 @@ def _quiet_torch() -> Iterator[None]:
 def resolve_verified(path: str) -> Any:
     """The checkpoint a command uses, contents verified; one line says which step and, when newer ones
     were skipped (interrupted, corrupt), which and why."""
-    from dtlaunch.train.checkpoint import resolve_load_path
+    from dtlaunch.run.checkpoints import resolve_load_path
 
     info, skipped = resolve_load_path(Path(path), verify=True)
     note = f"using {info.name} (step {info.step}, contents verified)" if info.verified else f"using {info.name}"
@@ -103,7 +103,7 @@ def inspect_command(checkpoint: str, tensors: bool = False) -> int:
     from rich.table import Table
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from dtlaunch.train.checkpoint import STATE_FILE, layout_str
+    from dtlaunch.run.checkpoints import STATE_FILE, layout_str
 
     info = resolve_verified(checkpoint)
     with _quiet_torch():
@@ -180,7 +180,7 @@ def verify_command(run: str) -> int:
     """Every checkpoint's files against the checksums recorded when they were written."""
     from rich.table import Table
 
-    from dtlaunch.train.checkpoint import TMP_PREFIX, scan_checkpoints, verify_info
+    from dtlaunch.run.checkpoints import TMP_PREFIX, scan_checkpoints, verify_info
 
     path = Path(run)
     if not path.is_dir():

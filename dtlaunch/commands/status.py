@@ -60,8 +60,8 @@ def _checkpoint_root(run_dir: Path) -> Path:
 def local_status(run_dir: Path) -> dict[str, Any]:
     """state, step, total_steps, last_loss, newest_checkpoint, pid, host, error for one run directory."""
     from dtlaunch.launch.runstate import pid_alive, read_state
-    from dtlaunch.train import preempt
-    from dtlaunch.train.checkpoint import newest_complete
+    from dtlaunch.run import preemption
+    from dtlaunch.run.checkpoints import newest_complete
 
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"'{run_dir}' is not a dtlaunch run directory (no config.yaml): give runs/<name>")
@@ -79,7 +79,7 @@ def local_status(run_dir: Path) -> dict[str, Any]:
         # A run from before state.json existed: what its files say.
         if (run_dir / "summary.json").is_file():
             name = "finished"
-        elif preempt.read_marker(run_dir) is not None:
+        elif preemption.read_marker(run_dir) is not None:
             name = "preempted"
         else:
             name = "unknown"

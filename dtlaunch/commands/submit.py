@@ -42,8 +42,8 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
         print(slurm.render_script(job.cfg, run_dir, job.cfg.run.name or run_dir.name), end="")
         return 0
 
+    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir
-    from dtlaunch.train.data import prepare_run_data
 
     out.print(summary_table(job))
     # Check the script renders (bad values fail here) before creating anything.

@@ -189,7 +189,7 @@ def sweep_table(points: list[Point], width: int) -> Any:
 def sweep_train_command(
     overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool, no_resume: bool
 ) -> int:
-    from dtlaunch.train.phases import phase
+    from dtlaunch.run.phases import phase
 
     phase("composing, validating and planning every sweep point")
     points, sweep_dir = prepare_points(overrides, recipe_dirs, force)
@@ -230,9 +230,9 @@ def sweep_train_command(
 
 def sweep_submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool) -> int:
     """Every point's run directory and script as `submit` writes them, and one job array running them."""
+    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch import slurm
     from dtlaunch.launch.rundir import create_run_dir
-    from dtlaunch.train.data import prepare_run_data
 
     points, sweep_dir = prepare_points(overrides, recipe_dirs, force)
     for p in points:

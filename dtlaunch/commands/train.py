@@ -15,7 +15,7 @@ from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
 def train_command(
     overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool, no_resume: bool
 ) -> int:
-    from dtlaunch.train.phases import phase
+    from dtlaunch.run.phases import phase
 
     phase("composing the job")
     job = load_job(overrides, recipe_dirs)
@@ -43,9 +43,9 @@ def train_command(
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
 
     check_hf_weights(job.cfg)
+    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
-    from dtlaunch.train.checkpoint import NO_RESUME_ENV
-    from dtlaunch.train.data import prepare_run_data
+    from dtlaunch.run.env import NO_RESUME_ENV
 
     if no_resume:
         # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and

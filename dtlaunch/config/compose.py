@@ -15,25 +15,14 @@ import re
 import sysconfig
 import tempfile
 from dataclasses import dataclass, fields, is_dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from dtlaunch.config.assets import asset_dir
 from dtlaunch.errors import ConfigError
 
-
-def _package_dir(name: str) -> Path:
-    """A directory shipped inside the dtlaunch package (package data, found the same way from a wheel
-    install or a source checkout). Hydra's search path and the recipe symlinks need a real directory,
-    which every installed (not zipped) package has."""
-    res = resources.files("dtlaunch") / name
-    if not isinstance(res, Path):
-        raise ConfigError(f"dtlaunch's built-in {name}/ is not on the file system ({res}): install dtlaunch unzipped")
-    return res
-
-
-CONFIGS_DIR = _package_dir("configs")
-BUILTIN_RECIPES_DIR = _package_dir("recipes")
+CONFIGS_DIR = asset_dir("configs")
+BUILTIN_RECIPES_DIR = asset_dir("recipes")
 RECIPE_PATH_ENV = "DTLAUNCH_RECIPE_PATH"
 
 

@@ -65,6 +65,9 @@ class ModelConfig:
     # Your own module instead of a registry entry: "pkg.module.build", a callable taking this model
     # section and returning an nn.Module that follows docs/models.md's protocol (planned by trace).
     _target_: str = ""
+    # A model family of your own, outside dtlaunch: the importable module that registers it
+    # (dtlaunch.models.registry.register) under the name set in model.arch; see docs/models.md.
+    family_module: str = ""
     # Where initial weights come from: "random" (seeded init) or "hf:DIR" (safetensors export).
     init_from: str = "random"
 

@@ -46,94 +46,20 @@ def _fail(msg: str) -> None:
 
 
 def check_model_shape(cfg: Any, notes: list[str]) -> None:
+    """The fields the model's family fixes, then the family's own rules (its registry entry's `check`)."""
+    from omegaconf import OmegaConf
+
     from dtlaunch.models.registry import model_spec
 
     m = cfg.model
-    if m._target_:
-        check_target(cfg)
-        return
-    if m.arch == "hf_auto":
-        check_hf_auto(cfg)
-        return
     spec = model_spec(m)
-    from omegaconf import OmegaConf
-
     for key, value in spec.fixed.items():
         if OmegaConf.select(m, key) != value:
             _fail(
                 f"model.{key}={OmegaConf.select(m, key)} does not fit model.arch={m.arch} (which has {key}={value}): "
                 f"drop the override or pick the model.arch that has it"
             )
-    if m.head_dim is None and m.dim % m.n_heads:
-        _fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: pick a head count that divides it")
-    hd = m.head_dim or m.dim // m.n_heads
-    if hd % 2:
-        _fail(f"model head dim {hd} is odd: RoPE needs an even head dim; change model.dim, n_heads or head_dim")
-    if m.sliding_window is not None and m.sliding_window < 1:
-        _fail(f"model.sliding_window={m.sliding_window} must be >= 1, or null for full causal attention")
-    kv = m.n_kv_heads or m.n_heads
-    if kv <= 0 or m.n_heads % kv:
-        _fail(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
-
-
-def check_moe(cfg: Any, notes: list[str]) -> None:
-    """model.moe: experts exactly on the MoE entries, top_k within them, dense layers inside the model."""
-    m = cfg.model
-    if m._target_ or m.arch == "hf_auto":
-        return
-    from dtlaunch.models.registry import model_spec
-
-    moe, n = m.moe, int(m.moe.num_experts)
-    is_moe = model_spec(m).builder.startswith("dtlaunch.models.moe.")
-    if is_moe and n < 1:
-        _fail(
-            f"model.moe.num_experts={n}: model.arch={m.arch} is a mixture of experts: set model.moe.num_experts, e.g. 8"
-        )
-    if not is_moe and n > 0:
-        _fail(
-            f"model.moe.num_experts={n} with model.arch={m.arch}, a dense decoder: use model.arch=moe (or qwen3_moe, "
-            f"mixtral), or set model.moe.num_experts=0"
-        )
-    if not is_moe:
-        return
-    if int(moe.top_k) > n:
-        _fail(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={n}: set model.moe.top_k <= {n}")
-    bad = [i for i in moe.dense_layers if int(i) >= int(m.n_layers)]
-    if bad:
-        _fail(
-            f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
-            f"list block indices below {m.n_layers}"
-        )
-
-
-def check_target(cfg: Any) -> None:
-    """model._target_: importable, returns an nn.Module with `layers` (built on the meta device), and a
-    layout it can run: no tensor-parallel plan, no pipeline split, no Hugging Face weights."""
-    m, s = cfg.model, cfg.strategy
-    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
-        if value != 1:
-            _fail(f"{key}={value}: model._target_ modules have no tensor-parallel plan or pipeline split: use {key}=1")
-    if str(m.init_from) != "random":
-        _fail(f"model.init_from={m.init_from} with model._target_: load weights inside your build function instead")
-    from dtlaunch.models.custom.build import build_model
-
-    build_model(m, device="meta")
-
-
-def check_hf_auto(cfg: Any) -> None:
-    """model.arch=hf_auto: weights and architecture from a HF directory; tensor parallel only from the
-    architecture's own plan, no pipeline split."""
-    s = cfg.strategy
-    if not str(cfg.model.init_from).startswith("hf:"):
-        _fail("model.arch=hf_auto needs model.init_from=hf:DIR: the architecture and weights come from DIR")
-    if s.pp != 1:
-        _fail(f"strategy.pp={s.pp}: model.arch=hf_auto has no pipeline split: use strategy.pp=1")
-    if s.tp != 1:
-        from dtlaunch.models.hf_auto.tp_plan import check
-
-        problem = check(cfg.model, int(s.tp), bool(s.sequence_parallel))
-        if problem:
-            _fail(problem)
+    spec.check_config(cfg)
 
 
 def check_layout(cfg: Any, notes: list[str]) -> Layout:
@@ -177,7 +103,9 @@ def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
             f"not divisible by strategy.tp={layout.tp} for sequence parallel: change seq_len or set "
             f"strategy.sequence_parallel=false"
         )
-    if m._target_ or m.arch == "hf_auto":
+    from dtlaunch.models.registry import model_spec
+
+    if not model_spec(m).ring_attention:
         _fail(f"strategy.cp={cp} needs a registry decoder's swappable attention: use strategy.cp=1 for this model")
     if layout.pp > 1:
         _fail(
@@ -238,7 +166,7 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
     multi = name in MULTI_STAGE_SCHEDULES or any(k in name for k in ("Interleaved", "Looped", "ZBV", "DualPipe"))
     if multi and s.pp_stages_per_rank < 2:
         _fail(f"strategy.pp_schedule={name} runs several stages per rank: set strategy.pp_stages_per_rank=2 (or more)")
-    # R1b: V-shaped schedules (ZBV, DualPipeV) place exactly two stages per rank.
+    # V-shaped schedules (ZBV, DualPipeV) place exactly two stages per rank.
     if (name == "zbv" or name.endswith(("ZBVZeroBubble", "DualPipeV"))) and s.pp_stages_per_rank != 2:
         _fail(f"strategy.pp_schedule={name} places exactly 2 stages per rank in a V: set strategy.pp_stages_per_rank=2")
     if not multi and s.pp_stages_per_rank != 1:
@@ -586,7 +514,6 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     # divide by or index with these values.
     check_ranges,
     check_model_shape,
-    check_moe,
     check_precision,
     check_training,
     check_checkpoint,

@@ -72,7 +72,8 @@ def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from dtlaunch.train.checkpoint import _SafeLoadPlanner, resolve_load_path
+    from dtlaunch.convert.dcp_planner import safe_load_planner
+    from dtlaunch.run.checkpoints import resolve_load_path
 
     info, _ = resolve_load_path(Path(path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata()
@@ -83,7 +84,7 @@ def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
     if not state:
         raise InputError(f"checkpoint '{info.path}' holds no model tensors")
     box = {"model": state}
-    dcp.load(box, checkpoint_id=str(info.path), planner=_SafeLoadPlanner(), no_dist=True)
+    dcp.load(box, checkpoint_id=str(info.path), planner=safe_load_planner(), no_dist=True)
     return box["model"], model_config_from_marker(info.marker), info
 
 
@@ -328,7 +329,7 @@ def hf_weights(m: Any) -> Optional[HFWeights]:
     if key not in _CACHE:
         _CACHE.clear()
         _CACHE[key] = HFWeights(path, m)
-        from dtlaunch.train.phases import phase
+        from dtlaunch.run.phases import phase
 
         # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
         n = sum(math.prod(s) for s in _CACHE[key].shapes.values())

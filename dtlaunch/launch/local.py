@@ -18,9 +18,7 @@ from typing import Any
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, InputError, Preempted, WorkerFailed
-
-WORKER_MODULE = "dtlaunch.train.main"
-RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
+from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
 
 def _detected_gpus(cfg: Any) -> int:
@@ -110,15 +108,14 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from dtlaunch.launch import worker_errors
-    from dtlaunch.train import preempt
+    from dtlaunch.run import preemption, worker_errors
 
     _cheap_rendezvous_event_names()
     gpus = _detected_gpus(cfg)
     args = get_args_parser().parse_args(torchrun_args(cfg, run_dir, gpus))
-    # SIGTERM/SIGUSR1 are ours (preempt.forward_signals), not the agent's.
-    args.signals_to_handle = preempt.agent_signals()
-    preempt.clear_marker(run_dir)
+    # SIGTERM/SIGUSR1 are ours (preemption.forward_signals), not the agent's.
+    args.signals_to_handle = preemption.agent_signals()
+    preemption.clear_marker(run_dir)
     worker_errors.clear(run_dir)
     os.environ.update(worker_env(cfg, run_dir, gpus))
     # torchrun's agent logs every failure and SIGTERM it sends as several warning lines; the user gets
@@ -131,7 +128,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     for n in names:
         logging.getLogger(n).setLevel(logging.CRITICAL)
     try:
-        with preempt.forward_signals(grace_s=float(cfg.launch.timeout_s)):
+        with preemption.forward_signals(grace_s=float(cfg.launch.timeout_s)):
             run(args)
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
@@ -151,9 +148,9 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
 
 def preempted_message(run_dir: Path, signame: str) -> str:
     """The one line for a stopped run: where it was saved (exit 75), or that nothing was (exit 1)."""
-    from dtlaunch.train import preempt
+    from dtlaunch.run import preemption
 
-    marker = preempt.read_marker(run_dir)
+    marker = preemption.read_marker(run_dir)
     if marker is None:
         raise WorkerFailed(
             f"stopped by {signame} before a checkpoint was saved (the workers did not reach a step boundary in "

@@ -25,7 +25,7 @@ def check_data(cfg: Any, run_dir: Path, layout: Layout) -> None:
     """A scan of the prepared token shards (training and validation): every id < model.vocab_size.
     (That each holds one global batch is checked by prepare_run_data, which runs just before.)"""
     from dtlaunch.data.shards import open_shards
-    from dtlaunch.train.data import _shard_dir
+    from dtlaunch.data.sources import shard_dir
 
     if str(cfg.data.kind) == "synthetic":
         return
@@ -34,7 +34,7 @@ def check_data(cfg: Any, run_dir: Path, layout: Layout) -> None:
         roles.append(("val", "data.val_path", cfg.data.val_path))
     vocab = int(cfg.model.vocab_size)
     for role, key, value in roles:
-        shards = open_shards(_shard_dir(cfg, run_dir, role), key)
+        shards = open_shards(shard_dir(cfg, run_dir, role), key)
         for arr in shards.arrays:
             top, where = _max_id(arr)
             if top >= vocab:
@@ -69,13 +69,8 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
     against the config: same parameter names and shapes. Returns its CheckpointInfo, or None."""
     import os
 
-    from dtlaunch.train.checkpoint import (
-        NO_RESUME_ENV,
-        VERIFIED_ENV,
-        checkpoint_root,
-        newest_complete,
-        resolve_load_path,
-    )
+    from dtlaunch.run.checkpoints import checkpoint_root, newest_complete, resolve_load_path
+    from dtlaunch.run.env import NO_RESUME_ENV, VERIFIED_ENV
 
     os.environ.pop(VERIFIED_ENV, None)
     if os.environ.get(NO_RESUME_ENV) == "1":
@@ -96,7 +91,7 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
         say(f"resuming from {info.name} (step {info.step}), the newest intact checkpoint")
     check_model_matches(cfg, info)
     if info.verified:
-        from dtlaunch.train.checkpoint import verified_stamp
+        from dtlaunch.run.checkpoints import verified_stamp
 
         os.environ[VERIFIED_ENV] = verified_stamp(info.path)
     return info

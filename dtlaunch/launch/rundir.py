@@ -61,7 +61,7 @@ def move_checkpoints_aside(cfg: Any, run_dir: Path) -> Path | None:
     `<dir>.prev-<time>` (never delete: they may be the only copy of days of training) and its
     metrics.jsonl to `metrics.prev-<time>.jsonl` (the fresh run's step 1.. must not mix with the old
     lines). Returns the new checkpoint directory, or None when there was nothing to move."""
-    from dtlaunch.train.checkpoint import checkpoint_root, scan_checkpoints
+    from dtlaunch.run.checkpoints import checkpoint_root, scan_checkpoints
 
     root = checkpoint_root(cfg, run_dir)
     if not scan_checkpoints(root):

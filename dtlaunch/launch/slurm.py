@@ -22,11 +22,10 @@ from typing import Any, Callable, Sequence
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, ConfigError, DtlaunchError, InputError
+from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
 SCRIPT_NAME = "slurm.sbatch"
 RECORD_NAME = "slurm.json"
-WORKER_MODULE = "dtlaunch.train.main"
-RUN_DIR_ENV = "DTLAUNCH_RUN_DIR"
 # Rendezvous ports are derived from the job id so that two jobs sharing a node do not collide.
 PORT_BASE, PORT_SPAN = 20000, 20000
 

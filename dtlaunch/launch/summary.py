@@ -26,8 +26,8 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
     """Read the workers' summary.json, add the launcher's view, write it back, return it ({} if absent)."""
     from dtlaunch.config.layout import global_batch
     from dtlaunch.models.flops import flops_per_token, mfu
-    from dtlaunch.train.checkpoint import checkpoint_root, newest_complete
-    from dtlaunch.train.metrics import read_metrics
+    from dtlaunch.run.checkpoints import checkpoint_root, newest_complete
+    from dtlaunch.run.metrics_file import read_metrics
 
     path = run_dir / SUMMARY_NAME
     try:
@@ -71,7 +71,7 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
 def summary_lines(summary: dict[str, Any], run_dir: Path) -> list[str]:
     """The summary as label/value lines. Printed with soft wrapping, so a long path or command wraps at
     the terminal's edge but copies and pastes as one piece."""
-    from dtlaunch.train.metrics import human_bytes
+    from dtlaunch.run.metrics_file import human_bytes
 
     rows: list[tuple[str, str]] = [
         ("steps", f"{summary.get('steps', 0):,} ({summary.get('tokens', 0):,} tokens)"),

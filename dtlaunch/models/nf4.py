@@ -67,7 +67,7 @@ def quantize_frozen_linears(
     model: nn.Module, block_size: int, scaler_block_size: int, dtype: torch.dtype, shards: int = 1
 ) -> list[str]:
     """Replace each frozen block linear's weight by its NF4 form (on the weight's device, meta included:
-    values come later, see dtlaunch.train.qlora). `shards`: how many row shards the weight will be cut
+    values come later, see dtlaunch.train.parallel.qlora). `shards`: how many row shards the weight will be cut
     into, each of which must hold whole blocks. Returns the quantised weights' names."""
     from dtlaunch.errors import ConfigError
 

@@ -3,7 +3,7 @@
 An entry brings everything model-specific the runtime, planner and converters need, so `train/`,
 `plan/` and `convert/` look a model up here instead of importing one:
 - `builder`: builds the nn.Module on a device (meta for the runtime);
-- `tp_plan`: module name -> ParallelStyle for the parts outside and inside a block (data);
+- `tp_plan`: module name -> style (dtlaunch.models.tp_styles) for the parts outside and inside a block (data);
 - wrapping units: the built module's `layers` (see the protocol below), which activation
   checkpointing, compile and FSDP wrap one by one;
 - `pipeline_split`: keeps a stage's blocks and the embedding / head on the first / last stage;
@@ -36,7 +36,7 @@ class ModelSpec:
     description: str
     # "module:function" building the model: (model section, rope_len, device) -> nn.Module.
     builder: str
-    # "module" with model_plan(m, sp) / block_plan(m, sp) -> {module name: ParallelStyle}.
+    # "module" with model_plan(m, sp) / block_plan(m, sp) -> {module name: style} (models/tp_styles.py).
     tp_plan: str
     # "module:function" (model, stage index, n_stages, layer range) -> stage module.
     pipeline_split: str
@@ -63,6 +63,15 @@ class ModelSpec:
     pp_tied_ok: bool = False
     # One block's linears, HF name -> (out, in, column-parallel): the planner's LoRA / QLoRA lines.
     block_linears: Optional[Callable[[Any], dict]] = None
+    # "module:function" (job config) -> None: the family's own rules on the model section and layout,
+    # raising ConfigError with one line (run by `validate` before anything starts).
+    check: str = ""
+    # The attention is the decoder's own, which context parallel swaps for ring attention.
+    ring_attention: bool = True
+
+    def check_config(self, cfg: Any) -> None:
+        if self.check:
+            _resolve(self.check)(cfg)
 
     def build(self, m: Any, rope_len: Any = None, device: Any = "meta") -> Any:
         return _resolve(self.builder)(m, rope_len=rope_len, device=device)
@@ -90,7 +99,7 @@ class ModelSpec:
         return _module(self.hf_names)
 
 
-def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "") -> ModelSpec:
+def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "", check: str = "") -> ModelSpec:
     """An entry with no closed-form shapes or pipeline split (and a tensor-parallel plan only where
     `tp_plan` names one): sizes are counted on the meta device (so it imports torch and the module) and
     the planner traces one real step."""
@@ -117,6 +126,8 @@ def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "") ->
         matmul_params=count,
         tp_divisors=lambda m: [],
         activations=None,
+        check=check,
+        ring_attention=False,
     )
 
 
@@ -149,14 +160,26 @@ def known_archs() -> list[str]:
 def model_spec(m: Any) -> ModelSpec:
     """The entry for a model section (or an arch name); `model._target_` selects the user-module entry."""
     if not isinstance(m, str) and getattr(m, "_target_", ""):
-        from dtlaunch.models.custom import SPEC
-
-        return SPEC
+        return _module("dtlaunch.models.custom").SPEC
+    module = "" if isinstance(m, str) else str(getattr(m, "family_module", "") or "")
+    if module:
+        load_family(module)
     arch = m if isinstance(m, str) else str(getattr(m, "arch", "llama") or "llama")
     specs = registry()
     if arch not in specs:
         raise ConfigError(f"model.arch='{arch}' is not a registered model: use one of {', '.join(sorted(specs))}")
     return specs[arch]
+
+
+def load_family(module: str) -> None:
+    """Import a family of the user's (`model.family_module`): importing it registers its entry."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # any import failure of user code is bad input here
+        raise ConfigError(
+            f"model.family_module='{module}': cannot import it ({type(exc).__name__}: {exc}): "
+            f"make it importable (PYTHONPATH) or fix the name"
+        ) from exc
 
 
 def spec_for_hf(architectures: list[str], where: str) -> ModelSpec:

@@ -1,7 +1,7 @@
 """The memory planner's fine-tuning terms (peft.method=lora / qlora; pure Python, never imports torch).
 
 What changes against full training, per rank (dtlaunch.plan.memory.plan_stage applies it):
-- the frozen linears are stored in the compute dtype (dtlaunch.train.frozen_base): no fp32 master, and
+- the frozen linears are stored in the compute dtype (dtlaunch.train.parallel.frozen_base): no fp32 master, and
   under autocast no saved cast of them (the cast is the weight itself);
 - only the adapters train: gradients, AdamW state, DDP buckets and the optimizer's temporaries count
   the adapters (`lora_a` [rank, in], `lora_b` [out, rank] per adapted linear, split by tensor parallel

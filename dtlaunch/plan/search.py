@@ -160,7 +160,7 @@ def cp_degrees(cfg: Any) -> list[int]:
     m, t = cfg.model, cfg.training
     world = Layout.resolve(cfg.strategy, _world(cfg)).world
     per_node = int(cfg.hardware.gpus_per_node) or world
-    if getattr(m, "_target_", "") or m.arch == "hf_auto" or getattr(cfg.data, "document_mask", False):
+    if not model_spec(m).ring_attention or getattr(cfg.data, "document_mask", False):
         return [1]
     window = getattr(m, "sliding_window", None)
     return [

@@ -1,38 +1,23 @@
-"""Traced second opinion: the worker's real build path in ONE process, tracked per memory category.
+"""Traced second opinion on the memory plan (`dtlaunch plan --trace`, and the plan of a model without a
+closed-form memory model): one rank of the job's world traced in this process by the worker's own runtime
+and train_step (dtlaunch.train.memory_trace, the planner's one entry point into the worker's code).
 
-Rank `rank` of the full world is emulated with the "fake" process-group backend (collectives move no
-data but allocate what a real rank allocates), on real CPU tensors when the run is small enough, else
-under FakeTensorMode (shapes and dtypes, no storage). The build is the worker's own runtime object
-(dtlaunch.train.runtime.build_runtime: the model on meta, `parallelize` (TP -> AC -> FSDP/DDP) or the
-pipeline stage split, the optimizer; weights allocated without values under fake tensors); then `steps`
-optimizer steps of forward, loss under the runtime's loss context, backward, grad clipping, AdamW step,
-zero_grad — the runtime's train_step minus its host-side float() reads, which a fake tensor cannot do.
-The first step runs untracked (it creates the optimizer state); of each step's accumulation micro-steps
-only the first and the last run (`traced_micro_steps`). On real tensors torch's MemTracker gives the
-peak and the bytes per category (parameters, gradients, optimizer state, activations, temporaries);
-on fake tensors the runtime's StorageCounter gives the peak (torch's trackers mis-size fake DTensor
-shards; see `_trace`). Measured at real sizes against the analytic plan: tests/unit/test_plan_trace.py.
-
-Pipeline parallel (1F1B, GPipe; one stage per rank, no TP): torch's schedules cannot run on a fake
-group (their shape inference receives sizes from real peers), so the trace replays the schedule's
-order of forwards and backwards on this rank's stage module itself: received activations and
-gradients are random tensors of the right shape and dtype, the last stage computes the runtime's
-loss. What the stage holds (parameters, optimizer state, activations of the micro-batches in flight,
-gradients as they accumulate) comes from running its real code; the order comes from the schedule's
-definition (the same order torch's Schedule1F1B / ScheduleGPipe run).
+Real CPU tensors when the run is small enough, else fake tensors (shapes and dtypes, no storage).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Optional
+from typing import Any
 
-from dtlaunch.config.layout import Layout, grad_accum_steps
+from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
-from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.models.registry import model_spec
+from dtlaunch.plan.stage import plan_stages
 
 # Above this analytic per-rank peak the trace uses fake tensors instead of real CPU ones.
 REAL_TENSOR_LIMIT = 4 * 1024**3
+# Pipeline schedules whose order the trace replays on one stage (dtlaunch.train.memory_trace.PP_ORDERS).
+TRACEABLE_SCHEDULES = ("1f1b", "gpipe")
 
 
 def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bool | None = None) -> dict:
@@ -42,302 +27,21 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
     reproduced real gloo runs' MemTracker peaks to 0.01 %), fake tensors above (fake and real traces
     of the same run agree within 3 %: tests/unit/test_plan_trace.py)."""
     if fake is None:
-        from dtlaunch.plan.memory import plan_memory
-
-        fake = plan_memory(cfg, layout).peak > REAL_TENSOR_LIMIT
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if layout.pp > 1 and (layout.tp > 1 or cfg.strategy.pp_schedule not in PP_ORDERS):
+        fake = traced_with_fake_tensors(cfg, layout)
+    if layout.pp > 1 and (layout.tp > 1 or cfg.strategy.pp_schedule not in TRACEABLE_SCHEDULES):
         raise ConfigError(
             f"--trace replays only 1F1B and GPipe pipelines without TP (got strategy.pp_schedule="
             f"{cfg.strategy.pp_schedule}, strategy.tp={layout.tp}): drop --trace, or check the plan with a real run"
         )
-    if int(cfg.strategy.zero_stage) <= 1 and layout.dp > 1 and fake:
-        # DDP's C++ reducer allocates its buckets outside the dispatcher: fake tensors break it.
-        fake = False
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
-    from dtlaunch.train.mesh import build_mesh
+    from dtlaunch.train.memory_trace import trace_rank
 
-    mesh = build_mesh(layout, "cpu")  # outside FakeTensorMode: the mesh holds real rank tensors
-    mode: Any = contextlib.nullcontext()
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with mode, _real_meshes(fake):
-            torch.manual_seed(int(cfg.training.seed))
-            return {**_trace(cfg, layout, mesh, rank, steps), "tensors": "fake" if fake else "real"}
-    finally:
-        dist.destroy_process_group()
+    return trace_rank(cfg, layout, rank, steps, fake)
 
 
-@contextlib.contextmanager
-def _real_meshes(fake: bool) -> Any:
-    """Device meshes hold real rank tensors (their coordinates come from `nonzero`, which fake tensors
-    cannot answer): FSDP x TP builds a combined mesh while sharding, so build every mesh outside the
-    fake mode."""
-    if not fake:
-        yield
-        return
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    real = DeviceMesh.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            real(self, *args, **kwargs)
-
-    DeviceMesh.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = real  # type: ignore[method-assign]
-
-
-def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
-    if layout.pp > 1:
-        return _trace_pipeline(cfg, layout, mesh, rank, steps)
-    import torch
-    from torch._guards import active_fake_mode
-
-    from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.runtime import build_runtime
-
-    device = torch.device("cpu")
-    env = DistEnv(rank=rank, world=layout.world, local_rank=rank, restart=0, device=device, backend="fake")
-    # The worker's runtime; under fake tensors the weights are allocated without values (a seeded init
-    # would build full-size real tensors), and the optimizer uses the kernels of the traced hardware.
-    rt = build_runtime(
-        cfg, env, layout, mesh, init=active_fake_mode() is None, fused=fused_optimizer(cfg.hardware), loss_scaler=False
-    )
-    parts, optimizers = rt.model_parts, rt.optimizers
-    for part in parts:
-        _local_ddp_hook(part)
-    ctx = rt.step_context(loader=None)
-    # The first step runs untracked. It creates the optimizer state (later steps hold the same state, so
-    # their peak is the run's), and it fills DTensor's sharding-propagation cache: on a cache miss that
-    # propagation runs ops on full, unsharded shapes under the active fake mode, which the tracker would
-    # count as allocations (measured: 13x the real optimizer state on the first step of an 8B trace).
-    _one_step(ctx, None, warmup=True)
-    fake_mode = active_fake_mode()
-    if fake_mode is not None:
-        # Fake tensors: the peak from StorageCounter (the runtime's own measure), without categories.
-        # torch's trackers mis-size fake FSDP x TP shards: they follow FSDP's storage resizes with global
-        # sizes (measured: a phantom full vocab x dim fp32 "Temp" on a 64-rank trace, +76 %).
-        peak = _counted_peak(lambda: _one_step(ctx, None), parts, optimizers, steps)
-        return {"peak_bytes": peak, "categories": {}, "rank": rank, "stage": 0}
-    # Real tensors: torch's tracker, which also splits the peak into categories (its peak equals
-    # StorageCounter's on real tensors: tests/unit/test_memtrack.py).
-    tracker = _tracker(parts, optimizers)
-    peak, snap = 0, {}
-    for _ in range(_tracked_steps(steps)):
-        with tracker:
-            _one_step(ctx, tracker)
-        cur = tracker.get_tracker_snapshot("peak")
-        total = int(sum(d.get("Total", 0) for d in cur.values()))
-        if total >= peak:
-            peak, snap = total, cur
-        tracker.reset_mod_stats()
-    return {"peak_bytes": peak, "categories": _categories(snap), "rank": rank, "stage": 0}
-
-
-def _one_f1b_order(n_mb: int, pp: int, stage: int) -> list[tuple[str, int]]:
-    """Schedule1F1B on one stage: min(pp - stage, n_mb) forwards, then backward/forward pairs, then the
-    remaining backwards."""
-    warm = min(pp - stage, n_mb)
-    order = [("F", i) for i in range(warm)]
-    f = warm
-    for b in range(n_mb):
-        order.append(("B", b))
-        if f < n_mb:
-            order.append(("F", f))
-            f += 1
-    return order
-
-
-PP_ORDERS = {
-    "1f1b": _one_f1b_order,
-    "gpipe": lambda n_mb, pp, stage: [("F", i) for i in range(n_mb)] + [("B", i) for i in range(n_mb)],
-}
-
-
-def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
-    """Rank `rank`'s pipeline stage, its micro-batches in the schedule's order (see the module doc)."""
-    import torch
-    from torch._guards import active_fake_mode
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.fsdp import FSDPModule
-
-    from dtlaunch.config.layout import pp_microbatches
-    from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.optim import build_optimizer
-    from dtlaunch.train.parallelize import DTYPES, parallelize
-    from dtlaunch.train.pipeline import build_stage_modules
-    from dtlaunch.train.pp_stage import set_fsdp_sync
-    from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.tensor_parallel import cross_entropy
-
-    device = torch.device("cpu")
-    stage = rank // (layout.world // layout.pp)  # pp is the outermost mesh dimension
-    # Split the meta model outside the fake mode: deep-copying meta parameters under it leaves weak
-    # references on them that the later materialisation (to_empty) refuses.
-    with unset_fake_temporarily():
-        (idx, part), *_ = build_stage_modules(
-            model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"),
-            cfg,
-            layout,
-            stage,
-        )
-    part = parallelize(part, mesh, cfg, layout, init=active_fake_mode() is None)
-    opt = build_optimizer(part, cfg, device, fused=fused_optimizer(cfg.hardware))
-    t, m = cfg.training, cfg.model
-    n_mb, accum = pp_microbatches(cfg, layout), grad_accum_steps(cfg, layout)
-    mb = int(t.micro_batch) // n_mb
-    first, last = idx == 0, idx == layout.pp - 1
-    fsdp = isinstance(part, FSDPModule)
-    # Between stages flows the residual stream: in the compute dtype under FSDP's mixed precision,
-    # fp32 otherwise (autocast's matmul outputs are added to an fp32 residual).
-    hidden_dtype = DTYPES[cfg.precision.param_dtype if fsdp else "fp32"]
-    order = PP_ORDERS[cfg.strategy.pp_schedule](n_mb, layout.pp, stage)
-    scale = 1.0 / (n_mb * accum)
-    reshard = bool(cfg.strategy.pp_reshard_grads)
-
-    def one_step(warmup: bool = False) -> None:
-        from dtlaunch.train.parallelize import compute_context
-
-        for _ in traced_micro_steps(accum, warmup):
-            held: dict[int, tuple[Any, ...]] = {}
-            for kind, i in order:
-                last_bwd = kind == "B" and i == n_mb - 1
-                if fsdp:  # what the pipeline stage (dtlaunch.train.pp_stage) does around each backward
-                    set_fsdp_sync(part, last_bwd or reshard)
-                if kind == "F":
-                    if first:
-                        x = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))
-                    else:  # the activation received from the previous stage
-                        x = torch.randn(mb, int(t.seq_len), int(m.dim), dtype=hidden_dtype, requires_grad=True)
-                    with compute_context([part], cfg, device):
-                        out = part(x)
-                    # The stage keeps its output (on the last stage the logits) referenced until that
-                    # micro-batch's backward (torch's PipelineStage.fwd_cache), not only the loss.
-                    held[i] = (x, out)
-                    if last:
-                        y = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))
-                        held[i] = (x, cross_entropy(out, y) * scale, out)
-                else:
-                    x, out, *_ = held.pop(i)
-                    if last:
-                        out.backward()
-                    else:  # the gradient received from the next stage
-                        out.backward(torch.randn_like(out))
-                    del x, out, _
-        clip_grad_norm([list(part.parameters())], float(t.grad_clip), mesh["pp"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    one_step(warmup=True)  # untracked: see _trace
-    # MemTracker attributes memory per module and refuses a module's second forward before its
-    # backward, which a pipeline does by design: count storages instead (no categories).
-    peak = _counted_peak(one_step, [part], [opt], steps)
-    return {"peak_bytes": peak, "categories": {}, "rank": rank, "stage": stage}
-
-
-def _tracked_steps(steps: int) -> int:
-    """Of `steps` optimizer steps, the first is the untracked warm-up; at least one is tracked."""
-    return max(1, steps - 1)
-
-
-def _counted_peak(one_step: Any, parts: list, optimizers: list, steps: int) -> int:
-    """The peak StorageCounter (the runtime's CPU measure) sees over the tracked steps (all but the
-    untracked warm-up), with what exists between steps counted first."""
-    from torch._guards import active_fake_mode
-
-    from dtlaunch.train.memtrack import StorageCounter, state_tensors
-
-    counter = StorageCounter(fake_mode=active_fake_mode())
-    for _ in range(_tracked_steps(steps)):
-        counter.add_existing(state_tensors(parts, optimizers))
-        with counter:
-            one_step()
-    return counter.peak
-
-
-def _categories(snap: dict) -> dict[str, int]:
-    cats: dict[str, int] = {}
-    for dev_snap in snap.values():
-        for k, v in dev_snap.items():
-            if k != "Total":
-                name = str(getattr(k, "value", k))
-                cats[name] = cats.get(name, 0) + int(v)
-    return cats
-
-
-def _tracker(parts: list, optimizers: list) -> Any:
-    """FSDPMemTracker for one FSDP module (it follows FSDP2's storage resizes); MemTracker otherwise."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-
-    if len(parts) == 1 and isinstance(parts[0], FSDPModule) and len(optimizers) == 1:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        return FSDPMemTracker(parts[0], optimizers[0])
-    tracker = MemTracker()
-    tracker.track_external(*parts, *optimizers)
-    return tracker
-
-
-def _local_ddp_hook(part: Any) -> None:
-    """A fake group's all-reduce returns no future value, which DDP's reducer rejects: hand the bucket
-    back as its own result (the default hook reduces in place, so memory is the same)."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(part, DistributedDataParallel) or part._comm_hooks:
-        return
-
-    def hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations: leave them off)
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    part.register_comm_hook(None, hook)
-
-
-def traced_micro_steps(accum: int, warmup: bool = False) -> list[int]:
-    """Which of a step's `accum` micro-steps the trace runs. The first has no gradients yet; every later
-    one holds the same gradients (FSDP: the sharded ones, reduce-scattered each micro-step; DDP: the
-    full local ones) and runs the same ops, the last adding the gradient sync. So the first and the
-    last bound every micro-step's peak, and a 16-way accumulation costs 2 micro-steps, not 16. The
-    untracked warm-up needs only the last: it must leave gradients for the optimizer to create its state."""
-    if warmup or accum == 1:
-        return [accum - 1]
-    return [0, accum - 1]
-
-
-def _one_step(ctx: Any, tracker: Optional[Any], warmup: bool = False) -> None:
-    """train_step (dtlaunch.train.step) minus its host-side float() reads: the runtime's own micro-step
-    (forward, loss under the loss context, backward; or the pipeline schedule) for the micro-steps of
-    `traced_micro_steps`, clipping, AdamW, zero_grad."""
-    import torch
-
-    from dtlaunch.train.parallelize import grad_sync
-    from dtlaunch.train.pp_step import clip_grad_norm
-    from dtlaunch.train.step import _micro_step
-
-    t = ctx.cfg.training
-    for n, micro in enumerate(traced_micro_steps(ctx.accum, warmup)):
-        if n and tracker is not None:
-            tracker.reset_mod_stats()
-        tokens = torch.randint(0, int(ctx.cfg.model.vocab_size), (int(t.micro_batch), int(t.seq_len) + 1))
-        with grad_sync(ctx.model_parts, enabled=micro == ctx.accum - 1):
-            _micro_step(ctx, tokens[:, :-1], tokens[:, 1:], False)
-    clip_grad_norm([list(m.parameters()) for m in ctx.model_parts], float(t.grad_clip), ctx.pp_mesh)
-    for opt in ctx.optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def traced_with_fake_tensors(cfg: Any, layout: Layout) -> bool:
+    """Fake tensors when the analytic peak is over REAL_TENSOR_LIMIT. A model without a closed-form plan:
+    fake tensors (no storage) where the runtime's path supports them (FSDP); DDP and single-process
+    layouts swap parameters in place when materialising, which fake tensors refuse: real tensors there."""
+    if not model_spec(cfg.model).analytic:
+        return int(cfg.strategy.zero_stage) >= 2 and layout.dp > 1
+    return max(s.peak for s in plan_stages(cfg, layout, all_stages=False)) > REAL_TENSOR_LIMIT

@@ -16,23 +16,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.parallelize import compute_context
-from dtlaunch.train.tensor_parallel import cross_entropy
+from dtlaunch.train.parallel.parallelize import compute_context
+from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+from dtlaunch.train.runtime import Runtime
 
 
 @torch.no_grad()
-def evaluate(ctx: Any, val_loader: Any, batches: int) -> dict[str, float]:
+def evaluate(rt: Runtime, val_loader: Any, batches: int) -> dict[str, float]:
     """{"val_loss", "val_ppl"}: the mean loss over every target of `batches` global batches (one host sync).
     Pipeline parallel (refused with masked data by validation) computes micro-batch means."""
     val_loader.consumed = 0
     # [summed target loss, targets]: masked (chat) data has a different number of targets per micro-batch.
-    total = torch.zeros(2, device=ctx.device, dtype=torch.float64)
-    for _ in range(batches * ctx.accum):
-        inputs, targets = (t.to(ctx.device) for t in val_loader.next_batch())
+    total = torch.zeros(2, device=rt.device, dtype=torch.float64)
+    for _ in range(batches * rt.accum):
+        inputs, targets = (t.to(rt.device) for t in val_loader.next_batch())
         count = (targets != -100).sum().double()
         # nan_to_num: a micro-batch without targets has a 0/0 mean and adds nothing.
-        extra = {k: v.to(ctx.device) for k, v in val_loader.last_model_args.items()}
-        total += torch.stack([_forward_loss(ctx, inputs, targets, extra).double().nan_to_num() * count, count])
+        extra = {k: v.to(rt.device) for k, v in val_loader.last_model_args.items()}
+        total += torch.stack([_forward_loss(rt, inputs, targets, extra).double().nan_to_num() * count, count])
     if dist.is_initialized() and dist.get_world_size() > 1:
         # TP and PP peers hold equal copies of their replica's sums; they cancel in the ratio.
         dist.all_reduce(total)
@@ -40,31 +41,31 @@ def evaluate(ctx: Any, val_loader: Any, batches: int) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
-def _forward_loss(ctx: Any, inputs: torch.Tensor, targets: torch.Tensor, extra: dict) -> torch.Tensor:
-    if ctx.pipeline is not None:
-        return _pipeline_loss(ctx, inputs, targets)
-    (model,) = ctx.model_parts
-    with ctx.loss_context():
-        with compute_context(ctx.model_parts, ctx.cfg, ctx.device):
+def _forward_loss(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor, extra: dict) -> torch.Tensor:
+    if rt.pipeline is not None:
+        return _pipeline_loss(rt, inputs, targets)
+    (model,) = rt.model_parts
+    with rt.loss_context():
+        with compute_context(rt.model_parts, rt.cfg, rt.device):
             logits = model(inputs, **extra)
         loss = cross_entropy(logits, targets)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def _pipeline_loss(ctx: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _pipeline_loss(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The pipeline's forward-only pass (the schedule's eval), mean loss on every PP rank."""
-    plan = ctx.pipeline
+    plan = rt.pipeline
     losses: list[torch.Tensor] = []
     args = (inputs,) if plan.has_first_stage else ()
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if plan.has_last_stage else {}
-    with ctx.loss_context(), compute_context(ctx.model_parts, ctx.cfg, ctx.device):
+    with rt.loss_context(), compute_context(rt.model_parts, rt.cfg, rt.device):
         plan.schedule.eval(*args, **kwargs)
     if plan.has_last_stage:
-        scale = ctx.pipeline_loss.scale
+        scale = rt.pipeline_loss.scale
         loss = torch.stack([_plain(v.detach()) for v in losses]).sum() / (scale * len(losses))
     else:
         loss = torch.zeros((), device=inputs.device)
-    dist.all_reduce(loss, group=ctx.pp_mesh.get_group())
+    dist.all_reduce(loss, group=rt.pp_mesh.get_group())
     return loss
 
 

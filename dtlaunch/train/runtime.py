@@ -1,62 +1,80 @@
-"""The training runtime as one object, built from the resolved config: the mesh, the parallelised model
-parts (or this rank's pipeline stages), their optimizers and LR schedulers, the loss scaler, and the step
-function over them. The worker (dtlaunch.train.main) and `plan --trace` (dtlaunch.plan.trace) build the
-same object; the trace asks for parameters allocated but not initialised (fake tensors have no values)
-and for its optimizer's GPU kernel choice.
+"""The training runtime as one object, built once from the resolved config: the mesh, the parallelised
+model parts (or this rank's pipeline stages), their optimizers and LR schedulers, the loss scaler, an MoE
+model's router tracker, and the values the step reads every time. `train_step` (dtlaunch.train.step) runs
+one optimizer step over it.
+
+The worker's Trainer and `plan --trace` (dtlaunch.plan.trace) build the same object with `build_runtime`
+and run the same `train_step`; the trace asks for parameters allocated but not initialised (fake tensors
+have no values), for its optimizer's GPU kernel choice, and for no host reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
-from dtlaunch.config.layout import Layout, grad_accum_steps
-from dtlaunch.train.dist_init import DistEnv
-from dtlaunch.train.step import StepContext, StepResult, train_step
+from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
+from dtlaunch.models.registry import model_spec
+from dtlaunch.train.parallel.process_group import DistEnv
 
 
 @dataclass
 class Runtime:
     cfg: Any
     layout: Layout
-    mesh: Any
+    mesh: Any  # None for the single-process reference in the tests
     device: torch.device
     accum: int
     model_parts: list
     optimizers: list
     schedulers: list
     scaler: Optional[Any] = None
-    pipeline: Optional[Any] = None  # dtlaunch.train.pipeline.PipelinePlan
-    pipeline_loss: Optional[Any] = None
+    pipeline: Optional[Any] = None  # dtlaunch.train.parallel.pipeline.PipelinePlan
+    pipeline_loss: Optional[Any] = None  # dtlaunch.train.parallel.pp_step.PipelineLoss
     pp_mesh: Optional[Any] = None
+    moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models
+    loss_context: Callable[[], Any] = field(default=contextlib.nullcontext)
 
-    def step_context(self, loader: Any, moe: Any = None) -> StepContext:
-        """What `train_step` needs, reading batches from `loader` (None: the caller feeds micro-steps);
-        `moe`: an MoE model's router tracker (dtlaunch.train.moe_stats)."""
-        from dtlaunch.train.tensor_parallel import loss_context
+    def __post_init__(self) -> None:
+        from dtlaunch.train.optim import skips_on_device
+        from dtlaunch.train.parallel.float8 import scale_precompute
 
-        cfg, layout = self.cfg, self.layout
-        return StepContext(
-            cfg=cfg,
-            model_parts=self.model_parts,
-            optimizers=self.optimizers,
-            schedulers=self.schedulers,
-            loader=loader,
-            device=self.device,
-            accum=self.accum,
-            loss_context=lambda: loss_context(cfg, layout),
-            pipeline=self.pipeline,
-            pipeline_loss=self.pipeline_loss,
-            pp_mesh=self.pp_mesh,
-            scaler=self.scaler,
-            moe=moe,
-        )
+        # Read once: OmegaConf attribute access costs tens of microseconds per step.
+        self.grad_clip = float(self.cfg.training.grad_clip)
+        self.nan_steps = frozenset(int(s) for s in self.cfg.debug.nan_at_steps)
+        self.skip_on_device = self.scaler is None and all(skips_on_device(o) for o in self.optimizers)
+        # Float8 weights all-gathered by FSDP: their scales, recomputed after every optimizer step.
+        self.float8_scales = scale_precompute(self.model_parts) if self.cfg.precision.float8 != "none" else None
+        # The parameters whose gradients are clipped, listed once: walking the module tree costs more
+        # than the norm itself on a small model. After parallelize the registered parameters are final
+        # (FSDP2 registers its sharded ones, which hold the gradients, between steps).
+        self.params = [list(m.parameters()) for m in self.model_parts]
 
-    def step(self, ctx: StepContext, step: int) -> StepResult:
-        """One optimizer step (forward/backward over the accumulation micro-steps, clip, step)."""
-        return train_step(ctx, step)
+
+def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:
+    """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
+    init=False)."""
+    from dtlaunch.train.parallel.parallelize import parallelize
+    from dtlaunch.train.peft import apply_peft
+
+    # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
+    model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+    apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
+    if layout.pp == 1:
+        return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
+    from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
+    from dtlaunch.train.parallel.pp_step import pipeline_loss_fn
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+
+    pp_mesh = mesh["pp"]
+    parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
+    parts = [(i, parallelize(part, mesh, cfg, layout, init=init)) for i, part in parts]
+    loss = pipeline_loss_fn(cross_entropy, pp_microbatches(cfg, layout), accum)
+    plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
+    return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
 
 
 def build_runtime(
@@ -72,14 +90,14 @@ def build_runtime(
     """The runtime of this rank. `layout` / `mesh` default to the config's on env's world; `init=False`
     allocates the parameters without their initial values; `fused` overrides the optimizer's kernel
     choice (see dtlaunch.train.optim.adamw_kwargs); `loss_scaler=False` leaves fp16 loss scaling out."""
-    from dtlaunch.train.main import build_parts
-    from dtlaunch.train.mesh import build_mesh, dp_mesh
     from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
+    from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh
+    from dtlaunch.train.parallel.tensor_parallel import loss_context
 
     layout = layout if layout is not None else Layout.resolve(cfg.strategy, env.world)
     mesh = mesh if mesh is not None else build_mesh(layout, env.device.type)
     accum = grad_accum_steps(cfg, layout)
-    built = build_parts(cfg, layout, mesh, env, accum, init=init)
+    built = build_model_parts(cfg, layout, mesh, env, accum, init=init)
     parts = built["model_parts"]
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
     group = zero1.get_group() if zero1 is not None else None
@@ -97,4 +115,19 @@ def build_runtime(
         pipeline=built.get("pipeline"),
         pipeline_loss=built.get("pipeline_loss"),
         pp_mesh=built.get("pp_mesh"),
+        moe=_router_tracker(cfg, parts, mesh, layout, accum),
+        loss_context=lambda: loss_context(cfg, layout),
     )
+
+
+def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int) -> Any:
+    """Balancing and router statistics of an MoE model (None for dense ones). The aux loss's gradient
+    is scaled like the loss: by 1 / the micro-batches (pipeline ones included) summed into a step."""
+    from dtlaunch.train.moe_stats import RouterTracker
+    from dtlaunch.train.parallel.mesh import dp_mesh
+
+    # The data-parallel group only for the bias update (the statistics ride on the loop's window sync).
+    dp = dp_mesh(mesh, flatten=True) if float(getattr(cfg.model.moe, "bias_update_rate", 0) or 0) > 0 else None
+    n_mb = pp_microbatches(cfg, layout) if layout.pp > 1 else 1
+    group = dp.get_group() if dp is not None else None
+    return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (accum * n_mb), pipeline=layout.pp > 1)

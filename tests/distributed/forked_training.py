@@ -44,16 +44,16 @@ class SeededBatches:
         return t[:, :-1], t[:, 1:]
 
 
-def one_process_context(cfg: object, device: object, loader: object, prepare: Callable | None = None) -> object:
+def one_process_runtime(cfg: object, device: object, prepare: Callable | None = None) -> object:
     """The single-process reference: one process, no mesh, the plain model with the runtime's init,
     optimizer, schedule and step. `prepare(model)` runs on the meta-device model before its init (a
     conversion the layouts also apply, e.g. float8)."""
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.init import materialize_and_init
     from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.parallel.init_weights import materialize_and_init
     from dtlaunch.train.peft import apply_peft
-    from dtlaunch.train.step import StepContext
+    from dtlaunch.train.runtime import Runtime
 
     t = cfg.training
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(t.seq_len), device="meta")
@@ -62,14 +62,16 @@ def one_process_context(cfg: object, device: object, loader: object, prepare: Ca
         prepare(model)
     materialize_and_init(model, device, int(t.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
-    return StepContext(
+    layout = Layout.resolve(cfg.strategy, 1)
+    return Runtime(
         cfg=cfg,
+        layout=layout,
+        mesh=None,
+        device=device,
+        accum=grad_accum_steps(cfg, layout),
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
-        loader=loader,
-        device=device,
-        accum=grad_accum_steps(cfg, Layout.resolve(cfg.strategy, 1)),
     )
 
 
@@ -81,7 +83,7 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout, global_batch
     from dtlaunch.config.validate import validate
-    from dtlaunch.train.dist_init import DistEnv
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
 
     cfg = compose(overrides).cfg
@@ -95,17 +97,17 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
 
     if world > 1:  # the worker's runtime object
-        from dtlaunch.train.mesh import dp_rank_size
+        from dtlaunch.train.parallel.mesh import dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
         rt = build_runtime(cfg, env)
-        ctx = rt.step_context(batches(*dp_rank_size(rt.mesh)))
+        source = batches(*dp_rank_size(rt.mesh))
     else:
-        ctx = one_process_context(cfg, device, batches(0, 1))
+        rt, source = one_process_runtime(cfg, device), batches(0, 1)
     losses, norms = [], []
     for step in range(1, steps + 1):
-        r = train_step(ctx, step)
+        r = train_step(rt, source, step)
         loss = r.local_loss.clone()
         if world > 1:  # the loop's mean over ranks (TP / PP ranks of a replica hold the same value)
             dist.all_reduce(loss)

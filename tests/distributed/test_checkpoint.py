@@ -207,13 +207,13 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.errors import DtlaunchError
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.checkpoint import CheckpointManager
+    from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.data import build_loader
-    from dtlaunch.train.dist_init import init_distributed
-    from dtlaunch.train.mesh import build_mesh, dp_mesh, dp_rank_size
     from dtlaunch.train.optim import build_optimizer, build_scheduler
-    from dtlaunch.train.parallelize import parallelize
-    from dtlaunch.train.tensor_parallel import cross_entropy, loss_context
+    from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh, dp_rank_size
+    from dtlaunch.train.parallel.parallelize import parallelize
+    from dtlaunch.train.parallel.process_group import init_distributed
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy, loss_context
 
     run_dir = Path(os.environ["DTLAUNCH_RUN_DIR"])
     cfg = compose(overrides).cfg
@@ -281,7 +281,7 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
         out.write_text(json.dumps(result))
     # The runtime's own exit (barrier, destroy, os._exit): a gloo worker that unwinds the interpreter
     # normally sometimes dies in C++ teardown after its work is done (SIGABRT/SIGSEGV at exit).
-    from dtlaunch.train.dist_init import shutdown
+    from dtlaunch.train.parallel.process_group import shutdown
 
     shutdown()
 

@@ -45,7 +45,7 @@ def _worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.train.expert_dispatch import combine, dispatch
+    from dtlaunch.train.parallel.expert_dispatch import combine, dispatch
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

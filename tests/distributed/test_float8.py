@@ -20,7 +20,7 @@ import pytest
 
 torchao = pytest.importorskip("torchao")
 
-from forked_training import one_process_context  # noqa: E402  (after the skip: pytest puts this folder on sys.path)
+from forked_training import one_process_runtime  # noqa: E402  (after the skip: pytest puts this folder on sys.path)
 
 WORLD = 2
 STEPS = 3
@@ -80,8 +80,8 @@ def train(overrides: list[str], world: int) -> dict:
 
     from dtlaunch.config.compose import compose
     from dtlaunch.config.validate import validate
-    from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.float8 import apply_float8
+    from dtlaunch.train.parallel.float8 import apply_float8
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
 
     cfg = compose([*COMMON, f"launch.nproc_per_node={world}", *overrides]).cfg
@@ -89,23 +89,23 @@ def train(overrides: list[str], world: int) -> dict:
     device = torch.device("cpu")
     torch.manual_seed(int(cfg.training.seed))
     if world > 1:
-        from dtlaunch.train.mesh import dp_rank_size
+        from dtlaunch.train.parallel.mesh import dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
         rt = build_runtime(cfg, env)
         dp_rank, dp_size = dp_rank_size(rt.mesh)
-        ctx = rt.step_context(_Batches(int(cfg.training.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size)))
+        loader = _Batches(int(cfg.training.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
     else:
         loader = _Batches(int(cfg.training.micro_batch), 0, 1, int(cfg.model.vocab_size))
-        ctx = one_process_context(cfg, device, loader, prepare=lambda m: apply_float8(m, cfg.precision, device))
-    model = ctx.model_parts[0]
+        rt = one_process_runtime(cfg, device, prepare=lambda m: apply_float8(m, cfg.precision, device))
+    model = rt.model_parts[0]
     wq = next(iter(getattr(model, "module", model).layers.values())).attention.wq
     # What ran: the first block's query projection and its weight (FSDP / TP: the DTensor's local part).
     ran = {"linear": type(wq).__name__, "weight": type(getattr(wq.weight, "_local_tensor", wq.weight)).__name__}
     losses = []
     for step in range(1, STEPS + 1):
-        loss = train_step(ctx, step).local_loss.clone()
+        loss = train_step(rt, loader, step).local_loss.clone()
         if world > 1:  # the loop's mean over ranks (TP ranks hold the same value)
             dist.all_reduce(loss)
             loss /= world

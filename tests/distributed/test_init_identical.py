@@ -28,10 +28,10 @@ def _worker(overrides: list[str]) -> None:
     from dtlaunch.config.compose import compose
     from dtlaunch.config.layout import Layout
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.dist_init import init_distributed, shutdown
-    from dtlaunch.train.init import model_param_name
-    from dtlaunch.train.mesh import build_mesh
-    from dtlaunch.train.parallelize import parallelize
+    from dtlaunch.train.parallel.init_weights import model_param_name
+    from dtlaunch.train.parallel.mesh import build_mesh
+    from dtlaunch.train.parallel.parallelize import parallelize
+    from dtlaunch.train.parallel.process_group import init_distributed, shutdown
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = compose(["model=tiny", f"launch.nproc_per_node={world}", *overrides]).cfg

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torchao")
 
-from forked_training import SeededBatches, one_process_context, run_forked  # noqa: E402
+from forked_training import SeededBatches, one_process_runtime, run_forked  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -50,8 +50,8 @@ def train(method: str, overrides: list[str], world: int) -> dict:
     from dtlaunch.config.layout import Layout, global_batch
     from dtlaunch.config.validate import validate
     from dtlaunch.models.nf4 import is_nf4
-    from dtlaunch.train.dist_init import DistEnv
-    from dtlaunch.train.frozen_base import convert_frozen_base
+    from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+    from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
 
     cfg = compose([*COMMON, f"peft={method}", f"launch.nproc_per_node={world}", *overrides]).cfg
@@ -70,15 +70,16 @@ def train(method: str, overrides: list[str], world: int) -> dict:
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
         rt = build_runtime(cfg, env)
-        ctx = rt.step_context(batches(dist.get_rank(), world))
+        source = batches(dist.get_rank(), world)
         _record_all_gathers(gathers)
     else:
         # The worker's conversion of the frozen base (compute-dtype linears, NF4 block linears).
-        ctx = one_process_context(cfg, device, batches(0, 1), prepare=lambda m: convert_frozen_base(m, cfg, 1))
-    model = getattr(ctx.model_parts[0], "module", ctx.model_parts[0])
+        rt = one_process_runtime(cfg, device, prepare=lambda m: convert_frozen_base(m, cfg, 1))
+        source = batches(0, 1)
+    model = getattr(rt.model_parts[0], "module", rt.model_parts[0])
     losses = []
     for step in range(1, STEPS + 1):
-        loss = train_step(ctx, step).local_loss.clone()
+        loss = train_step(rt, source, step).local_loss.clone()
         if world > 1:
             dist.all_reduce(loss)
             loss /= world

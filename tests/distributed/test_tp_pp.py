@@ -1,4 +1,4 @@
-"""Tensor / pipeline parallel pieces (dtlaunch.train.tensor_parallel, pipeline, pp_step) against one process.
+"""Tensor / pipeline parallel pieces (dtlaunch.train.parallel.tensor_parallel, pipeline, pp_step) against one process.
 
 Each case starts this file as a torchrun worker (gloo, CPU). The workers build the layout from the
 pieces (TP plan, stage split, FSDP), train a few SGD steps with grad clipping on seeded batches, and
@@ -84,7 +84,7 @@ def test_stage_split_names_and_ownership() -> None:
     from dtlaunch.config.layout import Layout
     from dtlaunch.config.schema import JobConfig
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.pipeline import build_stage_modules, stage_ids
+    from dtlaunch.train.parallel.pipeline import build_stage_modules, stage_ids
 
     cfg = OmegaConf.merge(
         OmegaConf.structured(JobConfig),
@@ -113,7 +113,7 @@ def test_stage_split_names_and_ownership() -> None:
 
 def test_bad_schedule_name_is_a_config_error() -> None:
     from dtlaunch.errors import ConfigError
-    from dtlaunch.train.pipeline import schedule_class
+    from dtlaunch.train.parallel.pipeline import schedule_class
 
     assert schedule_class("1f1b").__name__ == "Schedule1F1B"
     assert schedule_class("DualPipeV").__name__ == "ScheduleDualPipeV"
@@ -141,7 +141,7 @@ def _reference(cfg, steps: int, global_batch: int) -> tuple[list[float], list[fl
     import torch
 
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.tensor_parallel import cross_entropy
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     model = build_model(cfg.model, rope_len=cfg.training.seq_len, device="cpu")
     model.init_weights(cfg.training.seed)
@@ -166,11 +166,11 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from dtlaunch.config.layout import Layout, pp_microbatches
     from dtlaunch.config.schema import JobConfig
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.init import materialize_and_init
-    from dtlaunch.train.mesh import build_mesh, dp_rank_size, sub_mesh
-    from dtlaunch.train.pipeline import build_schedule, build_stage_modules
-    from dtlaunch.train.pp_step import clip_grad_norm, pipeline_loss_fn, pp_forward_backward
-    from dtlaunch.train.tensor_parallel import apply_tp, cross_entropy, loss_context
+    from dtlaunch.train.parallel.init_weights import materialize_and_init
+    from dtlaunch.train.parallel.mesh import build_mesh, dp_rank_size, sub_mesh
+    from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
+    from dtlaunch.train.parallel.pp_step import clip_grad_norm, pipeline_loss_fn, pp_forward_backward
+    from dtlaunch.train.parallel.tensor_parallel import apply_tp, cross_entropy, loss_context
 
     cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist(overrides))
     dist.init_process_group("gloo")
@@ -224,7 +224,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
         )
     # The runtime's own exit (barrier, destroy, os._exit): a gloo worker that unwinds the interpreter
     # normally sometimes dies in C++ teardown after its work is done (SIGABRT/SIGSEGV at exit).
-    from dtlaunch.train.dist_init import shutdown
+    from dtlaunch.train.parallel.process_group import shutdown
 
     shutdown()
 

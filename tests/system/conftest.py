@@ -2,7 +2,7 @@
 
 Everything lives in a private temp dir with its own ports, so it never touches a site Slurm or
 another test session's. Every daemon is started in the foreground as our child and stopped by its PID
-at the end (see shared/notes/slurm-local.md for why each setting is there).
+at the end; each setting below says why it is there.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ import torch
 from dtlaunch.commands.common import load_job
 from dtlaunch.config.compose import compose
 from dtlaunch.models.dense.activations import ac_mix
-from dtlaunch.models.llama import build_model
-from dtlaunch.train.ac import apply_ac, checkpointed_layer
-from dtlaunch.train.memtrack import StorageCounter
+from dtlaunch.models.dense.model import build_model
+from dtlaunch.train.observe.memtrack import StorageCounter
+from dtlaunch.train.parallel.ac import apply_ac, checkpointed_layer
 
 MODES = {
     "op": SimpleNamespace(

@@ -10,9 +10,9 @@ import torch
 
 from dtlaunch.config.compose import compose
 from dtlaunch.models.dense.model import build_model
-from dtlaunch.train.checkpoint import CheckpointManager
-from dtlaunch.train.init import materialize_and_init
+from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.optim import build_optimizer, build_scheduler
+from dtlaunch.train.parallel.init_weights import materialize_and_init
 
 
 def _setup(run_dir: Path) -> tuple:

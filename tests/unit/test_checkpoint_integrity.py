@@ -14,10 +14,11 @@ import torch
 
 from dtlaunch.config.compose import compose
 from dtlaunch.models.dense.model import build_model
-from dtlaunch.train.checkpoint import MARKER, STATE_FILE, CheckpointManager, check_checkpoint, step_dir_name
-from dtlaunch.train.ckpt_integrity import digest_file
-from dtlaunch.train.init import materialize_and_init
+from dtlaunch.run.checkpoints import MARKER, STATE_FILE, check_checkpoint, step_dir_name
+from dtlaunch.run.checksums import digest_file
+from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.optim import build_optimizer, build_scheduler
+from dtlaunch.train.parallel.init_weights import materialize_and_init
 
 
 def _manager(run_dir: Path) -> tuple:
@@ -165,7 +166,8 @@ def test_workers_trust_the_launchers_verification_of_that_exact_checkpoint(
     same marker) and reads any other one."""
     import shutil
 
-    from dtlaunch.train.checkpoint import VERIFIED_ENV, verified_stamp
+    from dtlaunch.run.checkpoints import verified_stamp
+    from dtlaunch.run.env import VERIFIED_ENV
 
     shutil.copytree(two_steps / "checkpoints", tmp_path / "c")
     step = tmp_path / "c" / step_dir_name(1)

@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 
 from dtlaunch.config.schema import JobConfig
 from dtlaunch.config.validate import validate
+from dtlaunch.data.sources import SyntheticSource
 from dtlaunch.errors import ConfigError
-from dtlaunch.train.context_parallel import _RingAttentionFn, local_positions
-from dtlaunch.train.data import SyntheticSource, TokenLoader
+from dtlaunch.train.data import TokenLoader
+from dtlaunch.train.parallel.context_parallel import _RingAttentionFn, local_positions
 
 
 def test_chunks_are_load_balanced_and_cover_the_sequence() -> None:

@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from dtlaunch.config.schema import JobConfig
+from dtlaunch.data.run_data import prepare_run_data
 from dtlaunch.data.shards import ShardWriter
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
-from dtlaunch.train.data import build_loader, prepare_run_data
+from dtlaunch.train.data import build_loader
 
 SEQ = 8
 

@@ -13,10 +13,11 @@ from dtlaunch.config.schema import JobConfig
 from dtlaunch.config.validate import validate
 from dtlaunch.data.cache import cached_tokens, encode_batches, verify_entry
 from dtlaunch.data.records import iter_documents
+from dtlaunch.data.run_data import prepare_run_data
 from dtlaunch.data.shards import open_shards
+from dtlaunch.data.sources import held_out_split
 from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
-from dtlaunch.train.data import held_out_split, prepare_run_data
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,9 @@ def test_unpacked_samples_are_single_documents_padded_and_masked(tmp_path, tiny_
     import json
 
     from dtlaunch.config.schema import JobConfig
+    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.data.tokenizer import load_tokenizer
-    from dtlaunch.train.data import build_loaders, prepare_run_data
+    from dtlaunch.train.data import build_loaders
 
     docs = tiny_docs(30, seed=5, words=(3, 40))
     path = tmp_path / "d.jsonl"

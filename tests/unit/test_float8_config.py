@@ -56,7 +56,7 @@ def _converted_block(recipe: str, multiple_of: int):
 
     from dtlaunch.config.compose import compose
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.float8 import apply_float8
+    from dtlaunch.train.parallel.float8 import apply_float8
 
     over = ["model=tiny", f"model.multiple_of={multiple_of}", "precision=bf16", f"precision.float8={recipe}"]
     cfg = compose([*over, "precision.float8_emulate=true"]).cfg
@@ -82,8 +82,13 @@ def test_float8_tensor_parallel_styles() -> None:
         PrepareFloat8ModuleInput,
     )
 
-    from dtlaunch.models.dense.tp_plan import block_plan
-    from dtlaunch.train.float8 import float8_tp_plan
+    from dtlaunch.models.dense import tp_plan
+    from dtlaunch.train.parallel.tensor_parallel import torch_plan
+
+    def block_plan(m, sp):
+        return torch_plan(tp_plan.block_plan(m, sp))
+
+    from dtlaunch.train.parallel.float8 import float8_tp_plan
 
     model, cfg, _ = _converted_block("tensorwise", multiple_of=20)
     styles = {k: type(v) for k, v in float8_tp_plan(block_plan(cfg.model, True), model.layers["0"]).items()}

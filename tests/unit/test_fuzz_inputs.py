@@ -373,9 +373,9 @@ def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     from dtlaunch.config.compose import compose
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.checkpoint import CheckpointManager
-    from dtlaunch.train.init import materialize_and_init
+    from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.optim import build_optimizer, build_scheduler
+    from dtlaunch.train.parallel.init_weights import materialize_and_init
 
     run_dir = tmp_path_factory.mktemp("fuzzbase") / "run"
     cfg = compose(["model=tiny", "model.n_layers=1", "hardware=cpu", "training.seq_len=8", "strategy.dp_shard=1"]).cfg

@@ -117,7 +117,7 @@ def test_wrapped_names_map_to_model_names() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.init import materialize_and_init, model_param_name
+    from dtlaunch.train.parallel.init_weights import materialize_and_init, model_param_name
 
     cfg = _cfg()
     model = build_model(cfg.model)  # meta

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from dtlaunch.train.memtrack import PeakTracker, StorageCounter, state_tensors
+from dtlaunch.train.observe.memtrack import PeakTracker, StorageCounter, state_tensors
 
 MiB = 2**20
 

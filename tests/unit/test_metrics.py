@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from dtlaunch.config.schema import JobConfig
 from dtlaunch.models.flops import flops_per_token, matmul_params, mfu
 from dtlaunch.models.shapes import param_count
-from dtlaunch.train.metrics import MetricsLogger, _Display
+from dtlaunch.train.observe.metrics import MetricsLogger, _Display
 
 
 def make_cfg(steps: int = 12, log_every: int = 5) -> object:

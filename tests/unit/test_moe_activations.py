@@ -14,8 +14,8 @@ from dtlaunch.commands.common import load_job
 from dtlaunch.models.moe import activations as act
 from dtlaunch.models.moe import experts
 from dtlaunch.models.moe.model import build_model
-from dtlaunch.train.ac import apply_ac
-from dtlaunch.train.memtrack import StorageCounter
+from dtlaunch.train.observe.memtrack import StorageCounter
+from dtlaunch.train.parallel.ac import apply_ac
 
 BATCH, SEQ = 2, 64
 

@@ -45,7 +45,7 @@ def test_planned_adapter_count_is_the_lora_models(targets: str | None, rank: int
 def test_qlora_plan_counts_the_real_nf4_bytes_and_no_base_gradients() -> None:
     pytest.importorskip("torchao")
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.frozen_base import convert_frozen_base
+    from dtlaunch.train.parallel.frozen_base import convert_frozen_base
     from dtlaunch.train.peft import apply_peft
 
     job = load_job([*TINY, "peft=qlora", *SMALL_NF4, "strategy=ddp", "launch.nproc_per_node=1"])

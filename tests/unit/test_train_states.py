@@ -1,4 +1,4 @@
-"""The checkpoint's Stateful containers (dtlaunch/train/states.py) on one process: what `state_dict()`
+"""The checkpoint's Stateful containers (dtlaunch/train/checkpoint/states.py) on one process: what `state_dict()`
 returns, `load_state_dict()` puts back (model, optimizer moments and step, LR schedule), over a model
 split into two parts, as the checkpoint manager saves them in one dict."""
 
@@ -9,9 +9,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dtlaunch.config.compose import compose
 from dtlaunch.models.dense.model import build_model
-from dtlaunch.train.init import materialize_and_init
+from dtlaunch.train.checkpoint.states import train_states
 from dtlaunch.train.optim import build_optimizer, build_scheduler
-from dtlaunch.train.states import train_states
+from dtlaunch.train.parallel.init_weights import materialize_and_init
 
 
 def _trained(seed: int) -> tuple:

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel token embedding (dtlaunch.train.tensor_parallel.VocabParallel), one process.
+"""The vocabulary-parallel token embedding (dtlaunch.train.parallel.tensor_parallel.VocabParallel), one process.
 
 Rank `r` of a 4-way TP group is emulated with the fake process group. Its collectives move no data,
 so the forward's summed output is not checked here; with a Replicate output the backward needs no
@@ -13,8 +13,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dtlaunch.train.memtrack import StorageCounter
-from dtlaunch.train.tensor_parallel import VocabParallel
+from dtlaunch.train.observe.memtrack import StorageCounter
+from dtlaunch.train.parallel.tensor_parallel import VocabParallel
 
 V, H, TP = 1000, 64, 4  # 1000 rows over 4 ranks: 250 each
 

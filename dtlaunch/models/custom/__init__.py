@@ -9,4 +9,9 @@ from __future__ import annotations
 
 from dtlaunch.models.registry import traced_spec
 
-SPEC = traced_spec("custom", "a user module named by model._target_", "dtlaunch.models.custom.build:build_model")
+SPEC = traced_spec(
+    "custom",
+    "a user module named by model._target_",
+    "dtlaunch.models.custom.build:build_model",
+    check="dtlaunch.models.custom.check:check",
+)

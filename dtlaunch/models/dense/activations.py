@@ -22,7 +22,7 @@ head; its output goes to RoPE, which saves no input: (4 + e)·(q + k) + 4·(a + 
 Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
 parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
 column-parallel linears is full: norms give (4h + eh + 4)/t + eh each.
-Selective AC, op policy (dtlaunch.train.ac: attention and every other matmul saved, the 1st, 3rd, ...
+Selective AC, op policy (dtlaunch.train.parallel.ac: attention and every other matmul saved, the 1st, 3rd, ...
 of the block): block input + wq, wv, w1, w2 outputs + SDPA out and logsumexp; wk, wo, w3 and
 everything elementwise are recomputed.
 Selective AC, layer policy: every n-th block is fully checkpointed, the others keep their no-AC set.
@@ -122,7 +122,7 @@ def block_bytes_selective(
 def ac_mix(t: Any, layer_ids: Sequence[int]) -> dict[str, int]:
     """How many of a stage's blocks run under each checkpointing kind ("none", "full", "selective",
     "budget"). The layer policy checkpoints the every-th, 2·every-th, ... block by global index, the
-    rule of dtlaunch.train.ac.checkpointed_layer (not imported: the planner does not import torch)."""
+    rule of dtlaunch.train.parallel.ac.checkpointed_layer (not imported: the planner does not import torch)."""
     mode, n = t.activation_checkpointing, len(layer_ids)
     if mode == "selective" and float(t.ac_memory_budget) > 0:
         return {"budget": n}

@@ -119,6 +119,10 @@ class DenseHF:
     qkv_bias: Optional[bool] = False
     qk_norm: bool = False
     sliding: bool = False  # honours config.json's sliding_window
+    # config.json's sliding_window applies to every layer (Mistral, Mixtral), not per layer_types (Qwen).
+    uniform_window: bool = False
+    # Keys this family's config.json always carries (e.g. Llama's attention_bias / mlp_bias).
+    extra_config: tuple[tuple[str, Any], ...] = ()
 
     def config_to_hf(self, m: Any, dtype: str = "float32") -> dict:
         rs = m.rope_scaling
@@ -152,10 +156,7 @@ class DenseHF:
             "torch_dtype": dtype,
             "dtype": dtype,
         }
-        if self.model_type in ("llama", "qwen3"):
-            out["attention_bias"] = False
-        if self.model_type == "llama":
-            out["mlp_bias"] = False
+        out.update(dict(self.extra_config))
         if self.sliding:
             window = getattr(m, "sliding_window", None)
             out["sliding_window"] = window
@@ -218,7 +219,7 @@ class DenseHF:
         window = c.get("sliding_window")
         if not window:
             return None
-        if self.model_type in ("mistral", "mixtral"):
+        if self.uniform_window:
             return int(window)
         kinds = c.get("layer_types")
         if kinds is None:  # older Qwen configs: the first max_window_layers layers attend fully

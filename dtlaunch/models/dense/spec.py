@@ -30,4 +30,5 @@ def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple
         activations="dtlaunch.models.dense.activations",
         fixed=dict(fixed),
         block_linears=shapes.block_linears,
+        check="dtlaunch.models.dense.check:check",
     )

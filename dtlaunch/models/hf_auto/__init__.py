@@ -18,5 +18,6 @@ SPEC = register(
         "transformers' AutoModelForCausalLM for architectures without a native entry",
         "dtlaunch.models.hf_auto.build:build_model",
         tp_plan="dtlaunch.models.hf_auto.tp_plan",
+        check="dtlaunch.models.hf_auto.check:check",
     )
 )

@@ -1,4 +1,4 @@
-"""Tensor parallel for `model.arch=hf_auto`: the model's own `base_model_tp_plan` as torch ParallelStyles.
+"""Tensor parallel for `model.arch=hf_auto`: the model's own `base_model_tp_plan` as dtlaunch.models.tp_styles.
 
 transformers' config classes carry a plan for their decoder, module-name patterns ("layers.*.mlp.up_proj")
 mapped to style names. The styles translate to torch's own (what transformers registers for them):
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 from typing import Any
+
+from dtlaunch.models.tp_styles import Colwise, Rowwise, SequenceShard, Style
 
 LAYER_PREFIX = "layers.*."
 # Projections whose output carries attention heads: sharding them column-wise splits the heads.
@@ -79,28 +81,22 @@ def check(m: Any, tp: int, sequence_parallel: bool) -> str | None:
     return None
 
 
-def _style(name: str) -> Any:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
+def _style(name: str) -> Style:
     return {
-        "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "colwise": Colwise(),
+        "rowwise": Rowwise(),
+        "colwise_gather_output": Colwise(output="replicate"),
+        "rowwise_split_input": Rowwise(input="replicate"),
         # Input (B, S, heads on this rank, head_dim): "sharded" on the head dim, output back to local.
-        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
-    }[name]()
+        "replicated_with_grad_allreduce": SequenceShard(dim=2, local_output=True),
+    }[name]
 
 
 def model_plan(m: Any, sequence_parallel: bool) -> dict[str, Any]:
     """The head: vocabulary-sharded logits (a DTensor for loss_parallel) unless it is the embedding's matrix."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
     if getattr(_hf_config(str(m.init_from)), "tie_word_embeddings", False):
         return {}
-    return {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return {"lm_head": Colwise(output="shard(-1)", local_output=False)}
 
 
 def block_plan(m: Any, sequence_parallel: bool) -> dict[str, Any]:

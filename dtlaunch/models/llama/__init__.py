@@ -8,20 +8,10 @@ SPEC = register(
     dense_spec(
         "llama",
         "Llama 2 / 3.x decoder (GQA, SwiGLU, RoPE with Llama-3.1 scaling)",
-        DenseHF("LlamaForCausalLM", "llama"),
+        DenseHF("LlamaForCausalLM", "llama", extra_config=(("attention_bias", False), ("mlp_bias", False))),
         ("LlamaForCausalLM",),
         qkv_bias=False,
         qk_norm=False,
         sliding_window=None,
     )
 )
-
-
-def __getattr__(name: str) -> object:
-    """The decoder's modules by their old address (`from dtlaunch.models.llama import build_model`),
-    imported on first use so that importing this entry stays torch-free."""
-    from dtlaunch.models.dense import model
-
-    if hasattr(model, name):
-        return getattr(model, name)
-    raise AttributeError(f"module 'dtlaunch.models.llama' has no attribute '{name}'")

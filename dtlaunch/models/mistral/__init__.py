@@ -8,7 +8,7 @@ SPEC = register(
     dense_spec(
         "mistral",
         "Mistral decoder (GQA, optional sliding-window attention)",
-        DenseHF("MistralForCausalLM", "mistral", sliding=True),
+        DenseHF("MistralForCausalLM", "mistral", sliding=True, uniform_window=True),
         ("MistralForCausalLM",),
         qkv_bias=False,
         qk_norm=False,

@@ -8,7 +8,7 @@ SPEC = register(
     moe_spec(
         "mixtral",
         "Mixtral decoder (top-2 of 8 softmax router, optional sliding window)",
-        MoEHF("MixtralForCausalLM", "mixtral", sliding=True, experts_key="num_local_experts"),
+        MoEHF("MixtralForCausalLM", "mixtral", sliding=True, uniform_window=True, experts_key="num_local_experts"),
         "dtlaunch.models.mixtral.names",
         ("MixtralForCausalLM",),
         qkv_bias=False,

@@ -29,5 +29,6 @@ def moe_spec(
         matmul_params=flops.matmul_params,
         tp_divisors=shapes.tp_divisors,
         activations="dtlaunch.models.moe.activations",
+        check="dtlaunch.models.moe.check:check",
         fixed=dict(fixed),
     )

@@ -8,25 +8,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
-
 from dtlaunch.models.dense import tp_plan as dense
+from dtlaunch.models.tp_styles import PrepareInputOutput, Style
 
 
-def model_plan(m: Any, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def model_plan(m: Any, sequence_parallel: bool) -> dict[str, Style]:
     return dense.model_plan(m, sequence_parallel)
 
 
-def block_plan(m: Any, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def block_plan(m: Any, sequence_parallel: bool) -> dict[str, Style]:
     plan = {k: v for k, v in dense.block_plan(m, sequence_parallel).items() if not k.startswith("feed_forward")}
     if sequence_parallel:
-        plan["feed_forward"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,
+        plan["feed_forward"] = PrepareInputOutput(
+            inputs=("shard(1)",),
+            desired_inputs=("replicate",),
+            outputs=("replicate",),
+            desired_outputs=("shard(1)",),
+            local_input=True,
+            local_output=True,
         )
     return plan

@@ -8,7 +8,7 @@ SPEC = register(
     dense_spec(
         "qwen3",
         "Qwen3 dense decoder (q/k norm, free head_dim)",
-        DenseHF("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding=True),
+        DenseHF("Qwen3ForCausalLM", "qwen3", qk_norm=True, sliding=True, extra_config=(("attention_bias", False),)),
         ("Qwen3ForCausalLM",),
         qkv_bias=False,
         qk_norm=True,

@@ -1,4 +1,4 @@
-"""Checksums of checkpoint files, computed while DCP writes them, and their verification.
+"""Checksums of checkpoint files, computed while DCP writes them (verification: dtlaunch.run.checksums).
 
 Sizes alone miss a file of the right length with garbage inside (a torn write, a bad disk, a hand
 edit). Every stream DCP opens for writing is wrapped so that each chunk is hashed on its way to disk:
@@ -14,70 +14,13 @@ from __future__ import annotations
 import io
 import json
 import threading
-import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional
 
+from dtlaunch.run.checksums import digest_file, new_hasher
+
 SIDECAR_PREFIX = ".checksums-"
-CHUNK = 8 << 20
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def default_algorithm() -> str:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "crc32"
-    return "xxh3_128"
-
-
-def new_hasher(algorithm: str) -> Any:
-    if algorithm == "crc32":
-        return _Crc32()
-    if algorithm == "xxh3_128":
-        try:
-            import xxhash
-        except ImportError as exc:
-            raise ChecksumUnavailable(
-                "this checkpoint's checksums are XXH3-128: install the xxhash package "
-                "(pip install 'dtlaunch[fast-checksum]') to verify it"
-            ) from exc
-        return xxhash.xxh3_128()
-    raise ChecksumUnavailable(f"unknown checksum algorithm '{algorithm}' in the checkpoint marker")
-
-
-class ChecksumUnavailable(Exception):
-    """The marker names a hash this installation cannot compute."""
-
-
-def digest_bytes(data: bytes, algorithm: str) -> str:
-    h = new_hasher(algorithm)
-    h.update(data)
-    return h.hexdigest()
-
-
-def digest_file(path: Path, algorithm: str) -> str:
-    h = new_hasher(algorithm)
-    with open(path, "rb") as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 OVERLAP_BYTES = 1 << 20
@@ -202,20 +145,3 @@ def collect_sidecars(directory: Path) -> tuple[Optional[str], dict[str, str]]:
         merged.update(data["files"])
         f.unlink()
     return algorithm, merged
-
-
-def verify_files(directory: Path, checksums: dict) -> str:
-    """'' if every file's content matches its recorded digest, else the first problem (names the file)."""
-    algorithm = checksums.get("algorithm", "")
-    try:
-        for rel, expected in sorted(checksums.get("files", {}).items(), key=lambda kv: (kv[0] != ".metadata", kv[0])):
-            f = Path(directory) / rel
-            if not f.is_file():
-                return f"missing file {rel}"
-            if digest_file(f, algorithm) != expected:
-                return f"file {rel} is corrupt (its {algorithm} checksum does not match the one recorded at save)"
-    except ChecksumUnavailable as exc:
-        return str(exc)
-    except OSError as exc:
-        return f"cannot read {exc.filename}: {exc.strerror}"
-    return ""

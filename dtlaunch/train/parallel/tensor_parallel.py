@@ -1,7 +1,8 @@
 """Tensor parallel (Megatron-style) with optional sequence parallel, and the loss on sharded logits.
 
-The plan is data, module name -> ParallelStyle, brought by the model's registry entry (for the dense
-decoder dtlaunch/models/dense/tp_plan.py) and applied with `parallelize_module`. Names of modules a
+The plan is data, module name -> style (dtlaunch.models.tp_styles), brought by the model's registry entry
+(for the dense decoder dtlaunch/models/dense/tp_plan.py), turned into torch's ParallelStyles here
+(`parallel_style`) and applied with `parallelize_module`. Names of modules a
 pipeline stage does not own (tok_embeddings / norm / output set to None, deleted blocks) are skipped,
 so the same plan serves a full model and any pipeline stage.
 
@@ -29,8 +30,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from dtlaunch.models import tp_styles as styles
 
 
 class VocabParallel(ParallelStyle):
@@ -74,6 +86,61 @@ class _VocabParallelEmbedding(nn.Embedding):
         return partial.redistribute(self.tp_mesh, [self.output_layout]).to_local()
 
 
+def placement(layout: styles.Layout) -> Placement | None:
+    """ "replicate" / "shard(<dim>)" / None as a DTensor placement."""
+    if layout is None:
+        return None
+    if layout == "replicate":
+        return Replicate()
+    if layout.startswith("shard(") and layout.endswith(")"):
+        return Shard(int(layout[len("shard(") : -1]))
+    raise ValueError(f"unknown tensor-parallel layout '{layout}' (replicate, shard(<dim>) or None)")
+
+
+def _placements(layouts: tuple[styles.Layout, ...]) -> tuple[Placement | None, ...]:
+    return tuple(placement(x) for x in layouts)
+
+
+def parallel_style(style: styles.Style) -> ParallelStyle:
+    """A model family's style (data) as torch's ParallelStyle."""
+    if isinstance(style, styles.Colwise):
+        return ColwiseParallel(
+            input_layouts=placement(style.input),
+            output_layouts=placement(style.output),
+            use_local_output=style.local_output,
+        )
+    if isinstance(style, styles.Rowwise):
+        return RowwiseParallel(
+            input_layouts=placement(style.input),
+            output_layouts=placement(style.output),
+            use_local_output=style.local_output,
+        )
+    if isinstance(style, styles.SequenceShard):
+        return SequenceParallel(sequence_dim=style.dim, use_local_output=style.local_output)
+    if isinstance(style, styles.PrepareInput):
+        return PrepareModuleInput(
+            input_layouts=_placements(style.inputs),
+            desired_input_layouts=_placements(style.desired),
+            use_local_output=style.local_output,
+        )
+    if isinstance(style, styles.PrepareInputOutput):
+        return PrepareModuleInputOutput(
+            input_layouts=_placements(style.inputs),
+            desired_input_layouts=_placements(style.desired_inputs),
+            use_local_input=style.local_input,
+            output_layouts=_placements(style.outputs),
+            desired_output_layouts=_placements(style.desired_outputs),
+            use_local_output=style.local_output,
+        )
+    if isinstance(style, styles.VocabEmbedding):
+        return VocabParallel(output_layout=placement(style.output))
+    raise TypeError(f"not a tensor-parallel style: {style!r}")
+
+
+def torch_plan(plan: dict[str, styles.Style]) -> dict[str, ParallelStyle]:
+    return {name: parallel_style(style) for name, style in plan.items()}
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
     """Shard `model` (a full model or a pipeline stage of one) over `tp_mesh` in place, with the
     plan of its registry entry."""
@@ -81,13 +148,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
 
     spec = model_spec(cfg.model)
     sp = bool(cfg.strategy.sequence_parallel)
-    top = {n: style for n, style in spec.tp_model_plan(cfg.model, sp).items() if getattr(model, n, None) is not None}
+    top = {
+        n: s for n, s in torch_plan(spec.tp_model_plan(cfg.model, sp)).items() if getattr(model, n, None) is not None
+    }
     float8 = cfg.precision.float8 != "none"
-    if float8:  # float8 linears (converted before TP) take torchao's styles: dtlaunch.train.float8
-        from dtlaunch.train.float8 import float8_tp_plan
+    if float8:  # float8 linears (converted before TP) take torchao's styles: dtlaunch.train.parallel.float8
+        from dtlaunch.train.parallel.float8 import float8_tp_plan
     if top:
         parallelize_module(model, tp_mesh, float8_tp_plan(top, model) if float8 else top)
-    block = spec.tp_block_plan(cfg.model, sp)
+    block = torch_plan(spec.tp_block_plan(cfg.model, sp))
     # An entry whose modules keep head counts as attributes fixes them to this rank's share.
     localize = getattr(importlib.import_module(spec.tp_plan), "localize_heads", None)
     # LoRA linears take styles that also place their adapters: dtlaunch.train.lora_tp.

@@ -1,7 +1,7 @@
 """QLoRA in the runtime: the frozen base linears become NF4 (dtlaunch.models.nf4) on the meta device,
 before FSDP2 shards them; their values are set while the model is materialised; DDP leaves them out.
 
-Order in dtlaunch.train.parallelize: LoRA adapters -> `quantize_base` (meta NF4 weights) -> FSDP2 ->
+Order in dtlaunch.train.parallel.parallelize: LoRA adapters -> `quantize_base` (meta NF4 weights) -> FSDP2 ->
 materialise + init, where `load_nf4_param` gives each NF4 weight its value -> DDP (`ddp_skip_nf4`).
 
 - FSDP2 shards an NF4 weight through the tensor's own `fsdp_pre_all_gather` / `fsdp_post_all_gather`:

@@ -10,7 +10,7 @@ EP ranks are data-parallel ranks (taken from dp_shard): each sees different toke
 gradient sums the contributions of all EP ranks' tokens. FSDP then averages the experts' gradients over
 the ranks left over (dp_shard / ep, x dp_replicate), not over all data-parallel ranks: the divide
 factor is set to the whole data-parallel degree so that every parameter gets the global-batch mean
-(dtlaunch.train.parallelize.apply_fsdp).
+(dtlaunch.train.parallel.parallelize.apply_fsdp).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
-from dtlaunch.train.expert_dispatch import combine, dispatch
+from dtlaunch.train.parallel.expert_dispatch import combine, dispatch
 
 
 def routed_expert_modules(model: nn.Module) -> list[nn.Module]:

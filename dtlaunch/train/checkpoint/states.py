@@ -59,7 +59,7 @@ class ModelState(Stateful):
 
 
 def _frozen_names(part: Any) -> set[str]:
-    from dtlaunch.train.init import model_param_name
+    from dtlaunch.train.parallel.init_weights import model_param_name
 
     return {model_param_name(n) for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
 

@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
 from dtlaunch.config.validate import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
-from dtlaunch.train.pp_stage import make_stage
+from dtlaunch.train.parallel.pp_stage import make_stage
 
 # Schedules whose two stages per rank form a "V": rank r holds stages r and (n_stages - 1 - r).
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -132,16 +132,3 @@ def build_schedule(
         has_last_stage=n_stages - 1 in ids,
         stage_ids=ids,
     )
-
-
-def pipeline_split(
-    model: nn.Module,
-    pp_mesh: DeviceMesh,
-    cfg: Any,
-    layout: Layout,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
-) -> PipelinePlan:
-    """Both steps at once, for stage modules that need no parallelising in between (already materialised)."""
-    parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
-    return build_schedule(parts, pp_mesh, cfg, layout, loss_fn, device)

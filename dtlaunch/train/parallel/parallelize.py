@@ -2,11 +2,11 @@
 
 Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
 context parallel (swaps the attention kernel for ring attention) -> expert parallel (routed experts only,
-dtlaunch.train.expert_parallel) -> activation checkpointing -> compile ->
+dtlaunch.train.parallel.expert_parallel) -> activation checkpointing -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
-Activation checkpointing ("none", "full", and the "selective" policies): dtlaunch.train.ac.
+Activation checkpointing ("none", "full", and the "selective" policies): dtlaunch.train.parallel.ac.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtlaunch.config.layout import Layout
-from dtlaunch.train.ac import apply_ac
-from dtlaunch.train.float8 import apply_float8
-from dtlaunch.train.frozen_base import convert_frozen_base
-from dtlaunch.train.init import materialize_and_init
-from dtlaunch.train.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
-from dtlaunch.train.qlora import ddp_skip_nf4
+from dtlaunch.train.parallel.ac import apply_ac
+from dtlaunch.train.parallel.float8 import apply_float8
+from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+from dtlaunch.train.parallel.init_weights import materialize_and_init
+from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
+from dtlaunch.train.parallel.qlora import ddp_skip_nf4
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,17 +41,17 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     apply_float8(model, cfg.precision, device, fsdp=data_mesh is not None and zero >= 2)
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
-        from dtlaunch.train.tensor_parallel import apply_tp
+        from dtlaunch.train.parallel.tensor_parallel import apply_tp
 
         apply_tp(model, tp_mesh, cfg)
     cp_mesh = sub_mesh(world_mesh, "cp")
     if cp_mesh is not None:
-        from dtlaunch.train.context_parallel import apply_cp
+        from dtlaunch.train.parallel.context_parallel import apply_cp
 
         apply_cp(model, cp_mesh)  # attention over the whole sequence; TP's heads stay local to a CP rank
     experts = expert_meshes(world_mesh, layout.ep)
     if experts is not None:
-        from dtlaunch.train.expert_parallel import apply_ep
+        from dtlaunch.train.parallel.expert_parallel import apply_ep
 
         apply_ep(model, experts.ep)
     apply_ac(model, cfg.training)
@@ -123,7 +123,7 @@ def shard_experts(block: nn.Module, meshes: ExpertMeshes, policy: Any, reshard_a
     batch divides by the whole data-parallel degree."""
     from torch.distributed.fsdp import fully_shard
 
-    from dtlaunch.train.expert_parallel import routed_expert_modules
+    from dtlaunch.train.parallel.expert_parallel import routed_expert_modules
 
     for experts in routed_expert_modules(block):
         fully_shard(experts, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard_after_forward)

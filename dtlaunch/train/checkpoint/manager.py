@@ -5,9 +5,9 @@ On disk (`run_dir/checkpoint.dir/`):
   step-00000100/        the same directory once complete: rank 0 adds `trainer_state.json` and the
                         marker `COMPLETE.json` (file sizes and checksums, layout, config hash) and renames it.
 A directory without a valid marker, or whose files do not match the marker, is never loaded. Checksums
-are computed while the files are written (ckpt_integrity.py) and verified before a checkpoint is used.
+are computed while the files are written (integrity.py) and verified before a checkpoint is used.
 
-What is saved: one dict of `Stateful` states (dtlaunch/train/states.py): the model and optimizer states
+What is saved: one dict of `Stateful` states (dtlaunch/train/checkpoint/states.py): the model and optimizer states
 through DCP (DDP, FSDP2, TP DTensors and pipeline stage parts alike; parameter names are the full
 model's in every layout, and the optimizer state is flattened to `state.<fqn>.<key>` so parts merge and
 reshard freely), per-rank RNG states (tensors keyed by rank), and - as JSON, never pickle - the LR
@@ -17,236 +17,41 @@ and the layout that wrote it.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from dtlaunch.convert.dcp_planner import safe_load_planner
 from dtlaunch.errors import EXIT_WORKER_FAILED, ConfigError, DtlaunchError
-from dtlaunch.train.phases import phase
+from dtlaunch.run.checkpoints import (
+    FORMAT_VERSION,
+    MARKER,
+    STATE_FILE,
+    TMP_PREFIX,
+    checkpoint_root,
+    config_hash,
+    layout_description,
+    layout_str,
+    newest_complete,
+    refuse_if_checkpoints,
+    remove_tree,
+    resolve_load_path,
+    scan_checkpoints,
+    step_dir_name,
+)
+from dtlaunch.run.env import NO_RESUME_ENV
+from dtlaunch.run.phases import phase
 
-STEP_PREFIX = "step-"
-TMP_PREFIX = ".tmp-step-"
-MARKER = "COMPLETE.json"
-STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
 # States kept in the JSON trainer state (plain numbers, never pickle) rather than in DCP's files.
 JSON_STATES = ("schedulers",)
-NO_RESUME_ENV = "DTLAUNCH_NO_RESUME"
-# Set by the launcher for the workers: the checkpoint it verified ("<path>\n<marker mtime ns>"), so that
-# rank 0 does not read every byte of it a second time.
-VERIFIED_ENV = "DTLAUNCH_VERIFIED_CHECKPOINT"
 
 
 class CheckpointSaveError(DtlaunchError):
     """Writing a checkpoint failed (disk full, permissions): the run stops, older checkpoints stay."""
 
     exit_code = EXIT_WORKER_FAILED
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"
-
-
-def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
-    d = Path(cfg.checkpoint.dir)
-    return d if d.is_absolute() else Path(run_dir) / d
-
-
-# ---------------------------------------------------------------------------------------------
-# Listing and validation (no torch needed: `dtlaunch ckpt ls` and the launcher use these).
-
-
-@dataclass
-class CheckpointInfo:
-    path: Path
-    step: int
-    complete: bool
-    reason: str = ""  # why it is not complete
-    marker: dict = field(default_factory=dict)
-    verified: bool = False  # contents checked against the marker's checksums
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-
-def _parse_step(name: str) -> Optional[int]:
-    for prefix in (STEP_PREFIX, TMP_PREFIX):
-        if name.startswith(prefix) and name[len(prefix) :].isdigit():
-            return int(name[len(prefix) :])
-    return None
-
-
-def check_checkpoint(path: Path, verify: bool = False) -> CheckpointInfo:
-    """Complete = final name, a readable marker, `.metadata`, and every file at its recorded size;
-    with `verify`, also every file's content against its recorded checksum (reads every byte)."""
-    path = Path(path)
-    step = _parse_step(path.name)
-    info = CheckpointInfo(path=path, step=-1 if step is None else step, complete=False)
-    if path.name.startswith(TMP_PREFIX):
-        info.reason = "interrupted save (never marked complete)"
-        return info
-    marker_file = path / MARKER
-    if not marker_file.is_file():
-        info.reason = f"no completion marker {MARKER}"
-        return info
-    try:
-        marker = json.loads(marker_file.read_text())
-        files = dict(marker["files"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        info.reason = f"unreadable marker ({type(exc).__name__})"
-        return info
-    info.marker = marker
-    if ".metadata" not in files or STATE_FILE not in files:
-        info.reason = "marker lists no .metadata or trainer state"
-        return info
-    for rel, size in files.items():
-        f = path / rel
-        if not f.is_file():
-            info.reason = f"missing file {rel}"
-            return info
-        if f.stat().st_size != size:
-            info.reason = f"file {rel} has {f.stat().st_size} bytes, marker says {size}"
-            return info
-    info.complete = True
-    if verify:
-        verify_info(info)
-    return info
-
-
-def verify_info(info: CheckpointInfo) -> CheckpointInfo:
-    """Check a complete checkpoint's contents against the marker's checksums (markers written before
-    checksums existed are checked by size only); a mismatch makes it incomplete, naming the file."""
-    from dtlaunch.train.ckpt_integrity import verify_files
-
-    checksums = info.marker.get("checksums")
-    if info.complete and not info.verified and verified_by_launcher(info.path):
-        info.verified = True
-    if info.complete and not info.verified and isinstance(checksums, dict):
-        reason = verify_files(info.path, checksums)
-        if reason:
-            info.complete, info.reason = False, reason
-        else:
-            info.verified = True
-    return info
-
-
-def scan_checkpoints(root: Path) -> list[CheckpointInfo]:
-    """Every checkpoint directory (complete or not) under `root`, oldest step first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [check_checkpoint(p) for p in root.iterdir() if p.is_dir() and _parse_step(p.name) is not None]
-    # A temporary and a final directory of the same step: the final one sorts last (preferred).
-    return sorted(found, key=lambda i: (i.step, not i.path.name.startswith(TMP_PREFIX)))
-
-
-def verified_stamp(path: Path) -> str:
-    return f"{Path(path).resolve()}\n{(Path(path) / MARKER).stat().st_mtime_ns}"
-
-
-def verified_by_launcher(path: Path) -> bool:
-    try:
-        return os.environ.get(VERIFIED_ENV) == verified_stamp(path)
-    except OSError:
-        return False
-
-
-def newest_complete(root: Path, verify: bool = False) -> tuple[Optional[CheckpointInfo], list[CheckpointInfo]]:
-    """The newest complete checkpoint and the newer ones skipped because they are incomplete or corrupt
-    (with `verify`, contents are checked too, newest first, until one is intact)."""
-    skipped: list[CheckpointInfo] = []
-    for info in reversed(scan_checkpoints(root)):
-        if info.complete and verify:
-            verify_info(info)
-        if info.complete:
-            return info, skipped
-        skipped.append(info)
-    return None, skipped
-
-
-def resolve_load_path(path: Path, verify: bool = False) -> tuple[CheckpointInfo, list[CheckpointInfo]]:
-    """A checkpoint directory, a checkpoints directory or a run directory -> the checkpoint to load."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"checkpoint '{path}' does not exist: give a step-XXXXXXXX directory or a run directory")
-    if _parse_step(path.name) is not None:
-        info = check_checkpoint(path, verify=verify)
-        if not info.complete:
-            raise ConfigError(f"checkpoint '{path}' is incomplete or corrupt ({info.reason}): pick another one")
-        return info, []
-    for candidate in (path, path / "checkpoints"):
-        info, skipped = newest_complete(candidate, verify=verify)
-        if info is not None:
-            return info, skipped
-        if skipped:
-            reasons = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:3])
-            raise ConfigError(f"no intact checkpoint in '{candidate}' ({reasons}): start a new run.dir")
-    raise ConfigError(f"no complete checkpoint in '{path}': see `dtlaunch ckpt ls {path}`")
-
-
-def refuse_if_checkpoints(cfg: Any, run_dir: Path) -> None:
-    """`--no-resume`: a run directory that already holds checkpoints is an error (exit 2)."""
-    found = scan_checkpoints(checkpoint_root(cfg, run_dir))
-    if found:
-        raise ConfigError(
-            f"run directory '{run_dir}' already has checkpoints (newest {found[-1].name}) and --no-resume was given: "
-            f"use a new run.dir or drop --no-resume"
-        )
-
-
-def config_hash(cfg: Any, section: Optional[str] = None) -> str:
-    """Stable short hash of the resolved config (or one section, e.g. 'model')."""
-    from dtlaunch.config.schema import to_dict
-
-    d = to_dict(cfg)
-    if section is not None:
-        d = dict(d[section])
-        d.pop("init_from", None)  # where weights came from does not change their shapes
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def layout_description(cfg: Any, world: int) -> dict:
-    from dtlaunch.config.layout import Layout
-
-    lay = Layout.resolve(cfg.strategy, world)
-    return {
-        "world": world,
-        "dp_replicate": lay.dp_replicate,
-        "dp_shard": lay.dp_shard,
-        "tp": lay.tp,
-        "pp": lay.pp,
-        "ep": lay.ep,
-        "cp": lay.cp,
-        "zero_stage": int(cfg.strategy.zero_stage),
-    }
-
-
-def layout_str(layout: dict) -> str:
-    """'world 4 = rep 1 x shard 2 x tp 2 x pp 1, zero 3' (the layout a checkpoint was written by)."""
-    if not layout:
-        return "?"
-    cp = f"x cp {layout['cp']} " if layout.get("cp", 1) > 1 else ""
-    return (
-        f"world {layout.get('world')} = rep {layout.get('dp_replicate')} x shard {layout.get('dp_shard')} {cp}"
-        f"x tp {layout.get('tp')} x pp {layout.get('pp')}"
-        + (f" (ep {layout['ep']})" if layout.get("ep", 1) > 1 else "")
-        + f", zero {layout.get('zero_stage')}"
-    )
-
-
-def dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +109,7 @@ class CheckpointManager:
         self.last_saved_step = -1
         self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
         from dtlaunch.convert.base_fingerprint import peft_record
-        from dtlaunch.train.states import train_states
+        from dtlaunch.train.checkpoint.states import train_states
 
         # peft: only the adapters are saved; the marker names the frozen base they belong to.
         self.peft = peft_record(cfg)
@@ -357,7 +162,7 @@ class CheckpointManager:
         self._wait_pending()
         tmp = self.root / f"{TMP_PREFIX}{step:08d}"
         if self.rank == 0:
-            _remove_tree(tmp)  # a stale attempt at this step from a killed run
+            remove_tree(tmp)  # a stale attempt at this step from a killed run
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -431,7 +236,8 @@ class CheckpointManager:
             return
         final = self.root / step_dir_name(step)
         try:
-            from dtlaunch.train.ckpt_integrity import collect_sidecars, default_algorithm, digest_bytes, digest_file
+            from dtlaunch.run.checksums import default_algorithm, digest_bytes, digest_file
+            from dtlaunch.train.checkpoint.integrity import collect_sidecars
 
             state_bytes = _write_json(tmp / STATE_FILE, trainer_state)
             algorithm, digests = collect_sidecars(tmp)
@@ -459,7 +265,7 @@ class CheckpointManager:
                 marker["peft"] = self.peft
             _write_json(tmp / MARKER, marker)
             if final.exists():  # re-saving a step after resuming from an older checkpoint
-                _remove_tree(final)
+                remove_tree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
         except OSError as exc:
@@ -472,11 +278,11 @@ class CheckpointManager:
         complete = [i for i in infos if i.complete]
         if keep > 0:
             for info in complete[:-keep]:
-                _remove_tree(info.path)
+                remove_tree(info.path)
         # Leftovers of killed saves older than this one are garbage now.
         for info in infos:
             if not info.complete and info.step < newest:
-                _remove_tree(info.path)
+                remove_tree(info.path)
 
     def close(self) -> None:
         """Wait for an async save in flight and mark it complete."""
@@ -547,7 +353,7 @@ class CheckpointManager:
             if f"rng.{rng_key}.cuda" in saved_keys and torch.cuda.is_available():
                 rng["cuda"] = torch.cuda.get_rng_state()
             state["rng"] = {rng_key: rng}
-        dcp.load(state, checkpoint_id=str(path), planner=_SafeLoadPlanner(), process_group=self.pg)
+        dcp.load(state, checkpoint_id=str(path), planner=safe_load_planner(), process_group=self.pg)
         if "rng" in state:
             torch.set_rng_state(state["rng"][rng_key]["cpu"])
             if "cuda" in state["rng"][rng_key]:
@@ -586,7 +392,8 @@ class CheckpointManager:
 def _make_slow_writer_class() -> type:
     import torch.distributed.checkpoint as dcp
 
-    from dtlaunch.train.ckpt_integrity import default_algorithm, hashing_filesystem, write_sidecar
+    from dtlaunch.run.checksums import default_algorithm
+    from dtlaunch.train.checkpoint.integrity import hashing_filesystem, write_sidecar
 
     class SlowWriter(dcp.FileSystemWriter):
         """FileSystemWriter whose streams checksum what they write (the digests go into a sidecar file per
@@ -637,24 +444,6 @@ def _make_stager() -> Any:
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
         )
     )
-
-
-def _SafeLoadPlanner() -> Any:  # noqa: N802
-    """DCP's default load planner, but non-tensor values are unpickled with weights_only=True."""
-    import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return SafeLoadPlanner()
 
 
 def _SAVE_ERRORS() -> tuple:  # noqa: N802

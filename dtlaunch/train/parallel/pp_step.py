@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 if TYPE_CHECKING:  # torch.distributed.pipelining (and torch._dynamo with it) only where a pipeline runs
-    from dtlaunch.train.pipeline import PipelinePlan
+    from dtlaunch.train.parallel.pipeline import PipelinePlan
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Full training keeps fp32 master weights because the optimizer updates them; a fr
 updated, and every matmul reads it in the compute dtype (FSDP2's MixedPrecisionPolicy casts it, or
 autocast does). So the frozen linears (the blocks' and the output head) are stored in
 precision.param_dtype: the same numbers reach every matmul, at half the bytes (Llama-3.1-8B's base: 16 GB
-instead of 32 GB). Under QLoRA the blocks' linears become NF4 instead (dtlaunch.train.qlora). Norm gains
+instead of 32 GB). Under QLoRA the blocks' linears become NF4 instead (dtlaunch.train.parallel.qlora). Norm gains
 and the embedding stay fp32: the embedding's output is the residual stream, which autocast keeps in fp32.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from dtlaunch.train.qlora import DTYPES, quantize_base
+from dtlaunch.train.parallel.qlora import DTYPES, quantize_base
 
 
 def convert_frozen_base(model: nn.Module, cfg: Any, shards: int) -> None:

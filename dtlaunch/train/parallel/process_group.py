@@ -2,7 +2,7 @@
 
 The group is initialised on a store prefixed with the restart count: a restarted torchrun attempt shares
 the rendezvous TCPStore with the failed one, and without the prefix it reads the old attempt's gloo keys
-and fails to connect or hangs (pytorch issue #135712; measured fix, see notes/cpu-distributed.md).
+and fails to connect or hangs (pytorch issue #135712; the prefix was measured to fix it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,163 @@
+"""Run data, prepared once by the launcher before any worker starts: text and record sources tokenized
+(into the run directory or the content-addressed token cache), the tokenizer copied into the run, and
+the sizes checked, so bad data fails with exit 2 instead of as a worker failure minutes in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from dtlaunch.data.sources import (
+    RECORD_KINDS,
+    RUN_DATA_DIR,
+    RUN_VAL_DIR,
+    SOURCES_FILE,
+    SampleSource,
+    check_kind,
+    data_sources,
+)
+from dtlaunch.data.tokenizer import check_vocab, load_tokenizer
+from dtlaunch.errors import InputError
+
+
+def _text_source_id(cfg: Any, path: str) -> dict[str, Any]:
+    return {
+        "path": path,
+        "pattern": str(cfg.data.pattern),
+        "tokenizer": str(cfg.data.tokenizer),
+        "max_bytes": int(cfg.data.max_bytes),
+    }
+
+
+def _prepare_text(cfg: Any, path: str, out: Path) -> Optional[Any]:
+    """data.kind=text: tokenize into the run directory (skipped when already there from the same source)."""
+    from dtlaunch.data.prepare import prepare_corpus
+
+    ident = _text_source_id(cfg, path)
+    meta_file = out / "meta.json"
+    if meta_file.is_file() and json.loads(meta_file.read_text()).get("source") == ident:
+        return None
+    tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
+    check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
+    return prepare_corpus(
+        [path],
+        out,
+        tok,
+        pattern=str(cfg.data.pattern),
+        max_bytes=int(cfg.data.max_bytes),
+        key="data.path",
+        extra_meta={"source": ident},
+    )
+
+
+def record_options(cfg: Any) -> dict[str, Any]:
+    """What, besides the files and the tokenizer, decides a record source's tokens (part of the cache key)."""
+    kind = str(cfg.data.kind)
+    return {
+        "kind": kind,
+        "format": str(cfg.data.format),
+        "fields": record_fields(cfg),
+        "split": str(cfg.data.split) if kind == "hf" else "",
+    }
+
+
+def record_fields(cfg: Any) -> list[str]:
+    """The record fields data.format reads."""
+    fmt = str(cfg.data.format)
+    if fmt == "chat":
+        return [str(cfg.data.messages_field)]
+    if fmt == "prompt_completion":
+        return [str(cfg.data.prompt_field), str(cfg.data.completion_field)]
+    return [str(cfg.data.text_field)]
+
+
+def encoded_batches(cfg: Any, tok: Any, path: str, key: str) -> Any:
+    """The source's documents, encoded lazily in batches (see dtlaunch.data.cache.write_tokens)."""
+    from dtlaunch.data.cache import encode_batches
+    from dtlaunch.data.records import iter_documents, iter_records
+
+    kind, fmt, split = str(cfg.data.kind), str(cfg.data.format), str(cfg.data.split)
+    if fmt == "text":
+        return encode_batches(tok, iter_documents(kind, path, str(cfg.data.text_field), split, key))
+    from dtlaunch.data.chat import ChatEncoder, encode_records
+
+    encoder = ChatEncoder(Path(tok.name), tok._dtype)
+    return encode_records(encoder, fmt, iter_records(kind, path, record_fields(cfg), split, key), key)
+
+
+def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
+    """A jsonl / parquet / hf source tokenized into the content-addressed cache; returns the entry."""
+    from dtlaunch.data.cache import cache_root, cached_tokens
+    from dtlaunch.data.records import source_files
+
+    kind = str(cfg.data.kind)
+    if tok is None:
+        tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
+    check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
+    files = source_files(kind, path, key)
+    masked = str(cfg.data.format) != "text"
+    batches = encoded_batches(cfg, tok, path, key)
+    root = cache_root(str(cfg.data.cache_dir))
+    entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg), path, key, masked=masked)
+    return entry
+
+
+def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
+    """Called once by the launcher before workers start: tokenizes data.kind=text into run_dir/data and
+    record kinds (jsonl / parquet / hf) into the token cache, checks data.kind=tokens shards and that
+    train and validation data each hold a global batch, so bad data fails (exit 2) before any worker.
+    Returns data.kind=text's PrepareSummary when it tokenized now, else None."""
+    kind = check_kind(cfg)
+    summary = None
+    val_path = str(cfg.data.val_path)
+    keep_tokenizer(cfg, Path(run_dir))
+    if kind in RECORD_KINDS:
+        tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
+        sources = {"train": str(tokenize_records(cfg, str(cfg.data.path), "data.path", tok))}
+        if val_path:
+            sources["val"] = str(tokenize_records(cfg, val_path, "data.val_path", tok))
+        (Path(run_dir) / SOURCES_FILE).write_text(json.dumps(sources, indent=1) + "\n")
+    elif kind == "text":
+        summary = _prepare_text(cfg, str(cfg.data.path), Path(run_dir) / RUN_DATA_DIR)
+        if val_path:
+            _prepare_text(cfg, val_path, Path(run_dir) / RUN_VAL_DIR)
+    if kind != "synthetic":
+        from dtlaunch.config.layout import Layout, global_batch, world_size
+
+        gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+        train, val = data_sources(cfg, run_dir)
+        _check_enough(train, gb, "data.path", cfg)
+        if val is not None:
+            _check_enough(val, gb, "data.val_path" if val_path else "data.val_fraction", cfg)
+    return summary
+
+
+def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
+    """A Hugging Face tokenizer travels with the run (run_dir/tokenizer), so that `ckpt export --format hf`
+    can write it beside the weights even if the original file moves or changes."""
+    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files, resolve_tokenizer_spec
+
+    if str(cfg.data.kind) == "synthetic":
+        return
+    spec = resolve_tokenizer_spec(str(cfg.data.tokenizer), str(cfg.model.init_from))
+    if spec in ("", "byte"):
+        return
+    path = Path(spec).expanduser()
+    copy_tokenizer_files(path / "tokenizer.json" if path.is_dir() else path, run_dir / RUN_TOKENIZER_DIR)
+
+
+def _check_enough(source: SampleSource, gb: int, key: str, cfg: Any) -> None:
+    n = source.num_samples
+    if n is not None and n < gb:
+        value = (
+            cfg.data.val_path
+            if key == "data.val_path"
+            else (cfg.data.val_fraction if key != "data.path" else cfg.data.path)
+        )
+        raise InputError(
+            f"{key}={value}: {n} full windows of {int(cfg.training.seq_len) + 1} tokens but one global batch needs "
+            f"{gb}: add data, or lower training.seq_len / training.global_batch / training.micro_batch"
+            + (" or raise data.val_fraction" if key == "data.val_fraction" else "")
+        )

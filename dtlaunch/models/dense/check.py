@@ -1,0 +1,36 @@
+"""The dense decoder's own rules on a model section (run by `validate` before anything starts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.errors import ConfigError
+
+
+def check_attention(m: Any) -> None:
+    """Head widths RoPE and grouped-query attention can use, and a sensible attention window."""
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: pick a head count that divides it"
+        )
+    hd = m.head_dim or m.dim // m.n_heads
+    if hd % 2:
+        raise ConfigError(
+            f"model head dim {hd} is odd: RoPE needs an even head dim; change model.dim, n_heads or head_dim"
+        )
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 1, or null for full causal attention")
+    kv = m.n_kv_heads or m.n_heads
+    if kv <= 0 or m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
+
+
+def check(cfg: Any) -> None:
+    m = cfg.model
+    check_attention(m)
+    n = int(m.moe.num_experts)
+    if n > 0:
+        raise ConfigError(
+            f"model.moe.num_experts={n} with model.arch={m.arch}, a dense decoder: use model.arch=moe (or qwen3_moe, "
+            f"mixtral), or set model.moe.num_experts=0"
+        )

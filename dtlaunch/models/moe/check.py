@@ -1,0 +1,27 @@
+"""The MoE decoder's own rules on a model section: the dense attention's, plus experts that exist, top_k
+within them and dense layers inside the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.errors import ConfigError
+from dtlaunch.models.dense.check import check_attention
+
+
+def check(cfg: Any) -> None:
+    m = cfg.model
+    check_attention(m)
+    moe, n = m.moe, int(m.moe.num_experts)
+    if n < 1:
+        raise ConfigError(
+            f"model.moe.num_experts={n}: model.arch={m.arch} is a mixture of experts: set model.moe.num_experts, e.g. 8"
+        )
+    if int(moe.top_k) > n:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={n}: set model.moe.top_k <= {n}")
+    bad = [i for i in moe.dense_layers if int(i) >= int(m.n_layers)]
+    if bad:
+        raise ConfigError(
+            f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
+            f"list block indices below {m.n_layers}"
+        )

@@ -1,0 +1,72 @@
+"""Tensor-parallel plans as data: what a model family says about splitting its modules, without torch.
+
+A family's `tp_plan` module returns {module name: style} with the styles below; the worker turns them into
+torch's ParallelStyles (dtlaunch.train.parallel.tensor_parallel.parallel_style). Layouts are written
+"replicate", "shard(<dim>)" or None (an argument the style leaves alone), as DTensor placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+Layout = Optional[str]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """A linear split on its output features (torch's ColwiseParallel)."""
+
+    input: Layout = "replicate"
+    output: Layout = "shard(-1)"
+    local_output: bool = True
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """A linear split on its input features; partial outputs reduced into `output` (RowwiseParallel)."""
+
+    input: Layout = "shard(-1)"
+    output: Layout = "replicate"
+    local_output: bool = True
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """A module run on its shard of dimension `dim` with replicated weights whose gradients are summed over
+    the ranks (torch's SequenceParallel): norms under sequence parallel, per-head norms on head shards."""
+
+    dim: int = 1
+    local_output: bool = False
+
+
+@dataclass(frozen=True)
+class PrepareInput:
+    """Redistribute a module's positional inputs (PrepareModuleInput)."""
+
+    inputs: tuple[Layout, ...]
+    desired: tuple[Layout, ...]
+    local_output: bool = True
+
+
+@dataclass(frozen=True)
+class PrepareInputOutput:
+    """Redistribute a module's inputs and outputs (PrepareModuleInputOutput)."""
+
+    inputs: tuple[Layout, ...]
+    desired_inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+    desired_outputs: tuple[Layout, ...]
+    local_input: bool = True
+    local_output: bool = True
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """A token embedding split on the vocabulary, partial lookups summed into `output`
+    (dtlaunch.train.parallel.tensor_parallel.VocabParallel)."""
+
+    output: Layout = "replicate"
+
+
+Style = Colwise | Rowwise | SequenceShard | PrepareInput | PrepareInputOutput | VocabEmbedding

@@ -1,0 +1,1 @@
+"""Sharded DCP checkpoints of the worker: the manager, the Stateful containers, write-time checksums."""

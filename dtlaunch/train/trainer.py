@@ -1,0 +1,284 @@
+"""The training loop, read top to bottom: `Trainer(cfg, run_dir, env).fit()`.
+
+Built once: the runtime (dtlaunch.train.runtime: model parts, optimizers, schedules), the data loaders,
+the checkpoint manager (which resumes), metrics and the peak-memory tracker. Each step: fault injection
+(tests), the optimizer step, the step's outcome into the window the ranks agree on (dtlaunch.train
+.step_sync), evaluation, metrics lines, the checkpoint cadence, and a preemption stop. Every way out
+(finished, preempted, failed) goes through `close`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dtlaunch.errors import DtlaunchError
+from dtlaunch.run import preemption
+from dtlaunch.run.phases import phase
+from dtlaunch.train.checkpoint.manager import CheckpointManager
+from dtlaunch.train.data import build_loaders
+from dtlaunch.train.evaluate import evaluate
+from dtlaunch.train.observe.guards import StepWatch
+from dtlaunch.train.observe.memtrack import PeakTracker
+from dtlaunch.train.observe.metrics import MetricsLogger
+from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
+from dtlaunch.train.parallel.process_group import DistEnv, restart_count
+from dtlaunch.train.runtime import build_runtime
+from dtlaunch.train.step import train_step
+from dtlaunch.train.step_sync import StepOutcome, WindowSync
+
+
+class TrainingDiverged(DtlaunchError):
+    exit_code = 1
+
+
+class Outcome(str, Enum):
+    FINISHED = "finished"
+    PREEMPTED = "preempted"
+    FAILED = "failed"
+
+
+def log(msg: str) -> None:
+    """A line in this rank's log file (stderr is redirected there)."""
+    print(f"[{time.strftime('%T')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The config values the loop consults every step, read once: an OmegaConf attribute read costs
+    tens of microseconds, and about ten of them per step were a measurable part of a small model's step."""
+
+    steps: int
+    save_every: int  # 0: no periodic checkpoint (checkpointing off, or only at the end)
+    eval_every: int
+    eval_batches: int
+    max_bad_steps: int
+    fail_at_step: int  # fault injection (debug.*): -1 when this rank does not fail, or after a restart
+    hang_at_step: int
+    fail_mode: str
+
+    @classmethod
+    def of(cls, cfg: Any, rank: int) -> LoopSettings:
+        t, d = cfg.training, cfg.debug
+        injects = rank == int(d.fail_rank) and restart_count() == 0
+        every = int(cfg.checkpoint.every_steps)
+        return cls(
+            steps=int(t.steps),
+            save_every=every if bool(cfg.checkpoint.enabled) and every > 0 else 0,
+            eval_every=int(t.eval_every),
+            eval_batches=int(t.eval_batches),
+            max_bad_steps=int(t.max_bad_steps),
+            fail_at_step=int(d.fail_at_step) if injects else -1,
+            hang_at_step=int(d.hang_at_step) if injects else -1,
+            fail_mode=str(d.fail_mode),
+        )
+
+    def saves_at(self, step: int) -> bool:
+        """Whether CheckpointManager.maybe_save saves at `step` (its cadence)."""
+        return self.save_every > 0 and step % self.save_every == 0
+
+    def evaluates_at(self, step: int) -> bool:
+        """Evaluate after this optimizer step: every training.eval_every steps and at the last one."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps)
+
+
+def maybe_fail(loop: LoopSettings, step: int) -> None:
+    """Fault injection for tests: fail `debug.fail_rank` at `debug.fail_at_step`, first attempt only."""
+    if step == loop.fail_at_step:
+        if loop.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
+            os.kill(os.getpid(), signal.SIGKILL)
+        if loop.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
+            from dtlaunch.errors import InputError
+
+            raise InputError(f"injected input error at step {step} (debug.fail_at_step)")
+        raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
+    if step == loop.hang_at_step:
+        # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
+        # when the launcher stops it, like a process with the default SIGTERM action.
+        log(f"hanging at step {step} (debug.hang_at_step)")
+        while not preemption.requested():
+            time.sleep(0.05)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _Totals:
+    """What the loop keeps across windows of step outcomes."""
+
+    def __init__(self) -> None:
+        self.bad = 0
+        self.skipped = 0
+        self.last_loss: Optional[float] = None
+        self.rates: list[float] = []  # tokens/s of every step this attempt ran
+        self.ended: dict[int, float] = {}  # step -> perf_counter at the end of its loop iteration
+        self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
+        self.last_eval: dict[str, float] = {}
+
+
+class Trainer:
+    def __init__(self, cfg: Any, run_dir: Path, env: DistEnv) -> None:
+        torch.manual_seed(int(cfg.training.seed))
+        self.cfg, self.run_dir, self.env = cfg, run_dir, env
+        phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
+        self.rt = rt = build_runtime(cfg, env)
+        log(
+            f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {rt.mesh}; accumulation {rt.accum}; "
+            f"{sum(_local_numel(p) for m in rt.model_parts for p in m.parameters()):,} parameter elements on "
+            f"this rank in {len(rt.model_parts)} part(s)"
+        )
+        dp_rank, dp_size = dp_rank_size(rt.mesh)
+        self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
+        self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
+        self.start = self.ckpt.resume()
+        self.metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
+        self.tracker = PeakTracker(rt.model_parts, rt.optimizers, enabled=True, device=env.device)
+        self.watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
+        self.loop = LoopSettings.of(cfg, env.rank)
+        t = cfg.training
+        self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s))
+        self.tokens_per_step = rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
+        self.totals = _Totals()
+
+    def fit(self) -> None:
+        """Steps start+1 .. training.steps, then the final checkpoint and the summary. A preemption stop
+        saves the step it stopped after and raises PreemptionStop (the worker exits 75)."""
+        loop, rt, sync = self.loop, self.rt, self.sync
+        log(f"training steps {self.start + 1}..{loop.steps}")
+        try:
+            for step in range(self.start + 1, loop.steps + 1):
+                maybe_fail(loop, step)
+                lr = rt.schedulers[0].get_last_lr()[0]
+                began = time.perf_counter()
+                with self.watch.step(step), self.tracker.step(step):
+                    result = train_step(rt, self.loader, step)
+                    rate = self.tokens_per_step / (time.perf_counter() - began)
+                    self.totals.rates.append(rate)
+                    done = sync.push(
+                        step,
+                        result.local_loss,
+                        result.grad_norm,
+                        result.applied,
+                        preemption.requested(),
+                        stats=result.router_stats,
+                        lr=lr,
+                        rate=rate,
+                    )
+                self._evaluate(step)
+                self._record(done)
+                if loop.saves_at(step):
+                    # A checkpointed step's metrics line must exist before a restart can resume after it.
+                    self._drain(step)
+                    self.metrics.flush()
+                self.ckpt.maybe_save(step)
+                # Preemption: every rank read the same window, so all stop after this step and save it.
+                if sync.signum:
+                    self._drain(step)
+                    preemption.stopping(sync.signum)
+                    if step < loop.steps:
+                        self.ckpt.save(step, final=True)
+                        self.close(Outcome.PREEMPTED)
+                        raise preemption.PreemptionStop(step, sync.signum)
+                self.totals.ended[step] = time.perf_counter()
+            self._drain(loop.steps)
+            final_step = max(self.start, loop.steps)
+            self.ckpt.save(final_step, final=True)
+        except (preemption.PreemptionStop, KeyboardInterrupt):
+            raise
+        except BaseException:
+            try:
+                self.close(Outcome.FAILED)
+            except Exception as exc:  # never hide the error that stopped the run
+                log(f"closing after the failure also failed: {exc!r}")
+            raise
+        self.close(Outcome.FINISHED, final_step)
+
+    def close(self, outcome: Outcome, final_step: int = 0) -> None:
+        """The one way out. Finished and preempted runs wait for a checkpoint in flight (a collective: every
+        rank is here); a failed one only closes this rank's files, since its peers may be stuck."""
+        if outcome is not Outcome.FAILED:
+            self.ckpt.close()
+        self.metrics.close()
+        summary = None
+        if outcome is Outcome.FINISHED:
+            summary = self._write_summary(final_step)
+            log(f"done at step {final_step}; {self.totals.skipped} skipped step(s)")
+        self.metrics.finish_trackers(summary)
+
+    def _evaluate(self, step: int) -> None:
+        """Outside the step's timing; its own loader and no RNG, so training and resume are unaffected."""
+        if self.val_loader is not None and self.loop.evaluates_at(step):
+            evaluated = evaluate(self.rt, self.val_loader, self.loop.eval_batches)
+            if evaluated:
+                self.totals.last_eval = self.totals.evals[step] = evaluated
+
+    def _drain(self, step: int) -> None:
+        """Read every window still in flight (a collective, watched like a step)."""
+        with self.watch.step(step):
+            self._record(self.sync.drain())
+
+    def _record(self, done: list[StepOutcome]) -> None:
+        """Metrics lines and the bad-step check for the steps whose window was just read."""
+        totals, moe = self.totals, self.rt.moe
+        peak = self._peak() if done else 0  # once per window, not per step
+        for out in done:
+            skipped = not out.applied or not math.isfinite(out.loss)
+            totals.last_loss = out.loss
+            totals.bad = totals.bad + 1 if skipped else 0
+            totals.skipped += int(skipped)
+            values = {
+                "loss": out.loss,
+                "lr": out.host["lr"],
+                "grad_norm": out.grad_norm,
+                "tokens_per_s": out.host["rate"],
+                "peak_mem_bytes": peak,
+                "skipped": int(skipped),
+                **totals.evals.pop(out.step, {}),
+                **(moe.summarize(out.stats) if moe is not None and out.stats else {}),
+            }
+            if out.step in totals.ended:  # the step's own end, not when its window was read
+                values["ended_at"] = totals.ended.pop(out.step)
+            self.metrics.log(out.step, values)
+            if skipped and totals.bad >= self.loop.max_bad_steps:
+                raise TrainingDiverged(
+                    f"{totals.bad} steps in a row with a non-finite loss or gradient norm (last at step "
+                    f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
+                )
+
+    def _peak(self) -> int:
+        """Peak allocated bytes on this rank so far (CUDA allocator; on CPU the storage counter)."""
+        return int(self.tracker.peak_bytes())
+
+    def _write_summary(self, step: int) -> Optional[dict[str, Any]]:
+        """summary.json (rank 0): what only the workers know, for the launcher's end-of-run summary."""
+        peaks = [0] * self.env.world
+        dist.all_gather_object(peaks, self._peak())
+        if self.env.rank != 0:
+            return None
+        t = self.totals
+        summary = {
+            "final_step": step,
+            "last_loss": t.last_loss,
+            "tokens_per_s_median": statistics.median(t.rates) if t.rates else None,
+            "skipped_steps": t.skipped,
+            "peak_mem_bytes_per_rank": peaks,
+            "world": self.env.world,
+            **t.last_eval,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
