@@ -16,7 +16,7 @@ from dtlaunch.errors import ConfigError
 
 def fsdp_shards(cfg: Any, layout: Layout) -> int:
     """Ranks one FSDP2 unit's parameters are cut into (1 without FSDP): the shard dim of the data mesh,
-    or its one dim when only replicas or only shards exist (dtlaunch.train.mesh.dp_mesh)."""
+    or its one dim when only replicas or only shards exist (dtlaunch.train.parallel.mesh.dp_mesh)."""
     if int(cfg.strategy.zero_stage) < 2:
         return 1
     if layout.dp_replicate > 1 and layout.shard > 1:

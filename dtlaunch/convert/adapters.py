@@ -259,7 +259,7 @@ def export_adapters(src: Path, fmt: str, out: Path, max_shard_bytes: int) -> Opt
     """`ckpt export`: peft (the adapters) or hf (the merged model) for a LoRA run; None when `src` holds
     no adapters and `fmt` is not peft (the caller exports the full model)."""
     from dtlaunch.convert.hf import export_tokenizer, save_hf
-    from dtlaunch.train.checkpoint import resolve_load_path
+    from dtlaunch.run.checkpoints import resolve_load_path
 
     info, _ = resolve_load_path(Path(src))
     if fmt != "peft" and not info.marker.get("peft"):

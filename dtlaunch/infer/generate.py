@@ -57,7 +57,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
         eos_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else tokenizer.eos_id
     else:
         from dtlaunch.convert.hf import load_checkpoint_model
-        from dtlaunch.train.checkpoint import resolve_load_path
+        from dtlaunch.run.checkpoints import resolve_load_path
 
         if resolve_load_path(Path(source))[0].marker.get("peft"):  # a LoRA run: its base + its adapters
             from dtlaunch.convert.adapters import merged_run_state
