@@ -15,7 +15,7 @@ Where the jobs differ (the same model and batch, not the same program):
 - dtypes: torchtune holds the whole model, adapters and AdamW state in bf16; dtlaunch stores the frozen
   linears in bf16 (NF4 under QLoRA) but keeps the embedding, norm gains, adapters and their AdamW state in
   fp32 (mixed precision with fp32 master weights);
-- the recipe rows are dtlaunch's shipped recipes (dtlaunch/recipes/), planned as they are.
+- the recipe rows are dtlaunch's shipped recipes (recipes/), planned as they are.
 
     python bench/peft_compare.py [--json out.json] [--markdown bench/results/peft-compare.md]
 """
