@@ -27,6 +27,12 @@ def fsdp_shards(cfg: Any, layout: Layout) -> int:
 def check_qlora(cfg: Any, layout: Layout, notes: list[str]) -> None:
     if str(cfg.peft.method) != "qlora":
         return
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            "peft.method=qlora needs the 'torchao' package (its NF4 tensor): pip install 'dtlaunch[qlora]'"
+        )
     for dim, value, fix in (
         ("strategy.tp", layout.tp, "strategy.tp=1 (FSDP2 or DDP)"),
         ("strategy.pp", layout.pp, "strategy.pp=1 (FSDP2 or DDP)"),

@@ -15,7 +15,9 @@ mean, which the gathered tensor cannot carry).
 
 from __future__ import annotations
 
+import importlib
 import sys
+from types import ModuleType
 from typing import Iterator
 
 import torch
@@ -25,10 +27,16 @@ from torch import nn
 SHARDED_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor")
 
 
-def nf4_class() -> type:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+def _torchao_nf4() -> ModuleType:
+    """torchao's NF4 module (moved from torchao.dtypes in newer releases)."""
+    try:
+        return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    except ImportError:
+        return importlib.import_module("torchao.dtypes.nf4tensor")
 
-    return NF4Tensor
+
+def nf4_class() -> type:
+    return _torchao_nf4().NF4Tensor
 
 
 def is_nf4(t: object) -> bool:
@@ -40,9 +48,7 @@ def is_nf4(t: object) -> bool:
 
 def to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int, dtype: torch.dtype) -> torch.Tensor:
     """`weight` (2-D) in `dtype`, quantised to NF4; its dtype is the one it dequantises to."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as torchao_to_nf4
-
-    return torchao_to_nf4(weight.detach().to(dtype).contiguous(), block_size, scaler_block_size)
+    return _torchao_nf4().to_nf4(weight.detach().to(dtype).contiguous(), block_size, scaler_block_size)
 
 
 def nf4_fits(numel: int, block_size: int, scaler_block_size: int) -> bool:
