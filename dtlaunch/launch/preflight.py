@@ -118,10 +118,12 @@ def check_model_matches(cfg: Any, info: Any) -> None:
         for k, md in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    from dtlaunch.train.peft import apply_peft
+    spec = model_spec(cfg.model)
+    model = spec.build(cfg.model, rope_len=1, device="meta")
+    if str(cfg.peft.method) != "none":
+        from dtlaunch.models.lora import apply_lora
 
-    model = model_spec(cfg.model).build(cfg.model, rope_len=1, device="meta")
-    apply_peft(model, cfg)
+        apply_lora(model, spec, cfg.peft)
     # peft: the checkpoint holds the adapters only (the frozen base is re-read from model.init_from).
     expected = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     # Persistent buffers are saved too (an MoE router's expert bias).

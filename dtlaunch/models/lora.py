@@ -8,14 +8,14 @@ parameters, `lora_a` [rank, in] and `lora_b` [out, rank]:
 which is what Hugging Face peft computes, so an adapter trained here loads there unchanged. B starts at
 zero (training starts from the base model's outputs), A Kaiming-uniform (torch's nn.Linear default,
 bound 1/sqrt(in)) drawn from a generator seeded by the run's seed and the parameter's name: the runtime
-computes the full value and cuts each rank's shard from it (dtlaunch.train.init), so every layout
+computes the full value and cuts each rank's shard from it (dtlaunch.train.parallel.init_weights), so every layout
 starts from the same adapters.
 
 Targets are Hugging Face module names (q_proj, v_proj, gate_proj, ...): each linear of the blocks is
 named through its family's HF name mapping (`ModelSpec.names().to_hf_name`), so the same
 `peft.targets` work for every family. The output head never takes an adapter.
 
-No torch.distributed here: tensor parallel styles for these linears live in dtlaunch.train.lora_tp.
+No torch.distributed here: tensor parallel styles for these linears live in dtlaunch.train.parallel.lora_tp.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def _in_block(fqn: str) -> bool:
 
 
 def expert_names(model: nn.Module, spec: Any) -> set[str]:
-    """HF leaf names of block parameters that are not linears (routed experts' 3-D weights): named in
-    the error so that `gate_proj` on a MoE model says why it is refused."""
+    """HF leaf names of block parameters that are not linears (routed experts' 3-D weights): the error
+    says why `gate_proj` is refused on a MoE model, and the peft export why it cannot be written."""
     linear = {f"{fqn}." for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     names = set()
     for name, p in model.named_parameters():
@@ -169,15 +169,3 @@ def freeze_base(model: nn.Module) -> None:
     parameters a style leaves alone) registers new Parameters without their requires_grad."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
-
-
-def adapted_linears(model: nn.Module) -> dict[str, LoRALinear]:
-    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, LoRALinear)}
-
-
-@torch.no_grad()
-def merged_weight(linear: LoRALinear) -> torch.Tensor:
-    """W + scaling * B A (the base weight's dtype), for export and inference without adapters."""
-    w = linear.weight
-    delta = (linear.lora_b.float() @ linear.lora_a.float()) * linear.scaling
-    return (w.float() + delta).to(w.dtype)

@@ -51,6 +51,7 @@ from dtlaunch.train.parallel.pp_stage import set_fsdp_sync
 from dtlaunch.train.parallel.pp_step import clip_grad_norm
 from dtlaunch.train.parallel.process_group import DistEnv
 from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+from dtlaunch.train.peft import apply_peft
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step import train_step
 
@@ -169,12 +170,9 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     # Split the meta model outside the fake mode: deep-copying meta parameters under it leaves weak
     # references on them that the later materialisation (to_empty) refuses.
     with unset_fake_temporarily():
-        (idx, part), *_ = build_stage_modules(
-            model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"),
-            cfg,
-            layout,
-            stage,
-        )
+        model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+        apply_peft(model, cfg)  # as build_model_parts does
+        (idx, part), *_ = build_stage_modules(model, cfg, layout, stage)
     part = parallelize(part, mesh, cfg, layout, init=active_fake_mode() is None)
     opt = build_optimizer(part, cfg, device, fused=fused_optimizer(cfg.hardware))
     t, m = cfg.training, cfg.model

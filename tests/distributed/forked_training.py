@@ -57,7 +57,7 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
 
     t = cfg.training
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(t.seq_len), device="meta")
-    apply_peft(model, cfg)  # as the worker's build_parts does (no-op for peft.method=none)
+    apply_peft(model, cfg)  # as the worker's build_model_parts does (no-op for peft.method=none)
     if prepare is not None:
         prepare(model)
     materialize_and_init(model, device, int(t.seed), init_source=model)
@@ -75,8 +75,9 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     )
 
 
-def train(overrides: list[str], world: int, steps: int) -> dict:
-    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference."""
+def train(overrides: list[str], world: int, steps: int, inspect: Callable | None = None) -> dict:
+    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference.
+    `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect"."""
     import torch
     import torch.distributed as dist
 
@@ -114,7 +115,10 @@ def train(overrides: list[str], world: int, steps: int) -> dict:
             loss /= world
         losses.append(float(loss))
         norms.append(float(r.grad_norm))
-    return {"loss": losses, "grad_norm": norms, "precision": str(cfg.precision.param_dtype)}
+    out = {"loss": losses, "grad_norm": norms, "precision": str(cfg.precision.param_dtype)}
+    if inspect is not None:
+        out["inspect"] = inspect(rt)
+    return out
 
 
 def _forked(rank: int, world: int, port: int, out: str, run_all: Callable[[], dict]) -> None:

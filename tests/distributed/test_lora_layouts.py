@@ -1,7 +1,8 @@
 """LoRA loss parity of every parallel layout with one process, in two forked gloo groups (2 and 4 workers).
 
 The tiny Llama with rank-8 adapters on all of its block linears (so both column- and row-parallel linears
-carry adapters under tensor parallel) trains 4 steps; the workers run the runtime object (`build_runtime`,
+carry adapters under tensor parallel), and the tiny MoE model with adapters on attention under expert
+parallel, train 4 steps; the workers run the runtime object (`build_runtime`,
 then `train_step`, tests/distributed/forked_training.py), the pytest process the same steps on one process
 with no mesh. Loss and grad norm must agree within 1e-4 at every step. Also checked on every layout: only
 the adapters hold gradients and optimizer state, and the frozen base does not move.
@@ -30,6 +31,8 @@ COMMON = [
 REFERENCES = {
     "tiny": ["recipe=tiny_tp", "training.micro_batch=4"],
     "tiny_gb8": ["recipe=tiny_ddp", "training.micro_batch=8"],
+    # The generic MoE entry has no Hugging Face names: its targets are its own (attention's linears).
+    "tiny_moe_gb8": ["recipe=tiny_fsdp", "model=tiny_moe", "peft.targets=[wq,wk,wv,wo]", "training.micro_batch=8"],
 }
 LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "ddp_2": (2, "tiny_gb8", ["recipe=tiny_ddp", "training.micro_batch=4"]),
@@ -38,13 +41,47 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     "zero3_2": (2, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=4"]),
     "tp_sp_2": (2, "tiny", ["recipe=tiny_tp", "training.micro_batch=4"]),
     "pp_1f1b_2": (2, "tiny", ["recipe=tiny_pp", "training.micro_batch=4", "strategy.pp_schedule=1f1b"]),
+    "moe_ep_zero3_2": (
+        2,
+        "tiny_moe_gb8",
+        ["recipe=tiny_fsdp", "model=tiny_moe", "peft.targets=[wq,wk,wv,wo]", "training.micro_batch=4", "strategy.ep=2"],
+    ),
     "hsdp_2x2": (4, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),
     "fsdp_tp_2x2": (4, "tiny", ["recipe=tiny_tp", "strategy=fsdp_tp", "training.micro_batch=2"]),
 }
 
 
+def frozen_base(rt) -> dict:
+    """After training: frozen parameters with a gradient, frozen parameters that moved from their initial
+    value (gathered whole), and optimizer state entries that are not adapters."""
+    import torch
+
+    from dtlaunch.train.parallel.init_weights import model_param_name
+
+    seed = int(rt.cfg.training.seed)
+    frozen = with_grad = moved = 0
+    for part in rt.model_parts:
+        model = getattr(part, "module", part)  # DDP's wrapper
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                continue
+            frozen += 1
+            with_grad += p.grad is not None
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            init = model.init_param(model_param_name(name), tuple(full.shape), seed)
+            moved += not torch.equal(full.detach(), init.to(full.dtype))
+    optimized = [p for opt in rt.optimizers for p in getattr(opt, "optim", opt).state]
+    return {
+        "frozen": frozen,
+        "frozen_with_grad": with_grad,
+        "frozen_moved": moved,
+        "frozen_in_optimizer": sum(not p.requires_grad for p in optimized),
+        "optimized": len(optimized),
+    }
+
+
 def _overrides(base: list[str], world: int) -> list[str]:
-    return [*base, *COMMON, f"launch.nproc_per_node={world}"]
+    return [*COMMON, *base, f"launch.nproc_per_node={world}"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +91,7 @@ def launched(tmp_path_factory) -> dict:
         names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
 
         def run_all(names: list[str] = names, world: int = world) -> dict:
-            return {n: train(_overrides(LAYOUTS[n][2], world), world, STEPS) for n in names}
+            return {n: train(_overrides(LAYOUTS[n][2], world), world, STEPS, frozen_base) for n in names}
 
         out.update(run_forked(world, run_all, tmp_path_factory.mktemp(f"lora_{world}") / "results.json"))
     return out
@@ -74,6 +111,13 @@ def references() -> dict:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lora_parity(name: str, launched, references) -> None:
     got, want = launched[name], references[LAYOUTS[name][1]]
+    report = got["inspect"]
+    assert (
+        report["frozen"] > 0
+        and report["optimized"] > 0
+        and report["frozen_with_grad"] == report["frozen_in_optimizer"] == 0
+    ), report
+    assert report["frozen_moved"] == 0, report
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
         assert diff <= TOL, f"{name} {key}: max |diff| {diff:.2e}\n{got[key]}\n{want[key]}"

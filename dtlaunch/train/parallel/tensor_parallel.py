@@ -159,8 +159,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
     block = torch_plan(spec.tp_block_plan(cfg.model, sp))
     # An entry whose modules keep head counts as attributes fixes them to this rank's share.
     localize = getattr(importlib.import_module(spec.tp_plan), "localize_heads", None)
-    # LoRA linears take styles that also place their adapters: dtlaunch.train.lora_tp.
-    from dtlaunch.train.lora_tp import lora_tp_plan
+    # LoRA linears take styles that also place their adapters: dtlaunch.train.parallel.lora_tp.
+    from dtlaunch.train.parallel.lora_tp import lora_tp_plan
 
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, lora_tp_plan(float8_tp_plan(block, layer) if float8 else block, layer))
