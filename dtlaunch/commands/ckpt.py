@@ -154,7 +154,7 @@ def inspect_command(checkpoint: str, tensors: bool = False) -> int:
 
 
 def export_command(src: str, fmt: str, out_dir: str, max_shard_size: str) -> int:
-    from dtlaunch.convert.hf import export_checkpoint
+    from dtlaunch.convert.export import export_checkpoint
 
     limit = _parse_size(max_shard_size)
     if not out_dir.strip():

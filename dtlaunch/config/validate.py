@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
 from dtlaunch.config.peft_rules import check_peft
+from dtlaunch.config.qlora_rules import check_qlora
 from dtlaunch.config.ranges import check_ranges
 from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
@@ -547,6 +548,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_expert_parallel,
     check_batch,
     check_float8_tensor_parallel,
+    check_qlora,
 ]
 
 

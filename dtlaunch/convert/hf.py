@@ -144,20 +144,6 @@ def save_torch(state: dict, m: Any, out: Path) -> Path:
     return out / TORCH_FILE
 
 
-def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
-    if fmt not in ("hf", "torch", "peft"):
-        raise InputError(f"--format {fmt!r} is not an export format: use hf, torch or peft")
-    from dtlaunch.convert.adapters import export_adapters
-
-    adapters = export_adapters(src, fmt, out, max_shard_bytes)  # a LoRA run: its adapters, or merged
-    if adapters is not None:
-        return adapters
-    state, m, info = load_checkpoint_model(src)
-    if fmt == "hf":
-        return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)
-    return [save_torch(state, m, out)]
-
-
 def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
     """The run's Hugging Face tokenizer (kept in <run dir>/tokenizer by the launcher), beside the weights.
     Runs on the byte tokenizer or synthetic data have none: nothing is written."""

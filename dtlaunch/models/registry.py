@@ -61,6 +61,8 @@ class ModelSpec:
     fixed: dict = field(default_factory=dict)
     # A tied head and embedding live on different pipeline stages: refused with pp > 1.
     pp_tied_ok: bool = False
+    # One block's linears, HF name -> (out, in, column-parallel): the planner's LoRA / QLoRA lines.
+    block_linears: Optional[Callable[[Any], dict]] = None
     # "module:function" (job config) -> None: the family's own rules on the model section and layout,
     # raising ConfigError with one line (run by `validate` before anything starts).
     check: str = ""

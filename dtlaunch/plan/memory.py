@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, pp_microbatches
 from dtlaunch.models.registry import model_spec
+from dtlaunch.plan.peft import peft_notes
 from dtlaunch.plan.stage import StagePlan, plan_stages
 from dtlaunch.plan.trace import trace_peak, traced_with_fake_tensors
 
@@ -106,6 +107,7 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
     if layout.cp > 1:
         lay["cp"] = layout.cp
     notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
+    notes += peft_notes(cfg)
     if layout.pp > 1 and int(s.zero_stage) >= 2 and layout.dp > 1:
         n_mb = pp_microbatches(cfg, layout)
         notes.append(

@@ -24,6 +24,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
 from dtlaunch.plan.experts import a2a_volume_bytes, num_routed_experts, stage_routed_params
 from dtlaunch.plan.memory import plan_memory
+from dtlaunch.plan.peft import qlora_layout_ok
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
 HIDDEN_FRACTION = 0.8  # share of overlappable communication that compute can hide at best
@@ -59,7 +60,9 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     P = model_spec(m).param_count(m)
     gb = global_batch(cfg, lay)
     tokens = gb * t.seq_len
-    flops_model = (6 * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
+    # LoRA / QLoRA: the frozen base computes no weight gradients (4 FLOPs per parameter and token, not 6).
+    per_param = 4 if str(cfg.peft.method) != "none" else 6
+    flops_model = (per_param * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
     if num_routed_experts(m):
         # A token multiplies only its top-k experts: the registry's count of active parameters.
         flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
@@ -194,6 +197,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         continue
                     if tp > 1 and num_routed_experts(m) and (zero < 2 or dp * cp == 1):
                         continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
+                    if not qlora_layout_ok(cfg, tp, pp, rep * shard * cp if zero >= 2 else 1, rep):
+                        continue  # config.qlora_rules: NF4 under FSDP2 or DDP, whole blocks per shard
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:
                         if pp * v > m.n_layers:

@@ -27,6 +27,7 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
 
 # Lines that do not exist at the optimizer step (freed after backward).
 _GONE_AT_OPTIMIZER = (
@@ -38,6 +39,7 @@ _GONE_AT_OPTIMIZER = (
     "all-to-all buffers",
     "RoPE tables (CP positions)",
     "float8 casts",
+    "LoRA activations",
 )
 
 
@@ -92,15 +94,25 @@ class StageShape:
     tied_head: bool
     held: float  # micro-batches in flight, in units of the rank's whole layer set
     by_kind: dict  # AC kind -> saved bytes per token of one block
+    ft: PeftTerms | None = None  # fine-tuning (peft.method=lora/qlora) terms, dtlaunch.plan.peft
 
     @property
     def v_h(self) -> int:
         return v_h(self.m, self.tp)
 
     @property
+    def trained(self) -> int:
+        """Parameters that train (have gradients and optimizer state): the adapters under LoRA / QLoRA."""
+        return self.ft.adapters if self.ft else self.p_rank
+
+    @property
+    def trained_blk(self) -> int:
+        return self.ft.adapters_block if self.ft else self.blk
+
+    @property
     def grads(self) -> float:
-        """fp32 gradients of the stage's parameters (sharded under FSDP)."""
-        return 4 * self.p_rank / (self.shard if self.fsdp else 1)
+        """fp32 gradients of the stage's trained parameters (sharded under FSDP)."""
+        return 4 * self.trained / (self.shard if self.fsdp else 1)
 
 
 def v_h(m: Any, tp: int) -> int:
@@ -195,6 +207,12 @@ def stage_shape(
         # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
         by_kind["selective"] += e * d.h
+    # Fine-tuning: only the adapters train; QLoRA's base is NF4; the adapters join selective AC's matmul
+    # alternation (dtlaunch.plan.peft).
+    shard = layout.shard if fsdp or zero == 1 else 1
+    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, autocast)
+    if ft and "selective" in by_kind and t.ac_policy == "op":
+        by_kind["selective"] += ft.selective
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     return StageShape(
         cfg=cfg,
@@ -216,7 +234,7 @@ def stage_shape(
         zero=zero,
         fsdp=fsdp,
         ddp=zero in (0, 1) and layout.dp * cp > 1,
-        shard=layout.shard if fsdp or zero == 1 else 1,
+        shard=shard,
         autocast=autocast,
         p_rank=p_rank,
         blk=blk,
@@ -233,6 +251,7 @@ def stage_shape(
         tied_head=spec.head_params(m) == 0,
         held=in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages),
         by_kind=by_kind,
+        ft=ft,
     )
 
 
@@ -241,6 +260,10 @@ def static_lines(c: StageShape) -> dict[str, float]:
     t, d, e, tp = c.t, c.d, c.e, c.tp
     lines: dict[str, float] = {}
     lines["parameters"] = 4 * c.p_rank / (c.shard if c.fsdp else 1)
+    if c.ft:
+        head = model_spec(c.m).head_params(c.m) // tp if c.last else 0
+        frozen_linear = c.layers * (c.blk - c.norm_gains) + head
+        lines.update(param_lines(c.ft, c.p_rank, frozen_linear, c.layers, c.shard if c.fsdp else 1, e))
     rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if c.cp > 1:
@@ -250,11 +273,11 @@ def static_lines(c: StageShape) -> dict[str, float]:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
         # (llama.Llama.forward); every block shares that copy until backward is done.
         lines["RoPE tables (compute dtype)"] = 2 * e * rope_table
-    lines["optimizer state"] = 8 * c.p_rank / c.shard
+    lines["optimizer state"] = 8 * c.trained / c.shard
     if c.ddp:
         # DDP (gradient_as_bucket_view off) keeps flat fp32 buckets for the whole run; gradients are
         # separate tensors, allocated in backward and set to None after the step.
-        lines["DDP buckets"] = 4 * c.p_rank
+        lines["DDP buckets"] = 4 * c.trained
     if c.accum > 1:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
         # reduce-scatters every micro-step (dtlaunch.train.parallel.parallelize.grad_sync) and keeps only shards.
@@ -264,6 +287,8 @@ def static_lines(c: StageShape) -> dict[str, float]:
         lines["autocast weight copies"] = copies
     if c.fsdp and c.zero == 2:
         lines["unsharded parameters"] = e * c.p_gather if (c.shard > 1 or e != 4) else 0.0
+        if c.ft:
+            lines["unsharded parameters"] += c.layers * (gathered_block(c.ft, c.blk, e) - e * c.blk)
     elif c.fsdp:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
@@ -284,6 +309,11 @@ def _autocast_weight_copies(c: StageShape) -> float | None:
     e, layers, kept = c.e, c.layers, c.kept
     if not c.autocast:
         return None
+    if c.ft:
+        # Frozen linears are stored in the compute dtype (their cast is the weight itself), QLoRA's NF4
+        # matmuls save the NF4 weight: only the adapters' casts (and a tied head's) are copies.
+        adapters = c.ft.adapters if kept == layers and not c.compiled else 0
+        return e * (adapters + (c.v_h if c.tied_head and c.last else 0))
     if kept and c.compiled:
         # Compiled blocks recompute their weights' casts in backward instead of saving them.
         return e * c.v_h if c.last else 0.0
@@ -304,25 +334,36 @@ def _loss_saved_per_token(c: StageShape) -> float:
     """The last stage's final norm and logits, saved for the loss backward (per token)."""
     if not c.last:
         return 0.0
-    return c.act.final_norm_bytes(c.d, c.e, c.tp, c.sp, c.autocast) + c.act.logits_forward_bytes(c.d, c.e, c.tp)
+    final_norm = c.ft.final_norm if c.ft else c.act.final_norm_bytes(c.d, c.e, c.tp, c.sp, c.autocast)
+    return final_norm + c.act.logits_forward_bytes(c.d, c.e, c.tp)
+
+
+def _blocks_per_token(c: StageShape) -> float:
+    """Saved bytes per token of the stage's blocks; under fine-tuning the frozen base keeps less (frozen
+    norm gains; the first block's input needs no gradient), the adapters' own are a line of their own."""
+    per_token = sum(n * c.by_kind[k] for k, n in c.mix.items())
+    if c.ft:
+        per_token += c.kept * c.ft.act_block + (c.ft.act_first if c.first and c.kept else 0.0)
+    return per_token
 
 
 def _mean_block_per_token(c: StageShape) -> float:
     """Saved bytes per token of the stage's mean block."""
-    per_token = sum(n * c.by_kind[k] for k, n in c.mix.items())
-    return per_token / c.layers if c.layers else 0.0
+    return _blocks_per_token(c) / c.layers if c.layers else 0.0
 
 
 def forward_lines(c: StageShape) -> dict[str, float]:
     """What forward adds: saved activations of every micro-batch in flight, all-to-all buffers (EP)."""
     t = c.t
-    per_token = sum(n * c.by_kind[k] for k, n in c.mix.items())
+    per_token = _blocks_per_token(c)
     if c.first:
         per_token += c.act.embedding_bytes(c.d, c.e)
     per_token += _loss_saved_per_token(c)
     # Under autocast the hidden state stays fp32 and each block's RoPE casts its own table slices.
     rope = c.act.rope_cast_bytes(c.d, c.e, int(t.seq_len) // c.cp) * c.kept if c.autocast and not c.compiled else 0.0
     lines = {"activations": (per_token * c.tokens + rope * (t.micro_batch // c.n_mb) / t.micro_batch) * c.held}
+    if c.ft:
+        lines["LoRA activations"] = c.kept * c.ft.adapter_act * c.tokens * c.held
     a2a = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.e)
     if a2a:
         lines["all-to-all buffers"] = a2a
@@ -349,30 +390,41 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
         # (+ their reduce-dtype copy). Measured: the prefetched next block does not add at the peak.
         unit = (e * c.blk_gather if zero == 3 else 0.0) + (e + (r if r != e else 0)) * c.blk_gather
         head_grads = (e * (c.v_h + d.h) if last else 0.0) if zero == 3 else head_grads
+        if c.ft:
+            gathered = gathered_block(c.ft, c.blk_gather, e) if zero == 3 else 0.0
+            unit = gathered + (e + (r if r != e else 0)) * c.trained_blk
+    if c.ft:
+        head_grads = 0.0  # the head and final norm are frozen
     # The block being recomputed: the most any checkpointed kind of this stage re-creates at once.
     none_tok = c.act.block_bytes_no_ac(d, e, tp, c.sp, c.autocast, c.compiled)
     recompute = max((none_tok - c.by_kind[k] for k in c.mix if k != "none" and c.mix[k]), default=0.0)
     work = (c.act.backward_working_bytes(d, e, tp) + recompute) * tokens
+    if c.ft and c.ft.qlora:
+        work += c.ft.dequant  # one NF4 weight dequantised for its matmul
     if c.cp > 1:
         work += cp_exchange_bytes(d, e, tp, (c.t.micro_batch // c.n_mb) * c.t.seq_len)
     if c.autocast and c.kept < layers:
-        work += e * (c.blk - c.norm_gains)  # the recomputed block casts its weights again
+        work += e * (c.ft.adapters_block if c.ft else c.blk - c.norm_gains)  # the recomputed block casts its weights
     # The loss backward frees the final norm's and log_softmax's saved tensors of its own micro-batch
     # only: under a pipeline the other micro-batches in flight keep theirs. (Subtracting them for every
     # micro-batch in flight put GPipe's last stage 13 % under real gloo runs.)
     held_act = lines["activations"] - (_loss_saved_per_token(c) * tokens if last else 0.0)
     if last:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
-    blk_grads = (4 * c.blk / div) if layers else 0.0
+    blk_grads = (4 * c.trained_blk / div) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
+    if c.ft and fsdp and zero == 3 and first and c.kept == 0:
+        # Fine-tuning under full AC: the root unit's frozen embedding is still gathered when the blocks'
+        # backward starts (traced real FSDP2 step, planner7m LoRA fp32: embedding + head + one block).
+        at_first_blk += e * c.v_h
     # Gradients produced since the first block: with accumulation they already exist from the earlier
     # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
     grown = max(0, layers - 1) * blk_grads if c.accum == 1 else 0.0
     at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * c.held + grown
-    if first and fsdp and zero == 3:
+    if first and fsdp and zero == 3 and not c.ft:  # (a frozen embedding has no gradient)
         at_last_blk += e * c.v_h  # the embedding's unsharded gradient before its reduce-scatter
-    elif first and c.accum == 1:
+    elif first and c.accum == 1 and not c.ft:
         at_last_blk += 4 * c.v_h / div
     backward = [base + loss_bwd, at_first_blk if layers else 0.0, at_last_blk if layers else 0.0]
     if c.pp > 1 and c.n_mb > 1:
@@ -462,7 +514,7 @@ def optimizer_lines(c: StageShape, lines: dict[str, float]) -> dict[str, float]:
     out = {k: v for k, v in lines.items() if k not in _GONE_AT_OPTIMIZER}
     out["gradients"] = c.grads
     if not fused_optimizer(c.cfg.hardware):
-        out["optimizer temporaries"] = 4 * c.p_rank / c.shard
+        out["optimizer temporaries"] = 4 * c.trained / c.shard
     return out
 
 

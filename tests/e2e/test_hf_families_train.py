@@ -76,7 +76,7 @@ def test_export_reproduces_the_original_directory(
         f"model.init_from=hf:{src}",
     )
     out = tmp_path / "hf"
-    from dtlaunch.convert.hf import export_checkpoint  # what `ckpt export --format hf` runs
+    from dtlaunch.convert.export import export_checkpoint  # what `ckpt export --format hf` runs
 
     export_checkpoint(run, "hf", out)
     original, exported = _tensors(src), _tensors(out)

@@ -240,7 +240,7 @@ def test_hf_export_carries_the_tokenizer(layout_run, tiny_tokenizer, tmp_path: P
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from dtlaunch.convert.hf import export_checkpoint
+    from dtlaunch.convert.export import export_checkpoint
 
     export_checkpoint(layout_run("single_jsonl"), "hf", tmp_path / "export")
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "export"))

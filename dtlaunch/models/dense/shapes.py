@@ -69,3 +69,19 @@ def tp_divisors(m: Any) -> list[tuple[str, int]]:
         ("model.vocab_size", m.vocab_size),
         ("model FFN width", ffn_dim(m)),
     ]
+
+
+def block_linears(m: Any) -> dict[str, tuple[int, int, bool]]:
+    """The linears of one block by Hugging Face module name: (out features, in features, column-parallel
+    under tensor parallel). What LoRA adapts and QLoRA quantises (the planner's fine-tuning lines)."""
+    h, d = m.dim, head_dim(m)
+    q, k, f = m.n_heads * d, kv_heads(m) * d, ffn_dim(m)
+    return {
+        "q_proj": (q, h, True),
+        "k_proj": (k, h, True),
+        "v_proj": (k, h, True),
+        "o_proj": (h, q, False),
+        "gate_proj": (f, h, True),
+        "up_proj": (f, h, True),
+        "down_proj": (h, f, False),
+    }

@@ -29,5 +29,6 @@ def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple
         tp_divisors=shapes.tp_divisors,
         activations="dtlaunch.models.dense.activations",
         fixed=dict(fixed),
+        block_linears=shapes.block_linears,
         check="dtlaunch.models.dense.check:check",
     )

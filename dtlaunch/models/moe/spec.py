@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from dtlaunch.models.moe import flops, shapes
+import dtlaunch.models.moe.flops as flops
+import dtlaunch.models.moe.shapes as shapes
 from dtlaunch.models.registry import ModelSpec
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtlaunch.models.lora import is_adapter
+from dtlaunch.train.parallel.qlora import load_nf4_param
 
 # Prefixes added by wrappers (DDP, activation checkpointing, torch.compile) that the model's own
 # parameter names do not have.
@@ -47,6 +48,9 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
         pname = model_param_name(name)
         # Adapters (dtlaunch.models.lora) are not in the base's files: their init comes from init_param.
         from_base = pretrained is not None and not is_adapter(pname)
+        # QLoRA's NF4 weights: the whole weight quantised, then this rank's rows (dtlaunch.train.parallel.qlora).
+        if load_nf4_param(p, pname, src, seed, pretrained if from_base else None):
+            continue
         if isinstance(p, DTensor):
             local = p.to_local()
             if from_base:

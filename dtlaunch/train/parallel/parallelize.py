@@ -21,8 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtlaunch.config.layout import Layout
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.float8 import apply_float8
+from dtlaunch.train.parallel.frozen_base import convert_frozen_base
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
+from dtlaunch.train.parallel.qlora import ddp_skip_nf4
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,7 +57,11 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     apply_ac(model, cfg.training)
     if cfg.training.compile:
         apply_compile(model)
-    if data_mesh is not None and zero >= 2:
+    fsdp = data_mesh is not None and zero >= 2
+    # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
+    # FSDP2 shards what is stored.
+    convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1)
+    if fsdp:
         apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
     if init:
         materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
@@ -133,6 +139,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any, device: torch.device
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
+    ddp_skip_nf4(model)  # QLoRA's frozen NF4 weights: neither broadcast nor bucketed
     # No buffer broadcast before every forward (DDP's default): the model's buffers (RoPE tables) are
     # computed identically on every rank and never change, and the broadcast costs a collective per step.
     ddp = DistributedDataParallel(model, process_group=mesh.get_group(), device_ids=ids, **no_buffer_sync())

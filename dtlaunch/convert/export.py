@@ -1,0 +1,28 @@
+"""`dtlaunch ckpt export`: a checkpoint of any layout to Hugging Face safetensors, our own torch file, or
+(a LoRA run) peft adapters or the merged model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtlaunch.convert.adapters import export_adapters
+from dtlaunch.convert.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    export_tokenizer,
+    load_checkpoint_model,
+    save_hf,
+    save_torch,
+)
+from dtlaunch.errors import InputError
+
+
+def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    if fmt not in ("hf", "torch", "peft"):
+        raise InputError(f"--format {fmt!r} is not an export format: use hf, torch or peft")
+    adapters = export_adapters(src, fmt, out, max_shard_bytes)  # a LoRA run: its adapters, or merged
+    if adapters is not None:
+        return adapters
+    state, m, info = load_checkpoint_model(src)
+    if fmt == "hf":
+        return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)
+    return [save_torch(state, m, out)]

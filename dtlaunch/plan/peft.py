@@ -1,0 +1,198 @@
+"""The memory planner's fine-tuning terms (peft.method=lora / qlora; pure Python, never imports torch).
+
+What changes against full training, per rank (dtlaunch.plan.memory.plan_stage applies it):
+- the frozen linears are stored in the compute dtype (dtlaunch.train.parallel.frozen_base): no fp32 master, and
+  under autocast no saved cast of them (the cast is the weight itself);
+- only the adapters train: gradients, AdamW state, DDP buckets and the optimizer's temporaries count
+  the adapters (`lora_a` [rank, in], `lora_b` [out, rank] per adapted linear, split by tensor parallel
+  as dtlaunch.train.lora_tp does); the frozen base has none, the head and embedding no gradient;
+- QLoRA's block linears are NF4 (torchao): their real bytes, codes n/2 + int8 block scales + one
+  factor per scaler block in the compute dtype + mean and code table, per tensor and per FSDP shard.
+  FSDP gathers those bytes, not a compute-dtype copy; a matmul dequantises the weight on the fly:
+  torchao's `get_original_weight` holds two int64 code tensors, the dequantised halves, their scales
+  and the result at once, (8 + 3e) bytes per element of the largest linear (measured on CPU). It saves
+  the NF4 weight itself for backward, never an autocast copy;
+- saved activations (per token, one block; measured with saved-tensor hooks on the dense block, fp32,
+  bf16 params and autocast): frozen norm gains no longer need the normalised value before the gain
+  (-e_n·h per norm, e_n the norm's dtype); each adapter keeps its rank-wide A output (+e·rank); under
+  autocast a frozen linear without an adapter no longer saves its own cast of a norm output (-e·in);
+  a dropout > 0 keeps its mask and dropped input (+(1 + e)·in). The first block's input does not need
+  a gradient (the embedding is frozen), so its first norm saves nothing of its own (-(4h + 4)); the
+  final norm before the frozen head keeps only its fp32 input view and rsqrt (4h + 4). Under selective
+  AC's op policy (every other matmul's output saved) the adapters' matmuls join the alternation, which
+  then keeps other outputs: counted from the call order (measured on real runs: exact).
+
+Shapes come from the model family (`ModelSpec.block_linears`: Hugging Face name -> (out, in,
+column-parallel)); a family without them is planned as full training, with a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ALL_LINEAR = "all-linear"
+# Linears that read the same norm output (autocast: each saves its own cast of it).
+NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+NF4_CODE_TABLE = 16
+
+
+def nf4_bytes(numel: int, block_size: int, scaler_block_size: int, dtype_bytes: int) -> int:
+    """Bytes of one torchao NF4 tensor of `numel` elements: 4-bit codes (two a byte), one int8 scale per
+    block, one factor per scaler block in the tensor's dtype, the scales' mean and the 16-entry code
+    table (both in that dtype)."""
+    n_blocks = numel // block_size
+    return numel // 2 + n_blocks + (n_blocks // scaler_block_size) * dtype_bytes + (1 + NF4_CODE_TABLE) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class PeftTerms:
+    """One rank's fine-tuning quantities for a stage of `layers` blocks (tensor-parallel rank shapes)."""
+
+    method: str
+    adapters: int  # adapter parameters of the stage on one TP rank (what trains)
+    adapters_block: int
+    quantised_block: int  # parameters of one block stored in NF4 (0 under LoRA)
+    nf4_block: float  # their bytes, whole (what FSDP gathers per block), 0 under LoRA
+    nf4_block_shard: float  # their bytes on one FSDP rank
+    act_block: float  # saved bytes per token of one block the frozen base no longer keeps (<= 0)
+    adapter_act: float  # saved bytes per token of one block's adapters (A outputs, dropout)
+    act_first: float  # the first block, on top (frozen embedding: its input needs no gradient)
+    final_norm: float  # saved bytes per token of the final norm before the frozen head
+    dequant: float  # transient bytes of dequantising the largest NF4 linear once
+    selective: float  # selective AC (op policy): saved matmul outputs per token, against full training
+
+    @property
+    def qlora(self) -> bool:
+        return self.method == "qlora"
+
+
+def linears(cfg: Any) -> dict[str, tuple[int, int, bool]] | None:
+    """One block's linears from the model family; None when the family does not give them."""
+    from dtlaunch.models.registry import model_spec
+
+    spec = model_spec(cfg.model)
+    return None if spec.block_linears is None else dict(spec.block_linears(cfg.model))
+
+
+def peft_notes(cfg: Any) -> list[str]:
+    """The plan's note for a fine-tuning run of a family without closed-form fine-tuning terms."""
+    method = str(cfg.peft.method)
+    if method == "none" or linears(cfg) is not None:
+        return []
+    return [
+        f"peft.method={method}: no closed-form fine-tuning terms for model.arch={cfg.model.arch}; planned as full "
+        "training (an upper bound: the base's gradients and optimizer state are counted)"
+    ]
+
+
+def adapted(cfg: Any, names: list[str]) -> list[str]:
+    targets = [str(t) for t in cfg.peft.targets]
+    return list(names) if ALL_LINEAR in targets else [n for n in names if n in targets]
+
+
+def adapter_params(out: int, inp: int, colwise: bool, rank: int, tp: int) -> int:
+    """lora_a [rank, in] and lora_b [out, rank] on one TP rank: column-parallel shards B's rows (A
+    whole), row-parallel shards A's columns (B whole)."""
+    return rank * inp + out * rank // tp if colwise else rank * inp // tp + out * rank
+
+
+def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, autocast: bool) -> PeftTerms | None:
+    """The fine-tuning terms of a stage; None for full training. `shards`: FSDP shard count (1 without)."""
+    p = cfg.peft
+    method = str(p.method)
+    if method == "none":
+        return None
+    shapes = linears(cfg)
+    if shapes is None:
+        return None  # planned as full training, with a note (peft_notes)
+    chosen = adapted(cfg, list(shapes))
+    rank = int(p.rank)
+    h = int(cfg.model.dim)
+    adapters_block = sum(adapter_params(*shapes[n], rank, tp) for n in chosen)
+    quantised = nf4_whole = nf4_shard = dequant = 0.0
+    if method == "qlora":
+        b, s = int(p.nf4_block_size), int(p.nf4_scaler_block_size)
+        sizes = [o * i for o, i, _ in shapes.values()]
+        quantised = sum(sizes)
+        nf4_whole = sum(nf4_bytes(n, b, s, e) for n in sizes)
+        nf4_shard = sum(nf4_bytes(n // shards, b, s, e) for n in sizes)
+        dequant = (8 + 3 * e) * max(sizes)
+    sp_div = tp if tp > 1 and sp else 1
+    norm_dtype = 4 if autocast else e
+    act = -2 * norm_dtype * h / sp_div
+    adapter_act = e * rank * len(chosen)
+    if float(p.dropout) > 0:
+        adapter_act += sum((1 + e) * shapes[n][1] / (tp if not shapes[n][2] else 1) for n in chosen)
+    if autocast:
+        act -= sum(e * shapes[n][1] for n in NORM_READERS if n in shapes and n not in chosen)
+    if "down_proj" in shapes and "down_proj" not in chosen:
+        act -= e * shapes["down_proj"][1] / tp  # w2's input, the SwiGLU product, is saved only by w2
+    return PeftTerms(
+        method=method,
+        adapters=adapters_block * layers,
+        adapters_block=adapters_block,
+        quantised_block=int(quantised),
+        nf4_block=nf4_whole,
+        nf4_block_shard=nf4_shard,
+        act_block=act,
+        adapter_act=adapter_act,
+        act_first=-(4 * h + 4) / sp_div,
+        final_norm=(4 * h + 4) / sp_div,
+        dequant=dequant,
+        selective=saved_matmuls(shapes, chosen, rank, tp, sp, e) - saved_matmuls(shapes, [], rank, tp, sp, e),
+    )
+
+
+def saved_matmuls(
+    shapes: dict[str, tuple[int, int, bool]], chosen: list[str], rank: int, tp: int, sp: bool, e: int
+) -> float:
+    """Bytes per token of the matmul outputs selective AC's op policy saves in one block: the 1st, 3rd,
+    ... matmul in call order (dtlaunch.train.ac), where an adapted linear calls three (base, A, B) and
+    `shapes` is in forward order. Column-parallel outputs are sharded by TP, row-parallel ones (partial
+    sums) only under sequence parallel; A's rank-wide output is whole on every TP rank."""
+    outs: list[float] = []
+    for name, (out, _inp, colwise) in shapes.items():
+        width = out / tp if colwise else out / (tp if tp > 1 and sp else 1)
+        outs.append(width)
+        if name in chosen:
+            outs += [rank, out / tp if colwise else out]
+    return e * sum(outs[0::2])
+
+
+def param_lines(ft: PeftTerms, p_rank: int, frozen_linear: int, layers: int, shards: int, e: int) -> dict[str, float]:
+    """The parameter lines of a fine-tuning stage (replacing full training's "parameters"): the frozen
+    linears (`frozen_linear` parameters: the blocks' and the head's) in the compute dtype, the rest of the
+    base (embedding, norm gains) and the adapters in fp32, QLoRA's block linears in NF4 instead."""
+    quantised = ft.quantised_block * layers
+    lines = {
+        "parameters": (4 * (p_rank - frozen_linear) + e * (frozen_linear - quantised)) / shards,
+        "adapter parameters": 4 * ft.adapters / shards,
+    }
+    if ft.qlora:
+        lines["NF4 base weights"] = layers * (ft.nf4_block_shard if shards > 1 else ft.nf4_block)
+    return lines
+
+
+def gathered_block(ft: PeftTerms, blk: float, e: int) -> float:
+    """Bytes of one block's parameters gathered by FSDP: the base in the compute dtype (QLoRA: its NF4
+    bytes for the quantised linears) and the adapters in the compute dtype."""
+    if ft.qlora:
+        return e * (blk - ft.quantised_block) + ft.nf4_block + e * ft.adapters_block
+    return e * (blk + ft.adapters_block)
+
+
+def qlora_layout_ok(cfg: Any, tp: int, pp: int, dp: int, replicas: int) -> bool:
+    """Whether a searched layout can run QLoRA (dtlaunch.config.qlora_rules): no tensor or pipeline
+    parallel, and every block linear's FSDP row shard holds whole NF4 blocks. Other methods: always."""
+    if str(cfg.peft.method) != "qlora":
+        return True
+    if tp > 1 or pp > 1:
+        return False
+    shards = dp // replicas if replicas > 1 and dp // replicas > 1 else dp
+    b, s = int(cfg.peft.nf4_block_size), int(cfg.peft.nf4_scaler_block_size)
+    for out, inp, _ in (linears(cfg) or {}).values():
+        n = out // shards * inp
+        if out % shards or n % b or (n // b) % s:
+            return False
+    return True

@@ -1,0 +1,88 @@
+"""The planner's fine-tuning terms against the real modules: adapter counts against the LoRA linears a
+meta model gets, NF4 bytes against torchao's tensors, and the lines a LoRA / QLoRA plan shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtlaunch.commands.common import load_job
+from dtlaunch.plan.memory import plan_memory
+from dtlaunch.plan.peft import nf4_bytes, peft_terms
+from dtlaunch.plan.search import candidates, search
+
+TINY = ["model=tiny", "training.seq_len=32", "training.micro_batch=2", "precision=bf16"]
+SMALL_NF4 = ["peft.nf4_block_size=16", "peft.nf4_scaler_block_size=4"]
+
+
+def inner_bytes(t: torch.Tensor) -> int:
+    names, _ = t.__tensor_flatten__()
+    return sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,block,scaler", [((64, 32), 16, 8), ((256, 256), 64, 256), ((512, 128), 32, 4)])
+def test_planned_nf4_bytes_are_torchaos_real_bytes(dtype: torch.dtype, shape: tuple, block: int, scaler: int) -> None:
+    torchao_nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    t = torchao_nf4.to_nf4(torch.randn(*shape, dtype=dtype), block, scaler)
+    assert nf4_bytes(shape[0] * shape[1], block, scaler, dtype.itemsize) == inner_bytes(t)
+
+
+@pytest.mark.parametrize("targets,rank", [(None, 8), ("[all-linear]", 4), ("[q_proj,down_proj]", 16)])
+def test_planned_adapter_count_is_the_lora_models(targets: str | None, rank: int) -> None:
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.peft import apply_peft
+
+    over = [*TINY, "peft=lora", f"peft.rank={rank}"] + ([f"peft.targets={targets}"] if targets else [])
+    cfg = load_job(over).cfg
+    model = model_spec(cfg.model).build(cfg.model, rope_len=32, device="meta")
+    apply_peft(model, cfg)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ft = peft_terms(cfg, int(cfg.model.n_layers), 1, False, 1, 2, False)
+    assert ft is not None and ft.adapters == trained > 0
+
+
+def test_qlora_plan_counts_the_real_nf4_bytes_and_no_base_gradients() -> None:
+    pytest.importorskip("torchao")
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+    from dtlaunch.train.peft import apply_peft
+
+    job = load_job([*TINY, "peft=qlora", *SMALL_NF4, "strategy=ddp", "launch.nproc_per_node=1"])
+    cfg = job.cfg
+    model = model_spec(cfg.model).build(cfg.model, rope_len=32, device="cpu")
+    apply_peft(model, cfg)
+    convert_frozen_base(model, cfg, shards=1)  # quantises the real (CPU) weights with torchao
+    from dtlaunch.models.nf4 import is_nf4
+
+    real_nf4 = sum(inner_bytes(p) for p in model.parameters() if is_nf4(p))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lines = plan_memory(cfg, job.layout).worst.lines
+    assert lines["NF4 base weights"] == real_nf4 > 0
+    assert lines["adapter parameters"] == 4 * adapters
+    assert lines["optimizer state"] == 8 * adapters  # AdamW's two moments of the adapters only
+
+
+def test_lora_plan_is_below_full_training_and_frozen_base_has_no_optimizer_bytes() -> None:
+    full = load_job([*TINY, "strategy=zero3", "launch.nproc_per_node=2"])
+    lora = load_job([*TINY, "peft=lora", "strategy=zero3", "launch.nproc_per_node=2"])
+    pf, pl = plan_memory(full.cfg, full.layout), plan_memory(lora.cfg, lora.layout)
+    assert pl.peak < pf.peak
+    ft = peft_terms(lora.cfg, int(lora.cfg.model.n_layers), 1, False, 2, 2, False)
+    assert ft is not None
+    assert (
+        plan_memory(lora.cfg, lora.layout).to_dict()["stages"][0]["phases"]["optimizer"] < pf.worst.phases["optimizer"]
+    )
+    assert "LoRA activations" in pl.worst.lines or pl.worst.phase == "optimizer"
+
+
+def test_search_keeps_qlora_on_layouts_that_hold_nf4() -> None:
+    # The tiny model: tensor parallel and pipelines are candidates for LoRA, never for QLoRA; FSDP over 4
+    # ranks cuts its 64x64 projections into 1,024-element shards, which hold 16 x 4 NF4 blocks.
+    lora = load_job([*TINY, "peft=lora", "launch.nproc_per_node=4", "training.global_batch=8"])
+    qlora = load_job([*TINY, "peft=qlora", *SMALL_NF4, "launch.nproc_per_node=4", "training.global_batch=8"])
+    assert any(lay.tp > 1 or lay.pp > 1 for lay, _, _ in candidates(lora.cfg))
+    layouts = [lay for lay, _, _ in candidates(qlora.cfg)]
+    assert layouts and all(lay.tp == lay.pp == 1 for lay in layouts)
+    assert any(st["zero_stage"] == 3 and lay.dp_shard == 4 for lay, st, _ in candidates(qlora.cfg))
+    assert search(qlora.cfg, top=3)
