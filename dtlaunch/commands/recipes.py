@@ -58,7 +58,7 @@ def recipes_table(rows: list[list[str]], width: int) -> Any:
     from dtlaunch.commands.tables import plain_table
 
     headers = ["name", "model", "layout", "hardware", "plan (GiB)"]
-    t = plain_table(headers, rows, width, title="recipes")
+    t = plain_table(headers, rows, width, title="recipes", keep_whole=(0,))
     # A name is what the user types: never folded, whatever the width.
     t.columns[0].no_wrap = True
     return t
