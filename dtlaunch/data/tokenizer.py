@@ -84,14 +84,12 @@ class HFTokenizer:
 
 
 def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
-    """`auto` is the tokenizer.json of the model.init_from=hf:DIR directory; other specs are unchanged."""
+    """`auto` is the tokenizer.json of the model.init_from=hf:DIR directory, and `byte` for a model without
+    one of its own (as compose resolves it: dtlaunch.config.tokenizer_choice); other specs are unchanged."""
     if spec != "auto":
         return spec
     if not init_from.startswith("hf:"):
-        raise ConfigError(
-            f"data.tokenizer=auto uses the tokenizer of model.init_from=hf:DIR, but model.init_from='{init_from}': "
-            f"set data.tokenizer to 'byte' or a tokenizer.json path"
-        )
+        return "byte"
     path = Path(init_from[3:]).expanduser() / "tokenizer.json"
     if not path.is_file():
         raise ConfigError(

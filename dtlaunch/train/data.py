@@ -1,16 +1,9 @@
 """The worker's data loader: this data-parallel rank's slice of the global sample order, as tensors.
 
-The order is defined for the whole job, not per rank: sample stream position k maps to sample
-`perm_e[k % N]` where e = k // N is the epoch and perm_e a permutation seeded by (training.seed, e).
-Micro-step j of optimizer step s on dp rank r reads stream positions
-`s*gb + j*mb*dp + r*mb ... + mb`, which is simply "the next mb*dp positions, rank r takes slice r".
-Hence DP(2) x mb 4 and one process x mb 8 see the same samples, TP/PP peers (same dp rank) see the
-same batch, and the loader's state is one global number (samples consumed) that a checkpoint can
-restore into any dp size. Epochs flow into each other without dropping a tail: every sample is seen
-exactly once per epoch; a global batch may straddle two epochs.
-
-The sources (what sample k holds) are dtlaunch.data.sources; the launcher prepared them
-(dtlaunch.data.run_data) before this worker started.
+Micro-step j of optimizer step s on dp rank r reads stream positions `s*gb + j*mb*dp + r*mb ... + mb`:
+"the next mb*dp positions, rank r takes slice r". Which sample each stream position is, for every
+layout alike, is dtlaunch.data.sources (prepared by the launcher, dtlaunch.data.run_data, before this
+worker started); the loader's state is that one global position, restorable into any dp size.
 """
 
 from __future__ import annotations
