@@ -84,33 +84,30 @@ def float8_tp_plan(plan: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     def tensorwise(m: nn.Module) -> bool:
         return isinstance(m, Float8Linear) and m.config.cast_config_input.scaling_granularity.value == "tensorwise"
 
-    out: dict[str, Any] = {}
-    for name, style in plan.items():
-        try:
-            target = module.get_submodule(name)
-        except AttributeError:  # a name this module does not own: parallelize_module decides
-            out[name] = style
-            continue
+    from dtlaunch.train.parallel.tensor_parallel import restyle
+
+    def swap(target: nn.Module, name: str, style: Any) -> Any:
         kind = type(style)
         # Row-wise with a replicated input (cut locally) stays plain: torchao's style expects Shard(-1).
         standard = kind is ColwiseParallel or (kind is RowwiseParallel and style.input_layouts[0] == Shard(-1))
         if standard and tensorwise(target):
             twin = Float8ColwiseParallel if kind is ColwiseParallel else Float8RowwiseParallel
-            style = twin(
+            return twin(
                 input_layouts=style.input_layouts[0],
                 output_layouts=style.output_layouts[0],
                 use_local_output=style.use_local_output,
             )
-        elif kind is PrepareModuleInput and _all_linears_tensorwise(target, tensorwise):
-            style = PrepareFloat8ModuleInput(
+        if kind is PrepareModuleInput and _all_linears_tensorwise(target, tensorwise):
+            return PrepareFloat8ModuleInput(
                 input_layouts=style.input_layouts,
                 desired_input_layouts=style.desired_input_layouts,
                 input_kwarg_layouts=style.input_kwarg_layouts or None,
                 desired_input_kwarg_layouts=style.desired_input_kwarg_layouts or None,
                 use_local_output=style.use_local_output,
             )
-        out[name] = style
-    return out
+        return style
+
+    return restyle(plan, module, swap)
 
 
 def _all_linears_tensorwise(module: nn.Module, tensorwise: Callable[[nn.Module], bool]) -> bool:

@@ -43,24 +43,21 @@ class LoRARowwiseParallel(RowwiseParallel):
 
 def lora_tp_plan(plan: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     """`plan` (names relative to `module`) with the LoRA styles on the adapted linears."""
-    out: dict[str, Any] = {}
-    for name, style in plan.items():
-        try:
-            target = module.get_submodule(name)
-        except AttributeError:  # a name this module does not own: parallelize_module decides
-            out[name] = style
-            continue
+    from dtlaunch.train.parallel.tensor_parallel import restyle
+
+    def swap(target: nn.Module, name: str, style: Any) -> Any:
+        if not isinstance(target, LoRALinear):
+            return style
         kind = type(style)
-        if isinstance(target, LoRALinear) and kind in (ColwiseParallel, RowwiseParallel):
-            twin = LoRAColwiseParallel if kind is ColwiseParallel else LoRARowwiseParallel
-            new = twin(
-                input_layouts=style.input_layouts[0],
-                output_layouts=style.output_layouts[0],
-                use_local_output=style.use_local_output,
-            )
-            new.src_data_rank = style.src_data_rank
-            style = new
-        elif isinstance(target, LoRALinear):
+        if kind not in (ColwiseParallel, RowwiseParallel):
             raise NotImplementedError(f"no LoRA tensor-parallel style for {kind.__name__} on '{name}'")
-        out[name] = style
-    return out
+        twin = LoRAColwiseParallel if kind is ColwiseParallel else LoRARowwiseParallel
+        new = twin(
+            input_layouts=style.input_layouts[0],
+            output_layouts=style.output_layouts[0],
+            use_local_output=style.use_local_output,
+        )
+        new.src_data_rank = style.src_data_rank
+        return new
+
+    return restyle(plan, module, swap)
