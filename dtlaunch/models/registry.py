@@ -74,7 +74,12 @@ class ModelSpec:
             _resolve(self.check)(cfg)
 
     def build(self, m: Any, rope_len: Any = None, device: Any = "meta") -> Any:
-        return _resolve(self.builder)(m, rope_len=rope_len, device=device)
+        if str(device) != "meta":
+            return _resolve(self.builder)(m, rope_len=rope_len, device=device)
+        from dtlaunch.models.meta_init import SkipRandomInitOnMeta
+
+        with SkipRandomInitOnMeta():
+            return _resolve(self.builder)(m, rope_len=rope_len, device=device)
 
     def tp_model_plan(self, m: Any, sequence_parallel: bool) -> dict:
         return _module(self.tp_plan).model_plan(m, sequence_parallel)

@@ -44,6 +44,12 @@ def rope_frequencies(m: Any) -> torch.Tensor:
 
 
 def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if target.type == "meta":
+        # A meta build holds shapes only (buffer_values fills the tables once materialised); computing
+        # them on meta runs torch's Python references, whose first call imports torch._dynamo (~1 s).
+        shape = (seq_len, head_dim(m) // 2)
+        return torch.empty(shape, device=target), torch.empty(shape, device=target)
     freqs = rope_frequencies(m).to(device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
