@@ -61,10 +61,10 @@ def model_config(name: str):  # noqa: ANN201 - an OmegaConf node
     """The model section from its YAML, merged onto the schema's defaults (no dtlaunch composition)."""
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.schema import ModelConfig
+    from dtlaunch.config.model_schema import typed_model
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "configs" / "model" / f"{name}.yaml"
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+    return typed_model(OmegaConf.load(path))
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

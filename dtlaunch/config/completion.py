@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 def _section(dotted: str) -> Optional[type]:
     """The schema dataclass at `dotted` ('' = the job), or None if that is not a section."""
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.model_schema import job_schema
 
-    node: Any = JobConfig
+    node: Any = job_schema()
     for part in [p for p in dotted.split(".") if p]:
         hint = typing.get_type_hints(node).get(part)
         # Optional[X] and plain X alike: the dataclass among the annotation's members.

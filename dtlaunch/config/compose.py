@@ -217,13 +217,14 @@ def compose(
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
 
-    from dtlaunch.config.schema import register_schemas
+    from dtlaunch.config.model_schema import register_schemas, typed_job
 
     _register_resolvers()
-    register_schemas()
     refuse_hydra_overrides(overrides)
     recipes = list_recipes(recipe_dirs_extra)
     rest, recipe_file, recipe_name = _split_recipe(list(overrides), recipes)
+    _load_named_families(rest, recipe_file)
+    register_schemas()
     rest, deferred = _split_optional_section_overrides(rest)
     hydra_overrides = [_reset_to_default(ov) for ov in rest]
     if recipe_file is not None:
@@ -261,8 +262,11 @@ def compose(
     apply_hf_model(resolved, rest)
     try:
         # `+key=value` passes Hydra (it opens the node) but the schema is closed: merging says so.
-        # A deleted key (`~key`) falls back to its schema default.
-        typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), resolved)
+        # A deleted key (`~key`) falls back to its schema default. The model section is typed by its
+        # family's own schema now that its arch is known.
+        typed = typed_job(resolved)
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(explain_compose_error(exc, rest)) from exc
     missing = sorted(OmegaConf.missing_keys(typed))
@@ -283,9 +287,13 @@ def load_resolved(path: str | Path) -> Any:
 
     if Path(path).is_file():
         check_yaml_file(Path(path), "config")
+    from dtlaunch.config.model_schema import typed_job
+
     try:
         raw = OmegaConf.load(path)
-        typed = OmegaConf.merge(OmegaConf.structured(_job_schema()), raw)
+        typed = typed_job(raw)
+    except ConfigError:
+        raise
     except FileNotFoundError as exc:
         raise ConfigError(f"config file '{path}' not found: is this a dtlaunch run directory?") from exc
     except Exception as exc:
@@ -295,9 +303,27 @@ def load_resolved(path: str | Path) -> Any:
 
 
 def _job_schema() -> type:
-    from dtlaunch.config.schema import JobConfig
+    """The job's schema before its model family is known (the model section: every family's fields)."""
+    from dtlaunch.config.model_schema import job_schema
 
-    return JobConfig
+    return job_schema()
+
+
+def _load_named_families(overrides: Sequence[str], recipe_file: Optional[Path]) -> None:
+    """Import the family packages a job names (`model.family_module`, on the command line or in its
+    recipe) before composing, so that their own model fields are part of the schema Hydra checks."""
+    from dtlaunch.models.registry import load_family
+
+    named = [m.group(1) for ov in overrides if (m := re.fullmatch(r"\+{0,2}model\.family_module=(.+)", ov))]
+    if recipe_file is not None:
+        from omegaconf import OmegaConf
+
+        try:
+            named.append(str(OmegaConf.select(OmegaConf.load(recipe_file), "model.family_module", default="") or ""))
+        except Exception:  # the recipe's own errors are reported by Hydra, with their key
+            pass
+    for module in filter(None, (n.strip().strip("'\"") for n in named)):
+        load_family(module)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from dtlaunch.errors import ConfigError
-
-# Model-section fields the user may still set with an hf: source: they do not describe the weights.
-_FREE = {"name", "init_from", "max_seq_len"}
-# model.moe fields that are training choices, not the weights' shape (load balancing).
-_FREE_MOE = {"aux_loss_coef", "bias_update_rate"}
 
 
 def hf_source_dir(init_from: Any) -> Optional[Path]:
@@ -80,49 +76,68 @@ def _generic_fields(c: dict, where: str) -> dict:
 
 
 def _cli_model_keys(overrides: Sequence[str]) -> set[str]:
-    keys = set()
-    for ov in overrides:
-        m = re.match(r"\+{0,2}model\.([\w.]+)=", ov)
-        if m:
-            keys.add(m.group(1).split(".")[0])
-    return keys
+    """Dotted paths under `model.` the command line sets (e.g. 'dim', 'moe.aux_loss_coef')."""
+    return {m.group(1) for ov in overrides if (m := re.match(r"\+{0,2}model\.([\w.]+)=", ov))}
+
+
+def training_choices(schema: type, prefix: str = "") -> set[str]:
+    """Dotted paths of a model schema's fields marked TRAINING_CHOICE: the user may still set them with
+    an hf: source, since they do not describe the weights (the name, the sequence length, balancing)."""
+    import dataclasses
+    import typing
+
+    found: set[str] = set()
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.metadata.get("training_choice"):
+            found.add(prefix + f.name)
+        nested = next((c for c in (hints[f.name], *getattr(hints[f.name], "__args__", ())) if is_dataclass(c)), None)
+        if nested is not None:
+            found |= training_choices(nested, f"{prefix}{f.name}.")
+    return found
+
+
+_ABSENT = object()
+
+
+def _dig(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
 
 
 def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
     """Replace resolved['model'] by what DIR/config.json describes; conflicting overrides are errors."""
+    from dtlaunch.config.model_schema import family_schema
+
     model = resolved.get("model") or {}
     path = hf_source_dir(model.get("init_from"))
     if path is None:
         return
     given = _cli_model_keys(overrides)
     fields = model_fields_from_hf(path, arch="hf_auto" if "arch" in given and model.get("arch") == "hf_auto" else "")
-    moe_given = _cli_moe_keys(overrides)
-    for key in sorted(moe_given - _FREE_MOE):
-        ours, theirs = (model.get("moe") or {}).get(key), (fields.get("moe") or {}).get(key)
-        if key in (fields.get("moe") or {}) and _differs(ours, theirs):
+    free = training_choices(family_schema(fields))
+    for key in sorted(given - free):
+        ours, theirs = _dig(model, key), _dig(fields, key)
+        if theirs is not _ABSENT and _differs(ours, theirs):
             raise ConfigError(
-                f"model.moe.{key}={ours} contradicts {path}/config.json ({key}={theirs}): drop the override, "
-                f"the model comes from model.init_from"
-            )
-    given.discard("moe")
-    for key in sorted(given - _FREE):
-        if key in fields and _differs(model.get(key), fields[key]):
-            raise ConfigError(
-                f"model.{key}={model.get(key)} contradicts {path}/config.json ({key}={fields[key]}): "
+                f"model.{key}={ours} contradicts {path}/config.json ({key.rpartition('.')[2]}={theirs}): "
                 f"drop the override, the model comes from model.init_from"
             )
-    new = {"name": model.get("name") if "name" in given else path.name, "init_from": model["init_from"]}
-    new.update(fields)
-    if "max_seq_len" in given:
-        new["max_seq_len"] = model["max_seq_len"]
-    for key in moe_given & _FREE_MOE:
-        new.setdefault("moe", {})[key] = model["moe"][key]
     # Fields config.json does not describe go back to their defaults (not the recipe's model group).
+    new = {"name": path.name, "init_from": model["init_from"], **fields}
+    for key in sorted(given & free):
+        _put(new, key, _dig(model, key))
     resolved["model"] = new
-
-
-def _cli_moe_keys(overrides: Sequence[str]) -> set[str]:
-    return {m.group(1) for ov in overrides if (m := re.match(r"\+{0,2}model\.moe\.(\w+)=", ov))}
 
 
 def _differs(a: Any, b: Any) -> bool:

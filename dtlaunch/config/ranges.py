@@ -168,9 +168,9 @@ RANGES: dict[str, Range] = {
 def _schema_default(key: str) -> Any:
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.model_schema import job_schema
 
-    return OmegaConf.select(OmegaConf.structured(JobConfig), key, default=None)
+    return OmegaConf.select(OmegaConf.structured(job_schema()), key, default=None)
 
 
 def check_ranges(cfg: Any, notes: list[str]) -> None:

@@ -24,16 +24,23 @@ class RopeScalingConfig:
     original_max_seq_len: int = 8192
 
 
+# Metadata of a model field that is a training choice rather than a property of the weights: it keeps
+# its own value when the model section comes from a checkpoint's config.json (model.init_from=hf:DIR).
+TRAINING_CHOICE = {"training_choice": True}
+
+
 @dataclass
 class ModelConfig:
-    """A decoder from the model registry (dtlaunch/models/registry.py), chosen by `arch`.
+    """The fields every model family shares; `arch` picks the family (dtlaunch/models/registry.py).
 
-    The fields cover every registered dense decoder (Llama, Qwen2/2.5, Qwen3, Mistral): one decoder
-    with flags. Width rules follow Meta's reference implementation unless ffn_dim / head_dim are set.
+    A family's own fields live with the family: its registry entry names a subclass of this class
+    (models/dense/config.py adds qkv_bias, qk_norm, sliding_window; models/moe/config.py adds `moe`), and
+    a composed job's model section is typed by that subclass (dtlaunch/config/model_schema.py). Width
+    rules follow Meta's reference implementation unless ffn_dim / head_dim are set.
     """
 
-    name: str = "tiny"
-    # Registry entry: llama, qwen2, qwen3, mistral (see `dtlaunch/models/registry.py`).
+    name: str = field(default="tiny", metadata=TRAINING_CHOICE)
+    # Registry entry: llama, qwen2, qwen3, mistral, ... (`dtlaunch recipes` and docs/models.md list them).
     arch: str = "llama"
     dim: int = 128
     n_layers: int = 4
@@ -49,19 +56,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScalingConfig] = None
-    max_seq_len: int = 2048
+    max_seq_len: int = field(default=2048, metadata=TRAINING_CHOICE)
     # Per-head width; None = dim // n_heads (Qwen3 sets it independently of dim).
     head_dim: Optional[int] = None
-    # Bias on the q/k/v projections (Qwen2 / Qwen2.5).
-    qkv_bias: bool = False
-    # Per-head RMSNorm on q and k before RoPE (Qwen3).
-    qk_norm: bool = False
     # Output head shares the token-embedding matrix (Llama 3.2 1B/3B, small Qwen).
     tie_embeddings: bool = False
-    # Each token attends to at most this many previous positions (Mistral); None = full causal.
-    sliding_window: Optional[int] = None
-    # Mixture of experts (model.arch=qwen3_moe, mixtral or moe); num_experts=0 on dense models.
-    moe: MoeConfig = field(default_factory=lambda: MoeConfig())
     # Your own module instead of a registry entry: "pkg.module.build", a callable taking this model
     # section and returning an nn.Module that follows docs/models.md's protocol (planned by trace).
     _target_: str = ""
@@ -69,7 +68,7 @@ class ModelConfig:
     # (dtlaunch.models.registry.register) under the name set in model.arch; see docs/models.md.
     family_module: str = ""
     # Where initial weights come from: "random" (seeded init) or "hf:DIR" (safetensors export).
-    init_from: str = "random"
+    init_from: str = field(default="random", metadata=TRAINING_CHOICE)
 
 
 @dataclass
@@ -195,37 +194,6 @@ class DataFormat(Choice):
     text = "text"  # a string in data.text_field
     chat = "chat"  # a list of {role, content} in data.messages_field; loss on assistant tokens only
     prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
-
-
-class MoeScoreFunc(Choice):
-    """How router logits become expert scores."""
-
-    softmax = "softmax"  # Mixtral, Qwen3-MoE
-    sigmoid = "sigmoid"  # DeepSeek-V3
-
-
-@dataclass
-class MoeConfig:
-    """Routed experts replacing the FFN of the sparse blocks (dtlaunch/models/moe/)."""
-
-    num_experts: int = 0
-    # Experts each token is routed to (token choice; no token is ever dropped).
-    top_k: int = 2
-    # Width of one routed expert's SwiGLU; None = the dense FFN width (Mixtral).
-    expert_dim: Optional[int] = None
-    # Experts every token goes through (DeepSeek), one SwiGLU of shared_expert_dim (None: n x expert_dim).
-    num_shared_experts: int = 0
-    shared_expert_dim: Optional[int] = None
-    score_func: MoeScoreFunc = MoeScoreFunc.softmax
-    # Rescale the chosen experts' weights to sum to 1 (Mixtral; Qwen3-30B-A3B's norm_topk_prob).
-    norm_topk: bool = True
-    # Load-balancing loss weight (0 = off), summed over the sparse blocks' mean.
-    aux_loss_coef: float = 0.0
-    # DeepSeek-V3's auxiliary-loss-free balancing: per-step nudge of each expert's routing bias (0 = off).
-    bias_update_rate: float = 0.0
-    # Block i is sparse when (i + 1) % sparse_step == 0 and i is not in dense_layers (Qwen's rule).
-    sparse_step: int = 1
-    dense_layers: list[int] = field(default_factory=list)
 
 
 class PeftMethod(Choice):
@@ -546,31 +514,6 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-
-
-GROUP_SCHEMAS: dict[str, type] = {
-    "model": ModelConfig,
-    "strategy": StrategyConfig,
-    "precision": PrecisionConfig,
-    "training": TrainingConfig,
-    "optim": OptimConfig,
-    "data": DataConfig,
-    "checkpoint": CheckpointConfig,
-    "hardware": HardwareConfig,
-    "launch": LaunchConfig,
-    "cluster": ClusterConfig,
-    "peft": PeftConfig,
-}
-
-
-def register_schemas() -> None:
-    """Register the schema with Hydra's ConfigStore (idempotent)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="job_schema", node=JobConfig)
-    for group, schema in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=f"{group}_schema", node=schema)
 
 
 def to_dict(cfg: Any) -> dict:

@@ -118,11 +118,6 @@ def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
             f"data.document_mask=true is not supported with strategy.cp={cp} (ring attention is plain causal): "
             f"set data.document_mask=false or strategy.cp=1"
         )
-    if m.sliding_window is not None and m.sliding_window < t.seq_len:
-        _fail(
-            f"model.sliding_window={m.sliding_window} is not supported with strategy.cp={cp} (ring attention is "
-            f"plain causal): set model.sliding_window=null, training.seq_len<={m.sliding_window} or strategy.cp=1"
-        )
     if t.compile:
         _fail(f"training.compile=true is not supported with strategy.cp={cp} yet: set training.compile=false")
     if int(s.zero_stage) == 0 and layout.tp > 1:
@@ -206,9 +201,10 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
 
 
 def routed_experts(model: Any) -> int:
-    """Routed experts per MoE layer of `model` (a config section or plain namespace); 0 for a dense model."""
-    moe = getattr(model, "moe", None)
-    return int(getattr(moe, "num_experts", 0) or 0) if moe is not None else 0
+    """Routed experts per MoE layer of `model`, as its family counts them (0: no expert layers)."""
+    from dtlaunch.models.registry import model_spec
+
+    return model_spec(model).routed_experts(model)
 
 
 def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:

@@ -56,13 +56,11 @@ def hf_config(m: Any, dtype: str = "float32") -> dict:
 
 def model_config_from_marker(marker: dict) -> Any:
     """The typed model section a checkpoint was written with (stored in its completion marker)."""
-    from omegaconf import OmegaConf
-
-    from dtlaunch.config.schema import ModelConfig
+    from dtlaunch.config.model_schema import typed_model
 
     if "model" not in marker:
         raise InputError("checkpoint marker has no model section: it was not written by dtlaunch's CheckpointManager")
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), marker["model"])
+    return typed_model(marker["model"])
 
 
 def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:

@@ -30,9 +30,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
     are merged into the base's weights (dtlaunch.convert.adapters)."""
     if adapter and not source.startswith("hf:"):
         raise InputError(f"--adapter {adapter}: adapters go on an hf:DIR base; a run directory brings its own")
-    from omegaconf import OmegaConf
-
-    from dtlaunch.config.schema import ModelConfig
+    from dtlaunch.config.model_schema import typed_model
     from dtlaunch.data.tokenizer import load_tokenizer
     from dtlaunch.models.registry import model_spec
 
@@ -43,7 +41,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
         path = Path(source[3:]).expanduser()
         c = read_hf_config(path)
         fields = model_fields_from_hf(path, c)
-        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), {**fields, "name": path.name})
+        m = typed_model({**fields, "name": path.name})
         state = load_hf_weights(path, m)
         if adapter:
             from dtlaunch.convert.adapters import load_peft_dir, merge

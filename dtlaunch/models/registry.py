@@ -9,7 +9,8 @@ An entry brings everything model-specific the runtime, planner and converters ne
 - `pipeline_split`: keeps a stage's blocks and the embedding / head on the first / last stage;
 - Hugging Face: architecture names, config.json <-> model section, tensor names and layouts;
 - planner functions: parameter counts, FLOPs, tensor-parallel divisibility, saved-activation model;
-- seeded init: the built module's `init_param(name, full_shape, seed)`.
+- seeded init: the built module's `init_param(name, full_shape, seed)`;
+- its own config fields: `config`, a subclass of the shared ModelConfig that types `model.*` for it.
 
 The protocol a built module follows (the runtime relies on nothing else): a `layers` ModuleDict keyed
 by the global block index (pipeline stages delete entries, names stay those of the full model), an
@@ -27,7 +28,12 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional
 
+from dtlaunch.config.schema import ModelConfig
 from dtlaunch.errors import ConfigError
+
+
+def _no_experts(m: Any) -> int:
+    return 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,11 @@ class ModelSpec:
     check: str = ""
     # The attention is the decoder's own, which context parallel swaps for ring attention.
     ring_attention: bool = True
+    # The model section's schema: ModelConfig, or a subclass adding the family's own fields (a field of
+    # another family is then an error; dtlaunch/config/model_schema.py).
+    config: type = ModelConfig
+    # Routed experts per MoE layer of a model section (0: no expert layers; expert parallel needs some).
+    routed_experts: Callable[[Any], int] = _no_experts
 
     def check_config(self, cfg: Any) -> None:
         if self.check:

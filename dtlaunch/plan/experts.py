@@ -14,8 +14,9 @@ from typing import Any
 
 
 def num_routed_experts(m: Any) -> int:
-    moe = getattr(m, "moe", None)
-    return int(getattr(moe, "num_experts", 0) or 0) if moe is not None else 0
+    from dtlaunch.config.validate import routed_experts
+
+    return routed_experts(m)
 
 
 def stage_routed_params(m: Any, layer_ids: list[int]) -> int:

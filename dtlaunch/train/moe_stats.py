@@ -16,6 +16,7 @@ from torch import nn
 
 from dtlaunch.models.moe import balance
 from dtlaunch.models.moe.shapes import sparse_layers
+from dtlaunch.models.registry import model_spec
 
 
 class RouterTracker:
@@ -37,7 +38,7 @@ class RouterTracker:
         cls, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool = False
     ) -> Optional[Any]:
         """A tracker when the model has MoE layers, else None."""
-        if int(getattr(getattr(cfg.model, "moe", None), "num_experts", 0) or 0) == 0:
+        if model_spec(cfg.model).routed_experts(cfg.model) == 0:
             return None
         if not any(balance.moe_layers(p) for p in parts):
             return None

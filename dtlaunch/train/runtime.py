@@ -127,7 +127,8 @@ def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int
     from dtlaunch.train.parallel.mesh import dp_mesh
 
     # The data-parallel group only for the bias update (the statistics ride on the loop's window sync).
-    dp = dp_mesh(mesh, flatten=True) if float(getattr(cfg.model.moe, "bias_update_rate", 0) or 0) > 0 else None
+    moe = getattr(cfg.model, "moe", None)  # the MoE family's section; dense families have none
+    dp = dp_mesh(mesh, flatten=True) if moe is not None and float(moe.bias_update_rate) > 0 else None
     n_mb = pp_microbatches(cfg, layout) if layout.pp > 1 else 1
     group = dp.get_group() if dp is not None else None
     return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (accum * n_mb), pipeline=layout.pp > 1)

@@ -82,12 +82,11 @@ def test_stage_split_names_and_ownership() -> None:
     from omegaconf import OmegaConf
 
     from dtlaunch.config.layout import Layout
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.parallel.pipeline import build_stage_modules, stage_ids
 
-    cfg = OmegaConf.merge(
-        OmegaConf.structured(JobConfig),
+    cfg = typed_job(
         OmegaConf.from_dotlist(
             DEEP
             + [
@@ -164,7 +163,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from dtlaunch.config.layout import Layout, pp_microbatches
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.parallel.init_weights import materialize_and_init
     from dtlaunch.train.parallel.mesh import build_mesh, dp_rank_size, sub_mesh
@@ -172,7 +171,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from dtlaunch.train.parallel.pp_step import clip_grad_norm, pipeline_loss_fn, pp_forward_backward
     from dtlaunch.train.parallel.tensor_parallel import apply_tp, cross_entropy, loss_context
 
-    cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist(overrides))
+    cfg = typed_job(OmegaConf.from_dotlist(overrides))
     dist.init_process_group("gloo")
     device = torch.device("cpu")
     layout = Layout.resolve(cfg.strategy, dist.get_world_size())

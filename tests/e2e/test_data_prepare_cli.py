@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import JobConfig
+from dtlaunch.config.model_schema import typed_job
 from dtlaunch.train.data import build_loader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -33,7 +32,7 @@ def text_dir(tmp_path: Path) -> Path:
 
 
 def tokens_cfg(path: Path, vocab: int) -> object:
-    cfg = OmegaConf.structured(JobConfig)
+    cfg = typed_job({})
     cfg.data.kind, cfg.data.path = "tokens", str(path)
     cfg.model.vocab_size, cfg.training.seq_len, cfg.training.micro_batch = vocab, 32, 4
     return cfg

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import JobConfig
+from dtlaunch.config.model_schema import typed_job
 from dtlaunch.config.validate import validate
 from dtlaunch.data.sources import SyntheticSource
 from dtlaunch.errors import ConfigError
@@ -110,7 +110,7 @@ def test_masked_loss_weight_counts_the_cp_ranks() -> None:
 
 
 def _cfg(*overrides: str):
-    return OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.from_dotlist(list(overrides)))
+    return typed_job(OmegaConf.from_dotlist(list(overrides)))
 
 
 def test_layout_counts_cp_in_the_world() -> None:

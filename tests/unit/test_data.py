@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import JobConfig
+from dtlaunch.config.model_schema import typed_job
 from dtlaunch.data.run_data import prepare_run_data
 from dtlaunch.data.shards import ShardWriter
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
@@ -19,7 +19,7 @@ SEQ = 8
 
 
 def make_cfg(**over: object) -> object:
-    cfg = OmegaConf.structured(JobConfig)
+    cfg = typed_job({})
     cfg.model.vocab_size = 512
     cfg.training.seq_len = SEQ
     cfg.training.micro_batch = 2

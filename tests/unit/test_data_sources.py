@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import JobConfig
+from dtlaunch.config.model_schema import typed_job
 from dtlaunch.config.validate import validate
 from dtlaunch.data.cache import cached_tokens, encode_batches, verify_entry
 from dtlaunch.data.records import iter_documents
@@ -91,7 +91,7 @@ def test_held_out_split_is_fixed_and_disjoint() -> None:
 
 
 def make_cfg(**kv):
-    cfg = OmegaConf.structured(JobConfig)
+    cfg = typed_job({})
     for key, value in kv.items():
         OmegaConf.update(cfg, key.replace("__", "."), value)
     return cfg

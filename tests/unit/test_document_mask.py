@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import ModelConfig
+from dtlaunch.models.dense.config import DenseModelConfig
 from dtlaunch.models.dense.model import build_model
 from dtlaunch.train.data import document_inputs
 
@@ -14,7 +14,7 @@ EOS = 1
 
 
 def test_document_mask_matches_documents_run_alone() -> None:
-    m = OmegaConf.structured(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64))
+    m = OmegaConf.structured(DenseModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64))
     model = build_model(m, rope_len=32, device="cpu")
     model.init_weights(seed=0)
     g = torch.Generator().manual_seed(0)
@@ -39,7 +39,7 @@ def test_document_mask_matches_documents_run_alone() -> None:
 def test_unpacked_samples_are_single_documents_padded_and_masked(tmp_path, tiny_tokenizer, tiny_docs) -> None:
     import json
 
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.model_schema import typed_job
     from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.data.tokenizer import load_tokenizer
     from dtlaunch.train.data import build_loaders
@@ -47,7 +47,7 @@ def test_unpacked_samples_are_single_documents_padded_and_masked(tmp_path, tiny_
     docs = tiny_docs(30, seed=5, words=(3, 40))
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    cfg = OmegaConf.structured(JobConfig)
+    cfg = typed_job({})
     for key, value in {
         "data.kind": "jsonl",
         "data.path": str(path),

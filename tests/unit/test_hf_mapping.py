@@ -6,15 +6,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import ModelConfig
 from dtlaunch.convert.hf import from_hf_state, hf_config, to_hf_state
 from dtlaunch.errors import InputError
+from dtlaunch.models.dense.config import DenseModelConfig
 from dtlaunch.models.dense.hf import from_hf_name, halves_to_interleaved, interleaved_to_halves, to_hf_name
 from dtlaunch.models.dense.model import apply_rope, build_model, rope_cache
 
 
-def tiny() -> ModelConfig:
-    return OmegaConf.structured(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128))
+def tiny() -> DenseModelConfig:
+    return OmegaConf.structured(DenseModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128))
 
 
 def test_every_parameter_maps_both_ways() -> None:

@@ -7,16 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from dtlaunch.config.schema import JobConfig
+from dtlaunch.config.model_schema import typed_job
 from dtlaunch.models.flops import flops_per_token, matmul_params, mfu
 from dtlaunch.models.shapes import param_count
 from dtlaunch.train.observe.metrics import MetricsLogger, _Display
 
 
 def make_cfg(steps: int = 12, log_every: int = 5) -> object:
-    cfg = OmegaConf.structured(JobConfig)
+    cfg = typed_job({})
     cfg.training.steps, cfg.training.log_every = steps, log_every
     cfg.launch.nproc_per_node = 2
     return cfg

@@ -20,7 +20,10 @@ from dtlaunch.models.shapes import param_count
             ["model=tiny_moe", "model.moe.top_k=9"],
             r"model.moe.top_k=9 exceeds model.moe.num_experts=8: set model.moe.top_k <= 8",
         ),
-        (["model=tiny", "model.moe.num_experts=4"], r"model.moe.num_experts=4 with model.arch=llama, a dense decoder"),
+        (
+            ["model=tiny", "model.moe.num_experts=4"],
+            r"model.moe.num_experts=4 with model.arch=llama, whose fields have no",
+        ),
         (["model=tiny_moe", "model.moe.num_experts=0"], r"model.moe.num_experts=0: model.arch=moe is a mixture"),
         (["model=tiny_moe", "model.moe.dense_layers=[4]"], r"model.moe.dense_layers has 4, past the last block"),
         (

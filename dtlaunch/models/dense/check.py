@@ -25,12 +25,16 @@ def check_attention(m: Any) -> None:
         raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
 
 
-def check(cfg: Any) -> None:
-    m = cfg.model
-    check_attention(m)
-    n = int(m.moe.num_experts)
-    if n > 0:
+def check_window(cfg: Any) -> None:
+    """Context parallel's ring attention is plain causal: no window shorter than the sequence."""
+    m, cp = cfg.model, int(cfg.strategy.cp)
+    if cp > 1 and m.sliding_window is not None and m.sliding_window < int(cfg.training.seq_len):
         raise ConfigError(
-            f"model.moe.num_experts={n} with model.arch={m.arch}, a dense decoder: use model.arch=moe (or qwen3_moe, "
-            f"mixtral), or set model.moe.num_experts=0"
+            f"model.sliding_window={m.sliding_window} is not supported with strategy.cp={cp} (ring attention is "
+            f"plain causal): set model.sliding_window=null, training.seq_len<={m.sliding_window} or strategy.cp=1"
         )
+
+
+def check(cfg: Any) -> None:
+    check_attention(cfg.model)
+    check_window(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtlaunch.models.dense import flops, shapes
+from dtlaunch.models.dense.config import DenseModelConfig
 from dtlaunch.models.dense.hf import DenseHF
 from dtlaunch.models.registry import ModelSpec
 
@@ -31,4 +32,5 @@ def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple
         fixed=dict(fixed),
         block_linears=shapes.block_linears,
         check="dtlaunch.models.dense.check:check",
+        config=DenseModelConfig,
     )

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from dtlaunch.errors import ConfigError
-from dtlaunch.models.dense.check import check_attention
+from dtlaunch.models.dense.check import check_attention, check_window
 
 
 def check(cfg: Any) -> None:
     m = cfg.model
     check_attention(m)
+    check_window(cfg)
     moe, n = m.moe, int(m.moe.num_experts)
     if n < 1:
         raise ConfigError(

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import dtlaunch.models.moe.flops as flops
 import dtlaunch.models.moe.shapes as shapes
+from dtlaunch.models.moe.config import MoeModelConfig, routed_experts
 from dtlaunch.models.registry import ModelSpec
 
 
@@ -32,4 +33,6 @@ def moe_spec(
         activations="dtlaunch.models.moe.activations",
         check="dtlaunch.models.moe.check:check",
         fixed=dict(fixed),
+        config=MoeModelConfig,
+        routed_experts=routed_experts,
     )

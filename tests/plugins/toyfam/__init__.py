@@ -2,10 +2,11 @@
 language model. Importing this registers it; like dtlaunch's own families it imports no torch here."""
 
 from dtlaunch.models.registry import ModelSpec, register
+from toyfam.config import ToyConfig
 
 
-def _block(m) -> int:  # norm gain + up [4d, d] + down [d, 4d]
-    return m.dim + 8 * m.dim * m.dim
+def _block(m) -> int:  # norm gain + up [r*d, d] + down [d, r*d]
+    return m.dim + 2 * m.mlp_ratio * m.dim * m.dim
 
 
 def _count(m) -> int:
@@ -29,8 +30,9 @@ SPEC = register(
         head_params=lambda m: m.vocab_size * m.dim,
         flops_per_token=lambda m, seq_len: 6.0 * _count(m),
         matmul_params=_count,
-        tp_divisors=lambda m: [("model.dim", 4 * m.dim), ("model.vocab_size", m.vocab_size)],
+        tp_divisors=lambda m: [("model.dim", m.mlp_ratio * m.dim), ("model.vocab_size", m.vocab_size)],
         activations=None,  # no closed-form memory model: the planner traces one step
         ring_attention=False,
+        config=ToyConfig,  # model.mlp_ratio: a field only this family has
     )
 )

@@ -9,11 +9,11 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, ratio: int) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(4 * dim, dim, bias=False)
+        self.up = nn.Linear(dim, ratio * dim, bias=False)
+        self.down = nn.Linear(ratio * dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))
@@ -24,7 +24,7 @@ class ToyLM(nn.Module):
         super().__init__()
         self.cfg = m
         self.tok_embeddings = nn.Embedding(m.vocab_size, m.dim)
-        self.layers = nn.ModuleDict({str(i): Block(m.dim) for i in range(m.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(m.dim, m.mlp_ratio) for i in range(m.n_layers)})
         self.norm = nn.RMSNorm(m.dim)
         self.output = nn.Linear(m.dim, m.vocab_size, bias=False)
 
