@@ -102,7 +102,9 @@ def train(
     from dtlaunch.commands.train import train_command
 
     raise typer.Exit(
-        train_command(overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume)
+        train_command(
+            overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume, report=exit_code_of
+        )
     )
 
 
@@ -336,44 +338,56 @@ def report(
 
 def run() -> None:
     """Console entry point: one-line errors with documented exit codes."""
-    from dtlaunch.errors import DtlaunchError
-
     try:
         # Non-standalone mode returns the exit code of typer.Exit instead of exiting.
-        sys.exit(app(standalone_mode=False) or 0)
-    except DtlaunchError as exc:
+        code = app(standalone_mode=False) or 0
+    except BaseException as exc:
+        code = exit_code_of(exc)
+    sys.exit(code)
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """Print the one line the user sees for `exc` (on stderr) and return the documented exit code. With
+    --debug, errors other than a requested exit are raised again, for their traceback."""
+    from dtlaunch.errors import DtlaunchError
+
+    if isinstance(exc, SystemExit):
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 1
+        return int(exc.code or 0)
+    if isinstance(exc, typer.Exit):
+        return int(exc.exit_code)
+    if isinstance(exc, DtlaunchError):
         if _DEBUG:
-            raise
+            raise exc
         print(f"dtlaunch: error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except OSError as exc:
+        return exc.exit_code
+    if isinstance(exc, OSError):
         # An OS error on a named path is bad input (a path too long, not writable, a file where a
         # directory belongs): mapped here once for every command instead of at each file operation.
         if _DEBUG or exc.filename is None:
-            _internal_error(exc)
+            return _internal_error(exc)
         from dtlaunch.errors import EXIT_BAD_INPUT, os_error_message
 
         print(f"dtlaunch: error: {os_error_message(exc)}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    except (typer.Abort, KeyboardInterrupt):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, (typer.Abort, KeyboardInterrupt)):
         print("dtlaunch: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as exc:  # usage errors and genuine bugs
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # a (typer-vendored) click usage error
-            exc.show()
-            sys.exit(exc.exit_code)
-        _internal_error(exc)
+        return 130
+    if isinstance(exc, Exception) and hasattr(exc, "show") and hasattr(exc, "exit_code"):
+        exc.show()  # a (typer-vendored) click usage error
+        return int(exc.exit_code)
+    return _internal_error(exc)
 
 
-def _internal_error(exc: BaseException) -> None:
+def _internal_error(exc: BaseException) -> int:
     if _DEBUG:
         raise exc
     print(
         f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr
     )
-    sys.exit(1)
+    return 1
 
 
 if __name__ == "__main__":

@@ -6,15 +6,63 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
 from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
+from dtlaunch.launch.warm_start import Prepared
 
 
 def train_command(
-    overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool, no_resume: bool
+    overrides: Sequence[str],
+    recipe_dirs: Sequence[str],
+    dry_run: bool,
+    force: bool,
+    no_resume: bool,
+    report: Optional[Callable[[BaseException], int]] = None,
 ) -> int:
+    """`report` prints an error the CLI's way and returns its exit code: given it, the preparation may
+    run in a forked child while this process imports torch's agent (dtlaunch.launch.warm_start)."""
+    if dry_run:
+        return _dry_run(overrides, recipe_dirs)
+    from dtlaunch.launch.warm_start import overlap_possible, prepare_aside
+
+    def prepare() -> Prepared:
+        return prepare_launch(overrides, recipe_dirs, force, no_resume)
+
+    if report is not None and overlap_possible():
+        prepared, code = prepare_aside(prepare, report)
+        if prepared is None:
+            return code
+        from dtlaunch.config.compose import load_resolved
+
+        cfg = load_resolved(Path(prepared.run_dir) / "config.yaml")
+    else:
+        prepared = prepare()
+        cfg = prepared.cfg
+    return launch_prepared(cfg, prepared)
+
+
+def _dry_run(overrides: Sequence[str], recipe_dirs: Sequence[str]) -> int:
+    """Print the plan, the summary, the config and the launch command; create and start nothing."""
+    job, plan = _compose_and_plan(overrides, recipe_dirs, force=True)
+    from omegaconf import OmegaConf
+
+    from dtlaunch.launch.local import launch_command
+    from dtlaunch.launch.rundir import run_dir_for
+
+    out = console()
+    out.print(OmegaConf.to_yaml(job.cfg), markup=False)
+    run_dir = run_dir_for(job.cfg, job.recipe).resolve()
+    out.print("launch command:", style="bold")
+    # Plain print, not rich: the shell-quoted line must reach the terminal byte for byte (rich would
+    # wrap it or turn `:name:` into emoji), so that pasting it runs exactly the launch.
+    out.file.flush()
+    print(launch_command(job.cfg, run_dir), flush=True)
+    return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
+
+
+def _compose_and_plan(overrides: Sequence[str], recipe_dirs: Sequence[str], force: bool) -> tuple[Any, Any]:
     from dtlaunch.run.phases import phase
 
     phase("composing the job")
@@ -23,28 +71,18 @@ def train_command(
     from dtlaunch.commands.plan import plan_gate
 
     phase("planning memory")
-    plan = plan_gate(job, force=force or dry_run)
+    plan = plan_gate(job, force=force)
+    console().print(summary_table(job))
+    return job, plan
+
+
+def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: bool, no_resume: bool) -> Prepared:
+    """Everything before the workers start: compose, validate, plan gate, run directory, data, checks."""
+    job, plan = _compose_and_plan(overrides, recipe_dirs, force)
     out = console()
-    out.print(summary_table(job))
-
-    from dtlaunch.launch.local import launch_command
-    from dtlaunch.launch.rundir import run_dir_for
-
-    if dry_run:
-        from omegaconf import OmegaConf
-
-        out.print(OmegaConf.to_yaml(job.cfg), markup=False)
-        run_dir = run_dir_for(job.cfg, job.recipe).resolve()
-        out.print("launch command:", style="bold")
-        # Plain print, not rich: the shell-quoted line must reach the terminal byte for byte (rich would
-        # wrap it or turn `:name:` into emoji), so that pasting it runs exactly the launch.
-        out.file.flush()
-        print(launch_command(job.cfg, run_dir), flush=True)
-        return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
-
     check_hf_weights(job.cfg)
     from dtlaunch.data.run_data import prepare_run_data
-    from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
+    from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside, run_dir_for
     from dtlaunch.run.env import NO_RESUME_ENV
 
     if no_resume:
@@ -63,16 +101,24 @@ def train_command(
 
     check_data(job.cfg, run_dir, job.layout)
     check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
+    return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg)
+
+
+def launch_prepared(cfg: Any, prepared: Prepared) -> int:
+    """Start the workers on this node, wait for them, then print the run's summary."""
     from dtlaunch.config.layout import nproc_per_node
     from dtlaunch.launch.summary import complete_summary, summary_lines
+    from dtlaunch.run.phases import phase
 
-    phase(f"starting {nproc_per_node(job.cfg)} worker(s) on this node")
+    run_dir = Path(prepared.run_dir)
+    out = console()
+    phase(f"starting {nproc_per_node(cfg)} worker(s) on this node")
     began = time.perf_counter()
-    _launch_recording_state(job.cfg, run_dir)
-    summary = complete_summary(job.cfg, job.layout, run_dir, time.perf_counter() - began)
+    _launch_recording_state(cfg, run_dir)
+    summary = complete_summary(cfg, prepared.layout, run_dir, time.perf_counter() - began)
     for line in summary_lines(summary, run_dir) if summary else []:
         out.print(line, markup=False, soft_wrap=True)
-    if job.cfg.profiling.enabled:
+    if cfg.profiling.enabled:
         from dtlaunch.report.breakdown import breakdown_lines, write_profile_summary
 
         for line in breakdown_lines(write_profile_summary(run_dir), run_dir):

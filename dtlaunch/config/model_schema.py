@@ -23,10 +23,6 @@ from typing import Any, Optional
 from dtlaunch.config.schema import JobConfig, ModelConfig
 from dtlaunch.errors import ConfigError
 
-# The job's config groups: each gets its section's schema in Hydra's ConfigStore.
-GROUPS = ("model", "strategy", "precision", "training", "optim", "data", "checkpoint", "hardware", "launch")
-GROUPS += ("cluster", "peft")
-
 
 def family_schema(model: Any) -> type:
     """The ModelConfig subclass of the family a model section (dict, DictConfig or namespace) belongs to."""
@@ -160,12 +156,8 @@ def typed_model(raw: Any) -> Any:
 
 
 def register_schemas() -> None:
-    """Register the schema with Hydra's ConfigStore, `model` as the union of the families (idempotent)."""
+    """Register the job's schema with Hydra's ConfigStore, `model` as the union of the families
+    (idempotent). configs/job.yaml starts from it; the groups' options are the YAML files."""
     from hydra.core.config_store import ConfigStore
 
-    cs = ConfigStore.instance()
-    job = job_schema()
-    cs.store(name="job_schema", node=job)
-    hints = typing.get_type_hints(job)
-    for group in GROUPS:
-        cs.store(group=group, name=f"{group}_schema", node=hints[group])
+    ConfigStore.instance().store(name="job_schema", node=job_schema())
