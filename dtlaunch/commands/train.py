@@ -34,9 +34,9 @@ def train_command(
         prepared, code = prepare_aside(prepare, report)
         if prepared is None:
             return code
-        from dtlaunch.config.compose import load_resolved
+        from dtlaunch.config.compose import typed_resolved
 
-        cfg = load_resolved(Path(prepared.run_dir) / "config.yaml")
+        cfg = typed_resolved(prepared.cfg)
     else:
         prepared = prepare()
         cfg = prepared.cfg

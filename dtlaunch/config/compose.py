@@ -287,17 +287,24 @@ def load_resolved(path: str | Path) -> Any:
 
     if Path(path).is_file():
         check_yaml_file(Path(path), "config")
-    from dtlaunch.config.model_schema import typed_job
-
     try:
-        raw = OmegaConf.load(path)
-        typed = typed_job(raw)
+        return typed_resolved(OmegaConf.load(path))
     except ConfigError:
         raise
     except FileNotFoundError as exc:
         raise ConfigError(f"config file '{path}' not found: is this a dtlaunch run directory?") from exc
     except Exception as exc:
         raise ConfigError(f"config file '{path}' is not a valid job: {_first_line(exc)}") from exc
+
+
+def typed_resolved(job: Any) -> Any:
+    """A resolved job (a config node or the plain container of one) typed by the schema, its model
+    section by its family's, with no keys to add."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.model_schema import typed_job
+
+    typed = typed_job(job)
     OmegaConf.set_struct(typed, True)
     return typed
 

@@ -31,8 +31,9 @@ _SIGNAL_BASE = 128
 
 @dataclass
 class Prepared:
-    """What the launch needs from the preparation (the config itself is re-read from the run directory
-    when it crossed a process boundary)."""
+    """What the launch needs from the preparation. Across the fork the config travels as its plain
+    container: a typed config node does not pickle, and the run directory's copy is no substitute (on
+    a shared filesystem every node of a multi-node job writes its own there)."""
 
     run_dir: str
     layout: Any
@@ -69,7 +70,7 @@ def prepare_aside(
             before = dict(os.environ)
             prepared = prepare()
             prepared.env = _changes(before, dict(os.environ))
-            prepared.cfg = None  # re-read from the run directory: typed configs do not pickle
+            prepared.cfg = _container(prepared.cfg)
             with os.fdopen(write_fd, "wb") as pipe:
                 pipe.write(pickle.dumps(prepared))
         except BaseException as exc:  # everything the CLI would report, reported the same way
@@ -145,6 +146,12 @@ _finished: dict[int, int] = {}
 def _wait(pid: int) -> int:
     status = _finished.pop(pid, None)
     return status if status is not None else os.waitpid(pid, 0)[1]
+
+
+def _container(cfg: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else cfg
 
 
 def _changes(before: dict[str, str], after: dict[str, str]) -> dict[str, Optional[str]]:

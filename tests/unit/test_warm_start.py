@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from omegaconf import OmegaConf
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.launch.warm_start import Prepared, prepare_aside
@@ -22,11 +23,12 @@ def test_the_child_hands_over_what_it_prepared(monkeypatch: pytest.MonkeyPatch) 
     def prepare() -> Prepared:
         os.environ["DTLAUNCH_TEST_HANDOVER"] = "set by the child"
         del os.environ["DTLAUNCH_TEST_REMOVED"]
-        return Prepared(run_dir="/runs/x", layout=(2, 1), recipe="tiny_ddp", cfg=object())
+        return Prepared(run_dir="/runs/x", layout=(2, 1), recipe="tiny_ddp", cfg=OmegaConf.create({"a": {"b": 1}}))
 
     prepared, code = prepare_aside(prepare, _report)
     assert code == 0 and prepared is not None
-    assert (prepared.run_dir, prepared.layout, prepared.recipe, prepared.cfg) == ("/runs/x", (2, 1), "tiny_ddp", None)
+    assert (prepared.run_dir, prepared.layout, prepared.recipe) == ("/runs/x", (2, 1), "tiny_ddp")
+    assert prepared.cfg == {"a": {"b": 1}}  # the config as its plain container
     assert os.environ["DTLAUNCH_TEST_HANDOVER"] == "set by the child"
     assert "DTLAUNCH_TEST_REMOVED" not in os.environ
 

@@ -84,7 +84,7 @@ def float8_tp_plan(plan: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     def tensorwise(m: nn.Module) -> bool:
         return isinstance(m, Float8Linear) and m.config.cast_config_input.scaling_granularity.value == "tensorwise"
 
-    from dtlaunch.train.parallel.tensor_parallel import restyle
+    from dtlaunch.train.parallel.tp_restyle import restyle
 
     def swap(target: nn.Module, name: str, style: Any) -> Any:
         kind = type(style)

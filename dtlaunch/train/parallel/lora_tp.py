@@ -43,7 +43,7 @@ class LoRARowwiseParallel(RowwiseParallel):
 
 def lora_tp_plan(plan: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     """`plan` (names relative to `module`) with the LoRA styles on the adapted linears."""
-    from dtlaunch.train.parallel.tensor_parallel import restyle
+    from dtlaunch.train.parallel.tp_restyle import restyle
 
     def swap(target: nn.Module, name: str, style: Any) -> Any:
         if not isinstance(target, LoRALinear):

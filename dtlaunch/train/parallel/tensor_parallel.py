@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,22 +135,6 @@ def parallel_style(style: styles.Style) -> ParallelStyle:
     if isinstance(style, styles.VocabEmbedding):
         return VocabParallel(output_layout=placement(style.output))
     raise TypeError(f"not a tensor-parallel style: {style!r}")
-
-
-def restyle(
-    plan: dict[str, ParallelStyle], module: nn.Module, swap: Callable[[nn.Module, str, ParallelStyle], ParallelStyle]
-) -> dict[str, ParallelStyle]:
-    """`plan` (names relative to `module`) with each style replaced by `swap(target module, name, style)`;
-    names this module does not own (a pipeline stage's deleted parts) are left for parallelize_module."""
-    out: dict[str, ParallelStyle] = {}
-    for name, style in plan.items():
-        try:
-            target = module.get_submodule(name)
-        except AttributeError:
-            out[name] = style
-            continue
-        out[name] = swap(target, name, style)
-    return out
 
 
 def torch_plan(plan: dict[str, styles.Style]) -> dict[str, ParallelStyle]:
