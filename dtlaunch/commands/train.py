@@ -36,11 +36,10 @@ def train_command(
             return code
         from dtlaunch.config.compose import typed_resolved
 
-        cfg = typed_resolved(prepared.cfg)
+        prepared.cfg = typed_resolved(prepared.cfg)  # it crossed the fork as a plain container
     else:
         prepared = prepare()
-        cfg = prepared.cfg
-    return launch_prepared(cfg, prepared)
+    return launch_prepared(prepared)
 
 
 def _dry_run(overrides: Sequence[str], recipe_dirs: Sequence[str]) -> int:
@@ -104,13 +103,13 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg)
 
 
-def launch_prepared(cfg: Any, prepared: Prepared) -> int:
+def launch_prepared(prepared: Prepared) -> int:
     """Start the workers on this node, wait for them, then print the run's summary."""
     from dtlaunch.config.layout import nproc_per_node
     from dtlaunch.launch.summary import complete_summary, summary_lines
     from dtlaunch.run.phases import phase
 
-    run_dir = Path(prepared.run_dir)
+    cfg, run_dir = prepared.cfg, Path(prepared.run_dir)
     out = console()
     phase(f"starting {nproc_per_node(cfg)} worker(s) on this node")
     began = time.perf_counter()

@@ -5,19 +5,19 @@ Hydra, no torch): a completion runs on every TAB press and must answer at once."
 from __future__ import annotations
 
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from typing import Any, Optional
 
 
 def _section(dotted: str) -> Optional[type]:
     """The schema dataclass at `dotted` ('' = the job), or None if that is not a section."""
     from dtlaunch.config.model_schema import job_schema
+    from dtlaunch.config.schema import section_type
 
     node: Any = job_schema()
     for part in [p for p in dotted.split(".") if p]:
         hint = typing.get_type_hints(node).get(part)
-        # Optional[X] and plain X alike: the dataclass among the annotation's members.
-        node = next((c for c in (hint, *getattr(hint, "__args__", ())) if is_dataclass(c)), None)
+        node = section_type(hint)  # Optional[X] and plain X alike
         if node is None:
             return None
     return node
@@ -25,13 +25,15 @@ def _section(dotted: str) -> Optional[type]:
 
 def _keys_under(parent: str) -> list[str]:
     """`parent.field=` for values and `parent.section.` for nested sections."""
+    from dtlaunch.config.schema import section_type
+
     node = _section(parent)
     if node is None:
         return []
     hints = typing.get_type_hints(node)
     out = []
     for f in fields(node):
-        nested = next((c for c in (hints[f.name], *getattr(hints[f.name], "__args__", ())) if is_dataclass(c)), None)
+        nested = section_type(hints[f.name])
         key = f"{parent}.{f.name}" if parent else f.name
         out.append(f"{key}." if nested is not None else f"{key}=")
     return out

@@ -357,11 +357,12 @@ def _schema_fields(dotted_parent: str) -> list[str]:
     """Field names of the schema node at `dotted_parent` ('' = the job root)."""
     import typing
 
+    from dtlaunch.config.schema import section_type
+
     node: Any = _job_schema()
     for part in [p for p in dotted_parent.split(".") if p]:
         hint = typing.get_type_hints(node).get(part)
-        # Optional[X] and plain X alike: take the dataclass among the annotation's members.
-        node = next((c for c in (hint, *getattr(hint, "__args__", ())) if is_dataclass(c)), None)
+        node = section_type(hint)  # Optional[X] and plain X alike
         if node is None:
             return []
     return [f.name for f in fields(node)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -86,12 +85,14 @@ def training_choices(schema: type, prefix: str = "") -> set[str]:
     import dataclasses
     import typing
 
+    from dtlaunch.config.schema import section_type
+
     found: set[str] = set()
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         if f.metadata.get("training_choice"):
             found.add(prefix + f.name)
-        nested = next((c for c in (hints[f.name], *getattr(hints[f.name], "__args__", ())) if is_dataclass(c)), None)
+        nested = section_type(hints[f.name])
         if nested is not None:
             found |= training_choices(nested, f"{prefix}{f.name}.")
     return found

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from dtlaunch.config.schema import JobConfig, ModelConfig
@@ -28,19 +27,7 @@ def family_schema(model: Any) -> type:
     """The ModelConfig subclass of the family a model section (dict, DictConfig or namespace) belongs to."""
     from dtlaunch.models.registry import model_spec
 
-    return model_spec(_identity(model)).config
-
-
-def _identity(model: Any) -> SimpleNamespace:
-    """The three keys that pick a registry entry, read from a plain dict as from a config node."""
-
-    def get(key: str, default: str) -> str:
-        value = model.get(key) if isinstance(model, dict) else getattr(model, key, None)
-        return str(value or default)
-
-    return SimpleNamespace(
-        _target_=get("_target_", ""), family_module=get("family_module", ""), arch=get("arch", "llama")
-    )
+    return model_spec(model).config
 
 
 def union_schema() -> type:
@@ -110,7 +97,7 @@ def own_fields(model: dict, cls: type) -> dict:
         differs = _first_difference(f"model.{key}", model[key], defaults[key])  # type: ignore[index]
         if differs:
             archs = _archs_with(key)
-            arch = _identity(model).arch
+            arch = model.get("arch") or "llama"
             raise ConfigError(
                 f"{differs} with model.arch={arch}, whose fields have no model.{key}: remove it"
                 + (f", or use model.arch={' / '.join(archs)}" if archs else "")

@@ -9,7 +9,7 @@ Nothing here imports torch: `dtlaunch --help`, `plan` and `validate` must start 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from typing import Any, Optional
 
@@ -514,6 +514,11 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+
+def section_type(hint: Any) -> Optional[type]:
+    """The schema section an annotation names (X or Optional[X] of a dataclass X), or None for a value."""
+    return next((c for c in (hint, *getattr(hint, "__args__", ())) if is_dataclass(c)), None)
 
 
 def to_dict(cfg: Any) -> dict:

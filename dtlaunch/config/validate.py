@@ -200,17 +200,12 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def routed_experts(model: Any) -> int:
-    """Routed experts per MoE layer of `model`, as its family counts them (0: no expert layers)."""
-    from dtlaunch.models.registry import model_spec
-
-    return model_spec(model).routed_experts(model)
-
-
 def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     """Tensor parallel splits an MoE model's attention only; its routers and experts stay whole, plain
     tensors beside the DTensors, which only FSDP (turning every parameter into a DTensor) lets the
     optimizer's multi-tensor kernels take together."""
+    from dtlaunch.models.registry import routed_experts
+
     if layout.tp == 1 or not routed_experts(cfg.model):
         return
     if int(cfg.strategy.zero_stage) < 2 or layout.dp * layout.cp == 1:
@@ -225,6 +220,8 @@ def check_expert_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     ep = layout.ep
     if ep == 1:
         return
+    from dtlaunch.models.registry import routed_experts
+
     experts = routed_experts(cfg.model)
     if not experts:
         _fail(

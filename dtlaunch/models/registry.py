@@ -24,6 +24,8 @@ planner functions are torch-free, so `dtlaunch plan` and `validate` never import
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -85,11 +87,9 @@ class ModelSpec:
             _resolve(self.check)(cfg)
 
     def build(self, m: Any, rope_len: Any = None, device: Any = "meta") -> Any:
-        if str(device) != "meta":
-            return _resolve(self.builder)(m, rope_len=rope_len, device=device)
         from dtlaunch.models.meta_init import SkipRandomInitOnMeta
 
-        with SkipRandomInitOnMeta():
+        with SkipRandomInitOnMeta() if str(device) == "meta" else nullcontext():
             return _resolve(self.builder)(m, rope_len=rope_len, device=device)
 
     def tp_model_plan(self, m: Any, sequence_parallel: bool) -> dict:
@@ -174,13 +174,25 @@ def known_archs() -> list[str]:
 
 
 def model_spec(m: Any) -> ModelSpec:
-    """The entry for a model section (or an arch name); `model._target_` selects the user-module entry."""
-    if not isinstance(m, str) and getattr(m, "_target_", ""):
+    """The entry for a model section (a config node, a plain dict or a namespace) or an arch name;
+    `model._target_` selects the user-module entry."""
+    if isinstance(m, str):
+        return _by_arch(m)
+    get = m.get if isinstance(m, Mapping) else lambda key: getattr(m, key, None)
+    if get("_target_"):
         return _module("dtlaunch.models.custom").SPEC
-    module = "" if isinstance(m, str) else str(getattr(m, "family_module", "") or "")
+    module = str(get("family_module") or "")
     if module:
         load_family(module)
-    arch = m if isinstance(m, str) else str(getattr(m, "arch", "llama") or "llama")
+    return _by_arch(str(get("arch") or "llama"))
+
+
+def routed_experts(m: Any) -> int:
+    """Routed experts per MoE layer of a model section, as its family counts them (0: none)."""
+    return model_spec(m).routed_experts(m)
+
+
+def _by_arch(arch: str) -> ModelSpec:
     specs = registry()
     if arch not in specs:
         raise ConfigError(f"model.arch='{arch}' is not a registered model: use one of {', '.join(sorted(specs))}")

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def num_routed_experts(m: Any) -> int:
-    from dtlaunch.config.validate import routed_experts
-
-    return routed_experts(m)
+from dtlaunch.models.registry import routed_experts
 
 
 def stage_routed_params(m: Any, layer_ids: list[int]) -> int:
     """Routed-expert parameters of the blocks `layer_ids` (0 for a dense model)."""
-    if not num_routed_experts(m):
+    if not routed_experts(m):
         return 0
     from dtlaunch.models.moe.shapes import layer_params
 
@@ -39,7 +35,7 @@ def rank_imbalance(cfg: Any, ep: int) -> float:
     every expert, plan.moe_imbalance when each rank holds one; in between a rank's load sums E / ep
     experts' and evens out, interpolated linearly in the rank count. (The bench's EP rows, 4 experts a
     rank: measured peaks showed no extra routed load over the mean.)"""
-    experts = num_routed_experts(cfg.model)
+    experts = routed_experts(cfg.model)
     if ep <= 1 or experts <= 1:
         return 1.0
     return 1.0 + (imbalance(cfg) - 1.0) * (ep - 1) / (experts - 1)
@@ -49,7 +45,7 @@ def all_to_all_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
     """Dispatch/combine buffers of the MoE layer in flight: the received token copies (busiest rank) and
     their expert-major copy; on the way back the outputs and their rank-major copy, the same size."""
     m = cfg.model
-    if ep <= 1 or not num_routed_experts(m):
+    if ep <= 1 or not routed_experts(m):
         return 0.0
     copies = tokens * int(m.moe.top_k) * rank_imbalance(cfg, ep)
     return 2.0 * e * copies * int(m.dim)
@@ -59,7 +55,7 @@ def a2a_volume_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
     """Bytes one rank sends per MoE layer and micro-batch, forward + backward (4 all-to-alls): the
     (ep - 1) / ep of its routed copies that leave for other ranks."""
     m = cfg.model
-    if ep <= 1 or not num_routed_experts(m):
+    if ep <= 1 or not routed_experts(m):
         return 0.0
     return 4.0 * (ep - 1) / ep * tokens * int(m.moe.top_k) * int(m.dim) * e
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch
 from dtlaunch.models.dtypes import DTYPE_BYTES
-from dtlaunch.models.registry import model_spec
+from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
-from dtlaunch.plan.experts import a2a_volume_bytes, num_routed_experts, stage_routed_params
+from dtlaunch.plan.experts import a2a_volume_bytes, stage_routed_params
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.peft import qlora_layout_ok
 
@@ -63,7 +63,7 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     # LoRA / QLoRA: the frozen base computes no weight gradients (4 FLOPs per parameter and token, not 6).
     per_param = 4 if str(cfg.peft.method) != "none" else 6
     flops_model = (per_param * P + 6 * m.n_layers * m.dim * t.seq_len) * tokens  # causal attention: half of 12·L·h·s
-    if num_routed_experts(m):
+    if routed_experts(m):
         # A token multiplies only its top-k experts: the registry's count of active parameters.
         flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
     recompute = recompute_fraction(t)
@@ -136,7 +136,7 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
 
 
 def _routed_per_sparse_block(m: Any) -> int:
-    return 3 * num_routed_experts(m) * int(m.dim) * _expert_width(m) if num_routed_experts(m) else 0
+    return 3 * routed_experts(m) * int(m.dim) * _expert_width(m) if routed_experts(m) else 0
 
 
 def _expert_width(m: Any) -> int:
@@ -148,7 +148,7 @@ def _expert_width(m: Any) -> int:
 def _ep_degrees(m: Any, shard: int, zero: int, cp: int) -> list[int]:
     """Expert-parallel degrees for a layout: 1, and with FSDP (no CP) every divisor of dp_shard that
     splits the routed experts evenly."""
-    experts = num_routed_experts(m)
+    experts = routed_experts(m)
     if not experts or zero < 2 or cp > 1:
         return [1]
     return [d for d in _divisors(shard) if experts % d == 0]
@@ -195,7 +195,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
-                    if tp > 1 and num_routed_experts(m) and (zero < 2 or dp * cp == 1):
+                    if tp > 1 and routed_experts(m) and (zero < 2 or dp * cp == 1):
                         continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     if not qlora_layout_ok(cfg, tp, pp, rep * shard * cp if zero >= 2 else 1, rep):
                         continue  # config.qlora_rules: NF4 under FSDP2 or DDP, whole blocks per shard

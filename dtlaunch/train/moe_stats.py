@@ -16,7 +16,7 @@ from torch import nn
 
 from dtlaunch.models.moe import balance
 from dtlaunch.models.moe.shapes import sparse_layers
-from dtlaunch.models.registry import model_spec
+from dtlaunch.models.registry import routed_experts
 
 
 class RouterTracker:
@@ -38,7 +38,7 @@ class RouterTracker:
         cls, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool = False
     ) -> Optional[Any]:
         """A tracker when the model has MoE layers, else None."""
-        if model_spec(cfg.model).routed_experts(cfg.model) == 0:
+        if routed_experts(cfg.model) == 0:
             return None
         if not any(balance.moe_layers(p) for p in parts):
             return None
