@@ -80,6 +80,9 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     job, plan = _compose_and_plan(overrides, recipe_dirs, force)
     out = console()
     check_hf_weights(job.cfg)
+    from dtlaunch.hub.dataset import pin_dataset
+
+    pin_dataset(job.cfg)  # a hub dataset: fetched now and its commit recorded in config.yaml
     from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside, run_dir_for
     from dtlaunch.run.env import NO_RESUME_ENV

@@ -17,12 +17,30 @@ from dtlaunch.errors import ConfigError
 
 
 def hf_source_dir(init_from: Any) -> Optional[Path]:
+    """The directory holding config.json for hf:DIR, or for hf:ORG/NAME[@REV] its snapshot in the hub
+    cache (config.json fetched if missing, nothing else); None for other sources."""
     src = str(init_from or "random")
     if not src.startswith("hf:"):
         return None
     if not src[3:]:
-        raise ConfigError("model.init_from='hf:' names no directory: use model.init_from=hf:DIR")
-    return Path(src[3:]).expanduser()
+        raise ConfigError("model.init_from='hf:' names no directory: use model.init_from=hf:DIR or hf:ORG/NAME")
+    from dtlaunch.hub.resolve import model_ref, model_snapshot
+
+    ref = model_ref(src[3:])  # an existing local directory wins over a hub name
+    return Path(src[3:]).expanduser() if ref is None else model_snapshot(ref)
+
+
+def hf_weights_dir(init_from: Any) -> Optional[Path]:
+    """hf_source_dir, with a hub model's weights fetched into the cache first (once, with progress)."""
+    path = hf_source_dir(init_from)
+    from dtlaunch.hub.resolve import model_ref, pin
+
+    ref = model_ref(str(init_from)[3:]) if path is not None else None
+    if ref is None:
+        return path
+    from dtlaunch.hub.download import ensure_model_files
+
+    return ensure_model_files(pin(ref, path), weights=True, tokenizer=False)
 
 
 def read_hf_config(path: Path) -> dict:
@@ -135,10 +153,21 @@ def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
                 f"drop the override, the model comes from model.init_from"
             )
     # Fields config.json does not describe go back to their defaults (not the recipe's model group).
-    new = {"name": path.name, "init_from": model["init_from"], **fields}
+    init_from = _pinned(str(model["init_from"]), path)
+    name = path.name if init_from == model["init_from"] else init_from.partition("@")[0].rpartition("/")[2]
+    new = {"name": name, "init_from": init_from, **fields}
     for key in sorted(given & free):
         _put(new, key, _dig(model, key))
     resolved["model"] = new
+
+
+def _pinned(init_from: str, path: Path) -> str:
+    """hf:ORG/NAME[@REV] as hf:ORG/NAME@<commit> (what config.yaml records: a resume or another node
+    reads the same files); a local directory as given."""
+    from dtlaunch.hub.resolve import model_ref, pin
+
+    ref = model_ref(init_from[3:])
+    return init_from if ref is None else f"hf:{pin(ref, path)}"
 
 
 def _differs(a: Any, b: Any) -> bool:

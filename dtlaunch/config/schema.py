@@ -264,6 +264,10 @@ class DataConfig:
     document_mask: bool = False
     # hf: the split of a DatasetDict or of local data files.
     split: str = "train"
+    # hf with data.path=ORG/NAME (a hub dataset): its configuration name (empty: the default one) and the
+    # branch, tag or commit to read (empty: main); the launcher records the commit in config.yaml.
+    subset: str = ""
+    revision: str = ""
     # Tokenized jsonl / parquet / hf data is cached here by content (empty = $DTLAUNCH_DATA_CACHE or
     # ~/.cache/dtlaunch/tokens), so a second run with the same inputs and tokenizer skips tokenizing.
     cache_dir: str = ""

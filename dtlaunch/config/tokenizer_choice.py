@@ -17,11 +17,24 @@ AUTO = "auto"
 BYTE = "byte"
 
 
-def model_tokenizer_file(init_from: Any) -> Optional[Path]:
-    """DIR/tokenizer.json of model.init_from=hf:DIR when it exists, else None."""
+def model_tokenizer_file(init_from: Any, fetch: bool = True) -> Optional[Path]:
+    """DIR/tokenizer.json of model.init_from=hf:DIR when it exists, else None. For a hub name the
+    tokenizer files are fetched into the cache first, unless `fetch` is false (data that needs none)."""
     path = hf_source_dir(init_from)
     if path is None:
         return None
+    from dtlaunch.hub.resolve import model_ref, pin
+
+    ref = model_ref(str(init_from)[3:])
+    if ref is not None:
+        if fetch:
+            from dtlaunch.hub.download import ensure_model_files
+
+            ensure_model_files(pin(ref, path), weights=False, tokenizer=True)
+        file = path / "tokenizer.json"
+        # Not resolve(): the cache's snapshot entries link to content-named blobs, and the tokenizer's
+        # sibling files (tokenizer_config.json) are found next to this name.
+        return file.absolute() if file.is_file() else None
     file = path / "tokenizer.json"
     return file.resolve() if file.is_file() else None
 
@@ -31,7 +44,7 @@ def resolve_auto_tokenizer(cfg: Any) -> None:
     refuses it, naming the fix) only when the hf: directory has no tokenizer.json and the data needs one."""
     if str(cfg.data.tokenizer) != AUTO:
         return
-    own = model_tokenizer_file(cfg.model.init_from)
+    own = model_tokenizer_file(cfg.model.init_from, fetch=str(cfg.data.kind) != "synthetic")
     if own is not None:
         cfg.data.tokenizer = str(own)
     elif hf_source_dir(cfg.model.init_from) is None or str(cfg.data.kind) == "synthetic":
@@ -55,7 +68,7 @@ def tokenizer_problem(cfg: Any) -> Optional[str]:
             f"tokenizer.json there or set data.tokenizer to its path"
         )
     if str(d.tokenizer) == BYTE and not d.force_tokenizer:
-        own = model_tokenizer_file(cfg.model.init_from)
+        own = model_tokenizer_file(cfg.model.init_from, fetch=str(d.kind) != "synthetic")
         if own is not None:
             return (
                 f"data.tokenizer=byte but model.init_from=hf:{source} has its own tokenizer ({own}): drop "

@@ -375,17 +375,25 @@ def check_checkpoint(cfg: Any, notes: list[str]) -> None:
         _fail(f"checkpoint.load_path='{c.load_path}' is not a directory: give a checkpoints/step-* directory")
 
 
+def _hub_dataset(d: Any) -> bool:
+    """data.kind=hf data.path=ORG/NAME: a hub dataset, fetched by the launcher (dtlaunch.hub.dataset)."""
+    from dtlaunch.hub.resolve import parse_hub_name
+
+    return d.kind == "hf" and "@" not in d.path and parse_hub_name(d.path) is not None
+
+
 def check_data(cfg: Any, notes: list[str]) -> None:
     d = cfg.data
     if d.kind != "synthetic":
         if not d.path:
             _fail(f"data.path is empty but data.kind={d.kind} reads files: set data.path=<dir, file or glob>")
-        if not (os.path.exists(d.path) or glob.glob(d.path, recursive=True)):
+        if not (os.path.exists(d.path) or glob.glob(d.path, recursive=True) or _hub_dataset(d)):
             _fail(f"data.path='{d.path}' does not exist: fix the path (tokens: run `dtlaunch data prepare` first)")
     problem = tokenizer_problem(cfg)
     if problem:
         _fail(problem)
-    if d.force_tokenizer and d.tokenizer == "byte" and model_tokenizer_file(cfg.model.init_from) is not None:
+    own = model_tokenizer_file(cfg.model.init_from, fetch=d.kind != "synthetic") if d.force_tokenizer else None
+    if d.force_tokenizer and d.tokenizer == "byte" and own is not None:
         notes.append(f"data.force_tokenizer=true: training on byte ids, not those of {cfg.model.init_from}'s tokenizer")
     if d.tokenizer not in ("auto", "byte") and not os.path.isfile(d.tokenizer):
         _fail(f"data.tokenizer='{d.tokenizer}' is neither 'byte', 'auto' nor an existing tokenizer.json file")

@@ -58,7 +58,9 @@ def base_dir(record: dict, where: str) -> Path:
             f"{where}: the adapters were trained on a randomly initialised base (model.init_from={base}), which no "
             "model directory holds: fine-tune from model.init_from=hf:DIR to export or generate"
         )
-    path = Path(base[3:]).expanduser()
+    from dtlaunch.config.hf_model import hf_weights_dir
+
+    path = Path(str(hf_weights_dir(base)))  # a hub name: its pinned snapshot, fetched into the cache if gone
     if not path.is_dir():
         raise InputError(f"{where}: its base {path} does not exist any more: restore it there")
     now = fingerprint(path)

@@ -83,12 +83,18 @@ def peft_record(cfg: Any) -> Optional[dict]:
         "dropout": float(peft.dropout),
         "targets": [str(t) for t in peft.targets],
         "base": src,
-        "base_fingerprint": fingerprint(src[3:]) if src.startswith("hf:") else None,
+        "base_fingerprint": fingerprint(_weights_dir(src)) if src.startswith("hf:") else None,
         # QLoRA's NF4 base is quantised from this dtype: a merged export rounds the same way.
         "base_dtype": str(cfg.precision.param_dtype),
         "nf4_block_size": int(peft.nf4_block_size),
         "nf4_scaler_block_size": int(peft.nf4_scaler_block_size),
     }
+
+
+def _weights_dir(src: str) -> Path:
+    from dtlaunch.config.hf_model import hf_weights_dir
+
+    return Path(str(hf_weights_dir(src)))  # a hub name: its pinned snapshot in the cache
 
 
 def check_base(cfg: Any, marker: dict, where: str) -> None:

@@ -295,7 +295,9 @@ def hf_init_dir(m: Any) -> Optional[str]:
         return None
     if not src.startswith("hf:") or not src[3:]:
         raise InputError(f"model.init_from='{src}' is not a weight source: use random or hf:DIR")
-    return src[3:]
+    from dtlaunch.config.hf_model import hf_weights_dir
+
+    return str(hf_weights_dir(src))
 
 
 _CACHE: dict[tuple[str, str], HFWeights] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from dtlaunch.data.prepare import resolve_inputs
 from dtlaunch.errors import ConfigError, InputError
@@ -101,12 +101,14 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def _load_hf(path: str, split: str, key: str) -> Any:
+def _load_hf(path: str, split: str, key: str, subset: Optional[str] = None) -> Any:
     # Never reach the hub: set before `datasets` is imported (it reads these at import time).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     datasets = _need("datasets", "hf")
     p = Path(path).expanduser()
+    if subset is not None:
+        return _load_snapshot(datasets, p, subset, split, key)
     if is_saved_dataset(p):
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
@@ -130,6 +132,17 @@ def _load_hf(path: str, split: str, key: str) -> Any:
         raise InputError(f"{key}: datasets cannot read '{path}': {str(exc).splitlines()[0]}") from exc
 
 
+def _load_snapshot(datasets: Any, p: Path, subset: str, split: str, key: str) -> Any:
+    """A hub dataset's snapshot directory, read by datasets' own rules for a repository (its README's
+    configurations, split names from file names), so data.subset and data.split mean what they do on the hub."""
+    try:
+        return datasets.load_dataset(str(p), name=subset or None, split=split)
+    except ValueError as exc:  # an unknown configuration or split
+        raise InputError(f"{key}: {str(exc).splitlines()[0]}: set data.subset / data.split to one it has") from None
+    except Exception as exc:  # datasets wraps parse errors in its own exception types
+        raise InputError(f"{key}: datasets cannot read the hub snapshot: {str(exc).splitlines()[0]}") from exc
+
+
 def hf_data_files(path: str, key: str) -> list[Path]:
     p = Path(path).expanduser()
     if p.is_dir():
@@ -140,8 +153,10 @@ def hf_data_files(path: str, key: str) -> list[Path]:
     return resolve_inputs([path], "**/*", key)
 
 
-def iter_hf(path: str, fields: Sequence[str], split: str, key: str = "data.path") -> Iterator[tuple[tuple, str]]:
-    ds = _load_hf(path, split, key)
+def iter_hf(
+    path: str, fields: Sequence[str], split: str, key: str = "data.path", subset: Optional[str] = None
+) -> Iterator[tuple[tuple, str]]:
+    ds = _load_hf(path, split, key, subset)
     names = list(ds.column_names)
     for field in fields:
         if field not in names:
@@ -167,21 +182,29 @@ def source_files(kind: str, path: str, key: str = "data.path") -> list[Path]:
 
 
 def iter_records(
-    kind: str, path: str, fields: Sequence[str], split: str = "train", key: str = "data.path"
+    kind: str,
+    path: str,
+    fields: Sequence[str],
+    split: str = "train",
+    key: str = "data.path",
+    subset: Optional[str] = None,
 ) -> Iterator[tuple[tuple, str]]:
-    """(values of `fields`, where) for every record of a jsonl / parquet / hf source, in a fixed order."""
+    """(values of `fields`, where) for every record of a jsonl / parquet / hf source, in a fixed order.
+    `subset` is not None for a hub dataset's snapshot (its configuration name, "" for the default)."""
     if kind == "jsonl":
         return iter_jsonl(source_files(kind, path, key), fields, key)
     if kind == "parquet":
         return iter_parquet(source_files(kind, path, key), fields, key)
     if kind == "hf":
-        return iter_hf(path, fields, split, key)
+        return iter_hf(path, fields, split, key, subset)
     raise ValueError(f"not a record kind: {kind}")
 
 
-def iter_documents(kind: str, path: str, field: str, split: str = "train", key: str = "data.path") -> Iterator[str]:
+def iter_documents(
+    kind: str, path: str, field: str, split: str = "train", key: str = "data.path", subset: Optional[str] = None
+) -> Iterator[str]:
     """Every document's text (data.format=text); a null value is no document."""
-    for (value,), where in iter_records(kind, path, [field], split, key):
+    for (value,), where in iter_records(kind, path, [field], split, key, subset):
         if value is None:
             continue
         if not isinstance(value, str):

@@ -60,6 +60,8 @@ def record_options(cfg: Any) -> dict[str, Any]:
         "format": str(cfg.data.format),
         "fields": record_fields(cfg),
         "split": str(cfg.data.split) if kind == "hf" else "",
+        # A hub dataset's configuration decides which records are read (absent, so local keys stay the same).
+        **({"subset": str(cfg.data.subset)} if kind == "hf" and str(cfg.data.subset) else {}),
         **_chat_template_id(cfg),
     }
 
@@ -85,18 +87,18 @@ def record_fields(cfg: Any) -> list[str]:
     return [str(cfg.data.text_field)]
 
 
-def encoded_batches(cfg: Any, tok: Any, path: str, key: str) -> Any:
+def encoded_batches(cfg: Any, tok: Any, path: str, key: str, subset: Optional[str] = None) -> Any:
     """The source's documents, encoded lazily in batches (see dtlaunch.data.cache.write_tokens)."""
     from dtlaunch.data.cache import encode_batches
     from dtlaunch.data.records import iter_documents, iter_records
 
     kind, fmt, split = str(cfg.data.kind), str(cfg.data.format), str(cfg.data.split)
     if fmt == "text":
-        return encode_batches(tok, iter_documents(kind, path, str(cfg.data.text_field), split, key))
+        return encode_batches(tok, iter_documents(kind, path, str(cfg.data.text_field), split, key, subset))
     from dtlaunch.data.chat import ChatEncoder, encode_records
 
     encoder = ChatEncoder(Path(tok.name), tok._dtype, str(cfg.data.chat_template), chat=fmt == "chat")
-    return encode_records(encoder, fmt, iter_records(kind, path, record_fields(cfg), split, key), key)
+    return encode_records(encoder, fmt, iter_records(kind, path, record_fields(cfg), split, key, subset), key)
 
 
 def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
@@ -108,9 +110,12 @@ def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
     if tok is None:
         tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
     check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
-    files = source_files(kind, path, key)
+    from dtlaunch.hub.dataset import local_source
+
+    local, subset = local_source(cfg, path)  # a hub dataset: its pinned snapshot in the hub cache
+    files = source_files(kind, local, key)
     masked = str(cfg.data.format) != "text"
-    batches = encoded_batches(cfg, tok, path, key)
+    batches = encoded_batches(cfg, tok, local, key, subset)
     root = cache_root(str(cfg.data.cache_dir))
     entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg), path, key, masked=masked)
     return entry

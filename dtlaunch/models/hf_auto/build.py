@@ -46,7 +46,9 @@ def _source(m: Any) -> Path:
         raise ConfigError(
             "model.arch=hf_auto needs model.init_from=hf:DIR (the architecture and weights come from DIR)"
         )
-    return Path(src[3:]).expanduser()
+    from dtlaunch.config.hf_model import hf_source_dir
+
+    return Path(str(hf_source_dir(src)))
 
 
 def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") -> nn.Module:

@@ -40,7 +40,9 @@ def _hf_config(init_from: str) -> Any:
 
     from dtlaunch.models.hf_auto.build import _transformers
 
-    return _transformers().AutoConfig.from_pretrained(str(Path(init_from[3:]).expanduser()), local_files_only=True)
+    from dtlaunch.config.hf_model import hf_source_dir
+
+    return _transformers().AutoConfig.from_pretrained(str(hf_source_dir(init_from)), local_files_only=True)
 
 
 def hf_plan(m: Any) -> dict[str, str]:

@@ -1,0 +1,84 @@
+"""Fetch what a job needs from the hub into its cache, once, with a progress bar.
+
+Planning needs config.json only (dtlaunch.hub.resolve); the weights come here when training, exporting
+or generating needs them, the tokenizer when the data does. One process per cache downloads while the
+others wait on a lock beside the repository's files (nodes sharing a cache fetch it once), and a failed
+download leaves no partial file behind: huggingface_hub writes each file under a temporary name, which
+is removed on failure, so a later run never trusts half a file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from dtlaunch.hub.errors import hub_module, translate
+from dtlaunch.hub.resolve import HubRef, snapshot_path
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHT_PATTERNS = ["*.safetensors", INDEX_FILE, "config.json", "generation_config.json"]
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "config.json"]
+
+
+def weights_complete(snapshot: Path) -> bool:
+    """Every safetensors file the model consists of is in the snapshot (read from its index if sharded)."""
+    index = snapshot / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError):
+            return False
+        return all((snapshot / s).is_file() for s in shards)
+    return (snapshot / SINGLE_FILE).is_file()
+
+
+def ensure_model_files(ref: HubRef, weights: bool, tokenizer: bool, key: str = "model.init_from") -> Path:
+    """The pinned snapshot of a model holding its weights and/or tokenizer files (fetched if missing)."""
+    snapshot = snapshot_path(ref)
+
+    def present() -> bool:
+        return (not weights or weights_complete(snapshot)) and (
+            not tokenizer or (snapshot / "tokenizer.json").is_file()
+        )
+
+    if present():
+        return snapshot
+    patterns = (WEIGHT_PATTERNS if weights else []) + (TOKENIZER_PATTERNS if tokenizer else [])
+    return Path(fetch(ref, "model", sorted(set(patterns)), key, present))
+
+
+def ensure_dataset(ref: HubRef, key: str = "data.path") -> Path:
+    """The snapshot of a dataset repository (all its files). A pinned revision whose file listing the
+    cache already holds costs no request."""
+    return Path(fetch(ref, "dataset", None, key, lambda: False))
+
+
+def fetch(ref: HubRef, repo_type: str, patterns: Sequence[str] | None, key: str, present) -> str:
+    """snapshot_download under a per-repository lock; partial files removed when it fails."""
+    hub = hub_module()
+    from filelock import FileLock
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / hub.file_download.repo_folder_name(repo_id=ref.repo, repo_type=repo_type)
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder / ".dtlaunch-download.lock")):
+        if present():  # another process (node) fetched it while this one waited
+            return str(snapshot_path(ref, repo_type))
+        try:
+            return hub.snapshot_download(
+                ref.repo, repo_type=repo_type, revision=ref.revision or None, allow_patterns=patterns
+            )
+        except BaseException as exc:
+            _remove_partial(folder)
+            if isinstance(exc, Exception):
+                name = f"hf:{ref}" if repo_type == "model" else str(ref)
+                raise translate(exc, key, name, repo_type) from None
+            raise
+
+
+def _remove_partial(folder: Path) -> None:
+    """Files huggingface_hub was still writing (blobs/*.incomplete): never resumed from, never trusted."""
+    for part in (folder / "blobs").glob("*.incomplete"):
+        part.unlink(missing_ok=True)

@@ -1,0 +1,126 @@
+"""Hub names resolved against a local hub (tests/e2e/hub_server.py), in process: what each call fetches
+and the one-line error for each way the hub or the network refuses."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from hub_server import GOOD_TOKEN, Hub, Repo
+
+hub_lib = pytest.importorskip("huggingface_hub")
+
+from dtlaunch.errors import InputError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_files(tiny_hf_dirs) -> Path:
+    return tiny_hf_dirs["llama_tied"]
+
+
+@pytest.fixture
+def hub(model_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fresh local hub and an empty cache; huggingface_hub's import-time settings pointed at them."""
+    from huggingface_hub import constants
+
+    with Hub(lifetime=120) as h:
+        h.repos[("models", "acme/tiny-llama")] = Repo.from_dir(model_files)
+        h.repos[("models", "acme/gated-llama")] = Repo.from_dir(model_files, gated=True)
+        h.repos[("models", "acme/private-llama")] = Repo.from_dir(model_files, private=True)
+        point_at(monkeypatch, h.url)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr("dtlaunch.hub.resolve._RESOLVED", {})
+        yield h
+
+
+def point_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """HF_ENDPOINT as huggingface_hub read it at import (the endpoint and its download-URL template)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def resolve(name: str) -> Path:
+    from dtlaunch.config.hf_model import hf_source_dir
+
+    return hf_source_dir(f"hf:{name}")
+
+
+def weights(name: str) -> Path:
+    from dtlaunch.config.hf_model import hf_weights_dir
+
+    return hf_weights_dir(f"hf:{name}")
+
+
+def test_resolving_fetches_config_json_only_and_weights_once(hub: Hub) -> None:
+    snapshot = resolve("acme/tiny-llama")
+    assert snapshot.name == hub.repos[("models", "acme/tiny-llama")].sha
+    assert (snapshot / "config.json").is_file() and hub.content_gets() == 1 == hub.gets("/config.json")
+    assert not (snapshot / "model.safetensors").exists()
+    assert weights("acme/tiny-llama") == snapshot
+    assert hub.gets("/model.safetensors") == 1 and (snapshot / "model.safetensors").is_file()
+    before = sum(hub.requests.values())
+    assert weights(f"acme/tiny-llama@{snapshot.name}") == snapshot  # pinned and cached: not one request
+    assert sum(hub.requests.values()) == before
+
+
+def test_offline_mode_reads_the_cache_and_names_the_download_when_absent(hub: Hub, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    snapshot = weights("acme/tiny-llama")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("dtlaunch.hub.resolve._RESOLVED", {})
+    before = sum(hub.requests.values())
+    assert resolve("acme/tiny-llama") == snapshot and weights("acme/tiny-llama") == snapshot
+    assert sum(hub.requests.values()) == before
+    with pytest.raises(InputError, match=r"not in the cache and HF_HUB_OFFLINE=1: run `dtlaunch download hf:acme/x"):
+        resolve("acme/x")
+
+
+def test_unknown_name_relays_the_hubs_close_matches(hub: Hub) -> None:
+    with pytest.raises(InputError) as e:
+        resolve("acme/tiny-lama")
+    assert "model.init_from=hf:acme/tiny-lama: no such model on the hub" in str(e.value)
+    assert "Did you mean acme/tiny-llama" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gated_model_without_a_token_then_with_one(hub: Hub, monkeypatch) -> None:
+    with pytest.raises(InputError, match=r"is a gated model and no token was given: .* set HF_TOKEN"):
+        resolve("acme/gated-llama")
+    monkeypatch.setenv("HF_TOKEN", GOOD_TOKEN)
+    assert weights("acme/gated-llama").joinpath("model.safetensors").is_file()
+
+
+def test_private_model_401_without_and_403_with_a_wrong_token(hub: Hub, monkeypatch) -> None:
+    with pytest.raises(InputError, match=r"answered 401 .*set HF_TOKEN to a token with read access"):
+        resolve("acme/private-llama")
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises(InputError, match=r"answered 403 .*HF_TOKEN is refused"):
+        resolve("acme/private-llama")
+
+
+def test_revision_that_does_not_exist(hub: Hub) -> None:
+    with pytest.raises(InputError, match=r"hf:acme/tiny-llama@v9: the hub has no such revision"):
+        resolve("acme/tiny-llama@v9")
+
+
+def test_no_network_outside_offline_mode(hub: Hub, monkeypatch) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    point_at(monkeypatch, closed)
+    with pytest.raises(InputError, match=r"cannot reach the hub at .* and it is not in the cache: check the network"):
+        resolve("acme/tiny-llama")
+
+
+def test_a_local_directory_wins_over_a_hub_name(hub: Hub, model_files: Path, tmp_path: Path, monkeypatch) -> None:
+    local = tmp_path / "acme" / "tiny-llama"
+    shutil.copytree(model_files, local)
+    monkeypatch.chdir(tmp_path)
+    assert resolve("acme/tiny-llama") == Path("acme/tiny-llama") and not hub.requests
