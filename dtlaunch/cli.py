@@ -282,6 +282,18 @@ def data_prepare(
 
 
 @app.command()
+def download(
+    sources: Optional[List[str]] = typer.Argument(
+        None, help="hf:ORG/NAME[@REVISION] (a model: config, weights, tokenizer) or dataset:ORG/NAME[@REVISION]."
+    ),
+) -> None:
+    """Fetch hub models and datasets into the cache (HF_HOME / HF_HUB_CACHE) ahead of `submit`."""
+    from dtlaunch.commands.download import download_command
+
+    raise typer.Exit(download_command(sources or []))
+
+
+@app.command()
 def submit(
     overrides: Optional[List[str]] = OVERRIDES,
     dry_run: bool = typer.Option(

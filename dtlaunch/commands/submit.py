@@ -37,6 +37,12 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
             f"cluster.kind='{job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm, kubernetes or skypilot"
         )
     _plan_gate(job, force, to_stderr=dry_run)
+    if not dry_run:
+        from dtlaunch.hub.dataset import pin_dataset
+        from dtlaunch.hub.download import check_cached
+
+        check_cached(job.cfg)  # nodes read a hub model from the cache, never all download it at once
+        pin_dataset(job.cfg)  # a hub dataset: fetched here on the login node, its commit in config.yaml
     if job.cfg.cluster.kind != "slurm":
         from dtlaunch.commands.submit_remote import submit_remote
 

@@ -156,7 +156,7 @@ def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
     init_from = _pinned(str(model["init_from"]), path)
     name = path.name if init_from == model["init_from"] else init_from.partition("@")[0].rpartition("/")[2]
     new = {"name": name, "init_from": init_from, **fields}
-    for key in sorted(given & free):
+    for key in sorted(given & free - {"init_from"}):  # init_from stays pinned to its commit
         _put(new, key, _dig(model, key))
     resolved["model"] = new
 

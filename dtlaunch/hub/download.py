@@ -82,3 +82,21 @@ def _remove_partial(folder: Path) -> None:
     """Files huggingface_hub was still writing (blobs/*.incomplete): never resumed from, never trusted."""
     for part in (folder / "blobs").glob("*.incomplete"):
         part.unlink(missing_ok=True)
+
+
+def check_cached(cfg: object) -> None:
+    """`submit`: a hub model's weights (pinned in config.yaml) must already be in the cache the nodes read,
+    so they never download at once: refused otherwise, naming the `dtlaunch download` to run."""
+    from dtlaunch.errors import InputError
+    from dtlaunch.hub.resolve import model_ref
+
+    source = str(cfg.model.init_from)  # type: ignore[attr-defined]
+    ref = model_ref(source[3:]) if source.startswith("hf:") else None
+    if ref is None or weights_complete(snapshot_path(ref)):
+        return
+    from huggingface_hub import constants
+
+    raise InputError(
+        f"model.init_from={source}: its weights are not in the hub cache ({constants.HF_HUB_CACHE}): run "
+        f"`dtlaunch download hf:{ref.repo}@{ref.revision}` first, with the HF_HOME / HF_HUB_CACHE the nodes use"
+    )

@@ -36,7 +36,7 @@ class Repo:
     branches: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
-    def from_dir(path: Path, **kw) -> "Repo":
+    def from_dir(path: Path, **kw) -> Repo:
         files = {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
         sha = hashlib.sha1(b"".join(k.encode() + v for k, v in files.items())).hexdigest()
         return Repo(files=files, sha=sha, branches={"main": sha}, **kw)
@@ -64,7 +64,7 @@ class Hub:
         self._timer = threading.Timer(lifetime, self.stop)
         self._timer.daemon = True
 
-    def __enter__(self) -> "Hub":
+    def __enter__(self) -> Hub:
         self._thread.start()
         self._timer.start()
         return self

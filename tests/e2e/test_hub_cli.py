@@ -1,0 +1,121 @@
+"""Hub names through the CLI as a user types them, against a local hub (tests/e2e/hub_server.py):
+`plan` fetches config.json only, `train` the weights (once) and the hub dataset, a second run offline
+fetches nothing, `download` fills the cache ahead of time, a full disk leaves nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hub_server import Hub, Repo
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("huggingface_hub")
+pytest.importorskip("datasets")
+
+MODEL = "acme/tiny-llama"
+DATASET = "acme/tiny-docs"
+README = """---
+configs:
+- config_name: en
+  data_files:
+  - split: train
+    path: en/*.jsonl
+- config_name: short
+  data_files:
+  - split: train
+    path: short/*.jsonl
+---
+"""
+SHORT = ["training.steps=2", "training.seq_len=32", "checkpoint.enabled=false", "training.loss_plot=false"]
+ONE = ["recipe=tiny_fsdp", "launch.nproc_per_node=1", "launch.threads_per_worker=1"]
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_hf_dirs, tmp_path_factory):
+    import json
+
+    words = [f"w{i}" for i in range(250)]
+    data = tmp_path_factory.mktemp("tiny_docs")
+    for subset, n in (("en", 300), ("short", 2)):
+        (data / subset).mkdir()
+        docs = [" ".join(words[(i * 7 + j) % 250] for j in range(40)) for i in range(n)]
+        (data / subset / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (data / "README.md").write_text(README)
+    with Hub(lifetime=500) as h:
+        h.repos[("models", MODEL)] = Repo.from_dir(tiny_hf_dirs["llama_tied"])
+        h.repos[("datasets", DATASET)] = Repo.from_dir(data)
+        yield h
+
+
+def dtlaunch(hub: Hub, home: Path, *args: str, offline: bool = False, limit: int = 0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", HF_ENDPOINT=hub.url, HF_HOME=str(home))
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HF_TOKEN", None)
+    env["HF_HUB_OFFLINE"] = "1" if offline else "0"
+
+    def fsize() -> None:  # a disk that fills: writes past `limit` bytes fail (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, "-m", "dtlaunch", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=fsize if limit else None,
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_plan_fetches_config_json_only_then_train_fetches_the_rest_once(hub: Hub, tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    ok(dtlaunch(hub, home, "plan", *ONE, f"model.init_from=hf:{MODEL}", "data=synthetic"))
+    assert hub.gets(f"/{MODEL}/resolve/main/config.json") == 1 and hub.content_gets() == 1, hub.requests
+
+    run = tmp_path / "run"
+    data = ["data.kind=hf", f"data.path={DATASET}", "data.subset=en", f"data.cache_dir={tmp_path / 'tok'}"]
+    ok(dtlaunch(hub, home, "train", *ONE, *SHORT, f"model.init_from=hf:{MODEL}", *data, f"run.dir={run}"))
+    assert hub.gets("/model.safetensors") == 1 and hub.gets("/tokenizer.json") == 1
+    assert hub.gets("/en/train.jsonl") == 1
+    from dtlaunch.config.compose import load_resolved
+
+    cfg = load_resolved(run / "config.yaml")
+    sha = hub.repos[("models", MODEL)].sha
+    assert cfg.model.init_from == f"hf:{MODEL}@{sha}" and cfg.data.revision == hub.repos[("datasets", DATASET)].sha
+
+    # A second run, offline: every file from the cache, not one request.
+    before = sum(hub.requests.values())
+    ok(
+        dtlaunch(
+            hub, home, "train", *ONE, *SHORT, f"model.init_from=hf:{MODEL}", *data, f"run.dir={run}2", offline=True
+        )
+    )
+    assert sum(hub.requests.values()) == before
+
+
+def test_download_ahead_then_a_full_disk_leaves_nothing_half_written(hub: Hub, tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    weights = len(hub.repos[("models", MODEL)].files["model.safetensors"])
+    proc = dtlaunch(hub, home, "download", f"hf:{MODEL}", limit=weights // 2)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    # One line (after huggingface_hub's progress bars) naming the cause and the fix.
+    assert "the disk filled while downloading" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    cache = home / "hub" / f"models--{MODEL.replace('/', '--')}"
+    assert not list(cache.rglob("*.incomplete")) and not list(cache.rglob("model.safetensors"))
+
+    out = ok(dtlaunch(hub, home, "download", f"hf:{MODEL}", f"dataset:{DATASET}")).stdout
+    sha = hub.repos[("models", MODEL)].sha
+    assert f"hf:{MODEL}@{sha} -> " in out and f"dataset:{DATASET}@" in out
+    assert (cache / "snapshots" / sha / "model.safetensors").is_file()
+    assert (cache / "snapshots" / sha / "tokenizer.json").is_file()
