@@ -158,6 +158,18 @@ class Hub:
             h.wfile.write(data)
 
 
+def point_hub_lib_at(monkeypatch, url: str, cache: str) -> None:
+    """For in-process use: HF_ENDPOINT / HF_HUB_CACHE / HF_HUB_OFFLINE=0 as huggingface_hub reads them at
+    import time (the endpoint, its download-URL template, the cache), for the test's duration."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("dtlaunch.hub.resolve._RESOLVED", {})
+
+
 class _Fail(Exception):
     def __init__(self, status: int, headers: dict[str, str], message: str) -> None:
         super().__init__(message)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,55 @@ def test_download_ahead_then_a_full_disk_leaves_nothing_half_written(hub: Hub, t
     assert f"hf:{MODEL}@{sha} -> " in out and f"dataset:{DATASET}@" in out
     assert (cache / "snapshots" / sha / "model.safetensors").is_file()
     assert (cache / "snapshots" / sha / "tokenizer.json").is_file()
+
+
+def test_two_nodes_from_a_hub_name_download_the_weights_once(hub: Hub, tmp_path: Path, monkeypatch) -> None:
+    """The Kubernetes TrainJob's command on two local "pods" sharing a cache: `submit` pinned the commit
+    (config.json only), then one node downloads the weights while the other waits for them."""
+    from hub_server import point_hub_lib_at
+
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.launch import kubernetes
+
+    home, pvc = tmp_path / "hf", tmp_path / "pvc"
+    point_hub_lib_at(monkeypatch, hub.url, str(home / "hub"))
+    before = hub.gets("/model.safetensors")
+    overrides = ["recipe=tiny_ddp", "cluster=kubernetes", "cluster.nodes=2", "launch.nproc_per_node=1"]
+    overrides += ["cluster.k8s.image=img", "cluster.k8s.pvc=runs", f"cluster.k8s.mount_path={pvc}", "data=synthetic"]
+    job = load_job([*overrides, *SHORT, "launch.threads_per_worker=1", f"model.init_from=hf:{MODEL}"])
+    assert job.cfg.model.init_from == f"hf:{MODEL}@{hub.repos[('models', MODEL)].sha}"
+    cm, trainjob = kubernetes.render(job.cfg, "hub-nodes")
+    (tmp_path / "cm").mkdir()
+    for name, text in cm["data"].items():
+        (tmp_path / "cm" / name).write_text(text)
+    command = [*trainjob["spec"]["trainer"]["command"]]
+    command[-1] = command[-1].replace(kubernetes.CONFIG_MOUNT + "/", f"{tmp_path / 'cm'}/")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    envs = [
+        {
+            **os.environ,
+            "PATH": path,
+            "OMP_NUM_THREADS": "1",
+            "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(home),
+            "HF_HUB_OFFLINE": "0",
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "1",
+            "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": port,
+        }  # fmt: skip
+        for rank in range(2)
+    ]
+    procs = [
+        subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for env in envs
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"node {rank}:\n{out[-3000:]}"
+    assert hub.gets("/model.safetensors") == before + 1
+    assert (pvc / "hub-nodes" / "metrics.jsonl").is_file()

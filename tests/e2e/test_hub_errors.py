@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from hub_server import GOOD_TOKEN, Hub, Repo
+from hub_server import GOOD_TOKEN, Hub, Repo, point_hub_lib_at
 
 hub_lib = pytest.importorskip("huggingface_hub")
 
@@ -29,21 +29,10 @@ def hub(model_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         h.repos[("models", "acme/tiny-llama")] = Repo.from_dir(model_files)
         h.repos[("models", "acme/gated-llama")] = Repo.from_dir(model_files, gated=True)
         h.repos[("models", "acme/private-llama")] = Repo.from_dir(model_files, private=True)
-        point_at(monkeypatch, h.url)
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        point_hub_lib_at(monkeypatch, h.url, str(tmp_path / "cache"))
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
         monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.setattr("dtlaunch.hub.resolve._RESOLVED", {})
         yield h
-
-
-def point_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
-    """HF_ENDPOINT as huggingface_hub read it at import (the endpoint and its download-URL template)."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
 
 
 def resolve(name: str) -> Path:
@@ -114,7 +103,9 @@ def test_no_network_outside_offline_mode(hub: Hub, monkeypatch) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    point_at(monkeypatch, closed)
+    from huggingface_hub import constants
+
+    point_hub_lib_at(monkeypatch, closed, constants.HF_HUB_CACHE)
     with pytest.raises(InputError, match=r"cannot reach the hub at .* and it is not in the cache: check the network"):
         resolve("acme/tiny-llama")
 
