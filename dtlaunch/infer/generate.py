@@ -35,13 +35,15 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
     from dtlaunch.models.registry import model_spec
 
     if source.startswith("hf:"):
-        from dtlaunch.config.hf_model import model_fields_from_hf, read_hf_config
+        from dtlaunch.config.hf_model import hf_weights_dir, model_fields_from_hf, read_hf_config
+        from dtlaunch.config.tokenizer_choice import model_tokenizer_file
         from dtlaunch.convert.hf import load_hf_weights
 
-        path = Path(source[3:]).expanduser()
+        path = Path(str(hf_weights_dir(source)))  # hf:ORG/NAME: its cached snapshot, weights fetched once
+        model_tokenizer_file(source)  # and its tokenizer files (a directory: only looked up)
         c = read_hf_config(path)
         fields = model_fields_from_hf(path, c)
-        m = typed_model({**fields, "name": path.name})
+        m = typed_model({**fields, "name": Path(source[3:].partition("@")[0]).name})
         state = load_hf_weights(path, m)
         if adapter:
             from dtlaunch.convert.adapters import load_peft_dir, merge

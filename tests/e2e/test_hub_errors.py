@@ -20,8 +20,25 @@ def model_files(tiny_hf_dirs) -> Path:
     return tiny_hf_dirs["llama_tied"]
 
 
+@pytest.fixture(scope="module")
+def dataset_files(tmp_path_factory) -> Path:
+    """Two configurations (subsets) of JSONL files, declared in the README as hub datasets do."""
+    import json
+
+    path = tmp_path_factory.mktemp("docs")
+    configs = "configs:\n"
+    for subset, n in (("long", 5), ("short", 2)):
+        (path / subset).mkdir()
+        (path / subset / "train.jsonl").write_text(
+            "".join(json.dumps({"text": f"{subset} {i}"}) + "\n" for i in range(n))
+        )
+        configs += f"- config_name: {subset}\n  data_files:\n  - split: train\n    path: {subset}/*.jsonl\n"
+    (path / "README.md").write_text(f"---\n{configs}---\n")
+    return path
+
+
 @pytest.fixture
-def hub(model_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def hub(model_files: Path, dataset_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A fresh local hub and an empty cache; huggingface_hub's import-time settings pointed at them."""
     from huggingface_hub import constants
 
@@ -29,6 +46,7 @@ def hub(model_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         h.repos[("models", "acme/tiny-llama")] = Repo.from_dir(model_files)
         h.repos[("models", "acme/gated-llama")] = Repo.from_dir(model_files, gated=True)
         h.repos[("models", "acme/private-llama")] = Repo.from_dir(model_files, private=True)
+        h.repos[("datasets", "acme/docs")] = Repo.from_dir(dataset_files)
         point_hub_lib_at(monkeypatch, h.url, str(tmp_path / "cache"))
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
         monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -115,3 +133,46 @@ def test_a_local_directory_wins_over_a_hub_name(hub: Hub, model_files: Path, tmp
     shutil.copytree(model_files, local)
     monkeypatch.chdir(tmp_path)
     assert resolve("acme/tiny-llama") == Path("acme/tiny-llama") and not hub.requests
+
+
+def test_submit_needs_the_weights_in_the_cache(hub: Hub) -> None:
+    from types import SimpleNamespace
+
+    from dtlaunch.hub.download import check_cached
+
+    sha = hub.repos[("models", "acme/tiny-llama")].sha
+    cfg = SimpleNamespace(model=SimpleNamespace(init_from=f"hf:acme/tiny-llama@{sha}"))
+    with pytest.raises(
+        InputError, match=rf"not in the hub cache .*run `dtlaunch download hf:acme/tiny-llama@{sha}` first"
+    ):
+        check_cached(cfg)
+    weights(f"acme/tiny-llama@{sha}")
+    check_cached(cfg)
+
+
+def test_generate_from_a_hub_name(hub: Hub) -> None:
+    import torch
+
+    from dtlaunch.infer.generate import load_source
+
+    loaded = load_source("hf:acme/tiny-llama", torch.device("cpu"), max_len=8)
+    assert hub.gets("/model.safetensors") == 1 and hub.gets("/tokenizer.json") == 1
+    assert loaded.model is not None
+
+
+def test_hub_dataset_subset_and_unknown_name(hub: Hub) -> None:
+    pytest.importorskip("datasets")
+    from types import SimpleNamespace
+
+    from dtlaunch.data.records import iter_documents
+    from dtlaunch.hub.dataset import local_source
+
+    data = SimpleNamespace(kind="hf", subset="short", revision="")
+    local, subset = local_source(SimpleNamespace(data=data), "acme/docs")
+    assert Path(local).name == hub.repos[("datasets", "acme/docs")].sha and subset == "short"
+    assert list(iter_documents("hf", local, "text", "train", "data.path", subset)) == ["short 0", "short 1"]
+    data.subset = "medium"
+    with pytest.raises(InputError, match=r"data.path: .*medium.*set data.subset / data.split to one it has"):
+        list(iter_documents("hf", local, "text", "train", "data.path", "medium"))
+    with pytest.raises(InputError, match=r"data.path=acme/dogs: no such dataset on the hub .*Did you mean acme/docs"):
+        local_source(SimpleNamespace(data=data), "acme/dogs")
