@@ -18,8 +18,10 @@ from dtlaunch.hub.resolve import HubRef, snapshot_path
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-WEIGHT_PATTERNS = ["*.safetensors", INDEX_FILE, "config.json", "generation_config.json"]
-TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "config.json"]
+# model*.safetensors, not *.safetensors: some repositories also hold the same weights in another layout
+# (consolidated.safetensors), which would double the download for nothing dtlaunch reads.
+WEIGHT_PATTERNS = ["model*.safetensors", INDEX_FILE, "config.json", "generation_config.json"]
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "chat_template.jinja", "config.json"]
 
 
 def weights_complete(snapshot: Path) -> bool:
@@ -61,9 +63,12 @@ def fetch(ref: HubRef, repo_type: str, patterns: Sequence[str] | None, key: str,
     from filelock import FileLock
     from huggingface_hub import constants
 
-    folder = Path(constants.HF_HUB_CACHE) / hub.file_download.repo_folder_name(repo_id=ref.repo, repo_type=repo_type)
-    folder.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder / ".dtlaunch-download.lock")):
+    name = hub.file_download.repo_folder_name(repo_id=ref.repo, repo_type=repo_type)
+    folder = Path(constants.HF_HUB_CACHE) / name
+    # Beside huggingface_hub's own per-file locks (HF_HUB_CACHE/.locks/<repo>), one for the whole fetch.
+    lock = Path(constants.HF_HUB_CACHE) / ".locks" / name / "dtlaunch-download.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock)):
         if present():  # another process (node) fetched it while this one waited
             return str(snapshot_path(ref, repo_type))
         try:

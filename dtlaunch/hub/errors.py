@@ -57,7 +57,8 @@ def translate(exc: BaseException, key: str, name: str, kind: str = "model") -> D
         )
     if isinstance(exc, e.RepositoryNotFoundError):
         token = "" if os.environ.get("HF_TOKEN") else " (or, if it is private, set HF_TOKEN)"
-        return InputError(f"{where}: no such {kind} on the hub{_hub_says(exc)}: check the name{token}")
+        local = " (no local directory of that name exists either)" if kind == "model" else ""
+        return InputError(f"{where}: no such {kind} on the hub{_hub_says(exc)}{local}: check the name{token}")
     if isinstance(exc, e.RemoteEntryNotFoundError):
         return InputError(f"{where}: the hub has no config.json for it: it is not a model repository")
     if isinstance(exc, e.HfHubHTTPError):

@@ -60,7 +60,7 @@ class Hub:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self._timer = threading.Timer(lifetime, self.stop)
         self._timer.daemon = True
 

@@ -176,3 +176,12 @@ def test_hub_dataset_subset_and_unknown_name(hub: Hub) -> None:
         list(iter_documents("hf", local, "text", "train", "data.path", "medium"))
     with pytest.raises(InputError, match=r"data.path=acme/dogs: no such dataset on the hub .*Did you mean acme/docs"):
         local_source(SimpleNamespace(data=data), "acme/dogs")
+
+
+def test_without_the_hub_extra_one_line_names_it(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if not installed
+    monkeypatch.setattr("dtlaunch.hub.resolve._RESOLVED", {})
+    with pytest.raises(InputError, match=r"need the 'huggingface_hub' package: pip install 'dtlaunch\[hub\]'"):
+        resolve("acme/tiny-llama")
