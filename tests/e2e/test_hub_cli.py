@@ -137,6 +137,7 @@ def test_two_nodes_from_a_hub_name_download_the_weights_once(hub: Hub, tmp_path:
     overrides += ["cluster.k8s.image=img", "cluster.k8s.pvc=runs", f"cluster.k8s.mount_path={pvc}", "data=synthetic"]
     job = load_job([*overrides, *SHORT, "launch.threads_per_worker=1", f"model.init_from=hf:{MODEL}"])
     assert job.cfg.model.init_from == f"hf:{MODEL}@{hub.repos[('models', MODEL)].sha}"
+    assert hub.gets("/model.safetensors") == before  # composing and rendering the job read config.json only
     cm, trainjob = kubernetes.render(job.cfg, "hub-nodes")
     (tmp_path / "cm").mkdir()
     for name, text in cm["data"].items():
