@@ -379,7 +379,11 @@ def _hub_dataset(d: Any) -> bool:
     """data.kind=hf data.path=ORG/NAME: a hub dataset, fetched by the launcher (dtlaunch.hub.dataset)."""
     from dtlaunch.hub.resolve import parse_hub_name
 
-    return d.kind == "hf" and "@" not in d.path and parse_hub_name(d.path) is not None
+    ref = parse_hub_name(d.path) if d.kind == "hf" else None
+    if ref is not None and ref.revision:
+        _fail(f"data.path={d.path}: a hub dataset's revision goes in data.revision: data.path={ref.repo} "
+              f"data.revision={ref.revision}")  # fmt: skip
+    return ref is not None
 
 
 def check_data(cfg: Any, notes: list[str]) -> None:

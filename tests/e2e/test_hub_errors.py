@@ -185,3 +185,11 @@ def test_without_the_hub_extra_one_line_names_it(monkeypatch) -> None:
     monkeypatch.setattr("dtlaunch.hub.resolve._RESOLVED", {})
     with pytest.raises(InputError, match=r"need the 'huggingface_hub' package: pip install 'dtlaunch\[hub\]'"):
         resolve("acme/tiny-llama")
+
+
+def test_a_hub_datasets_revision_belongs_in_data_revision() -> None:
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.path=acme/docs@v1: .* data.path=acme/docs data.revision=v1"):
+        load_job(["recipe=tiny_fsdp", "data.kind=hf", "data.path=acme/docs@v1"], [])
