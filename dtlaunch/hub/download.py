@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dtlaunch.hub.errors import hub_module, translate
 from dtlaunch.hub.resolve import HubRef, snapshot_path
@@ -57,7 +57,7 @@ def ensure_dataset(ref: HubRef, key: str = "data.path") -> Path:
     return Path(fetch(ref, "dataset", None, key, lambda: False))
 
 
-def fetch(ref: HubRef, repo_type: str, patterns: Sequence[str] | None, key: str, present) -> str:
+def fetch(ref: HubRef, repo_type: str, patterns: Sequence[str] | None, key: str, present: Callable[[], bool]) -> str:
     """snapshot_download under a per-repository lock; partial files removed when it fails."""
     hub = hub_module()
     from filelock import FileLock
@@ -76,7 +76,7 @@ def fetch(ref: HubRef, repo_type: str, patterns: Sequence[str] | None, key: str,
                 ref.repo, repo_type=repo_type, revision=ref.revision or None, allow_patterns=patterns
             )
         except BaseException as exc:
-            _remove_partial(folder)
+            _remove_partial(folder)  # only dtlaunch writes here now: it holds the lock
             if isinstance(exc, Exception):
                 name = f"hf:{ref}" if repo_type == "model" else str(ref)
                 raise translate(exc, key, name, repo_type) from None
