@@ -284,7 +284,8 @@ def data_prepare(
 @app.command()
 def download(
     sources: Optional[List[str]] = typer.Argument(
-        None, help="hf:ORG/NAME[@REVISION] (a model: config, weights, tokenizer) or dataset:ORG/NAME[@REVISION]."
+        None,
+        help="hf:ORG/NAME or hf:ORG/NAME@REVISION (a model: config, weights, tokenizer), dataset:ORG/NAME(@REVISION).",
     ),
 ) -> None:
     """Fetch hub models and datasets into the cache (HF_HOME / HF_HUB_CACHE) ahead of `submit`."""
