@@ -23,9 +23,11 @@ def make_plan(job: Job) -> MemoryPlan:
 
 
 def print_plan(plan: MemoryPlan, out: Any) -> None:
-    from dtlaunch.plan.report import plan_table, suggestions_table, verdict_line
+    from dtlaunch.plan.report import host_table, plan_table, suggestions_table, verdict_line
 
     out.print(plan_table(plan))
+    if plan.host_per_rank:
+        out.print(host_table(plan))
     if plan.worst.phase == "traced":
         from dtlaunch.plan.memory import TRACED_NOTE
 
@@ -45,8 +47,10 @@ def plan_gate(job: Job, force: bool) -> MemoryPlan:
 
 
 def _refusal(plan: MemoryPlan) -> str:
-    from dtlaunch.plan.report import gib
+    from dtlaunch.plan.report import gib, host_overflow
 
+    if plan.headroom >= 0 and not plan.host_fits:
+        return f"the plan does not fit host RAM: {host_overflow(plan)}; offload less or pass --force"
     msg = (
         f"the plan does not fit: {gib(plan.device_total)} GiB per GPU needed on {plan.hardware} "
         f"({gib(plan.capacity)} GiB), peak in {plan.worst.phase} on stage {plan.worst.stage}"

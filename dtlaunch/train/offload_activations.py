@@ -30,13 +30,23 @@ from torch import nn
 
 
 @dataclass
-class _Packed:
-    """One saved tensor while it is offloaded."""
+class _Storage:
+    """One device storage while it is offloaded (shared by every saved view of it)."""
 
-    host: torch.Tensor  # pinned host copy (CUDA) or the tensor itself (CPU)
+    host: torch.Tensor  # CUDA: pinned uint8 copy of the whole storage; CPU: a tensor over the storage itself
     nbytes: int
-    device: torch.device
+    views: int  # saved tensors over this storage not yet unpacked
     event: Optional[Any] = None  # CUDA: the device-to-host copy's completion
+    device_copy: Optional[torch.Tensor] = None  # CUDA, in backward: the storage back on the device
+
+
+@dataclass
+class _Packed:
+    """One saved tensor while it is offloaded: a view of an offloaded storage."""
+
+    storage: _Storage
+    tensor: Optional[torch.Tensor]  # CPU: the tensor itself (nothing moves)
+    view: tuple  # (dtype, storage offset, size, stride)
     dtensor: Optional[tuple] = None  # (mesh, placements, shape, stride) of a DTensor's local part
 
 
@@ -45,10 +55,12 @@ class ActivationOffloader:
     """The hooks and their byte counts for one model."""
 
     device: torch.device
-    packed_bytes: int = 0  # bytes packed since the last `reset_counts` (every block, every micro-batch)
+    packed_bytes: int = 0  # storage bytes packed since the last `reset_counts`
     held_bytes: int = 0  # bytes on the host now
     peak_held_bytes: int = 0
     _skip: set = field(default_factory=set)  # storages of the block's shared arguments
+    _block: dict = field(default_factory=dict)  # storage ptr -> _Storage packed inside the running block
+    _keep: list = field(default_factory=list)  # CUDA: the block's device tensors until it returns
     _stream: Optional[Any] = None
     _active: list = field(default_factory=list)  # entered hook contexts, innermost last
 
@@ -70,15 +82,17 @@ class ActivationOffloader:
         self._active.append(ctx)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Forward hook (runs on exceptions too)."""
+        """Forward hook (runs on exceptions too). The block's storages were referenced until here, so
+        no address was reused inside it (the storage table is keyed by address); on CUDA their copies
+        were recorded on the side stream, so dropping the references cannot free them early."""
         if self._active:
             self._active.pop().__exit__(None, None, None)
-        self._skip = set()
+        self._skip, self._block, self._keep = set(), {}, []
 
     # ---- saved-tensor hooks ---------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or _storage_ptr(t) in self._skip:
+        if is_weight(t) or _storage_ptr(t) in self._skip:
             return t
         from torch.distributed.tensor import DTensor
 
@@ -86,25 +100,35 @@ class ActivationOffloader:
         local = t
         if isinstance(t, DTensor):
             local = t.to_local()
-            if isinstance(local, nn.Parameter):
-                return t
             meta = (t.device_mesh, t.placements, t.shape, t.stride())
-        nbytes = local.numel() * local.element_size()
-        packed = _Packed(host=local, nbytes=nbytes, device=local.device, dtensor=meta)
-        if self._stream is not None and local.is_cuda:
-            self._to_host(local, packed)
+        ptr = local.untyped_storage().data_ptr()
+        stored = self._block.get(ptr)
+        if stored is None:
+            stored = self._offload(local)
+            self._block[ptr] = stored
+        stored.views += 1
+        view = (local.dtype, local.storage_offset(), tuple(local.shape), local.stride())
+        return _Packed(storage=stored, tensor=None if stored.event else local, view=view, dtensor=meta)
+
+    def _offload(self, t: torch.Tensor) -> _Storage:
+        nbytes = t.untyped_storage().nbytes()
+        stored = _Storage(host=t, nbytes=nbytes, views=0)
+        if self._stream is not None and t.is_cuda:
+            self._to_host(t, stored)
         self.packed_bytes += nbytes
         self.held_bytes += nbytes
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-        return packed
+        return stored
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
-        self.held_bytes -= packed.nbytes
-        local = packed.host
-        if packed.event is not None:
-            local = self._to_device(packed)
+        stored = packed.storage
+        local = packed.tensor if packed.tensor is not None else self._view(packed)
+        stored.views -= 1
+        if stored.views == 0:
+            self.held_bytes -= stored.nbytes
+            stored.device_copy = None
         if packed.dtensor is None:
             return local
         from torch.distributed.tensor import DTensor
@@ -114,29 +138,60 @@ class ActivationOffloader:
 
     # ---- CUDA copies ----------------------------------------------------------------------------
 
-    def _to_host(self, t: torch.Tensor, packed: _Packed) -> None:
+    def _to_host(self, t: torch.Tensor, stored: _Storage) -> None:
         stream, compute = self._stream, torch.cuda.current_stream(t.device)
-        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        host = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
         stream.wait_stream(compute)  # the copy reads what the compute stream has written
         with torch.cuda.stream(stream):
-            host.copy_(t, non_blocking=True)
-            packed.event = torch.cuda.Event()
-            packed.event.record(stream)
-        t.record_stream(stream)  # the device memory is not reused before the copy has read it
-        packed.host = host
+            host.copy_(flat, non_blocking=True)
+            stored.event = torch.cuda.Event()
+            stored.event.record(stream)
+        flat.record_stream(stream)  # the device memory is not reused before the copy has read it
+        self._keep.append(flat)
+        stored.host = host
 
-    def _to_device(self, packed: _Packed) -> torch.Tensor:
-        stream, compute = self._stream, torch.cuda.current_stream(packed.device)
+    def _view(self, packed: _Packed) -> torch.Tensor:
+        stored = packed.storage
+        if stored.device_copy is None:
+            stored.device_copy = self._to_device(stored)
+        dtype, offset, size, stride = packed.view
+        out = torch.empty(0, dtype=dtype, device=self.device)
+        return out.set_(stored.device_copy.untyped_storage(), offset, size, stride)
+
+    def _to_device(self, stored: _Storage) -> torch.Tensor:
+        stream, compute = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)  # the device buffer is allocated after the compute stream's frees
         with torch.cuda.stream(stream):
-            stream.wait_event(packed.event)
-            dev = torch.empty_strided(
-                packed.host.shape, packed.host.stride(), dtype=packed.host.dtype, device=packed.device
-            )
-            dev.copy_(packed.host, non_blocking=True)
+            stream.wait_event(stored.event)
+            dev = torch.empty(stored.nbytes, dtype=torch.uint8, device=self.device)
+            dev.copy_(stored.host, non_blocking=True)
         compute.wait_stream(stream)  # backward reads the copy only once it has landed
         dev.record_stream(compute)
         return dev
+
+
+# Autograd nodes of a weight's transpose, view or cast (autocast's compute-dtype copy) on its way to a
+# matmul: what a block saves that is a parameter, not an activation.
+_WEIGHT_PATH = {"TBackward0", "ViewBackward0", "ToCopyBackward0", "PermuteBackward0", "TransposeBackward0"}
+
+
+def is_weight(t: torch.Tensor) -> bool:
+    """A parameter, a view of one, or autocast's cast of one (kept on the device: it is not freed by
+    moving it, the parameter or autocast's cast cache still holds it)."""
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return True
+    node = t.grad_fn
+    for _ in range(4):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name not in _WEIGHT_PATH or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return False
 
 
 def _storage_ptr(t: Any) -> int:
