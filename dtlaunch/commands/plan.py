@@ -108,3 +108,33 @@ def plan_command(
     if trace:
         out.print_json(data=data["trace"])
     return 0 if plan.fits else 3
+
+
+def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: str, as_json: bool = False) -> int:
+    """`plan --maximize KEY`: the largest value that fits and its override; exit 3 when none does."""
+    from dtlaunch.plan.maximize import maximize
+    from dtlaunch.plan.report import gib
+
+    job = load_job(overrides, recipe_dirs)
+    found = maximize(job.cfg, key)
+    if as_json:
+        data = {"key": key, "value": found.value, "override": found.override if found.value else None}
+        if found.plan is not None:
+            data["device_total_bytes"] = int(found.plan.device_total)
+        print(json.dumps(data, indent=2))
+        return 0 if found.value else 3
+    if found.value is None:
+        console().print(f"nothing fits: even {key}={found.smallest} does not fit {job.cfg.hardware.name}", markup=False)
+        return 3
+    p = found.plan
+    console().print(
+        f"largest {key} that fits: {found.value} ({gib(p.device_total)} of {gib(p.capacity)} GiB per GPU"
+        + (f", {gib(p.host_total)} of {gib(p.host_capacity)} GiB host RAM per node" if p.host_per_rank else "")
+        + ")",
+        markup=False,
+    )
+    if found.value == found.largest:
+        cap = "model.max_seq_len" if key == "training.seq_len" else "training.global_batch / data-parallel ranks"
+        console().print(f"(the largest value allowed: {cap} caps {key} at {found.largest})", markup=False)
+    console().print(f"override to paste: {found.override}", markup=False)
+    return 0

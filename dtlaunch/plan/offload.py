@@ -147,3 +147,22 @@ def offload_notes(cfg: Any) -> list[str]:
     if not (cfg.training.activation_offload or cfg.strategy.cpu_offload) or int(cfg.hardware.gpus_per_node):
         return []
     return ["offloading on a CPU profile: host and device are the same RAM, so nothing really moves"]
+
+
+def offload_variants(cfg: Any, lay: Any, st: dict, tr: dict) -> list[tuple[bool, bool]]:
+    """(strategy.cpu_offload, training.activation_offload) pairs the layout search tries for one
+    candidate, in order: none, activations, CPU offload, both; only those config.offload_rules allows,
+    and none but the first on a profile without host_memory_gib."""
+    if not float(cfg.hardware.host_memory_gib):
+        return [(False, False)]
+    act = lay.pp == 1 and not cfg.training.compile
+    cpu = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp > 1 and lay.tp == lay.pp == lay.ep == 1
+    cpu = cpu and cfg.precision.float8 == "none" and str(cfg.peft.method) != "qlora"
+    out = [(False, False)]
+    if act:
+        out.append((False, True))
+    if cpu:
+        out.append((True, False))
+    if act and cpu:
+        out.append((True, True))
+    return out
