@@ -56,11 +56,20 @@ def moved_per_token(c: Any) -> float:
     return moved
 
 
+def _reloaded_per_token(c: Any, kind: str) -> float:
+    """Saved bytes per token of one block back on the device at once in its backward. Unpacking is lazy:
+    a tensor comes back when its node runs and goes when no later node needs it, so a block without AC
+    holds about the MLP's F-wide tensors (w1 and w3 outputs, SiLU output) and the MLP input at once, not
+    its whole set (measured: 2-process CPU runs, bench/offload_accuracy.py). A checkpointed block: its input."""
+    whole = moved_block_per_token(c, kind)
+    return min(whole, c.e * (3 * c.d.f / c.tp + c.d.h)) if kind == "none" else whole
+
+
 def reloaded_block(c: Any) -> float:
-    """Bytes of the largest block's moved set, back on the device while backward runs through it."""
+    """Bytes of the moved activations back on the device while backward runs through a block."""
     if not activation_offload(c) or not c.layers:
         return 0.0
-    per_tok = max(moved_block_per_token(c, k) for k, n in c.mix.items() if n)
+    per_tok = max(_reloaded_per_token(c, k) for k, n in c.mix.items() if n)
     if c.ft and c.kept:
         per_tok += c.ft.act_block + c.ft.adapter_act
     return per_tok * c.tokens
