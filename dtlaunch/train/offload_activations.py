@@ -16,7 +16,8 @@ the two streams is an explicit wait, which is what tensor-parallel runs need (co
 compute stream read these tensors). Host buffers are pinned, so the copies are asynchronous.
 
 On a CPU run host and device are the same memory: packing keeps the tensor as it is (nothing to copy),
-so the hook path and its accounting run without moving bytes. `packed_bytes` and `peak_held_bytes` are
+so the hook path and its accounting run without moving bytes; `copy=True` makes it copy each storage
+and rebuild the saved views from the copy in backward, as on CUDA (minus streams and pinning). `packed_bytes` and `peak_held_bytes` are
 what the plan's host line is checked against (tests/unit/test_activation_offload.py).
 """
 
@@ -36,6 +37,7 @@ class _Storage:
     host: torch.Tensor  # CUDA: pinned uint8 copy of the whole storage; CPU: a tensor over the storage itself
     nbytes: int
     views: int  # saved tensors over this storage not yet unpacked
+    copied: bool = False  # `host` is a copy (the device storage may be gone)
     event: Optional[Any] = None  # CUDA: the device-to-host copy's completion
     device_copy: Optional[torch.Tensor] = None  # CUDA, in backward: the storage back on the device
 
@@ -55,6 +57,9 @@ class ActivationOffloader:
     """The hooks and their byte counts for one model."""
 
     device: torch.device
+    # Copy each storage (a pinned host copy on CUDA, a plain copy on CPU) or keep the tensor (CPU default:
+    # host and device are the same memory). None: copy on CUDA only.
+    copy: Optional[bool] = None
     packed_bytes: int = 0  # storage bytes packed since the last `reset_counts`
     held_bytes: int = 0  # bytes on the host now
     peak_held_bytes: int = 0
@@ -67,6 +72,8 @@ class ActivationOffloader:
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
+        if self.copy is None:
+            self.copy = self.device.type == "cuda"
 
     def reset_counts(self) -> None:
         self.packed_bytes = 0
@@ -108,12 +115,12 @@ class ActivationOffloader:
             self._block[ptr] = stored
         stored.views += 1
         view = (local.dtype, local.storage_offset(), tuple(local.shape), local.stride())
-        return _Packed(storage=stored, tensor=None if stored.event else local, view=view, dtensor=meta)
+        return _Packed(storage=stored, tensor=None if stored.copied else local, view=view, dtensor=meta)
 
     def _offload(self, t: torch.Tensor) -> _Storage:
         nbytes = t.untyped_storage().nbytes()
         stored = _Storage(host=t, nbytes=nbytes, views=0)
-        if self._stream is not None and t.is_cuda:
+        if self.copy and t.device == self.device:
             self._to_host(t, stored)
         self.packed_bytes += nbytes
         self.held_bytes += nbytes
@@ -139,8 +146,15 @@ class ActivationOffloader:
     # ---- CUDA copies ----------------------------------------------------------------------------
 
     def _to_host(self, t: torch.Tensor, stored: _Storage) -> None:
-        stream, compute = self._stream, torch.cuda.current_stream(t.device)
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        stored.copied = True
+        # Referenced until the block returns, so that no later tensor of the block reuses the address
+        # (the block's storage table is keyed by it).
+        self._keep.append(flat)
+        if self._stream is None:  # CPU: a plain copy, already where backward reads it
+            stored.host = flat.clone()
+            return
+        stream, compute = self._stream, torch.cuda.current_stream(t.device)
         host = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
         stream.wait_stream(compute)  # the copy reads what the compute stream has written
         with torch.cuda.stream(stream):
@@ -148,7 +162,6 @@ class ActivationOffloader:
             stored.event = torch.cuda.Event()
             stored.event.record(stream)
         flat.record_stream(stream)  # the device memory is not reused before the copy has read it
-        self._keep.append(flat)
         stored.host = host
 
     def _view(self, packed: _Packed) -> torch.Tensor:
@@ -160,6 +173,8 @@ class ActivationOffloader:
         return out.set_(stored.device_copy.untyped_storage(), offset, size, stride)
 
     def _to_device(self, stored: _Storage) -> torch.Tensor:
+        if self._stream is None:
+            return stored.host
         stream, compute = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)  # the device buffer is allocated after the compute stream's frees
         with torch.cuda.stream(stream):
@@ -202,11 +217,13 @@ def _storage_ptr(t: Any) -> int:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.device.type != "meta" else -1
 
 
-def apply_activation_offload(model: nn.Module, device: torch.device) -> ActivationOffloader:
+def apply_activation_offload(
+    model: nn.Module, device: torch.device, copy: Optional[bool] = None
+) -> ActivationOffloader:
     """Offload the saved activations of every block of `model.layers` (after activation checkpointing
     wrapped them, so that a checkpointed block's input is what moves). The offloader is also kept as
     `model.activation_offloader` for measurements."""
-    off = ActivationOffloader(device=device)
+    off = ActivationOffloader(device=device, copy=copy)
     for block in model.layers.values():
         block.register_forward_pre_hook(off.enter)
         block.register_forward_hook(off.leave, always_call=True)
