@@ -31,6 +31,9 @@ PAIRS: dict[str, tuple[list[str], list[str]]] = {
     "cpu_offload_zero3": (["recipe=tiny_fsdp", "strategy=zero3"], ["strategy.cpu_offload=true"]),
     "cpu_offload_zero2": (["recipe=tiny_fsdp", "strategy=zero2"], ["strategy.cpu_offload=true"]),
     "act_offload_tp": (["recipe=tiny_tp", "training.global_batch=2"], ["training.activation_offload=true"]),
+    # The same with every saved storage copied and the DTensors rebuilt from the copies (the CUDA path's
+    # bookkeeping; dtlaunch.train.offload_activations copy=True).
+    "act_offload_tp_copy": (["recipe=tiny_tp", "training.global_batch=2"], ["training.activation_offload=true"]),
     "act_offload_zero3_full_ac": (
         ["recipe=tiny_fsdp", "strategy=zero3", "training.activation_checkpointing=full"],
         ["training.activation_offload=true"],
@@ -51,10 +54,17 @@ def _inspect(rt) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     def run_all() -> dict:
+        import functools
+        from unittest import mock
+
+        from dtlaunch.train import offload_activations
+
         out = {}
         for name, (layout, switch) in PAIRS.items():
             out[name] = train([*COMMON, *layout], 2, STEPS)
-            out[name + "+offload"] = train([*COMMON, *layout, *switch], 2, STEPS, inspect=_inspect)
+            copy = functools.partial(offload_activations.apply_activation_offload, copy=name.endswith("_copy"))
+            with mock.patch.object(offload_activations, "apply_activation_offload", copy):
+                out[name + "+offload"] = train([*COMMON, *layout, *switch], 2, STEPS, inspect=_inspect)
         return out
 
     return run_forked(2, run_all, tmp_path_factory.mktemp("offload") / "results.json")
