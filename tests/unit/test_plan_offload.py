@@ -93,3 +93,12 @@ def test_maximize_other_keys_exit_2(monkeypatch, capsys) -> None:
     assert _run_cli(["plan", "--maximize", "training.steps"], monkeypatch) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "training.steps" in err[0] and "training.seq_len" in err[0]
+
+
+def test_suggestions_offer_offload_when_model_states_do_not_fit() -> None:
+    from dtlaunch.plan.suggest import suggest
+
+    job, plan = _plan(*LLAMA70B, "training.micro_batch=2", "training.seq_len=2048")
+    assert not plan.fits
+    fixes = suggest(job.cfg, job.layout)
+    assert fixes and all("strategy.cpu_offload=true" in f["overrides"] for f in fixes)
