@@ -119,11 +119,19 @@ def plan(
         "--trace",
         help="Also run the real build and step for the most loaded rank in one process and show its traced peak (seconds to a minute; no interleaved PP, no PP x TP).",
     ),
+    maximize: str = typer.Option(
+        "",
+        "--maximize",
+        metavar="KEY",
+        help="Print the largest training.seq_len or training.micro_batch that fits (device and host memory) with the rest of the job fixed, and the override to paste.",
+    ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
 ) -> None:
     """Per-rank memory plan against the target GPU; exit 3 if it does not fit."""
-    from dtlaunch.commands.plan import plan_command
+    from dtlaunch.commands.plan import maximize_command, plan_command
 
+    if maximize:
+        raise typer.Exit(maximize_command(overrides or [], recipe_dir or [], maximize, as_json=as_json))
     raise typer.Exit(
         plan_command(overrides or [], recipe_dir or [], as_json=as_json, search=search, top=top, trace=trace)
     )

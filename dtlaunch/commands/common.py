@@ -72,7 +72,9 @@ def summary_table(job: Job) -> Any:
     t.add_row(
         "precision",
         f"params {cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}; "
-        f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}",
+        f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}"
+        + ("; activations offloaded" if cfg.training.activation_offload else "")
+        + ("; FSDP CPU offload" if cfg.strategy.cpu_offload else ""),
     )
     t.add_row("hardware", f"{cfg.hardware.name} ({cfg.hardware.memory_gib} GiB)")
     t.add_row("data", f"{cfg.data.kind} {cfg.data.path}".strip())

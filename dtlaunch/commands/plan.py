@@ -23,9 +23,11 @@ def make_plan(job: Job) -> MemoryPlan:
 
 
 def print_plan(plan: MemoryPlan, out: Any) -> None:
-    from dtlaunch.plan.report import plan_table, suggestions_table, verdict_line
+    from dtlaunch.plan.report import host_table, plan_table, suggestions_table, verdict_line
 
     out.print(plan_table(plan))
+    if plan.host_per_rank:
+        out.print(host_table(plan))
     if plan.worst.phase == "traced":
         from dtlaunch.plan.memory import TRACED_NOTE
 
@@ -45,8 +47,10 @@ def plan_gate(job: Job, force: bool) -> MemoryPlan:
 
 
 def _refusal(plan: MemoryPlan) -> str:
-    from dtlaunch.plan.report import gib
+    from dtlaunch.plan.report import gib, host_overflow
 
+    if plan.headroom >= 0 and not plan.host_fits:
+        return f"the plan does not fit host RAM: {host_overflow(plan)}; offload less or pass --force"
     msg = (
         f"the plan does not fit: {gib(plan.device_total)} GiB per GPU needed on {plan.hardware} "
         f"({gib(plan.capacity)} GiB), peak in {plan.worst.phase} on stage {plan.worst.stage}"
@@ -81,9 +85,12 @@ def plan_command(
         traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
         # Next to the analytic figure of the same stage.
         stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
-        traced["analytic_peak_bytes"] = int(stage.peak)
-        traced["analytic_categories"] = {k: int(v) for k, v in stage.lines.items()}
-        traced["error_pct"] = round((stage.peak - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2)
+        # The trace runs in one memory (CPU): what offloading would keep on the host is in its figure too.
+        traced["analytic_peak_bytes"] = int(stage.peak + stage.host_peak)
+        traced["analytic_categories"] = {k: int(v) for k, v in {**stage.lines, **stage.host}.items()}
+        traced["error_pct"] = round(
+            (traced["analytic_peak_bytes"] - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2
+        )
         data["trace"] = traced
     if as_json:
         print(json.dumps(data, indent=2))
@@ -104,3 +111,33 @@ def plan_command(
     if trace:
         out.print_json(data=data["trace"])
     return 0 if plan.fits else 3
+
+
+def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: str, as_json: bool = False) -> int:
+    """`plan --maximize KEY`: the largest value that fits and its override; exit 3 when none does."""
+    from dtlaunch.plan.maximize import maximize
+    from dtlaunch.plan.report import gib
+
+    job = load_job(overrides, recipe_dirs)
+    found = maximize(job.cfg, key)
+    if as_json:
+        data = {"key": key, "value": found.value, "override": found.override if found.value else None}
+        if found.plan is not None:
+            data["device_total_bytes"] = int(found.plan.device_total)
+        print(json.dumps(data, indent=2))
+        return 0 if found.value else 3
+    if found.value is None:
+        console().print(f"nothing fits: even {key}={found.smallest} does not fit {job.cfg.hardware.name}", markup=False)
+        return 3
+    p = found.plan
+    console().print(
+        f"largest {key} that fits: {found.value} ({gib(p.device_total)} of {gib(p.capacity)} GiB per GPU"
+        + (f", {gib(p.host_total)} of {gib(p.host_capacity)} GiB host RAM per node" if p.host_per_rank else "")
+        + ")",
+        markup=False,
+    )
+    if found.value == found.largest:
+        cap = "model.max_seq_len" if key == "training.seq_len" else "training.global_batch / data-parallel ranks"
+        console().print(f"(the largest value allowed: {cap} caps {key} at {found.largest})", markup=False)
+    console().print(f"override to paste: {found.override}", markup=False)
+    return 0

@@ -133,6 +133,8 @@ RANGES: dict[str, Range] = {
     "hardware.context_gib": NON_NEGATIVE,
     "hardware.comm_buffers_gib": NON_NEGATIVE,
     "hardware.fragmentation": PROBABILITY,
+    "hardware.host_memory_gib": NON_NEGATIVE,  # 0 = unknown
+    "hardware.host_link_gbps": NON_NEGATIVE,  # 0 = unknown (offload transfers then assumed PCIe 4.0 x16)
     "launch.nnodes": AT_LEAST_1,
     "launch.nproc_per_node": NON_NEGATIVE,
     "launch.node_rank": Range(0, also=(-1,), meaning="-1 = from the scheduler"),

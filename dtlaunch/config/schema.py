@@ -100,6 +100,10 @@ class StrategyConfig:
     # whole stage's unsharded gradients stay allocated); true reduce-scatters after every micro-batch's
     # backward (sharded gradients only, one reduce-scatter per micro-batch). The plan models both.
     pp_reshard_grads: bool = False
+    # FSDP2 CPU offload (CPUOffloadPolicy): parameter shards, gradients and AdamW state live in host memory
+    # and the optimizer steps on the CPU; the device holds only the units being gathered and activations.
+    # Needs FSDP (zero_stage 2 or 3); the plan counts the host bytes against hardware.host_memory_gib.
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -133,6 +137,10 @@ class TrainingConfig:
     # the fraction (0..1] of the compiled graph's saved activations to keep; 0 = off.
     ac_memory_budget: float = 0.0
     compile: bool = False
+    # The blocks' saved activations (under activation checkpointing: the checkpointed block inputs) move to
+    # pinned host memory in forward and back in backward, on a side CUDA stream; the output head's and the
+    # loss's stay on the device. Same losses; costs host memory and host-link time (both planned).
+    activation_offload: bool = False
     grad_clip: float = 1.0
     # Non-finite loss or grad norm: skip the step; stop after this many in a row.
     max_bad_steps: int = 3
@@ -336,6 +344,11 @@ class HardwareConfig:
     fragmentation: float = 0.0
     # Float8 tensor cores (Hopper, Ada, Blackwell): precision.float8 is refused on profiles without them.
     float8: bool = False
+    # Host RAM of one node (GiB): offloaded activations and FSDP CPU offload's states of every rank on the
+    # node are planned against it. 0 = unknown (offloading is then refused).
+    host_memory_gib: float = 0.0
+    # Host <-> device link per GPU, one direction (GB/s, PCIe): offload transfers in the step-time estimate.
+    host_link_gbps: float = 0.0
 
 
 @dataclass

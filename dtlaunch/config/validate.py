@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.config.offload_rules import check_offload
 from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.qlora_rules import check_qlora
 from dtlaunch.config.ranges import check_ranges
@@ -554,6 +555,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_batch,
     check_float8_tensor_parallel,
     check_qlora,
+    check_offload,
 ]
 
 

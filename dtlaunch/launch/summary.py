@@ -44,7 +44,11 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
     measured = summary.get("peak_mem_bytes_per_rank") or []
     planned = None
     try:
-        planned = int(json.loads((run_dir / "plan.json").read_text())["peak_bytes"])
+        plan = json.loads((run_dir / "plan.json").read_text())
+        planned = int(plan["peak_bytes"])
+        if not int(cfg.hardware.gpus_per_node):
+            # A CPU run measures one memory: what offloading keeps "on the host" is in it too (plan.offload).
+            planned += int(plan.get("host", {}).get("per_rank_bytes", 0))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     ckpt, _ = newest_complete(checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else (None, [])

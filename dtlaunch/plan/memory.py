@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, pp_microbatches
 from dtlaunch.models.registry import model_spec
+from dtlaunch.plan.offload import offload_notes, ranks_per_node
 from dtlaunch.plan.peft import peft_notes
 from dtlaunch.plan.stage import StagePlan, plan_stages
 from dtlaunch.plan.trace import trace_peak, traced_with_fake_tensors
@@ -33,6 +34,21 @@ class MemoryPlan:
     overheads: dict[str, float]
     notes: list[str] = field(default_factory=list)
     suggestions: list[dict] = field(default_factory=list)
+    host_ranks: int = 1  # ranks sharing one node's host RAM
+    host_capacity: float = 0.0  # bytes of host RAM per node (hardware.host_memory_gib)
+
+    @property
+    def host_per_rank(self) -> float:
+        """Offloaded bytes one rank keeps in host RAM at its host peak (0 without offloading)."""
+        return max(s.host_peak for s in self.stages)
+
+    @property
+    def host_total(self) -> float:
+        return self.host_per_rank * self.host_ranks
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_total <= self.host_capacity or self.host_per_rank == 0
 
     @property
     def peak(self) -> float:
@@ -49,7 +65,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.headroom >= 0
+        return self.headroom >= 0 and self.host_fits
 
     def to_dict(self) -> dict:
         return {
@@ -80,7 +96,24 @@ class MemoryPlan:
             ],
             "notes": list(self.notes),
             "suggestions": list(self.suggestions),
+            **(self._host_dict() if self.host_per_rank else {}),
         }
+
+    def _host_dict(self) -> dict:
+        return {
+            "host": {
+                "per_rank_bytes": int(self.host_per_rank),
+                "ranks_per_node": self.host_ranks,
+                "per_node_bytes": int(self.host_total),
+                "capacity_bytes": int(self.host_capacity),
+                "fits": self.host_fits,
+                "categories": {k: int(v) for k, v in self.worst_host.items()},
+            }
+        }
+
+    @property
+    def worst_host(self) -> dict[str, float]:
+        return max(self.stages, key=lambda s: s.host_peak).host
 
 
 def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan:
@@ -107,7 +140,7 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
     if layout.cp > 1:
         lay["cp"] = layout.cp
     notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
-    notes += peft_notes(cfg)
+    notes += peft_notes(cfg) + offload_notes(cfg)
     if layout.pp > 1 and int(s.zero_stage) >= 2 and layout.dp > 1:
         n_mb = pp_microbatches(cfg, layout)
         notes.append(
@@ -127,6 +160,8 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         stages=stages,
         worst=worst,
         overheads=overheads,
+        host_ranks=ranks_per_node(cfg, layout.world),
+        host_capacity=float(hw.host_memory_gib) * GIB,
     )
 
 

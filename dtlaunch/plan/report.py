@@ -44,7 +44,36 @@ def plan_table(plan: MemoryPlan) -> Any:
     return t
 
 
+def host_table(plan: MemoryPlan) -> Any:
+    """Offloaded bytes in host RAM: one rank's lines, times the ranks of a node, against the node's RAM."""
+    from rich.table import Table
+
+    t = Table(title="host RAM (offloaded)", title_justify="left")
+    t.add_column("per rank")
+    t.add_column("GiB", justify="right")
+    for name, value in plan.worst_host.items():
+        if value:
+            t.add_row(name, gib(value))
+    t.add_row("[bold]per rank[/bold]", f"[bold]{gib(plan.host_per_rank)}[/bold]")
+    t.add_row(f"[bold]per node ({plan.host_ranks} ranks)[/bold]", f"[bold]{gib(plan.host_total)}[/bold]")
+    t.add_row("host capacity (hardware.host_memory_gib)", gib(plan.host_capacity))
+    color = "green" if plan.host_fits else "red"
+    t.add_row(f"[{color}]host headroom[/{color}]", f"[{color}]{gib(plan.host_capacity - plan.host_total)}[/{color}]")
+    return t
+
+
+def host_overflow(plan: MemoryPlan) -> str:
+    """The one line saying that a node's host RAM is too small for what its ranks offload."""
+    return (
+        f"needs {gib(plan.host_total)} GiB of host RAM per node ({plan.host_ranks} ranks x "
+        f"{gib(plan.host_per_rank)} GiB offloaded), {plan.hardware} nodes have {gib(plan.host_capacity)} GiB "
+        f"(hardware.host_memory_gib)"
+    )
+
+
 def verdict_line(plan: MemoryPlan) -> str:
+    if not plan.host_fits:
+        return f"[red]does not fit[/red]: {host_overflow(plan)}"
     if plan.fits:
         return (
             f"[green]fits[/green]: {gib(plan.device_total)} of {gib(plan.capacity)} GiB "
@@ -81,7 +110,9 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
             + (f" cp{r['cp']}" if r.get("cp", 1) > 1 else "")
             + (f" {r['schedule']}" if r["schedule"] != "-" else ""),
             f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}"
-            + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""),
+            + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else "")
+            + (" cpu-offload" if r.get("cpu_offload") else "")
+            + (" act-offload" if r.get("activation_offload") else ""),
             gib(r["device_total_bytes"]),
             f"{r['tokens_per_s']:,.0f}",
             f"{r['mfu'] * 100:.1f}%",

@@ -24,6 +24,7 @@ from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
 from dtlaunch.plan.experts import a2a_volume_bytes, stage_routed_params
 from dtlaunch.plan.memory import plan_memory
+from dtlaunch.plan.offload import HOST_ACTIVATIONS, offload_seconds, offload_variants
 from dtlaunch.plan.peft import qlora_layout_ok
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
@@ -52,8 +53,9 @@ def _tp_ok(m: Any, tp: int, seq: int) -> bool:
     return seq % tp == 0 and all(v % tp == 0 for _, v in model_spec(m).tp_divisors(m))
 
 
-def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
-    """Seconds per optimizer step by component."""
+def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) -> dict[str, float]:
+    """Seconds per optimizer step by component. `offloaded`: activation bytes one micro-step moves to the
+    host (training.activation_offload; the plan's pinned host line)."""
     m, t, hw = cfg.model, cfg.training, cfg.hardware
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     r = DTYPE_BYTES[cfg.precision.reduce_dtype]
@@ -123,6 +125,11 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
     overlap = sum(parts.get(k, 0.0) for k in ("fsdp", "ddp", "hsdp"))
     comm_exposed += max(overlap - HIDDEN_FRACTION * compute, (1 - HIDDEN_FRACTION) * overlap)
     bubble = compute * (lay.pp - 1) / (v * n_mb) if lay.pp > 1 else 0.0
+    # Host offload (dtlaunch.plan.offload): copies on the host link hide behind compute at most as much as
+    # communication does; the CPU optimizer step does not overlap.
+    host = offload_seconds(cfg, lay, offloaded, p_local, accum)
+    transfer = host.get("activation_transfer", 0.0) + host.get("state_transfer", 0.0)
+    offload_exposed = max(0.0, transfer - HIDDEN_FRACTION * compute) + host.get("cpu_optimizer", 0.0)
     if lay.pp > 1:
         bw = hardware.link_bandwidth(hw, 2, lay.tp * lay.dp)
         comm_exposed += 2 * tok_mb * m.dim * e / lay.tp * accum * v / bw
@@ -130,7 +137,8 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
         "compute": compute,
         "comm": comm_exposed,
         "bubble": bubble,
-        "total": compute + comm_exposed + bubble,
+        "offload": offload_exposed,
+        "total": compute + comm_exposed + bubble + offload_exposed,
         "flops": flops_model,
     }
 
@@ -243,21 +251,27 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
         key = (lay, *(st[k] for k in sorted(st) if k != "pp_layers_per_stage"), tr["micro_batch"])
         if key in fitted:
             continue  # a lighter AC mode already fits this layout: more recompute is only slower
-        job = copy.copy(plain)
-        job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
-        job.training = SimpleNamespace(**{**vars(plain.training), **tr})
-        plan = plan_memory(job, lay, all_stages=False)
+        # Without offloading first; offloading (slower) only where that does not fit.
+        for cpu_off, act_off in offload_variants(plain, lay, st, tr):
+            st, tr = {**st, "cpu_offload": cpu_off}, {**tr, "activation_offload": act_off}
+            job = copy.copy(plain)
+            job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
+            job.training = SimpleNamespace(**{**vars(plain.training), **tr})
+            plan = plan_memory(job, lay, all_stages=False)
+            if plan.fits:
+                break
         if not plan.fits:
             continue
         fitted.add(key)
         n_mb = st["pp_microbatches"] or 1
-        times = step_time(job, lay, st["pp_stages_per_rank"], n_mb)
+        times = step_time(job, lay, st["pp_stages_per_rank"], n_mb, plan.worst.host.get(HOST_ACTIVATIONS, 0.0))
         tokens = tr["global_batch"] * plain.training.seq_len
         peak = hardware.peak_flops(plain.hardware, plain.precision.param_dtype)
         rows.append(
             {
                 **st,
                 "ac": tr["activation_checkpointing"],
+                "activation_offload": tr["activation_offload"],
                 "micro_batch": tr["micro_batch"],
                 "schedule": st["pp_schedule"] if lay.pp > 1 else "-",
                 "device_total_bytes": int(plan.device_total),
@@ -290,8 +304,12 @@ def _overrides(st: dict, tr: dict) -> list[str]:
     )
     if st.get("ep", 1) > 1:
         keys += ("ep",)
+    if st.get("cpu_offload"):
+        keys += ("cpu_offload",)
     return [f"strategy.{k}={str(st[k]).lower() if isinstance(st[k], bool) else st[k]}" for k in keys] + [
-        f"training.{k}={v}" for k, v in tr.items()
+        f"training.{k}={str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in tr.items()
+        if k != "activation_offload" or v
     ]
 
 
@@ -299,8 +317,13 @@ def _why(row: dict, best: dict) -> str:
     if row is best:
         return "fastest"
     a, b = row["times"], best["times"]
-    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble")}
-    label = {"compute": "more recompute", "comm": "more exposed communication", "bubble": "larger pipeline bubble"}
+    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble", "offload")}
+    label = {
+        "compute": "more recompute",
+        "comm": "more exposed communication",
+        "bubble": "larger pipeline bubble",
+        "offload": "host offload traffic",
+    }
     worst = max(deltas, key=lambda k: deltas[k])
     slower = (row["step_s"] / best["step_s"] - 1) * 100
     if deltas[worst] <= 0:

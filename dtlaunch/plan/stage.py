@@ -19,12 +19,13 @@ counts) returning labelled byte counts:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
+from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
@@ -52,6 +53,11 @@ class StagePlan:
     phases: dict[str, float]  # phase -> total bytes
     phase: str
     peak: float
+    host: dict[str, float] = field(default_factory=dict)  # offloaded bytes in host RAM at the host peak
+
+    @property
+    def host_peak(self) -> float:
+        return sum(self.host.values())
 
 
 @dataclass(frozen=True)
@@ -376,7 +382,8 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     fsdp, zero, first, last = c.fsdp, c.zero, c.first, c.last
     div = c.shard if fsdp else 1
     base = sum(lines.values())
-    blk_tok = _mean_block_per_token(c)
+    # Blocks' saved bytes per token still on the device (training.activation_offload moves the rest).
+    blk_tok = _mean_block_per_token(c) - (offload.moved_per_token(c) / layers if layers else 0.0)
     # Two moments: (1) log_softmax's backward on the last stage (everything forward kept + the fp32 loss
     # gradients), (2) inside a block's backward: its recompute set, activation gradients, its unsharded
     # parameters (+ the prefetched next block) and gradients, and the gradients already produced. (2) is
@@ -389,6 +396,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
         # The block being differentiated: its gathered parameters (ZeRO-3) and unsharded gradients
         # (+ their reduce-dtype copy). Measured: the prefetched next block does not add at the peak.
         unit = (e * c.blk_gather if zero == 3 else 0.0) + (e + (r if r != e else 0)) * c.blk_gather
+        unit += offload.staging_bytes(c)  # CPU offload: the unit's fp32 shard copied in to be gathered
         head_grads = (e * (c.v_h + d.h) if last else 0.0) if zero == 3 else head_grads
         if c.ft:
             gathered = gathered_block(c.ft, c.blk_gather, e) if zero == 3 else 0.0
@@ -413,6 +421,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
     blk_grads = (4 * c.trained_blk / div) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
+    at_first_blk += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
     if c.ft and fsdp and zero == 3 and first and c.kept == 0:
         # Fine-tuning under full AC: the root unit's frozen embedding is still gathered when the blocks'
         # backward starts (traced real FSDP2 step, planner7m LoRA fp32: embedding + head + one block).
@@ -420,7 +429,8 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     # Gradients produced since the first block: with accumulation they already exist from the earlier
     # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
-    grown = max(0, layers - 1) * blk_grads if c.accum == 1 else 0.0
+    # (Under CPU offload each block's gradient shard leaves for the host: nothing grows on the device.)
+    grown = max(0, layers - 1) * blk_grads if c.accum == 1 and not offload.cpu_offload(c) else 0.0
     at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * c.held + grown
     if first and fsdp and zero == 3 and not c.ft:  # (a frozen embedding has no gradient)
         at_last_blk += e * c.v_h  # the embedding's unsharded gradient before its reduce-scatter
@@ -523,8 +533,9 @@ def plan_stage(
 ) -> StagePlan:
     """The stage's plan: its lines at the peak phase, and every phase's total."""
     c = stage_shape(cfg, layout, stage, layers, first, last, layer_ids)
-    lines = {**static_lines(c), **forward_lines(c)}
-    at_step = optimizer_lines(c, lines)
+    # Offloading (dtlaunch.plan.offload): the device lines shrink by exactly what the host lines hold.
+    lines, host = offload.split(c, {**static_lines(c), **forward_lines(c)})
+    at_step, host_at_step = offload.split_at_step(c, optimizer_lines(c, lines))
     phases = {"forward": sum(lines.values()), "backward": backward_peak(c, lines), "optimizer": sum(at_step.values())}
     phase = max(phases, key=lambda k: phases[k])
     if phase == "backward":
@@ -532,7 +543,14 @@ def plan_stage(
     if phase == "optimizer":
         lines = at_step
     return StagePlan(
-        stage=stage, layers=layers, params=c.p_rank, lines=lines, phases=phases, phase=phase, peak=phases[phase]
+        stage=stage,
+        layers=layers,
+        params=c.p_rank,
+        lines=lines,
+        phases=phases,
+        phase=phase,
+        peak=phases[phase],
+        host=offload.host_peak_lines(host, host_at_step),
     )
 
 

@@ -29,6 +29,11 @@ def _changes(cfg: Any, layout: Any) -> list[Change]:
             out.append((f"activation checkpointing {mode}", 2 + i, [f"training.activation_checkpointing={mode}"]))
     if cfg.precision.param_dtype == "fp32":
         out.append(("bf16 compute", 3, ["precision=bf16"]))
+    if float(cfg.hardware.host_memory_gib):  # offloading (dtlaunch.plan.offload) needs a host figure
+        if not t.activation_offload:
+            out.append(("offload activations to host memory", 4, ["training.activation_offload=true"]))
+        if not s.cpu_offload:
+            out.append(("FSDP CPU offload (the optimizer steps on the host)", 7, ["strategy.cpu_offload=true"]))
     mb = int(t.micro_batch)
     gb = int(t.global_batch) or mb * layout.dp
     n_mb = int(s.pp_microbatches) or layout.pp

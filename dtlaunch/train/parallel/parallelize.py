@@ -2,7 +2,8 @@
 
 Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
 context parallel (swaps the attention kernel for ring attention) -> expert parallel (routed experts only,
-dtlaunch.train.parallel.expert_parallel) -> activation checkpointing -> compile ->
+dtlaunch.train.parallel.expert_parallel) -> activation checkpointing -> activation offload (hooks on the
+checkpointed blocks, dtlaunch.train.offload_activations) -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.train.parallel.ac import apply_ac
+from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
 from dtlaunch.train.parallel.frozen_base import convert_frozen_base
 from dtlaunch.train.parallel.init_weights import materialize_and_init
@@ -55,6 +57,10 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
 
         apply_ep(model, experts.ep)
     apply_ac(model, cfg.training)
+    if cfg.training.activation_offload:
+        from dtlaunch.train.offload_activations import apply_activation_offload
+
+        apply_activation_offload(model, device)
     if cfg.training.compile:
         apply_compile(model)
     fsdp = data_mesh is not None and zero >= 2
@@ -63,10 +69,14 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1)
     if fsdp:
         apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
+    # FSDP CPU offload: parameters materialised on the host, buffers on the device (parallel.cpu_offload).
+    where = init_device(cfg, device)
     if init:
-        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+        materialize_and_init(model, where, int(cfg.training.seed), init_source=model)
     else:
-        model.to_empty(device=device)
+        model.to_empty(device=where)
+    if where != device:
+        buffers_to(model, device)
     if data_mesh is not None and zero <= 1:
         # DDP x TP is refused by dtlaunch.config.validate.check_zero before launch.
         return apply_ddp(model, dp_mesh(world_mesh, flatten=True), cfg, device)
@@ -108,11 +118,12 @@ def apply_fsdp(
     from torch.distributed.fsdp import fully_shard
 
     policy = mp_policy(cfg)
+    offload = offload_policy(cfg, _device(mesh))  # strategy.cpu_offload: dtlaunch.train.parallel.cpu_offload
     for block in model.layers.values():
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 
 
 def shard_experts(block: nn.Module, meshes: ExpertMeshes, policy: Any, reshard_after_forward: bool, dp: int) -> None:

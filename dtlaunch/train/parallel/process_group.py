@@ -53,7 +53,9 @@ def init_distributed(cfg: Any) -> DistEnv:
         base = dist.HashStore()
     store = dist.PrefixStore(f"attempt_{restart_count()}", base)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    # FSDP CPU offload keeps gradients on the host: clipping's norm all-reduce runs on CPU tensors (gloo).
+    group_backend = "cuda:nccl,cpu:gloo" if backend == "nccl" and cfg.strategy.cpu_offload else backend
+    dist.init_process_group(group_backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistEnv(
         rank=rank, world=world, local_rank=local_rank, restart=restart_count(), device=device, backend=backend
     )

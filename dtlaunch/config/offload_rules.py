@@ -1,0 +1,68 @@
+"""Rules for the offloading switches (`training.activation_offload`, `strategy.cpu_offload`): the
+combinations the runtime does not support are refused in one line before anything starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.config.layout import Layout
+from dtlaunch.errors import ConfigError
+
+
+def check_offload(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    t, s = cfg.training, cfg.strategy
+    if (t.activation_offload or s.cpu_offload) and float(cfg.hardware.host_memory_gib) == 0:
+        key = "training.activation_offload" if t.activation_offload else "strategy.cpu_offload"
+        raise ConfigError(
+            f"{key}=true is planned against host RAM, but hardware.host_memory_gib=0 (unknown): "
+            f"set hardware.host_memory_gib=<GiB of RAM per node>"
+        )
+    if t.activation_offload:
+        _check_activation_offload(cfg, layout)
+    if s.cpu_offload:
+        _check_cpu_offload(cfg, layout)
+
+
+def _check_activation_offload(cfg: Any, layout: Layout) -> None:
+    t = cfg.training
+    if t.compile:
+        # The hooks wrap each block's call; a compiled block would trace them into its graph.
+        raise ConfigError(
+            "training.activation_offload=true does not combine with training.compile=true: "
+            "set training.compile=false (or training.activation_offload=false)"
+        )
+    if layout.pp > 1:
+        raise ConfigError(
+            f"training.activation_offload=true is not supported with strategy.pp={layout.pp}: "
+            f"use strategy.pp=1 (or training.activation_offload=false)"
+        )
+
+
+def _check_cpu_offload(cfg: Any, layout: Layout) -> None:
+    s = cfg.strategy
+    if int(s.zero_stage) < 2:
+        raise ConfigError(
+            f"strategy.cpu_offload=true needs FSDP, but strategy.zero_stage={s.zero_stage} (DDP keeps its "
+            f"replicas on the device): set strategy.zero_stage=2 or 3"
+        )
+    if layout.dp * layout.cp == 1:
+        raise ConfigError(
+            "strategy.cpu_offload=true needs FSDP over 2+ data-parallel ranks, but this layout has one: "
+            "raise launch.nproc_per_node / strategy.dp_shard (or set strategy.cpu_offload=false)"
+        )
+    for key, value in (("strategy.tp", layout.tp), ("strategy.pp", layout.pp), ("strategy.ep", layout.ep)):
+        if value > 1:
+            raise ConfigError(
+                f"strategy.cpu_offload=true is supported with plain FSDP only, not {key}={value}: "
+                f"set {key}=1 (or strategy.cpu_offload=false)"
+            )
+    if cfg.precision.float8 != "none":
+        raise ConfigError(
+            f"strategy.cpu_offload=true does not combine with precision.float8={cfg.precision.float8}: "
+            f"set precision.float8=none"
+        )
+    if str(cfg.peft.method) == "qlora":
+        raise ConfigError(
+            "strategy.cpu_offload=true does not combine with peft.method=qlora (NF4 shards stay on the "
+            "device): use peft.method=lora or strategy.cpu_offload=false"
+        )

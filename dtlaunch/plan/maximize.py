@@ -1,0 +1,95 @@
+"""`plan --maximize KEY`: the largest training.seq_len or training.micro_batch that fits, the rest of the
+job fixed. A binary search over the analytic planner: each probe sets the value, runs the config's rules
+(a value they refuse counts as not fitting) and plans the job; memory grows with either value, so the
+values that fit are a prefix of the candidates."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from dtlaunch.errors import ConfigError
+
+MAXIMIZABLE = ("training.seq_len", "training.micro_batch")
+# Without a global batch to divide, micro-batches are searched up to this.
+MAX_MICRO_BATCH = 1 << 16
+
+
+@dataclass
+class Maximized:
+    key: str
+    value: Optional[int]  # None: not even the smallest candidate fits
+    smallest: int
+    largest: int  # the last candidate (model.max_seq_len; the per-rank global batch when it is fixed)
+    plan: Any  # the MemoryPlan at `value` (or at the smallest candidate when nothing fits)
+
+    @property
+    def override(self) -> str:
+        return f"{self.key}={self.value}"
+
+
+def maximize(cfg: Any, key: str) -> Maximized:
+    """The largest value of `key` (see MAXIMIZABLE) whose plan fits, by bisection over its candidates."""
+    from dtlaunch.models.registry import model_spec
+
+    if key not in MAXIMIZABLE:
+        raise ConfigError(f"--maximize {key} is not supported: use --maximize training.seq_len or training.micro_batch")
+    if not model_spec(cfg.model).analytic:
+        raise ConfigError(
+            f"--maximize needs the analytic planner, but model.arch={cfg.model.arch} is planned by tracing: "
+            f"set {key} by hand and run plan"
+        )
+    value_at, count = _candidates(cfg, key)
+    plans: dict[int, Any] = {}
+
+    def fits(i: int) -> bool:
+        plans[i] = _plan_with(cfg, key, value_at(i))
+        return plans[i] is not None and plans[i].fits
+
+    lo, hi = 0, count - 1  # invariant: every index < lo fits, every index > hi does not
+    best = -1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if best < 0:
+        return Maximized(key=key, value=None, smallest=value_at(0), largest=value_at(count - 1), plan=plans.get(0))
+    return Maximized(key=key, value=value_at(best), smallest=value_at(0), largest=value_at(count - 1), plan=plans[best])
+
+
+def _candidates(cfg: Any, key: str) -> tuple[Callable[[int], int], int]:
+    """(index -> value, number of candidates), ascending."""
+    from dtlaunch.config.layout import Layout, world_size
+
+    s, t = cfg.strategy, cfg.training
+    lay = Layout.resolve(s, world_size(cfg))
+    if key == "training.seq_len":
+        # Sequence parallel splits the sequence over TP ranks, context parallel into 2·cp chunks.
+        step = math.lcm(lay.tp if s.sequence_parallel and lay.tp > 1 else 1, 2 * lay.cp if lay.cp > 1 else 1)
+        return (lambda i: (i + 1) * step), int(cfg.model.max_seq_len) // step
+    # Micro-batches: divisors of the per-rank global batch when it is fixed, else every size up to a cap.
+    per_rank = int(t.global_batch) // lay.dp if int(t.global_batch) else 0
+    n_mb = int(s.pp_microbatches) if lay.pp > 1 else 1
+    values = [v for v in range(1, (per_rank or MAX_MICRO_BATCH) + 1) if (not per_rank or per_rank % v == 0)]
+    values = [v for v in values if v % max(1, n_mb) == 0] or [1]
+    return (lambda i: values[i]), len(values)
+
+
+def _plan_with(cfg: Any, key: str, value: int) -> Any:
+    """The job's plan with `key` set to `value`, or None when the config's rules refuse that value."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.validate import validate
+    from dtlaunch.plan.memory import plan_memory
+
+    job = copy.deepcopy(cfg)
+    OmegaConf.update(job, key, value)
+    try:
+        layout = validate(job).layout
+    except ConfigError:
+        return None
+    return plan_memory(job, layout, all_stages=False)

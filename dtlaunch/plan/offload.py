@@ -1,0 +1,177 @@
+"""What offloading moves off the device, and what it costs the host and the step.
+
+`training.activation_offload` (dtlaunch.train.offload_activations): every tensor a block saves for backward
+goes to pinned host memory; a checkpointed block's saved set is its input (inside a checkpointed region
+the checkpoint keeps its own tensors: selective AC's kept matmul outputs stay on the device), a block
+without AC moves its whole saved set (RoPE casts included; not autocast's weight copies). The embedding's,
+the final norm's and the logits' stay. In backward one block's set is on the device again at a time.
+
+`strategy.cpu_offload` (dtlaunch.train.parallel.cpu_offload): the fp32 parameter shards, the gradients
+and the optimizer state (and the CPU optimizer's temporaries) live on the host; the device keeps the
+gathered units, the activations and, per unit, the fp32 shard copied in for its all-gather.
+
+The device lines shrink by exactly the host lines of the same names (`split`); the node's host RAM holds
+every rank's host lines (`host_per_node`). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Static lines FSDP's CPU offload keeps on the host.
+CPU_OFFLOADED = ("parameters", "adapter parameters", "optimizer state", "accumulated gradients")
+# The CPU optimizer's lines at the step.
+CPU_OFFLOADED_AT_STEP = ("gradients", "optimizer temporaries")
+HOST_ACTIVATIONS = "activations (pinned host)"
+# No profile figure for the host link: PCIe 4.0 x16's typical achieved bandwidth.
+DEFAULT_HOST_LINK_GBPS = 25.0
+# Parameters a node's CPUs update per second in the CPU optimizer step (vectorised fused AdamW over
+# fp32 state on a two-socket server): an assumption, not a measurement of this code.
+CPU_ADAM_PARAMS_PER_S = 2e9
+
+
+def activation_offload(c: Any) -> bool:
+    return bool(c.t.activation_offload)
+
+
+def cpu_offload(c: Any) -> bool:
+    return bool(c.cfg.strategy.cpu_offload) and c.fsdp
+
+
+def moved_block_per_token(c: Any, kind: str) -> float:
+    """Saved bytes per token of one block of a checkpointing kind that the offload hooks move."""
+    if kind == "none":
+        return c.by_kind["none"]
+    # A checkpointed block: only its input goes through the hooks (the full-AC set is the input).
+    return c.act.block_bytes(c.d, c.e, "full", c.tp, c.sp, c.autocast, c.compiled)
+
+
+def moved_per_token(c: Any) -> float:
+    """Saved bytes per token of the stage's blocks that move to the host (every kind of its AC mix)."""
+    if not activation_offload(c):
+        return 0.0
+    moved = sum(n * moved_block_per_token(c, k) for k, n in c.mix.items())
+    if c.ft:
+        moved += c.kept * c.ft.act_block + (c.ft.act_first if c.first and c.kept else 0.0)
+    return moved
+
+
+def _reloaded_per_token(c: Any, kind: str) -> float:
+    """Saved bytes per token of one block back on the device at once in its backward. Unpacking is lazy:
+    a tensor comes back when its node runs and goes when no later node needs it, so a block without AC
+    holds about the MLP's F-wide tensors (w1 and w3 outputs, SiLU output) and the MLP input at once, not
+    its whole set (measured: 2-process CPU runs, bench/offload_accuracy.py). A checkpointed block: its input."""
+    whole = moved_block_per_token(c, kind)
+    return min(whole, c.e * (3 * c.d.f / c.tp + c.d.h)) if kind == "none" else whole
+
+
+def reloaded_block(c: Any) -> float:
+    """Bytes of the moved activations back on the device while backward runs through a block."""
+    if not activation_offload(c) or not c.layers:
+        return 0.0
+    per_tok = max(_reloaded_per_token(c, k) for k, n in c.mix.items() if n)
+    if c.ft and c.kept:
+        per_tok += c.ft.act_block + c.ft.adapter_act
+    return per_tok * c.tokens
+
+
+def moved_activation_lines(c: Any) -> dict[str, float]:
+    """The forward lines' bytes that the hooks move: the blocks' activations (RoPE casts included) and
+    LoRA's; autocast's weight copies stay (its cast cache holds them through forward)."""
+    if not activation_offload(c):
+        return {}
+    rope = c.act.rope_cast_bytes(c.d, c.e, int(c.t.seq_len) // c.cp) * c.kept if c.autocast and not c.compiled else 0.0
+    moved = {"activations": (moved_per_token(c) * c.tokens + rope * (c.t.micro_batch // c.n_mb) / c.t.micro_batch)}
+    moved["activations"] *= c.held
+    if c.ft:
+        moved["LoRA activations"] = c.kept * c.ft.adapter_act * c.tokens * c.held
+    return moved
+
+
+def split(c: Any, lines: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(device lines, host lines): each moved byte leaves the device line and joins the host."""
+    device = dict(lines)
+    host: dict[str, float] = {}
+    moved = dict(moved_activation_lines(c))
+    if cpu_offload(c):
+        moved.update({k: lines[k] for k in CPU_OFFLOADED if k in lines})
+    for k, v in moved.items():
+        if k not in device:
+            continue
+        v = min(v, device[k])
+        device[k] -= v
+        name = HOST_ACTIVATIONS if k in ("activations", "LoRA activations") else f"{k} (host)"
+        host[name] = host.get(name, 0.0) + v
+    return device, host
+
+
+def split_at_step(c: Any, lines: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """The optimizer step's (device, host) lines: under CPU offload the gradients and the CPU optimizer's
+    temporaries are on the host too."""
+    if not cpu_offload(c):
+        return lines, {}
+    device = {k: v for k, v in lines.items() if k not in CPU_OFFLOADED_AT_STEP}
+    return device, {f"{k} (host)": v for k, v in lines.items() if k in CPU_OFFLOADED_AT_STEP}
+
+
+def host_peak_lines(host: dict[str, float], host_at_step: dict[str, float]) -> dict[str, float]:
+    """The host lines at the larger of the two host moments: through forward and backward (states and
+    pinned activations), or at the optimizer step (states, complete gradients, the step's temporaries)."""
+    at_step = {k: v for k, v in host.items() if k != HOST_ACTIVATIONS and "accumulated" not in k}
+    at_step.update(host_at_step)
+    return host if sum(host.values()) >= sum(at_step.values()) else at_step
+
+
+def staging_bytes(c: Any) -> float:
+    """CPU offload: one unit's fp32 shard copied to the device for its all-gather."""
+    return 4 * c.blk_gather / c.shard if cpu_offload(c) else 0.0
+
+
+def ranks_per_node(cfg: Any, world: int) -> int:
+    per_node = int(cfg.hardware.gpus_per_node) or int(cfg.launch.nproc_per_node) or world
+    return max(1, min(per_node, world))
+
+
+def offload_seconds(cfg: Any, lay: Any, stage_moved: float, params_local: float, accum: int) -> dict[str, float]:
+    """Seconds per optimizer step the host link and the CPU optimizer take.
+
+    `stage_moved`: activation bytes one micro-step moves (device to host in forward, back in backward);
+    `params_local`: parameters on one rank before FSDP sharding. CPU offload moves each unit's fp32 shard
+    in per all-gather (ZeRO-3: forward and backward; ZeRO-2: once) and the reduce dtype's gradient shard
+    out per micro-step, then steps every rank's shard on the node's CPUs."""
+    from dtlaunch.models.dtypes import DTYPE_BYTES
+
+    bw = (float(cfg.hardware.host_link_gbps) or DEFAULT_HOST_LINK_GBPS) * 1e9
+    out = {"activation_transfer": 2 * stage_moved * accum / bw if cfg.training.activation_offload else 0.0}
+    if cfg.strategy.cpu_offload and int(cfg.strategy.zero_stage) >= 2:
+        shard = params_local / lay.shard
+        gathers = 2 if int(cfg.strategy.zero_stage) == 3 else 1
+        r = DTYPE_BYTES[cfg.precision.reduce_dtype]
+        out["state_transfer"] = (4 * gathers + r) * shard * accum / bw
+        out["cpu_optimizer"] = shard * ranks_per_node(cfg, lay.world) / CPU_ADAM_PARAMS_PER_S
+    return out
+
+
+def offload_notes(cfg: Any) -> list[str]:
+    if not (cfg.training.activation_offload or cfg.strategy.cpu_offload) or int(cfg.hardware.gpus_per_node):
+        return []
+    return ["offloading on a CPU profile: host and device are the same RAM, so nothing really moves"]
+
+
+def offload_variants(cfg: Any, lay: Any, st: dict, tr: dict) -> list[tuple[bool, bool]]:
+    """(strategy.cpu_offload, training.activation_offload) pairs the layout search tries for one
+    candidate, in order: none, activations, CPU offload, both; only those config.offload_rules allows,
+    and none but the first on a profile without host_memory_gib."""
+    if not float(cfg.hardware.host_memory_gib):
+        return [(False, False)]
+    act = lay.pp == 1 and not cfg.training.compile
+    cpu = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp > 1 and lay.tp == lay.pp == lay.ep == 1
+    cpu = cpu and cfg.precision.float8 == "none" and str(cfg.peft.method) != "qlora"
+    out = [(False, False)]
+    if act:
+        out.append((False, True))
+    if cpu:
+        out.append((True, False))
+    if act and cpu:
+        out.append((True, True))
+    return out
