@@ -1,0 +1,282 @@
+"""`dtlaunch eval`: lm-evaluation-harness on dtlaunch's own model gives what lm-eval's own HFLM gives on the
+model `ckpt export --format hf` writes (the same accuracy, per-sample loglikelihoods within 1e-5), for an
+hf:DIR source and a run; bad inputs are one line and exit 2.
+
+Offline: the tasks are YAML files of our own over local JSONL (lm-eval's built-in tasks download)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
+
+
+def dtlaunch(*args: str, ok: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_docs, tiny_hf_shape) -> Path:
+    """A tiny Llama with a byte-level BPE tokenizer trained on the corpus and a ChatML-like chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(tiny_docs(100, seed=1), trainer=trainer)
+    path = tmp_path_factory.mktemp("eval_llama")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", chat_template=CHAT)
+    fast.save_pretrained(path)
+    shape = {**tiny_hf_shape, "vocab_size": tok.get_vocab_size()}
+    config = transformers.LlamaConfig(**shape, eos_token_id=fast.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # visible, non-uniform preferences between the choices
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory, tiny_docs) -> Path:
+    """Three task YAMLs over local JSONL: multiple choice, rolling loglikelihood (perplexity), generation."""
+    d = tmp_path_factory.mktemp("tasks")
+    rng = random.Random(3)
+    docs = tiny_docs(40, seed=4, words=(4, 9))
+    mc = []
+    for i, doc in enumerate(docs[:30]):
+        words = doc.split()
+        choices = [" ".join(rng.sample(words, len(words))) for _ in range(3)] + [doc]
+        rng.shuffle(choices)
+        mc.append({"question": f"q{i}: {words[0]} {words[1]}", "choices": choices, "answer": choices.index(doc)})
+    rows = {
+        "mc": mc,
+        "rolling": [{"text": t} for t in docs[30:36]],
+        "gen": [{"prompt": " ".join(t.split()[:3]), "target": t.split()[3]} for t in docs[36:40]],
+    }
+    for name, data in rows.items():
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    common = "dataset_path: json\ntest_split: test\n"
+
+    def files(name: str) -> str:
+        return f"dataset_kwargs:\n  data_files:\n    test: {d / name}.jsonl\n"
+
+    (d / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\n{common}{files('mc')}output_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    (d / "tiny_rolling.yaml").write_text(
+        f"task: tiny_rolling\n{common}{files('rolling')}output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"
+    )
+    (d / "tiny_gen.yaml").write_text(
+        f"task: tiny_gen\n{common}{files('gen')}output_type: generate_until\ndoc_to_text: '{{{{prompt}}}}'\n"
+        "doc_to_target: '{{target}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    return d
+
+
+@pytest.fixture(scope="module")
+def manager(tasks_dir: Path) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(tasks_dir))
+
+
+def run_both(
+    ours: Any, reference_dir: Path, manager: Any, tasks: list[str], dtype: str, chat: bool = False
+) -> tuple[dict, dict]:
+    """simple_evaluate with samples on dtlaunch's LM and on lm-eval's HFLM over a Hugging Face directory."""
+    from lm_eval.models.huggingface import HFLM
+
+    from dtlaunch.infer.harness import EvalRequest, evaluate
+
+    req = EvalRequest(tasks=tasks, batch_size=4, apply_chat_template=chat)
+    reference = HFLM(pretrained=str(reference_dir), device="cpu", batch_size=4, dtype=dtype)
+    return evaluate(ours, req, manager, log_samples=True), evaluate(reference, req, manager, log_samples=True)
+
+
+def assert_same(ours: dict, ref: dict) -> None:
+    """The same metrics and, sample by sample, the same text / loglikelihoods within 1e-5 (both sides in
+    float64 weights: in float32 the sums of ~100 nats differ by a few float32 rounding steps, ~2e-5)."""
+    for task in ref["results"]:
+        for key, value in ref["results"][task].items():
+            if isinstance(value, float) and "stderr" not in key:
+                assert ours["results"][task][key] == pytest.approx(value, rel=1e-6), (task, key)
+        mine = {s["doc_id"]: s for s in ours["samples"][task]}
+        assert len(mine) == len(ref["samples"][task]) > 0
+        for s in ref["samples"][task]:
+            got, want = mine[s["doc_id"]]["resps"], s["resps"]
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                g, w = g[0], w[0]
+                if isinstance(w, str):  # generate_until: the same text
+                    assert g == w
+                elif isinstance(w, (list, tuple)):  # loglikelihood: (logprob, is_greedy)
+                    assert abs(g[0] - w[0]) < 1e-5 and g[1] == w[1], (g, w)
+                else:  # loglikelihood_rolling: the summed logprob
+                    assert abs(g - w) < 1e-5, (g, w)
+
+
+def float64(lm: Any) -> Any:
+    lm._model.double()
+    return lm
+
+
+def test_hf_source_matches_hflm_with_and_without_chat_template(model_dir: Path, manager: Any) -> None:
+    from dtlaunch.infer.lm_eval_adapter import load_lm
+
+    ours = float64(load_lm(f"hf:{model_dir}", torch.device("cpu"), batch_size=4))
+    mine, ref = run_both(ours, model_dir, manager, TASKS, "float64")
+    assert_same(mine, ref)
+    # The tiny model is random: the accuracy is a number between chance and 1 that both sides agree on.
+    assert 0 < ref["results"]["tiny_mc"]["acc,none"] < 1
+    assert ref["samples"]["tiny_gen"][0]["resps"][0][0]  # something was generated
+    chat_mine, chat_ref = run_both(ours, model_dir, manager, ["tiny_mc"], "float64", chat=True)
+    assert_same(chat_mine, chat_ref)
+    rendered = chat_ref["samples"]["tiny_mc"][0]["arguments"][0][0]
+    assert rendered.startswith("<|im_start|>user\n"), rendered
+
+
+@pytest.fixture(scope="module")
+def run(model_dir: Path, tasks_dir: Path, tmp_path_factory, tiny_docs) -> Path:
+    """A few steps of fine-tuning the tiny model on its own tokenizer, with training.eval_tasks set."""
+    base = tmp_path_factory.mktemp("eval_run")
+    data = base / "mine.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in tiny_docs(100, seed=2)))
+    run = base / "run"
+    args = [f"model.init_from=hf:{model_dir}", "data.kind=jsonl", f"data.path={data}", f"data.cache_dir={base}/cache"]
+    short = ["training.steps=3", "training.seq_len=32", "checkpoint.every_steps=3", "optim.lr=1e-2"]
+    one = ["launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.loss_plot=false"]
+    ev = ["training.eval_tasks=[tiny_mc,tiny_rolling]", f"training.eval_include={tasks_dir}"]
+    proc = dtlaunch("train", "recipe=tiny_fsdp", *args, *short, *one, *ev, f"run.dir={run}")
+    assert "eval results:" in proc.stdout and "tiny_mc" in proc.stdout, proc.stdout[-2000:]
+    return run
+
+
+def test_run_evaluated_after_training_matches_hflm_on_the_export(run: Path, manager: Any, tmp_path: Path) -> None:
+    from dtlaunch.convert.export import export_checkpoint
+    from dtlaunch.infer.lm_eval_adapter import load_lm
+
+    export = tmp_path / "export"
+    export_checkpoint(run, "hf", export)
+    # The file training.eval_tasks wrote (float32, as `dtlaunch eval` runs) against HFLM in float32.
+    (saved,) = [json.loads(p.read_text()) for p in (run / "eval").glob("*.json")]
+    assert saved["step"] == 3 and saved["request"]["tasks"] == ["tiny_mc", "tiny_rolling"]
+    from lm_eval.models.huggingface import HFLM
+
+    from dtlaunch.infer.harness import EvalRequest, evaluate
+
+    ref32 = evaluate(
+        HFLM(pretrained=str(export), device="cpu", batch_size=8, dtype="float32"),
+        EvalRequest(tasks=["tiny_mc", "tiny_rolling"]),
+        manager,
+    )
+    assert saved["results"]["tiny_mc"]["acc,none"] == ref32["results"]["tiny_mc"]["acc,none"]
+    assert saved["results"]["tiny_mc"]["acc_norm,none"] == ref32["results"]["tiny_mc"]["acc_norm,none"]
+    assert saved["results"]["tiny_rolling"]["word_perplexity,none"] == pytest.approx(
+        ref32["results"]["tiny_rolling"]["word_perplexity,none"], rel=1e-5
+    )
+    # Sample by sample, in float64.
+    ours = float64(load_lm(str(run), torch.device("cpu"), batch_size=4))
+    mine, ref = run_both(ours, export, manager, ["tiny_mc", "tiny_rolling"], "float64")
+    assert_same(mine, ref)
+    # ... and the run's report shows it.
+    dtlaunch("report", str(run))
+    page = (run / "report.html").read_text()
+    assert "evaluation (lm-evaluation-harness)" in page and "tiny_mc" in page
+
+
+def test_cli_on_hf_source_writes_results_and_prints_a_table(model_dir: Path, tasks_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = dtlaunch(
+        "eval",
+        f"hf:{model_dir}",
+        "--tasks",
+        "tiny_mc,tiny_gen",
+        "--include",
+        str(tasks_dir),
+        "--limit",
+        "5",
+        "--batch-size",
+        "2",
+        "--num-fewshot",
+        "1",
+        "--apply-chat-template",
+        "--out",
+        str(out),
+    )
+    (path,) = out.glob("*.json")
+    saved = json.loads(path.read_text())
+    assert saved["n_samples"]["tiny_mc"]["effective"] == 5 and saved["step"] is None
+    assert saved["request"]["num_fewshot"] == 1 and saved["request"]["apply_chat_template"] is True
+    acc = saved["results"]["tiny_mc"]["acc,none"]
+    assert "tiny_mc" in proc.stdout and f"{acc:.4f}" in proc.stdout and str(path) in proc.stdout
+
+
+def one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtlaunch: error:"), proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_unknown_task_names_close_matches(model_dir: Path, tasks_dir: Path) -> None:
+    proc = dtlaunch("eval", f"hf:{model_dir}", "--tasks", "tiny_mc,hellaswg", "--include", str(tasks_dir), ok=False)
+    one_line_exit_2(proc, "hellaswg", "hellaswag")
+
+
+def test_bad_paths_are_one_line(model_dir: Path, tasks_dir: Path, tmp_path: Path) -> None:
+    one_line_exit_2(
+        dtlaunch("eval", f"hf:{model_dir}", "--tasks", "x", "--include", str(tmp_path / "no"), ok=False), "--include"
+    )
+    one_line_exit_2(dtlaunch("eval", str(tmp_path), "--tasks", "tiny_mc", ok=False), "not a run, checkpoint or hf:DIR")
+    one_line_exit_2(dtlaunch("eval", f"hf:{tmp_path}", "--tasks", "tiny_mc", ok=False), "config.json")
+
+
+def test_without_lm_eval_one_line_names_the_extra(model_dir: Path) -> None:
+    # A meta-path finder that refuses lm_eval: the interpreter behaves as if it were not installed.
+    code = (
+        "import sys\n"
+        "class NoLmEval:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'lm_eval': raise ImportError('no lm_eval')\n"
+        "sys.meta_path.insert(0, NoLmEval())\n"
+        "sys.argv = ['dtlaunch', 'eval', sys.argv[1], '--tasks', 'tiny_mc']\n"
+        "from dtlaunch.cli import run; run()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, f"hf:{model_dir}"], capture_output=True, text=True, timeout=120)
+    one_line_exit_2(proc, "pip install 'dtlaunch[eval]'")
