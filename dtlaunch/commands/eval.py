@@ -33,7 +33,7 @@ def eval_command(
     manager = check_request(req)
     record, path = evaluate_source(src, req, manager, adapter)
     show_results(record)
-    console().print(f"results: {path}", markup=False)
+    console().print(f"results: {path}", markup=False, soft_wrap=True)
     return 0
 
 
@@ -83,4 +83,4 @@ def eval_after_training(cfg: Any, run_dir: Any) -> None:
     manager = check_request(req, key="training.eval_tasks")
     record, path = evaluate_source(resolve_source(str(run_dir)), req, manager)
     show_results(record)
-    console().print(f"eval results: {path}", markup=False)
+    console().print(f"eval results: {path}", markup=False, soft_wrap=True)

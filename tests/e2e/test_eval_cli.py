@@ -238,6 +238,7 @@ def test_cli_on_hf_source_writes_results_and_prints_a_table(model_dir: Path, tas
         "--apply-chat-template",
         "--out",
         str(out),
+        env={"COLUMNS": "250"},
     )
     (path,) = out.glob("*.json")
     saved = json.loads(path.read_text())
