@@ -281,3 +281,29 @@ def test_without_lm_eval_one_line_names_the_extra(model_dir: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code, f"hf:{model_dir}"], capture_output=True, text=True, timeout=120)
     one_line_exit_2(proc, "pip install 'dtlaunch[eval]'")
+
+
+def test_hf_source_with_peft_adapter_matches_hflm_with_peft(model_dir: Path, manager: Any, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from dtlaunch.infer.lm_eval_adapter import load_lm
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():  # B = 0 at initialisation: give the adapters an effect
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    adapter = tmp_path / "adapter"
+    model.save_pretrained(adapter)
+    from lm_eval.models.huggingface import HFLM
+
+    from dtlaunch.infer.harness import EvalRequest, evaluate
+
+    req = EvalRequest(tasks=["tiny_mc"], batch_size=4)
+    ours = float64(load_lm(f"hf:{model_dir}", torch.device("cpu"), batch_size=4, adapter=str(adapter)))
+    ref = HFLM(pretrained=str(model_dir), peft=str(adapter), device="cpu", batch_size=4, dtype="float64")
+    mine, theirs = evaluate(ours, req, manager, log_samples=True), evaluate(ref, req, manager, log_samples=True)
+    assert_same(mine, theirs)
+    plain = evaluate(float64(load_lm(f"hf:{model_dir}", torch.device("cpu"), 4)), req, manager, log_samples=True)
+    assert plain["samples"]["tiny_mc"][0]["resps"] != mine["samples"]["tiny_mc"][0]["resps"]  # the adapter counts
