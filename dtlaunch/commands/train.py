@@ -80,6 +80,9 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     job, plan = _compose_and_plan(overrides, recipe_dirs, force)
     out = console()
     check_hf_weights(job.cfg)
+    from dtlaunch.commands.eval import check_eval_tasks
+
+    check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 before training, not after it
     from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside, run_dir_for
     from dtlaunch.run.env import NO_RESUME_ENV
@@ -100,9 +103,6 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
 
     check_data(job.cfg, run_dir, job.layout)
     check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
-    from dtlaunch.commands.eval import check_eval_tasks
-
-    check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 before training, not after
     return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg)
 
 

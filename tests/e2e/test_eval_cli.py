@@ -305,5 +305,27 @@ def test_hf_source_with_peft_adapter_matches_hflm_with_peft(model_dir: Path, man
     ref = HFLM(pretrained=str(model_dir), peft=str(adapter), device="cpu", batch_size=4, dtype="float64")
     mine, theirs = evaluate(ours, req, manager, log_samples=True), evaluate(ref, req, manager, log_samples=True)
     assert_same(mine, theirs)
-    plain = evaluate(float64(load_lm(f"hf:{model_dir}", torch.device("cpu"), 4)), req, manager, log_samples=True)
-    assert plain["samples"]["tiny_mc"][0]["resps"] != mine["samples"]["tiny_mc"][0]["resps"]  # the adapter counts
+    name = "layers.0.attention.wq.weight"
+    plain = dict(load_lm(f"hf:{model_dir}", torch.device("cpu"), batch_size=4)._model.named_parameters())[name]
+    assert not torch.allclose(plain.double(), dict(ours._model.named_parameters())[name])  # the adapter is in
+
+
+def test_bad_eval_task_in_training_is_refused_before_anything_starts(
+    tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dtlaunch.launch.local as local
+    from dtlaunch.cli import run as cli_run
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("workers were launched")
+
+    monkeypatch.setattr(local, "launch_local", refuse)
+    run_dir = tmp_path / "run"
+    argv = ["train", "recipe=tiny_ddp", "training.eval_tasks=[tiny_mc,tiny_mcc]", f"training.eval_include={tasks_dir}"]
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv, f"run.dir={run_dir}"])
+    with pytest.raises(SystemExit) as exc:
+        cli_run()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2 and len(lines) == 1, lines
+    assert "training.eval_tasks: unknown task 'tiny_mcc'" in lines[0] and "tiny_mc" in lines[0], lines[0]
+    assert not run_dir.exists()
