@@ -7,6 +7,7 @@ optional dependency: it is imported here, inside functions, and only on the eval
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -47,10 +48,7 @@ def check_request(req: EvalRequest, key: str = "--tasks") -> Any:
         )
     if req.include and not Path(req.include).expanduser().is_dir():
         raise InputError(f"--include {req.include}: no such directory; give a directory of task YAML files")
-    require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=str(Path(req.include).expanduser()) if req.include else None)
+    manager = task_manager(str(Path(req.include).expanduser().resolve()) if req.include else "")
     known = set(manager.all_tasks)
     for name in req.tasks:
         if name not in known:
@@ -58,6 +56,16 @@ def check_request(req: EvalRequest, key: str = "--tasks") -> Any:
             hint = f"did you mean {', '.join(close)}?" if close else "see `lm-eval ls tasks`"
             raise ConfigError(f"{key}: unknown task '{name}': {hint}")
     return manager
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include: str) -> Any:
+    """lm_eval's TaskManager over its own tasks and `include`'s YAMLs: indexing ~15k task files takes
+    seconds, so a process (the launcher checks before training and evaluates after it) builds it once."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include or None)
 
 
 def evaluate(lm: Any, req: EvalRequest, manager: Any, log_samples: bool = False) -> dict:

@@ -30,13 +30,12 @@ CHAT = (
 TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
 
 
-def dtlaunch(*args: str, ok: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def dtlaunch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=600
     )
-    if ok:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -111,9 +110,9 @@ def tasks_dir(tmp_path_factory, tiny_docs) -> Path:
 
 @pytest.fixture(scope="module")
 def manager(tasks_dir: Path) -> Any:
-    from lm_eval.tasks import TaskManager
+    from dtlaunch.infer.harness import task_manager
 
-    return TaskManager(include_path=str(tasks_dir))
+    return task_manager(str(tasks_dir.resolve()))  # the one the in-process commands below use too
 
 
 def run_both(
@@ -193,31 +192,23 @@ def test_run_evaluated_after_training_matches_hflm_on_the_export(run: Path, mana
 
     export = tmp_path / "export"
     export_checkpoint(run, "hf", export)
-    # The file training.eval_tasks wrote (float32, as `dtlaunch eval` runs) against HFLM in float32.
-    (saved,) = [json.loads(p.read_text()) for p in (run / "eval").glob("*.json")]
-    assert saved["step"] == 3 and saved["request"]["tasks"] == ["tiny_mc", "tiny_rolling"]
-    from lm_eval.models.huggingface import HFLM
-
-    from dtlaunch.infer.harness import EvalRequest, evaluate
-
-    ref32 = evaluate(
-        HFLM(pretrained=str(export), device="cpu", batch_size=8, dtype="float32"),
-        EvalRequest(tasks=["tiny_mc", "tiny_rolling"]),
-        manager,
-    )
-    assert saved["results"]["tiny_mc"]["acc,none"] == ref32["results"]["tiny_mc"]["acc,none"]
-    assert saved["results"]["tiny_mc"]["acc_norm,none"] == ref32["results"]["tiny_mc"]["acc_norm,none"]
-    assert saved["results"]["tiny_rolling"]["word_perplexity,none"] == pytest.approx(
-        ref32["results"]["tiny_rolling"]["word_perplexity,none"], rel=1e-5
-    )
-    # Sample by sample, in float64.
+    # Sample by sample (float64 on both sides) ...
     ours = float64(load_lm(str(run), torch.device("cpu"), batch_size=4))
     mine, ref = run_both(ours, export, manager, ["tiny_mc", "tiny_rolling"], "float64")
     assert_same(mine, ref)
-    # ... and the run's report shows it.
-    dtlaunch("report", str(run))
+    # ... and the file training.eval_tasks wrote (float32, as `dtlaunch eval` runs): the same scores.
+    (saved,) = [json.loads(p.read_text()) for p in (run / "eval").glob("*.json")]
+    assert saved["step"] == 3 and saved["request"]["tasks"] == ["tiny_mc", "tiny_rolling"]
+    for key in ("acc,none", "acc_norm,none"):
+        assert saved["results"]["tiny_mc"][key] == ref["results"]["tiny_mc"][key]
+    for key in ("word_perplexity,none", "bits_per_byte,none"):
+        assert saved["results"]["tiny_rolling"][key] == pytest.approx(ref["results"]["tiny_rolling"][key], rel=1e-5)
+    # The run's report shows it.
+    from dtlaunch.commands.report import report_command
+
+    assert report_command(str(run), None) == 0
     page = (run / "report.html").read_text()
-    assert "evaluation (lm-evaluation-harness)" in page and "tiny_mc" in page
+    assert "evaluation (lm-evaluation-harness)" in page and "tiny_mc" in page and "word_perplexity" in page
 
 
 def test_cli_on_hf_source_writes_results_and_prints_a_table(model_dir: Path, tasks_dir: Path, tmp_path: Path) -> None:
@@ -255,17 +246,29 @@ def one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> None:
     assert all(w in lines[0] for w in words), lines[0]
 
 
-def test_unknown_task_names_close_matches(model_dir: Path, tasks_dir: Path) -> None:
-    proc = dtlaunch("eval", f"hf:{model_dir}", "--tasks", "tiny_mc,hellaswg", "--include", str(tasks_dir), ok=False)
-    one_line_exit_2(proc, "hellaswg", "hellaswag")
+def cli_error(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    """In-process through the console entry point: exit 2 and one line on stderr, which is returned."""
+    from dtlaunch.cli import run as cli_run
+
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv])
+    with pytest.raises(SystemExit) as exc:
+        cli_run()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2 and len(lines) == 1 and lines[0].startswith("dtlaunch: error:"), lines
+    return lines[0]
 
 
-def test_bad_paths_are_one_line(model_dir: Path, tasks_dir: Path, tmp_path: Path) -> None:
-    one_line_exit_2(
-        dtlaunch("eval", f"hf:{model_dir}", "--tasks", "x", "--include", str(tmp_path / "no"), ok=False), "--include"
-    )
-    one_line_exit_2(dtlaunch("eval", str(tmp_path), "--tasks", "tiny_mc", ok=False), "not a run, checkpoint or hf:DIR")
-    one_line_exit_2(dtlaunch("eval", f"hf:{tmp_path}", "--tasks", "tiny_mc", ok=False), "config.json")
+def test_bad_inputs_are_one_line(model_dir: Path, tasks_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    hf, inc = f"hf:{model_dir}", ["--include", str(tasks_dir)]
+    line = cli_error(["eval", hf, "--tasks", "tiny_mc,tiny_gn", *inc], monkeypatch, capsys)
+    assert "unknown task 'tiny_gn'" in line and "tiny_gen" in line, line
+    line = cli_error(["eval", hf, "--tasks", "tiny_mc", "--include", str(tmp_path / "no")], monkeypatch, capsys)
+    assert "--include" in line and "no such directory" in line, line
+    line = cli_error(["eval", str(tmp_path), "--tasks", "tiny_mc"], monkeypatch, capsys)
+    assert "not a run, checkpoint or hf:DIR" in line, line
+    assert "config.json" in cli_error(["eval", f"hf:{tmp_path}", "--tasks", "tiny_mc"], monkeypatch, capsys)
+    assert "--tasks" in cli_error(["eval", hf, "--tasks", "tiny_mc,,x"], monkeypatch, capsys)
+    assert "batch size 0" in cli_error(["eval", hf, "--tasks", "tiny_mc", "--batch-size", "0"], monkeypatch, capsys)
 
 
 def test_without_lm_eval_one_line_names_the_extra(model_dir: Path) -> None:
@@ -314,18 +317,13 @@ def test_bad_eval_task_in_training_is_refused_before_anything_starts(
     tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import dtlaunch.launch.local as local
-    from dtlaunch.cli import run as cli_run
 
     def refuse(*_a: object, **_k: object) -> None:
         raise AssertionError("workers were launched")
 
     monkeypatch.setattr(local, "launch_local", refuse)
     run_dir = tmp_path / "run"
-    argv = ["train", "recipe=tiny_ddp", "training.eval_tasks=[tiny_mc,tiny_mcc]", f"training.eval_include={tasks_dir}"]
-    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv, f"run.dir={run_dir}"])
-    with pytest.raises(SystemExit) as exc:
-        cli_run()
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert exc.value.code == 2 and len(lines) == 1, lines
-    assert "training.eval_tasks: unknown task 'tiny_mcc'" in lines[0] and "tiny_mc" in lines[0], lines[0]
+    ev = ["training.eval_tasks=[tiny_mc,tiny_mcc]", f"training.eval_include={tasks_dir}"]
+    line = cli_error(["train", "recipe=tiny_ddp", *ev, f"run.dir={run_dir}"], monkeypatch, capsys)
+    assert "training.eval_tasks: unknown task 'tiny_mcc'" in line and "tiny_mc" in line, line
     assert not run_dir.exists()
