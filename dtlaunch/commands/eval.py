@@ -53,6 +53,9 @@ def results_table(record: dict) -> Any:
     return t
 
 
+TRAINING_KEYS = ("training.eval_tasks", "training.eval_include")  # the names an error shows
+
+
 def request_of(cfg: Any) -> EvalRequest:
     """training.eval_* as an eval request."""
     t = cfg.training
@@ -69,7 +72,7 @@ def request_of(cfg: Any) -> EvalRequest:
 def check_eval_tasks(cfg: Any) -> None:
     """Before any worker starts: lm_eval installed, the include directory there, every task name known."""
     if cfg.training.eval_tasks:
-        check_request(request_of(cfg), key="training.eval_tasks")
+        check_request(request_of(cfg), *TRAINING_KEYS)
 
 
 def eval_after_training(cfg: Any, run_dir: Any) -> None:
@@ -80,7 +83,7 @@ def eval_after_training(cfg: Any, run_dir: Any) -> None:
     if not cfg.training.eval_tasks:
         return
     req = request_of(cfg)
-    manager = check_request(req, key="training.eval_tasks")
+    manager = check_request(req, *TRAINING_KEYS)
     record, path = evaluate_source(resolve_source(str(run_dir)), req, manager)
     show_results(record)
     console().print(f"eval results: {path}", markup=False, soft_wrap=True)

@@ -36,7 +36,7 @@ def require_lm_eval() -> None:
         raise ConfigError("evaluation needs lm-evaluation-harness: pip install 'dtlaunch[eval]'") from None
 
 
-def check_request(req: EvalRequest, key: str = "--tasks") -> Any:
+def check_request(req: EvalRequest, key: str = "--tasks", include_key: str = "--include") -> Any:
     """The request's TaskManager, after every check that needs no model: numbers, the include directory,
     and each task name (an unknown one names its closest known names)."""
     if not req.tasks or any(not t.strip() for t in req.tasks):
@@ -47,7 +47,7 @@ def check_request(req: EvalRequest, key: str = "--tasks") -> Any:
             f"(0 = all), batch size >= 1, num_fewshot >= 0 (or -1 for each task's own)"
         )
     if req.include and not Path(req.include).expanduser().is_dir():
-        raise InputError(f"--include {req.include}: no such directory; give a directory of task YAML files")
+        raise InputError(f"{include_key} {req.include}: no such directory; give a directory of task YAML files")
     manager = task_manager(str(Path(req.include).expanduser().resolve()) if req.include else "")
     known = set(manager.all_tasks)
     for name in req.tasks:

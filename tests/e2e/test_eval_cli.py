@@ -30,8 +30,8 @@ CHAT = (
 TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
 
 
-def dtlaunch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+def dtlaunch(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=600
     )
@@ -116,14 +116,14 @@ def manager(tasks_dir: Path) -> Any:
 
 
 def run_both(
-    ours: Any, reference_dir: Path, manager: Any, tasks: list[str], dtype: str, chat: bool = False
+    ours: Any, reference_dir: Path, manager: Any, tasks: list[str], dtype: str, chat: bool = False, limit: int = 0
 ) -> tuple[dict, dict]:
     """simple_evaluate with samples on dtlaunch's LM and on lm-eval's HFLM over a Hugging Face directory."""
     from lm_eval.models.huggingface import HFLM
 
     from dtlaunch.infer.harness import EvalRequest, evaluate
 
-    req = EvalRequest(tasks=tasks, batch_size=4, apply_chat_template=chat)
+    req = EvalRequest(tasks=tasks, batch_size=4, apply_chat_template=chat, limit=limit)
     reference = HFLM(pretrained=str(reference_dir), device="cpu", batch_size=4, dtype=dtype)
     return evaluate(ours, req, manager, log_samples=True), evaluate(reference, req, manager, log_samples=True)
 
@@ -164,7 +164,7 @@ def test_hf_source_matches_hflm_with_and_without_chat_template(model_dir: Path, 
     # The tiny model is random: the accuracy is a number between chance and 1 that both sides agree on.
     assert 0 < ref["results"]["tiny_mc"]["acc,none"] < 1
     assert ref["samples"]["tiny_gen"][0]["resps"][0][0]  # something was generated
-    chat_mine, chat_ref = run_both(ours, model_dir, manager, ["tiny_mc"], "float64", chat=True)
+    chat_mine, chat_ref = run_both(ours, model_dir, manager, ["tiny_mc"], "float64", chat=True, limit=8)
     assert_same(chat_mine, chat_ref)
     rendered = chat_ref["samples"]["tiny_mc"][0]["arguments"][0][0]
     assert rendered.startswith("<|im_start|>user\n"), rendered
@@ -211,32 +211,27 @@ def test_run_evaluated_after_training_matches_hflm_on_the_export(run: Path, mana
     assert "evaluation (lm-evaluation-harness)" in page and "tiny_mc" in page and "word_perplexity" in page
 
 
-def test_cli_on_hf_source_writes_results_and_prints_a_table(model_dir: Path, tasks_dir: Path, tmp_path: Path) -> None:
+def test_cli_on_hf_source_writes_results_and_prints_a_table(
+    model_dir: Path, tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # In-process through the console entry point (the training run above is the subprocess one).
+    from dtlaunch.cli import run as cli_run
+
     out = tmp_path / "results"
-    proc = dtlaunch(
-        "eval",
-        f"hf:{model_dir}",
-        "--tasks",
-        "tiny_mc,tiny_gen",
-        "--include",
-        str(tasks_dir),
-        "--limit",
-        "5",
-        "--batch-size",
-        "2",
-        "--num-fewshot",
-        "1",
-        "--apply-chat-template",
-        "--out",
-        str(out),
-        env={"COLUMNS": "250"},
-    )
+    monkeypatch.setenv("COLUMNS", "250")
+    argv = ["eval", f"hf:{model_dir}", "--tasks", "tiny_mc,tiny_gen", "--include", str(tasks_dir), "--limit", "5"]
+    more = ["--batch-size", "2", "--num-fewshot", "1", "--apply-chat-template", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv, *more])
+    with pytest.raises(SystemExit) as exc:
+        cli_run()
+    stdout = capsys.readouterr().out
+    assert exc.value.code == 0, stdout[-2000:]
     (path,) = out.glob("*.json")
     saved = json.loads(path.read_text())
     assert saved["n_samples"]["tiny_mc"]["effective"] == 5 and saved["step"] is None
     assert saved["request"]["num_fewshot"] == 1 and saved["request"]["apply_chat_template"] is True
     acc = saved["results"]["tiny_mc"]["acc,none"]
-    assert "tiny_mc" in proc.stdout and f"{acc:.4f}" in proc.stdout and str(path) in proc.stdout
+    assert "tiny_gen" in stdout and f"{acc:.4f}" in stdout and str(path) in stdout
 
 
 def one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -303,7 +298,7 @@ def test_hf_source_with_peft_adapter_matches_hflm_with_peft(model_dir: Path, man
 
     from dtlaunch.infer.harness import EvalRequest, evaluate
 
-    req = EvalRequest(tasks=["tiny_mc"], batch_size=4)
+    req = EvalRequest(tasks=["tiny_mc"], batch_size=4, limit=10)
     ours = float64(load_lm(f"hf:{model_dir}", torch.device("cpu"), batch_size=4, adapter=str(adapter)))
     ref = HFLM(pretrained=str(model_dir), peft=str(adapter), device="cpu", batch_size=4, dtype="float64")
     mine, theirs = evaluate(ours, req, manager, log_samples=True), evaluate(ref, req, manager, log_samples=True)
