@@ -30,8 +30,9 @@ class EvalRequest:
 
 
 def require_lm_eval() -> None:
+    """lm_eval and what its HFLM needs (transformers, accelerate: the `hf` extra the `eval` extra names)."""
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval.models.huggingface  # noqa: F401
     except ImportError:
         raise ConfigError("evaluation needs lm-evaluation-harness: pip install 'dtlaunch[eval]'") from None
 
