@@ -70,9 +70,9 @@ class DtlaunchLM(HFLM):
         mask, so each row runs on its own tokens. Returns HFLM's layout: the padded context, then the new
         tokens, padded on the right; each row stops at EOS, at a stop string, or at `max_length`."""
         mask = generation_kwargs.pop("attention_mask", None)
-        temperature = float(generation_kwargs.get("temperature") or 0.0)
-        if not generation_kwargs.get("do_sample", temperature > 0):
-            temperature = 0.0
+        # transformers' rules, which HFLM's generate follows: sampling only with do_sample (temperature
+        # 1 unless given); otherwise greedy, whatever the temperature.
+        temperature = float(generation_kwargs.get("temperature", 1.0)) if generation_kwargs.get("do_sample") else 0.0
         top_p = float(generation_kwargs.get("top_p") or 1.0)
         width = context.shape[1]
         rows = []
