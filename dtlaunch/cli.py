@@ -259,6 +259,28 @@ def generate(
     raise typer.Exit(generate_command(source, prompt, max_new_tokens, temperature, top_p, seed, adapter))
 
 
+@app.command("eval")
+def eval_(
+    source: str = typer.Argument(..., help="hf:DIR, a run directory (newest checkpoint) or a checkpoint directory."),
+    tasks: str = typer.Option(..., "--tasks", help="lm-evaluation-harness task names, comma-separated."),
+    limit: int = typer.Option(0, "--limit", help="Samples per task at most (0 = all)."),
+    num_fewshot: int = typer.Option(-1, "--num-fewshot", help="Few-shot examples (-1 = each task's own)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Requests per forward pass."),
+    include: str = typer.Option("", "--include", help="A directory of task YAML files of your own."),
+    adapter: str = typer.Option("", "--adapter", help="A peft LoRA adapter directory for an hf:DIR base."),
+    apply_chat_template: bool = typer.Option(
+        False, "--apply-chat-template", help="Render prompts with the tokenizer's chat template."
+    ),
+    out: str = typer.Option("", "--out", help="Results directory (default RUN/eval; ./eval for hf:DIR)."),
+) -> None:
+    """Evaluate with lm-evaluation-harness on dtlaunch's own model (one process); results in RUN/eval/."""
+    from dtlaunch.commands.eval import eval_command
+
+    raise typer.Exit(
+        eval_command(source, tasks, limit, num_fewshot, batch_size, include, adapter, apply_chat_template, out)
+    )
+
+
 @data_app.command("prepare")
 def data_prepare(
     inputs: List[str] = typer.Argument(

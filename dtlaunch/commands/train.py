@@ -80,6 +80,9 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     job, plan = _compose_and_plan(overrides, recipe_dirs, force)
     out = console()
     check_hf_weights(job.cfg)
+    from dtlaunch.commands.eval import check_eval_tasks
+
+    check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 before training, not after it
     from dtlaunch.hub.dataset import pin_dataset
 
     pin_dataset(job.cfg)  # a hub dataset: fetched now and its commit recorded in config.yaml
@@ -109,6 +112,7 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
 def launch_prepared(prepared: Prepared) -> int:
     """Start the workers on this node, wait for them, then print the run's summary."""
     from dtlaunch.config.layout import nproc_per_node
+    from dtlaunch.launch.local import node_rank_of
     from dtlaunch.launch.summary import complete_summary, summary_lines
     from dtlaunch.run.phases import phase
 
@@ -125,6 +129,10 @@ def launch_prepared(prepared: Prepared) -> int:
 
         for line in breakdown_lines(write_profile_summary(run_dir), run_dir):
             out.print(line, markup=False, soft_wrap=True)
+    if cfg.training.eval_tasks and node_rank_of(cfg.launch) <= 0:  # node 0 (or the only node) evaluates
+        from dtlaunch.commands.eval import eval_after_training
+
+        eval_after_training(cfg, run_dir)
     return 0
 
 

@@ -113,6 +113,9 @@ RANGES: dict[str, Range] = {
     "training.ac_memory_budget": Range(0, 1),  # 0 = no budget, 1 = what compile saves anyway
     "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation
     "training.eval_batches": AT_LEAST_1,
+    "training.eval_limit": NON_NEGATIVE,  # 0 = every sample
+    "training.eval_num_fewshot": Range(-1),  # -1 = each task's own
+    "training.eval_batch_size": AT_LEAST_1,
     "optim.lr": POSITIVE,
     "optim.min_lr_ratio": FRACTION,
     "optim.weight_decay": NON_NEGATIVE,

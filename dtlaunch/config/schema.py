@@ -154,6 +154,14 @@ class TrainingConfig:
     # batches of the validation set each time (always the same ones, so the curve is comparable).
     eval_every: int = 0
     eval_batches: int = 4
+    # lm-evaluation-harness tasks run on the final checkpoint once the workers have exited, as `dtlaunch
+    # eval RUN --tasks ...` runs them (results in RUN/eval/); empty = off. The rest: eval's own options.
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_limit: int = 0  # samples per task at most; 0 = all
+    eval_num_fewshot: int = -1  # -1 = each task's own
+    eval_batch_size: int = 8
+    eval_include: str = ""  # a directory of task YAML files of one's own
+    eval_apply_chat_template: bool = False
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
     loss_plot: bool = True
     # Name a rank whose own time per step (its step period less its wait for the latest rank to start the

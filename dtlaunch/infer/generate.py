@@ -22,6 +22,7 @@ class Loaded:
     tokenizer: Any
     eos_id: Optional[int]
     source: str
+    tokenizer_file: str = ""  # the tokenizer.json it came from ("byte" for the byte tokenizer)
 
 
 def load_source(source: str, device: torch.device, max_len: int = 1, adapter: str = "") -> Loaded:
@@ -52,7 +53,8 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise InputError(f"generate {source}: no tokenizer.json in {path}: add the model's tokenizer.json")
-        tokenizer = load_tokenizer(str(tok_file))
+        tokenizer_file = str(tok_file)
+        tokenizer = load_tokenizer(tokenizer_file)
         eos = c.get("eos_token_id")
         eos_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else tokenizer.eos_id
     else:
@@ -65,7 +67,8 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
             state, m, info = merged_run_state(Path(source))
         else:
             state, m, info = load_checkpoint_model(Path(source))
-        tokenizer = load_tokenizer(_run_tokenizer(Path(info.path)))
+        tokenizer_file = _run_tokenizer(Path(info.path))
+        tokenizer = load_tokenizer(tokenizer_file)
         eos_id = getattr(tokenizer, "eos_id", None)
     model = model_spec(m).build(m, rope_len=max_len, device=device)
     model.init_weights(0)  # derived buffers (RoPE); every weight is then loaded
@@ -73,7 +76,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
     missing = [k for k in result.missing_keys if not (k == "output.weight" and m.tie_embeddings)]
     if missing or result.unexpected_keys:
         raise InputError(f"generate {source}: weights do not fit the model ({(missing + result.unexpected_keys)[0]})")
-    return Loaded(model.eval(), m, tokenizer, eos_id, source)
+    return Loaded(model.eval(), m, tokenizer, eos_id, source, tokenizer_file)
 
 
 def set_positions(model: torch.nn.Module, length: int) -> None:

@@ -145,6 +145,21 @@ def _profile_section(run: RunData) -> list[str]:
     ]
 
 
+def _eval_section(run: RunData) -> list[str]:
+    """lm-evaluation-harness results (`dtlaunch eval`, training.eval_tasks), one row per metric."""
+    if not run.evals:
+        return []
+    from dtlaunch.infer.harness import metric_rows
+
+    rows = [
+        [str(e.get("time", "")), str(e.get("step", "")), task, metric, f"{value:.4f}", _num(err)]
+        for e in run.evals
+        for task, metric, value, err in metric_rows(e["results"])
+    ]
+    headers = ["time", "step", "task", "metric", "value", "stderr"]
+    return ["<h2>evaluation (lm-evaluation-harness)</h2>", _table(headers, rows, numeric=(1, 4, 5))]
+
+
 def run_report(run: RunData) -> str:
     """The HTML page of one run."""
     body = [f"<h1>run {escape(run.name)} <span class='state-{escape(run.status)}'>({escape(run.status)})</span></h1>"]
@@ -181,6 +196,7 @@ def run_report(run: RunData) -> str:
         labels = [f"rank {r}" for r in rank_times]
         body.append(_figure(plots.bar_plot(labels, [1e3 * t for t in rank_times.values()], "ms", "mean step time"), ""))
     body += _profile_section(run)
+    body += _eval_section(run)
     body.append("<h2>launches, resumes and checkpoints</h2>")
     body.append(_history(run))
     body.append("<h2>config</h2>")

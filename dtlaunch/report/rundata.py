@@ -44,6 +44,7 @@ class RunData:
     launches: list[Launch]
     profile: dict
     errors: list[str] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)  # RUN/eval/<time>.json, oldest first
 
     @property
     def name(self) -> str:
@@ -159,6 +160,7 @@ def read_run(run_dir: Path) -> RunData:
         checkpoints=_checkpoints(run_dir, config if isinstance(config, dict) else {}),
         launches=_launches(run_dir / "logs" / "rank0.log"),
         profile=_json(run_dir / PROFILE_DIR / SUMMARY_NAME) or profile_summary(run_dir),
+        evals=[e for e in (_json(p) for p in sorted((run_dir / "eval").glob("*.json"))) if e.get("results")],
     )
 
 

@@ -1,0 +1,89 @@
+"""`dtlaunch eval SOURCE --tasks T1,T2`: lm-evaluation-harness on dtlaunch's own model; a table on the
+terminal and the results in RUN/eval/<time>.json (or --out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.commands.common import console
+from dtlaunch.infer.harness import EvalRequest, check_request, evaluate_source, metric_rows, resolve_source
+
+
+def eval_command(
+    source: str,
+    tasks: str,
+    limit: int,
+    num_fewshot: int,
+    batch_size: int,
+    include: str,
+    adapter: str,
+    apply_chat_template: bool,
+    out: str,
+) -> int:
+    req = EvalRequest(
+        tasks=[t.strip() for t in tasks.split(",")],
+        limit=limit,
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        include=include,
+        apply_chat_template=apply_chat_template,
+    )
+    # Cheap checks first: a wrong path is reported before the task index (seconds) or the model loads.
+    src = resolve_source(source, out, adapter)
+    manager = check_request(req)
+    record, path = evaluate_source(src, req, manager, adapter)
+    show_results(record)
+    console().print(f"results: {path}", markup=False, soft_wrap=True)
+    return 0
+
+
+def show_results(record: dict) -> None:
+    console().print(results_table(record))
+
+
+def results_table(record: dict) -> Any:
+    from rich.table import Table
+
+    step = f" at step {record['step']}" if record.get("step") is not None else ""
+    t = Table(title=f"eval: {record['source']}{step}", title_justify="left")
+    for name, justify in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right")):
+        t.add_column(name, justify=justify)
+    for task, metric, value, err in metric_rows(record["results"]):
+        t.add_row(task, metric, f"{value:.4f}", "" if err is None else f"{err:.4f}")
+    return t
+
+
+TRAINING_KEYS = ("training.eval_tasks", "training.eval_include")  # the names an error shows
+
+
+def request_of(cfg: Any) -> EvalRequest:
+    """training.eval_* as an eval request."""
+    t = cfg.training
+    return EvalRequest(
+        tasks=[str(x) for x in t.eval_tasks],
+        limit=int(t.eval_limit),
+        num_fewshot=int(t.eval_num_fewshot),
+        batch_size=int(t.eval_batch_size),
+        include=str(t.eval_include),
+        apply_chat_template=bool(t.eval_apply_chat_template),
+    )
+
+
+def check_eval_tasks(cfg: Any) -> None:
+    """Before any worker starts: lm_eval installed, the include directory there, every task name known."""
+    if cfg.training.eval_tasks:
+        check_request(request_of(cfg), *TRAINING_KEYS)
+
+
+def eval_after_training(cfg: Any, run_dir: Any) -> None:
+    """training.eval_tasks on the run's final checkpoint, in the launcher once the workers have exited:
+    the checkpoint holds the full model whatever layout trained it, so one process on one device loads
+    it as `dtlaunch eval RUN` does (no gathering of shards, no process group for lm_eval to meet, and
+    the workers' GPU memory is free again)."""
+    if not cfg.training.eval_tasks:
+        return
+    req = request_of(cfg)
+    manager = check_request(req, *TRAINING_KEYS)
+    record, path = evaluate_source(resolve_source(str(run_dir)), req, manager)
+    show_results(record)
+    console().print(f"eval results: {path}", markup=False, soft_wrap=True)

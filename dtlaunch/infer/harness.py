@@ -1,0 +1,186 @@
+"""Evaluation through lm-evaluation-harness: checks on the request, one run, and its results file.
+
+Shared by `dtlaunch eval` and the evaluation after training (training.eval_tasks). lm_eval is an
+optional dependency: it is imported here, inside functions, and only on the eval path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from dtlaunch.errors import ConfigError, InputError
+
+EVAL_DIR = "eval"  # RUN/eval/<time>.json
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    tasks: list[str]
+    limit: int = 0  # samples per task; 0 = all
+    num_fewshot: int = -1  # -1 = each task's own
+    batch_size: int = 8
+    include: str = ""  # a directory of task YAMLs of one's own
+    apply_chat_template: bool = False
+
+
+def require_lm_eval() -> None:
+    """lm_eval and what its HFLM needs (transformers, accelerate: the `hf` extra the `eval` extra names)."""
+    try:
+        import lm_eval.models.huggingface  # noqa: F401
+    except ImportError:
+        raise ConfigError("evaluation needs lm-evaluation-harness: pip install 'dtlaunch[eval]'") from None
+
+
+def check_request(req: EvalRequest, key: str = "--tasks", include_key: str = "--include") -> Any:
+    """The request's TaskManager, after every check that needs no model: numbers, the include directory,
+    and each task name (an unknown one names its closest known names)."""
+    if not req.tasks or any(not t.strip() for t in req.tasks):
+        raise ConfigError(f"{key}: give one or more task names, comma-separated (e.g. hellaswag,arc_easy)")
+    if req.limit < 0 or req.batch_size < 1 or req.num_fewshot < -1:
+        raise ConfigError(
+            f"limit {req.limit} / batch size {req.batch_size} / num_fewshot {req.num_fewshot}: need limit >= 0 "
+            f"(0 = all), batch size >= 1, num_fewshot >= 0 (or -1 for each task's own)"
+        )
+    if req.include and not Path(req.include).expanduser().is_dir():
+        raise InputError(f"{include_key} {req.include}: no such directory; give a directory of task YAML files")
+    manager = task_manager(str(Path(req.include).expanduser().resolve()) if req.include else "")
+    known = set(manager.all_tasks)
+    for name in req.tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}?" if close else "see `lm-eval ls tasks`"
+            raise ConfigError(f"{key}: unknown task '{name}': {hint}")
+    return manager
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include: str) -> Any:
+    """lm_eval's TaskManager over its own tasks and `include`'s YAMLs: indexing ~15k task files takes
+    seconds, so a process (the launcher checks before training and evaluates after it) builds it once."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include or None)
+
+
+def evaluate(lm: Any, req: EvalRequest, manager: Any, log_samples: bool = False) -> dict:
+    """lm_eval.simple_evaluate on `lm` (an lm_eval LM); its whole result dict."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(req.tasks),
+        num_fewshot=None if req.num_fewshot < 0 else req.num_fewshot,
+        batch_size=req.batch_size,
+        limit=req.limit or None,
+        apply_chat_template=req.apply_chat_template,
+        task_manager=manager,
+        log_samples=log_samples,
+        # Same seeds every time: few-shot sampling and any sampled generation repeat run to run.
+        random_seed=0,
+        numpy_random_seed=1234,
+        torch_random_seed=1234,
+        fewshot_random_seed=1234,
+    )
+
+
+def metric_rows(results: dict) -> list[tuple[str, str, float, Optional[float]]]:
+    """(task, metric, value, stderr) for every numeric metric of every task, in task order."""
+    rows = []
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            metric, _, flt = key.partition(",")
+            label = metric if flt == "none" else f"{metric} ({flt})"
+            err = metrics.get(f"{metric}_stderr,{flt}")
+            rows.append((task, label, float(value), float(err) if isinstance(err, (int, float)) else None))
+    return rows
+
+
+def results_record(out: dict, req: EvalRequest, source: str, step: Optional[int], seconds: float) -> dict:
+    """The saved record: what was evaluated, how, and lm_eval's per-task metrics."""
+    import lm_eval
+
+    return {
+        "source": source,
+        "step": step,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": round(seconds, 2),
+        "request": asdict(req),
+        "lm_eval_version": getattr(lm_eval, "__version__", ""),
+        "results": out["results"],
+        "n_samples": out.get("n-samples", {}),
+        "versions": out.get("versions", {}),
+    }
+
+
+def write_results(record: dict, out_dir: Path) -> Path:
+    """out_dir/<time>.json (a second one in the same second gets a suffix)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = time.strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"{stem}.json"
+    n = 1
+    while path.exists():
+        path = out_dir / f"{stem}-{n}.json"
+        n += 1
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class Source:
+    """What SOURCE names, found from paths alone (before the slow task index and model load)."""
+
+    spec: str
+    results_dir: Path  # where its results file goes
+    step: Optional[int]  # the checkpoint's step (None for hf:DIR)
+
+
+def resolve_source(source: str, out: str = "", adapter: str = "") -> Source:
+    """hf:DIR (a directory with config.json), a run directory or a checkpoint directory; anything else
+    is one line. Results go to `out` when given, else RUN/eval for a run or checkpoint, ./eval for hf:DIR."""
+    if adapter and not Path(adapter).expanduser().is_dir():
+        raise InputError(f"--adapter {adapter}: no such directory; give a peft adapter directory")
+    if source.startswith("hf:"):
+        path = Path(source[3:]).expanduser()
+        if not (path / "config.json").is_file():
+            raise InputError(
+                f"eval {source}: no config.json in '{path}': give hf:DIR of a Hugging Face model directory"
+            )
+        return Source(source, Path(out or EVAL_DIR), None)
+    from dtlaunch.run.checkpoints import resolve_load_path
+
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise InputError(f"eval {source}: not a directory: give a run directory, a checkpoint directory or hf:DIR")
+    try:
+        info, _ = resolve_load_path(path)
+    except ConfigError as exc:
+        raise InputError(f"eval {source}: not a run, checkpoint or hf:DIR ({exc})") from None
+    run = next((p for p in [info.path, *info.path.parents] if (p / "config.yaml").is_file()), path)
+    return Source(source, Path(out) if out else run / EVAL_DIR, info.step)
+
+
+def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = "") -> tuple[dict, Path]:
+    """Load SOURCE on one device (a GPU when there is one), evaluate, write the results file."""
+    import torch
+
+    from dtlaunch.infer.lm_eval_adapter import load_lm
+    from dtlaunch.run.phases import phase
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    start = time.perf_counter()
+    lm = load_lm(src.spec, device, req.batch_size, adapter=adapter)
+    phase(f"eval: loaded {src.spec} on {device}; running {', '.join(req.tasks)}")
+    out = evaluate(lm, req, manager)
+    record = results_record(
+        out, req, src.spec + (f" + {adapter}" if adapter else ""), src.step, time.perf_counter() - start
+    )
+    return record, write_results(record, src.results_dir)
