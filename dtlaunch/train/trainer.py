@@ -30,6 +30,8 @@ from dtlaunch.run.phases import phase
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
+from dtlaunch.train.objectives import STATS_LEN
+from dtlaunch.train.objectives import summarize as summarize_pairs
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
@@ -195,7 +197,7 @@ class Trainer:
                         result.grad_norm,
                         result.applied,
                         preemption.requested(),
-                        stats=result.router_stats,
+                        stats=_step_stats(result),
                         lr=lr,
                         rate=rate,
                     )
@@ -255,7 +257,7 @@ class Trainer:
 
     def _record(self, done: list[StepOutcome]) -> None:
         """Metrics lines and the bad-step check for the steps whose window was just read."""
-        totals, moe = self.totals, self.rt.moe
+        totals = self.totals
         peak = self._peak() if done else 0  # once per window, not per step
         for out in done:
             skipped = not out.applied or not math.isfinite(out.loss)
@@ -270,7 +272,7 @@ class Trainer:
                 "peak_mem_bytes": peak,
                 "skipped": int(skipped),
                 **totals.evals.pop(out.step, {}),
-                **(moe.summarize(out.stats) if moe is not None and out.stats else {}),
+                **self._stats_values(out.stats),
             }
             if out.step in totals.ended:  # the step's own end, not when its window was read
                 values["ended_at"] = totals.ended.pop(out.step)
@@ -282,6 +284,15 @@ class Trainer:
                     f"{totals.bad} steps in a row with a non-finite loss or gradient norm (last at step "
                     f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
                 )
+
+    def _stats_values(self, stats: Optional[list[float]]) -> dict[str, float]:
+        """A step's extra vector: the router statistics (MoE), then the pair statistics (preference)."""
+        if not stats:
+            return {}
+        pairs = STATS_LEN if self.rt.objective is not None else 0
+        router, pair = stats[: len(stats) - pairs], stats[len(stats) - pairs :]
+        values = self.rt.moe.summarize(router) if self.rt.moe is not None and router else {}
+        return {**values, **(summarize_pairs(pair) if pair else {})}
 
     def _peak(self) -> int:
         """Peak allocated bytes on this rank so far (CUDA allocator; on CPU the storage counter)."""
@@ -306,6 +317,11 @@ class Trainer:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _step_stats(result: Any) -> Optional[torch.Tensor]:
+    parts = [t for t in (result.router_stats, result.pair_stats) if t is not None]
+    return torch.cat([t.float().reshape(-1) for t in parts]) if parts else None
 
 
 def _local_numel(p: torch.Tensor) -> int:
