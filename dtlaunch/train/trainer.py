@@ -138,6 +138,7 @@ class _Totals:
         self.ended: dict[int, float] = {}  # step -> perf_counter at the end of its loop iteration
         self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
         self.last_eval: dict[str, float] = {}
+        self.last_pairs: dict[str, float] = {}  # preference objectives: the last step's reward metrics
         self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
 
@@ -167,7 +168,8 @@ class Trainer:
         if self.pace is not None and env.rank == 0:
             self.totals.stragglers = StragglerWatch(env.world, float(t.straggler_threshold))
         self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s), pace=self.pace)
-        self.tokens_per_step = rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
+        rows = 2 if rt.objective is not None else 1  # a preference sample is a pair: two rows
+        self.tokens_per_step = rows * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
 
@@ -292,7 +294,9 @@ class Trainer:
         pairs = STATS_LEN if self.rt.objective is not None else 0
         router, pair = stats[: len(stats) - pairs], stats[len(stats) - pairs :]
         values = self.rt.moe.summarize(router) if self.rt.moe is not None and router else {}
-        return {**values, **(summarize_pairs(pair) if pair else {})}
+        if pair:
+            self.totals.last_pairs = summarize_pairs(pair)
+        return {**values, **self.totals.last_pairs} if pair else values
 
     def _peak(self) -> int:
         """Peak allocated bytes on this rank so far (CUDA allocator; on CPU the storage counter)."""
@@ -313,6 +317,7 @@ class Trainer:
             "peak_mem_bytes_per_rank": peaks,
             "world": self.env.world,
             **t.last_eval,
+            **t.last_pairs,
             **(t.stragglers.summary() if t.stragglers is not None else {}),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
