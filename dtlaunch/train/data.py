@@ -86,6 +86,7 @@ class TokenLoader:
         # Preference pairs with precomputed reference log-probs: (pairs, 2) [chosen, rejected] per sample,
         # and the (2 * micro_batch,) values of the batch just returned (DPO's Precomputed reference).
         self.ref_logps: Optional[np.ndarray] = None
+        self.last_indices: list[int] = []  # sample indices of the batch just returned
         self.last_ref_logps: Optional[torch.Tensor] = None
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
@@ -133,7 +134,7 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         step_start = (self.consumed // self.global_batch) * self.global_batch
-        indices = self.next_indices()
+        indices = self.last_indices = self.next_indices()
         rows = np.stack([self.source.sample(i) for i in indices])
         mask = None
         pairs = rows.ndim == 4

@@ -32,6 +32,7 @@ from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
 from dtlaunch.train.objectives import STATS_LEN
 from dtlaunch.train.objectives import summarize as summarize_pairs
+from dtlaunch.train.objectives.precompute import precomputed_reference
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
@@ -155,6 +156,8 @@ class Trainer:
         )
         dp_rank, dp_size = dp_rank_size(rt.mesh)
         self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
+        if rt.objective is not None and bool(cfg.objective.precompute_reference):
+            self.loader.ref_logps = precomputed_reference(cfg, run_dir, rt, self.loader)
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
         self.start = self.ckpt.resume()
         self.metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)

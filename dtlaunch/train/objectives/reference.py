@@ -67,10 +67,14 @@ def build_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool
     if uses_adapters_off(cfg):
         (model,) = parts
         return AdaptersOff(model)
-    return FrozenCopy(frozen_copy(cfg, layout, mesh))
+    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts)))
 
 
-def frozen_copy(cfg: Any, layout: Layout, mesh: Any) -> nn.Module:
+def _device(parts: list) -> torch.device:
+    return next(p.device for m in parts for p in m.parameters())
+
+
+def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device) -> nn.Module:
     """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
     (reference=base: the policy's initial weights, model.init_from included) or from reference=hf:DIR."""
     from omegaconf import OmegaConf
@@ -92,4 +96,9 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any) -> nn.Module:
         for mod in model.modules():
             if isinstance(mod, nn.Linear) and mod.weight.dtype != dtype and id(mod.weight) not in tied:
                 mod.weight = nn.Parameter(mod.weight.detach().to(dtype), requires_grad=False)
+    if mesh is None:  # one process without a mesh (the tests' single-process reference)
+        from dtlaunch.train.parallel.init_weights import materialize_and_init
+
+        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+        return model.eval()
     return parallelize(model, mesh, ref_cfg, layout, frozen=True).eval()
