@@ -161,7 +161,9 @@ class Trainer:
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
         self.start = self.ckpt.resume()
         self.metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
-        self.tracker = PeakTracker(rt.model_parts, rt.optimizers, enabled=True, device=env.device)
+        # DPO's frozen reference copy is counted too (it is no model part: nothing trains it).
+        held = [*rt.model_parts, *(rt.reference.modules if rt.reference is not None else [])]
+        self.tracker = PeakTracker(held, rt.optimizers, enabled=True, device=env.device)
         self.watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
         self.loop = LoopSettings.of(cfg, env.rank)
         t = cfg.training

@@ -27,6 +27,8 @@ from dtlaunch.train.parallel.qlora import DTYPES
 
 
 class AdaptersOff:
+    modules: list = []  # no module of its own (the memory tracker counts the reference's modules)
+
     def __init__(self, model: nn.Module) -> None:
         # DDP's wrapper would prepare a gradient reduction; the wrapped module runs the same forward.
         self.model = getattr(model, "module", model)
@@ -40,6 +42,7 @@ class AdaptersOff:
 class FrozenCopy:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.modules = [model]
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
@@ -48,6 +51,8 @@ class FrozenCopy:
 
 class Precomputed:
     """The loader's `last_ref_logps`: the (2B,) values of the pairs it just returned."""
+
+    modules: list = []
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
         return batches.last_ref_logps.to(inputs.device)
