@@ -23,7 +23,8 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
                 "use objective=dpo (or orpo, simpo), or another data.format"
             )
         return
-    if str(d.format) != "preference":
+    # data.kind=synthetic draws random pairs (benchmarks, plans: dtlaunch.data.preference.SyntheticPairs).
+    if str(d.format) != "preference" and str(d.kind) != "synthetic":
         raise ConfigError(
             f"objective={name} trains on preference pairs, not data.format={d.format}: set data.format=preference "
             f"(with data.prompt_field, data.chosen_field, data.rejected_field)"
@@ -45,6 +46,11 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
             )
         return
     check_reference(str(o.reference))
+    if bool(o.precompute_reference) and str(d.kind) == "synthetic":
+        raise ConfigError(
+            "objective.precompute_reference=true writes beside the pairs' token cache, which data.kind=synthetic "
+            "has none of: use data.kind=jsonl / parquet / hf with data.format=preference, or drop it"
+        )
     if int(cfg.training.eval_every) > 0:
         raise ConfigError(
             f"training.eval_every={cfg.training.eval_every}: validation is not computed for objective={name} yet: "

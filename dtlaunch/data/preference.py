@@ -163,3 +163,22 @@ class PairSource:
             out[side, 0, :n] = self.shards.window(int(self.starts[row]) + skip, n)
             out[side, 1, max(0, prompt_len - skip) : n] = 1
         return out
+
+
+class SyntheticPairs:
+    """data.kind=synthetic under a preference objective (benchmarks, plans): pair i drawn from (seed, i),
+    uniform random ids; a shared prompt of half the row, then each side's completion to the row's end."""
+
+    num_samples: Optional[int] = None
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, tag: int) -> None:
+        self.vocab_size, self.length, self.seed, self.tag = vocab_size, seq_len + 1, seed, tag
+
+    def sample(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.tag, index])
+        out = np.zeros((2, 2, self.length), dtype=np.int64)
+        prompt = self.length // 2
+        out[:, 0] = rng.integers(0, self.vocab_size, (2, self.length))
+        out[1, 0, :prompt] = out[0, 0, :prompt]
+        out[:, 1, prompt:] = 1
+        return out

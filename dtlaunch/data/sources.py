@@ -169,6 +169,10 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
     on or a validation set is configured; data.val_fraction carves it out of the training windows."""
     kind = check_kind(cfg)
     seq_len, vocab, seed = int(cfg.training.seq_len), int(cfg.model.vocab_size), int(cfg.training.seed)
+    if kind == "synthetic" and str(cfg.objective.name) != "sft":
+        from dtlaunch.data.preference import SyntheticPairs
+
+        return SyntheticPairs(vocab, seq_len, seed, TAG_SYNTHETIC), None
     if kind == "synthetic":
         val = SyntheticSource(vocab, seq_len, seed, TAG_SYNTHETIC_VAL) if eval_enabled(cfg) else None
         return SyntheticSource(vocab, seq_len, seed), val
