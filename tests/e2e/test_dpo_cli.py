@@ -71,6 +71,8 @@ def test_lora_dpo_resumes_bit_identical(trainer, tiny_hf_dirs, pairs_file, tmp_p
     assert want[4]["loss"] != want[1]["loss"] and want[4]["rewards/margins"] != 0.0
     assert "preference   reward accuracy" in proc.stdout
     assert "acc " in proc.stdout  # the live line
+    report = trainer.cli(["report", str(straight)])
+    assert report.returncode == 0 and "<h2>rewards" in (straight / "report.html").read_text(), report.stderr
 
     killed = tmp_path / "killed"
     trainer.run(
