@@ -96,7 +96,7 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device) -> nn
     if dtype != torch.float32:
         # Never updated: no fp32 master copy of the linears, the compute dtype is all their matmuls read
         # (norms and the embedding stay fp32, as the policy's, so both see the same numbers).
-        ids = [id(p) for p in model.parameters(remove_duplicate=False)]
+        ids = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
         tied = {i for i in ids if ids.count(i) > 1}  # a head tied to the embedding stays as it is
         for mod in model.modules():
             if isinstance(mod, nn.Linear) and mod.weight.dtype != dtype and id(mod.weight) not in tied:
