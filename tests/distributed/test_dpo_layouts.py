@@ -34,6 +34,7 @@ REFERENCES = {
 }
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "ddp": ("full", ["recipe=tiny_ddp", "training.micro_batch=4"]),
+    "zero1": ("full", ["recipe=tiny_ddp", "strategy=zero1", "training.micro_batch=4"]),
     "zero3": ("full", ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=2"]),  # + accumulation
     "tp": ("full", ["recipe=tiny_tp", "training.micro_batch=8"]),
     "lora_ddp": ("lora", [*LORA, "recipe=tiny_ddp", "training.micro_batch=4"]),
