@@ -124,7 +124,7 @@ def build_runtime(
         moe=_router_tracker(cfg, parts, mesh, layout, accum),
         loss_context=lambda: loss_context(cfg, layout),
         objective=PreferenceObjective.of(cfg),
-        reference=build_reference(cfg, layout, mesh, parts),
+        reference=build_reference(cfg, layout, mesh, parts, init=init),
     )
 
 

@@ -62,9 +62,12 @@ def uses_adapters_off(cfg: Any) -> bool:
     return str(cfg.objective.reference) == "base" and str(cfg.peft.method) != "none"
 
 
-def build_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool = False) -> Optional[Any]:
+def build_reference(
+    cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool = False, init: bool = True
+) -> Optional[Any]:
     """The reference of this rank for objective=dpo (None otherwise). live=True: a model even when
-    objective.precompute_reference is set (the precompute pass itself)."""
+    objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
+    without values (the planner's trace, as build_runtime)."""
     if str(cfg.objective.name) != "dpo":
         return None
     if bool(cfg.objective.precompute_reference) and not live:
@@ -72,14 +75,14 @@ def build_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool
     if uses_adapters_off(cfg):
         (model,) = parts
         return AdaptersOff(model)
-    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts)))
+    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts), init))
 
 
 def _device(parts: list) -> torch.device:
     return next(p.device for m in parts for p in m.parameters())
 
 
-def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device) -> nn.Module:
+def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
     """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
     (reference=base: the policy's initial weights, model.init_from included) or from reference=hf:DIR."""
     from omegaconf import OmegaConf
@@ -106,4 +109,4 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device) -> nn
 
         materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
         return model.eval()
-    return parallelize(model, mesh, ref_cfg, layout, frozen=True).eval()
+    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True).eval()
