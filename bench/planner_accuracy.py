@@ -8,6 +8,7 @@
   python bench/planner_accuracy.py --moe --only 5,14   # a subset (indices into MOE; --families alike)
   python bench/planner_accuracy.py --float8   # real runs with float8 linears (torchao, emulated on CPU)
   python bench/planner_accuracy.py --peft     # real LoRA / QLoRA runs (PEFT); writes planner_accuracy_peft_cpu.md
+  python bench/planner_accuracy.py --dpo      # real DPO runs (reference copy, adapters off, precomputed)
 
 --real writes bench/results/planner_accuracy_cpu.md. Bounds the issue asks for: median |error| <= 3 %,
 max <= 8 %. "Measured" is the max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter
@@ -73,6 +74,49 @@ PEFT = [
     [*QLORA, "strategy=zero3", N2, BF16],
     [*QLORA, "strategy=zero3", N2, BF16, FULL],
 ]
+# Preference tuning (objective=dpo): a live frozen reference copy (full fine-tuning), the base with its
+# adapters switched off (LoRA), and precomputed reference log-probs; pairs from dpo_data() below.
+DPO = "objective=dpo"
+PRECOMPUTE = "objective.precompute_reference=true"
+DPO_RUNS = [
+    [DPO, "strategy=ddp", N2],
+    [DPO, "strategy=zero3", N2],
+    [DPO, "strategy=zero3", N2, BF16],
+    [DPO, LORA, "strategy=ddp", N2],
+    [DPO, LORA, "strategy=zero3", N2],
+    [DPO, PRECOMPUTE, "strategy=zero3", N2],
+    [DPO, PRECOMPUTE, LORA, "strategy=ddp", N2],
+]
+
+
+def dpo_data(root: Path) -> list[str]:
+    """A word-level tokenizer (2,000 words + specials, within planner7m's 2,048 ids) and 64 preference
+    pairs longer than a row, written under `root`; returns the data overrides that read them."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(2000)]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(["<unk>", "<eos>", *words])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "unk_token": "<unk>"}))
+    rng = random.Random(0)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    rows = [{"prompt": text(80), "chosen": text(60), "rejected": text(70)} for _ in range(64)]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        "data.kind=jsonl",
+        "data.format=preference",
+        f"data.path={root / 'pairs.jsonl'}",
+        f"data.tokenizer={root / 'tokenizer.json'}",
+        f"data.cache_dir={root / 'cache'}",
+    ]
+
+
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
     ["strategy=ddp", N2, BF16],
@@ -321,6 +365,22 @@ if __name__ == "__main__":
         if only is None:
             cmd = "python bench/planner_accuracy.py --peft"
             print("wrote", write_markdown(rows, cmd, "planner_accuracy_peft_cpu.md"))
+        sys.exit(0)
+    if "--dpo" in sys.argv:
+        rows = []
+        with tempfile.TemporaryDirectory() as data_dir:
+            data = dpo_data(Path(data_dir))
+            for i, ov in enumerate(DPO_RUNS):
+                if only is not None and i not in only:
+                    continue
+                rows.append(run_real(ov, base=[*REAL_BASE, *data]))
+                print(f"[{i:2d}] " + _fmt(rows[-1]), flush=True)
+        errs = [abs(_err(r)) for r in rows if r["measured"]]
+        print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
+        if only is None:
+            (RESULTS / "planner_accuracy_dpo_cpu.json").write_text(json.dumps(rows, indent=1))
+            cmd = "python bench/planner_accuracy.py --dpo"
+            print("wrote", write_markdown(rows, cmd, "planner_accuracy_dpo_cpu.md"))
         sys.exit(0)
     if "--families" in sys.argv or "--moe" in sys.argv or "--float8" in sys.argv:
         rows = []

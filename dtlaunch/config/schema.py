@@ -210,6 +210,8 @@ class DataFormat(Choice):
     text = "text"  # a string in data.text_field
     chat = "chat"  # a list of {role, content} in data.messages_field; loss on assistant tokens only
     prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
+    # data.prompt_field + data.chosen_field + data.rejected_field (objective=dpo / orpo / simpo)
+    preference = "preference"
 
 
 class PeftMethod(Choice):
@@ -248,6 +250,48 @@ class PeftConfig:
     nf4_scaler_block_size: int = 256
 
 
+class ObjectiveName(Choice):
+    """What the loop minimises (dtlaunch/train/objectives/)."""
+
+    sft = "sft"  # next-token cross-entropy (pre-training, SFT)
+    dpo = "dpo"  # direct preference optimisation against a reference model
+    orpo = "orpo"  # odds-ratio preference optimisation: NLL on chosen + odds-ratio term, no reference
+    simpo = "simpo"  # length-normalised preference margin with a target gap, no reference
+
+
+class PreferenceLoss(Choice):
+    """objective=dpo: the function of the log-ratio margin, as TRL names them."""
+
+    sigmoid = "sigmoid"  # -log sigmoid(beta * margin)
+    ipo = "ipo"  # (length-normalised margin - 1 / (2 beta))^2
+    hinge = "hinge"  # relu(1 - beta * margin)
+    robust = "robust"  # label-noise-robust DPO (uses objective.label_smoothing)
+
+
+@dataclass
+class ObjectiveConfig:
+    """The training objective. Preference objectives read data.format=preference pairs; log-probs are
+    sums over completion tokens (prompt and padding excluded), as TRL's DPOTrainer computes them."""
+
+    name: ObjectiveName = ObjectiveName.sft
+    loss: PreferenceLoss = PreferenceLoss.sigmoid
+    # DPO / SimPO: inverse temperature of the margin; ORPO: weight of the odds-ratio term (TRL's defaults).
+    beta: float = 0.1
+    # loss=robust only: the assumed fraction of flipped labels. loss=sigmoid ignores it, as TRL >= 0.29 does
+    # (torchtune's "conservative DPO" applies it to sigmoid; here use loss=robust for a noise-aware loss).
+    label_smoothing: float = 0.0
+    # DPO: weight of an NLL term on the chosen completion (RPO; TRL's loss_type=[sigmoid, sft]); 0 = off.
+    sft_weight: float = 0.0
+    # SimPO: the target reward gap (TRL's simpo_gamma): loss -log sigmoid(beta * avg-logp margin - gamma).
+    gamma: float = 0.5
+    # DPO's reference: "base" (LoRA / QLoRA: the same model with the adapters switched off; full fine-tuning:
+    # a frozen copy of the initial weights sharded like the policy) or "hf:DIR" (a chosen SFT model).
+    reference: str = "base"
+    # One pass before training writes every pair's reference log-probs beside the token cache; training
+    # then holds no reference model and runs no reference forward.
+    precompute_reference: bool = False
+
+
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.synthetic
@@ -273,6 +317,10 @@ class DataConfig:
     chat_template: str = ""
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    # data.format=preference: the preferred and the dispreferred completion of data.prompt_field (text, or
+    # lists of chat messages rendered with the run's chat template).
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
     # seq_len and padded (padding is no target). document_mask (packed): each token attends only to
     # earlier tokens of its own document, and RoPE positions restart at each document.
@@ -539,6 +587,7 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 def section_type(hint: Any) -> Optional[type]:

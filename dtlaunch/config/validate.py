@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
 from dtlaunch.config.offload_rules import check_offload
+from dtlaunch.config.objective_rules import check_objective, check_objective_layout
 from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.qlora_rules import check_qlora
 from dtlaunch.config.ranges import check_ranges
@@ -544,6 +545,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_profiling,
     check_run_name,
     check_peft,
+    check_objective,
 ]
 LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_zero,
@@ -556,6 +558,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_float8_tensor_parallel,
     check_qlora,
     check_offload,
+    check_objective_layout,
 ]
 
 

@@ -70,7 +70,7 @@ def _chat_template_id(cfg: Any) -> dict[str, str]:
     """For chat records, how they were encoded and data.chat_template's text decide the tokens too."""
     from dtlaunch.data.chat_templates import template_identity
 
-    if str(cfg.data.format) != "chat":
+    if str(cfg.data.format) not in ("chat", "preference"):
         return {}
     # "encoding": chat records are tokenized as one rendering (earlier entries, turn by turn, are not reused).
     spec = str(cfg.data.chat_template)
@@ -84,6 +84,8 @@ def record_fields(cfg: Any) -> list[str]:
         return [str(cfg.data.messages_field)]
     if fmt == "prompt_completion":
         return [str(cfg.data.prompt_field), str(cfg.data.completion_field)]
+    if fmt == "preference":
+        return [str(cfg.data.prompt_field), str(cfg.data.chosen_field), str(cfg.data.rejected_field)]
     return [str(cfg.data.text_field)]
 
 
@@ -114,11 +116,39 @@ def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
 
     local, subset = local_source(cfg, path)  # a hub dataset: its pinned snapshot in the hub cache
     files = source_files(kind, local, key)
+    if str(cfg.data.format) == "preference":
+        return _tokenize_pairs(cfg, local, key, tok, files)
     masked = str(cfg.data.format) != "text"
     batches = encoded_batches(cfg, tok, local, key, subset)
     root = cache_root(str(cfg.data.cache_dir))
     entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg), path, key, masked=masked)
     return entry
+
+
+def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Path:
+    """data.format=preference: pairs into their own cache entry (dtlaunch.data.preference)."""
+    from dtlaunch.data.chat import ChatEncoder
+    from dtlaunch.data.preference import PairEncoder, cached_pairs
+    from dtlaunch.data.records import iter_records
+
+    kind, split = str(cfg.data.kind), str(cfg.data.split)
+    encoder = PairEncoder(ChatEncoder(Path(tok.name), tok._dtype, str(cfg.data.chat_template), chat=False), tok.eos_id)
+    records = iter_records(kind, path, record_fields(cfg), split, key)
+    return cached_pairs(files, records, encoder, tok, record_options(cfg), str(cfg.data.cache_dir), key)
+
+
+def _report_cut_pairs(source: Any, cfg: Any) -> None:
+    """How many pairs training sees cut to training.seq_len + 1 tokens (the prompt's start goes first)."""
+    from dtlaunch.data.preference import PairSource
+    from dtlaunch.run.phases import phase
+
+    if isinstance(source, PairSource):
+        cut = source.cut_pairs()
+        if cut:
+            phase(
+                f"{cut} of {source.num_samples} preference pairs are longer than training.seq_len+1="
+                f"{int(cfg.training.seq_len) + 1} tokens and are cut (prompt start first, then completion end)"
+            )
 
 
 def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
@@ -147,6 +177,7 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
         if kind == "tokens":
             _check_shards_tokenizer(cfg, run_dir)
         train, val = data_sources(cfg, run_dir)
+        _report_cut_pairs(train, cfg)
         _check_enough(train, gb, "data.path", cfg)
         if val is not None:
             _check_enough(val, gb, "data.val_path" if val_path else "data.val_fraction", cfg)

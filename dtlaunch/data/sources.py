@@ -169,9 +169,15 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
     on or a validation set is configured; data.val_fraction carves it out of the training windows."""
     kind = check_kind(cfg)
     seq_len, vocab, seed = int(cfg.training.seq_len), int(cfg.model.vocab_size), int(cfg.training.seed)
+    if kind == "synthetic" and str(cfg.objective.name) != "sft":
+        from dtlaunch.data.preference import SyntheticPairs
+
+        return SyntheticPairs(vocab, seq_len, seed, TAG_SYNTHETIC), None
     if kind == "synthetic":
         val = SyntheticSource(vocab, seq_len, seed, TAG_SYNTHETIC_VAL) if eval_enabled(cfg) else None
         return SyntheticSource(vocab, seq_len, seed), val
+    if str(cfg.data.format) == "preference":
+        return _pair_sources(cfg, run_dir)
     tokens = TokenSource(shard_dir(cfg, run_dir, "train"), seq_len, "data.path")
     check_vocab(vocab, tokens.shards.vocab_size, f"data.path='{cfg.data.path}'")
     train: SampleSource = _unpacked(cfg, tokens)
@@ -180,6 +186,21 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
         val_tokens = TokenSource(shard_dir(cfg, run_dir, "val"), seq_len, "data.val_path")
         check_vocab(vocab, val_tokens.shards.vocab_size, f"data.val_path='{cfg.data.val_path}'")
         val = _unpacked(cfg, val_tokens)
+    elif float(cfg.data.val_fraction) > 0:
+        train_idx, val_idx = held_out_split(int(train.num_samples or 0), float(cfg.data.val_fraction))
+        train, val = SubsetSource(train, train_idx), SubsetSource(train, val_idx)
+    return train, val
+
+
+def _pair_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[SampleSource]]:
+    """data.format=preference: one sample per pair (dtlaunch.data.preference.PairSource)."""
+    from dtlaunch.data.preference import PairSource
+
+    seq_len = int(cfg.training.seq_len)
+    train: SampleSource = PairSource(shard_dir(cfg, run_dir, "train"), seq_len, "data.path")
+    val: Optional[SampleSource] = None
+    if str(cfg.data.val_path):
+        val = PairSource(shard_dir(cfg, run_dir, "val"), seq_len, "data.val_path")
     elif float(cfg.data.val_fraction) > 0:
         train_idx, val_idx = held_out_split(int(train.num_samples or 0), float(cfg.data.val_fraction))
         train, val = SubsetSource(train, train_idx), SubsetSource(train, val_idx)

@@ -36,7 +36,8 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
         return {}
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = int(summary.get("final_step") or 0)
-    tokens_per_step = global_batch(cfg, layout) * int(cfg.training.seq_len)
+    rows_per_sample = 1 if str(cfg.objective.name) == "sft" else 2  # a preference sample is a pair of rows
+    tokens_per_step = global_batch(cfg, layout) * int(cfg.training.seq_len) * rows_per_sample
     tps = summary.get("tokens_per_s_median")
     low = str(cfg.precision.param_dtype) in ("bf16", "fp16")
     peak_tflops = float(cfg.hardware.peak_tflops_bf16 if low else cfg.hardware.peak_tflops_fp32)
@@ -85,6 +86,14 @@ def summary_lines(summary: dict[str, Any], run_dir: Path) -> list[str]:
     rows.append(("final loss", f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"))
     if isinstance(summary.get("val_loss"), (int, float)):
         rows.append(("val loss", f"{summary['val_loss']:.4f}"))
+    if isinstance(summary.get("rewards/accuracies"), (int, float)):
+        rows.append(
+            (
+                "preference",
+                f"reward accuracy {summary['rewards/accuracies']:.2f}, margin {summary['rewards/margins']:.4f} "
+                f"(last step)",
+            )
+        )
     tps = summary.get("tokens_per_s")
     speed = f"{tps:,.0f} tokens/s (median)" if isinstance(tps, (int, float)) else "-"
     if isinstance(summary.get("mfu"), float):

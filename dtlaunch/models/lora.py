@@ -20,10 +20,11 @@ No torch.distributed here: tensor parallel styles for these linears live in dtla
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 import zlib
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +45,13 @@ class LoRALinear(nn.Linear):
     rank: int
     scaling: float
     lora_dropout: float
+    # True inside `adapters_disabled`: the base linear alone (DPO's reference is the base model).
+    adapters_off: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if self.adapters_off:
+            return out
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
         return out + self.scaling * F.linear(F.linear(h, self.lora_a), self.lora_b)
 
@@ -65,6 +70,20 @@ def adapt_linear(linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.
     linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
     linear.rank, linear.scaling, linear.lora_dropout = int(rank), float(alpha) / int(rank), float(dropout)
     return linear  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Every LoRALinear of `model` computes its base linear only (no second copy of the base is needed
+    for a reference model); restored on exit."""
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in linears:
+        m.adapters_off = True
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.adapters_off = False
 
 
 def is_adapter(name: str) -> bool:

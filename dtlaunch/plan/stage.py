@@ -28,6 +28,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.plan.objective import reference_phases, reference_static_lines, rows_per_sample
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
 
 # Lines that do not exist at the optimizer step (freed after backward).
@@ -249,7 +250,8 @@ def stage_shape(
         blk_gather=blk - not_gathered // max(layers, 1),
         accum=grad_accum_steps(cfg, layout),
         n_mb=n_mb,
-        tokens=(t.micro_batch // n_mb) * t.seq_len // cp,  # this rank's tokens: CP splits each sequence
+        # This rank's tokens: CP splits each sequence; a preference sample is two rows (dtlaunch.plan.objective).
+        tokens=rows_per_sample(cfg) * (t.micro_batch // n_mb) * t.seq_len // cp,
         mix=mix,
         kept=mix.get("none", 0),
         compiled=compiled,
@@ -280,6 +282,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
         # (llama.Llama.forward); every block shares that copy until backward is done.
         lines["RoPE tables (compute dtype)"] = 2 * e * rope_table
     lines["optimizer state"] = 8 * c.trained / c.shard
+    lines.update(reference_static_lines(c))  # DPO's frozen reference copy
     if c.ddp:
         # DDP (gradient_as_bucket_view off) keeps flat fp32 buckets for the whole run; gradients are
         # separate tensors, allocated in backward and set to None after the step.
@@ -537,11 +540,15 @@ def plan_stage(
     lines, host = offload.split(c, {**static_lines(c), **forward_lines(c)})
     at_step, host_at_step = offload.split_at_step(c, optimizer_lines(c, lines))
     phases = {"forward": sum(lines.values()), "backward": backward_peak(c, lines), "optimizer": sum(at_step.values())}
+    static = static_lines(c)
+    phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
     phase = max(phases, key=lambda k: phases[k])
     if phase == "backward":
         lines["loss/backward buffers"] = phases["backward"] - phases["forward"]
     if phase == "optimizer":
         lines = at_step
+    if phase not in ("forward", "backward", "optimizer"):
+        lines = {**static, "reference forward buffers": phases[phase] - sum(static.values())}
     return StagePlan(
         stage=stage,
         layers=layers,

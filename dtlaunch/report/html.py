@@ -184,6 +184,12 @@ def run_report(run: RunData) -> str:
         right = ("MFU", ms, [100 * m for m in mfu], "MFU (%)") if ms else None
         body.append("<h2>throughput</h2>")
         body.append(_figure(plots.line_plot([("tokens/s", ts, tps)], "tokens/s", "throughput", right), ""))
+    rs, margins = run.series("rewards/margins")
+    if rs:  # preference objectives (dtlaunch.train.objectives): TRL's reward metrics
+        curves = [(k.split("/")[1], *run.series(k)) for k in ("rewards/chosen", "rewards/rejected")]
+        acc = ("accuracy", *run.series("rewards/accuracies"), "reward accuracy")
+        body.append("<h2>rewards</h2>")
+        body.append(_figure(plots.line_plot([*curves, ("margin", rs, margins)], "reward", "rewards", acc), ""))
     measured = _measured_peaks(run)
     world = int((run.plan.get("layout") or {}).get("world") or len(measured) or 1)
     planned = {r: planned_bytes_of_rank(run.plan, r) for r in range(world)} if run.plan else {}

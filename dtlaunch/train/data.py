@@ -83,6 +83,11 @@ class TokenLoader:
         # last batch (per-document positions and document ids), else empty.
         self.document_eos: Optional[int] = None
         self.last_model_args: dict[str, torch.Tensor] = {}
+        # Preference pairs with precomputed reference log-probs: (pairs, 2) [chosen, rejected] per sample,
+        # and the (2 * micro_batch,) values of the batch just returned (DPO's Precomputed reference).
+        self.ref_logps: Optional[np.ndarray] = None
+        self.last_indices: list[int] = []  # sample indices of the batch just returned
+        self.last_ref_logps: Optional[torch.Tensor] = None
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
 
@@ -129,10 +134,18 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         step_start = (self.consumed // self.global_batch) * self.global_batch
-        rows = np.stack([self.source.sample(i) for i in self.next_indices()])
+        indices = self.last_indices = self.next_indices()
+        rows = np.stack([self.source.sample(i) for i in indices])
         mask = None
+        pairs = rows.ndim == 4
+        if pairs:  # preference pairs (mb, 2, 2, S+1): the chosen rows, then the rejected rows, as TRL stacks them
+            rows = np.concatenate([rows[:, 0], rows[:, 1]])
+            if self.ref_logps is not None:
+                ref = self.ref_logps[indices]
+                self.last_ref_logps = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
         if rows.ndim == 3:  # masked data: targets that are not to be learnt get the ignore index
             rows, mask = rows[:, 0], rows[:, 1, 1:]
+        if mask is not None and not pairs:
             # Loss = sum over this micro-batch's targets * weight / accum, so that the sum over micro-steps,
             # averaged over dp ranks, is the mean over every target of the global batch: independent of
             # how the batch is split (layout, accumulation) and of how many targets each micro-batch holds.

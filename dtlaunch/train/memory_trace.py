@@ -130,6 +130,7 @@ def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     # Real tensors: torch's tracker, which also splits the peak into categories (its peak equals
     # StorageCounter's on real tensors: tests/unit/test_memtrack.py).
     tracker = _tracker(parts, optimizers)
+    _restart_after_reference(rt, tracker)
     peak, snap = 0, {}
     for _ in range(_tracked_steps(steps)):
         with tracker:
@@ -253,6 +254,24 @@ def _categories(snap: dict) -> dict[str, int]:
     return cats
 
 
+def _restart_after_reference(rt: Any, tracker: Any) -> None:
+    """DPO with LoRA's adapters-off reference runs the policy's modules twice per micro-step, which torch's
+    tracker refuses ("multiple iterative calls"): its per-module statistics restart after the reference
+    forward (a no-grad forward whose memory is freed before the policy's)."""
+    from dtlaunch.train.objectives.reference import AdaptersOff
+
+    if not isinstance(rt.reference, AdaptersOff):
+        return
+    reference = rt.reference
+
+    def then_restart(*args: Any) -> Any:
+        out = reference(*args)
+        tracker.reset_mod_stats()
+        return out
+
+    rt.reference = then_restart
+
+
 def _tracker(parts: list, optimizers: list) -> Any:
     """FSDPMemTracker for one FSDP module (it follows FSDP2's storage resizes); MemTracker otherwise."""
 
@@ -294,8 +313,11 @@ class RandomBatches:
 
     def __init__(self, cfg: Any) -> None:
         t = cfg.training
-        self.shape = (int(t.micro_batch), int(t.seq_len) + 1)
+        # Preference objectives: a sample is a pair, two rows (and precomputed reference log-probs).
+        rows = int(t.micro_batch) * (1 if str(cfg.objective.name) == "sft" else 2)
+        self.shape = (rows, int(t.seq_len) + 1)
         self.vocab = int(cfg.model.vocab_size)
+        self.last_ref_logps = torch.zeros(rows)
 
     def next_batch(self) -> tuple[Any, Any]:
 

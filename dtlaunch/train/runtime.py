@@ -37,6 +37,9 @@ class Runtime:
     pp_mesh: Optional[Any] = None
     moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models
     loss_context: Callable[[], Any] = field(default=contextlib.nullcontext)
+    # Preference tuning (dtlaunch.train.objectives): the objective (None: cross-entropy) and DPO's reference.
+    objective: Optional[Any] = None
+    reference: Optional[Any] = None
 
     def __post_init__(self) -> None:
         from dtlaunch.train.optim import skips_on_device
@@ -102,6 +105,9 @@ def build_runtime(
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
+    from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives.reference import build_reference
+
     return Runtime(
         cfg=cfg,
         layout=layout,
@@ -117,6 +123,8 @@ def build_runtime(
         pp_mesh=built.get("pp_mesh"),
         moe=_router_tracker(cfg, parts, mesh, layout, accum),
         loss_context=lambda: loss_context(cfg, layout),
+        objective=PreferenceObjective.of(cfg),
+        reference=build_reference(cfg, layout, mesh, parts, init=init),
     )
 
 

@@ -33,6 +33,8 @@ class StepResult:
     applied: Any
     # Mixture of experts: this rank's router statistics (dtlaunch.train.moe_stats), still on the device.
     router_stats: Optional[torch.Tensor] = None
+    # Preference objectives: this rank's summed pair statistics (dtlaunch.train.objectives), on the device.
+    pair_stats: Optional[torch.Tensor] = None
 
 
 class Batches(Protocol):
@@ -61,12 +63,13 @@ def train_step(
     host (fake tensors have no values), `before_micro(n)` runs before the n-th micro-step run."""
     poison = step in rt.nan_steps  # test hook: a NaN loss must be skipped, not applied
     local_loss = torch.zeros((), device=rt.device)
+    pair_stats: list[torch.Tensor] = []
     for n, micro in enumerate(range(rt.accum) if micro_steps is None else micro_steps):
         if before_micro is not None:
             before_micro(n)
         inputs, targets = (to_device(t, rt.device) for t in batches.next_batch())
         with grad_sync(rt.model_parts, enabled=micro == rt.accum - 1):
-            local_loss += micro_step(rt, batches, inputs, targets, poison)
+            local_loss += micro_step(rt, batches, inputs, targets, poison, pair_stats)
     if rt.scaler is not None:
         for opt in rt.optimizers:
             rt.scaler.unscale_(opt)
@@ -98,7 +101,8 @@ def train_step(
     for sched in rt.schedulers:
         sched.step()
     stats = rt.moe.after_step(rt.model_parts) if rt.moe is not None else None
-    return StepResult(local_loss=local_loss, grad_norm=grad_norm, applied=applied, router_stats=stats)
+    pairs = torch.stack(pair_stats).sum(0) if pair_stats else None
+    return StepResult(local_loss=local_loss, grad_norm=grad_norm, applied=applied, router_stats=stats, pair_stats=pairs)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -111,9 +115,15 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def micro_step(
-    rt: Runtime, batches: Batches, inputs: torch.Tensor, targets: torch.Tensor, poison: bool
+    rt: Runtime,
+    batches: Batches,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    poison: bool,
+    pair_stats: Optional[list] = None,
 ) -> torch.Tensor:
-    """One micro-step's forward + backward; returns its loss already divided by `accum`."""
+    """One micro-step's forward + backward; returns its loss already divided by `accum`. A preference
+    objective appends its pair statistics to `pair_stats`."""
     nan = float("nan") if poison else 1.0
     if rt.pipeline is not None:
         with compute_context(rt.model_parts, rt.cfg, rt.device):
@@ -129,8 +139,15 @@ def micro_step(
     with rt.loss_context():
         extra = {k: v.to(rt.device) for k, v in getattr(batches, "last_model_args", {}).items()}
         with compute_context(rt.model_parts, rt.cfg, rt.device):
+            # DPO's reference first (no grad): none of its activations live through the policy's forward.
+            ref = rt.reference(inputs, targets, batches) if rt.reference is not None else None
             logits = model(inputs, **extra)
-        if weight is None:
+        if rt.objective is not None:
+            loss, stats = rt.objective(logits, targets, ref)
+            loss = loss * nan / rt.accum
+            if pair_stats is not None:
+                pair_stats.append(stats)
+        elif weight is None:
             loss = cross_entropy(logits, targets) * nan / rt.accum
         else:
             loss = cross_entropy(logits, targets, reduction="sum") * (weight * nan / rt.accum)

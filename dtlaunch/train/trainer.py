@@ -30,6 +30,9 @@ from dtlaunch.run.phases import phase
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
+from dtlaunch.train.objectives import STATS_LEN
+from dtlaunch.train.objectives import summarize as summarize_pairs
+from dtlaunch.train.objectives.precompute import precomputed_reference
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
@@ -136,6 +139,7 @@ class _Totals:
         self.ended: dict[int, float] = {}  # step -> perf_counter at the end of its loop iteration
         self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
         self.last_eval: dict[str, float] = {}
+        self.last_pairs: dict[str, float] = {}  # preference objectives: the last step's reward metrics
         self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
 
@@ -152,10 +156,14 @@ class Trainer:
         )
         dp_rank, dp_size = dp_rank_size(rt.mesh)
         self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
+        if rt.objective is not None and bool(cfg.objective.precompute_reference):
+            self.loader.ref_logps = precomputed_reference(cfg, run_dir, rt, self.loader)
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
         self.start = self.ckpt.resume()
         self.metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
-        self.tracker = PeakTracker(rt.model_parts, rt.optimizers, enabled=True, device=env.device)
+        # DPO's frozen reference copy is counted too (it is no model part: nothing trains it).
+        held = [*rt.model_parts, *(rt.reference.modules if rt.reference is not None else [])]
+        self.tracker = PeakTracker(held, rt.optimizers, enabled=True, device=env.device)
         self.watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
         self.loop = LoopSettings.of(cfg, env.rank)
         t = cfg.training
@@ -165,7 +173,8 @@ class Trainer:
         if self.pace is not None and env.rank == 0:
             self.totals.stragglers = StragglerWatch(env.world, float(t.straggler_threshold))
         self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s), pace=self.pace)
-        self.tokens_per_step = rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
+        rows = 2 if rt.objective is not None else 1  # a preference sample is a pair: two rows
+        self.tokens_per_step = rows * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
 
@@ -195,7 +204,7 @@ class Trainer:
                         result.grad_norm,
                         result.applied,
                         preemption.requested(),
-                        stats=result.router_stats,
+                        stats=_step_stats(result),
                         lr=lr,
                         rate=rate,
                     )
@@ -255,7 +264,7 @@ class Trainer:
 
     def _record(self, done: list[StepOutcome]) -> None:
         """Metrics lines and the bad-step check for the steps whose window was just read."""
-        totals, moe = self.totals, self.rt.moe
+        totals = self.totals
         peak = self._peak() if done else 0  # once per window, not per step
         for out in done:
             skipped = not out.applied or not math.isfinite(out.loss)
@@ -270,7 +279,7 @@ class Trainer:
                 "peak_mem_bytes": peak,
                 "skipped": int(skipped),
                 **totals.evals.pop(out.step, {}),
-                **(moe.summarize(out.stats) if moe is not None and out.stats else {}),
+                **self._stats_values(out.stats),
             }
             if out.step in totals.ended:  # the step's own end, not when its window was read
                 values["ended_at"] = totals.ended.pop(out.step)
@@ -282,6 +291,17 @@ class Trainer:
                     f"{totals.bad} steps in a row with a non-finite loss or gradient norm (last at step "
                     f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
                 )
+
+    def _stats_values(self, stats: Optional[list[float]]) -> dict[str, float]:
+        """A step's extra vector: the router statistics (MoE), then the pair statistics (preference)."""
+        if not stats:
+            return {}
+        pairs = STATS_LEN if self.rt.objective is not None else 0
+        router, pair = stats[: len(stats) - pairs], stats[len(stats) - pairs :]
+        values = self.rt.moe.summarize(router) if self.rt.moe is not None and router else {}
+        if pair:
+            self.totals.last_pairs = summarize_pairs(pair)
+        return {**values, **self.totals.last_pairs} if pair else values
 
     def _peak(self) -> int:
         """Peak allocated bytes on this rank so far (CUDA allocator; on CPU the storage counter)."""
@@ -302,10 +322,16 @@ class Trainer:
             "peak_mem_bytes_per_rank": peaks,
             "world": self.env.world,
             **t.last_eval,
+            **t.last_pairs,
             **(t.stragglers.summary() if t.stragglers is not None else {}),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _step_stats(result: Any) -> Optional[torch.Tensor]:
+    parts = [t for t in (result.router_stats, result.pair_stats) if t is not None]
+    return torch.cat([t.float().reshape(-1) for t in parts]) if parts else None
 
 
 def _local_numel(p: torch.Tensor) -> int:

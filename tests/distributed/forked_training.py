@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,6 +51,8 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     conversion the layouts also apply, e.g. float8)."""
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives.reference import build_reference
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.init_weights import materialize_and_init
     from dtlaunch.train.peft import apply_peft
@@ -72,12 +75,24 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
+        objective=PreferenceObjective.of(cfg),
+        reference=build_reference(cfg, layout, None, [model]),
     )
 
 
-def train(overrides: list[str], world: int, steps: int, inspect: Callable | None = None) -> dict:
+def train(
+    overrides: list[str],
+    world: int,
+    steps: int,
+    inspect: Callable | None = None,
+    make_batches: Callable | None = None,
+    prepare: Callable | None = None,
+) -> dict:
     """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference.
-    `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect"."""
+    `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect".
+    `make_batches(cfg, global_batch, dp_rank, dp_size)` replaces the seeded token batches (e.g. preference
+    pairs; the config is then not validated, as its data section names no files); `prepare(runtime,
+    batches)` runs once before the first step."""
     import torch
     import torch.distributed as dist
 
@@ -88,13 +103,16 @@ def train(overrides: list[str], world: int, steps: int, inspect: Callable | None
     from dtlaunch.train.step import train_step
 
     cfg = compose(overrides).cfg
-    validate(cfg)
+    if make_batches is None:
+        validate(cfg)
     device = torch.device("cpu")
     torch.manual_seed(int(cfg.training.seed))
     t = cfg.training
     gb = global_batch(cfg, Layout.resolve(cfg.strategy, world))
 
-    def batches(dp_rank: int, dp_size: int) -> SeededBatches:
+    def batches(dp_rank: int, dp_size: int) -> Any:
+        if make_batches is not None:
+            return make_batches(cfg, gb, dp_rank, dp_size)
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
 
     if world > 1:  # the worker's runtime object
@@ -106,6 +124,8 @@ def train(overrides: list[str], world: int, steps: int, inspect: Callable | None
         source = batches(*dp_rank_size(rt.mesh))
     else:
         rt, source = one_process_runtime(cfg, device), batches(0, 1)
+    if prepare is not None:
+        prepare(rt, source)
     losses, norms = [], []
     for step in range(1, steps + 1):
         r = train_step(rt, source, step)

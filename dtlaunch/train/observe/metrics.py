@@ -31,6 +31,9 @@ _SHOWN = (
     ("grad_norm", "gnorm {:.3f}"),
     ("tokens_per_s", "{:,.0f} tok/s"),
     ("val_loss", "val_loss {:.4f}"),
+    # Preference objectives (dtlaunch.train.objectives): chosen rewarded above rejected, and by how much.
+    ("rewards/accuracies", "acc {:.2f}"),
+    ("rewards/margins", "margin {:.3f}"),
 )
 
 

@@ -31,11 +31,15 @@ from dtlaunch.train.parallel.qlora import ddp_skip_nf4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layout, init: bool = True) -> nn.Module:
+def parallelize(
+    model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layout, init: bool = True, frozen: bool = False
+) -> nn.Module:
     """Apply the layout to `model` (a Llama or a pipeline stage of one) and initialise its weights.
 
     Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper. init=False
-    allocates the parameters without giving them values (`plan --trace` under fake tensors).
+    allocates the parameters without giving them values (`plan --trace` under fake tensors). frozen=True
+    (DPO's reference copy, forward only): no DDP (nothing to reduce) and FSDP reshards after every forward
+    (no backward would free the gathered weights).
     """
     device = _device(world_mesh)
     zero = int(cfg.strategy.zero_stage)
@@ -68,7 +72,8 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
     # FSDP2 shards what is stored.
     convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1)
     if fsdp:
-        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=zero == 3, experts=experts, dp=layout.dp)
+        reshard = zero == 3 or frozen
+        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp)
     # FSDP CPU offload: parameters materialised on the host, buffers on the device (parallel.cpu_offload).
     where = init_device(cfg, device)
     if init:
@@ -77,7 +82,7 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layo
         model.to_empty(device=where)
     if where != device:
         buffers_to(model, device)
-    if data_mesh is not None and zero <= 1:
+    if data_mesh is not None and zero <= 1 and not frozen:
         # DDP x TP is refused by dtlaunch.config.validate.check_zero before launch.
         return apply_ddp(model, dp_mesh(world_mesh, flatten=True), cfg, device)
     return model

@@ -1,0 +1,87 @@
+"""Rules of the `objective` section (preference tuning), run by `validate` before any worker starts.
+
+Ranges (beta, label_smoothing, sft_weight, gamma) are in config/ranges.py. Here: the pairs that do not go
+together, and the layouts preference objectives do not run on yet.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dtlaunch.config.layout import Layout
+from dtlaunch.errors import ConfigError
+
+
+def check_objective(cfg: Any, notes: list[str]) -> None:
+    o, d = cfg.objective, cfg.data
+    name = str(o.name)
+    if name == "sft":
+        if str(d.format) == "preference":
+            raise ConfigError(
+                "data.format=preference holds pairs, which objective=sft cannot train on: "
+                "use objective=dpo (or orpo, simpo), or another data.format"
+            )
+        return
+    # data.kind=synthetic draws random pairs (benchmarks, plans: dtlaunch.data.preference.SyntheticPairs).
+    if str(d.format) != "preference" and str(d.kind) != "synthetic":
+        raise ConfigError(
+            f"objective={name} trains on preference pairs, not data.format={d.format}: set data.format=preference "
+            f"(with data.prompt_field, data.chosen_field, data.rejected_field)"
+        )
+    if float(o.label_smoothing) > 0 and not (name == "dpo" and str(o.loss) == "robust"):
+        raise ConfigError(
+            f"objective.label_smoothing={o.label_smoothing} is used by objective.loss=robust only (TRL >= 0.29 "
+            f"ignores it for sigmoid): set objective.loss=robust or objective.label_smoothing=0"
+        )
+    if name != "dpo":
+        if str(o.reference) != "base" or bool(o.precompute_reference):
+            raise ConfigError(
+                f"objective={name} uses no reference model: drop objective.reference / "
+                f"objective.precompute_reference (or use objective=dpo)"
+            )
+        if float(o.sft_weight) > 0:
+            raise ConfigError(
+                f"objective.sft_weight={o.sft_weight} is DPO's NLL term (ORPO has its own): set objective.sft_weight=0"
+            )
+        return
+    check_reference(str(o.reference))
+    if bool(o.precompute_reference) and str(d.kind) == "synthetic":
+        raise ConfigError(
+            "objective.precompute_reference=true writes beside the pairs' token cache, which data.kind=synthetic "
+            "has none of: use data.kind=jsonl / parquet / hf with data.format=preference, or drop it"
+        )
+    if int(cfg.training.eval_every) > 0:
+        raise ConfigError(
+            f"training.eval_every={cfg.training.eval_every}: validation is not computed for objective={name} yet: "
+            f"set training.eval_every=0"
+        )
+
+
+def check_reference(ref: str) -> None:
+    if ref == "base":
+        return
+    if not ref.startswith("hf:"):
+        raise ConfigError(
+            f"objective.reference='{ref}' is neither 'base' nor 'hf:DIR': export a run first with "
+            f"`dtlaunch ckpt export RUN --format hf --out DIR` and set objective.reference=hf:DIR"
+        )
+    path = os.path.expanduser(ref[3:])
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"objective.reference='{ref}': '{path}' holds no config.json: point it at a Hugging Face model "
+            f"directory (e.g. one written by `dtlaunch ckpt export --format hf`)"
+        )
+
+
+def check_objective_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """Preference objectives run on DDP, ZeRO-1/2/3, HSDP and TP; not (yet) on PP, CP or EP."""
+    name = str(cfg.objective.name)
+    if name == "sft":
+        return
+    for key, degree in (("strategy.pp", layout.pp), ("strategy.cp", layout.cp), ("strategy.ep", layout.ep)):
+        if degree > 1:
+            raise ConfigError(
+                f"{key}={degree} is not supported with objective={name} yet (pairs and their reference log-probs "
+                f"are not split over stages, sequence chunks or experts): set {key}=1"
+            )

@@ -1,0 +1,77 @@
+"""Preference tuning's terms in the memory plan (objective=dpo / orpo / simpo; dtlaunch.train.objectives).
+
+- Every sample is a pair: a micro-batch runs 2 x micro_batch rows (the stage's token count doubles).
+- DPO's reference, by kind (dtlaunch.train.objectives.reference):
+  a frozen copy (full fine-tuning, or reference=hf:DIR) is held for the whole run: its linears in the
+  compute dtype, embedding and norm gains fp32, sharded like the policy under FSDP;
+  adapters off (LoRA / QLoRA with reference=base) holds nothing more;
+  precomputed holds nothing during training.
+- The reference forward (no grad) runs before the policy's, its own phase: what the rank holds for the
+  whole step, plus the reference's logits, their fp32 copy and log_softmax's output.
+- The precompute pass (objective.precompute_reference) is a phase of its own, before the first step: the
+  parameters, the reference copy (if any) and one reference forward; no gradients, no optimizer state yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FROZEN_COPY = "reference copy"
+PHASE_REFERENCE = "reference forward"
+PHASE_PRECOMPUTE = "reference pass (before training)"
+# What exists before the first step (no optimizer state, gradients or buckets yet).
+_HELD_BEFORE_TRAINING = ("parameters", "adapter parameters", "NF4 base weights", "buffers")
+
+
+def rows_per_sample(cfg: Any) -> int:
+    """2 for preference pairs (a chosen and a rejected row per sample), else 1."""
+    return 1 if str(cfg.objective.name) == "sft" else 2
+
+
+def reference_kind(cfg: Any) -> str:
+    """none | adapters_off | copy; precomputed references report how the pass computes them."""
+    if str(cfg.objective.name) != "dpo":
+        return "none"
+    if str(cfg.objective.reference) == "base" and str(cfg.peft.method) != "none":
+        return "adapters_off"
+    return "copy"
+
+
+def precomputed(cfg: Any) -> bool:
+    return str(cfg.objective.name) == "dpo" and bool(cfg.objective.precompute_reference)
+
+
+def copy_bytes(c: Any) -> float:
+    """The frozen reference copy on this rank: linears in the compute dtype, embedding and norms fp32."""
+    head = c.v_h if c.last and not c.tied_head else 0
+    linears = c.layers * (c.blk - c.norm_gains) + head
+    fp32 = (c.v_h if c.first else 0) + c.layers * c.norm_gains + (c.m.dim if c.last else 0)
+    return (c.e * linears + 4 * fp32) / (c.shard if c.fsdp else 1)
+
+
+def reference_static_lines(c: Any) -> dict[str, float]:
+    """What the reference adds to the whole step."""
+    if reference_kind(c.cfg) == "copy" and not precomputed(c.cfg):
+        return {FROZEN_COPY: copy_bytes(c)}
+    return {}
+
+
+def reference_forward_bytes(c: Any) -> float:
+    """Transient of one reference forward on top of what the rank holds: its logits (compute dtype), their
+    fp32 copy (none in fp32) and log_softmax's fp32 output; under ZeRO-3 the gathered root unit of the copy."""
+    if not c.last:
+        return 0.0
+    per_token = (c.e + (4 if c.e != 4 else 0) + 4) * c.d.vocab / c.tp
+    gathered = c.e * c.root if c.fsdp and c.zero == 3 else 0.0
+    return per_token * c.tokens + gathered
+
+
+def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
+    """The extra phases: the live reference forward, or the precompute pass before training."""
+    if reference_kind(c.cfg) == "none":
+        return {}
+    if precomputed(c.cfg):
+        held = sum(v for k, v in static.items() if k in _HELD_BEFORE_TRAINING)
+        copy = copy_bytes(c) if reference_kind(c.cfg) == "copy" else 0.0
+        return {PHASE_PRECOMPUTE: held + copy + reference_forward_bytes(c)}
+    return {PHASE_REFERENCE: sum(static.values()) + reference_forward_bytes(c)}

@@ -1,0 +1,105 @@
+"""Training objectives beside next-token cross-entropy: preference tuning (objective=dpo / orpo / simpo).
+
+The loop's step (dtlaunch.train.step) runs the model once per micro-batch as for SFT; for a preference
+objective the micro-batch holds pairs (chosen rows, then rejected rows) and the loss comes from here: the
+completion log-probs (logps.py) scored by one file per objective (dpo.py, orpo.py, simpo.py), with the
+reference's log-probs (reference.py) for DPO. Each micro-step's loss is the mean over its pairs; every
+micro-batch holds the same number of pairs, so the sum over micro-steps / accum, averaged over ranks, is
+the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from dtlaunch.train.objectives.dpo import dpo_losses
+from dtlaunch.train.objectives.logps import completion_logps
+from dtlaunch.train.objectives.orpo import orpo_losses
+from dtlaunch.train.objectives.simpo import simpo_losses
+
+# Logged per step: means over the step's pairs (all ranks), TRL's names.
+STAT_NAMES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+STATS_LEN = len(STAT_NAMES) + 1  # the sums, then the number of pairs
+
+
+@dataclass
+class PreferenceObjective:
+    """objective.* read once (the step calls this every micro-step)."""
+
+    name: str
+    loss: str
+    beta: float
+    label_smoothing: float
+    sft_weight: float
+    gamma: float
+
+    @classmethod
+    def of(cls, cfg: Any) -> Optional[PreferenceObjective]:
+        """None for objective=sft (the loop's own cross-entropy)."""
+        o = cfg.objective
+        if str(o.name) == "sft":
+            return None
+        return cls(
+            name=str(o.name),
+            loss=str(o.loss),
+            beta=float(o.beta),
+            label_smoothing=float(o.label_smoothing),
+            sft_weight=float(o.sft_weight),
+            gamma=float(o.gamma),
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.name == "dpo"
+
+    def __call__(
+        self, logits: torch.Tensor, targets: torch.Tensor, ref_logps: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss over this micro-batch's pairs, the STATS_LEN summed statistics, detached).
+        `ref_logps`: the reference's (2B,) completion log-probs (DPO only)."""
+        comp = completion_logps(logits, targets)
+        (c, r), (nc, nr) = comp.halves(comp.logps), comp.halves(comp.tokens)
+        chosen_nll = -c.sum() / nc.sum().clamp(min=1)  # mean over every chosen completion token (TRL's "sft")
+        if self.name == "dpo":
+            assert ref_logps is not None
+            rc, rr = ref_logps.chunk(2, dim=0)
+            per_pair, rew_c, rew_r = dpo_losses(c, r, rc, rr, nc, nr, self.loss, self.beta, self.label_smoothing)
+            loss = per_pair.mean() + (self.sft_weight * chosen_nll if self.sft_weight > 0 else 0.0)
+            logged_c, logged_r = c, r
+        else:
+            # ORPO and SimPO score per-token averages (TRL: average_log_prob=True).
+            logged_c, logged_r = c / nc.clamp(min=1), r / nr.clamp(min=1)
+            if self.name == "orpo":
+                ratio, rew_c, rew_r = orpo_losses(logged_c, logged_r, self.beta)
+                loss = chosen_nll - ratio.mean()
+            else:
+                per_pair, rew_c, rew_r = simpo_losses(logged_c, logged_r, self.beta, self.gamma)
+                loss = per_pair.mean()
+        stats = torch.stack(
+            [
+                rew_c.sum(),
+                rew_r.sum(),
+                (rew_c - rew_r).sum(),
+                (rew_c > rew_r).float().sum(),
+                logged_c.detach().sum(),
+                logged_r.detach().sum(),
+                torch.tensor(float(c.numel()), device=c.device),
+            ]
+        )
+        return loss, stats
+
+
+def summarize(stats: list[float]) -> dict[str, float]:
+    """Metrics-line values from a step's STATS_LEN sums (over micro-steps and ranks)."""
+    pairs = stats[-1] or 1.0
+    return {name: value / pairs for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}

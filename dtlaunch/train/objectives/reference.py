@@ -1,0 +1,112 @@
+"""DPO's reference log-probs, one of three ways (objective.reference, objective.precompute_reference):
+
+- adapters off: with LoRA / QLoRA and reference=base, the policy itself with its adapters switched off (a
+  second forward, no second copy of the weights);
+- a frozen copy: full fine-tuning (or reference=hf:DIR) builds the model once more on the same mesh with
+  the same layout (FSDP-sharded when the policy is), never trained: no gradients, no optimizer state, stored
+  in the compute dtype;
+- precomputed: the loader hands each pair's reference log-probs read from the file written before training
+  (dtlaunch.train.objectives.precompute); no reference model is held.
+
+Every reference forward runs under no_grad, before the policy's forward, so its activations are never
+kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from dtlaunch.config.layout import Layout
+from dtlaunch.models.lora import adapters_disabled
+from dtlaunch.models.registry import model_spec
+from dtlaunch.train.objectives.logps import completion_logps
+from dtlaunch.train.parallel.qlora import DTYPES
+
+
+class AdaptersOff:
+    modules: list = []  # no module of its own (the memory tracker counts the reference's modules)
+
+    def __init__(self, model: nn.Module) -> None:
+        # DDP's wrapper would prepare a gradient reduction; the wrapped module runs the same forward.
+        self.model = getattr(model, "module", model)
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return completion_logps(self.model(inputs), targets).logps
+
+
+class FrozenCopy:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules = [model]
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
+        return completion_logps(self.model(inputs), targets).logps
+
+
+class Precomputed:
+    """The loader's `last_ref_logps`: the (2B,) values of the pairs it just returned."""
+
+    modules: list = []
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
+        return batches.last_ref_logps.to(inputs.device)
+
+
+def uses_adapters_off(cfg: Any) -> bool:
+    return str(cfg.objective.reference) == "base" and str(cfg.peft.method) != "none"
+
+
+def build_reference(
+    cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool = False, init: bool = True
+) -> Optional[Any]:
+    """The reference of this rank for objective=dpo (None otherwise). live=True: a model even when
+    objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
+    without values (the planner's trace, as build_runtime)."""
+    if str(cfg.objective.name) != "dpo":
+        return None
+    if bool(cfg.objective.precompute_reference) and not live:
+        return Precomputed()
+    if uses_adapters_off(cfg):
+        (model,) = parts
+        return AdaptersOff(model)
+    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts), init))
+
+
+def _device(parts: list) -> torch.device:
+    return next(p.device for m in parts for p in m.parameters())
+
+
+def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
+    """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
+    (reference=base: the policy's initial weights, model.init_from included) or from reference=hf:DIR."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.train.parallel.parallelize import parallelize
+
+    ref_cfg = OmegaConf.merge(cfg, {"peft": {"method": "none"}})
+    if str(cfg.objective.reference) != "base":
+        ref_cfg.model.init_from = str(cfg.objective.reference)
+    model = model_spec(ref_cfg.model).build(ref_cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+    dtype = DTYPES[str(cfg.precision.param_dtype)]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if dtype != torch.float32:
+        # Never updated: no fp32 master copy of the linears, the compute dtype is all their matmuls read
+        # (norms and the embedding stay fp32, as the policy's, so both see the same numbers).
+        ids = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
+        tied = {i for i in ids if ids.count(i) > 1}  # a head tied to the embedding stays as it is
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod.weight.dtype != dtype and id(mod.weight) not in tied:
+                mod.weight = nn.Parameter(mod.weight.detach().to(dtype), requires_grad=False)
+    if mesh is None:  # one process without a mesh (the tests' single-process reference)
+        from dtlaunch.train.parallel.init_weights import materialize_and_init
+
+        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+        return model.eval()
+    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True).eval()

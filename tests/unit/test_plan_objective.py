@@ -1,0 +1,54 @@
+"""The memory plan of preference tuning (dtlaunch.plan.objective): pairs double the activations, a full
+fine-tuning DPO run holds a frozen reference copy (sharded under FSDP), LoRA's adapters-off reference and
+a precomputed one hold none, and the precompute pass is a phase of its own. (Against measured peaks of
+real runs: bench/planner_accuracy.py --dpo.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtlaunch.commands.common import load_job
+from dtlaunch.plan.memory import plan_memory
+from dtlaunch.plan.objective import FROZEN_COPY, PHASE_PRECOMPUTE, PHASE_REFERENCE
+
+BASE = ["model=planner7m", "training.micro_batch=4", "training.seq_len=128", "launch.nproc_per_node=2"]
+
+
+def plan(*overrides: str):
+    job = load_job([*BASE, *overrides])
+    return plan_memory(job.cfg, job.layout).worst
+
+
+@pytest.mark.parametrize("strategy", ["strategy=ddp", "strategy=zero3"])
+def test_pairs_double_the_activations_and_the_copy_is_held(strategy: str) -> None:
+    sft, dpo = plan(strategy), plan(strategy, "objective=dpo")
+    assert sft.phases["forward"] < dpo.phases["forward"]
+    act = "activations"
+    assert dpo.lines.get(act, 0) == pytest.approx(2 * sft.lines.get(act, 0), rel=0.01) or dpo.phase != sft.phase
+    copy = dpo.lines[FROZEN_COPY]
+    assert copy > 0 and PHASE_REFERENCE in dpo.phases
+    if strategy == "strategy=zero3":  # sharded like the policy: half of DDP's replica on 2 ranks
+        assert copy == pytest.approx(plan("strategy=ddp", "objective=dpo").lines[FROZEN_COPY] / 2)
+
+
+def test_lora_and_precomputed_references_hold_no_copy(tiny_tokenizer, tmp_path) -> None:
+    lora = plan("strategy=zero3", "objective=dpo", "peft=lora")
+    assert FROZEN_COPY not in lora.lines and PHASE_REFERENCE in lora.phases
+    (tmp_path / "p.jsonl").write_text('{"prompt": "kaka", "chosen": " lolo", "rejected": " mimi"}\n')
+    pre = plan(
+        "strategy=zero3",
+        "objective=dpo",
+        "objective.precompute_reference=true",
+        "data.kind=jsonl",
+        "data.format=preference",
+        f"data.path={tmp_path / 'p.jsonl'}",
+        f"data.tokenizer={tiny_tokenizer / 'tokenizer.json'}",
+    )
+    assert FROZEN_COPY not in pre.lines and PHASE_REFERENCE not in pre.phases
+    assert 0 < pre.phases[PHASE_PRECOMPUTE] < pre.peak
+
+
+def test_reference_free_objectives_plan_pairs_only() -> None:
+    orpo = plan("strategy=zero3", "objective=orpo")
+    assert FROZEN_COPY not in orpo.lines and PHASE_REFERENCE not in orpo.phases
+    assert orpo.phases["forward"] > plan("strategy=zero3").phases["forward"]
