@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
-from dtlaunch.config.offload_rules import check_offload
 from dtlaunch.config.objective_rules import check_objective, check_objective_layout
+from dtlaunch.config.offload_rules import check_offload
 from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.qlora_rules import check_qlora
 from dtlaunch.config.ranges import check_ranges
