@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.config.optim_rules import check_optim
 from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.qlora_rules import check_qlora
 from dtlaunch.config.ranges import check_ranges
@@ -342,8 +343,6 @@ def check_training(cfg: Any, notes: list[str]) -> None:
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of "
             f"{cfg.model.name}: lower training.seq_len"
         )
-    if cfg.optim.name != "adamw":
-        _fail(f"optim.name='{cfg.optim.name}' is unknown: use adamw")
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         _fail(f"optim.schedule='{cfg.optim.schedule}' is unknown: use cosine, linear or constant")
 
@@ -542,6 +541,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_batch,
     check_float8_tensor_parallel,
     check_qlora,
+    check_optim,
 ]
 
 

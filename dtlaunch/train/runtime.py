@@ -37,6 +37,7 @@ class Runtime:
     pp_mesh: Optional[Any] = None
     moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models
     loss_context: Callable[[], Any] = field(default=contextlib.nullcontext)
+    in_backward: Optional[Any] = None  # dtlaunch.train.optim_in_backward.InBackward (optim.in_backward)
 
     def __post_init__(self) -> None:
         from dtlaunch.train.optim import skips_on_device
@@ -102,6 +103,13 @@ def build_runtime(
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
+    in_backward = None
+    if cfg.optim.in_backward:
+        from dtlaunch.train.optim_in_backward import InBackward
+
+        # The norm's squares are summed over the FSDP shard group (validate allows no other layout).
+        norm_group = dp_mesh(mesh, flatten=True).get_group() if layout.dp > 1 else None
+        in_backward = InBackward(parts, optimizers, norm_group)
     return Runtime(
         cfg=cfg,
         layout=layout,
@@ -117,6 +125,7 @@ def build_runtime(
         pp_mesh=built.get("pp_mesh"),
         moe=_router_tracker(cfg, parts, mesh, layout, accum),
         loss_context=lambda: loss_context(cfg, layout),
+        in_backward=in_backward,
     )
 
 
