@@ -126,7 +126,28 @@ def _in_backward_parity(layout: list[str]) -> dict:
     for flag in ("false", "true"):
         _, rt, batches = _runtime([*layout, f"optim.in_backward={flag}"])
         out[flag] = {"loss": _losses(rt, batches, 1, STEPS), "params": _params(rt)}
+    if layout == FSDP2:
+        out["lora"] = _lora_units()
     return out
+
+
+def _lora_units() -> dict:
+    """LoRA under FSDP2 with bf16 adapter state: the frozen embedding and head are units of their own,
+    sharded again after the step (the root unit would keep them gathered), stored in bf16."""
+    from torch.distributed.fsdp import FSDPModule
+
+    _, rt, batches = _runtime([*FSDP2, "peft=lora", "precision=bf16", "optim.state_dtype=bf16"])
+    _losses(rt, batches, 1, 1)
+    model = rt.model_parts[0]
+    ends = [model.tok_embeddings, model.output]
+    states = [v for st in rt.optimizers[0].state.values() for k, v in st.items() if k != "step"]
+    return {
+        "units": [isinstance(m, FSDPModule) for m in ends],
+        "sharded": [m.weight.to_local().shape[0] * 2 == m.weight.shape[0] for m in ends],
+        "storage": [m.weight.to_local().untyped_storage().nbytes() for m in ends],
+        "dtypes": sorted({str(m.weight.dtype) for m in ends} | {str(v.dtype) for v in states}),
+        "expected_storage": [m.weight.to_local().numel() * 2 for m in ends],
+    }
 
 
 @pytest.mark.slow
@@ -134,6 +155,11 @@ def _in_backward_parity(layout: list[str]) -> dict:
 def test_step_in_backward_equals_step_after_backward(world: int, layout: list[str], tmp_path: Path) -> None:
     res = run_forked(world, lambda: _in_backward_parity(layout), tmp_path / "out.json")
     after, inside = res["false"], res["true"]
+    if world == 2:
+        lora = res["lora"]
+        assert lora["units"] == lora["sharded"] == [True, True], lora
+        assert lora["storage"] == lora["expected_storage"], lora  # only the bf16 shard is allocated
+        assert lora["dtypes"] == ["torch.bfloat16"], lora
     assert inside["loss"] == after["loss"], (inside["loss"], after["loss"])
     assert inside["params"] == after["params"]
 
