@@ -34,6 +34,7 @@ class OptimTerms:
     param_bytes: int  # per trained element (the adapters under LoRA / QLoRA)
     state: float  # the optimizer state on one rank
     temp: float  # the step's temporaries on one rank (one tensor's under in_backward)
+    temp_block: float = 0.0  # in_backward: the largest block tensor's (updated inside a block's backward)
 
 
 def moment_bytes(name: str, numel: int, param_bytes: int = 4) -> float:
@@ -51,9 +52,10 @@ def local_numel(rows: int, cols: int, shards: int) -> int:
     return -(-rows // shards) * cols
 
 
-def trained_tensors(c: Any) -> list[int] | None:
-    """Local element counts of the stage's trained tensors on its most loaded rank (None when the family
-    gives no linear shapes: the planner then counts every element as quantised)."""
+def trained_tensors(c: Any) -> tuple[list[int], list[int]] | None:
+    """Local element counts of the stage's trained tensors on its most loaded rank: one block's, and the
+    root's (embedding, final norm, head) (None when the family gives no linear shapes: the planner then
+    counts every element as quantised)."""
     from dtlaunch.models.registry import model_spec
 
     spec = model_spec(c.m)
@@ -69,7 +71,7 @@ def trained_tensors(c: Any) -> list[int] | None:
         for name in adapted(c.cfg, list(linears)):
             o, i, _ = linears[name]
             out += [local_numel(rank, i, shards), local_numel(o, rank, shards)]
-        return out * c.layers
+        return out, []
     h = int(c.m.dim)
     per_block = [local_numel(o, i, shards) for o, i, _ in linears.values()]
     norms, rest = divmod(c.norm_gains, h)
@@ -77,14 +79,14 @@ def trained_tensors(c: Any) -> list[int] | None:
     other = c.blk - sum(o * i for o, i, _ in linears.values()) - c.norm_gains
     if other > 0:
         per_block.append(-(-other // shards))
-    out = per_block * c.layers
+    out = []
     if c.first:
         out.append(local_numel(int(c.m.vocab_size), h, shards))
     if c.last:
         if not c.tied_head:
             out.append(local_numel(int(c.m.vocab_size), h, shards))
         out.append(local_numel(1, h, shards))
-    return out
+    return per_block, out
 
 
 def optim_terms(c: Any, fused: bool) -> OptimTerms:
@@ -94,7 +96,9 @@ def optim_terms(c: Any, fused: bool) -> OptimTerms:
     bf16 = str(o.state_dtype) == "bf16" and c.ft is not None
     elem = 2 if bf16 else 4
     shards = c.shard if c.fsdp or c.zero == 1 else 1
-    tensors = trained_tensors(c)
+    shapes = trained_tensors(c)
+    tensors = shapes[0] * c.layers + shapes[1] if shapes else None
+    biggest_block = max(shapes[0], default=0) if shapes else c.trained / max(1, c.layers) / shards
     if name in LOWBIT:
         if tensors is None:
             block, code, table = LOWBIT[name]
@@ -105,11 +109,19 @@ def optim_terms(c: Any, fused: bool) -> OptimTerms:
             largest = max(tensors, default=0)
         per_elem = COMPILED_TEMP if fused else EAGER_TEMP
         temp = per_elem * largest  # one tensor at a time, after backward or inside it
+        temp_block = per_elem * biggest_block
     else:
         state = 2 * elem * c.trained / shards
         largest = max(tensors, default=0) if tensors else c.trained / max(1, c.layers) / shards
         whole = 0.0 if fused else elem * c.trained / shards
         temp = (0.0 if fused else elem * largest) if o.in_backward else whole
+        temp_block = 0.0 if fused else elem * biggest_block
     return OptimTerms(
-        name=name, in_backward=bool(o.in_backward), grad_bytes=elem, param_bytes=elem, state=state, temp=temp
+        name=name,
+        in_backward=bool(o.in_backward),
+        grad_bytes=elem,
+        param_bytes=elem,
+        state=state,
+        temp=temp,
+        temp_block=temp_block,
     )

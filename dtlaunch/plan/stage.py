@@ -444,9 +444,12 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
     grown = max(0, layers - 1) * blk_grads if c.accum == 1 and not in_backward else 0.0
     if in_backward:
-        # The update of one tensor runs inside backward, its gradient freed right after.
-        at_first_blk += c.opt.temp
+        # The update of one tensor runs inside backward, its gradient freed right after: a block's inside
+        # the block's backward, the root unit's (embedding, head) after the last block's.
+        at_first_blk += c.opt.temp_block
     at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * c.held + grown
+    if in_backward:
+        at_last_blk += c.opt.temp - c.opt.temp_block
     if first and fsdp and zero == 3 and not c.ft:  # (a frozen embedding has no gradient)
         at_last_blk += e * c.v_h  # the embedding's unsharded gradient before its reduce-scatter
     elif first and c.accum == 1 and not c.ft:
