@@ -31,7 +31,7 @@ def train_command(
         return prepare_launch(overrides, recipe_dirs, force, no_resume)
 
     if report is not None and overlap_possible():
-        prepared, code = prepare_aside(prepare, report)
+        prepared, code = prepare_aside(prepare, report, exit_at_once=True)
         if prepared is None:
             return code
         from dtlaunch.config.compose import typed_resolved
