@@ -84,6 +84,8 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside, run_dir_for
     from dtlaunch.run.env import NO_RESUME_ENV
 
+    # Before anything in the run directory changes: one launcher per run directory (exit 2 naming the other).
+    lock_fd = _lock_run_dir(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
     if no_resume:
         # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and
         # CheckpointManager.resume() refuses a directory that gains checkpoints meanwhile.
@@ -100,7 +102,18 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
 
     check_data(job.cfg, run_dir, job.layout)
     check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
-    return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg)
+    return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg, lock_fd=lock_fd)
+
+
+def _lock_run_dir(cfg: Any, run_dir: Path) -> int:
+    """The run directory's lock (-1: not this launcher's to take). Of a multi-node run only node 0 takes
+    it: the others share its directory, and its rendezvous refuses a second job under the same id."""
+    from dtlaunch.launch.local import node_rank_of
+    from dtlaunch.launch.runlock import lock_run_dir
+
+    if int(cfg.launch.nnodes) > 1 and node_rank_of(cfg.launch) != 0:
+        return -1
+    return lock_run_dir(run_dir)
 
 
 def launch_prepared(prepared: Prepared) -> int:
@@ -113,7 +126,15 @@ def launch_prepared(prepared: Prepared) -> int:
     out = console()
     phase(f"starting {nproc_per_node(cfg)} worker(s) on this node")
     began = time.perf_counter()
-    _launch_recording_state(cfg, run_dir)
+    if prepared.lock_fd >= 0:
+        from dtlaunch.launch.runlock import record_holder
+
+        record_holder(prepared.lock_fd)
+    try:
+        _launch_recording_state(cfg, run_dir)
+    finally:
+        if prepared.lock_fd >= 0:  # the job is over: the run directory is free for the next launcher
+            os.close(prepared.lock_fd)
     summary = complete_summary(cfg, prepared.layout, run_dir, time.perf_counter() - began)
     for line in summary_lines(summary, run_dir) if summary else []:
         out.print(line, markup=False, soft_wrap=True)
