@@ -25,6 +25,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from dtlaunch.run.parent_death import die_with_parent
+
 # The exit status of a child stopped by a signal, as a shell reports it.
 _SIGNAL_BASE = 128
 
@@ -69,11 +71,14 @@ def prepare_aside(
     # A socket rather than a pipe: besides the bytes, the run directory's lock crosses it (SCM_RIGHTS),
     # so that the lock the child took stays held by the same open file, never released in between.
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    launcher = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: prepare, hand over, and never return into the caller's stack
         parent_sock.close()
         code = 0
         try:
+            # A launcher killed by SIGKILL takes its preparation along (which holds the run directory's lock).
+            die_with_parent(launcher)
             before = dict(os.environ)
             prepared = prepare()
             prepared.env = _changes(before, dict(os.environ))
