@@ -28,3 +28,16 @@ def test_a_file_where_the_directory_belongs_is_bad_input(tmp_path: Path) -> None
     (tmp_path / "f").write_text("")
     with pytest.raises(InputError, match="cannot create run directory"):
         lock_run_dir(tmp_path / "f" / "run")
+
+
+def test_a_failed_preparation_frees_the_run_directory(tmp_path: Path) -> None:
+    """In-process callers (a sweep, a notebook) go on after a bad input: the lock must not stay behind."""
+    from dtlaunch.commands.train import prepare_launch
+
+    run_dir, shards = tmp_path / "run", tmp_path / "shards"
+    shards.mkdir()  # exists (composing accepts it), holds no shards (found in the run directory's checks)
+    args = ["recipe=tiny_ddp", "data=tokens", f"data.path={shards}", f"run.dir={run_dir}"]
+    for _ in range(2):  # the second time the same error, not "in use"
+        with pytest.raises(InputError, match="data.path: no meta.json in"):
+            prepare_launch(args, [], force=False, no_resume=False)
+    assert (run_dir / "launcher.lock").is_file()  # the failure came after the lock was taken
