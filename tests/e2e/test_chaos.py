@@ -64,6 +64,7 @@ class Attempt:
 
     def __init__(self, run_dir: Path, args: list[str], n: int) -> None:
         self.out = run_dir.parent / f"{run_dir.name}.attempt{n}.out"
+        self.started = time.time()
         env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
         with self.out.open("w") as out:
             self.proc = subprocess.Popen(
@@ -91,9 +92,14 @@ def _wait_for(attempt: Attempt, ready: Callable[[], bool], timeout: float = ATTE
     return False
 
 
-def _saving(run_dir: Path) -> bool:
+def _saving(run_dir: Path, since: float) -> bool:
+    """A checkpoint is being written by this attempt: a temporary directory changed since it started
+    (one a killed attempt left behind is not a save in progress)."""
     root = run_dir / "checkpoints"
-    return root.is_dir() and any(p.name.startswith(".tmp-step-") for p in root.iterdir())
+    try:
+        return any(p.name.startswith(".tmp-step-") and p.stat().st_mtime >= since for p in root.iterdir())
+    except OSError:  # no directory yet, or one renamed while we looked
+        return False
 
 
 def _logged(run_dir: Path) -> int:
@@ -114,7 +120,7 @@ def _arm(moment: str, run_dir: Path, attempt: Attempt, rng: random.Random) -> bo
             return False
         time.sleep(rng.uniform(0.0, 0.3))
         return attempt.alive()
-    if not _wait_for(attempt, lambda: _saving(run_dir)):  # save: sync or async, by the layout
+    if not _wait_for(attempt, lambda: _saving(run_dir, attempt.started)):  # save: sync or async, by the layout
         return False
     time.sleep(rng.uniform(0.0, 0.3))
     return attempt.alive()
@@ -162,7 +168,7 @@ def chaos(
             n += 1
             moment: Optional[str] = rng.choice(MOMENTS) if planned > 0 else None
             if moment is not None and _arm(moment, run_dir, attempt, rng):
-                mid_save = _saving(run_dir)
+                mid_save = _saving(run_dir, attempt.started)
                 orphans = _kill_group(attempt, run_dir)
                 planned -= 1
                 tally["kills"] += 1
