@@ -113,6 +113,7 @@ RANGES: dict[str, Range] = {
     "training.ac_memory_budget": Range(0, 1),  # 0 = no budget, 1 = what compile saves anyway
     "training.eval_every": NON_NEGATIVE,  # 0 = no evaluation
     "training.eval_batches": AT_LEAST_1,
+    "training.loss_chunks": AT_LEAST_1,  # 1 = one full-vocabulary pass
     "optim.lr": POSITIVE,
     "optim.min_lr_ratio": FRACTION,
     "optim.weight_decay": NON_NEGATIVE,

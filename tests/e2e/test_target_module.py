@@ -59,6 +59,7 @@ RUN = [
     "training.loss_plot=false",
     "launch.threads_per_worker=1",
     "launch.nproc_per_node=2",
+    "training.loss_chunks=1",  # the module returns logits only (no hidden_only switch for a chunked loss)
 ]
 
 
