@@ -81,7 +81,8 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
             + (f" cp{r['cp']}" if r.get("cp", 1) > 1 else "")
             + (f" {r['schedule']}" if r["schedule"] != "-" else ""),
             f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}"
-            + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""),
+            + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else "")
+            + (f" loss/{r['loss_chunks']}" if r.get("loss_chunks", 1) > 1 else ""),
             gib(r["device_total_bytes"]),
             f"{r['tokens_per_s']:,.0f}",
             f"{r['mfu'] * 100:.1f}%",

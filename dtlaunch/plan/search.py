@@ -67,8 +67,10 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int) -> dict[str, float]:
         # A token multiplies only its top-k experts: the registry's count of active parameters.
         flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
     recompute = recompute_fraction(t)
-    compute = (
-        flops_model * (1 + recompute) / (lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY)
+    # A chunked loss (training.loss_chunks > 1) runs the head's matmul once more per token in backward.
+    head_again = 2 * m.dim * m.vocab_size * tokens if int(t.loss_chunks) > 1 else 0
+    compute = (flops_model * (1 + recompute) + head_again) / (
+        lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY
     )
     accum = gb // (t.micro_batch * lay.dp)
     # Routed experts: not split by TP, split by EP; FSDP gathers them over dp_shard / ep ranks only.
@@ -206,7 +208,9 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         for mb in MICRO_BATCHES:
                             if gb % (mb * dp) or (pp > 1 and mb < pp):
                                 continue
-                            for ep, ac in product(_ep_degrees(m, shard, zero, cp), ("none", "selective", "full")):
+                            for ep, ac, chunks in product(
+                                _ep_degrees(m, shard, zero, cp), ("none", "selective", "full"), loss_chunk_options(t)
+                            ):
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
                                 st = {
                                     "dp_replicate": rep,
@@ -222,10 +226,15 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                     "ep": ep,
                                     "pp_reshard_grads": False,
                                 }
-                                out.append(
-                                    (lay, st, {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac})
-                                )
+                                tr = {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac}
+                                out.append((lay, st, {**tr, "loss_chunks": chunks}))
     return out
+
+
+def loss_chunk_options(t: Any) -> tuple[int, ...]:
+    """The full-vocabulary loss first (no recompute), then the chunked one (the config's count, or 8):
+    a layout that fits with the cheaper option is not planned again with the costlier."""
+    return (1, int(t.loss_chunks) if int(t.loss_chunks) > 1 else 8)
 
 
 def _world(cfg: Any) -> int:
@@ -258,6 +267,7 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
             {
                 **st,
                 "ac": tr["activation_checkpointing"],
+                "loss_chunks": tr["loss_chunks"],
                 "micro_batch": tr["micro_batch"],
                 "schedule": st["pp_schedule"] if lay.pp > 1 else "-",
                 "device_total_bytes": int(plan.device_total),
