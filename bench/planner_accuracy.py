@@ -349,10 +349,14 @@ if __name__ == "__main__":
             print(_fmt(r), flush=True)
         errs = [abs(_err(r)) for r in rows if r["measured"]]
         print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
-        if only is None:
-            (RESULTS / "planner_accuracy_loss_chunks_cpu.json").write_text(json.dumps(rows, indent=1))
-            cmd = "python bench/planner_accuracy.py --loss-chunks"
-            print("wrote", write_markdown(rows, cmd, "planner_accuracy_loss_chunks_cpu.md", LOSS_BASE))
+        store = RESULTS / "planner_accuracy_loss_chunks_cpu.json"
+        if only is not None and store.exists():
+            # Re-run rows replace the stored ones of the same name; the table is rebuilt from all rows.
+            fresh = {r["name"]: r for r in rows}
+            rows = [fresh.pop(r["name"], r) for r in json.loads(store.read_text())] + list(fresh.values())
+        store.write_text(json.dumps(rows, indent=1))
+        cmd = "python bench/planner_accuracy.py --loss-chunks"
+        print("wrote", write_markdown(rows, cmd, "planner_accuracy_loss_chunks_cpu.md", LOSS_BASE))
         sys.exit(0)
     if "--families" in sys.argv or "--moe" in sys.argv or "--float8" in sys.argv:
         rows = []

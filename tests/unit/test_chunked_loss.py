@@ -92,3 +92,28 @@ def test_model_without_the_switch_is_refused() -> None:
     cfg = compose(["model=tiny", "training.loss_chunks=4"]).cfg
     with pytest.raises(ConfigError, match="training.loss_chunks=4: .* set training.loss_chunks=1"):
         head_loss(cfg, [torch.nn.Linear(4, 8)])
+
+
+@pytest.mark.parametrize("tokens", [128, 1024])  # few tokens per chunk: the weight gradient's sum; many: the logits
+def test_planner_chunk_term_matches_the_measured_peak(tokens: int) -> None:
+    """dtlaunch.plan.loss_terms.loss_backward_bytes against the tracked peak of one chunked loss's backward
+    (fp32, 8 chunks, 32k vocabulary), above the hidden states, the weight and the targets."""
+    from types import SimpleNamespace
+
+    from dtlaunch.plan.loss_terms import loss_backward_bytes
+    from dtlaunch.train.observe.memtrack import StorageCounter
+
+    h, v = 64, 32000
+    hidden = torch.randn(1, tokens, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(0, v, (1, tokens))
+    with StorageCounter() as counter:
+        counter.add_existing([hidden, weight, targets])
+        base = counter.live
+        chunked_cross_entropy(hidden, weight, targets, 8).backward()
+    c = SimpleNamespace(
+        last=True, first=False, t=SimpleNamespace(loss_chunks=8), tokens=tokens, e=4, tp=1, sp=False,
+        d=SimpleNamespace(h=h, vocab=v), fsdp=False, zero=0, autocast=False, ft=None,
+    )  # fmt: skip
+    planned, measured = loss_backward_bytes(c), counter.peak - base
+    assert abs(planned - measured) <= 0.01 * measured, (planned, measured)
