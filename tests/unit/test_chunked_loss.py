@@ -117,3 +117,28 @@ def test_planner_chunk_term_matches_the_measured_peak(tokens: int) -> None:
     )  # fmt: skip
     planned, measured = loss_backward_bytes(c), counter.peak - base
     assert abs(planned - measured) <= 0.01 * measured, (planned, measured)
+
+
+def test_hf_auto_hidden_states_through_the_chunked_loss(tiny_hf_dirs) -> None:
+    """model.arch=hf_auto (transformers' Qwen3): its decoder's hidden states through the chunked loss equal
+    cross_entropy on transformers' own logits, loss and gradients."""
+    from dtlaunch.config.compose import compose
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.parallel.init_weights import materialize_and_init
+    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+
+    args = ["model.arch=hf_auto", f"model.init_from=hf:{tiny_hf_dirs['qwen3']}", "training.seq_len=16"]
+    cfg = compose([*args, "training.loss_chunks=4"]).cfg
+    model = model_spec(cfg.model).build(cfg.model, rope_len=16, device="meta")
+    materialize_and_init(model, torch.device("cpu"), 0, init_source=model)
+    tokens = torch.randint(0, int(cfg.model.vocab_size), (2, 17), generator=torch.Generator().manual_seed(5))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = cross_entropy(model(inputs), targets)
+    want_g = torch.autograd.grad(want, params)
+    loss_fn = head_loss(cfg, [model])
+    got = loss_fn(model(inputs), targets)
+    got_g = torch.autograd.grad(got, params)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert max(_rel(a, b) for a, b in zip(got_g, want_g, strict=True)) <= 1e-5
