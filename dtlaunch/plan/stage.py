@@ -27,7 +27,13 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
-from dtlaunch.plan.loss_terms import held_logits, logits_saved_per_token, loss_backward_bytes, loss_chunks
+from dtlaunch.plan.loss_terms import (
+    held_logits,
+    logits_saved_per_token,
+    loss_backward_bytes,
+    loss_chunks,
+    regathered_root,
+)
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
 
 # Lines that do not exist at the optimizer step (freed after backward).
@@ -415,6 +421,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     held_act += held_logits(c)  # a full pass's logits stay referenced until backward returns
     blk_grads = (4 * c.trained_blk / div) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
+    at_first_blk += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
     if c.ft and fsdp and zero == 3 and first and c.kept == 0:
         # Fine-tuning under full AC: the root unit's frozen embedding is still gathered when the blocks'
         # backward starts (traced real FSDP2 step, planner7m LoRA fp32: embedding + head + one block).
