@@ -138,7 +138,14 @@ def main(argv: list[str]) -> None:
         write_json(args.json, {"machine": info, "command": this_command(), "rows": rows})
     if args.markdown:
         table = markdown_table(
-            ["case", "overrides", "full tok/s", "chunked (8) tok/s", "chunked / full", "expected cost (2hV / FLOPs per token)"],
+            [
+                "case",
+                "overrides",
+                "full tok/s",
+                "chunked (8) tok/s",
+                "chunked / full",
+                "expected cost (2hV / FLOPs per token)",
+            ],
             [
                 [
                     r["case"],
