@@ -108,7 +108,10 @@ class HeadLoss:
             # so the weight read below is the unsharded parameter whose gradient FSDP reduce-scatters.
             self.model.unshard()
         head = head_module(self.model)
-        return chunked_cross_entropy(output, head.weight, targets, self.chunks, reduction)
+        loss = chunked_cross_entropy(output, head.weight, targets, self.chunks, reduction)
+        if isinstance(self.model, FSDPModule) and not torch.is_grad_enabled():
+            self.model.reshard()  # validation: no backward will reshard the root unit gathered above
+        return loss
 
 
 def head_loss(cfg: Any, model_parts: list[nn.Module]) -> HeadLoss:
