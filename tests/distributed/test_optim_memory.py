@@ -133,10 +133,13 @@ def _in_backward_parity(layout: list[str]) -> dict:
 
 def _lora_units() -> dict:
     """LoRA under FSDP2 with bf16 adapter state: the frozen embedding and head are units of their own,
-    sharded again after the step (the root unit would keep them gathered), stored in bf16."""
+    sharded again after the step (the root unit would keep them gathered), stored in bf16. With a
+    full-vocabulary loss: a chunked one reads the head from the root unit (frozen_base.frozen_ends)."""
     from torch.distributed.fsdp import FSDPModule
 
-    _, rt, batches = _runtime([*FSDP2, "peft=lora", "precision=bf16", "optim.state_dtype=bf16"])
+    _, rt, batches = _runtime(
+        [*FSDP2, "peft=lora", "precision=bf16", "optim.state_dtype=bf16", "training.loss_chunks=1"]
+    )
     _losses(rt, batches, 1, 1)
     model = rt.model_parts[0]
     ends = [model.tok_embeddings, model.output]

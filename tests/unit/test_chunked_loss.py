@@ -112,7 +112,7 @@ def test_planner_chunk_term_matches_the_measured_peak(tokens: int) -> None:
         base = counter.live
         chunked_cross_entropy(hidden, weight, targets, 8).backward()
     c = SimpleNamespace(
-        last=True, first=False, t=SimpleNamespace(loss_chunks=8), tokens=tokens, e=4, tp=1, sp=False,
+        last=True, first=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, e=4, tp=1, sp=False,
         d=SimpleNamespace(h=h, vocab=v), fsdp=False, zero=0, autocast=False, ft=None,
     )  # fmt: skip
     planned, measured = loss_backward_bytes(c), counter.peak - base
