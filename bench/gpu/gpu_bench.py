@@ -299,6 +299,13 @@ def shrink(overrides: Sequence[str], extra: Sequence[str] = REHEARSAL_SHAPE) -> 
     return (*(o for o in overrides if o.split("=", 1)[0] not in keys), *extra)
 
 
+def rehearsal_overrides(run: Run) -> tuple[str, ...]:
+    """`run`'s overrides at the rehearsal's tiny shape; QLoRA's NF4 scaler blocks shrunk to whole blocks of
+    its 64-wide weights (64 x 16 elements)."""
+    extra = ("peft.nf4_scaler_block_size=16",) if "peft.method=qlora" in run.overrides else ()
+    return shrink(run.overrides, (*REHEARSAL_SHAPE, *extra))
+
+
 def hardware_option(gpu_name: str) -> str:
     """The configs/hardware option for the detected GPU (peak TFLOP/s for MFU, capacity for the plan)."""
     name = gpu_name.lower()
@@ -564,6 +571,7 @@ def render(report: dict[str, Any]) -> str:
     def gib(v: Any) -> str:
         return f"{v / scale:.2f}" if v else "-"
 
+    everything = results
     memory = [r for r in results if r.get("part") == MEMORY]
     results = [r for r in results if r.get("part") != MEMORY]
     rows = []
@@ -620,7 +628,7 @@ def render(report: dict[str, Any]) -> str:
         *ac_lines(results),
         "",
         "Commands:",
-        *[f"- {r['name']} / {r['side']}: `{r['command']}`" for r in results if r.get("command")],
+        *[f"- {r['name']} / {r['side']}: `{r['command']}`" for r in everything if r.get("command")],
     ]
     return "\n".join(lines) + "\n"
 
@@ -667,14 +675,15 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
         "device total vs reserved",
         f"nvidia-smi peak {unit}",
     ]
-    first = next((r for r in results if r.get("command")), None)
+    shape = "REHEARSAL_SHAPE (tiny, CPU)" if report.get("rehearsal") else MEMORY_SHAPE
+    steps, warmup = report.get("mem_steps", report["steps"]), report.get("mem_warmup", report["warmup"])
     return [
         "## Memory features (one GPU; each row = the baseline plus one feature)",
         "",
-        f"- job: {MEMORY_SHAPE}, {report['steps']} steps, first {report['warmup']} excluded from tokens/s;"
-        " the baseline has training.loss_chunks=1 (where the schema has it); plan error = (plan - measured) /"
-        " measured; the plan's device total adds the CUDA context and allocator overheads to the peak",
-        *([f"- baseline command: `{first['command']}`"] if first else []),
+        f"- job: {shape}, {steps} steps, first {warmup} excluded from tokens/s; the baseline has"
+        " training.loss_chunks=1 (where the schema has it); plan error = (plan - measured) / measured; the plan's"
+        " device total adds the CUDA context and allocator overheads to the peak, compared here with the"
+        " allocator's reserved peak (the context is not in it)",
         "",
         markdown_table(headers, rows),
     ]
@@ -870,7 +879,7 @@ def main(argv: list[str] | None = None) -> Path | None:
 
     runs = selected(all_runs(nproc, hw, steps, mem_steps, fits, part, host_gib), only, part)
     if args.rehearse:
-        runs = [Run(r.family, r.compile, r.variant, shrink(r.overrides), r.sides, r.part) for r in runs]
+        runs = [Run(r.family, r.compile, r.variant, rehearsal_overrides(r), r.sides, r.part) for r in runs]
     t0 = time.perf_counter()
     deadline = started + budget_s if budget_s else None  # the budget counts this process's own start-up too
     cap = args.run_timeout or (1800.0 if args.rehearse else MEM_RUN_TIMEOUT_S if memory_only else 360.0)
@@ -886,6 +895,8 @@ def main(argv: list[str] | None = None) -> Path | None:
         "steps": steps,
         "warmup": warmup,
         "budget_s": budget_s,
+        "mem_steps": mem_steps,
+        "mem_warmup": mem_warmup,
         "micro_batch": int(shape["micro_batch"]) if runs else None,
         "seq_len": int(shape["seq_len"]) if runs else None,
         "command": " ".join(["bench/gpu/gpu_bench.py", *(argv if argv is not None else sys.argv[1:])]),
