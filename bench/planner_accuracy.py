@@ -9,6 +9,7 @@
   python bench/planner_accuracy.py --float8   # real runs with float8 linears (torchao, emulated on CPU)
   python bench/planner_accuracy.py --peft     # real LoRA / QLoRA runs (PEFT); writes planner_accuracy_peft_cpu.md
   python bench/planner_accuracy.py --dpo      # real DPO runs (reference copy, adapters off, precomputed)
+  python bench/planner_accuracy.py --optim    # optim.* memory options (OPTIM); writes planner_accuracy_optim_cpu.md
 
 --real writes bench/results/planner_accuracy_cpu.md. Bounds the issue asks for: median |error| <= 3 %,
 max <= 8 %. "Measured" is the max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter
@@ -117,6 +118,21 @@ def dpo_data(root: Path) -> list[str]:
     ]
 
 
+# The optimizer's memory options (optim.*) and the frozen embedding / head as FSDP2 units of their own
+# (LoRA under FSDP2 above); writes planner_accuracy_optim_cpu.md / .json with --optim.
+A8, A4, INB = "optim.name=adamw8bit", "optim.name=adamw4bit", ["optim.in_backward=true", "training.grad_clip=0"]
+OPTIM = [
+    ["strategy=zero3", N2, A8],
+    ["strategy=zero3", N2, A4, BF16],
+    ["strategy=ddp", N2, A8],
+    ["strategy=zero3", N2, *INB],
+    ["strategy=zero3", N2, A8, *INB],
+    ["strategy=zero3", N2, BF16, *INB, FULL],
+    [LORA, "strategy=zero3", N2, BF16, "optim.state_dtype=bf16"],
+    [LORA, "strategy=ddp", N2, BF16, "optim.state_dtype=bf16"],
+    [LORA, "strategy=zero2", N2, BF16],
+    [LORA, "strategy=zero3", N2, A8, *INB],
+]
 REAL = [  # overrides for real multi-process runs
     ["strategy=ddp", N2],
     ["strategy=ddp", N2, BF16],
@@ -353,9 +369,12 @@ if __name__ == "__main__":
     only = None
     if "--only" in sys.argv:
         only = [int(x) for x in sys.argv[sys.argv.index("--only") + 1].split(",")]
-    if "--peft" in sys.argv:
+    if "--peft" in sys.argv or "--optim" in sys.argv:
+        table, name = (
+            (PEFT, "planner_accuracy_peft_cpu.md") if "--peft" in sys.argv else (OPTIM, "planner_accuracy_optim_cpu.md")
+        )
         rows = []
-        for i, ov in enumerate(PEFT):
+        for i, ov in enumerate(table):
             if only is not None and i not in only:
                 continue
             rows.append(run_real(ov))
@@ -363,8 +382,9 @@ if __name__ == "__main__":
         errs = [abs(_err(r)) for r in rows if r["measured"]]
         print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
         if only is None:
-            cmd = "python bench/planner_accuracy.py --peft"
-            print("wrote", write_markdown(rows, cmd, "planner_accuracy_peft_cpu.md"))
+            cmd = f"python bench/planner_accuracy.py {'--peft' if table is PEFT else '--optim'}"
+            print("wrote", write_markdown(rows, cmd, name))
+            (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     if "--dpo" in sys.argv:
         rows = []

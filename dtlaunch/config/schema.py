@@ -171,7 +171,15 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    # adamw: torch's AdamW; adamw8bit / adamw4bit: torchao's low-bit AdamW (block-quantised moments,
+    # the 'lowbit-optim' extra; dtlaunch.train.optim_lowbit).
+    name: OptimName = field(default_factory=lambda: OptimName.adamw)
+    # The AdamW moments' dtype. bf16 trains the LoRA / QLoRA adapters in bf16 (weights, gradients and
+    # moments, as torchtune does); full training keeps fp32 masters and refuses it (validate).
+    state_dtype: StateDtype = field(default_factory=lambda: StateDtype.fp32)
+    # Each parameter's update runs as soon as its gradient is complete (a post-accumulate-grad hook),
+    # then the gradient is freed: no model-wide gradients at the step (dtlaunch.train.optim_in_backward).
+    in_backward: bool = False
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -191,6 +199,19 @@ class Choice(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(str(self.value), spec)
+
+
+class OptimName(Choice):
+    """Which AdamW implementation steps the parameters."""
+
+    adamw = "adamw"
+    adamw8bit = "adamw8bit"
+    adamw4bit = "adamw4bit"
+
+
+class StateDtype(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
 
 
 class DataKind(Choice):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
 from dtlaunch.config.objective_rules import check_objective, check_objective_layout
 from dtlaunch.config.offload_rules import check_offload
+from dtlaunch.config.optim_rules import check_optim
 from dtlaunch.config.peft_rules import check_peft
 from dtlaunch.config.qlora_rules import check_qlora
 from dtlaunch.config.ranges import check_ranges
@@ -344,8 +345,6 @@ def check_training(cfg: Any, notes: list[str]) -> None:
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of "
             f"{cfg.model.name}: lower training.seq_len"
         )
-    if cfg.optim.name != "adamw":
-        _fail(f"optim.name='{cfg.optim.name}' is unknown: use adamw")
     if cfg.optim.schedule not in ("cosine", "linear", "constant"):
         _fail(f"optim.schedule='{cfg.optim.schedule}' is unknown: use cosine, linear or constant")
 
@@ -559,6 +558,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_qlora,
     check_offload,
     check_objective_layout,
+    check_optim,
 ]
 
 

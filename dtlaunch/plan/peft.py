@@ -160,14 +160,17 @@ def saved_matmuls(
     return e * sum(outs[0::2])
 
 
-def param_lines(ft: PeftTerms, p_rank: int, frozen_linear: int, layers: int, shards: int, e: int) -> dict[str, float]:
+def param_lines(
+    ft: PeftTerms, p_rank: int, frozen: int, layers: int, shards: int, e: int, adapter_bytes: int = 4
+) -> dict[str, float]:
     """The parameter lines of a fine-tuning stage (replacing full training's "parameters"): the frozen
-    linears (`frozen_linear` parameters: the blocks' and the head's) in the compute dtype, the rest of the
-    base (embedding, norm gains) and the adapters in fp32, QLoRA's block linears in NF4 instead."""
+    matrices (`frozen` parameters: the blocks' linears, the head's and the embedding's) in the compute
+    dtype, the norm gains in fp32, the adapters in fp32 (bf16 with optim.state_dtype=bf16), QLoRA's
+    block linears in NF4 instead."""
     quantised = ft.quantised_block * layers
     lines = {
-        "parameters": (4 * (p_rank - frozen_linear) + e * (frozen_linear - quantised)) / shards,
-        "adapter parameters": 4 * ft.adapters / shards,
+        "parameters": (4 * (p_rank - frozen) + e * (frozen - quantised)) / shards,
+        "adapter parameters": adapter_bytes * ft.adapters / shards,
     }
     if ft.qlora:
         lines["NF4 base weights"] = layers * (ft.nf4_block_shard if shards > 1 else ft.nf4_block)

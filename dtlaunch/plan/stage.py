@@ -29,6 +29,7 @@ from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.plan.objective import reference_phases, reference_static_lines, rows_per_sample
+from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
 
 # Lines that do not exist at the optimizer step (freed after backward).
@@ -102,6 +103,7 @@ class StageShape:
     held: float  # micro-batches in flight, in units of the rank's whole layer set
     by_kind: dict  # AC kind -> saved bytes per token of one block
     ft: PeftTerms | None = None  # fine-tuning (peft.method=lora/qlora) terms, dtlaunch.plan.peft
+    opt: OptimTerms | None = None  # the optimizer's state, temporaries and gradient dtype (plan.optim_terms)
 
     @property
     def v_h(self) -> int:
@@ -118,8 +120,20 @@ class StageShape:
 
     @property
     def grads(self) -> float:
-        """fp32 gradients of the stage's trained parameters (sharded under FSDP)."""
-        return 4 * self.trained / (self.shard if self.fsdp else 1)
+        """Gradients of the stage's trained parameters (fp32, or bf16 adapters; sharded under FSDP)."""
+        return self.grad_bytes * self.trained / (self.shard if self.fsdp else 1)
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.opt.grad_bytes if self.opt else 4
+
+    @property
+    def frozen_ends(self) -> int:
+        """The frozen, untied embedding and head on this rank (LoRA / QLoRA): FSDP2 units of their own,
+        gathered only while they run (dtlaunch.train.parallel.frozen_base)."""
+        if not self.ft or self.tied_head:
+            return 0
+        return self.v_h * (int(self.first) + int(self.last))
 
 
 def v_h(m: Any, tp: int) -> int:
@@ -221,7 +235,7 @@ def stage_shape(
     if ft and "selective" in by_kind and t.ac_policy == "op":
         by_kind["selective"] += ft.selective
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
-    return StageShape(
+    shape = StageShape(
         cfg=cfg,
         m=m,
         t=t,
@@ -261,6 +275,7 @@ def stage_shape(
         by_kind=by_kind,
         ft=ft,
     )
+    return dataclasses.replace(shape, opt=optim_terms(shape, fused_optimizer(cfg.hardware)))
 
 
 def static_lines(c: StageShape) -> dict[str, float]:
@@ -270,8 +285,9 @@ def static_lines(c: StageShape) -> dict[str, float]:
     lines["parameters"] = 4 * c.p_rank / (c.shard if c.fsdp else 1)
     if c.ft:
         head = model_spec(c.m).head_params(c.m) // tp if c.last else 0
-        frozen_linear = c.layers * (c.blk - c.norm_gains) + head
-        lines.update(param_lines(c.ft, c.p_rank, frozen_linear, c.layers, c.shard if c.fsdp else 1, e))
+        embedding = c.v_h if c.first and not c.tied_head else 0  # stored in the compute dtype too
+        frozen = c.layers * (c.blk - c.norm_gains) + head + embedding
+        lines.update(param_lines(c.ft, c.p_rank, frozen, c.layers, c.shard if c.fsdp else 1, e, c.grad_bytes))
     rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
     lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if c.cp > 1:
@@ -281,7 +297,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
         # (llama.Llama.forward); every block shares that copy until backward is done.
         lines["RoPE tables (compute dtype)"] = 2 * e * rope_table
-    lines["optimizer state"] = 8 * c.trained / c.shard
+    lines["optimizer state"] = c.opt.state if c.opt else 8 * c.trained / c.shard
     lines.update(reference_static_lines(c))  # DPO's frozen reference copy
     if c.ddp:
         # DDP (gradient_as_bucket_view off) keeps flat fp32 buckets for the whole run; gradients are
@@ -297,11 +313,13 @@ def static_lines(c: StageShape) -> dict[str, float]:
     if c.fsdp and c.zero == 2:
         lines["unsharded parameters"] = e * c.p_gather if (c.shard > 1 or e != 4) else 0.0
         if c.ft:
-            lines["unsharded parameters"] += c.layers * (gathered_block(c.ft, c.blk, e) - e * c.blk)
+            lines["unsharded parameters"] += c.layers * (gathered_block(c.ft, c.blk, e) - e * c.blk) - e * c.frozen_ends
     elif c.fsdp:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
-        lines["unsharded parameters"] = e * (c.root - (c.v_h if c.first else 0))
+        # A frozen embedding and head are units of their own, resharded after use.
+        ends = c.v_h * int(c.last) if c.frozen_ends else 0
+        lines["unsharded parameters"] = e * (c.root - (c.v_h if c.first else 0) - ends)
     if c.cfg.precision.float8 != "none":
         # torchao's Float8Linear saves its input and the parameter itself (no compute-dtype weight copy:
         # it casts to float8 inside), so only the head, still a plain linear, keeps an autocast copy; on
@@ -321,7 +339,8 @@ def _autocast_weight_copies(c: StageShape) -> float | None:
     if c.ft:
         # Frozen linears are stored in the compute dtype (their cast is the weight itself), QLoRA's NF4
         # matmuls save the NF4 weight: only the adapters' casts (and a tied head's) are copies.
-        adapters = c.ft.adapters if kept == layers and not c.compiled else 0
+        # bf16 adapters (optim.state_dtype=bf16) are their own cast.
+        adapters = c.ft.adapters if kept == layers and not c.compiled and c.grad_bytes == 4 else 0
         return e * (adapters + (c.v_h if c.tied_head and c.last else 0))
     if kept and c.compiled:
         # Compiled blocks recompute their weights' casts in backward instead of saving them.
@@ -384,6 +403,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     d, e, r, tp, layers, tokens = c.d, c.e, c.r, c.tp, c.layers, c.tokens
     fsdp, zero, first, last = c.fsdp, c.zero, c.first, c.last
     div = c.shard if fsdp else 1
+    in_backward = bool(c.opt and c.opt.in_backward)
     base = sum(lines.values())
     # Blocks' saved bytes per token still on the device (training.activation_offload moves the rest).
     blk_tok = _mean_block_per_token(c) - (offload.moved_per_token(c) / layers if layers else 0.0)
@@ -422,19 +442,28 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     held_act = lines["activations"] - (_loss_saved_per_token(c) * tokens if last else 0.0)
     if last:
         held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
-    blk_grads = (4 * c.trained_blk / div) if layers else 0.0
+    blk_grads = (c.grad_bytes * c.trained_blk / div) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
     at_first_blk += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
     if c.ft and fsdp and zero == 3 and first and c.kept == 0:
-        # Fine-tuning under full AC: the root unit's frozen embedding is still gathered when the blocks'
-        # backward starts (traced real FSDP2 step, planner7m LoRA fp32: embedding + head + one block).
+        # Fine-tuning under full AC: the frozen embedding's unit is gathered again in the blocks' backward
+        # (FSDP2 prefetches the unit that ran before them) and, having no gradient, stays gathered until
+        # backward ends (real gloo runs, planner7m LoRA / QLoRA: within 0.4 %). The frozen head's unit,
+        # gathered again only for its own backward after the loss buffers are freed, adds nothing.
         at_first_blk += e * c.v_h
     # Gradients produced since the first block: with accumulation they already exist from the earlier
     # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
     # (Under CPU offload each block's gradient shard leaves for the host: nothing grows on the device.)
-    grown = max(0, layers - 1) * blk_grads if c.accum == 1 and not offload.cpu_offload(c) else 0.0
+    grows = c.accum == 1 and not offload.cpu_offload(c) and not in_backward
+    grown = max(0, layers - 1) * blk_grads if grows else 0.0
+    if in_backward:
+        # The update of one tensor runs inside backward, its gradient freed right after: a block's inside
+        # the block's backward, the root unit's (embedding, head) after the last block's.
+        at_first_blk += c.opt.temp_block
     at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * c.held + grown
+    if in_backward:
+        at_last_blk += c.opt.temp - c.opt.temp_block
     if first and fsdp and zero == 3 and not c.ft:  # (a frozen embedding has no gradient)
         at_last_blk += e * c.v_h  # the embedding's unsharded gradient before its reduce-scatter
     elif first and c.accum == 1 and not c.ft:
@@ -525,9 +554,12 @@ def optimizer_lines(c: StageShape, lines: dict[str, float]) -> dict[str, float]:
     """At the optimizer step: activations and unsharded buffers are gone; gradients are complete, and
     foreach AdamW (CPU) allocates one temporary the size of the local fp32 state."""
     out = {k: v for k, v in lines.items() if k not in _GONE_AT_OPTIMIZER}
+    if c.opt and c.opt.in_backward:
+        return out  # every update ran inside backward; no gradient is left
     out["gradients"] = c.grads
-    if not fused_optimizer(c.cfg.hardware):
-        out["optimizer temporaries"] = 4 * c.trained / c.shard
+    temp = c.opt.temp if c.opt else (0.0 if fused_optimizer(c.cfg.hardware) else 4 * c.trained / c.shard)
+    if temp:
+        out["optimizer temporaries"] = temp
     return out
 
 

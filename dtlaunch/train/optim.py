@@ -49,8 +49,13 @@ def build_optimizer(
     zero1_group: Optional[Any] = None,
     fused: Optional[bool] = None,
 ) -> torch.optim.Optimizer:
-    """AdamW; with zero1_group, ZeroRedundancyOptimizer shards its state over those data-parallel ranks."""
+    """AdamW; with zero1_group, ZeroRedundancyOptimizer shards its state over those data-parallel ranks.
+    optim.name=adamw8bit|adamw4bit: torchao's (dtlaunch.train.optim_lowbit; ZeRO-1 refused by validate)."""
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    if str(cfg.optim.name) != "adamw":
+        from dtlaunch.train.optim_lowbit import lowbit_adamw
+
+        return lowbit_adamw(groups, cfg)
     kw = adamw_kwargs(cfg, device, fused)
     if zero1_group is None:
         return torch.optim.AdamW(groups, **kw)
@@ -89,7 +94,12 @@ def lr_lambda(cfg: Any) -> Callable[[int], float]:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    # An optimizer that keeps lr as a tensor (torchao's) hands the scheduler tensor base lrs: plain
+    # numbers instead, so the schedule computes the same values before and after a resume (its state is
+    # saved as JSON numbers) and the tensor is filled in place.
+    sched.base_lrs = [float(lr) for lr in sched.base_lrs]
+    return sched
 
 
 def build_grad_scaler(cfg: Any, device: torch.device, group: Optional[Any] = None) -> Optional[Any]:

@@ -40,6 +40,7 @@ class Runtime:
     # Preference tuning (dtlaunch.train.objectives): the objective (None: cross-entropy) and DPO's reference.
     objective: Optional[Any] = None
     reference: Optional[Any] = None
+    in_backward: Optional[Any] = None  # dtlaunch.train.optim_in_backward.InBackward (optim.in_backward)
 
     def __post_init__(self) -> None:
         from dtlaunch.train.optim import skips_on_device
@@ -108,6 +109,13 @@ def build_runtime(
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.objectives.reference import build_reference
 
+    in_backward = None
+    if cfg.optim.in_backward:
+        from dtlaunch.train.optim_in_backward import InBackward
+
+        # The norm's squares are summed over the FSDP shard group (validate allows no other layout).
+        norm_group = dp_mesh(mesh, flatten=True).get_group() if layout.dp > 1 else None
+        in_backward = InBackward(parts, optimizers, norm_group)
     return Runtime(
         cfg=cfg,
         layout=layout,
@@ -125,6 +133,7 @@ def build_runtime(
         loss_context=lambda: loss_context(cfg, layout),
         objective=PreferenceObjective.of(cfg),
         reference=build_reference(cfg, layout, mesh, parts, init=init),
+        in_backward=in_backward,
     )
 
 

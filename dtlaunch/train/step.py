@@ -75,10 +75,15 @@ def train_step(
             rt.scaler.unscale_(opt)
     # The global norm decides whether the update is applied. A non-finite loss on any rank makes every
     # gradient, and so this all-reduced norm, non-finite on every rank.
-    grad_norm = clip_grad_norm(rt.params, rt.grad_clip, rt.pp_mesh)
-    if rt.scaler is not None:
+    if rt.in_backward is not None:
+        grad_norm = rt.in_backward.grad_norm(rt.device)
+    else:
+        grad_norm = clip_grad_norm(rt.params, rt.grad_clip, rt.pp_mesh)
+    if rt.in_backward is not None:
+        applied: Any = True  # every parameter was updated inside backward (dtlaunch.train.optim_in_backward)
+    elif rt.scaler is not None:
         # With fp16 loss scaling an overflowing step is routine: the scaler skips it and lowers the scale.
-        applied: Any = True
+        applied = True
         for opt in rt.optimizers:
             rt.scaler.step(opt)
     elif rt.skip_on_device:

@@ -67,3 +67,27 @@ def test_predicted_peak_matches_real_moe_runs():
     assert all(r["measured"] > 0 for r in rows), table
     errs = [abs(bench._err(r)) for r in rows] + [abs(bench._err(s)) for r in rows for s in r["stages"]]
     assert max(errs) <= 8.0 and statistics.median(errs) <= 3.0, table
+
+
+OPTIM_SUBSET = [
+    [
+        "strategy=zero3",
+        "launch.nproc_per_node=2",
+        "optim.name=adamw8bit",
+        "optim.in_backward=true",
+        "training.grad_clip=0",
+    ],
+    ["peft=lora", "strategy=zero3", "launch.nproc_per_node=2", "precision=bf16", "optim.state_dtype=bf16"],
+]
+
+
+@pytest.mark.slow
+def test_predicted_peak_matches_real_optimizer_option_runs():
+    """torchao's 8-bit AdamW with the step in backward, and bf16 LoRA adapters with the frozen embedding and
+    head as FSDP2 units of their own (dtlaunch/plan/optim_terms.py); the whole matrix is
+    `python bench/planner_accuracy.py --optim`."""
+    bench = _bench()
+    rows = [bench.run_real(ov) for ov in OPTIM_SUBSET]
+    table = "\n".join(bench._fmt(r) for r in rows)
+    assert all(r["measured"] > 0 for r in rows), table
+    assert max(abs(bench._err(r)) for r in rows) <= 8.0, table

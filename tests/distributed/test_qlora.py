@@ -153,8 +153,8 @@ def test_qlora_layout_matches_one_process(layout: str, launched: dict, one_proce
 def test_fsdp_gathers_the_quantised_base(launched: dict) -> None:
     got = launched["fsdp"]
     # The blocks' gathers: uint8 buffers holding the NF4 bytes of all ranks plus bf16 adapters and norms,
-    # in forward and again in backward (reshard after forward), for both blocks of each step. The root
-    # unit (embedding, head, final norm: not quantised) gathers in bf16.
+    # in forward and again in backward (reshard after forward), for both blocks of each step. The frozen
+    # embedding and head (units of their own) and the root unit (final norm) are not quantised: bf16.
     blocks = [size for dtype, size in got["gathers"] if dtype == "torch.uint8"]
     assert blocks and set(blocks) == {got["expected_block_gather_bytes"]}, got["gathers"]
     assert len(blocks) >= 2 * 2 * STEPS

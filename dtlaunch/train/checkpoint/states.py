@@ -111,7 +111,7 @@ class SchedulerState(Stateful):
         self.schedulers = list(schedulers)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedulers": [s.state_dict() for s in self.schedulers]}
+        return {"schedulers": [_plain(s.state_dict()) for s in self.schedulers]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict["schedulers"]
@@ -119,6 +119,18 @@ class SchedulerState(Stateful):
             raise ConfigError("the checkpoint holds LR schedulers in different states: it is damaged")
         for sched in self.schedulers:
             sched.load_state_dict(saved[0])
+
+
+def _plain(sd: dict[str, Any]) -> dict[str, Any]:
+    """Tensor lrs (torchao's optimizers keep lr as a tensor) as the plain numbers JSON holds."""
+    import torch
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.item()
+        return [plain(x) for x in v] if isinstance(v, list) else v
+
+    return {k: plain(v) for k, v in sd.items()}
 
 
 def train_states(

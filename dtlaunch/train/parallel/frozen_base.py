@@ -2,36 +2,71 @@
 
 Full training keeps fp32 master weights because the optimizer updates them; a frozen weight is never
 updated, and every matmul reads it in the compute dtype (FSDP2's MixedPrecisionPolicy casts it, or
-autocast does). So the frozen linears (the blocks' and the output head) are stored in
-precision.param_dtype: the same numbers reach every matmul, at half the bytes (Llama-3.1-8B's base: 16 GB
-instead of 32 GB). Under QLoRA the blocks' linears become NF4 instead (dtlaunch.train.parallel.qlora). Norm gains
-and the embedding stay fp32: the embedding's output is the residual stream, which autocast keeps in fp32.
+autocast does). So the frozen linears (the blocks' and the output head) and the frozen embedding are
+stored in precision.param_dtype: half the bytes (Llama-3.1-8B's base: 16 GB instead of 32 GB). Under
+QLoRA the blocks' linears become NF4 instead (dtlaunch.train.parallel.qlora). Norm gains stay fp32.
+
+Without FSDP (autocast) the residual stream stays fp32: the compute-dtype embedding's output is cast back
+to fp32 (its values are the compute-dtype embedding's, as an FSDP run reads them). With
+optim.state_dtype=bf16 the adapters are bf16 too (so their gradients and AdamW moments are).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from dtlaunch.models.lora import is_adapter
 from dtlaunch.train.parallel.qlora import DTYPES, quantize_base
 
 
-def convert_frozen_base(model: nn.Module, cfg: Any, shards: int) -> None:
-    """peft.method=lora/qlora: frozen linear weights (and biases) to the compute dtype, then (qlora) the
-    block linears to NF4. `shards`: the FSDP shard count (1 without FSDP). Nothing under peft=none."""
+def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = False) -> None:
+    """peft.method=lora/qlora: frozen linear and embedding weights (and biases) to the compute dtype,
+    then (qlora) the block linears to NF4. `shards`: the FSDP shard count (1 without FSDP); `fsdp`: FSDP2
+    casts the compute (no autocast). Nothing under peft=none."""
     if str(cfg.peft.method) == "none":
         return
     dtype = DTYPES[str(cfg.precision.param_dtype)]
-    # A head tied to the embedding is the embedding's parameter: it stays as it is (and stays tied).
-    counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
+    counts = _uses(model)
     for mod in model.modules():
-        if not isinstance(mod, nn.Linear):
+        if not isinstance(mod, (nn.Linear, nn.Embedding)):
             continue
         for name in ("weight", "bias"):
             p = getattr(mod, name, None)
+            # A head tied to the embedding is trained or frozen with it and stays as it is (and tied).
             if isinstance(p, nn.Parameter) and not p.requires_grad and p.dtype != dtype and counts[id(p)] == 1:
                 setattr(mod, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+        if isinstance(mod, nn.Embedding) and mod.weight.dtype != torch.float32 and not fsdp:
+            mod.register_forward_hook(_to_fp32)
+    if str(cfg.optim.state_dtype) == "bf16":
+        for mod in model.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                if is_adapter(name) and p.dtype != torch.bfloat16:
+                    setattr(mod, name, nn.Parameter(p.detach().to(torch.bfloat16)))
     quantize_base(model, cfg, shards)
+
+
+def frozen_ends(model: nn.Module) -> list[nn.Module]:
+    """The frozen, untied embedding and output head (absent on a pipeline stage that does not own them):
+    under FSDP2 each is a unit of its own, gathered only while it runs."""
+    counts = _uses(model)
+    ends = []
+    for name in ("tok_embeddings", "output"):
+        mod = getattr(model, name, None)
+        params = list(mod.parameters()) if isinstance(mod, nn.Module) else []
+        if params and not any(p.requires_grad for p in params) and all(counts[id(p)] == 1 for p in params):
+            ends.append(mod)
+    return ends
+
+
+def _uses(model: nn.Module) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return counts
+
+
+def _to_fp32(_mod: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out.float()

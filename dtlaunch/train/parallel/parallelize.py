@@ -23,7 +23,7 @@ from dtlaunch.config.layout import Layout
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
-from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+from dtlaunch.train.parallel.frozen_base import convert_frozen_base, frozen_ends
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
@@ -70,7 +70,7 @@ def parallelize(
     fsdp = data_mesh is not None and zero >= 2
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
     # FSDP2 shards what is stored.
-    convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1)
+    convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1, fsdp=fsdp)
     if fsdp:
         reshard = zero == 3 or frozen
         apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp)
@@ -116,7 +116,9 @@ def apply_fsdp(
     experts: ExpertMeshes | None = None,
     dp: int = 1,
 ) -> None:
-    """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP.
+    """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP. A frozen
+    embedding and head (LoRA / QLoRA) are units of their own, resharded after use: the root unit is
+    not, so in it they would stay gathered from forward to the end of backward.
 
     Under expert parallel each block's routed experts are their own FSDP unit on the expert-FSDP mesh
     (the shard ranks that hold the same experts), before the block takes the rest over `mesh`."""
@@ -128,6 +130,8 @@ def apply_fsdp(
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
+    for end in frozen_ends(model):
+        fully_shard(end, mesh=mesh, mp_policy=policy, reshard_after_forward=True, **offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 
 
