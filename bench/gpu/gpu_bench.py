@@ -7,19 +7,27 @@ prediction against what the GPU measured, and dtlaunch's throughput against the 
   weights are the real ones): activation checkpointing none / op-SAC / layer-SAC / full and compile's
   memory budget, compile off/on, float8 (tensorwise, rowwise; torchao).
 - The largest model the planner says fits, with full AC.
+- `--part memory` (< 8 minutes, its own default budget): each memory feature on one GPU against its plan,
+  on the 8B width with 4 layers and the real 128k vocabulary at 2 x 2048 tokens: baseline
+  (training.loss_chunks=1), loss_chunks=8, activation offload (full AC), adamw8bit, optim.in_backward,
+  LoRA (frozen embedding/head in the compute dtype), LoRA with optim.state_dtype=bf16, full AC, QLoRA,
+  CPU offload (2+ GPUs only: validation refuses it on one rank, and the row says so). Per row: planned
+  peak and device total, measured max_memory_allocated and max_memory_reserved, the plan's error, tokens/s
+  and its ratio to the baseline. A row whose option this checkout lacks is skipped with the reason.
 
 Every dtlaunch run compares the plan (plan.json: the figure `dtlaunch plan --json` prints) with the
 worker's torch.cuda.max_memory_allocated (summary.json), and the plan's device total (peak + CUDA
 context and allocator overheads) with the peak of nvidia-smi's memory.used during the run.
 All bf16, micro-batch 4 x 2048 tokens per GPU, FSDP2 strategy (a world of one trains unwrapped).
 
+    bash bench/gpu/run.sh --part memory                 # or: make bench-gpu-memory (budget 400 s built in)
     bash bench/gpu/run.sh --part 1 --budget-s 480       # or: make bench-gpu (all parts, no budget)
     bash bench/gpu/run.sh --part 2 --budget-s 480
     python bench/gpu/gpu_bench.py --merge bench/results/gpu-<date>-<device>-part{1,2}.json
     python bench/gpu/gpu_bench.py --dry-run             # CPU: compose and plan every run
     python bench/gpu/gpu_bench.py --rehearse            # CPU: every run end to end, tiny shapes (see below)
 
-Results: bench/results/gpu-<date>-<device>[-partN].md and .json (--results-dir elsewhere), rewritten after
+Results: bench/results/gpu-<date>-<device>[-partN|-memory].md and .json (--results-dir elsewhere), rewritten after
 every run, so a run cut short keeps what it measured. With --budget-s the bench starts no run it cannot
 finish inside the budget and stops one that overruns; what it left out is listed as skipped.
 
@@ -174,7 +182,9 @@ def run_list(nproc: int, hw: str, steps: int, fits: Callable[[tuple[str, ...]], 
 # the baseline plus one feature, so each row's memory and tokens/s read against the baseline's.
 MEMORY = "memory"
 MEM_STEPS, MEM_WARMUP = 12, 4  # steps per run, steps excluded from tokens/s
-MEM_BUDGET_S = 400.0  # default --budget-s of the memory part: with a last run stopped at it (SIGTERM, SIGKILL 45 s later), the command ends within ~7.5 minutes
+# Default --budget-s of the memory part: counted from the bench's own start; a run still going at it is
+# stopped (SIGTERM, SIGKILL 45 s later), so the command ends within ~7.5 minutes.
+MEM_BUDGET_S = 400.0
 MEM_RUN_TIMEOUT_S = 120.0  # default --run-timeout of the memory part (a run takes ~20-45 s on an H100)
 FULL_AC = "training.activation_checkpointing=full"
 LORA = "peft=lora"
