@@ -9,11 +9,12 @@ prediction against what the GPU measured, and dtlaunch's throughput against the 
 - The largest model the planner says fits, with full AC.
 - `--part memory` (< 8 minutes, its own default budget): each memory feature on one GPU against its plan,
   on the 8B width with 4 layers and the real 128k vocabulary at 2 x 2048 tokens: baseline
-  (training.loss_chunks=1), loss_chunks=8, activation offload (full AC), adamw8bit, optim.in_backward,
-  LoRA (frozen embedding/head in the compute dtype), LoRA with optim.state_dtype=bf16, full AC, QLoRA,
-  CPU offload (2+ GPUs only: validation refuses it on one rank, and the row says so). Per row: planned
-  peak and device total, measured max_memory_allocated and max_memory_reserved, the plan's error, tokens/s
-  and its ratio to the baseline. A row whose option this checkout lacks is skipped with the reason.
+  (training.loss_chunks=1), loss_chunks=8, full AC, activation offload and optim.in_backward (both under
+  full AC), adamw8bit, LoRA (frozen embedding/head in the compute dtype), LoRA with optim.state_dtype=bf16,
+  QLoRA, CPU offload (2+ GPUs only: validation refuses it on one rank, and the row says so). Per row:
+  planned peak and device total, measured max_memory_allocated and max_memory_reserved, the plan's error,
+  tokens/s against the baseline and against the feature's reference row. A row whose option this
+  checkout lacks is skipped with the reason.
 
 Every dtlaunch run compares the plan (plan.json: the figure `dtlaunch plan --json` prints) with the
 worker's torch.cuda.max_memory_allocated (summary.json), and the plan's device total (peak + CUDA
@@ -179,7 +180,7 @@ def run_list(nproc: int, hw: str, steps: int, fits: Callable[[tuple[str, ...]], 
 # The memory part (--part memory): each memory feature on ONE GPU against its plan, on a shape where
 # each matters: the 8B width with 4 layers and the real 128k vocabulary (the logits of 2 x 2048 tokens are
 # 1 GiB in bf16, 2 GiB in fp32), bf16, one rank (FSDP2's world of one trains unwrapped). Every row is
-# the baseline plus one feature, so each row's memory and tokens/s read against the baseline's.
+# a reference row plus one feature (`MEMORY_FEATURES`), so each feature reads against the same job without it.
 MEMORY = "memory"
 MEM_STEPS, MEM_WARMUP = 12, 4  # steps per run, steps excluded from tokens/s
 # Default --budget-s of the memory part: counted from the bench's own start; a run still going at it is
@@ -188,20 +189,24 @@ MEM_BUDGET_S = 400.0
 MEM_RUN_TIMEOUT_S = 120.0  # default --run-timeout of the memory part (a run takes ~20-45 s on an H100)
 FULL_AC = "training.activation_checkpointing=full"
 LORA = "peft=lora"
-# (variant, overrides on top of the baseline, data-parallel ranks), most important first: a budget cut
-# loses the tail. The baseline's training.loss_chunks=1 is added by `memory_runs` where the schema has it.
-MEMORY_FEATURES: tuple[tuple[str, tuple[str, ...], int], ...] = (
-    ("baseline", (), 1),
-    ("loss-chunks-8", ("training.loss_chunks=8",), 1),
-    ("act-offload", (FULL_AC, "training.activation_offload=true"), 1),
-    ("adamw8bit", ("optim.name=adamw8bit",), 1),
-    ("in-backward", ("optim.in_backward=true", "training.grad_clip=0"), 1),
-    ("lora", (LORA,), 1),  # frozen base; frozen embedding and head in the compute dtype
-    ("lora-bf16-state", (LORA, "optim.state_dtype=bf16"), 1),  # validation allows bf16 state under PEFT only
-    ("ac-full", (FULL_AC,), 1),  # act-offload's reference
-    ("qlora", (LORA, "peft.method=qlora"), 1),
-    ("cpu-offload", ("strategy.cpu_offload=true",), 2),  # validation: FSDP over 2+ data-parallel ranks
+# (variant, overrides on top of the baseline, data-parallel ranks, reference row), most important first:
+# a budget cut loses the tail. A feature reads against its reference row (the same job without it); the
+# baseline's training.loss_chunks=1 is added by `memory_runs` where the schema has it. in_backward runs
+# under full AC: without it the peak is the loss's backward, before any gradient exists, and the plan
+# gives in_backward nothing to save there.
+MEMORY_FEATURES: tuple[tuple[str, tuple[str, ...], int, str], ...] = (
+    ("baseline", (), 1, ""),
+    ("loss-chunks-8", ("training.loss_chunks=8",), 1, "baseline"),
+    ("ac-full", (FULL_AC,), 1, "baseline"),
+    ("act-offload", (FULL_AC, "training.activation_offload=true"), 1, "ac-full"),
+    ("adamw8bit", ("optim.name=adamw8bit",), 1, "baseline"),
+    ("in-backward", (FULL_AC, "optim.in_backward=true", "training.grad_clip=0"), 1, "ac-full"),
+    ("lora", (LORA,), 1, "baseline"),  # frozen base; frozen embedding and head in the compute dtype
+    ("lora-bf16-state", (LORA, "optim.state_dtype=bf16"), 1, "lora"),  # validation: bf16 state under PEFT only
+    ("qlora", (LORA, "peft.method=qlora"), 1, "lora"),
+    ("cpu-offload", ("strategy.cpu_offload=true",), 2, "baseline"),  # validation: FSDP over 2+ DP ranks
 )
+MEMORY_REFERENCE = {variant: ref for variant, _, _, ref in MEMORY_FEATURES}
 
 
 def mem_job(nproc: int, hw: str, steps: int, extra: Sequence[str], host_gib: float = 0.0) -> tuple[str, ...]:
@@ -245,7 +250,7 @@ def memory_runs(hw: str, steps: int, host_gib: float = 0.0, gpus: int = 1) -> li
     so that validation names why they cannot (`memory_skip_reason`)."""
     base = ("training.loss_chunks=1",) if schema_has("training.loss_chunks") else ()
     out = []
-    for variant, extra, ranks in MEMORY_FEATURES:
+    for variant, extra, ranks, _ in MEMORY_FEATURES:
         nproc = ranks if ranks <= gpus else 1
         overrides = mem_job(nproc, hw, steps, [*base, *extra], host_gib)
         out.append(Run("mem-8b-4l", False, variant, overrides, ("dtlaunch",), MEMORY))
@@ -645,8 +650,13 @@ def render(report: dict[str, Any]) -> str:
 
 def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], unit: str, report: dict) -> list[str]:
     """The memory part's table: per feature, plan vs measured peak (allocated; the plan's device total
-    vs the allocator's reserved peak) and tokens/s against the baseline row of the same command."""
-    base = next((r for r in results if r["variant"] == "baseline" and r.get("tokens_per_s")), None)
+    vs the allocator's reserved peak), tokens/s against the baseline row of the same command, and both
+    against the feature's reference row (the same job without the feature)."""
+    by = {r["variant"]: r for r in results if r.get("tokens_per_s")}
+
+    def ratio(r: dict[str, Any], ref: Optional[dict[str, Any]], key: str) -> str:
+        return f"{r[key] / ref[key]:.3f}" if ref and r.get(key) and ref.get(key) else "-"
+
     rows = []
     for r in results:
         alloc, reserved = r.get("measured_bytes"), r.get("measured_reserved_bytes")
@@ -655,17 +665,19 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
             speed = f"skipped: {r['skipped']}"
         else:
             speed = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else (r.get("error") or "?")[:160]
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base and r.get("tokens_per_s") else "-"
-        mem_ratio = f"{alloc / base['measured_bytes']:.3f}" if base and alloc and base.get("measured_bytes") else "-"
+        ref_name = MEMORY_REFERENCE.get(r["variant"], "")
+        base, ref = by.get("baseline"), by.get(ref_name)
         rows.append(
             [
                 r["variant"],
+                ref_name or "-",
                 speed,
-                ratio,
+                ratio(r, base, "tokens_per_s"),
+                ratio(r, ref, "tokens_per_s"),
                 gib(r.get("predicted_bytes")),
                 gib(alloc),
                 f"{r['error_pct']:+.1f} %" if r.get("error_pct") is not None else "-",
-                mem_ratio,
+                ratio(r, ref, "measured_bytes"),
                 gib(total),
                 gib(reserved),
                 f"{(total - reserved) / reserved * 100:+.1f} %" if total and reserved else "-",
@@ -674,12 +686,14 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
         )
     headers = [
         "feature",
+        "reference",
         "tokens/s",
         "vs baseline",
+        "vs reference",
         f"plan peak {unit}",
         f"max_memory_allocated {unit}",
         "plan error",
-        "allocated vs baseline",
+        "allocated vs reference",
         f"plan device total {unit}",
         f"max_memory_reserved {unit}",
         "device total vs reserved",
@@ -688,7 +702,7 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
     shape = "REHEARSAL_SHAPE (tiny, CPU)" if report.get("rehearsal") else MEMORY_SHAPE
     steps, warmup = report.get("mem_steps", report["steps"]), report.get("mem_warmup", report["warmup"])
     return [
-        "## Memory features (one GPU; each row = the baseline plus one feature)",
+        "## Memory features (one GPU; each row = its reference row plus one feature)",
         "",
         f"- job: {shape}, {steps} steps, first {warmup} excluded from tokens/s; the baseline has"
         " training.loss_chunks=1 (where the schema has it); plan error = (plan - measured) / measured; the plan's"

@@ -194,4 +194,6 @@ def test_gpu_bench_memory_table_reads_against_the_baseline() -> None:
     }
     text = gpu_bench.render(report)
     assert "## Memory features" in text and "310 s in all" in text and "skipped: needs 2 GPUs" in text
-    assert "| lora | 1,500 | 1.500 | 10.00 | 10.00 | +0.0 % | 0.500 | 12.00 | 11.00 | +9.1 % |" in text
+    assert (
+        "| lora | baseline | 1,500 | 1.500 | 1.500 | 10.00 | 10.00 | +0.0 % | 0.500 | 12.00 | 11.00 | +9.1 % |" in text
+    )
