@@ -10,6 +10,8 @@
   python bench/planner_accuracy.py --peft     # real LoRA / QLoRA runs (PEFT); writes planner_accuracy_peft_cpu.md
   python bench/planner_accuracy.py --dpo      # real DPO runs (reference copy, adapters off, precomputed)
   python bench/planner_accuracy.py --optim    # optim.* memory options (OPTIM); writes planner_accuracy_optim_cpu.md
+  python bench/planner_accuracy.py --loss-chunks  # training.loss_chunks 1 vs 8 on a 32k-vocabulary tiny model;
+                                                  # writes planner_accuracy_loss_chunks_cpu.md / .json
 
 --real writes bench/results/planner_accuracy_cpu.md. Bounds the issue asks for: median |error| <= 3 %,
 max <= 8 %. "Measured" is the max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter
@@ -217,6 +219,23 @@ MOE = [
         ["strategy=zero2", N4, SEL],
     )
 ]
+# training.loss_chunks: the tiny model with a 32k vocabulary, where the logits and the loss dominate the peak.
+LOSS_BASE = ["model=tiny", "model.vocab_size=32000", "training.micro_batch=4", "training.seq_len=128", "hardware=cpu"]
+LOSS_CHUNKS = [
+    [*ov, f"training.loss_chunks={n}"]
+    for ov in (
+        ["strategy=zero3", N2],
+        ["strategy=zero3", N2, BF16],
+        ["strategy=ddp", N2],
+        ["strategy=ddp", N2, BF16],
+        ["strategy=tp", N2],
+        ["strategy=zero2", N2, SEL],
+        ["strategy=pp", N2, "strategy.pp_microbatches=4"],
+        ["strategy=zero3", CP2, N2],
+        [LORA, "strategy=zero3", N2],
+    )
+    for n in (1, 8)
+] + [["strategy=zero3", N2, "training.loss_chunks=4"]]
 RESULTS = Path(__file__).parent / "results"
 NOTES = [
     "Notes:",
@@ -324,7 +343,9 @@ def _err(row: dict) -> float:
     return (row["predicted"] - row["measured"]) / row["measured"] * 100
 
 
-def write_markdown(rows: list[dict], command: str, name: str = "planner_accuracy_cpu.md") -> Path:
+def write_markdown(
+    rows: list[dict], command: str, name: str = "planner_accuracy_cpu.md", base: list[str] = REAL_BASE
+) -> Path:
     import torch
 
     errs = [abs(_err(r)) for r in rows if r["measured"]]
@@ -335,7 +356,7 @@ def write_markdown(rows: list[dict], command: str, name: str = "planner_accuracy
         f"- torch {torch.__version__}, Python {platform.python_version()}",
         f"- date: {datetime.date.today().isoformat()}",
         f"- command: `{command}`",
-        f"- every run: `{' '.join(REAL_BASE)} training.steps=3 checkpoint=none` + the overrides below",
+        f"- every run: `{' '.join(base)} training.steps=3 checkpoint=none` + the overrides below",
         "- measured: max over ranks of summary.json peak_mem_bytes_per_rank (StorageCounter tensor storage, "
         "3 steps); predicted: plan.json peak_bytes (allocated bytes on the most loaded rank; device "
         "overheads are separate lines and not compared)",
@@ -401,6 +422,21 @@ if __name__ == "__main__":
             (RESULTS / "planner_accuracy_dpo_cpu.json").write_text(json.dumps(rows, indent=1))
             cmd = "python bench/planner_accuracy.py --dpo"
             print("wrote", write_markdown(rows, cmd, "planner_accuracy_dpo_cpu.md"))
+        sys.exit(0)
+    if "--loss-chunks" in sys.argv:
+        rows = [run_real(ov, base=LOSS_BASE) for i, ov in enumerate(LOSS_CHUNKS) if only is None or i in only]
+        for r in rows:
+            print(_fmt(r), flush=True)
+        errs = [abs(_err(r)) for r in rows if r["measured"]]
+        print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
+        store = RESULTS / "planner_accuracy_loss_chunks_cpu.json"
+        if only is not None and store.exists():
+            # Re-run rows replace the stored ones of the same name; the table is rebuilt from all rows.
+            fresh = {r["name"]: r for r in rows}
+            rows = [fresh.pop(r["name"], r) for r in json.loads(store.read_text())] + list(fresh.values())
+        store.write_text(json.dumps(rows, indent=1))
+        cmd = "python bench/planner_accuracy.py --loss-chunks"
+        print("wrote", write_markdown(rows, cmd, "planner_accuracy_loss_chunks_cpu.md", LOSS_BASE))
         sys.exit(0)
     if "--families" in sys.argv or "--moe" in sys.argv or "--float8" in sys.argv:
         rows = []

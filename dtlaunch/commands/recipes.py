@@ -14,11 +14,11 @@ from dtlaunch.errors import ConfigError, DtlaunchError, InputError
 
 
 def _recipe_file(name: str, recipe_dirs: Sequence[str]) -> Path:
-    from dtlaunch.config.compose import _did_you_mean, list_recipes
+    from dtlaunch.config.compose import did_you_mean, list_recipes
 
     recipes = list_recipes(recipe_dirs)
     if name not in recipes:
-        raise ConfigError(f"unknown recipe '{name}'{_did_you_mean(name, recipes)}: see `dtlaunch recipes` for the list")
+        raise ConfigError(f"unknown recipe '{name}'{did_you_mean(name, recipes)}: see `dtlaunch recipes` for the list")
     return recipes[name]
 
 

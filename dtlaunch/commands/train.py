@@ -31,7 +31,7 @@ def train_command(
         return prepare_launch(overrides, recipe_dirs, force, no_resume)
 
     if report is not None and overlap_possible():
-        prepared, code = prepare_aside(prepare, report)
+        prepared, code = prepare_aside(prepare, report, exit_at_once=True)
         if prepared is None:
             return code
         from dtlaunch.config.compose import typed_resolved
@@ -78,7 +78,6 @@ def _compose_and_plan(overrides: Sequence[str], recipe_dirs: Sequence[str], forc
 def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: bool, no_resume: bool) -> Prepared:
     """Everything before the workers start: compose, validate, plan gate, run directory, data, checks."""
     job, plan = _compose_and_plan(overrides, recipe_dirs, force)
-    out = console()
     check_hf_weights(job.cfg)
     from dtlaunch.commands.eval import check_eval_tasks
 
@@ -86,10 +85,28 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     from dtlaunch.hub.dataset import pin_dataset
 
     pin_dataset(job.cfg)  # a hub dataset: fetched now and its commit recorded in config.yaml
+    from dtlaunch.launch.rundir import run_dir_for
+
+    # Before anything in the run directory changes: one launcher per run directory (exit 2 naming the other).
+    lock_fd = _lock_run_dir(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+    try:
+        run_dir = _prepare_run_dir(job, plan, no_resume)
+    except BaseException:
+        if lock_fd >= 0:  # an in-process caller goes on: a failed preparation must not keep the directory
+            os.close(lock_fd)
+        raise
+    return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg, lock_fd=lock_fd)
+
+
+def _prepare_run_dir(job: Any, plan: Any, no_resume: bool) -> Path:
+    """The run directory with its config, plan and data, checked: the data sample and the checkpoint to
+    resume (exit 2 here, not 1 in the workers)."""
     from dtlaunch.data.run_data import prepare_run_data
+    from dtlaunch.launch.preflight import check_data, check_resume
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside, run_dir_for
     from dtlaunch.run.env import NO_RESUME_ENV
 
+    out = console()
     if no_resume:
         # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and
         # CheckpointManager.resume() refuses a directory that gains checkpoints meanwhile.
@@ -101,12 +118,20 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
-    # Data sample and the checkpoint to resume, checked before any worker starts (exit 2 here, not 1 there).
-    from dtlaunch.launch.preflight import check_data, check_resume
-
     check_data(job.cfg, run_dir, job.layout)
     check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
-    return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg)
+    return run_dir
+
+
+def _lock_run_dir(cfg: Any, run_dir: Path) -> int:
+    """The run directory's lock (-1: not this launcher's to take). Of a multi-node run only node 0 takes
+    it: the others share its directory, and its rendezvous refuses a second job under the same id."""
+    from dtlaunch.launch.local import node_rank_of
+    from dtlaunch.launch.runlock import lock_run_dir
+
+    if int(cfg.launch.nnodes) > 1 and node_rank_of(cfg.launch) != 0:
+        return -1
+    return lock_run_dir(run_dir)
 
 
 def launch_prepared(prepared: Prepared) -> int:
@@ -120,7 +145,15 @@ def launch_prepared(prepared: Prepared) -> int:
     out = console()
     phase(f"starting {nproc_per_node(cfg)} worker(s) on this node")
     began = time.perf_counter()
-    _launch_recording_state(cfg, run_dir)
+    if prepared.lock_fd >= 0:
+        from dtlaunch.launch.runlock import record_holder
+
+        record_holder(prepared.lock_fd)
+    try:
+        _launch_recording_state(cfg, run_dir)
+    finally:
+        if prepared.lock_fd >= 0:  # the job is over: the run directory is free for the next launcher
+            os.close(prepared.lock_fd)
     summary = complete_summary(cfg, prepared.layout, run_dir, time.perf_counter() - began)
     for line in summary_lines(summary, run_dir) if summary else []:
         out.print(line, markup=False, soft_wrap=True)

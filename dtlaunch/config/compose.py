@@ -88,7 +88,7 @@ def _split_recipe(overrides: Sequence[str], recipes: dict[str, Path]) -> tuple[l
         elif value in recipes:
             recipe_file, recipe_name = recipes[value], value
         else:
-            hint = _did_you_mean(value, recipes)
+            hint = did_you_mean(value, recipes)
             raise ConfigError(f"unknown recipe '{value}'{hint}: see `dtlaunch recipes` for the list")
     if recipe_file is not None:
         from dtlaunch.config.yaml_check import check_yaml_file
@@ -368,7 +368,8 @@ def _schema_fields(dotted_parent: str) -> list[str]:
     return [f.name for f in fields(node)]
 
 
-def _did_you_mean(word: str, options: Any) -> str:
+def did_you_mean(word: str, options: Any) -> str:
+    """The hint ` (did you mean 'X'?)` naming the closest of `options`, or "" when none is close."""
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
@@ -378,7 +379,7 @@ def _unknown_key_message(full_key: str) -> str:
     options = _schema_fields(parent)
     if not options and parent:
         return f"unknown config section '{parent}': valid sections are {', '.join(_schema_fields(''))}"
-    hint = _did_you_mean(leaf, options)
+    hint = did_you_mean(leaf, options)
     where = f"'{parent}'" if parent else "the job"
     return f"unknown key '{full_key}'{hint}: {where} has no such field; see `dtlaunch config` for valid keys"
 
@@ -399,7 +400,7 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
             return f"unknown recipe '{option}': see `dtlaunch recipes` for the list"
         opts = group_options(group)
         return (
-            f"unknown option '{option}' for config group '{group}'{_did_you_mean(option, opts)}: "
+            f"unknown option '{option}' for config group '{group}'{did_you_mean(option, opts)}: "
             f"choose one of {', '.join(opts)}"
         )
     m = re.search(r"Could not (?:override|append to|delete) '([^']+)'", full)

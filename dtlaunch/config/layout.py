@@ -95,6 +95,12 @@ def expert_fsdp_degree(layout: Layout) -> int:
     return layout.dp_shard // layout.ep
 
 
+def loss_chunks(cfg: Any) -> int:
+    """Token chunks the output head and its loss run over: training.loss_chunks for the next-token
+    objective; the preference objectives read token log-probs off the whole logits (one pass)."""
+    return int(cfg.training.loss_chunks) if str(cfg.objective.name) == "sft" else 1
+
+
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:
     """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
     gb = global_batch(cfg, layout)

@@ -162,6 +162,10 @@ class TrainingConfig:
     eval_batch_size: int = 8
     eval_include: str = ""  # a directory of task YAML files of one's own
     eval_apply_chat_template: bool = False
+    # The output head and the cross-entropy run over this many chunks of the tokens, each recomputed in
+    # backward, so the (tokens x vocab) logits and their fp32 gradients never exist whole: 8 (torchtune's
+    # choice) cuts that peak to an eighth for one extra head matmul per token. 1 = one full-vocabulary pass.
+    loss_chunks: int = 8
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
     loss_plot: bool = True
     # Name a rank whose own time per step (its step period less its wait for the latest rank to start the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -82,7 +83,10 @@ def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
     if not state:
         raise InputError(f"checkpoint '{info.path}' holds no model tensors")
     box = {"model": state}
-    dcp.load(box, checkpoint_id=str(info.path), planner=safe_load_planner(), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it reads "in a single process": that is what no_dist=True asks for, not news to the user.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(box, checkpoint_id=str(info.path), planner=safe_load_planner(), no_dist=True)
     return box["model"], model_config_from_marker(info.marker), info
 
 

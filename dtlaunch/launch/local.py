@@ -83,8 +83,22 @@ def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) ->
     env = worker_env(cfg, run_dir, detected_gpus)
     # Every argument is quoted whole, `--opt=value` parts included: a value holding `$(...)`, a quote or
     # a newline must reach torchrun as one literal argument when the line is pasted into a shell.
-    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    return " ".join(assignments + [shlex.join(["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)])])
+    assignments = [f"{k}={shell_word(v)}" for k, v in env.items()]
+    return " ".join(assignments + [shell_word(w) for w in ["torchrun", *torchrun_args(cfg, run_dir, detected_gpus)]])
+
+
+# Control characters as bash's $'...' writes them; others as \xHH.
+_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def shell_word(word: str) -> str:
+    """shlex.quote, kept on one line: a word with a control character (a newline in run.name) is written
+    $'...' (bash, zsh, ksh), since a quoted newline splits the printed command over lines that a user
+    copies one at a time, or a terminal runs one at a time."""
+    if not any(ord(c) < 32 or ord(c) == 127 for c in word):
+        return shlex.quote(word)
+    body = "".join(_ANSI_C.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 32 or ord(c) == 127 else c) for c in word)
+    return f"$'{body}'"
 
 
 def _cheap_rendezvous_event_names() -> None:

@@ -10,6 +10,7 @@ directory and checkpoints live on a bucket mounted on every node. Exit 75 (stopp
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -58,10 +59,23 @@ def _check(cfg: Any) -> None:
             "cluster.sky.bucket is empty: name a bucket for the run directory "
             "(checkpoints on a node's own disk are lost with a preempted node)"
         )
-    remote.check_dns_subdomain("cluster.sky.bucket", s.bucket)  # bucket names share the DNS rules
+    check_bucket_name("cluster.sky.bucket", s.bucket)
     remote.check_mount_path("cluster.sky.mount_path", s.mount_path)
     if s.cluster_name:
         remote.check_dns_label("cluster.sky.cluster_name", s.cluster_name)
+
+
+# The rules S3 and GCS share for a bucket name (dots allowed, 3 to 63 characters).
+_BUCKET = re.compile(r"[a-z0-9]([-.a-z0-9]{1,61}[a-z0-9])")
+
+
+def check_bucket_name(key: str, value: str) -> str:
+    if not _BUCKET.fullmatch(value) or ".." in value:
+        raise ConfigError(
+            f"{key}={value!r} is not a bucket name the clouds accept: use 3 to 63 lowercase letters, digits, "
+            "'-' and '.', starting and ending with a letter or digit"
+        )
+    return value
 
 
 def run_script(cfg: Any, run_dir: str, config_text: str, file_name: str, nodes: int) -> str:

@@ -4,13 +4,13 @@ Before the first worker starts, `dtlaunch train` composes, validates and plans t
 run directory and checks its data (about half a second of pure Python for a small job), then imports
 torch's elastic agent (about 1.3 s on a CPU machine). Neither needs the other until the launch, so
 where a second core is free the preparation runs in a forked child while this process imports the
-agent; the child hands over what the launch needs through a pipe.
+agent; the child hands over what the launch needs through a socket.
 
 What the user sees does not change: the child prints what the preparation prints, errors included
-(one line and the documented exit code, which this process then exits with at once: the child's exit
-interrupts the import), and the process that receives signals and supervises the workers is this one, as
-without the overlap. Environment variables the preparation sets for the workers travel with the
-handover.
+(one line and the documented exit code, which this process then exits with at once: a thread that
+waits for the child ends the process while the import still runs), and the process that receives
+signals and supervises the workers is this one, as without the overlap. Environment variables the
+preparation sets for the workers travel with the handover, and so does the run directory's lock.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import signal
+import socket
 import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+from dtlaunch.run.parent_death import die_with_parent
 
 # The exit status of a child stopped by a signal, as a shell reports it.
 _SIGNAL_BASE = 128
@@ -40,6 +42,8 @@ class Prepared:
     recipe: str
     cfg: Any = None
     env: dict[str, Optional[str]] = field(default_factory=dict)  # set (or removed: None) by the preparation
+    # The run directory's lock (dtlaunch.launch.runlock), held for the job's life; -1: none taken.
+    lock_fd: int = -1
 
 
 def overlap_possible() -> bool:
@@ -55,24 +59,35 @@ def overlap_possible() -> bool:
 
 
 def prepare_aside(
-    prepare: Callable[[], Prepared], report: Callable[[BaseException], int]
+    prepare: Callable[[], Prepared], report: Callable[[BaseException], int], exit_at_once: bool = False
 ) -> tuple[Optional[Prepared], int]:
     """Run `prepare` in a forked child while this process imports torch's agent. Returns (what it
-    prepared, 0), or (None, exit code) when the child failed (it has printed why, via `report`)."""
+    prepared, 0), or (None, exit code) when the child failed (it has printed why, via `report`).
+
+    `exit_at_once` (the CLI, with nothing of its own to clean up yet): a child that fails while the
+    import runs ends this process at once with the child's exit code, instead of after the import."""
     sys.stdout.flush()
     sys.stderr.flush()
-    read_fd, write_fd = os.pipe()
+    # A socket rather than a pipe: besides the bytes, the run directory's lock crosses it (SCM_RIGHTS),
+    # so that the lock the child took stays held by the same open file, never released in between.
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    launcher = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: prepare, hand over, and never return into the caller's stack
-        os.close(read_fd)
+        parent_sock.close()
         code = 0
         try:
+            # A launcher killed by SIGKILL takes its preparation along (which holds the run directory's lock).
+            die_with_parent(launcher)
             before = dict(os.environ)
             prepared = prepare()
             prepared.env = _changes(before, dict(os.environ))
             prepared.cfg = _container(prepared.cfg)
-            with os.fdopen(write_fd, "wb") as pipe:
-                pipe.write(pickle.dumps(prepared))
+            payload = pickle.dumps(prepared)
+            fds = [prepared.lock_fd] if prepared.lock_fd >= 0 else []
+            socket.send_fds(child_sock, [len(payload).to_bytes(8, "big")], fds)
+            child_sock.sendall(payload)
+            child_sock.close()
         except BaseException as exc:  # everything the CLI would report, reported the same way
             try:
                 code = report(exc)
@@ -83,21 +98,28 @@ def prepare_aside(
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    os.close(write_fd)
+    child_sock.close()
+    waiter = _ChildWaiter(pid, exit_at_once)
     try:
-        _import_agent_unless_child_fails(pid)
-        with os.fdopen(read_fd, "rb") as pipe:
-            data = pipe.read()
-        code = _exit_code(_wait(pid))
-    except _ChildFailed as failed:
-        os.close(read_fd)
-        _finished.pop(pid, None)
-        return None, failed.code
+        waiter.start()
+        try:
+            importlib.import_module("torch.distributed.run")
+        except Exception:  # the launch imports it again and reports a broken torch there, with context
+            pass
+        waiter.import_done()
+        if waiter.failed():  # it failed during the import: no handover is coming
+            return None, waiter.code()
+        prepared, lock_fds = _receive(parent_sock)
     except KeyboardInterrupt:  # the child got the same Ctrl-C and says so
-        return None, _exit_code(_wait(pid)) or 130
-    if code != 0 or not data:
+        return None, waiter.code() or 130
+    finally:
+        parent_sock.close()
+    code = waiter.code()
+    if code != 0 or prepared is None:
+        for fd in lock_fds:
+            os.close(fd)
         return None, code or 1
-    prepared = pickle.loads(data)
+    prepared.lock_fd = lock_fds[0] if lock_fds else -1
     for key, value in prepared.env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -106,46 +128,64 @@ def prepare_aside(
     return prepared, 0
 
 
-class _ChildFailed(BaseException):  # not an Exception: no `except Exception` inside an import swallows it
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
+class _ChildWaiter(threading.Thread):
+    """Waits for the child in a thread, never in a signal handler: an exception raised by a handler lands
+    wherever the import happens to be (inside a weakref callback of the import lock it is printed as
+    "Exception ignored", inside torch's C++ it aborts the process with SIGABRT)."""
+
+    def __init__(self, pid: int, exit_at_once: bool) -> None:
+        super().__init__(name="dtlaunch-warm-start", daemon=True)
+        self.pid = pid
+        self.exit_at_once = exit_at_once
+        self.status: Optional[int] = None
+        self._importing = True
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        status = os.waitpid(self.pid, 0)[1]
+        with self._lock:
+            self.status = status
+            if self.exit_at_once and self._importing and _exit_code(status) != 0:
+                # The child printed the error line; this process has written nothing since the fork and
+                # holds nothing to release: end it now, without unwinding the import in the main thread.
+                os._exit(_exit_code(status))
+
+    def import_done(self) -> None:
+        with self._lock:
+            self._importing = False
+
+    def failed(self) -> bool:
+        with self._lock:
+            return self.status is not None and _exit_code(self.status) != 0
+
+    def code(self) -> int:
+        self.join()
+        assert self.status is not None
+        return _exit_code(self.status)
 
 
-def _import_agent_unless_child_fails(pid: int) -> None:
-    """Import torch's agent; a child that exits with an error meanwhile interrupts the import (its
-    SIGCHLD raises here), so a mistake in the job is reported as fast as without the overlap."""
-
-    def on_child_exit(signum: int, frame: Any) -> None:
-        if pid in _finished:
-            return
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:  # reaped here: its status is kept for the caller's wait
-            _finished[pid] = status
-            if _exit_code(status) != 0:
-                raise _ChildFailed(_exit_code(status))
-
-    _finished.pop(pid, None)
-    previous = signal.signal(signal.SIGCHLD, on_child_exit)
-    try:
-        on_child_exit(signal.SIGCHLD, None)  # it may have exited before the handler was in place
-        try:
-            importlib.import_module("torch.distributed.run")
-        except Exception:  # the launch imports it again and reports a broken torch there, with context
-            pass
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
-    if pid in _finished and _exit_code(_finished[pid]) != 0:
-        raise _ChildFailed(_exit_code(_finished.pop(pid)))
-
-
-# Exit statuses the SIGCHLD handler collected (a second waitpid on a reaped child would fail).
-_finished: dict[int, int] = {}
-
-
-def _wait(pid: int) -> int:
-    status = _finished.pop(pid, None)
-    return status if status is not None else os.waitpid(pid, 0)[1]
+def _receive(sock: socket.socket) -> tuple[Optional[Prepared], list[int]]:
+    """The child's handover: an 8-byte length with the lock's descriptor, then the pickled Prepared.
+    (None, []) when the child exited without one."""
+    head, fds, _flags, _addr = socket.recv_fds(sock, 8, 1)
+    for fd in fds:
+        os.set_inheritable(fd, False)  # the lock stays with the launcher, never with its workers
+    while head and len(head) < 8:
+        more = sock.recv(8 - len(head))
+        if not more:
+            break
+        head += more
+    if len(head) < 8:
+        return None, fds
+    size = int.from_bytes(head, "big")
+    chunks, got = [], 0
+    while got < size:
+        chunk = sock.recv(min(1 << 20, size - got))
+        if not chunk:
+            return None, fds
+        chunks.append(chunk)
+        got += len(chunk)
+    return pickle.loads(b"".join(chunks)), fds
 
 
 def _container(cfg: Any) -> Any:

@@ -111,6 +111,7 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
             + (f" {r['schedule']}" if r["schedule"] != "-" else ""),
             f"zero{r['zero_stage']} mb{r['micro_batch']} AC {r['ac']}"
             + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else "")
+            + (f" loss/{r['loss_chunks']}" if r.get("loss_chunks", 1) > 1 else "")
             + (" cpu-offload" if r.get("cpu_offload") else "")
             + (" act-offload" if r.get("activation_offload") else ""),
             gib(r["device_total_bytes"]),

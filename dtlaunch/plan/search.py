@@ -18,7 +18,7 @@ from itertools import product
 from types import SimpleNamespace
 from typing import Any
 
-from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch
+from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
@@ -69,8 +69,10 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) 
         # A token multiplies only its top-k experts: the registry's count of active parameters.
         flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
     recompute = recompute_fraction(t)
-    compute = (
-        flops_model * (1 + recompute) / (lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY)
+    # A chunked loss (training.loss_chunks > 1) runs the head's matmul once more per token in backward.
+    head_again = 2 * m.dim * m.vocab_size * tokens if loss_chunks(cfg) > 1 else 0
+    compute = (flops_model * (1 + recompute) + head_again) / (
+        lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY
     )
     accum = gb // (t.micro_batch * lay.dp)
     # Routed experts: not split by TP, split by EP; FSDP gathers them over dp_shard / ep ranks only.
@@ -214,7 +216,9 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         for mb in MICRO_BATCHES:
                             if gb % (mb * dp) or (pp > 1 and mb < pp):
                                 continue
-                            for ep, ac in product(_ep_degrees(m, shard, zero, cp), ("none", "selective", "full")):
+                            for ep, ac, chunks in product(
+                                _ep_degrees(m, shard, zero, cp), ("none", "selective", "full"), loss_chunk_options(cfg)
+                            ):
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
                                 st = {
                                     "dp_replicate": rep,
@@ -230,10 +234,19 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                     "ep": ep,
                                     "pp_reshard_grads": False,
                                 }
-                                out.append(
-                                    (lay, st, {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac})
-                                )
+                                tr = {"micro_batch": mb, "global_batch": gb, "activation_checkpointing": ac}
+                                out.append((lay, st, {**tr, "loss_chunks": chunks}))
     return out
+
+
+def loss_chunk_options(cfg: Any) -> tuple[int, ...]:
+    """The full-vocabulary loss first (no recompute), then the chunked one (the config's count, or 8):
+    a layout that fits with the cheaper option is not planned again with the costlier. One pass only
+    for the preference objectives (config.layout.loss_chunks)."""
+    if str(cfg.objective.name) != "sft":
+        return (1,)
+    chunks = int(cfg.training.loss_chunks)
+    return (1, chunks if chunks > 1 else 8)
 
 
 def _world(cfg: Any) -> int:
@@ -272,6 +285,7 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
                 **st,
                 "ac": tr["activation_checkpointing"],
                 "activation_offload": tr["activation_offload"],
+                "loss_chunks": tr["loss_chunks"],
                 "micro_batch": tr["micro_batch"],
                 "schedule": st["pp_schedule"] if lay.pp > 1 else "-",
                 "device_total_bytes": int(plan.device_total),

@@ -28,6 +28,13 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.plan.loss_terms import (
+    held_logits,
+    logits_saved_per_token,
+    loss_backward_bytes,
+    loss_chunks,
+    regathered_root,
+)
 from dtlaunch.plan.objective import reference_phases, reference_static_lines, rows_per_sample
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
@@ -308,6 +315,8 @@ def static_lines(c: StageShape) -> dict[str, float]:
         # reduce-scatters every micro-step (dtlaunch.train.parallel.parallelize.grad_sync) and keeps only shards.
         lines["accumulated gradients"] = c.grads
     copies = _autocast_weight_copies(c)
+    if copies is not None and c.last and loss_chunks(c) > 1 and (not c.ft or c.tied_head):
+        copies -= e * c.v_h  # a chunked loss casts the head per chunk instead (dtlaunch.plan.loss_terms)
     if copies is not None:
         lines["autocast weight copies"] = copies
     if c.fsdp and c.zero == 2:
@@ -363,7 +372,7 @@ def _loss_saved_per_token(c: StageShape) -> float:
     if not c.last:
         return 0.0
     final_norm = c.ft.final_norm if c.ft else c.act.final_norm_bytes(c.d, c.e, c.tp, c.sp, c.autocast)
-    return final_norm + c.act.logits_forward_bytes(c.d, c.e, c.tp)
+    return final_norm + logits_saved_per_token(c)
 
 
 def _blocks_per_token(c: StageShape) -> float:
@@ -412,7 +421,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     # parameters (+ the prefetched next block) and gradients, and the gradients already produced. (2) is
     # taken at the first block processed (most activations still held) and at the last (most gradients
     # produced).
-    loss_bwd = c.act.logits_backward_bytes(d, e, tp) * tokens if last else 0.0
+    loss_bwd = loss_backward_bytes(c)  # full or chunked loss (dtlaunch.plan.loss_terms)
     head_grads = (4 * (c.v_h + d.h) if last else 0.0) / div
     unit = 0.0
     if fsdp:
@@ -440,11 +449,11 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     # only: under a pipeline the other micro-batches in flight keep theirs. (Subtracting them for every
     # micro-batch in flight put GPipe's last stage 13 % under real gloo runs.)
     held_act = lines["activations"] - (_loss_saved_per_token(c) * tokens if last else 0.0)
-    if last:
-        held_act += e * d.vocab / tp * tokens  # the logits stay referenced until backward returns
+    held_act += held_logits(c)  # a full pass's logits stay referenced until backward returns
     blk_grads = (c.grad_bytes * c.trained_blk / div) if layers else 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
     at_first_blk += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
+    at_first_blk += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
     if c.ft and fsdp and zero == 3 and first and c.kept == 0:
         # Fine-tuning under full AC: the frozen embedding's unit is gathered again in the blocks' backward
         # (FSDP2 prefetches the unit that ran before them) and, having no gradient, stays gathered until

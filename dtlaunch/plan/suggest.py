@@ -23,6 +23,9 @@ def _changes(cfg: Any, layout: Any) -> list[Change]:
     if layout.pp > 1 and s.zero_stage >= 2 and layout.dp > 1 and not s.pp_reshard_grads:
         # Only more reduce-scatters (one per pipeline micro-batch): no recompute, same numerics.
         out.append(("reduce-scatter gradients every pipeline micro-batch", 1, ["strategy.pp_reshard_grads=true"]))
+    if str(cfg.objective.name) == "sft" and int(t.loss_chunks) < 8:
+        # The logits and their fp32 gradients, a chunk at a time: one more head matmul per token.
+        out.append(("chunked loss (8 chunks)", 1, ["training.loss_chunks=8"]))
     order = ["none", "selective", "full"]
     for i, mode in enumerate(order):
         if i > order.index(t.activation_checkpointing):

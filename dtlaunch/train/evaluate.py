@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtlaunch.train.parallel.parallelize import compute_context
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 from dtlaunch.train.runtime import Runtime
 
 
@@ -47,8 +46,7 @@ def _forward_loss(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor, extr
     (model,) = rt.model_parts
     with rt.loss_context():
         with compute_context(rt.model_parts, rt.cfg, rt.device):
-            logits = model(inputs, **extra)
-        loss = cross_entropy(logits, targets)
+            loss = rt.loss_fn(model(inputs, **extra), targets)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 

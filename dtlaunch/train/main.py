@@ -6,6 +6,7 @@ input found only here (reported by the launcher as such), non-zero otherwise (to
 the rank).
 """
 
+# ruff: noqa: E402 (the worker asks to die with its launcher before the slow imports)
 from __future__ import annotations
 
 import faulthandler
@@ -14,6 +15,13 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from dtlaunch.run.parent_death import die_with_launcher
+
+if __name__ == "__main__":
+    # First, before importing torch (seconds on a loaded machine): torchrun starts workers in sessions of
+    # their own, so a launcher killed by SIGKILL would leave them training and pruning checkpoints.
+    die_with_launcher()
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record

@@ -41,6 +41,9 @@ class Runtime:
     objective: Optional[Any] = None
     reference: Optional[Any] = None
     in_backward: Optional[Any] = None  # dtlaunch.train.optim_in_backward.InBackward (optim.in_backward)
+    # (output, targets, reduction) -> loss: the model's logits or, with training.loss_chunks > 1, its
+    # hidden states through the head chunk by chunk (dtlaunch.train.chunked_loss). Set from the config.
+    loss_fn: Optional[Callable[..., Any]] = None
 
     def __post_init__(self) -> None:
         from dtlaunch.train.optim import skips_on_device
@@ -56,6 +59,10 @@ class Runtime:
         # than the norm itself on a small model. After parallelize the registered parameters are final
         # (FSDP2 registers its sharded ones, which hold the gradients, between steps).
         self.params = [list(m.parameters()) for m in self.model_parts]
+        if self.loss_fn is None:
+            from dtlaunch.train.chunked_loss import head_loss
+
+            self.loss_fn = head_loss(self.cfg, self.model_parts)
 
 
 def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:
@@ -69,14 +76,14 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
+    from dtlaunch.train.chunked_loss import head_loss
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
     from dtlaunch.train.parallel.pp_step import pipeline_loss_fn
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     pp_mesh = mesh["pp"]
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
     parts = [(i, parallelize(part, mesh, cfg, layout, init=init)) for i, part in parts]
-    loss = pipeline_loss_fn(cross_entropy, pp_microbatches(cfg, layout), accum)
+    loss = pipeline_loss_fn(head_loss(cfg, [p for _, p in parts]), pp_microbatches(cfg, layout), accum)
     plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
     return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
 

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 from dtlaunch.train.optim import step_unless_nonfinite
 from dtlaunch.train.parallel.parallelize import compute_context, grad_sync
 from dtlaunch.train.parallel.pp_step import clip_grad_norm, pp_forward_backward
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 from dtlaunch.train.runtime import Runtime
 
 
@@ -143,19 +142,21 @@ def micro_step(
     weight = getattr(batches, "last_weight", None)  # masked (chat) data: see TokenLoader.next_batch
     with rt.loss_context():
         extra = {k: v.to(rt.device) for k, v in getattr(batches, "last_model_args", {}).items()}
+        # The loss inside the compute context too: a chunked loss (training.loss_chunks) runs the head.
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             # DPO's reference first (no grad): none of its activations live through the policy's forward.
             ref = rt.reference(inputs, targets, batches) if rt.reference is not None else None
-            logits = model(inputs, **extra)
-        if rt.objective is not None:
-            loss, stats = rt.objective(logits, targets, ref)
-            loss = loss * nan / rt.accum
-            if pair_stats is not None:
-                pair_stats.append(stats)
-        elif weight is None:
-            loss = cross_entropy(logits, targets) * nan / rt.accum
-        else:
-            loss = cross_entropy(logits, targets, reduction="sum") * (weight * nan / rt.accum)
+            out = model(inputs, **extra)
+            if rt.objective is not None:
+                # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).
+                loss, stats = rt.objective(out, targets, ref)
+                loss = loss * nan / rt.accum
+                if pair_stats is not None:
+                    pair_stats.append(stats)
+            elif weight is None:
+                loss = rt.loss_fn(out, targets) * nan / rt.accum
+            else:
+                loss = rt.loss_fn(out, targets, reduction="sum") * (weight * nan / rt.accum)
         (rt.scaler.scale(loss) if rt.scaler is not None else loss).backward()
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.

@@ -59,6 +59,7 @@ RUN = [
     "training.loss_plot=false",
     "launch.threads_per_worker=1",
     "launch.nproc_per_node=2",
+    "training.loss_chunks=1",  # the module returns logits only (no hidden_only switch for a chunked loss)
 ]
 
 
@@ -114,3 +115,12 @@ def test_bad_target_messages(user_path: Path, monkeypatch, overrides: list[str],
     monkeypatch.syspath_prepend(str(user_path))
     with pytest.raises(ConfigError, match=message):
         validate(compose(overrides).cfg)
+
+
+def test_chunked_loss_needs_the_hidden_only_switch(user_path: Path) -> None:
+    """training.loss_chunks > 1 (the default) on a module that only returns logits: refused with one line,
+    never run with the full-vocabulary loss instead."""
+    proc = _dtlaunch(user_path, "plan", *[o for o in RUN if not o.startswith("training.loss_chunks")])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "training.loss_chunks=8" in lines[0] and "set training.loss_chunks=1" in lines[0]

@@ -176,3 +176,17 @@ def test_workers_trust_the_launchers_verification_of_that_exact_checkpoint(
     assert check_checkpoint(step, verify=True).verified
     monkeypatch.setenv(VERIFIED_ENV, verified_stamp(tmp_path / "c" / step_dir_name(2)))
     assert not check_checkpoint(step, verify=True).complete
+
+
+def test_reading_a_checkpoint_on_one_process_prints_no_torch_warning(two_steps: Path) -> None:
+    """`dtlaunch generate RUN` (and export) read on one process on purpose: DCP's "torch.distributed is
+    disabled ..." UserWarning is no news to the user."""
+    import warnings
+
+    from dtlaunch.convert.hf import load_checkpoint_model
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        state, _, info = load_checkpoint_model(two_steps)
+    assert info.path.name == step_dir_name(2) and state
+    assert not [w for w in seen if "torch.distributed" in str(w.message)], [str(w.message) for w in seen]

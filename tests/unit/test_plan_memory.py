@@ -100,3 +100,20 @@ def test_plan_path_never_imports_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_loss_chunks_offered_when_the_logits_do_not_fit():
+    """A 32k-vocabulary tiny model at 4k tokens: the full-vocabulary loss's logits dominate; the chunked
+    loss is the cheapest suggested fix, and the search plans layouts with it (one extra head matmul)."""
+    job = load_job(
+        ["model=tiny", "model.vocab_size=32000", "training.micro_batch=8", "training.seq_len=512"]
+        + ["training.loss_chunks=1", "hardware.memory_gib=1"]
+    )
+    plan = plan_memory(job.cfg, job.layout)
+    assert not plan.fits
+    sugg = suggest(job.cfg, job.layout)
+    assert sugg[0]["overrides"] == ["training.loss_chunks=8"], sugg
+    rows = search(job.cfg, top=50)
+    assert {r["loss_chunks"] for r in rows} == {1, 8}, rows
+    chunked = [r for r in rows if r["loss_chunks"] == 8]
+    assert all("training.loss_chunks=8" in r["overrides"] for r in chunked)

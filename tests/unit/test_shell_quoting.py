@@ -46,9 +46,11 @@ def test_dry_run_line_round_trips_through_bash(case: int, tmp_path: Path) -> Non
     args = torchrun_args(cfg, run_dir, 0)
     assert paste(line) == [str(run_dir), *args]
     assert f"--rdzv-id={value}" in args and f"--log-dir={run_dir}/logs/torchrun" in args
+    assert "\n" not in line  # one line, whatever the values hold
     env = dict(worker_env(cfg, run_dir, 0))
-    words = shlex.split(line)
-    assert words == [f"{k}={v}" for k, v in env.items()] + ["torchrun", *args]
+    if "\n" not in value:  # shlex does not read bash's $'...', which a newline is written in
+        words = shlex.split(line)
+        assert words == [f"{k}={v}" for k, v in env.items()] + ["torchrun", *args]
     assert not marker.exists()
 
 
@@ -70,3 +72,26 @@ def test_cli_dry_run_prints_the_line_verbatim(
     assert paste(line)[0] == str(run_dir)
     assert f"--log-dir={run_dir}/logs/torchrun" in paste(line)
     assert not marker.exists() and not (tmp_path / "runs").exists()
+
+
+def test_dry_run_line_with_a_newline_in_run_name_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pasted line by line (as a terminal may run it), a command split over lines runs its second half
+    as a command of its own: the line printed must be the whole command."""
+    from dtlaunch.cli import run
+
+    marker = tmp_path / "PWNED"
+    name = f"a\ntouch {marker}\n"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", "train", "recipe=tiny_ddp", f"run.name='{name}'", "--dry-run"])
+    with pytest.raises(SystemExit) as exc:
+        run()
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out.splitlines()
+    line = out[out.index("launch command:") + 1]
+    run_dir = (tmp_path / "runs" / name).resolve()
+    assert line.startswith("DTLAUNCH_RUN_DIR=") and line.endswith("-m dtlaunch.train.main"), line
+    assert paste(line)[0] == str(run_dir)
+    assert f"--log-dir={run_dir}/logs/torchrun" in paste(line)
+    assert not marker.exists()

@@ -92,7 +92,9 @@ def test_task_parsed_by_skypilot(
     ("args", "expected"),
     [
         (["cluster.sky.bucket="], "cluster.sky.bucket"),
-        (["cluster.sky.bucket=Acme_Runs"], "cluster.sky.bucket='Acme_Runs'"),
+        # Named for what it is (a bucket), not for Kubernetes; buckets need 3 characters at least.
+        (["cluster.sky.bucket=Acme_Runs"], "cluster.sky.bucket='Acme_Runs' is not a bucket name the clouds accept"),
+        (["cluster.sky.bucket=ab"], "cluster.sky.bucket='ab' is not a bucket name the clouds accept"),
         (
             ["hardware=h100_94gb", "launch.nproc_per_node=0", "model=llama3_8b", "strategy=fsdp"],
             "cluster.sky.accelerator",

@@ -4,6 +4,7 @@ error comes back as the exit code the CLI documents (the child printed the line)
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -45,3 +46,55 @@ def test_a_crash_in_the_child_is_not_success() -> None:
         os._exit(0)  # gone without a handover
 
     assert prepare_aside(prepare, _report) == (None, 1)
+
+
+# Runs `dtlaunch train` with a hook on the import of torch's agent that waits, inside an object's
+# `__del__` (where Python only prints an exception: "Exception ignored in ..."), until the child has
+# failed: the child's exit lands inside the import every time, not in 1 run of 20.
+_EXIT_DURING_IMPORT = """
+import importlib.abc, os, sys, time
+
+parent = os.getpid()
+
+class Waits:
+    def __del__(self):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("the child's failure never ended the launcher", file=sys.stderr)
+
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and os.getpid() == parent:  # the first module the import of the agent loads
+            sys.meta_path.remove(self)
+            Waits()  # dropped at once: its __del__ runs here, inside the import
+        return None
+
+sys.meta_path.insert(0, Hook())
+sys.argv[0] = "dtlaunch"
+from dtlaunch.cli import run
+run()
+"""
+
+
+@pytest.mark.slow
+def test_a_child_failing_during_the_import_gives_one_line_and_its_code(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    if not overlap_possible_here():
+        pytest.skip("no second core: the preparation is not forked")
+    cmd = [sys.executable, "-c", _EXIT_DURING_IMPORT, "train", "recipe=tiny_ddp", "data=tokens"]
+    cmd += ["data.path=/no/such/dir", f"run.dir={tmp_path / 'run'}"]
+    began = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - began
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("dtlaunch: error: data.path="), proc.stderr[-3000:]
+    assert took < 15, took  # ended by the child's failure, not by the hook's 20 s wait
+
+
+def overlap_possible_here() -> bool:
+    return (os.cpu_count() or 1) >= 2 and hasattr(os, "fork")

@@ -214,6 +214,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_block(m, i) for i in range(m.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(m.dim, m.vocab_size, bias=False)
+        # True: forward stops before the head and returns the final norm's output, which the trainer's
+        # loss projects chunk by chunk (training.loss_chunks), so the full logits never exist.
+        self.hidden_only = False
         if getattr(m, "tie_embeddings", False):
             # One Parameter under two names; named_parameters() (init, FSDP, optimizer) sees it once.
             self.output.weight = self.tok_embeddings.weight
@@ -229,7 +232,8 @@ class Decoder(nn.Module):
         doc_ids: Optional[torch.Tensor] = None,
         caches: Optional[list[KVCache]] = None,
     ) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden.
+        """tokens (B, S) int64 -> logits (B, S, V) (the normed hidden states (B, S, h) when `hidden_only`);
+        a pipeline middle stage maps hidden -> hidden.
 
         Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
         inside each document (causal and same document). `caches` (one per block, decoding only): the
@@ -250,7 +254,7 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.hidden_only else h
 
     def make_block(self, m: Any, layer: int) -> nn.Module:
         """Block `layer` (a subclass swaps in its own, e.g. the MoE decoder's sparse blocks)."""

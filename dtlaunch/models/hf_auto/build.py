@@ -75,7 +75,10 @@ def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") ->
     base = type(model)
 
     def forward(self: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        # The runtime's protocol: token ids in, the logits tensor out (no cache, no output object).
+        # The runtime's protocol: token ids in, the logits tensor out (no cache, no output object); the
+        # decoder's normed hidden states when `hidden_only` (the trainer's chunked loss applies the head).
+        if getattr(self, "hidden_only", False):
+            return self.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
         return base.forward(self, input_ids=tokens, use_cache=False).logits
 
     methods = {"forward": forward, "init_param": _init_param, "buffer_values": _buffer_values}
@@ -84,7 +87,21 @@ def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") ->
     object.__setattr__(model, "cfg", m)
     object.__setattr__(model, "rope_len", rope_len)
     model._hf_dir = path
+    if _plain_head(model, config):
+        model.hidden_only = False  # the switch exists only where the logits are the head's plain output
     return model
+
+
+def _plain_head(model: nn.Module, config: Any) -> bool:
+    """The logits are `lm_head(last_hidden_state)` and nothing more: a bias-free linear head, no logit
+    soft-capping (Gemma 2/3) or scaling (Cohere) after it, which a chunked loss would skip."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None or not hasattr(model, "get_decoder"):
+        return False
+    return getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", None) in (
+        None,
+        1.0,
+    )
 
 
 def _init_param(self: nn.Module, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

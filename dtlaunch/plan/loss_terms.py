@@ -1,0 +1,84 @@
+"""The last stage's logits and loss terms, for a full-vocabulary loss or a chunked one (training.loss_chunks).
+
+Full pass (loss_chunks = 1): forward keeps the logits (compute dtype, referenced until backward returns)
+and log_softmax's fp32 output; its backward adds nll's and log_softmax's fp32 gradients (the model
+family's `logits_forward_bytes` / `logits_backward_bytes`).
+
+Chunked (dtlaunch/train/chunked_loss.py): forward keeps no logits at all (each chunk runs under
+checkpointing and leaves only its loss). At a chunk's backward its logits are recomputed: log_softmax's
+fp32 output, then nll's and log_softmax's fp32 gradients (one fused gradient under loss_parallel): what a
+full pass holds, for 1/n of the tokens, less the logits it keeps referenced.
+On top of it the head's weight gradient accumulates over the chunks: autograd adds each chunk's
+contribution to the sum of the previous ones out of place, so three head-sized gradients exist for a
+moment (in the dtype the head's matmul differentiates: the compute dtype under FSDP's mixed precision,
+fp32 otherwise; none for a frozen head): with few tokens per chunk that, not the logits, is the peak. Under ZeRO-3 the
+loss gathers the root unit again (embedding included) for the head's weight. Under autocast each chunk's recompute also casts the head's weight to the compute dtype (the
+cast is saved by the matmul until its backward, and its gradient is cast back to fp32). Under sequence
+parallel the hidden states are gathered once for the loss and kept until backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dtlaunch.config.layout import loss_chunks as config_loss_chunks
+
+
+def loss_chunks(c: Any) -> int:
+    """Token chunks of this stage's loss (1 where the stage has no head)."""
+    return config_loss_chunks(c.cfg) if c.last else 1
+
+
+def logits_saved_per_token(c: Any) -> float:
+    """Bytes per token the loss keeps from forward to backward (beyond the final norm's)."""
+    if not c.last:
+        return 0.0
+    if loss_chunks(c) == 1:
+        return c.act.logits_forward_bytes(c.d, c.e, c.tp)
+    # The gathered (full-sequence) hidden states of sequence parallel, saved by the chunks' matmuls.
+    return c.e * c.d.h if c.sp else 0.0
+
+
+def held_logits(c: Any) -> float:
+    """The logits the micro-step keeps referenced until backward returns (a full pass only)."""
+    if not c.last or loss_chunks(c) > 1:
+        return 0.0
+    return c.e * c.d.vocab / c.tp * c.tokens
+
+
+def loss_backward_bytes(c: Any) -> float:
+    """What the loss's backward adds on top of what forward kept, at its largest moment."""
+    if not c.last:
+        return 0.0
+    n = loss_chunks(c)
+    if n == 1:
+        return c.act.logits_backward_bytes(c.d, c.e, c.tp) * c.tokens
+    e, v = c.e, c.d.vocab / c.tp
+    chunk_tokens = math.ceil(c.tokens / n)
+    head = c.d.h * v
+    grad = 0.0 if c.ft is not None else (e if c.fsdp else 4) * head  # one head-sized weight gradient
+    # At a chunk's log_softmax backward: its fp32 output and the two fp32 gradients, next to the head's
+    # gradient summed over the earlier chunks; then autograd adds the chunk's new weight gradient to
+    # that sum out of place: sum, contribution and new sum (measured with StorageCounter on CPU).
+    # Under tensor parallel, loss_parallel's backward computes softmax - one-hot in one step: one fp32
+    # gradient, not two.
+    at_softmax = (12 if c.tp == 1 else 8) * v * chunk_tokens
+    moment = max(at_softmax + grad, 3 * grad)
+    if c.fsdp and c.zero == 3 and c.first:
+        moment += e * head  # the root unit gathered again for the loss brings the embedding back too
+    if c.autocast:
+        moment += e * head  # the chunk's cast of the head's weight, saved by its matmul
+    return moment
+
+
+def regathered_root(c: Any) -> float:
+    """Under ZeRO-3 x TP the chunked loss's gather of the root unit (HeadLoss) stays, embedding included,
+    through the blocks' backward until the root's post-backward. Traced (planner7m, 8 ranks): FSDP(4) x
+    TP(2) with full AC was 5 % under without it; plain ZeRO-3 (bf16) is within 3.5 % without it and 6 %
+    over with it, as for the full loss, whose re-gathered embedding does not add either (static_lines)."""
+    if loss_chunks(c) == 1 or not (c.fsdp and c.zero == 3 and c.first and c.tp > 1):
+        return 0.0
+    if c.ft and c.kept == 0:
+        return 0.0  # the fine-tuning term already holds the gathered embedding (dtlaunch.plan.stage)
+    return c.e * c.v_h

@@ -1,0 +1,135 @@
+"""The output projection and the cross-entropy, run chunk by chunk over the tokens (training.loss_chunks).
+
+A full-vocabulary pass holds the (tokens x V) logits, their fp32 upcast, log_softmax's fp32 output and,
+in backward, two fp32 gradients of the same size: on a 128k vocabulary the largest tensors of a step.
+With loss_chunks = n the model stops before its head (the decoder's `hidden_only` switch: model code
+stays free of distributed code) and this module applies the head's weight to 1/n of the tokens at a
+time, each chunk under non-reentrant activation checkpointing: forward keeps only the chunk's loss, and
+backward recomputes that chunk's logits, differentiates them and frees them before the next chunk. What
+stays is the final norm's output (saved for the recompute), one chunk's logits and gradients, and the
+head's weight gradient accumulated over the chunks. The cost is one more head matmul per token (the
+recompute): about 2 h·V / (6 · parameters) of a step's FLOPs.
+
+Chunking happens before the projection, so the full logits never exist, not even in the compute dtype.
+The same code serves every layout:
+- DDP / one process: the head's weight is the plain parameter; autocast (compute_context) must cover
+  the call, and checkpointing replays it in the recompute.
+- FSDP2: called after the root module's forward, which (ZeRO-3) has resharded the root unit (embedding,
+  norm, head): the loss gathers it again (`unshard`), as the root's pre-backward would, so the weight read
+  here is the gathered parameter and its gradient reaches FSDP's reduce-scatter.
+- Tensor parallel: the weight is a Shard(0) (vocabulary) DTensor; the hidden states are brought to
+  Replicate once (an all-gather under sequence parallel, as the head's own input style does), each
+  chunk's logits are Shard(-1) and its loss runs under loss_parallel (the caller's loss_context).
+- Pipeline: the last stage's loss_fn (dtlaunch.train.parallel.pp_step.PipelineLoss wraps a HeadLoss).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
+
+from dtlaunch.config.layout import loss_chunks
+from dtlaunch.errors import ConfigError
+from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+
+IGNORE = -100  # masked (chat) targets: see TokenLoader.next_batch
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk: (T, h) hidden, (V, h) head weight, (T,) targets. fp32 softmax,
+    as cross_entropy does on full logits."""
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum", ignore_index=IGNORE)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int, reduction: str = "mean"
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets) for (B, S, h) hidden and (B, S) targets, `chunks` token
+    chunks at a time. reduction "mean" (over targets that count) or "sum"."""
+    if isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
+        # Tensor parallel without sequence parallel: every rank holds the whole (replicated) hidden state.
+        hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
+    elif isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
+    flat_h, flat_t = hidden.flatten(0, 1), targets.flatten(0, 1)
+    # Gradients need the recompute; without them (validation) each chunk's logits are simply freed.
+    remat = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    total: Optional[torch.Tensor] = None
+    for h_c, t_c in zip(flat_h.tensor_split(chunks), flat_t.tensor_split(chunks), strict=True):
+        if t_c.numel() == 0:
+            continue
+        if remat:
+            part = checkpoint(_chunk_loss, h_c, weight, t_c, use_reentrant=False)
+        else:
+            part = _chunk_loss(h_c, weight, t_c)
+        total = part if total is None else total + part
+    assert total is not None, "no tokens"
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise ValueError(f"reduction '{reduction}': use mean or sum")
+    # F.cross_entropy's mean: over the targets that count (0/0 = nan when none does, as there).
+    return total / (flat_t != IGNORE).sum()
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (FSDP2 and TP act in place)."""
+    return getattr(model, "module", model)
+
+
+def head_module(model: nn.Module) -> Optional[nn.Module]:
+    """The output head of a model (or pipeline stage) that can return its hidden states instead of its
+    logits (a `hidden_only` switch); None for a stage without the head."""
+    inner = _inner(model)
+    if hasattr(inner, "output"):  # the native decoder's name; None on a pipeline stage without the head
+        return inner.output
+    get = getattr(inner, "get_output_embeddings", None)  # transformers' models (model.arch=hf_auto)
+    return get() if callable(get) else None
+
+
+class HeadLoss:
+    """The loss of the layer set that ends with the output head: plain cross_entropy on the logits the
+    model returns (loss_chunks = 1), or the chunked projection + loss on its hidden states."""
+
+    def __init__(self, model: Optional[nn.Module], chunks: int) -> None:
+        self.model, self.chunks = model, chunks
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        if self.chunks == 1 or self.model is None:
+            return cross_entropy(output, targets, reduction=reduction)
+        if isinstance(self.model, FSDPModule):
+            # ZeRO-3 reshards the root unit (embedding, norm, head) after its forward, and it would only
+            # gather it again at its pre-backward: gather it now (a no-op when still gathered, ZeRO-2),
+            # so the weight read below is the unsharded parameter whose gradient FSDP reduce-scatters.
+            self.model.unshard()
+        head = head_module(self.model)
+        loss = chunked_cross_entropy(output, head.weight, targets, self.chunks, reduction)
+        if isinstance(self.model, FSDPModule) and not torch.is_grad_enabled():
+            self.model.reshard()  # validation: no backward will reshard the root unit gathered above
+        return loss
+
+
+def head_loss(cfg: Any, model_parts: list[nn.Module]) -> HeadLoss:
+    """The loss for these model parts (this rank's), switching the part with the head to return hidden
+    states when training.loss_chunks > 1. A model without the switch is refused, not run unchunked."""
+    chunks = loss_chunks(cfg)
+    if chunks > 1:
+        for part in model_parts:
+            inner = _inner(part)
+            if not hasattr(inner, "hidden_only"):
+                raise ConfigError(
+                    f"training.loss_chunks={chunks}: the model ({type(inner).__name__}) returns logits only "
+                    f"(no `hidden_only` switch, see docs/models.md): set training.loss_chunks=1"
+                )
+    owner = next((p for p in model_parts if head_module(p) is not None), None)
+    if chunks > 1 and owner is not None:
+        if getattr(head_module(owner), "bias", None) is not None:
+            raise ConfigError(f"training.loss_chunks={chunks}: the output head has a bias: set training.loss_chunks=1")
+        _inner(owner).hidden_only = True
+    return HeadLoss(owner, chunks)
