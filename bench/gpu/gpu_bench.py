@@ -204,6 +204,8 @@ MEMORY_FEATURES: tuple[tuple[str, tuple[str, ...], int, str], ...] = (
     ("lora", (LORA,), 1, "baseline"),  # frozen base; frozen embedding and head in the compute dtype
     ("lora-bf16-state", (LORA, "optim.state_dtype=bf16"), 1, "lora"),  # validation: bf16 state under PEFT only
     ("qlora", (LORA, "peft.method=qlora"), 1, "lora"),
+    # Under full AC only 4 small block inputs move; without AC every block's saved activations do.
+    ("act-offload-no-ac", ("training.activation_offload=true",), 1, "baseline"),
     ("cpu-offload", ("strategy.cpu_offload=true",), 2, "baseline"),  # validation: FSDP over 2+ DP ranks
 )
 MEMORY_REFERENCE = {variant: ref for variant, _, _, ref in MEMORY_FEATURES}
