@@ -69,7 +69,9 @@ def test_gpu_bench_dry_run_plans_every_run(capsys: pytest.CaptureFixture[str]) -
     rows = gpu_bench.dry_run("NVIDIA H100 80GB HBM3", nproc=1, steps=20, only=some | {"70b-2l-compile-ac-op"})
     assert {r["name"] for r in rows} == some | {"70b-2l-compile-ac-op"} and all(r["fits"] for r in rows), rows
     by = {r["name"]: r["predicted_bytes"] for r in rows}
-    assert by["8b-4l-eager-ac-full"] < by["8b-4l-eager-ac-op"] < by["8b-4l-eager-ac-none"]
+    # With training.loss_chunks=8 (the default) op-SAC's and full AC's peaks are the same end-of-backward
+    # figure at this shape (gradients, state and the loss chunk's buffers), below no AC's.
+    assert by["8b-4l-eager-ac-full"] <= by["8b-4l-eager-ac-op"] < by["8b-4l-eager-ac-none"]
     assert by["1b-compile-ac-none"] < by["1b-eager-ac-none"]
     assert gpu_bench.hardware_option("NVIDIA H200") == "h200_141gb"
 
