@@ -254,7 +254,8 @@ def memory_runs(hw: str, steps: int, host_gib: float = 0.0, gpus: int = 1) -> li
     out = []
     for variant, extra, ranks, _ in MEMORY_FEATURES:
         nproc = ranks if ranks <= gpus else 1
-        overrides = mem_job(nproc, hw, steps, [*base, *extra], host_gib)
+        keys = {e.split("=", 1)[0] for e in extra}
+        overrides = mem_job(nproc, hw, steps, [*(b for b in base if b.split("=", 1)[0] not in keys), *extra], host_gib)
         out.append(Run("mem-8b-4l", False, variant, overrides, ("dtlaunch",), MEMORY))
     return out
 
