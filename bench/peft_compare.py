@@ -1,20 +1,24 @@
-"""dtlaunch's memory plan for LoRA / QLoRA jobs next to the peak memory torchtune publishes for them.
+"""dtlaunch's memory plan for torchtune's published fine-tuning jobs, next to the peak memory torchtune measured.
 
 Source of the published figures: pytorch/torchtune README (Llama 3.1 fine-tuning table: batch 2, packed
-2048-token sequences, torch.compile on). Each "same job" row restates that job as dtlaunch overrides (same
-model, method, GPU count, micro-batch, sequence length, compile; LoRA rank 8 / alpha 16 on q, v, output
-projections and the MLP, as torchtune's Llama-3.1 configs; activation checkpointing on, as their
-single-device and distributed LoRA configs ship). dtlaunch's figures: planned peak allocated bytes, and
-planned reserved = allocated x (1 + hardware.fragmentation). Which allocator statistic torchtune's table
-reports is not stated there.
+2048-token sequences, torch.compile on, activation checkpointing on). Each job is restated as dtlaunch
+overrides like for like: the same model, method, GPU count, micro-batch, sequence length and compile, and
+torchtune's adapter choice (8B LoRA: q, v at rank 8; 8B QLoRA: q, k, v, o and the MLP at rank 8; 70B LoRA:
+q, k, v at rank 16), with dtlaunch's defaults (chunked loss, 8 chunks; frozen base, embedding and head in
+bf16). "+ savers" rows add what dtlaunch offers beyond torchtune's configs, named in the row: bf16 adapter
+state, activation offloading (which compile does not combine with), more loss chunks; the full fine-tunes
+use the optimizer settings torchtune used (8-bit AdamW with the step in backward; FSDP CPU offload).
+dtlaunch's figures: planned peak allocated bytes, and planned reserved = allocated x (1 +
+hardware.fragmentation). Which allocator statistic torchtune's table reports is not stated there.
 
-Where the jobs differ (the same model and batch, not the same program):
-- loss: torchtune computes cross-entropy in chunks of the sequence (its Llama-3 recipes' chunked loss),
-  so fp32 logits over the 128,256-token vocabulary never exist whole; dtlaunch's loss upcasts the whole
-  logits (the "loss/backward buffers" line: 8 bytes x vocabulary per token at its backward);
-- dtypes: torchtune holds the whole model, adapters and AdamW state in bf16; dtlaunch stores the frozen
-  linears in bf16 (NF4 under QLoRA) but keeps the embedding, norm gains, adapters and their AdamW state in
-  fp32 (mixed precision with fp32 master weights);
+Where the programs still differ:
+- the residual stream: dtlaunch trains with fp32 master weights and, on one GPU, a fp32 hidden state
+  between blocks (autocast), so full activation checkpointing keeps 4 bytes per hidden value where
+  torchtune's all-bf16 model keeps 2 (1 GiB more for Llama-3.1-8B at 2 x 2048; activation offloading
+  moves it to the host);
+- the 8B full fine-tune: torchtune's bf16 weights have no fp32 master copy and its paged 8-bit AdamW
+  state spills to host memory when the GPU is short; dtlaunch keeps fp32 master weights (32 GB for 8B),
+  so the job does not fit a 24 GB card by the plan;
 - the recipe rows are dtlaunch's shipped recipes (recipes/), planned as they are.
 
     python bench/peft_compare.py [--json out.json] [--markdown bench/results/peft-compare.md]
@@ -56,18 +60,41 @@ class Row:
     recipe: str = ""
 
 
+LORA_8B = ("model=llama3_8b", "peft=lora", "peft.targets=[q_proj,v_proj]", "peft.rank=8", "peft.alpha=16")
+QLORA_8B = ("model=llama3_8b", "peft=qlora", "peft.targets=[all-linear]", "peft.rank=8", "peft.alpha=16")
+LORA_70B = ("model=llama3_70b", "peft=lora", "peft.targets=[q_proj,k_proj,v_proj]", "peft.rank=16", "peft.alpha=32")
+FULL_8B = ("model=llama3_8b", "optim.name=adamw8bit", "optim.in_backward=true", "training.grad_clip=0")
+FULL_70B = ("model=llama3_70b", "strategy.cpu_offload=true")
+# What dtlaunch adds beyond torchtune's configs (activation offloading does not combine with compile).
+BF16_STATE = "optim.state_dtype=bf16"
+OFFLOAD = ("training.activation_offload=true", "training.compile=false", "training.loss_chunks=32")
+
 ROWS = (
-    Row("Llama-3.1-8B LoRA, 1x RTX 4090 (same job)", ("model=llama3_8b", "peft=lora", *ONE_4090, *JOB), 16.2),
-    Row("Llama-3.1-8B QLoRA, 1x RTX 4090 (same job)", ("model=llama3_8b", "peft=qlora", *ONE_4090, *JOB), 7.4),
-    Row("Llama-3.1-70B LoRA, 8x A100 (same job)", ("model=llama3_70b", "peft=lora", *JOB, *EIGHT_A100), 27.6),
-    Row("Llama-3.1-70B QLoRA, 8x A100 (same batch)", ("model=llama3_70b", "peft=qlora", *JOB, *EIGHT_A100)),
+    Row("Llama-3.1-8B LoRA, 1x RTX 4090", (*LORA_8B, *ONE_4090, *JOB), 16.2),
+    Row(
+        "  + bf16 adapter state, activation offload, 32 loss chunks",
+        (*LORA_8B, *ONE_4090, *JOB, BF16_STATE, *OFFLOAD),
+        16.2,
+    ),
+    Row("Llama-3.1-8B QLoRA, 1x RTX 4090", (*QLORA_8B, *ONE_4090, *JOB), 7.4),
+    Row(
+        "  + bf16 adapter state, activation offload, 32 loss chunks",
+        (*QLORA_8B, *ONE_4090, *JOB, BF16_STATE, *OFFLOAD),
+        7.4,
+    ),
+    Row("Llama-3.1-70B LoRA, 8x A100", (*LORA_70B, *JOB, *EIGHT_A100), 27.6),
+    Row("  + bf16 adapter state", (*LORA_70B, *JOB, *EIGHT_A100, BF16_STATE), 27.6),
+    Row("Llama-3.1-8B full, 1x RTX 4090 (8-bit AdamW, step in backward)", (*FULL_8B, *ONE_4090, *JOB), 18.9),
+    Row("Llama-3.1-70B full, 8x A100 (FSDP CPU offload)", (*FULL_70B, *JOB, *EIGHT_A100), 13.9),
+    Row("  + activation offload, 32 loss chunks", (*FULL_70B, *JOB, *EIGHT_A100, *OFFLOAD), 13.9),
     Row("recipe llama3_8b_lora", ("recipe=llama3_8b_lora",), recipe="llama3_8b_lora"),
     Row("recipe llama3_8b_qlora", ("recipe=llama3_8b_qlora",), recipe="llama3_8b_qlora"),
     Row("recipe qwen3_8b_lora_fsdp", ("recipe=qwen3_8b_lora_fsdp",), recipe="qwen3_8b_lora_fsdp"),
     Row("recipe llama3_70b_qlora_fsdp", ("recipe=llama3_70b_qlora_fsdp",), recipe="llama3_70b_qlora_fsdp"),
+    Row("recipe llama3_8b_lora_dpo", ("recipe=llama3_8b_lora_dpo",), recipe="llama3_8b_lora_dpo"),
 )
 # Plan lines shown per row: what the fine-tuning terms and the main differences from torchtune cost.
-SHOWN = ("parameters", "NF4 base weights", "adapter parameters", "optimizer state", "loss/backward buffers")
+SHOWN = ("parameters", "NF4 base weights", "optimizer state", "activations", "loss/backward buffers")
 
 
 def plan_row(row: Row) -> dict:
@@ -91,18 +118,37 @@ def plan_row(row: Row) -> dict:
     }
 
 
+def overrides_list(rows: list[dict]) -> list[str]:
+    """The command that reproduces each row's plan."""
+    return [f"- {r['job'].strip()}: `dtlaunch plan {' '.join(r['overrides'])}`" for r in rows]
+
+
 def table(rows: list[dict]) -> str:
     def lines(r: dict) -> str:
         return ", ".join(f"{k} {v:.2f}" for k, v in r["lines_gib"].items())
 
     return markdown_table(
-        ["job", "hardware", "torchtune GiB", "dtlaunch planned GiB", "device total / capacity", "fits", "lines (GiB)"],
+        [
+            "job",
+            "hardware",
+            "torchtune GiB",
+            "dtlaunch planned GiB",
+            "at or below",
+            "device total / capacity",
+            "fits",
+            "lines (GiB)",
+        ],
         [
             [
                 r["job"],
                 r["hardware"],
                 "-" if r["published_gib"] is None else f"{r['published_gib']:.1f}",
                 f"{r['planned_reserved_gib']:.1f} reserved ({r['planned_allocated_gib']:.1f} allocated)",
+                "-"
+                if r["published_gib"] is None
+                else "yes"
+                if r["planned_allocated_gib"] <= r["published_gib"]
+                else "no",
                 f"{r['device_total_gib']:.1f} / {r['capacity_gib']:.1f}",
                 "yes" if r["fits"] else "no",
                 lines(r),
@@ -131,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
             "Reproduce: `python bench/peft_compare.py --markdown bench/results/peft-compare.md`.",
             "",
             text,
+            "",
+            "## The commands",
+            "",
+            *overrides_list(rows),
             "",
             "## About the comparison",
             "",

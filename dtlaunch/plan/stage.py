@@ -135,12 +135,18 @@ class StageShape:
         return self.opt.grad_bytes if self.opt else 4
 
     @property
+    def frozen_head_unit(self) -> bool:
+        """The frozen, untied head is an FSDP2 unit of its own (a full-vocabulary loss only: a chunked
+        one reads it from the root unit; dtlaunch.train.parallel.frozen_base)."""
+        return bool(self.ft and not self.tied_head and self.last and loss_chunks(self) == 1)
+
+    @property
     def frozen_ends(self) -> int:
-        """The frozen, untied embedding and head on this rank (LoRA / QLoRA): FSDP2 units of their own,
-        gathered only while they run (dtlaunch.train.parallel.frozen_base)."""
+        """The frozen, untied embedding and head on this rank (LoRA / QLoRA) that are FSDP2 units of their
+        own, gathered only while they run (dtlaunch.train.parallel.frozen_base)."""
         if not self.ft or self.tied_head:
             return 0
-        return self.v_h * (int(self.first) + int(self.last))
+        return self.v_h * (int(self.first) + int(self.frozen_head_unit))
 
 
 def v_h(m: Any, tp: int) -> int:
@@ -327,7 +333,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
         # A frozen embedding and head are units of their own, resharded after use.
-        ends = c.v_h * int(c.last) if c.frozen_ends else 0
+        ends = c.v_h if c.frozen_head_unit else 0
         lines["unsharded parameters"] = e * (c.root - (c.v_h if c.first else 0) - ends)
     if c.cfg.precision.float8 != "none":
         # torchao's Float8Linear saves its input and the parameter itself (no compute-dtype weight copy:
