@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-fast lint format bench bench-gpu bench-gpu-rehearse wheel-smoke clean
+.PHONY: install demo test test-fast lint format bench bench-gpu bench-gpu-memory bench-gpu-rehearse wheel-smoke clean
 
 install: $(STAMP)
 
@@ -56,6 +56,9 @@ bench: install  ## CPU benchmark suite (<= 15 min); results in bench/results/
 
 bench-gpu:  ## GPU benchmark (one or more CUDA GPUs, ~30 min); results in bench/results/gpu-<date>-<device>.*
 	bash bench/gpu/run.sh
+
+bench-gpu-memory:  ## memory features on one GPU vs their plans (peaks, tokens/s; < 8 min); results in bench/results/
+	bash bench/gpu/run.sh --part memory
 
 bench-gpu-rehearse: install  ## the GPU benchmark's every run on CPU at tiny shapes (no compile; ~5-10 min)
 	PATH="$(abspath $(BIN)):$$PATH" bash bench/gpu/run.sh --rehearse

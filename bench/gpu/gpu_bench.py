@@ -7,19 +7,28 @@ prediction against what the GPU measured, and dtlaunch's throughput against the 
   weights are the real ones): activation checkpointing none / op-SAC / layer-SAC / full and compile's
   memory budget, compile off/on, float8 (tensorwise, rowwise; torchao).
 - The largest model the planner says fits, with full AC.
+- `--part memory` (< 8 minutes, its own default budget): each memory feature on one GPU against its plan,
+  on the 8B width with 4 layers and the real 128k vocabulary at 2 x 2048 tokens: baseline
+  (training.loss_chunks=1), loss_chunks=8, full AC, activation offload and optim.in_backward (both under
+  full AC), adamw8bit, LoRA (frozen embedding/head in the compute dtype), LoRA with optim.state_dtype=bf16,
+  QLoRA, CPU offload (2+ GPUs only: validation refuses it on one rank, and the row says so). Per row:
+  planned peak and device total, measured max_memory_allocated and max_memory_reserved, the plan's error,
+  tokens/s against the baseline and against the feature's reference row. A row whose option this
+  checkout lacks is skipped with the reason.
 
 Every dtlaunch run compares the plan (plan.json: the figure `dtlaunch plan --json` prints) with the
 worker's torch.cuda.max_memory_allocated (summary.json), and the plan's device total (peak + CUDA
 context and allocator overheads) with the peak of nvidia-smi's memory.used during the run.
 All bf16, micro-batch 4 x 2048 tokens per GPU, FSDP2 strategy (a world of one trains unwrapped).
 
+    bash bench/gpu/run.sh --part memory                 # or: make bench-gpu-memory (budget 400 s built in)
     bash bench/gpu/run.sh --part 1 --budget-s 480       # or: make bench-gpu (all parts, no budget)
     bash bench/gpu/run.sh --part 2 --budget-s 480
     python bench/gpu/gpu_bench.py --merge bench/results/gpu-<date>-<device>-part{1,2}.json
     python bench/gpu/gpu_bench.py --dry-run             # CPU: compose and plan every run
     python bench/gpu/gpu_bench.py --rehearse            # CPU: every run end to end, tiny shapes (see below)
 
-Results: bench/results/gpu-<date>-<device>[-partN].md and .json (--results-dir elsewhere), rewritten after
+Results: bench/results/gpu-<date>-<device>[-partN|-memory].md and .json (--results-dir elsewhere), rewritten after
 every run, so a run cut short keeps what it measured. With --budget-s the bench starts no run it cannot
 finish inside the budget and stops one that overruns; what it left out is listed as skipped.
 
@@ -106,7 +115,7 @@ class Run:
     variant: str  # a VARIANTS key
     overrides: tuple[str, ...]
     sides: tuple[str, ...] = ("dtlaunch",)
-    part: int = 1
+    part: int | str = 1  # 1, 2 or "memory"
 
     @property
     def name(self) -> str:
@@ -168,6 +177,106 @@ def run_list(nproc: int, hw: str, steps: int, fits: Callable[[tuple[str, ...]], 
     return runs
 
 
+# The memory part (--part memory): each memory feature on ONE GPU against its plan, on a shape where
+# each matters: the 8B width with 4 layers and the real 128k vocabulary (the logits of 2 x 2048 tokens are
+# 1 GiB in bf16, 2 GiB in fp32), bf16, one rank (FSDP2's world of one trains unwrapped). Every row is
+# a reference row plus one feature (`MEMORY_FEATURES`), so each feature reads against the same job without it.
+MEMORY = "memory"
+MEM_STEPS, MEM_WARMUP = 12, 4  # steps per run, steps excluded from tokens/s
+# Default --budget-s of the memory part: counted from the bench's own start; a run still going at it is
+# stopped (SIGTERM, SIGKILL 45 s later), so the command ends within ~7.5 minutes.
+MEM_BUDGET_S = 400.0
+MEM_RUN_TIMEOUT_S = 120.0  # default --run-timeout of the memory part (a run takes ~20-45 s on an H100)
+FULL_AC = "training.activation_checkpointing=full"
+LORA = "peft=lora"
+# (variant, overrides on top of the baseline, data-parallel ranks, reference row), most important first:
+# a budget cut loses the tail. A feature reads against its reference row (the same job without it); the
+# baseline's training.loss_chunks=1 is added by `memory_runs` where the schema has it. in_backward runs
+# under full AC: without it the peak is the loss's backward, before any gradient exists, and the plan
+# gives in_backward nothing to save there.
+MEMORY_FEATURES: tuple[tuple[str, tuple[str, ...], int, str], ...] = (
+    ("baseline", (), 1, ""),
+    ("loss-chunks-8", ("training.loss_chunks=8",), 1, "baseline"),
+    ("ac-full", (FULL_AC,), 1, "baseline"),
+    ("act-offload", (FULL_AC, "training.activation_offload=true"), 1, "ac-full"),
+    ("adamw8bit", ("optim.name=adamw8bit",), 1, "baseline"),
+    ("in-backward", (FULL_AC, "optim.in_backward=true", "training.grad_clip=0"), 1, "ac-full"),
+    ("lora", (LORA,), 1, "baseline"),  # frozen base; frozen embedding and head in the compute dtype
+    ("lora-bf16-state", (LORA, "optim.state_dtype=bf16"), 1, "lora"),  # validation: bf16 state under PEFT only
+    ("qlora", (LORA, "peft.method=qlora"), 1, "lora"),
+    # Under full AC only 4 small block inputs move; without AC every block's saved activations do.
+    ("act-offload-no-ac", ("training.activation_offload=true",), 1, "baseline"),
+    ("cpu-offload", ("strategy.cpu_offload=true",), 2, "baseline"),  # validation: FSDP over 2+ DP ranks
+)
+MEMORY_REFERENCE = {variant: ref for variant, _, _, ref in MEMORY_FEATURES}
+
+
+def mem_job(nproc: int, hw: str, steps: int, extra: Sequence[str], host_gib: float = 0.0) -> tuple[str, ...]:
+    return (
+        *LLAMA_8B_4L,
+        "strategy=fsdp",
+        "precision=bf16",
+        f"hardware={hw}",
+        f"launch.nproc_per_node={nproc}",
+        "training.micro_batch=2",
+        "training.seq_len=2048",
+        f"training.steps={steps}",
+        "training.log_every=2",  # a metrics line at step MEM_WARMUP (the steady window's start)
+        "training.sync_interval_s=0",  # ... which a widened logging window would skip
+        "optim.warmup_steps=2",
+        "checkpoint=none",
+        "data=synthetic",
+        "training.loss_plot=false",
+        # The plan checks activation / CPU offload's host bytes against this machine's RAM.
+        *([f"hardware.host_memory_gib={host_gib}"] if host_gib else []),
+        *extra,
+    )
+
+
+def schema_has(key: str) -> bool:
+    """Whether this checkout's config schema has `key` ('training.loss_chunks')."""
+    from dataclasses import fields, is_dataclass
+
+    from dtlaunch.config.schema import JobConfig
+
+    node: Any = JobConfig()
+    for part in key.split("."):
+        if not is_dataclass(node) or part not in {f.name for f in fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def memory_runs(hw: str, steps: int, host_gib: float = 0.0, gpus: int = 1) -> list[Run]:
+    """The memory part's rows. Rows whose data-parallel ranks this machine lacks run on one rank anyway,
+    so that validation names why they cannot (`memory_skip_reason`)."""
+    base = ("training.loss_chunks=1",) if schema_has("training.loss_chunks") else ()
+    out = []
+    for variant, extra, ranks, _ in MEMORY_FEATURES:
+        nproc = ranks if ranks <= gpus else 1
+        keys = {e.split("=", 1)[0] for e in extra}
+        overrides = mem_job(nproc, hw, steps, [*(b for b in base if b.split("=", 1)[0] not in keys), *extra], host_gib)
+        out.append(Run("mem-8b-4l", False, variant, overrides, ("dtlaunch",), MEMORY))
+    return out
+
+
+def memory_skip_reason(run: Run) -> str:
+    """'' when the row composes and validates here, else why not: a field this checkout's schema lacks
+    (a feature not merged yet), a missing package, or a layout validation refuses (cpu_offload on one
+    GPU). The same checks `dtlaunch train` runs first, done here so the row is skipped with the reason."""
+    from dtlaunch.commands.common import load_job
+
+    for o in run.overrides:
+        key = o.split("=", 1)[0]
+        if "." in key and not schema_has(key):
+            return f"{key} is not in this checkout's config schema"
+    try:
+        load_job(list(run.overrides))
+    except Exception as e:  # ConfigError and composition errors alike: the message is the reason
+        return f"refused by validation: {str(e).strip().splitlines()[0][:240]}"
+    return ""
+
+
 @dataclass
 class LargestFitting:
     """Placeholder for "the largest candidate the planner says fits, with full AC": the planner is asked
@@ -188,7 +297,7 @@ class LargestFitting:
         return None
 
 
-def selected(runs: Sequence[Run | LargestFitting], only: set[str], part: int) -> list[Run]:
+def selected(runs: Sequence[Run | LargestFitting], only: set[str], part: int | str) -> list[Run]:
     """The runs `--only` (names, or 'largest-fitting') and `--part` keep, placeholders resolved."""
     out = []
     for r in runs:
@@ -206,6 +315,13 @@ def shrink(overrides: Sequence[str], extra: Sequence[str] = REHEARSAL_SHAPE) -> 
     """`overrides` with the keys of `extra` replaced (or added): the same job at a tiny shape."""
     keys = {e.split("=", 1)[0] for e in extra}
     return (*(o for o in overrides if o.split("=", 1)[0] not in keys), *extra)
+
+
+def rehearsal_overrides(run: Run) -> tuple[str, ...]:
+    """`run`'s overrides at the rehearsal's tiny shape; QLoRA's NF4 scaler blocks shrunk to whole blocks of
+    its 64-wide weights (64 x 16 elements)."""
+    extra = ("peft.nf4_scaler_block_size=16",) if "peft.method=qlora" in run.overrides else ()
+    return shrink(run.overrides, (*REHEARSAL_SHAPE, *extra))
 
 
 def hardware_option(gpu_name: str) -> str:
@@ -380,8 +496,11 @@ def measure(
         plan = json.loads(plan_file.read_text())
         out.update(predicted_bytes=plan["peak_bytes"], predicted_device_total_bytes=plan["device_total_bytes"])
     if side == "dtlaunch" and not res.error and summary_file.exists():
-        measured = max(json.loads(summary_file.read_text())["peak_mem_bytes_per_rank"])
+        summary = json.loads(summary_file.read_text())
+        measured = max(summary["peak_mem_bytes_per_rank"])
         out["measured_bytes"] = measured
+        reserved = max(summary.get("peak_reserved_bytes_per_rank") or [0])  # 0 on CPU: no caching allocator
+        out["measured_reserved_bytes"] = reserved or None
         if out.get("predicted_bytes") and measured:
             out["error_pct"] = (out["predicted_bytes"] - measured) / measured * 100
     elif side == "handwritten" and not res.error:
@@ -433,6 +552,10 @@ def skip_reason(
     run: Run, info: dict[str, Any], rehearse: bool, rehearse_compile: bool, left_s: Optional[float] = None
 ) -> str:
     """Why `run` is not started here ('' when it is); `left_s`: what is left of --budget-s, if any."""
+    if run.part == MEMORY:
+        why = memory_skip_reason(run)
+        if why:
+            return why
     if run.variant.startswith("float8"):
         if rehearse:
             return "float8 matmuls need CUDA (rehearsal on CPU)" + float8_api_check(run.variant)
@@ -466,6 +589,9 @@ def render(report: dict[str, Any]) -> str:
     def gib(v: Any) -> str:
         return f"{v / scale:.2f}" if v else "-"
 
+    everything = results
+    memory = [r for r in results if r.get("part") == MEMORY]
+    results = [r for r in results if r.get("part") != MEMORY]
     rows = []
     for r in results:
         if r.get("skipped"):
@@ -497,24 +623,100 @@ def render(report: dict[str, Any]) -> str:
         f"nvidia-smi peak {unit}",
     ]
     title = "REHEARSAL on CPU (tiny shapes; not a measurement)" if report.get("rehearsal") else "GPU benchmark"
+    total = f", {report['total_s']:.0f} s in all (start-up included)" if report.get("total_s") else ""
     lines = [
         f"# dtlaunch {title}, {info['date']}",
         "",
         f"- machine: {describe_machine(info)}; hardware={report['hardware']}; {report['nproc']} GPU(s)",
-        f"- command: `{report['command']}`, {report['wall_s']:.0f} s",
-        f"- job: bf16, world {report['nproc']}, micro-batch {report['micro_batch']} x {report['seq_len']} tokens "
-        f"per GPU, {report['steps']} steps, first {report['warmup']} excluded; one run per row",
-        "",
-        markdown_table(headers, rows),
+        f"- command: `{report['command']}`, {report['wall_s']:.0f} s of runs{total}",
+    ]
+    if results:
+        lines += [
+            f"- job: bf16, world {report['nproc']}, micro-batch {report['micro_batch']} x {report['seq_len']} tokens "
+            f"per GPU, {report['steps']} steps, first {report['warmup']} excluded; one run per row",
+            "",
+            markdown_table(headers, rows),
+        ]
+    if memory:
+        lines += ["", *memory_lines(memory, gib, unit, report)]
+    lines += [
         "",
         *ratio_lines(results),
         "",
         *ac_lines(results),
         "",
         "Commands:",
-        *[f"- {r['name']} / {r['side']}: `{r['command']}`" for r in results if r.get("command")],
+        *[f"- {r['name']} / {r['side']}: `{r['command']}`" for r in everything if r.get("command")],
     ]
     return "\n".join(lines) + "\n"
+
+
+def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], unit: str, report: dict) -> list[str]:
+    """The memory part's table: per feature, plan vs measured peak (allocated; the plan's device total
+    vs the allocator's reserved peak), tokens/s against the baseline row of the same command, and both
+    against the feature's reference row (the same job without the feature)."""
+    by = {r["variant"]: r for r in results if r.get("tokens_per_s")}
+
+    def ratio(r: dict[str, Any], ref: Optional[dict[str, Any]], key: str) -> str:
+        return f"{r[key] / ref[key]:.3f}" if ref and r.get(key) and ref.get(key) else "-"
+
+    rows = []
+    for r in results:
+        alloc, reserved = r.get("measured_bytes"), r.get("measured_reserved_bytes")
+        total = r.get("predicted_device_total_bytes")
+        if r.get("skipped"):
+            speed = f"skipped: {r['skipped']}"
+        else:
+            speed = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else (r.get("error") or "?")[:160]
+        ref_name = MEMORY_REFERENCE.get(r["variant"], "")
+        base, ref = by.get("baseline"), by.get(ref_name)
+        rows.append(
+            [
+                r["variant"],
+                ref_name or "-",
+                speed,
+                ratio(r, base, "tokens_per_s"),
+                ratio(r, ref, "tokens_per_s"),
+                gib(r.get("predicted_bytes")),
+                gib(alloc),
+                f"{r['error_pct']:+.1f} %" if r.get("error_pct") is not None else "-",
+                ratio(r, ref, "measured_bytes"),
+                gib(total),
+                gib(reserved),
+                f"{(total - reserved) / reserved * 100:+.1f} %" if total and reserved else "-",
+                gib(r.get("device_used_peak_bytes")),
+            ]
+        )
+    headers = [
+        "feature",
+        "reference",
+        "tokens/s",
+        "vs baseline",
+        "vs reference",
+        f"plan peak {unit}",
+        f"max_memory_allocated {unit}",
+        "plan error",
+        "allocated vs reference",
+        f"plan device total {unit}",
+        f"max_memory_reserved {unit}",
+        "device total vs reserved",
+        f"nvidia-smi peak {unit}",
+    ]
+    shape = "REHEARSAL_SHAPE (tiny, CPU)" if report.get("rehearsal") else MEMORY_SHAPE
+    steps, warmup = report.get("mem_steps", report["steps"]), report.get("mem_warmup", report["warmup"])
+    return [
+        "## Memory features (one GPU; each row = its reference row plus one feature)",
+        "",
+        f"- job: {shape}, {steps} steps, first {warmup} excluded from tokens/s; the baseline has"
+        " training.loss_chunks=1 (where the schema has it); plan error = (plan - measured) / measured; the plan's"
+        " device total adds the CUDA context and allocator overheads to the peak, compared here with the"
+        " allocator's reserved peak (the context is not in it)",
+        "",
+        markdown_table(headers, rows),
+    ]
+
+
+MEMORY_SHAPE = "Llama-3.1-8B width, 4 layers, vocabulary 128,256, bf16, one rank, micro-batch 2 x 2048 tokens"
 
 
 def ratio_lines(results: Sequence[dict[str, Any]]) -> list[str]:
@@ -552,10 +754,10 @@ def ac_lines(results: Sequence[dict[str, Any]]) -> list[str]:
     return ["Selective AC (goal: faster than full AC, less memory than none):", *out] if out else []
 
 
-def result_stem(device: str, part: int, when: Optional[datetime] = None) -> str:
+def result_stem(device: str, part: int | str, when: Optional[datetime] = None) -> str:
     date = (when or datetime.now(timezone.utc)).strftime("%Y-%m-%d")
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    return f"gpu-{date}-{slug}" + (f"-part{part}" if part else "")
+    return f"gpu-{date}-{slug}" + (f"-{MEMORY}" if part == MEMORY else f"-part{part}" if part else "")
 
 
 def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> Path:
@@ -568,17 +770,42 @@ def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> Path:
 def merge(files: Sequence[Path], out_dir: Path) -> Path:
     """One results file from the parts' JSON files (one GPU session runs the parts as separate commands)."""
     reports = [json.loads(Path(f).read_text()) for f in files]
-    reports.sort(key=lambda r: r.get("part") or 0)
+    reports.sort(key=lambda r: str(r.get("part") or 0))
     merged = dict(reports[0], part=0, runs=[run for r in reports for run in r["runs"]])
     merged["wall_s"] = sum(r["wall_s"] for r in reports)
+    merged["total_s"] = sum(r.get("total_s") or 0.0 for r in reports)
     merged["command"] = " ; ".join(r["command"] for r in reports)
-    stem = re.sub(r"-part\d+$", "", Path(files[0]).stem)
+    stem = re.sub(rf"-(part\d+|{MEMORY})$", "", Path(files[0]).stem)
     return write_report(merged, out_dir, stem)
 
 
-def dry_run(device_name: str, nproc: int, steps: int, only: set[str] | None = None) -> list[dict[str, Any]]:
+def all_runs(
+    nproc: int,
+    hw: str,
+    steps: int,
+    mem_steps: int,
+    fits: Callable[[tuple[str, ...]], bool],
+    part: int | str,
+    host_gib: float = 0.0,
+) -> list[Run | LargestFitting]:
+    """Parts 1 and 2 (`run_list`), then the memory part, as `--part` selects (0: all)."""
+    runs: list[Run | LargestFitting] = run_list(nproc, hw, steps, fits) if part != MEMORY else []
+    if part in (0, MEMORY):
+        runs += memory_runs(hw, mem_steps, host_gib, gpus=nproc)
+    return runs
+
+
+def dry_run(
+    device_name: str,
+    nproc: int,
+    steps: int,
+    only: set[str] | None = None,
+    part: int | str = 0,
+    mem_steps: int = MEM_STEPS,
+) -> list[dict[str, Any]]:
     """Every run composed, validated and planned in this process (no GPU, no torch.cuda): what the real
-    benchmark would run, with the plan it would compare against."""
+    benchmark would run, with the plan it would compare against; memory rows that validation refuses
+    here are listed with the reason (the real run skips them the same way)."""
     from dtlaunch.commands.common import load_job
     from dtlaunch.plan.memory import plan_memory
 
@@ -592,24 +819,65 @@ def dry_run(device_name: str, nproc: int, steps: int, only: set[str] | None = No
         return plans[overrides]
 
     rows = []
-    for r in selected(run_list(nproc, hw, steps, lambda ov: plan(ov).fits), only or set(), 0):
+    for r in selected(all_runs(nproc, hw, steps, mem_steps, lambda ov: plan(ov).fits, part), only or set(), part):
+        why = memory_skip_reason(r) if r.part == MEMORY else ""
+        if why:
+            rows.append({"name": r.name, "sides": list(r.sides), "skipped": why, "part": r.part})
+            print(f"  {r.name:32s} part {r.part} skipped: {why}")
+            continue
         p = plan(r.overrides)
-        rows.append({"name": r.name, "sides": list(r.sides), "predicted_bytes": p.peak, "fits": p.fits, "part": r.part})
+        rows.append(
+            {
+                "name": r.name,
+                "sides": list(r.sides),
+                "predicted_bytes": p.peak,
+                "predicted_device_total_bytes": p.device_total,
+                "fits": p.fits,
+                "part": r.part,
+            }
+        )
         print(
             f"  {r.name:32s} part {r.part} {'+'.join(r.sides):22s} plan {p.peak / 2**30:7.2f} GiB "
-            f"{'fits' if p.fits else 'DOES NOT FIT'}"
+            f"(device total {p.device_total / 2**30:6.2f}) {'fits' if p.fits else 'DOES NOT FIT'}"
         )
     return rows
 
 
+def parse_part(text: str) -> int | str:
+    """--part: 1, 2, memory, or 0 / '' (all)."""
+    text = text.strip().lower()
+    if text in ("", "0"):
+        return 0
+    if text in ("1", "2"):
+        return int(text)
+    if text in (MEMORY, "mem"):
+        return MEMORY
+    raise SystemExit(f"--part {text!r}: use 1, 2 or {MEMORY}")
+
+
 def main(argv: list[str] | None = None) -> Path | None:
+    started = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=0, help="steps per run (default 30; 6 with --rehearse)")
-    ap.add_argument("--warmup", type=int, default=-1, help="steps excluded from tokens/s (default 10; 2 rehearsed)")
+    ap.add_argument(
+        "--steps", type=int, default=0, help="steps per run (default 30, memory part 12; 6 with --rehearse)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=-1, help="steps excluded from tokens/s (default 10, memory part 4; 2 rehearsed)"
+    )
     ap.add_argument("--only", default="", help="comma-separated run names (e.g. 1b-eager-ac-none,largest-fitting)")
-    ap.add_argument("--part", type=int, default=0, help="run only this part (1 or 2; default: all)")
-    ap.add_argument("--budget-s", type=float, default=0, help="start no run past this many seconds (0: no limit)")
-    ap.add_argument("--run-timeout", type=float, default=0, help="stop a run after this long (default 360 s)")
+    ap.add_argument("--part", default="0", help="run only this part: 1, 2 or memory (default: all)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=-1,
+        help=f"start no run past this many seconds (0: no limit; default 0, memory part {MEM_BUDGET_S:.0f})",
+    )
+    ap.add_argument(
+        "--run-timeout",
+        type=float,
+        default=0,
+        help=f"stop a run after this long (default 360 s, memory part {MEM_RUN_TIMEOUT_S:.0f} s)",
+    )
     ap.add_argument("--results-dir", default="", help="default bench/results (a temporary dir with --rehearse)")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: compose, validate and plan every run")
     ap.add_argument("--device-name", default="NVIDIA H100 80GB HBM3", help="--dry-run/--rehearse: GPU to plan for")
@@ -618,14 +886,20 @@ def main(argv: list[str] | None = None) -> Path | None:
     ap.add_argument("--merge", nargs="+", default=[], help="part JSON files to merge into one results file")
     args = ap.parse_args(argv)
     only = {s for s in args.only.split(",") if s}
-    steps = args.steps or (6 if args.rehearse else 30)
-    warmup = args.warmup if args.warmup >= 0 else (2 if args.rehearse else 10)
+    part = parse_part(args.part)
+    memory_only = part == MEMORY
+    steps = args.steps or (6 if args.rehearse else MEM_STEPS if memory_only else 30)
+    mem_steps = args.steps or (6 if args.rehearse else MEM_STEPS)
+    warmup = args.warmup if args.warmup >= 0 else (2 if args.rehearse else MEM_WARMUP if memory_only else 10)
+    mem_warmup = args.warmup if args.warmup >= 0 else (2 if args.rehearse else MEM_WARMUP)
+    budget_s = args.budget_s if args.budget_s >= 0 else (MEM_BUDGET_S if memory_only and not args.rehearse else 0)
     if args.merge:
         path = merge([Path(f) for f in args.merge], Path(args.results_dir) if args.results_dir else BENCH / "results")
         print(f"merged into {path}")
         return path
     if args.dry_run:
-        dry_run(args.device_name, 1, steps, only)
+        dry_run(args.device_name, 1, steps, only, part, mem_steps)
+        print(f"dry run: {time.perf_counter() - started:.1f} s")
         return None
 
     info = device_info()
@@ -638,17 +912,19 @@ def main(argv: list[str] | None = None) -> Path | None:
         nproc, device = len(info["gpus"]), info["gpus"][0]
         out_dir = Path(args.results_dir) if args.results_dir else BENCH / "results"
     hw = hardware_option(device)
+    # The memory rows plan activation / CPU offload's host bytes against this machine's RAM, not the profile's.
+    host_gib = 0.0 if args.rehearse else float(info.get("memory_gib") or 0.0)
     print(describe_machine(info), f"-> hardware={hw}, {nproc} GPU(s)", flush=True)
 
     def fits(overrides: tuple[str, ...]) -> bool:
         return bool((plan_fits(shrink(overrides) if args.rehearse else overrides) or {}).get("fits"))
 
-    runs = selected(run_list(nproc, hw, steps, fits), only, args.part)
+    runs = selected(all_runs(nproc, hw, steps, mem_steps, fits, part, host_gib), only, part)
     if args.rehearse:
-        runs = [Run(r.family, r.compile, r.variant, shrink(r.overrides), r.sides, r.part) for r in runs]
+        runs = [Run(r.family, r.compile, r.variant, rehearsal_overrides(r), r.sides, r.part) for r in runs]
     t0 = time.perf_counter()
-    deadline = t0 + args.budget_s if args.budget_s else None
-    cap = args.run_timeout or (1800.0 if args.rehearse else 360.0)
+    deadline = started + budget_s if budget_s else None  # the budget counts this process's own start-up too
+    cap = args.run_timeout or (1800.0 if args.rehearse else MEM_RUN_TIMEOUT_S if memory_only else 360.0)
     work = Path(tempfile.mkdtemp(prefix="dtlaunch-gpu-bench-"))
     shape = throughput.composed(list(runs[0].overrides)).training if runs else {}
     report: dict[str, Any] = {
@@ -656,17 +932,21 @@ def main(argv: list[str] | None = None) -> Path | None:
         "device": device,
         "hardware": hw,
         "nproc": nproc,
-        "part": args.part,
+        "part": part,
         "rehearsal": args.rehearse,
         "steps": steps,
         "warmup": warmup,
+        "budget_s": budget_s,
+        "mem_steps": mem_steps,
+        "mem_warmup": mem_warmup,
         "micro_batch": int(shape["micro_batch"]) if runs else None,
         "seq_len": int(shape["seq_len"]) if runs else None,
         "command": " ".join(["bench/gpu/gpu_bench.py", *(argv if argv is not None else sys.argv[1:])]),
         "runs": [],
         "wall_s": 0.0,
+        "total_s": 0.0,
     }
-    stem = result_stem(device, args.part)
+    stem = result_stem(device, part)
     idle = DeviceMemoryWatch.idle_mib()
     try:
         for run in runs:
@@ -677,15 +957,20 @@ def main(argv: list[str] | None = None) -> Path | None:
                     report["runs"].append(skipped(run, side, why))
                     continue
                 timeout = min(cap, left) if left is not None else cap
-                report["runs"].append(measure(run, side, work, warmup, timeout, idle))
+                w = mem_warmup if run.part == MEMORY else warmup
+                report["runs"].append(measure(run, side, work, w, timeout, idle))
                 report["wall_s"] = time.perf_counter() - t0
+                report["total_s"] = time.perf_counter() - started
                 write_report(report, out_dir, stem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - t0
+    report["total_s"] = time.perf_counter() - started
     path = write_report(report, out_dir, stem)
     print(render(report))
     print(f"results: {path} and {path.with_suffix('.json')}")
+    limit = f" (budget {budget_s:.0f} s)" if budget_s else ""
+    print(f"total: {report['total_s']:.0f} s, start-up and every run included{limit}", flush=True)
     return path
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU benchmark: bash bench/gpu/run.sh [gpu_bench.py options: --part 1 --budget-s 480 --results-dir DIR ...]
+# Memory features on one GPU (< 8 minutes, start-up included): bash bench/gpu/run.sh --part memory
 #
 # Runs on a machine whose python3 has a CUDA build of torch and nothing of ours: a bare GPU machine with
 # no network gets a copy of the checkout, not our .venv. What dtlaunch needs beyond such an image

@@ -307,12 +307,18 @@ class Trainer:
         """Peak allocated bytes on this rank so far (CUDA allocator; on CPU the storage counter)."""
         return int(self.tracker.peak_bytes())
 
+    def _reserved(self) -> int:
+        """Peak bytes the CUDA caching allocator reserved on this rank so far; 0 off CUDA."""
+        device = torch.device(self.env.device)
+        return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else 0
+
     def _write_summary(self, step: int) -> Optional[dict[str, Any]]:
         """summary.json (rank 0): what only the workers know, for the launcher's end-of-run summary."""
-        peaks = [0] * self.env.world
-        dist.all_gather_object(peaks, self._peak())
+        pairs: list[Any] = [None] * self.env.world
+        dist.all_gather_object(pairs, (self._peak(), self._reserved()))
         if self.env.rank != 0:
             return None
+        peaks, reserved = [int(p[0]) for p in pairs], [int(p[1]) for p in pairs]
         t = self.totals
         summary = {
             "final_step": step,
@@ -320,6 +326,8 @@ class Trainer:
             "tokens_per_s_median": statistics.median(t.rates) if t.rates else None,
             "skipped_steps": t.skipped,
             "peak_mem_bytes_per_rank": peaks,
+            # torch.cuda.max_memory_reserved: the caching allocator's segments (0 on CPU, where it has none).
+            "peak_reserved_bytes_per_rank": reserved,
             "world": self.env.world,
             **t.last_eval,
             **t.last_pairs,
