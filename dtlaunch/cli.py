@@ -375,8 +375,12 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, (typer.Abort, KeyboardInterrupt)):
         print("dtlaunch: interrupted", file=sys.stderr)
         return 130
-    if isinstance(exc, Exception) and hasattr(exc, "show") and hasattr(exc, "exit_code"):
-        exc.show()  # a (typer-vendored) click usage error
+    if isinstance(exc, Exception) and hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+        # A (typer-vendored) click usage error: one line like every other refusal (click's own display
+        # is three), with where the usage is.
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        print(f"dtlaunch: error: {exc.format_message()}{hint}", file=sys.stderr)
         return int(exc.exit_code)
     return _internal_error(exc)
 
