@@ -142,8 +142,9 @@ class Tally:
     failures: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
-    def report(self) -> None:
+    def report(self, progress: bool = False) -> None:
         line = {
+            "progress": progress,
             "kind": self.kind,
             "cases": self.cases,
             "codes": {str(k): v for k, v in sorted(self.codes.items())},
@@ -166,6 +167,8 @@ def check(case: Case, scratch: Path, tally: Tally) -> None:
     code, err = run_cli(case.argv)
     tally.cases += 1
     tally.codes[code] = tally.codes.get(code, 0) + 1
+    if tally.cases % 100 == 0:
+        tally.report(progress=True)  # a long run's count so far, should it be stopped
     problems = wrong_endings(code, err)
     for d in case.inputs:
         if tree(d) != before[str(d)]:

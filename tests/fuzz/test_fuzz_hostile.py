@@ -4,7 +4,7 @@ checkpoints and the manifests among them (the HF index, meta.json, COMPLETE.json
 The invariants are fuzz_harness's: exit 0/2/3 only, one line on stderr, nothing executed, nothing the
 user owns changed, nothing written outside the case's output directory.
 
-CI runs 158 cases; DTLAUNCH_FUZZ_PROFILE=night runs 5,250 (see fuzz_harness for the night run's flags).
+CI runs 158 cases; DTLAUNCH_FUZZ_PROFILE=night runs 5,350 (see fuzz_harness for the night run's flags).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _run_case(scratch: Path, tally: Tally, case: Case, root: Path) -> None:
 
 def test_fuzz_overrides(scratch: Path) -> None:
     def body(tally: Tally) -> None:
-        @fuzz_settings(40, 1200)
+        @fuzz_settings(40, 700)
         @given(st.data())
         def one(data: st.DataObject) -> None:
             root, inp, out = _case_dirs(scratch)
@@ -93,7 +93,7 @@ SHARDED_FILES = [
 
 def test_fuzz_hf_directories(scratch: Path, fuzz_inputs: dict[str, Path]) -> None:
     def body(tally: Tally) -> None:
-        @fuzz_settings(25, 1000)
+        @fuzz_settings(25, 1100)
         @given(st.data())
         def one(data: st.DataObject) -> None:
             root, inp, out = _case_dirs(scratch)
@@ -122,7 +122,7 @@ def test_fuzz_hf_directories(scratch: Path, fuzz_inputs: dict[str, Path]) -> Non
 
 def test_fuzz_adapters(scratch: Path, fuzz_inputs: dict[str, Path]) -> None:
     def body(tally: Tally) -> None:
-        @fuzz_settings(20, 800)
+        @fuzz_settings(20, 1000)
         @given(st.data())
         def one(data: st.DataObject) -> None:
             root, inp, out = _case_dirs(scratch)
@@ -200,7 +200,7 @@ RECORD_LINES = [
 
 def test_fuzz_chat_templates_and_records(scratch: Path, fuzz_inputs: dict[str, Path]) -> None:
     def body(tally: Tally) -> None:
-        @fuzz_settings(15, 500)
+        @fuzz_settings(15, 250)
         @given(st.data())
         def one(data: st.DataObject) -> None:
             root, inp, out = _case_dirs(scratch)
@@ -266,7 +266,7 @@ RECIPE_EDITS = [
 
 def test_fuzz_recipes(scratch: Path) -> None:
     def body(tally: Tally) -> None:
-        @fuzz_settings(25, 500)
+        @fuzz_settings(25, 1200)
         @given(st.data())
         def one(data: st.DataObject) -> None:
             root, inp, out = _case_dirs(scratch)
@@ -288,7 +288,7 @@ def test_fuzz_recipes(scratch: Path) -> None:
 
 def test_fuzz_token_shards(scratch: Path, fuzz_inputs: dict[str, Path]) -> None:
     def body(tally: Tally) -> None:
-        @fuzz_settings(8, 250)
+        @fuzz_settings(8, 100)
         @given(st.data())
         def one(data: st.DataObject) -> None:
             root, inp, out = _case_dirs(scratch)
