@@ -361,7 +361,8 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, DtlaunchError):
         if _DEBUG:
             raise exc
-        print(f"dtlaunch: error: {exc}", file=sys.stderr)
+        # One line whatever a message echoes (a file name or value can hold a newline): shown escaped.
+        print(f"dtlaunch: error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, OSError):
         # An OS error on a named path is bad input (a path too long, not writable, a file where a
@@ -383,6 +384,10 @@ def exit_code_of(exc: BaseException) -> int:
         print(f"dtlaunch: error: {exc.format_message()}{hint}", file=sys.stderr)
         return int(exc.exit_code)
     return _internal_error(exc)
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _internal_error(exc: BaseException) -> int:

@@ -68,18 +68,18 @@ def read_header(file: Path, fix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
                 raise bad("its __metadata__ is not a table of strings")
             continue
         if not isinstance(entry, dict):
-            raise bad(f"entry '{name[:80]}' is not an object")
+            raise bad(f"entry {_show(name)} is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if dtype not in DTYPE_BYTES:
-            raise bad(f"tensor '{name[:80]}' has unknown dtype {str(dtype)[:20]!r}")
+            raise bad(f"tensor {_show(name)} has unknown dtype {_show(dtype, 20)}")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise bad(f"tensor '{name[:80]}' has shape {str(shape)[:40]}, not a list of sizes >= 0")
+            raise bad(f"tensor {_show(name)} has shape {_show(shape, 40)}, not a list of sizes >= 0")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-            raise bad(f"tensor '{name[:80]}' has data_offsets {str(offsets)[:40]}, not [begin, end]")
+            raise bad(f"tensor {_show(name)} has data_offsets {_show(offsets, 40)}, not [begin, end]")
         begin, end = offsets
         if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
             raise bad(
-                f"tensor '{name[:80]}' spans {end - begin} bytes, its shape {shape} and {dtype} need another size"
+                f"tensor {_show(name)} spans {end - begin} bytes, its shape {shape} and {dtype} need another size"
             )
         tensors[name] = (dtype, tuple(shape))
         spans.append((begin, end, name))
@@ -88,12 +88,17 @@ def read_header(file: Path, fix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     for begin, end, name in sorted(spans):
         if begin != at:
             raise bad(
-                f"tensor '{name[:80]}' starts at byte {begin}, expected {at}: the offsets overlap or leave a hole"
+                f"tensor {_show(name)} starts at byte {begin}, expected {at}: the offsets overlap or leave a hole"
             )
         at = end
     if at != size - 8 - n:
         raise bad(f"its tensors cover {at} bytes of data but the file holds {size - 8 - n}: it is cut short or padded")
     return tensors
+
+
+def _show(x: object, n: int = 60) -> str:
+    """A name or value from the file, quoted and escaped (no newline reaches the one-line message)."""
+    return json.dumps(x, ensure_ascii=False, default=str)[:n]
 
 
 def _is_count(x: object) -> bool:

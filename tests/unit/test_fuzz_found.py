@@ -59,3 +59,24 @@ def test_recipes_that_recurse_are_refused(
     f.write_text("# @package _global_\n\n" + body)
     code, line = cli(["validate", f"recipe={f}"], monkeypatch, capsys)
     assert code == 2 and line.startswith(f"dtlaunch: error: recipe file '{f}'") and expected in line, line
+
+
+def test_a_newline_inside_a_name_from_a_file_stays_on_the_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A safetensors header whose shape holds a string with a newline: the refusal shows it escaped."""
+    import json
+    import struct
+
+    f = tmp_path / "adapter_model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": ["a\ntouch PWNED"], "data_offsets": [0, 0]}}).encode()
+    f.write_bytes(struct.pack("<Q", len(header)) + header)
+    from dtlaunch.errors import InputError
+    from dtlaunch.inputs.safetensors_header import read_header
+
+    with pytest.raises(InputError) as exc:
+        read_header(f, "restore it")
+    assert "\n" not in str(exc.value) and '["a\\ntouch PWNED"]' in str(exc.value)
+    # And whatever a message echoes, the CLI prints one line.
+    code, line = cli(["validate", "recipe=/nonexistent/a\nb.yaml"], monkeypatch, capsys)
+    assert code == 2 and "a\\nb.yaml" in line, line
