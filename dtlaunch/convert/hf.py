@@ -173,10 +173,10 @@ class HFWeights:
         path = Path(path)
         self.path, self.m, self.spec = path, m, _spec(m)
         self.names = self.spec.names()
-        self.files = _weight_files(path)
         from dtlaunch.inputs.hf_dir import read_weight_headers
 
-        read_weight_headers(path)  # a spoiled file: one line naming it (safe_open's error names none)
+        read_weight_headers(path)  # a spoiled file or index: one line naming it (safe_open's error names none)
+        self.files = _weight_files(path)
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
         # Our 3-D expert tensors, stored by HF as one tensor per expert: name -> {expert: (file, HF name)}.
         self.stacked: dict[str, dict[int, tuple[str, str]]] = {}
