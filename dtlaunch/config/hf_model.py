@@ -58,6 +58,8 @@ def model_fields_from_hf(path: Path, config: Optional[dict] = None, arch: str = 
         fields = spec.hf.config_from_hf(c, where)
     except KeyError as exc:
         raise ConfigError(f"{where}: config.json has no {exc.args[0]}: it does not describe a model") from exc
+    except (TypeError, ValueError) as exc:  # int(None), float([...]): a value of the wrong type
+        raise ConfigError(f"{where}: config.json holds a value of the wrong type ({exc}): restore it") from None
     fields["arch"] = spec.arch
     return fields
 
