@@ -404,7 +404,8 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, DtlaunchError):
         if _DEBUG:
             raise exc
-        print(f"dtlaunch: error: {exc}", file=sys.stderr)
+        # One line whatever a message echoes (a file name or value can hold a newline): shown escaped.
+        print(f"dtlaunch: error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, OSError):
         # An OS error on a named path is bad input (a path too long, not writable, a file where a
@@ -418,10 +419,18 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, (typer.Abort, KeyboardInterrupt)):
         print("dtlaunch: interrupted", file=sys.stderr)
         return 130
-    if isinstance(exc, Exception) and hasattr(exc, "show") and hasattr(exc, "exit_code"):
-        exc.show()  # a (typer-vendored) click usage error
+    if isinstance(exc, Exception) and hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+        # A (typer-vendored) click usage error: one line like every other refusal (click's own display
+        # is three), with where the usage is.
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        print(f"dtlaunch: error: {exc.format_message()}{hint}", file=sys.stderr)
         return int(exc.exit_code)
     return _internal_error(exc)
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _internal_error(exc: BaseException) -> int:

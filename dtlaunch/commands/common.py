@@ -30,6 +30,9 @@ class Job:
 def load_job(overrides: Sequence[str], recipe_dirs: Sequence[str] = ()) -> Job:
     composed = compose(overrides, recipe_dirs)
     v = validate(composed.cfg)
+    from dtlaunch.inputs.job import check_job_inputs
+
+    check_job_inputs(composed.cfg)  # the files the job names, before anything runs
     return Job(composed=composed, layout=v.layout, notes=v.notes)
 
 

@@ -265,6 +265,9 @@ def compose(
         # A deleted key (`~key`) falls back to its schema default. The model section is typed by its
         # family's own schema now that its arch is known.
         typed = typed_job(resolved)
+        # A deferred override (an optional section's field) may hold an interpolation: resolved and
+        # type-checked here, not at its first read in some rule (an internal error there).
+        OmegaConf.resolve(typed)
     except ConfigError:
         raise
     except Exception as exc:

@@ -51,16 +51,23 @@ def read_hf_config(path: Path) -> dict:
             f"(e.g. one written by `dtlaunch ckpt export --format hf`)"
         )
     try:
-        return json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
+        c = json.loads(cfg_file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"model.init_from=hf:{path}: config.json is not readable JSON ({exc})") from exc
+    from dtlaunch.inputs.hf_dir import check_hf_config
+
+    check_hf_config(c, path)
+    return c
 
 
 def model_fields_from_hf(path: Path, config: Optional[dict] = None, arch: str = "") -> dict:
     """The model section's fields described by DIR/config.json (arch included)."""
+    from dtlaunch.inputs.hf_dir import check_hf_dir
     from dtlaunch.models.registry import spec_for_hf
 
     c = config if config is not None else read_hf_config(path)
+    # The sizes config.json gives, and the layers and vocabulary its weights hold, before any is used.
+    check_hf_dir(path, c)
     where = f"model.init_from=hf:{path}"
     if arch == "hf_auto":
         return _generic_fields(c, where)
@@ -69,6 +76,8 @@ def model_fields_from_hf(path: Path, config: Optional[dict] = None, arch: str = 
         fields = spec.hf.config_from_hf(c, where)
     except KeyError as exc:
         raise ConfigError(f"{where}: config.json has no {exc.args[0]}: it does not describe a model") from exc
+    except (TypeError, ValueError) as exc:  # int(None), float([...]): a value of the wrong type
+        raise ConfigError(f"{where}: config.json holds a value of the wrong type ({exc}): restore it") from None
     fields["arch"] = spec.arch
     return fields
 

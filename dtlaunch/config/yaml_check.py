@@ -42,6 +42,8 @@ def check_yaml_file(path: Path, what: str = "recipe") -> None:
     where = f"{what} file '{path}'"
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise ConfigError(f"{where} is nested too deeply for a config: flatten it") from None
     except yaml.MarkedYAMLError as exc:
         raise ConfigError(_syntax_message(where, exc)) from None
     except yaml.YAMLError as exc:
@@ -51,7 +53,10 @@ def check_yaml_file(path: Path, what: str = "recipe") -> None:
     if not isinstance(root, yaml.MappingNode):
         kind = "a list" if isinstance(root, yaml.SequenceNode) else f"the single value {_short(root.value)!r}"
         raise ConfigError(f"{where}{_at(root.start_mark)} holds {kind}, not a mapping of keys: {_HINT}")
-    _check_duplicates(root, where)
+    try:
+        _check_duplicates(root, where, ())
+    except RecursionError:
+        raise ConfigError(f"{where} is nested too deeply for a config: flatten it") from None
     if what == "recipe" and not any(ln.strip().replace(" ", "") == "#@package_global_" for ln in text.splitlines()):
         # Without it Hydra puts the recipe's keys under `recipe:` and says "Cannot convert 'DictConfig'".
         raise ConfigError(
@@ -88,9 +93,14 @@ def _syntax_message(where: str, exc: Any) -> str:
     return f"{where}{_at(mark)}: {cause}"
 
 
-def _check_duplicates(node: Any, where: str) -> None:
+def _check_duplicates(node: Any, where: str, path: tuple[int, ...]) -> None:
+    """`path`: the nodes above this one; an alias back to one of them makes a structure that contains
+    itself, which no config is (and which would recurse for ever here and in OmegaConf)."""
     import yaml
 
+    if id(node) in path:
+        raise ConfigError(f"{where}{_at(node.start_mark)}: an alias (*name) refers to a node containing it: expand it")
+    path = (*path, id(node))
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, Any] = {}
         for key, value in node.value:
@@ -102,7 +112,7 @@ def _check_duplicates(node: Any, where: str) -> None:
                         f"keep one of them"
                     )
                 seen[key.value] = key.start_mark
-            _check_duplicates(value, where)
+            _check_duplicates(value, where, path)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _check_duplicates(item, where)
+            _check_duplicates(item, where, path)

@@ -176,19 +176,13 @@ def load_peft_dir(path: Path, m: Any, base: Path) -> Adapters:
     from safetensors import safe_open
 
     from dtlaunch.convert.base_fingerprint import fingerprint
+    from dtlaunch.inputs.adapter_dir import check_adapter_dir
+    from dtlaunch.inputs.hf_dir import read_weight_headers
 
     where = f"--adapter {path}"
-    cfg_file, file = path / ADAPTER_CONFIG, path / ADAPTER_FILE
-    if not cfg_file.is_file() or not file.is_file():
-        raise InputError(f"{where}: needs {ADAPTER_CONFIG} and {ADAPTER_FILE}: give a peft LoRA adapter directory")
-    try:
-        c = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{where}: {ADAPTER_CONFIG} is not readable JSON ({exc})") from None
-    if c.get("peft_type") != "LORA" or c.get("use_dora") or c.get("fan_in_fan_out"):
-        raise InputError(
-            f"{where}: only plain LoRA adapters are supported (peft_type LORA, no DoRA, no fan_in_fan_out)"
-        )
+    file = path / ADAPTER_FILE
+    # Config against the tensors' shapes and the base's modules, from headers only (peft refuses these too).
+    c = check_adapter_dir(path, read_weight_headers(base))
     with safe_open(str(file), framework="pt") as fh:
         saved_fp = (fh.metadata() or {}).get("dtlaunch_base_fingerprint", "")
         state = {k: fh.get_tensor(k) for k in fh.keys()}
@@ -200,7 +194,7 @@ def load_peft_dir(path: Path, m: Any, base: Path) -> Adapters:
     tensors = from_peft_state(state, m, where)
     r, alpha = int(c["r"]), float(c["lora_alpha"])
     scaling = alpha / math.sqrt(r) if c.get("use_rslora") else alpha / r
-    record = {"method": "lora", "rank": r, "alpha": alpha, "dropout": float(c.get("lora_dropout", 0.0))}
+    record = {"method": "lora", "rank": r, "alpha": alpha, "dropout": float(c.get("lora_dropout") or 0.0)}
     return Adapters(tensors, scaling, record, m)
 
 

@@ -61,7 +61,11 @@ def model_config_from_marker(marker: dict) -> Any:
 
     if "model" not in marker:
         raise InputError("checkpoint marker has no model section: it was not written by dtlaunch's CheckpointManager")
-    return typed_model(marker["model"])
+    try:
+        return typed_model(marker["model"])
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's many error types; the marker is a file we read
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise InputError(f"checkpoint marker's model section is not a model ({first}): restore the marker") from None
 
 
 def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
@@ -82,12 +86,30 @@ def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
             state[key[len("model.") :]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     if not state:
         raise InputError(f"checkpoint '{info.path}' holds no model tensors")
+    m = model_config_from_marker(info.marker)
+    _check_marker_shapes(state, m, info.path)
     box = {"model": state}
     with warnings.catch_warnings():
         # DCP warns that it reads "in a single process": that is what no_dist=True asks for, not news to the user.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(box, checkpoint_id=str(info.path), planner=safe_load_planner(), no_dist=True)
-    return box["model"], model_config_from_marker(info.marker), info
+    return box["model"], m, info
+
+
+def _check_marker_shapes(state: dict, m: Any, path: Any) -> None:
+    """The model the marker describes has the checkpoint's tensor shapes (a spoiled marker would load
+    into another model, or fail deep inside torch)."""
+    where = f"checkpoint '{path}': its marker's model section (COMPLETE.json)"
+    try:
+        built = _spec(m).build(m, rope_len=1, device="meta")
+    except Exception as exc:  # noqa: BLE001 - any failure to build from a spoiled description is the file's
+        raise InputError(f"{where} describes no buildable model ({type(exc).__name__}): restore the marker") from None
+    for name, p in built.named_parameters():
+        if name in state and tuple(state[name].shape) != tuple(p.shape):
+            raise InputError(
+                f"{where} needs {name} of shape {tuple(p.shape)}, the checkpoint holds {tuple(state[name].shape)}: "
+                "restore the marker"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +199,9 @@ class HFWeights:
         path = Path(path)
         self.path, self.m, self.spec = path, m, _spec(m)
         self.names = self.spec.names()
+        from dtlaunch.inputs.hf_dir import read_weight_headers
+
+        read_weight_headers(path)  # a spoiled file or index: one line naming it (safe_open's error names none)
         self.files = _weight_files(path)
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
         # Our 3-D expert tensors, stored by HF as one tensor per expert: name -> {expert: (file, HF name)}.

@@ -65,7 +65,7 @@ class ChatEncoder:
         assistant_chars = bytearray()  # 1 per character of the rendering that an assistant turn added
         before = ""
         for k in range(1, len(messages) + 1):
-            text = self._hf.apply_chat_template(messages[:k], tokenize=False)
+            text = self._render(messages[:k], where, key)
             if not text.startswith(before):
                 raise InputError(
                     f"{key}: the chat template does not render a conversation as the rendering of its first turns "
@@ -80,6 +80,21 @@ class ChatEncoder:
         chars = np.frombuffer(bytes(assistant_chars) + b"\0", dtype=np.uint8)
         starts = np.fromiter((o[0] for o in enc.offsets), dtype=np.int64, count=len(enc.ids))
         return np.asarray(enc.ids, dtype=self.dtype), chars[np.minimum(starts, len(before))].astype(np.uint8)
+
+    def _render(self, messages: list, where: str, key: str) -> str:
+        try:
+            text = self._hf.apply_chat_template(messages, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - the template is user code run on user data (dtlaunch.inputs)
+            from dtlaunch.inputs.chat_template import describe, template_line
+
+            line = template_line(exc)
+            raise InputError(
+                f"{key}: the chat template fails on the record at {where}"
+                f"{f' (template line {line})' if line else ''}: {describe(exc)}: fix the record or the template"
+            ) from None
+        if not isinstance(text, str):
+            raise InputError(f"{key}: the chat template rendered the record at {where} as no text: fix the template")
+        return text
 
     def prompt_completion(self, prompt: Any, completion: Any, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(prompt, str) or not isinstance(completion, str):

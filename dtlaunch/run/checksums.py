@@ -76,8 +76,11 @@ def digest_file(path: Path, algorithm: str) -> str:
 def verify_files(directory: Path, checksums: dict) -> str:
     """'' if every file's content matches its recorded digest, else the first problem (names the file)."""
     algorithm = checksums.get("algorithm", "")
+    files = checksums.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(k, str) for k in files):
+        return "its marker's checksums are not a table of files (the marker is spoiled)"
     try:
-        for rel, expected in sorted(checksums.get("files", {}).items(), key=lambda kv: (kv[0] != ".metadata", kv[0])):
+        for rel, expected in sorted(files.items(), key=lambda kv: (kv[0] != ".metadata", kv[0])):
             f = Path(directory) / rel
             if not f.is_file():
                 return f"missing file {rel}"

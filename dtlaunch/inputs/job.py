@@ -1,0 +1,50 @@
+"""The files a composed job names, checked before anything runs (validate, plan, train, submit): the
+model directory's tensors against its config.json, the tokenizer file, the chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dtlaunch.inputs.chat_template import check_chat_template
+from dtlaunch.inputs.hf_dir import check_tokenizer_json
+
+
+def check_job_inputs(cfg: Any) -> None:
+    check_model_weights(cfg)
+    tok = str(cfg.data.tokenizer)
+    if tok not in ("auto", "byte") and Path(tok).is_file():
+        check_tokenizer_json(Path(tok))
+    if str(cfg.data.format) == "chat":
+        check_job_chat_template(cfg)
+
+
+def check_model_weights(cfg: Any) -> None:
+    """model.init_from=hf:DIR: every tensor present and of the shape config.json implies (headers only)."""
+    from dtlaunch.convert.hf import HFWeights, hf_init_dir
+    from dtlaunch.models.registry import model_spec
+
+    path = hf_init_dir(cfg.model)
+    if path is not None and model_spec(cfg.model).hf_names:  # hf_auto: transformers reads its own names
+        HFWeights(path, cfg.model)
+
+
+def check_job_chat_template(cfg: Any) -> None:
+    """data.chat_template (a built-in name or a Jinja file), else the tokenizer's own template."""
+    from dtlaunch.data.chat_templates import BUILTIN, load_chat_template
+
+    spec = str(cfg.data.chat_template)
+    if spec:
+        where = f"data.chat_template={spec}" if spec in BUILTIN else f"'{Path(spec).expanduser()}'"
+        check_chat_template(load_chat_template(spec), where, "fix the template file (data.chat_template)")
+        return
+    from dtlaunch.config.tokenizer_choice import effective_tokenizer
+    from dtlaunch.data.chat import tokenizer_chat_template
+
+    tok = Path(effective_tokenizer(cfg)).expanduser()
+    tok_json = tok / "tokenizer.json" if tok.is_dir() else tok
+    if tok_json.is_file():
+        template = tokenizer_chat_template(tok_json)
+        if template:
+            where = f"chat_template of '{tok_json.parent / 'tokenizer_config.json'}'"
+            check_chat_template(template, where, "fix it, or set data.chat_template to a built-in name or a Jinja file")
