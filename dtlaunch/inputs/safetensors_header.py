@@ -70,7 +70,7 @@ def read_header(file: Path, fix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         if not isinstance(entry, dict):
             raise bad(f"entry {_show(name)} is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise bad(f"tensor {_show(name)} has unknown dtype {_show(dtype, 20)}")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             raise bad(f"tensor {_show(name)} has shape {_show(shape, 40)}, not a list of sizes >= 0")

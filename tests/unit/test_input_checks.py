@@ -292,3 +292,16 @@ def test_the_unspoiled_adapter_generates(
     argv = ["generate", f"hf:{tiny_hf_dirs['qwen2']}", "--adapter", str(peft_adapter), "--prompt", "w1 w2"]
     code, line = cli([*argv, "--max-new-tokens", "2"], monkeypatch, capsys)
     assert code == 0, line
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}, None, 3])
+def test_a_header_whose_dtype_is_not_a_name_is_refused(tmp_path: Path, dtype: object) -> None:
+    """Found by the night fuzz: a list as a tensor's dtype was a TypeError (unhashable), exit 1."""
+    from dtlaunch.errors import InputError
+    from dtlaunch.inputs.safetensors_header import read_header
+
+    header = json.dumps({"w": {"dtype": dtype, "shape": [2], "data_offsets": [0, 8]}}).encode()
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(InputError, match="unknown dtype"):
+        read_header(file, "restore the file")
