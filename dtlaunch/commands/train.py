@@ -170,14 +170,12 @@ def launch_prepared(prepared: Prepared) -> int:
 
 
 def check_hf_weights(cfg: Any) -> None:
-    """model.init_from=hf:DIR: every tensor present, expected and of the right shape (safetensors
-    headers only), before a run directory is created: a bad directory is exit 2 with nothing written."""
-    from dtlaunch.convert.hf import HFWeights, hf_init_dir
-    from dtlaunch.models.registry import model_spec
+    """A hub model's weights: fetched now and their safetensors headers checked, before a run directory is
+    created (a local hf:DIR was checked when the job was loaded: dtlaunch.inputs.job)."""
+    from dtlaunch.inputs.job import check_model_weights, is_hub_model
 
-    path = hf_init_dir(cfg.model)
-    if path is not None and model_spec(cfg.model).hf_names:  # hf_auto reads its own names in the workers
-        HFWeights(path, cfg.model)
+    if is_hub_model(cfg):
+        check_model_weights(cfg, fetch=True)
 
 
 def _launch_recording_state(cfg: Any, run_dir: Path) -> None:

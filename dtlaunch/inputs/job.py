@@ -19,20 +19,27 @@ def check_job_inputs(cfg: Any) -> None:
         check_job_chat_template(cfg)
 
 
-def check_model_weights(cfg: Any) -> None:
-    """model.init_from=hf:DIR: every tensor present and of the shape config.json implies (headers only)."""
+def check_model_weights(cfg: Any, fetch: bool = False) -> None:
+    """model.init_from=hf:DIR: every tensor present and of the shape config.json implies (headers only).
+
+    A hub name is checked only with fetch=True (train, once it needs the weights, which fetches them):
+    planning reads its config.json only."""
     from dtlaunch.convert.hf import HFWeights, hf_init_dir
-    from dtlaunch.hub.resolve import model_ref
     from dtlaunch.models.registry import model_spec
 
-    src = str(cfg.model.init_from)
-    if src.startswith("hf:") and model_ref(src[3:]) is not None:
-        # A hub name: planning reads its config.json only; the weights are fetched, and their headers
-        # checked (HFWeights), when training, exporting or generating needs them.
+    if is_hub_model(cfg) and not fetch:
         return
     path = hf_init_dir(cfg.model)
     if path is not None and model_spec(cfg.model).hf_names:  # hf_auto: transformers reads its own names
         HFWeights(path, cfg.model)
+
+
+def is_hub_model(cfg: Any) -> bool:
+    """model.init_from names a hub repository (hf:ORG/NAME), not a local directory."""
+    from dtlaunch.hub.resolve import model_ref
+
+    src = str(cfg.model.init_from)
+    return src.startswith("hf:") and model_ref(src[3:]) is not None
 
 
 def check_job_chat_template(cfg: Any) -> None:
