@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlaunch.convert.adapters import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from dtlaunch.errors import InputError
+from dtlaunch.inputs.json_file import read_json_object
 from dtlaunch.inputs.safetensors_header import read_header
 
 
@@ -23,12 +24,7 @@ def read_adapter_config(path: Path) -> dict:
     cfg_file, file = path / ADAPTER_CONFIG, path / ADAPTER_FILE
     if not cfg_file.is_file() or not file.is_file():
         raise InputError(f"{where}: needs {ADAPTER_CONFIG} and {ADAPTER_FILE}: give a peft LoRA adapter directory")
-    try:
-        c = json.loads(cfg_file.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise InputError(f"{where}: {ADAPTER_CONFIG} is not readable JSON ({str(exc)[:80]}): restore it") from None
-    if not isinstance(c, dict):
-        raise InputError(f"{where}: {ADAPTER_CONFIG} holds a JSON {type(c).__name__}, not an object: restore it")
+    c = read_json_object(cfg_file, f"{where}: {ADAPTER_CONFIG}")
     if c.get("peft_type") != "LORA" or c.get("use_dora") or c.get("fan_in_fan_out"):
         raise InputError(
             f"{where}: only plain LoRA adapters are supported (peft_type LORA, no DoRA, no fan_in_fan_out)"

@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlaunch.convert.hf import INDEX_FILE, SINGLE_FILE
 from dtlaunch.errors import InputError
+from dtlaunch.inputs.json_file import read_json_object
 from dtlaunch.inputs.safetensors_header import read_header
 
 # Sizes above this are not a model anyone has (and int32 indexing in kernels stops there).
@@ -135,12 +136,7 @@ def check_tokenizer_files(path: Path) -> None:
         check_tokenizer_json(tok)
     conf = path / "tokenizer_config.json"
     if conf.is_file():
-        try:
-            c = json.loads(conf.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise InputError(f"'{conf}' is not readable JSON ({str(exc)[:80]}): restore it") from None
-        if not isinstance(c, dict):
-            raise InputError(f"'{conf}' holds a JSON {type(c).__name__}, not an object: restore it")
+        c = read_json_object(conf, f"'{conf}'")
         t = c.get("chat_template")
         named = isinstance(t, list) and all(
             isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str) for e in t
