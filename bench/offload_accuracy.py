@@ -1,4 +1,5 @@
-"""Planner accuracy under offloading, on 2-process CPU gloo runs: planned vs measured device and host bytes.
+"""Planner accuracy under offloading, on 2-process (and 1-process) CPU gloo runs: planned vs measured device and
+host bytes.
 
   python bench/offload_accuracy.py          # writes bench/results/offload-accuracy-cpu.{md,json}
 
@@ -11,7 +12,9 @@ rank over the third step of the runtime's own build and `train_step` (forked glo
 - device: the tensor-storage tracker's live bytes (dtlaunch.train.observe.memtrack.StorageCounter) minus
   those host bytes, at every op; its peak is compared with the plan's peak allocated bytes.
 What CPU cannot show: the transfer time, pinned-memory allocation, the side stream, and FSDP's per-unit
-copy of a shard to the device before its all-gather (a no-op `.to` on CPU; the plan counts it).
+copy of a shard to the device before its all-gather (a no-op `.to` on CPU). The plan counts that copy, as
+a GPU makes it; the "copy-in" column says how much of the planned device peak it is (on one rank a whole
+block's fp32 parameters, as planned; FSDP2 copies them one parameter at a time there).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ RUNS = [
     ["strategy=zero2", N2, "strategy.cpu_offload=true", "precision=bf16"],
     ["strategy=zero3", N2, "strategy.cpu_offload=true", "training.activation_offload=true", "training.global_batch=16"],
 ]
+# CPU offload on one rank (FSDP over a 1-rank mesh only to keep the state on the host: ZeRO-Offload on one GPU).
+N1 = "launch.nproc_per_node=1"
+ONE_RANK_RUNS = [
+    ["strategy=zero3", N1, "strategy.cpu_offload=true"],
+    ["strategy=zero3", N1, "strategy.cpu_offload=true", "precision=bf16", "training.activation_checkpointing=full"],
+]
 STEPS = 3
 
 
@@ -45,8 +54,11 @@ def _measure(overrides: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
+    from unittest import mock
+
     from dtlaunch.config.compose import compose
     from dtlaunch.config.validate import validate
+    from dtlaunch.plan import offload
     from dtlaunch.plan.memory import plan_memory
     from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
     from dtlaunch.train.parallel.mesh import dp_rank_size
@@ -57,7 +69,9 @@ def _measure(overrides: list[str]) -> dict:
     cfg = compose([*BASE, *overrides]).cfg
     layout = validate(cfg).layout
     plan = plan_memory(cfg, layout)
-    env = DistEnv(rank=dist.get_rank(), world=2, local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
+    with mock.patch.object(offload, "staging_bytes", lambda c: 0.0):
+        cpu_plan = plan_memory(cfg, layout)  # the same without the shard's copy to the device
+    env = DistEnv(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
     torch.manual_seed(0)
     rt = build_runtime(cfg, env)
     dp_rank, dp_size = dp_rank_size(rt.mesh)
@@ -116,6 +130,7 @@ def _measure(overrides: list[str]) -> dict:
     return {
         "name": " ".join(overrides),
         "planned_device": plan.peak,
+        "copy_in": plan.peak - cpu_plan.peak,
         "planned_host": plan.host_per_rank,
         "planned_host_lines": {k: int(v) for k, v in plan.worst_host.items()},
         "device": counter.device_peak,
@@ -126,21 +141,21 @@ def _measure(overrides: list[str]) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out: str, runs: list[list[str]]) -> None:
+def _worker(rank: int, world: int, port: int, out: str, runs: list[list[str]]) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = [_measure(ov) for ov in runs]
     Path(f"{out}.{rank}").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run(runs: list[list[str]] = RUNS) -> list[dict]:
-    """Every run of `runs` on 2 forked gloo workers; the most loaded rank's figures per run."""
+def run(runs: list[list[str]] = RUNS, world: int = 2) -> list[dict]:
+    """Every run of `runs` on `world` forked gloo workers; the most loaded rank's figures per run."""
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
@@ -148,13 +163,13 @@ def run(runs: list[list[str]] = RUNS) -> list[dict]:
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows")
-        mp.start_processes(_worker, args=(port, out, runs), nprocs=2, start_method="fork")
-        per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+        mp.start_processes(_worker, args=(world, port, out, runs), nprocs=world, start_method="fork")
+        per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     rows = []
-    for a, b in zip(*per_rank, strict=True):
-        row = dict(a)
+    for ranks in zip(*per_rank, strict=True):
+        row = dict(ranks[0])
         for k in ("device", "host", "total", "packed_per_step"):
-            row[k] = max(a[k], b[k])  # the most loaded rank, as the plan's figures are
+            row[k] = max(r[k] for r in ranks)  # the most loaded rank, as the plan's figures are
         rows.append(row)
     return rows
 
@@ -166,21 +181,21 @@ def _err(planned: float, measured: float) -> str:
 def write(rows: list[dict], results: Path) -> Path:
     mib = 2**20
     lines = [
-        f"# Offload planner accuracy on CPU ({datetime.date.today()}, {platform.machine()}, torch CPU build, 2 gloo ranks)",
+        f"# Offload planner accuracy on CPU ({datetime.date.today()}, {platform.machine()}, torch CPU build, 2 gloo ranks; 1 where the overrides say so)",
         "",
         f"`python bench/offload_accuracy.py`; base: {' '.join(BASE)}; step {STEPS}, most loaded rank.",
         "Host = bytes the offload would keep on the host (hooks' held activations; FSDP shards, gradients, AdamW",
         "state under cpu_offload); device = storage-tracker live bytes minus those. On CPU nothing moves: see the",
         "module docstring for what this can and cannot show.",
         "",
-        "| overrides | planned device MiB | measured device MiB | error | planned host MiB | measured host MiB | error |",
-        "|---|---|---|---|---|---|---|",
+        "| overrides | planned device MiB | measured device MiB | error | copy-in MiB | planned host MiB | measured host MiB | error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['name']} | {r['planned_device'] / mib:.2f} | {r['device'] / mib:.2f} | "
-            f"{_err(r['planned_device'], r['device'])} | {r['planned_host'] / mib:.2f} | {r['host'] / mib:.2f} | "
-            f"{_err(r['planned_host'], r['host'])} |"
+            f"{_err(r['planned_device'], r['device'])} | {r['copy_in'] / mib:.2f} | {r['planned_host'] / mib:.2f} | "
+            f"{r['host'] / mib:.2f} | {_err(r['planned_host'], r['host'])} |"
         )
     md = results / "offload-accuracy-cpu.md"
     md.write_text("\n".join(lines) + "\n")
@@ -190,7 +205,7 @@ def write(rows: list[dict], results: Path) -> Path:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    rows = run()
+    rows = run() + run(ONE_RANK_RUNS, world=1)
     for r in rows:
         print(
             f"{r['name']:90s} device {r['planned_device'] / 2**20:7.2f}/{r['device'] / 2**20:7.2f} MiB "

@@ -18,7 +18,10 @@ Where the programs still differ:
   moves it to the host);
 - the 8B full fine-tune: torchtune's bf16 weights have no fp32 master copy and its paged 8-bit AdamW
   state spills to host memory when the GPU is short; dtlaunch keeps fp32 master weights (32 GB for 8B),
-  so the job does not fit a 24 GB card by the plan;
+  so torchtune's settings do not fit a 24 GB card by the plan. dtlaunch's way onto that card is FSDP CPU
+  offload over the one GPU (ZeRO-Offload): the fp32 weights, gradients and AdamW state in host RAM, the
+  step on the CPU, a gathered block at a time on the device; it trades host-link traffic and a CPU step
+  for the memory;
 - the recipe rows are dtlaunch's shipped recipes (recipes/), planned as they are.
 
     python bench/peft_compare.py [--json out.json] [--markdown bench/results/peft-compare.md]
@@ -65,6 +68,7 @@ QLORA_8B = ("model=llama3_8b", "peft=qlora", "peft.targets=[all-linear]", "peft.
 LORA_70B = ("model=llama3_70b", "peft=lora", "peft.targets=[q_proj,k_proj,v_proj]", "peft.rank=16", "peft.alpha=32")
 FULL_8B = ("model=llama3_8b", "optim.name=adamw8bit", "optim.in_backward=true", "training.grad_clip=0")
 FULL_70B = ("model=llama3_70b", "strategy.cpu_offload=true")
+ONE_4090_CPU_OFFLOAD = ("strategy=fsdp", "launch.nproc_per_node=1", "hardware=rtx4090_24gb", "strategy.cpu_offload=true")
 # What dtlaunch adds beyond torchtune's configs (activation offloading does not combine with compile).
 BF16_STATE = "optim.state_dtype=bf16"
 OFFLOAD = ("training.activation_offload=true", "training.compile=false", "training.loss_chunks=32")
@@ -85,6 +89,7 @@ ROWS = (
     Row("Llama-3.1-70B LoRA, 8x A100", (*LORA_70B, *JOB, *EIGHT_A100), 27.6),
     Row("  + bf16 adapter state", (*LORA_70B, *JOB, *EIGHT_A100, BF16_STATE), 27.6),
     Row("Llama-3.1-8B full, 1x RTX 4090 (8-bit AdamW, step in backward)", (*FULL_8B, *ONE_4090, *JOB), 18.9),
+    Row("  instead: FSDP CPU offload on the one GPU", ("model=llama3_8b", *ONE_4090_CPU_OFFLOAD, *JOB), 18.9),
     Row("Llama-3.1-70B full, 8x A100 (FSDP CPU offload)", (*FULL_70B, *JOB, *EIGHT_A100), 13.9),
     Row("  + activation offload, 32 loss chunks", (*FULL_70B, *JOB, *EIGHT_A100, *OFFLOAD), 13.9),
     Row("recipe llama3_8b_lora", ("recipe=llama3_8b_lora",), recipe="llama3_8b_lora"),

@@ -95,6 +95,15 @@ def expert_fsdp_degree(layout: Layout) -> int:
     return layout.dp_shard // layout.ep
 
 
+def shards_with_fsdp(cfg: Any, layout: Layout) -> bool:
+    """Whether the runtime wraps the model in FSDP2 (ZeRO-2/3). Over one data-parallel rank there is
+    nothing to shard, except under strategy.cpu_offload: FSDP over a 1-rank mesh is what keeps the
+    parameters, gradients and optimizer state on the host (ZeRO-Offload on one GPU)."""
+    if int(cfg.strategy.zero_stage) < 2:
+        return False
+    return layout.dp * layout.cp > 1 or bool(cfg.strategy.cpu_offload)
+
+
 def loss_chunks(cfg: Any) -> int:
     """Token chunks the output head and its loss run over: training.loss_chunks for the next-token
     objective; the preference objectives read token log-probs off the whole logits (one pass)."""

@@ -39,16 +39,13 @@ def _check_activation_offload(cfg: Any, layout: Layout) -> None:
 
 
 def _check_cpu_offload(cfg: Any, layout: Layout) -> None:
+    """FSDP2's CPUOffloadPolicy, on any number of data-parallel ranks: on one, FSDP shards nothing and only
+    keeps the parameters, gradients and optimizer state on the host (config.layout.shards_with_fsdp)."""
     s = cfg.strategy
     if int(s.zero_stage) < 2:
         raise ConfigError(
             f"strategy.cpu_offload=true needs FSDP, but strategy.zero_stage={s.zero_stage} (DDP keeps its "
             f"replicas on the device): set strategy.zero_stage=2 or 3"
-        )
-    if layout.dp * layout.cp == 1:
-        raise ConfigError(
-            "strategy.cpu_offload=true needs FSDP over 2+ data-parallel ranks, but this layout has one: "
-            "raise launch.nproc_per_node / strategy.dp_shard (or set strategy.cpu_offload=false)"
         )
     for key, value in (("strategy.tp", layout.tp), ("strategy.pp", layout.pp), ("strategy.ep", layout.ep)):
         if value > 1:

@@ -161,12 +161,16 @@ def offload_notes(cfg: Any) -> list[str]:
 def offload_variants(cfg: Any, lay: Any, st: dict, tr: dict) -> list[tuple[bool, bool]]:
     """(strategy.cpu_offload, training.activation_offload) pairs the layout search tries for one
     candidate, in order: none, activations, CPU offload, both; only those config.offload_rules allows,
-    and none but the first on a profile without host_memory_gib."""
+    and none but the first on a profile without host_memory_gib. FSDP over one rank exists only to offload
+    (config.layout.shards_with_fsdp): such a candidate is tried with CPU offload or not at all."""
+    one_rank_fsdp = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp == 1
     if not float(cfg.hardware.host_memory_gib):
-        return [(False, False)]
+        return [] if one_rank_fsdp else [(False, False)]
     act = lay.pp == 1 and not cfg.training.compile
-    cpu = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp > 1 and lay.tp == lay.pp == lay.ep == 1
+    cpu = int(st["zero_stage"]) >= 2 and lay.tp == lay.pp == lay.ep == 1
     cpu = cpu and cfg.precision.float8 == "none" and str(cfg.peft.method) != "qlora"
+    if one_rank_fsdp:
+        return [(True, False), (True, True)][: 2 if act else 1] if cpu else []
     out = [(False, False)]
     if act:
         out.append((False, True))

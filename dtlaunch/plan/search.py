@@ -201,7 +201,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                 if rep > 1 and (shard * cp * tp * pp) % per_node:
                     continue  # replicate across node groups only
                 for zero in (0, 1, 2, 3):
-                    if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero >= 1 and dp * cp == 1):
+                    if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero == 1 and dp * cp == 1):
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
@@ -265,6 +265,7 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
         if key in fitted:
             continue  # a lighter AC mode already fits this layout: more recompute is only slower
         # Without offloading first; offloading (slower) only where that does not fit.
+        plan = None
         for cpu_off, act_off in offload_variants(plain, lay, st, tr):
             st, tr = {**st, "cpu_offload": cpu_off}, {**tr, "activation_offload": act_off}
             job = copy.copy(plain)
@@ -273,7 +274,7 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
             plan = plan_memory(job, lay, all_stages=False)
             if plan.fits:
                 break
-        if not plan.fits:
+        if plan is None or not plan.fits:
             continue
         fitted.add(key)
         n_mb = st["pp_microbatches"] or 1

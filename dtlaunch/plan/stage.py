@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers
+from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers, shards_with_fsdp
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
@@ -218,7 +218,7 @@ def stage_shape(
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     zero = int(s.zero_stage)
     # Context-parallel ranks hold the same parameters: FSDP / ZeRO shard (and DDP averages) over dp x cp.
-    fsdp = zero >= 2 and layout.dp * cp > 1
+    fsdp = shards_with_fsdp(cfg, layout)
     # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
     autocast = e != 4 and not fsdp
     p_rank, blk, root = _stage_params(m, layers, first, last, tp)

@@ -87,8 +87,10 @@ def train(
     inspect: Callable | None = None,
     make_batches: Callable | None = None,
     prepare: Callable | None = None,
+    mesh: bool = False,
 ) -> dict:
-    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference.
+    """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference, unless
+    `mesh` (the worker's runtime on a 1-rank process group, as `launch.nproc_per_node=1` runs it).
     `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect".
     `make_batches(cfg, global_batch, dp_rank, dp_size)` replaces the seeded token batches (e.g. preference
     pairs; the config is then not validated, as its data section names no files); `prepare(runtime,
@@ -115,7 +117,7 @@ def train(
             return make_batches(cfg, gb, dp_rank, dp_size)
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
 
-    if world > 1:  # the worker's runtime object
+    if world > 1 or mesh:  # the worker's runtime object
         from dtlaunch.train.parallel.mesh import dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 

@@ -28,3 +28,15 @@ def test_offloaded_plan_matches_real_runs() -> None:
         assert row["host"] > 0 and row["device"] > 0, row
         assert abs(row["planned_host"] - row["host"]) <= 0.01 * row["host"], row
         assert abs(row["planned_device"] - row["device"]) <= 0.08 * row["device"], row
+
+
+@pytest.mark.slow
+def test_one_rank_cpu_offload_plan_matches_a_real_run() -> None:
+    """ZeRO-Offload on one rank: the parameters, gradients and AdamW state are all host lines."""
+    spec = importlib.util.spec_from_file_location("offload_accuracy", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (row,) = bench.run([bench.ONE_RANK_RUNS[0]], world=1)
+    assert row["host"] > 0 and row["device"] > 0, row
+    assert abs(row["planned_host"] - row["host"]) <= 0.01 * row["host"], row
+    assert abs(row["planned_device"] - row["device"]) <= 0.08 * row["device"], row

@@ -82,3 +82,26 @@ def test_offload_is_bit_exact(name: str, results: dict) -> None:
         assert offloaded["inspect"]["packed"] > 0  # the hooks really packed the blocks' saved tensors
     else:
         assert offloaded["inspect"]["offloaded"]  # FSDP's CPUOffloadPolicy is in force
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """CPU offload on one rank (FSDP over a 1-rank mesh only to keep the state on the host) against the
+    plain one-process run: 4 accumulation micro-steps, clipping at every step."""
+    one = [*COMMON[:-1], "recipe=tiny_fsdp", "launch.nproc_per_node=1"]
+
+    def run_all() -> dict:
+        return {
+            "plain": train([*one, "strategy=ddp"], 1, STEPS),
+            "offload": train([*one, "strategy=zero3", "strategy.cpu_offload=true"], 1, STEPS, inspect=_inspect, mesh=True),
+        }
+
+    return run_forked(1, run_all, tmp_path_factory.mktemp("offload1") / "results.json")
+
+
+def test_cpu_offload_on_one_rank_is_bit_exact(one_rank: dict) -> None:
+    plain, offloaded = one_rank["plain"], one_rank["offload"]
+    assert offloaded["inspect"]["offloaded"]  # FSDP2 really holds the parameters on the host
+    assert offloaded["loss"] == plain["loss"], one_rank
+    assert offloaded["grad_norm"] == plain["grad_norm"], one_rank
+    assert min(plain["grad_norm"]) > 0.05 and plain["loss"][-1] < plain["loss"][0]

@@ -39,7 +39,7 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["recipe=tiny_tp", "launch.nproc_per_node=4", "strategy.tp=2", "strategy.dp_shard=-1"], "strategy.zero_stage=0"),
     (["precision.param_dtype=fp16"], "precision.loss_scaling"),
     (["strategy.cpu_offload=true"], "strategy.zero_stage=0"),
-    (["recipe=tiny_fsdp", "launch.nproc_per_node=1", "strategy.cpu_offload=true"], "strategy.cpu_offload=true"),
+    (["recipe=tiny_fsdp", "launch.nproc_per_node=1", "strategy=ddp", "strategy.cpu_offload=true"], "zero_stage=2"),
     (["recipe=tiny_tp", "strategy=fsdp_tp", "launch.nproc_per_node=4", "strategy.cpu_offload=true"], "strategy.tp=2"),
     (["recipe=tiny_fsdp", "strategy.cpu_offload=true", "hardware.host_memory_gib=0"], "hardware.host_memory_gib"),
     (["training.activation_offload=true", "training.compile=true"], "training.compile=false"),

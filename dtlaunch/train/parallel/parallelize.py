@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, loss_chunks
+from dtlaunch.config.layout import Layout, loss_chunks, shards_with_fsdp
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
@@ -44,7 +44,9 @@ def parallelize(
     device = _device(world_mesh)
     zero = int(cfg.strategy.zero_stage)
     data_mesh = dp_mesh(world_mesh)
-    apply_float8(model, cfg.precision, device, fsdp=data_mesh is not None and zero >= 2)
+    if data_mesh is None and shards_with_fsdp(cfg, layout):
+        data_mesh = world_mesh["dp_shard"]  # CPU offload on one rank: FSDP over the world's 1-sized dim
+    apply_float8(model, cfg.precision, device, fsdp=shards_with_fsdp(cfg, layout))
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
         from dtlaunch.train.parallel.tensor_parallel import apply_tp
@@ -67,7 +69,7 @@ def parallelize(
         apply_activation_offload(model, device)
     if cfg.training.compile:
         apply_compile(model)
-    fsdp = data_mesh is not None and zero >= 2
+    fsdp = shards_with_fsdp(cfg, layout)
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
     # FSDP2 shards what is stored.
     convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1, fsdp=fsdp)
