@@ -51,10 +51,10 @@ STEPS = 3
 
 def _measure(overrides: list[str]) -> dict:
     """One run on this (forked) rank: the plan, and the measured device / host peaks of step 3."""
+    from unittest import mock
+
     import torch
     import torch.distributed as dist
-
-    from unittest import mock
 
     from dtlaunch.config.compose import compose
     from dtlaunch.config.validate import validate
@@ -71,7 +71,14 @@ def _measure(overrides: list[str]) -> dict:
     plan = plan_memory(cfg, layout)
     with mock.patch.object(offload, "staging_bytes", lambda c: 0.0):
         cpu_plan = plan_memory(cfg, layout)  # the same without the shard's copy to the device
-    env = DistEnv(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
+    env = DistEnv(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        local_rank=0,
+        restart=0,
+        device=torch.device("cpu"),
+        backend="gloo",
+    )
     torch.manual_seed(0)
     rt = build_runtime(cfg, env)
     dp_rank, dp_size = dp_rank_size(rt.mesh)

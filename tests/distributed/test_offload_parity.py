@@ -93,7 +93,9 @@ def one_rank(tmp_path_factory) -> dict:
     def run_all() -> dict:
         return {
             "plain": train([*one, "strategy=ddp"], 1, STEPS),
-            "offload": train([*one, "strategy=zero3", "strategy.cpu_offload=true"], 1, STEPS, inspect=_inspect, mesh=True),
+            "offload": train(
+                [*one, "strategy=zero3", "strategy.cpu_offload=true"], 1, STEPS, inspect=_inspect, mesh=True
+            ),
         }
 
     return run_forked(1, run_all, tmp_path_factory.mktemp("offload1") / "results.json")
