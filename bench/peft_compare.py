@@ -68,7 +68,12 @@ QLORA_8B = ("model=llama3_8b", "peft=qlora", "peft.targets=[all-linear]", "peft.
 LORA_70B = ("model=llama3_70b", "peft=lora", "peft.targets=[q_proj,k_proj,v_proj]", "peft.rank=16", "peft.alpha=32")
 FULL_8B = ("model=llama3_8b", "optim.name=adamw8bit", "optim.in_backward=true", "training.grad_clip=0")
 FULL_70B = ("model=llama3_70b", "strategy.cpu_offload=true")
-ONE_4090_CPU_OFFLOAD = ("strategy=fsdp", "launch.nproc_per_node=1", "hardware=rtx4090_24gb", "strategy.cpu_offload=true")
+ONE_4090_CPU_OFFLOAD = (
+    "strategy=fsdp",
+    "launch.nproc_per_node=1",
+    "hardware=rtx4090_24gb",
+    "strategy.cpu_offload=true",
+)
 # What dtlaunch adds beyond torchtune's configs (activation offloading does not combine with compile).
 BF16_STATE = "optim.state_dtype=bf16"
 OFFLOAD = ("training.activation_offload=true", "training.compile=false", "training.loss_chunks=32")
