@@ -87,3 +87,16 @@ def test_run_weights_hand_out_blocks() -> None:
     assert torch.equal(w.read("w", (2, 3), (2, 3)), full[2:4, 3:6].float())
     with pytest.raises(InputError, match="holds no v"):
         w.read("v")
+
+
+def test_precomputed_reference_key_follows_the_runs_newest_checkpoint(tmp_path: Path) -> None:
+    """objective.precompute_reference's file is not reused once the reference run has saved a newer
+    checkpoint (its log-probs would be another model's)."""
+    from dtlaunch.train.objectives.precompute import reference_key
+
+    run = fake_run(tmp_path / "run", trained_model())
+    before = reference_key(job(str(run)))
+    assert reference_key(job(str(run))) == before
+    newer = fake_run(tmp_path / "newer", trained_model()) / "checkpoints" / "step-00000002"
+    newer.rename(run / "checkpoints" / "step-00000004")
+    assert reference_key(job(str(run))) != before
