@@ -57,9 +57,12 @@ def per_step(trainer, run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peft, family", [("none", "qwen2"), ("lora", "llama_tied")])
+@pytest.mark.parametrize(
+    "peft, family, where",
+    [("none", "qwen2", "."), ("lora", "llama_tied", "checkpoints/step-00000002")],  # the run, or one checkpoint
+)
 def test_reference_run_gives_the_exported_references_losses(
-    peft, family, trainer, tiny_hf_dirs, pairs_file, tmp_path: Path
+    peft, family, where, trainer, tiny_hf_dirs, pairs_file, tmp_path: Path
 ) -> None:
     base = tiny_hf_dirs[family]
     sft = tmp_path / "sft"
@@ -71,7 +74,8 @@ def test_reference_run_gives_the_exported_references_losses(
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     got, want = {}, {}
-    for name, ref, out in (("run", str(sft), got), ("hf", f"hf:{exported}", want)):
+    assert (sft / where).is_dir()
+    for name, ref, out in (("run", str(sft / where), got), ("hf", f"hf:{exported}", want)):
         run = tmp_path / name
         trainer.run(run, *dpo_args(base, pairs_file, tmp_path / "cache", ref))
         out.update(enumerate(per_step(trainer, run)))
