@@ -45,7 +45,7 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
                 f"objective.sft_weight={o.sft_weight} is DPO's NLL term (ORPO has its own): set objective.sft_weight=0"
             )
         return
-    check_reference(str(o.reference))
+    check_reference(str(o.reference), cfg.model)
     if bool(o.precompute_reference) and str(d.kind) == "synthetic":
         raise ConfigError(
             "objective.precompute_reference=true writes beside the pairs' token cache, which data.kind=synthetic "
@@ -58,14 +58,16 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
         )
 
 
-def check_reference(ref: str) -> None:
+def check_reference(ref: str, model: Any) -> None:
+    """objective.reference: base, hf:DIR (a Hugging Face model directory) or a dtlaunch run directory / one
+    of its checkpoints (dtlaunch.config.reference_run)."""
     if ref == "base":
         return
     if not ref.startswith("hf:"):
-        raise ConfigError(
-            f"objective.reference='{ref}' is neither 'base' nor 'hf:DIR': export a run first with "
-            f"`dtlaunch ckpt export RUN --format hf --out DIR` and set objective.reference=hf:DIR"
-        )
+        from dtlaunch.config.reference_run import reference_checkpoint
+
+        reference_checkpoint(ref, model)
+        return
     path = os.path.expanduser(ref[3:])
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(

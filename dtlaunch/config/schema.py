@@ -310,7 +310,10 @@ class ObjectiveConfig:
     # SimPO: the target reward gap (TRL's simpo_gamma): loss -log sigmoid(beta * avg-logp margin - gamma).
     gamma: float = 0.5
     # DPO's reference: "base" (LoRA / QLoRA: the same model with the adapters switched off; full fine-tuning:
-    # a frozen copy of the initial weights sharded like the policy) or "hf:DIR" (a chosen SFT model).
+    # a frozen copy of the initial weights sharded like the policy), "hf:DIR" (a Hugging Face model directory,
+    # e.g. a chosen SFT model), or a dtlaunch run directory RUN_DIR or one of its checkpoints
+    # (RUN_DIR/checkpoints/step-XXXXXXXX; the newest complete one for a run; a LoRA / QLoRA run: its base with
+    # the adapters merged). The reference must be the architecture trained (checked before launch).
     reference: str = "base"
     # One pass before training writes every pair's reference log-probs beside the token cache; training
     # then holds no reference model and runs no reference forward.

@@ -276,10 +276,38 @@ def _tracker(parts: list, optimizers: list) -> Any:
     """FSDPMemTracker for one FSDP module (it follows FSDP2's storage resizes); MemTracker otherwise."""
 
     if len(parts) == 1 and isinstance(parts[0], FSDPModule) and len(optimizers) == 1:
-        return FSDPMemTracker(parts[0], optimizers[0])
-    tracker = MemTracker()
+        return _FSDPMemTracker(parts[0], optimizers[0])
+    tracker = _MemTracker()
     tracker.track_external(*parts, *optimizers)
     return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+class _SkipFrozen:
+    """torch's trackers register a gradient hook on every parameter of each module they enter, which a
+    frozen parameter (LoRA's base, DPO's reference copy) refuses ("cannot register a hook on a tensor
+    that doesn't require gradient"). A frozen parameter never has a gradient to count: it is marked as
+    hooked already, with a hook that removes nothing, and is still counted as a parameter."""
+
+    _param_to_grad_hook_handles: Any
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
+        for p in module.parameters():
+            if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)  # type: ignore[misc]
+
+
+class _MemTracker(_SkipFrozen, MemTracker):
+    pass
+
+
+class _FSDPMemTracker(_SkipFrozen, FSDPMemTracker):
+    pass
 
 
 def _local_ddp_hook(part: Any) -> None:

@@ -88,13 +88,15 @@ def train(
     make_batches: Callable | None = None,
     prepare: Callable | None = None,
     mesh: bool = False,
+    convert: Callable | None = None,
 ) -> dict:
     """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference, unless
     `mesh` (the worker's runtime on a 1-rank process group, as `launch.nproc_per_node=1` runs it).
     `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect".
     `make_batches(cfg, global_batch, dp_rank, dp_size)` replaces the seeded token batches (e.g. preference
     pairs; the config is then not validated, as its data section names no files); `prepare(runtime,
-    batches)` runs once before the first step."""
+    batches)` runs once before the first step; `convert(model, cfg)` is the one process's conversion of the
+    meta-device model that the workers' build_runtime applies itself (e.g. QLoRA's NF4 base)."""
     import torch
     import torch.distributed as dist
 
@@ -125,7 +127,8 @@ def train(
         rt = build_runtime(cfg, env)
         source = batches(*dp_rank_size(rt.mesh))
     else:
-        rt, source = one_process_runtime(cfg, device), batches(0, 1)
+        model_prep = None if convert is None else (lambda m: convert(m, cfg))
+        rt, source = one_process_runtime(cfg, device, prepare=model_prep), batches(0, 1)
     if prepare is not None:
         prepare(rt, source)
     losses, norms = [], []

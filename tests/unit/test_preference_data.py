@@ -116,7 +116,7 @@ def test_a_bad_record_is_named_by_file_and_line(tiny_tokenizer: Path, tmp_path: 
         (["objective.label_smoothing=0.1"], "objective.label_smoothing=0.1 is used by objective.loss=robust only"),
         (["objective.loss=robust", "objective.label_smoothing=0.5"], "objective.label_smoothing=0.5 is out of range"),
         (["objective.beta=0"], "objective.beta=0.0 is out of range"),
-        (["objective.reference=runs/x"], "objective.reference='runs/x' is neither 'base' nor 'hf:DIR'"),
+        (["objective.reference=runs/x"], "objective.reference='runs/x': no such directory"),
         (["objective.reference=hf:/nonexistent"], "holds no config.json"),
         (["objective=orpo", "objective.precompute_reference=true"], "objective=orpo uses no reference model"),
         (["training.eval_every=2", "data.val_fraction=0.5"], "validation is not computed for objective=dpo"),

@@ -1,9 +1,9 @@
 """objective.precompute_reference: one pass over every pair before training, the reference log-probs
 written beside the pairs' token-cache entry, so that training holds no reference model.
 
-The file is keyed by what decides the values (the reference, the model section, the seed of a random
-base, LoRA's adapters-off base, training.seq_len's cut, the compute dtype): a second run with the same
-inputs reads it instead of running the pass. Each data-parallel rank scores every dp-th micro-batch of
+The file is keyed by what decides the values (the reference, for a run the checkpoint it resolves to; the
+model section, the seed of a random base, LoRA's adapters-off base, training.seq_len's cut, the compute
+dtype): a second run with the same inputs reads it instead of running the pass. Each data-parallel rank scores every dp-th micro-batch of
 pairs in stream order (the last one wrapping round, so all ranks run the same number of forwards, as
 FSDP's collectives need); the values are gathered to every rank and global rank 0 writes the file.
 """
@@ -39,6 +39,14 @@ def reference_key(cfg: Any) -> str:
         "seq_len": int(cfg.training.seq_len),
         "dtype": str(cfg.precision.param_dtype),
     }
+    ref = str(cfg.objective.reference)
+    if ref != "base" and not ref.startswith("hf:"):
+        # A run directory as the reference: its values are those of the checkpoint it resolves to now (a
+        # run that saved a newer one since gives other log-probs).
+        from dtlaunch.run.checkpoints import resolve_load_path
+
+        info, _ = resolve_load_path(Path(ref).expanduser())
+        ident["checkpoint"] = {"path": str(info.path.resolve()), "marker": info.marker}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 

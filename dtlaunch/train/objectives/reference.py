@@ -2,7 +2,8 @@
 
 - adapters off: with LoRA / QLoRA and reference=base, the policy itself with its adapters switched off (a
   second forward, no second copy of the weights);
-- a frozen copy: full fine-tuning (or reference=hf:DIR) builds the model once more on the same mesh with
+- a frozen copy: full fine-tuning (or reference=hf:DIR, or reference=RUN_DIR: a dtlaunch run's checkpoint,
+  a LoRA run's base with its adapters merged, dtlaunch.convert.run_weights) builds the model once more on the same mesh with
   the same layout (FSDP-sharded when the policy is), never trained: no gradients, no optimizer state, stored
   in the compute dtype;
 - precomputed: the loader hands each pair's reference log-probs read from the file written before training
@@ -84,14 +85,20 @@ def _device(parts: list) -> torch.device:
 
 def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
     """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
-    (reference=base: the policy's initial weights, model.init_from included) or from reference=hf:DIR."""
+    (reference=base: the policy's initial weights, model.init_from included), from reference=hf:DIR or from
+    the checkpoint of reference=RUN_DIR."""
     from omegaconf import OmegaConf
 
     from dtlaunch.train.parallel.parallelize import parallelize
 
     ref_cfg = OmegaConf.merge(cfg, {"peft": {"method": "none"}})
-    if str(cfg.objective.reference) != "base":
-        ref_cfg.model.init_from = str(cfg.objective.reference)
+    ref, weights = str(cfg.objective.reference), None
+    if ref.startswith("hf:"):
+        ref_cfg.model.init_from = ref
+    elif ref != "base" and init:
+        from dtlaunch.convert.run_weights import run_weights
+
+        weights = run_weights(ref, cfg.model)
     model = model_spec(ref_cfg.model).build(ref_cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     dtype = DTYPES[str(cfg.precision.param_dtype)]
     for p in model.parameters():
@@ -107,6 +114,6 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init:
     if mesh is None:  # one process without a mesh (the tests' single-process reference)
         from dtlaunch.train.parallel.init_weights import materialize_and_init
 
-        materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
+        materialize_and_init(model, device, int(cfg.training.seed), init_source=model, weights=weights)
         return model.eval()
-    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True).eval()
+    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True, weights=weights).eval()

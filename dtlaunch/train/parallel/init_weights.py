@@ -30,11 +30,14 @@ def model_param_name(name: str) -> str:
 
 
 @torch.no_grad()
-def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init_source: Any = None) -> None:
+def materialize_and_init(
+    model: nn.Module, device: torch.device, seed: int, init_source: Any = None, weights: Any = None
+) -> None:
     """`to_empty` on `device`, then initialise parameters (by name) and buffers (RoPE tables).
 
     init_source: the object whose `init_param` / `buffer_values` give values (the unwrapped model); defaults
-    to `model` itself.
+    to `model` itself. weights: where the base's values come from instead of model.init_from's directory
+    (an object with HFWeights' `read`, e.g. DPO's reference run: dtlaunch.convert.run_weights).
     """
     src = init_source if init_source is not None else model
     shared = _shared_parameters(model)
@@ -43,7 +46,7 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, init
     # model.init_from=hf:DIR: this rank's slices from a Hugging Face directory instead of the seeded init.
     from dtlaunch.convert.hf import hf_weights
 
-    pretrained = hf_weights(src.cfg)
+    pretrained = weights if weights is not None else hf_weights(src.cfg)
     for name, p in model.named_parameters():
         pname = model_param_name(name)
         # Adapters (dtlaunch.models.lora) are not in the base's files: their init comes from init_param.

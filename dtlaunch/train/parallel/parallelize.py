@@ -32,14 +32,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(
-    model: nn.Module, world_mesh: DeviceMesh, cfg: Any, layout: Layout, init: bool = True, frozen: bool = False
+    model: nn.Module,
+    world_mesh: DeviceMesh,
+    cfg: Any,
+    layout: Layout,
+    init: bool = True,
+    frozen: bool = False,
+    weights: Any = None,
 ) -> nn.Module:
     """Apply the layout to `model` (a Llama or a pipeline stage of one) and initialise its weights.
 
     Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper. init=False
     allocates the parameters without giving them values (`plan --trace` under fake tensors). frozen=True
     (DPO's reference copy, forward only): no DDP (nothing to reduce) and FSDP reshards after every forward
-    (no backward would free the gathered weights).
+    (no backward would free the gathered weights). weights: the values to load instead of model.init_from's
+    (dtlaunch.train.parallel.init_weights.materialize_and_init).
     """
     device = _device(world_mesh)
     zero = int(cfg.strategy.zero_stage)
@@ -79,7 +86,7 @@ def parallelize(
     # FSDP CPU offload: parameters materialised on the host, buffers on the device (parallel.cpu_offload).
     where = init_device(cfg, device)
     if init:
-        materialize_and_init(model, where, int(cfg.training.seed), init_source=model)
+        materialize_and_init(model, where, int(cfg.training.seed), init_source=model, weights=weights)
     else:
         model.to_empty(device=where)
     if where != device:
