@@ -51,6 +51,7 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     conversion the layouts also apply, e.g. float8)."""
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.moe_stats import RouterTracker
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.objectives.reference import build_reference
     from dtlaunch.train.optim import build_optimizer, build_scheduler
@@ -66,15 +67,18 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     materialize_and_init(model, device, int(t.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
     layout = Layout.resolve(cfg.strategy, 1)
+    accum = grad_accum_steps(cfg, layout)
     return Runtime(
         cfg=cfg,
         layout=layout,
         mesh=None,
         device=device,
-        accum=grad_accum_steps(cfg, layout),
+        accum=accum,
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
+        # An MoE model's aux-loss gradient scaled by 1 / accumulation steps, as the worker's runtime does.
+        moe=RouterTracker.maybe(cfg, [model], None, 1, 1.0 / accum),
         objective=PreferenceObjective.of(cfg),
         reference=build_reference(cfg, layout, None, [model]),
     )

@@ -4,7 +4,8 @@ reference against the live one.
 Seeded preference pairs (random prompts and completions of different lengths, cut at seq_len + 1 tokens)
 go through the worker's TokenLoader, so every layout sees the same pairs, each chosen row in the same
 micro-batch as its rejected row. Full fine-tuning uses a frozen reference copy sharded like the policy;
-LoRA the base with its adapters switched off. Loss and grad norm must agree within 1e-5 at every step.
+LoRA the base with its adapters switched off. The tiny MoE trains with its auxiliary loss on expert
+parallel (EP=2 over the 2 FSDP ranks), with a frozen copy and with LoRA. Loss and grad norm must agree within 1e-5 at every step.
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ COMMON = [
     "training.global_batch=8",
 ]
 LORA = ["peft=lora", "peft.targets=[all-linear]", "peft.alpha=32"]
+# The tiny MoE with its auxiliary loss on: its gradient joins the preference loss's as it joins SFT's.
+# One process runs the pairs of each EP rank's micro-batch as one accumulation micro-step: the aux loss
+# is a per-micro-batch statistic (not a mean over tokens), so only that split gives the same value.
+MOE = ["model=tiny_moe", "model.moe.aux_loss_coef=0.01"]
+MOE_LORA = ["peft=lora", "peft.targets=[wq,wk,wv,wo]", "peft.alpha=32"]
 REFERENCES = {
     "full": ["recipe=tiny_ddp", "training.micro_batch=8"],
     "lora": [*LORA, "recipe=tiny_ddp", "training.micro_batch=8"],
+    "moe": [*MOE, "recipe=tiny_fsdp", "training.micro_batch=4"],
+    "lora_moe": [*MOE, *MOE_LORA, "recipe=tiny_fsdp", "training.micro_batch=4"],
 }
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "ddp": ("full", ["recipe=tiny_ddp", "training.micro_batch=4"]),
     "zero1": ("full", ["recipe=tiny_ddp", "strategy=zero1", "training.micro_batch=4"]),
     "zero3": ("full", ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=2"]),  # + accumulation
     "tp": ("full", ["recipe=tiny_tp", "training.micro_batch=8"]),
+    "moe_ep": ("moe", [*MOE, "recipe=tiny_fsdp", "strategy=zero3", "strategy.ep=2", "training.micro_batch=4"]),
+    "lora_moe_ep": ("lora_moe", [*MOE, *MOE_LORA, "recipe=tiny_fsdp", "strategy.ep=2", "training.micro_batch=4"]),
     "lora_ddp": ("lora", [*LORA, "recipe=tiny_ddp", "training.micro_batch=4"]),
     "lora_zero2": ("lora", [*LORA, "recipe=tiny_fsdp", "strategy=zero2", "training.micro_batch=4"]),
     "lora_tp": ("lora", [*LORA, "recipe=tiny_tp", "training.micro_batch=8"]),

@@ -53,3 +53,13 @@ def test_reference_free_objectives_plan_pairs_only() -> None:
     orpo = plan("strategy=zero3", "objective=orpo")
     assert FROZEN_COPY not in orpo.lines and PHASE_REFERENCE not in orpo.phases
     assert orpo.phases["forward"] > plan("strategy=zero3").phases["forward"]
+
+
+def test_expert_parallel_dpo_counts_both_rows_in_the_all_to_all_and_shards_the_copy() -> None:
+    moe = ["model=planner_moe", "strategy=zero3", "training.loss_chunks=1"]
+    sft, dpo = plan(*moe, "strategy.ep=2"), plan(*moe, "strategy.ep=2", "objective=dpo")
+    a2a = "all-to-all buffers"
+    assert dpo.lines[a2a] == pytest.approx(2 * sft.lines[a2a])  # a pair's two rows are routed
+    # The copy's experts split over EP then FSDP over the shard ranks left: per rank, as ZeRO-3 alone.
+    assert dpo.lines[FROZEN_COPY] == pytest.approx(plan(*moe, "objective=dpo").lines[FROZEN_COPY])
+    assert PHASE_REFERENCE in dpo.phases
