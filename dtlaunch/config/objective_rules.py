@@ -75,11 +75,11 @@ def check_reference(ref: str) -> None:
 
 
 def check_objective_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
-    """Preference objectives run on DDP, ZeRO-1/2/3, HSDP, TP and EP (MoE); not (yet) on PP or CP."""
+    """Preference objectives run on DDP, ZeRO-1/2/3, HSDP, TP, CP and EP (MoE); not (yet) on PP."""
     name = str(cfg.objective.name)
     if name == "sft":
         return
-    for key, degree in (("strategy.pp", layout.pp), ("strategy.cp", layout.cp)):
+    for key, degree in (("strategy.pp", layout.pp),):
         if degree > 1:
             raise ConfigError(
                 f"{key}={degree} is not supported with objective={name} yet (pairs and their reference log-probs "

@@ -94,9 +94,9 @@ def train(
 ) -> dict:
     """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference.
     `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect".
-    `make_batches(cfg, global_batch, dp_rank, dp_size)` replaces the seeded token batches (e.g. preference
-    pairs; the config is then not validated, as its data section names no files); `prepare(runtime,
-    batches)` runs once before the first step."""
+    `make_batches(cfg, global_batch, dp_rank, dp_size, cp_rank, cp_size)` replaces the seeded token
+    batches (e.g. preference pairs; the config is then not validated, as its data section names no
+    files); `prepare(runtime, batches)` runs once before the first step."""
     import torch
     import torch.distributed as dist
 
@@ -114,18 +114,18 @@ def train(
     t = cfg.training
     gb = global_batch(cfg, Layout.resolve(cfg.strategy, world))
 
-    def batches(dp_rank: int, dp_size: int) -> Any:
+    def batches(dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> Any:
         if make_batches is not None:
-            return make_batches(cfg, gb, dp_rank, dp_size)
+            return make_batches(cfg, gb, dp_rank, dp_size, cp_rank, cp_size)
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
 
     if world > 1:  # the worker's runtime object
-        from dtlaunch.train.parallel.mesh import dp_rank_size
+        from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
         rt = build_runtime(cfg, env)
-        source = batches(*dp_rank_size(rt.mesh))
+        source = batches(*dp_rank_size(rt.mesh), *cp_rank_size(rt.mesh))
     else:
         rt, source = one_process_runtime(cfg, device), batches(0, 1)
     if prepare is not None:

@@ -63,3 +63,12 @@ def test_expert_parallel_dpo_counts_both_rows_in_the_all_to_all_and_shards_the_c
     # The copy's experts split over EP then FSDP over the shard ranks left: per rank, as ZeRO-3 alone.
     assert dpo.lines[FROZEN_COPY] == pytest.approx(plan(*moe, "objective=dpo").lines[FROZEN_COPY])
     assert PHASE_REFERENCE in dpo.phases
+
+
+def test_context_parallel_dpo_splits_both_rows_and_shards_the_copy_over_cp() -> None:
+    # CP=2 holds half of each pair's rows (tokens) where DP=2 holds whole pairs; the copy is FSDP-sharded
+    # over dp_shard x cp, so 2 ranks hold half each either way.
+    dp, cp = plan("strategy=zero3", "objective=dpo"), plan("strategy=zero3", "objective=dpo", "strategy.cp=2")
+    assert cp.lines["activations"] == pytest.approx(dp.lines["activations"] / 2, rel=0.01)
+    assert cp.lines[FROZEN_COPY] == pytest.approx(dp.lines[FROZEN_COPY])
+    assert 0 < cp.phases[PHASE_REFERENCE] < dp.phases[PHASE_REFERENCE]

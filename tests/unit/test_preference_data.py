@@ -120,7 +120,7 @@ def test_a_bad_record_is_named_by_file_and_line(tiny_tokenizer: Path, tmp_path: 
         (["objective.reference=hf:/nonexistent"], "holds no config.json"),
         (["objective=orpo", "objective.precompute_reference=true"], "objective=orpo uses no reference model"),
         (["training.eval_every=2", "data.val_fraction=0.5"], "validation is not computed for objective=dpo"),
-        (["strategy.cp=2", "launch.nproc_per_node=2"], "strategy.cp=2 is not supported with objective=dpo"),
+        (["strategy.pp=2", "launch.nproc_per_node=2"], "is not supported with pipeline parallel (strategy.pp=2)"),
     ],
 )
 def test_validate_refuses(tiny_tokenizer: Path, tmp_path: Path, extra: list[str], message: str) -> None:
@@ -128,6 +128,21 @@ def test_validate_refuses(tiny_tokenizer: Path, tmp_path: Path, extra: list[str]
     with pytest.raises(ConfigError) as err:
         validate(compose(args(tiny_tokenizer, data, tmp_path, *extra)).cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["strategy.cp=2", "launch.nproc_per_node=2", "training.seq_len=16"],
+        ["model=tiny_moe", "strategy=zero3", "strategy.ep=2", "launch.nproc_per_node=2"],
+        ["objective=simpo", "strategy.cp=2", "launch.nproc_per_node=2", "training.seq_len=16"],
+    ],
+    ids=["dpo-cp", "dpo-ep", "simpo-cp"],
+)
+def test_validate_accepts_context_and_expert_parallel(tiny_tokenizer: Path, tmp_path: Path, extra: list[str]) -> None:
+    data = write(tmp_path / "p.jsonl", [{"prompt": "kaka", "chosen": "lolo", "rejected": "mimi"}])
+    cfg = compose(args(tiny_tokenizer, data, tmp_path, *extra)).cfg
+    assert validate(cfg).layout.world == 2
 
 
 def test_the_loader_stacks_chosen_rows_then_rejected_rows() -> None:
