@@ -7,7 +7,9 @@ micro-batch as its rejected row. Full fine-tuning uses a frozen reference copy s
 LoRA the base with its adapters switched off. The tiny MoE trains with its auxiliary loss on expert
 parallel (EP=2 over the 2 FSDP ranks), with a frozen copy and with LoRA. Context parallel (CP=2: both
 ranks hold chunks of every row) runs DPO with each reference (frozen copy, adapters off, the precomputed
-table, its pass run under CP too), ORPO and SimPO. Loss and grad norm must agree within 1e-5 at every step.
+table, its pass run under CP too), ORPO and SimPO. Pipeline parallel (2 stages, 2 pipeline micro-batches
+of 4 pairs) runs DPO with the precomputed table, ORPO and SimPO. Loss and grad norm must agree within 1e-5
+at every step.
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ REFERENCES = {
     "lora_moe": [*MOE, *MOE_LORA, "recipe=tiny_fsdp", "training.micro_batch=4"],
     "orpo": ["objective=orpo", "recipe=tiny_ddp", "training.micro_batch=8"],
     "simpo": ["objective=simpo", "recipe=tiny_ddp", "training.micro_batch=8"],
+    # ORPO's NLL term is a token mean per micro-batch: a pipeline micro-batch of 4 pairs is one process's
+    # accumulation micro-step of 4 pairs.
+    "orpo_mb4": ["objective=orpo", "recipe=tiny_ddp", "training.micro_batch=4"],
 }
 # Context parallel: both ranks hold chunks of every row of the same 8 pairs.
 CP = ["recipe=tiny_fsdp", "strategy.cp=2", "strategy.dp_shard=1", "training.micro_batch=8"]
+# Pipeline: 2 stages, 2 pipeline micro-batches of 4 pairs per micro-step.
+PP = ["recipe=tiny_pp", "training.micro_batch=8", "strategy.pp_microbatches=2"]
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "ddp": ("full", ["recipe=tiny_ddp", "training.micro_batch=4"]),
     "zero1": ("full", ["recipe=tiny_ddp", "strategy=zero1", "training.micro_batch=4"]),
@@ -59,9 +66,14 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "lora_cp": ("lora", [*LORA, *CP]),
     "orpo_cp": ("orpo", ["objective=orpo", *CP]),
     "simpo_cp": ("simpo", ["objective=simpo", *CP]),
+    "orpo_pp": ("orpo_mb4", ["objective=orpo", *PP]),
+    "simpo_pp": ("simpo", ["objective=simpo", *PP]),
 }
 # Trained with objective.precompute_reference's table (the pass itself run on the layout too).
-PRECOMPUTED = {"cp_precomputed": ("full", CP)}
+PRECOMPUTED = {
+    "cp_precomputed": ("full", CP),
+    "pp_precomputed": ("full", [*PP, "objective.precompute_reference=true"]),
+}
 
 
 class SeededPairs:
@@ -129,7 +141,7 @@ def references() -> dict:
     out = {}
     for name, base in REFERENCES.items():
         ref = train(_overrides(base, 1), 1, STEPS, make_batches=pairs)
-        if name in ("orpo", "simpo"):  # no reference: a loss of the pairs' own log-probs, with a gradient
+        if name.startswith(("orpo", "simpo")):  # no reference: a loss of the pairs' own log-probs, with a gradient
             assert min(ref["grad_norm"]) > 0.1, ref
         else:
             assert ref["loss"][0] == pytest.approx(math.log(2), abs=1e-6)  # the policy starts as the reference

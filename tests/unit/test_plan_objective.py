@@ -72,3 +72,38 @@ def test_context_parallel_dpo_splits_both_rows_and_shards_the_copy_over_cp() -> 
     assert cp.lines["activations"] == pytest.approx(dp.lines["activations"] / 2, rel=0.01)
     assert cp.lines[FROZEN_COPY] == pytest.approx(dp.lines[FROZEN_COPY])
     assert 0 < cp.phases[PHASE_REFERENCE] < dp.phases[PHASE_REFERENCE]
+
+
+def test_pipeline_dpo_precompute_pass_holds_the_whole_copy(tiny_tokenizer, tmp_path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "kaka", "chosen": " lolo", "rejected": " mimi"}\n')
+    data = [
+        "objective=dpo",
+        "objective.precompute_reference=true",
+        "data.kind=jsonl",
+        "data.format=preference",
+        f"data.path={tmp_path / 'p.jsonl'}",
+        f"data.tokenizer={tiny_tokenizer / 'tokenizer.json'}",
+    ]
+    pp, one = plan("strategy=pp", *data), plan("strategy=ddp", *data)
+    assert FROZEN_COPY not in pp.lines and PHASE_REFERENCE not in pp.phases
+
+    # Every pipeline rank runs the pass with the whole copy on the whole micro-batch, as DDP's ranks do,
+    # beside its own stage's weights instead of the whole model's.
+    def own(p) -> float:
+        return p.lines["parameters"] + p.lines["buffers"]
+
+    assert pp.phases[PHASE_PRECOMPUTE] - own(pp) == pytest.approx(one.phases[PHASE_PRECOMPUTE] - own(one), rel=1e-6)
+    # Both rows of each pair in the pipeline's activations.
+    assert plan("strategy=pp", "objective=orpo").phases["forward"] > plan("strategy=pp").phases["forward"]
+
+
+def test_layout_search_offers_pipelines_only_where_the_objective_runs_on_them() -> None:
+    from dtlaunch.plan.search import candidates
+
+    def pipelines(*overrides: str) -> bool:
+        job = load_job([*BASE, "launch.nproc_per_node=4", *overrides])
+        return any(lay.pp > 1 for lay, _, _ in candidates(job.cfg))
+
+    assert pipelines("objective=simpo") and pipelines("objective=orpo")
+    assert not pipelines("objective=dpo")  # a live reference: set objective.precompute_reference=true
+    assert not pipelines("objective=dpo", "peft=lora")  # adapters off needs the whole model on a rank
