@@ -8,7 +8,8 @@ LoRA the base with its adapters switched off. The tiny MoE trains with its auxil
 parallel (EP=2 over the 2 FSDP ranks), with a frozen copy and with LoRA. Context parallel (CP=2: both
 ranks hold chunks of every row) runs DPO with each reference (frozen copy, adapters off, the precomputed
 table, its pass run under CP too), ORPO and SimPO. Pipeline parallel (2 stages, 2 pipeline micro-batches
-of 4 pairs) runs DPO with the precomputed table, ORPO and SimPO. Loss and grad norm must agree within 1e-5
+of 4 pairs) runs DPO with the precomputed table, ORPO and SimPO. On 4 workers, CP=2 x TP=2 (full and
+LoRA). Loss and grad norm must agree within 1e-5
 at every step.
 """
 
@@ -69,6 +70,9 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "orpo_pp": ("orpo_mb4", ["objective=orpo", *PP]),
     "simpo_pp": ("simpo", ["objective=simpo", *PP]),
 }
+# 4 workers: CP=2 x TP=2 (vocabulary-sharded logits whose per-token values are summed over the CP group).
+CP_TP = ["recipe=tiny_fsdp", "strategy=fsdp_tp", "strategy.cp=2", "strategy.dp_shard=1", "training.micro_batch=8"]
+LAYOUTS_4: dict[str, tuple[str, list[str]]] = {"cp_tp": ("full", CP_TP), "lora_cp_tp": ("lora", [*LORA, *CP_TP])}
 # Trained with objective.precompute_reference's table (the pass itself run on the layout too).
 PRECOMPUTED = {
     "cp_precomputed": ("full", CP),
@@ -137,6 +141,14 @@ def launched(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def launched_4(tmp_path_factory) -> dict:
+    def run_all() -> dict:
+        return {n: train(_overrides(LAYOUTS_4[n][1], 4), 4, STEPS, make_batches=pairs) for n in LAYOUTS_4}
+
+    return run_forked(4, run_all, tmp_path_factory.mktemp("dpo_4") / "results.json")
+
+
+@pytest.fixture(scope="module")
 def references() -> dict:
     out = {}
     for name, base in REFERENCES.items():
@@ -151,9 +163,10 @@ def references() -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, *PRECOMPUTED])
-def test_dpo_parity(name: str, launched, references) -> None:
-    got, want = launched[name], references[{**LAYOUTS, **PRECOMPUTED}[name][0]]
+@pytest.mark.parametrize("name", [*LAYOUTS, *PRECOMPUTED, *LAYOUTS_4])
+def test_dpo_parity(name: str, request, references) -> None:
+    launched = request.getfixturevalue("launched_4" if name in LAYOUTS_4 else "launched")
+    got, want = launched[name], references[{**LAYOUTS, **PRECOMPUTED, **LAYOUTS_4}[name][0]]
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
         assert diff <= TOL, f"{name} {key}: max |diff| {diff:.2e}\n{got[key]}\n{want[key]}"
