@@ -77,13 +77,27 @@ def check_reference(ref: str, model: Any) -> None:
 
 
 def check_objective_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
-    """Preference objectives run on DDP, ZeRO-1/2/3, HSDP and TP; not (yet) on PP, CP or EP."""
-    name = str(cfg.objective.name)
-    if name == "sft":
-        return
-    for key, degree in (("strategy.pp", layout.pp), ("strategy.cp", layout.cp), ("strategy.ep", layout.ep)):
-        if degree > 1:
-            raise ConfigError(
-                f"{key}={degree} is not supported with objective={name} yet (pairs and their reference log-probs "
-                f"are not split over stages, sequence chunks or experts): set {key}=1"
-            )
+    """Preference objectives run on every layout; under pipeline parallel DPO's reference log-probs must be
+    known before the step (they ride in the last stage's targets: dtlaunch.train.objectives.pipeline)."""
+    message = pipeline_refusal(cfg, layout.pp)
+    if message:
+        raise ConfigError(message)
+
+
+def pipeline_refusal(cfg: Any, pp: int) -> str:
+    """Why `pp` pipeline stages cannot run this objective ('' when they can); the layout search skips them."""
+    o = cfg.objective
+    if pp == 1 or str(o.name) != "dpo":
+        return ""
+    if str(cfg.peft.method) != "none" and str(o.reference) == "base":
+        return (
+            f"strategy.pp={pp} with objective=dpo and peft.method={cfg.peft.method}: the adapters-off reference "
+            f"(precomputed too) runs the whole model, which pipeline stages split: use strategy.pp=1 or "
+            f"objective.reference=hf:DIR with objective.precompute_reference=true"
+        )
+    if bool(o.precompute_reference):
+        return ""
+    return (
+        f"strategy.pp={pp} with objective=dpo needs the reference's log-probs before the step (a live reference "
+        f"does not run through pipeline stages): set objective.precompute_reference=true"
+    )

@@ -438,7 +438,8 @@ def check_format(cfg: Any) -> None:
             f"data.format={d.format} needs a Hugging Face tokenizer (its chat template and special tokens): use "
             f"model.init_from=hf:DIR (its tokenizer) or set data.tokenizer to the path of a tokenizer.json"
         )
-    if cfg.strategy.pp > 1:
+    # Preference pairs are scored per pipeline micro-batch by the objective (no per-token weight to carry).
+    if cfg.strategy.pp > 1 and str(cfg.objective.name) == "sft":
         _fail(
             f"data.format={d.format} (loss on assistant / completion tokens only) is not supported with pipeline "
             f"parallel (strategy.pp={cfg.strategy.pp}) yet: use data.format=text or strategy.pp=1"

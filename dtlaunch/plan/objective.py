@@ -10,10 +10,13 @@
   whole step, plus the reference's logits, their fp32 copy and log_softmax's output.
 - The precompute pass (objective.precompute_reference) is a phase of its own, before the first step: the
   parameters, the reference copy (if any) and one reference forward; no gradients, no optimizer state yet.
+  Under pipeline parallel (where DPO needs the precomputed reference) the pass runs the whole copy on
+  every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 FROZEN_COPY = "reference copy"
@@ -66,12 +69,21 @@ def reference_forward_bytes(c: Any) -> float:
     return per_token * c.tokens + gathered
 
 
+def whole_model(c: Any) -> Any:
+    """The stage shape of the precompute pass: under pipeline parallel every rank runs the whole frozen
+    copy (the pass does not run through the stages) on a whole micro-batch, beside its own stage."""
+    if c.pp == 1:
+        return c
+    return dataclasses.replace(c, layers=int(c.m.n_layers), first=True, last=True, tokens=c.tokens * c.n_mb)
+
+
 def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
     """The extra phases: the live reference forward, or the precompute pass before training."""
     if reference_kind(c.cfg) == "none":
         return {}
     if precomputed(c.cfg):
         held = sum(v for k, v in static.items() if k in _HELD_BEFORE_TRAINING)
-        copy = copy_bytes(c) if reference_kind(c.cfg) == "copy" else 0.0
-        return {PHASE_PRECOMPUTE: held + copy + reference_forward_bytes(c)}
+        whole = whole_model(c)
+        copy = copy_bytes(whole) if reference_kind(c.cfg) == "copy" else 0.0
+        return {PHASE_PRECOMPUTE: held + copy + reference_forward_bytes(whole)}
     return {PHASE_REFERENCE: sum(static.values()) + reference_forward_bytes(c)}

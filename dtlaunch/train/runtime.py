@@ -77,6 +77,7 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
     from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
     from dtlaunch.train.parallel.pp_step import pipeline_loss_fn
 
@@ -84,6 +85,11 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
     parts = [(i, parallelize(part, mesh, cfg, layout, init=init)) for i, part in parts]
     loss = pipeline_loss_fn(head_loss(cfg, [p for _, p in parts]), pp_microbatches(cfg, layout), accum)
+    objective = PreferenceObjective.of(cfg)
+    if objective is not None:  # the preference loss of each pipeline micro-batch's pairs
+        from dtlaunch.train.objectives.pipeline import PreferencePipelineLoss
+
+        loss = PreferencePipelineLoss(objective, loss.scale, has_reference=objective.needs_reference)
     plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
     return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
 
@@ -114,7 +120,7 @@ def build_runtime(
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
     from dtlaunch.train.objectives import PreferenceObjective
-    from dtlaunch.train.objectives.reference import build_reference
+    from dtlaunch.train.objectives.reference import build_reference, cp_group
 
     in_backward = None
     if cfg.optim.in_backward:
@@ -138,7 +144,7 @@ def build_runtime(
         pp_mesh=built.get("pp_mesh"),
         moe=_router_tracker(cfg, parts, mesh, layout, accum),
         loss_context=lambda: loss_context(cfg, layout),
-        objective=PreferenceObjective.of(cfg),
+        objective=PreferenceObjective.of(cfg, cp_group(mesh)),
         reference=build_reference(cfg, layout, mesh, parts, init=init),
         in_backward=in_backward,
     )

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.config.layout import pp_microbatches
+from dtlaunch.train.objectives.pipeline import pipeline_batch
 from dtlaunch.train.optim import step_unless_nonfinite
 from dtlaunch.train.parallel.parallelize import compute_context, grad_sync
 from dtlaunch.train.parallel.pp_step import clip_grad_norm, pp_forward_backward
@@ -130,8 +132,13 @@ def micro_step(
     objective appends its pair statistics to `pair_stats`."""
     nan = float("nan") if poison else 1.0
     if rt.pipeline is not None:
+        if rt.objective is not None:  # pairs kept whole in each pipeline micro-batch, the reference in the targets
+            inputs, targets = pipeline_batch(rt, batches, inputs, targets)
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             loss = pp_forward_backward(rt.pipeline, rt.pipeline_loss, inputs, targets, rt.pp_mesh, rt.loss_context())
+        if rt.objective is not None and pair_stats is not None:
+            n = pp_microbatches(rt.cfg, rt.layout) if rt.pipeline.has_last_stage else 0
+            pair_stats.append(rt.pipeline_loss.take_stats(n, rt.device))
         if poison:
             for m in rt.model_parts:
                 for p in m.parameters():

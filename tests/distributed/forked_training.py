@@ -51,6 +51,7 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     conversion the layouts also apply, e.g. float8)."""
     from dtlaunch.config.layout import Layout, grad_accum_steps
     from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.moe_stats import RouterTracker
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.objectives.reference import build_reference
     from dtlaunch.train.optim import build_optimizer, build_scheduler
@@ -66,15 +67,18 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     materialize_and_init(model, device, int(t.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
     layout = Layout.resolve(cfg.strategy, 1)
+    accum = grad_accum_steps(cfg, layout)
     return Runtime(
         cfg=cfg,
         layout=layout,
         mesh=None,
         device=device,
-        accum=grad_accum_steps(cfg, layout),
+        accum=accum,
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
+        # An MoE model's aux-loss gradient scaled by 1 / accumulation steps, as the worker's runtime does.
+        moe=RouterTracker.maybe(cfg, [model], None, 1, 1.0 / accum),
         objective=PreferenceObjective.of(cfg),
         reference=build_reference(cfg, layout, None, [model]),
     )
@@ -93,10 +97,11 @@ def train(
     """`steps` steps of the runtime's build and train_step; world 1 = the single-process reference, unless
     `mesh` (the worker's runtime on a 1-rank process group, as `launch.nproc_per_node=1` runs it).
     `inspect(runtime)` (every rank, after the last step) adds its JSON-able result under "inspect".
-    `make_batches(cfg, global_batch, dp_rank, dp_size)` replaces the seeded token batches (e.g. preference
-    pairs; the config is then not validated, as its data section names no files); `prepare(runtime,
-    batches)` runs once before the first step; `convert(model, cfg)` is the one process's conversion of the
-    meta-device model that the workers' build_runtime applies itself (e.g. QLoRA's NF4 base)."""
+    `make_batches(cfg, global_batch, dp_rank, dp_size, cp_rank, cp_size)` replaces the seeded token
+    batches (e.g. preference pairs; the config is then not validated, as its data section names no
+    files); `prepare(runtime, batches)` runs once before the first step; `convert(model, cfg)` is the one
+    process's conversion of the meta-device model that the workers' build_runtime applies itself (e.g.
+    QLoRA's NF4 base)."""
     import torch
     import torch.distributed as dist
 
@@ -114,18 +119,18 @@ def train(
     t = cfg.training
     gb = global_batch(cfg, Layout.resolve(cfg.strategy, world))
 
-    def batches(dp_rank: int, dp_size: int) -> Any:
+    def batches(dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> Any:
         if make_batches is not None:
-            return make_batches(cfg, gb, dp_rank, dp_size)
+            return make_batches(cfg, gb, dp_rank, dp_size, cp_rank, cp_size)
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
 
     if world > 1 or mesh:  # the worker's runtime object
-        from dtlaunch.train.parallel.mesh import dp_rank_size
+        from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
         from dtlaunch.train.runtime import build_runtime
 
         env = DistEnv(rank=dist.get_rank(), world=world, local_rank=0, restart=0, device=device, backend="gloo")
         rt = build_runtime(cfg, env)
-        source = batches(*dp_rank_size(rt.mesh))
+        source = batches(*dp_rank_size(rt.mesh), *cp_rank_size(rt.mesh))
     else:
         model_prep = None if convert is None else (lambda m: convert(m, cfg))
         rt, source = one_process_runtime(cfg, device, prepare=model_prep), batches(0, 1)

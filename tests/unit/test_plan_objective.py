@@ -53,3 +53,57 @@ def test_reference_free_objectives_plan_pairs_only() -> None:
     orpo = plan("strategy=zero3", "objective=orpo")
     assert FROZEN_COPY not in orpo.lines and PHASE_REFERENCE not in orpo.phases
     assert orpo.phases["forward"] > plan("strategy=zero3").phases["forward"]
+
+
+def test_expert_parallel_dpo_counts_both_rows_in_the_all_to_all_and_shards_the_copy() -> None:
+    moe = ["model=planner_moe", "strategy=zero3", "training.loss_chunks=1"]
+    sft, dpo = plan(*moe, "strategy.ep=2"), plan(*moe, "strategy.ep=2", "objective=dpo")
+    a2a = "all-to-all buffers"
+    assert dpo.lines[a2a] == pytest.approx(2 * sft.lines[a2a])  # a pair's two rows are routed
+    # The copy's experts split over EP then FSDP over the shard ranks left: per rank, as ZeRO-3 alone.
+    assert dpo.lines[FROZEN_COPY] == pytest.approx(plan(*moe, "objective=dpo").lines[FROZEN_COPY])
+    assert PHASE_REFERENCE in dpo.phases
+
+
+def test_context_parallel_dpo_splits_both_rows_and_shards_the_copy_over_cp() -> None:
+    # CP=2 holds half of each pair's rows (tokens) where DP=2 holds whole pairs; the copy is FSDP-sharded
+    # over dp_shard x cp, so 2 ranks hold half each either way.
+    dp, cp = plan("strategy=zero3", "objective=dpo"), plan("strategy=zero3", "objective=dpo", "strategy.cp=2")
+    assert cp.lines["activations"] == pytest.approx(dp.lines["activations"] / 2, rel=0.01)
+    assert cp.lines[FROZEN_COPY] == pytest.approx(dp.lines[FROZEN_COPY])
+    assert 0 < cp.phases[PHASE_REFERENCE] < dp.phases[PHASE_REFERENCE]
+
+
+def test_pipeline_dpo_precompute_pass_holds_the_whole_copy(tiny_tokenizer, tmp_path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "kaka", "chosen": " lolo", "rejected": " mimi"}\n')
+    data = [
+        "objective=dpo",
+        "objective.precompute_reference=true",
+        "data.kind=jsonl",
+        "data.format=preference",
+        f"data.path={tmp_path / 'p.jsonl'}",
+        f"data.tokenizer={tiny_tokenizer / 'tokenizer.json'}",
+    ]
+    pp, one = plan("strategy=pp", *data), plan("strategy=ddp", *data)
+    assert FROZEN_COPY not in pp.lines and PHASE_REFERENCE not in pp.phases
+
+    # Every pipeline rank runs the pass with the whole copy on the whole micro-batch, as DDP's ranks do,
+    # beside its own stage's weights instead of the whole model's.
+    def own(p) -> float:
+        return p.lines["parameters"] + p.lines["buffers"]
+
+    assert pp.phases[PHASE_PRECOMPUTE] - own(pp) == pytest.approx(one.phases[PHASE_PRECOMPUTE] - own(one), rel=1e-6)
+    # Both rows of each pair in the pipeline's activations.
+    assert plan("strategy=pp", "objective=orpo").phases["forward"] > plan("strategy=pp").phases["forward"]
+
+
+def test_layout_search_offers_pipelines_only_where_the_objective_runs_on_them() -> None:
+    from dtlaunch.plan.search import candidates
+
+    def pipelines(*overrides: str) -> bool:
+        job = load_job([*BASE, "launch.nproc_per_node=4", *overrides])
+        return any(lay.pp > 1 for lay, _, _ in candidates(job.cfg))
+
+    assert pipelines("objective=simpo") and pipelines("objective=orpo")
+    assert not pipelines("objective=dpo")  # a live reference: set objective.precompute_reference=true
+    assert not pipelines("objective=dpo", "peft=lora")  # adapters off needs the whole model on a rank

@@ -5,7 +5,8 @@ objective the micro-batch holds pairs (chosen rows, then rejected rows) and the 
 completion log-probs (logps.py) scored by one file per objective (dpo.py, orpo.py, simpo.py), with the
 reference's log-probs (reference.py) for DPO. Each micro-step's loss is the mean over its pairs; every
 micro-batch holds the same number of pairs, so the sum over micro-steps / accum, averaged over ranks, is
-the mean over the global batch.
+the mean over the global batch. Under context parallel every CP rank computes the whole loss of its pairs
+(the log-probs are summed over the CP group first, logps.py).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class PreferenceObjective:
     label_smoothing: float
     sft_weight: float
     gamma: float
+    cp_group: Optional[Any] = None  # context parallel: the group holding the other chunks of each row
 
     @classmethod
-    def of(cls, cfg: Any) -> Optional[PreferenceObjective]:
+    def of(cls, cfg: Any, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
         if str(o.name) == "sft":
@@ -56,6 +58,7 @@ class PreferenceObjective:
             label_smoothing=float(o.label_smoothing),
             sft_weight=float(o.sft_weight),
             gamma=float(o.gamma),
+            cp_group=cp_group,
         )
 
     @property
@@ -67,7 +70,7 @@ class PreferenceObjective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss over this micro-batch's pairs, the STATS_LEN summed statistics, detached).
         `ref_logps`: the reference's (2B,) completion log-probs (DPO only)."""
-        comp = completion_logps(logits, targets)
+        comp = completion_logps(logits, targets, self.cp_group)
         (c, r), (nc, nr) = comp.halves(comp.logps), comp.halves(comp.tokens)
         chosen_nll = -c.sum() / nc.sum().clamp(min=1)  # mean over every chosen completion token (TRL's "sft")
         if self.name == "dpo":

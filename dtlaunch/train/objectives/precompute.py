@@ -24,7 +24,7 @@ from dtlaunch.data.sources import shard_dir
 from dtlaunch.run.phases import phase
 from dtlaunch.train.data import TokenLoader
 from dtlaunch.train.objectives.reference import build_reference
-from dtlaunch.train.parallel.mesh import dp_rank_size
+from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
 from dtlaunch.train.parallel.parallelize import compute_context
 
 
@@ -73,10 +73,12 @@ def precomputed_reference(cfg: Any, run_dir: Path, rt: Any, loader: TokenLoader)
 def score_pairs(cfg: Any, rt: Any, loader: TokenLoader, n: int) -> np.ndarray:
     reference = build_reference(cfg, rt.layout, rt.mesh, rt.model_parts, live=True)
     dp_rank, dp_size = dp_rank_size(rt.mesh) if rt.mesh is not None else (0, 1)
+    cp_rank, cp_size = cp_rank_size(rt.mesh) if rt.mesh is not None else (0, 1)
     mb = loader.micro_batch
-    order = TokenLoader(
-        loader.source, mb, loader.seq_len, loader.seed, dp_rank, dp_size, loader.vocab_size, shuffle=False
-    )
+    # CP peers read the same pairs, each its chunks of them (their sums are added over the CP group).
+    src, seq, vocab = loader.source, loader.seq_len, loader.vocab_size
+    cp = {"cp_rank": cp_rank, "cp_size": cp_size}
+    order = TokenLoader(src, mb, seq, loader.seed, dp_rank, dp_size, vocab, shuffle=False, **cp)
     rounds = -(-n // (mb * dp_size))
     indices, values = [], []
     for _ in range(rounds):

@@ -10,7 +10,8 @@
   (dtlaunch.train.objectives.precompute); no reference model is held.
 
 Every reference forward runs under no_grad, before the policy's forward, so its activations are never
-kept.
+kept. It reads the loader's model inputs beside the tokens (context parallel: the chunks' positions) and
+sums its log-probs over the CP group as the policy's are (logps.py).
 """
 
 from __future__ import annotations
@@ -27,27 +28,36 @@ from dtlaunch.train.objectives.logps import completion_logps
 from dtlaunch.train.parallel.qlora import DTYPES
 
 
+def _model_args(batches: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The loader's extra model inputs for the batch it just returned (positions under CP), as the step's."""
+    return {k: v.to(device) for k, v in getattr(batches, "last_model_args", {}).items()}
+
+
 class AdaptersOff:
     modules: list = []  # no module of its own (the memory tracker counts the reference's modules)
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, cp_group: Optional[Any] = None) -> None:
         # DDP's wrapper would prepare a gradient reduction; the wrapped module runs the same forward.
         self.model = getattr(model, "module", model)
+        self.cp_group = cp_group
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
         with adapters_disabled(self.model):
-            return completion_logps(self.model(inputs), targets).logps
+            logits = self.model(inputs, **_model_args(batches, inputs.device))
+            return completion_logps(logits, targets, self.cp_group).logps
 
 
 class FrozenCopy:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, cp_group: Optional[Any] = None) -> None:
         self.model = model
         self.modules = [model]
+        self.cp_group = cp_group
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
-        return completion_logps(self.model(inputs), targets).logps
+        logits = self.model(inputs, **_model_args(batches, inputs.device))
+        return completion_logps(logits, targets, self.cp_group).logps
 
 
 class Precomputed:
@@ -73,10 +83,19 @@ def build_reference(
         return None
     if bool(cfg.objective.precompute_reference) and not live:
         return Precomputed()
+    group = cp_group(mesh)
     if uses_adapters_off(cfg):
         (model,) = parts
-        return AdaptersOff(model)
-    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts), init))
+        return AdaptersOff(model, group)
+    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts), init), group)
+
+
+def cp_group(mesh: Any) -> Optional[Any]:
+    """The context-parallel process group of this rank (None without CP, or without a mesh)."""
+    from dtlaunch.train.parallel.mesh import sub_mesh
+
+    cp = sub_mesh(mesh, "cp") if mesh is not None else None
+    return cp.get_group() if cp is not None else None
 
 
 def _device(parts: list) -> torch.device:
