@@ -1,14 +1,17 @@
 """Throughput of the chunked loss (training.loss_chunks=8) against the full-vocabulary loss (=1), in one run.
 
-One process, fp32, the runtime's own `train_step` on fixed random tokens. Both runtimes are built in the
-same process with the same weights, and their timed blocks alternate (full, chunked, full, ...), so a
-machine that gets busier or quieter hurts both alike. Time is this process's CPU time (one thread): on a
-shared machine, wall time mostly measures the other processes. Per case: tokens/s as the median over the blocks,
-and the ratio chunked / full. The chunked loss computes the head's matmul once more per token (its
-recompute in backward): 2·h·V of the step's ~6·P FLOPs per token, shown as "expected cost".
+One process, fp32, the runtime's own `train_step` on fixed random tokens. The runtimes are built in the
+same process with the same weights, and their timed blocks alternate (full, chunked, recomputed, then
+backwards), so a machine that gets busier or quieter hurts all alike. Time is this process's CPU time (one
+thread): on a shared machine, wall time mostly measures the other processes. Per case: tokens/s as the
+median over the blocks, and the ratios to the full loss of
+- the chunked loss as it runs by default (gradients taken in forward, dtlaunch.train.fused_linear_ce:
+  the same FLOPs as the full loss);
+- the chunks recomputed in backward (a pipeline's last stage): the head's matmul once more per token,
+  2·h·V of the step's ~6·P FLOPs per token, shown as "expected cost".
 
 Cases: `llama8b-shaped` has the head's share of Llama-3.1-8B's FLOPs (head / all parameters ~ 6.5 %, so
-an expected cost of ~2 %); `tiny-32k` is the 32k-vocabulary tiny model the planner rows use, where the
+a recompute cost of ~2 %); `tiny-32k` is the 32k-vocabulary tiny model the planner rows use, where the
 head is most of the model (the worst case).
 
     python bench/loss_chunks.py [--reps 5] [--steps 4] [--markdown FILE] [--json FILE]
@@ -77,7 +80,8 @@ def runtime(overrides: list[str]) -> Any:
 
 
 def expected_cost(cfg: Any) -> float:
-    """The recompute's share of a step's FLOPs: 2·h·V per token over the model's training FLOPs."""
+    """The recompute's share of a step's FLOPs (the pipeline's chunked loss): 2·h·V per token over the
+    model's training FLOPs. The fused chunked loss has no extra FLOPs."""
     from dtlaunch.models.registry import model_spec
 
     m = cfg.model
@@ -88,35 +92,40 @@ def bench_case(name: str, overrides: list[str], reps: int, steps: int) -> dict:
     from dtlaunch.train.step import train_step
 
     rts = {n: runtime([*overrides, f"training.loss_chunks={n}"]) for n in (1, 8)}
+    rts[-8] = runtime([*overrides, "training.loss_chunks=8"])
+    rts[-8].loss_fn.fused = False  # each chunk recomputed in backward, as on a pipeline's last stage
+    modes = (1, 8, -8)
     t = rts[1].cfg.training
     data = FixedBatches(int(t.micro_batch), int(t.seq_len), int(rts[1].cfg.model.vocab_size))
     tokens = int(t.micro_batch) * int(t.seq_len) * steps
     for rt in rts.values():  # warm-up: allocator, first optimizer step (state creation)
         for s in range(2):
             train_step(rt, data, s + 1)
-    rates: dict[int, list[float]] = {1: [], 8: []}
+    rates: dict[int, list[float]] = {n: [] for n in modes}
     losses: dict[int, float] = {}
     for rep in range(reps):
-        for n in (1, 8) if rep % 2 == 0 else (8, 1):
+        for n in modes if rep % 2 == 0 else modes[::-1]:
             start = time.process_time()
             for s in range(steps):
                 r = train_step(rts[n], data, 3 + rep * steps + s)
             rates[n].append(tokens / (time.process_time() - start))
             losses[n] = float(r.local_loss)
-    full, chunked = statistics.median(rates[1]), statistics.median(rates[8])
+    full, chunked, remat = (statistics.median(rates[n]) for n in modes)
     row = {
         "case": name,
         "overrides": overrides,
         "tokens_per_s_full": full,
         "tokens_per_s_chunked": chunked,
+        "tokens_per_s_recompute": remat,
         "ratio": chunked / full,
+        "ratio_recompute": remat / full,
         "expected_cost": expected_cost(rts[1].cfg),
         "rates": rates,
         "last_loss": losses,
     }
     print(
         f"{name:16s} full {full:9.0f} tok/s  chunked(8) {chunked:9.0f} tok/s  ratio {chunked / full:.3f}  "
-        f"expected cost {row['expected_cost'] * 100:.1f} %",
+        f"recomputed(8) ratio {remat / full:.3f} (expected cost {row['expected_cost'] * 100:.1f} %)",
         flush=True,
     )
     return row
@@ -144,7 +153,8 @@ def main(argv: list[str]) -> None:
                 "full tok/s",
                 "chunked (8) tok/s",
                 "chunked / full",
-                "expected cost (2hV / FLOPs per token)",
+                "recomputed chunks (pipeline) / full",
+                "recompute's expected cost (2hV / FLOPs per token)",
             ],
             [
                 [
@@ -153,13 +163,14 @@ def main(argv: list[str]) -> None:
                     f"{r['tokens_per_s_full']:.0f}",
                     f"{r['tokens_per_s_chunked']:.0f}",
                     f"{r['ratio']:.3f}",
+                    f"{r['ratio_recompute']:.3f}",
                     f"{r['expected_cost'] * 100:.1f} %",
                 ]
                 for r in rows
             ],
         )
         text = [
-            "# Chunked loss throughput (training.loss_chunks=8 vs 1), CPU",
+            "# Chunked loss throughput (training.loss_chunks=8, fused and recomputed, vs 1), CPU",
             "",
             f"- machine: {describe_machine(info)}",
             f"- command: `{this_command()}`",

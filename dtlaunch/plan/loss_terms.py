@@ -4,7 +4,8 @@ Full pass (loss_chunks = 1): forward keeps the logits (compute dtype, referenced
 and log_softmax's fp32 output; its backward adds nll's and log_softmax's fp32 gradients (the model
 family's `logits_forward_bytes` / `logits_backward_bytes`).
 
-Chunked (dtlaunch/train/chunked_loss.py): forward keeps no logits at all (each chunk runs under
+Chunked, gradients taken in forward (dtlaunch/train/fused_linear_ce.py; no tensor parallel, no pipeline):
+`_fused_moment`. Chunked and recomputed (tensor parallel, a pipeline's last stage): forward keeps no logits at all (each chunk runs under
 checkpointing and leaves only its loss). At a chunk's backward its logits are recomputed: log_softmax's
 fp32 output, then nll's and log_softmax's fp32 gradients (one fused gradient under loss_parallel): what a
 full pass holds, for 1/n of the tokens, less the logits it keeps referenced.
@@ -57,6 +58,8 @@ def loss_backward_bytes(c: Any) -> float:
     e, v = c.e, c.d.vocab / c.tp
     chunk_tokens = math.ceil(c.tokens / n)
     head = c.d.h * v
+    if fused(c):
+        return _fused_moment(c, chunk_tokens, head)
     grad = 0.0 if c.ft is not None else (e if c.fsdp else 4) * head  # one head-sized weight gradient
     # At a chunk's log_softmax backward: its fp32 output and the two fp32 gradients, next to the head's
     # gradient summed over the earlier chunks; then autograd adds the chunk's new weight gradient to
@@ -69,6 +72,32 @@ def loss_backward_bytes(c: Any) -> float:
         moment += e * head  # the root unit gathered again for the loss brings the embedding back too
     if c.autocast:
         moment += e * head  # the chunk's cast of the head's weight, saved by its matmul
+    return moment
+
+
+def fused(c: Any) -> bool:
+    """Whether the chunks' gradients are taken in forward (dtlaunch.train.fused_linear_ce): plain tensors
+    (no tensor parallel) and no pipeline (dtlaunch.train.chunked_loss.head_loss)."""
+    return c.tp == 1 and getattr(c, "pp", 1) == 1
+
+
+def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
+    """The fused loss's largest moment: in forward, one chunk's fp32 logits (softmax and its gradient are
+    made in their storage; in bf16 the matmul's output and the gradient's cast exist next to them for a
+    moment) next to the head's weight gradient accumulated in place in the matmul's dtype and, under
+    autocast, the head's weight cast to it; or, at backward, that gradient cast to the fp32 parameter's.
+    The hidden states' gradient (held from forward to backward) takes the place of the final norm's output,
+    which nothing saves now. Measured with StorageCounter on CPU (tests/unit/test_chunked_loss.py)."""
+    e = c.e
+    trained = c.ft is None
+    grad = (e if (c.fsdp or c.autocast) else 4) * head if trained else 0.0
+    cast = e * head if c.autocast and trained else 0.0
+    at_chunk = (4 + (e if e != 4 else 0)) * c.d.vocab * chunk_tokens
+    moment = max(at_chunk + grad + cast, grad + (4 * head if cast else 0.0))
+    if c.fsdp and c.zero == 3 and c.first and trained:
+        # The root unit gathered again for the loss brings the embedding back too (a frozen embedding is a
+        # unit of its own: measured, LoRA ZeRO-3 on real gloo runs, nothing comes back).
+        moment += e * head
     return moment
 
 

@@ -484,9 +484,44 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     elif first and c.accum == 1 and not c.ft:
         at_last_blk += 4 * c.v_h / div
     backward = [base + loss_bwd, at_first_blk if layers else 0.0, at_last_blk if layers else 0.0]
+    backward.append(_root_reduce_moment(c, lines, layers * blk_grads if grows else 0.0))
     if c.pp > 1 and c.n_mb > 1:
         backward += _later_microbatch_moments(c, lines, base, loss_bwd, at_first_blk, blk_grads, head_grads, blk_tok)
     return max(backward)
+
+
+def _embedding_gather_moment(c: StageShape, lines: dict[str, float]) -> float:
+    """FSDP2's all-gather of a frozen embedding's own unit (LoRA / QLoRA) at the start of forward: the flat
+    all-gather output and the unsharded storage it is copied into exist together, next to the root's
+    gathered head; gloo's all-gather (a CPU profile) holds one more full-size copy, NCCL does not.
+    Measured (real gloo runs, tiny model, 32k vocabulary, LoRA ZeRO-3): 3 x the embedding. With the
+    chunked loss, which no longer holds a chunk's logits in backward, this can be the step's peak."""
+    if not (c.fsdp and c.ft and c.first and c.v_h) or c.tied_head:
+        return 0.0
+    static = sum(lines.values()) - lines.get("activations", 0.0)
+    gloo = not int(c.cfg.hardware.gpus_per_node)
+    return static + (3 if gloo else 2) * c.e * c.v_h
+
+
+def _root_reduce_moment(c: StageShape, lines: dict[str, float], block_grads: float) -> float:
+    """FSDP's reduce-scatter of the root unit (embedding, final norm, head) at the end of backward. Every
+    activation is freed by then and the blocks' gradient shards exist (`block_grads`, when they grow in
+    this micro-step). The root's unsharded gradients are copied into a flat reduce-dtype input (e + r
+    bytes per parameter), then that input sits next to its reduce-dtype output shard (r + r / shard);
+    gloo's reduce-scatter (a CPU profile) copies its input once more, NCCL does not. A frozen root (LoRA)
+    has no gradient. With a full-vocabulary loss this is seldom the peak; with the chunked loss, whose
+    gradients are taken in forward, it can be."""
+    if not (c.fsdp and c.root and c.ft is None):
+        return 0.0
+    static = sum(lines.values()) - lines["activations"]
+    if c.zero == 2:
+        # ZeRO-2's blocks were resharded after their own backward: what stays gathered is what ZeRO-3
+        # holds, the root's head and final norm (measured: the embedding's gathered copy does not add).
+        held = c.e * (c.root - (c.v_h if c.first else 0))
+        static -= max(0.0, lines.get("unsharded parameters", 0.0) - held)
+    gloo = not int(c.cfg.hardware.gpus_per_node)
+    per_param = max(c.e + c.r, c.r + c.r / c.shard + (c.r if gloo else 0))
+    return static + block_grads + per_param * c.root
 
 
 def _later_microbatch_moments(
@@ -588,8 +623,13 @@ def plan_stage(
     at_step, host_at_step = offload.split_at_step(c, optimizer_lines(c, lines))
     phases = {"forward": sum(lines.values()), "backward": backward_peak(c, lines), "optimizer": sum(at_step.values())}
     static = static_lines(c)
+    gather = _embedding_gather_moment(c, lines)
+    phases["forward"] = max(phases["forward"], gather)
     phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
     phase = max(phases, key=lambda k: phases[k])
+    if phase == "forward" and gather == phases["forward"]:
+        lines = {k: v for k, v in lines.items() if k != "activations"}
+        lines["all-gather buffers"] = gather - sum(lines.values())
     if phase == "backward":
         lines["loss/backward buffers"] = phases["backward"] - phases["forward"]
     if phase == "optimizer":

@@ -4,11 +4,15 @@ A full-vocabulary pass holds the (tokens x V) logits, their fp32 upcast, log_sof
 in backward, two fp32 gradients of the same size: on a 128k vocabulary the largest tensors of a step.
 With loss_chunks = n the model stops before its head (the decoder's `hidden_only` switch: model code
 stays free of distributed code) and this module applies the head's weight to 1/n of the tokens at a
-time, each chunk under non-reentrant activation checkpointing: forward keeps only the chunk's loss, and
-backward recomputes that chunk's logits, differentiates them and frees them before the next chunk. What
-stays is the final norm's output (saved for the recompute), one chunk's logits and gradients, and the
-head's weight gradient accumulated over the chunks. The cost is one more head matmul per token (the
-recompute): about 2 h·V / (6 · parameters) of a step's FLOPs.
+time. By default (dtlaunch.train.fused_linear_ce) each chunk's gradients are taken in forward, while its
+logits exist: what stays until backward is the hidden states' gradient and the head's weight gradient,
+accumulated in place over the chunks, and no FLOP is added. Where a pipeline schedule can run other
+micro-batches between a loss's forward and its backward, or the tensors are DTensors (tensor parallel),
+each chunk runs under non-reentrant activation checkpointing instead: forward keeps only the chunk's
+loss, and backward recomputes that chunk's logits, differentiates them and frees them before the next
+chunk. There what stays is the final norm's output (saved for the recompute), one chunk's logits and
+gradients, and the head's weight gradient; the cost is one more head matmul per token (about
+2 h·V / (6 · parameters) of a step's FLOPs).
 
 Chunking happens before the projection, so the full logits never exist, not even in the compute dtype.
 The same code serves every layout:
@@ -36,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dtlaunch.config.layout import loss_chunks
 from dtlaunch.errors import ConfigError
+from dtlaunch.train.fused_linear_ce import linear_cross_entropy
 from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
 IGNORE = -100  # masked (chat) targets: see TokenLoader.next_batch
@@ -47,21 +52,12 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum", ignore_index=IGNORE)
 
 
-def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int, reduction: str = "mean"
+def _chunk_by_chunk(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int, remat: bool
 ) -> torch.Tensor:
-    """cross_entropy(hidden @ weight.T, targets) for (B, S, h) hidden and (B, S) targets, `chunks` token
-    chunks at a time. reduction "mean" (over targets that count) or "sum"."""
-    if isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
-        # Tensor parallel without sequence parallel: every rank holds the whole (replicated) hidden state.
-        hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
-    elif isinstance(hidden, DTensor):
-        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
-    flat_h, flat_t = hidden.flatten(0, 1), targets.flatten(0, 1)
-    # Gradients need the recompute; without them (validation) each chunk's logits are simply freed.
-    remat = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    """Summed cross-entropy of (T, h) hidden states, each chunk checkpointed (`remat`) or not (no grad)."""
     total: Optional[torch.Tensor] = None
-    for h_c, t_c in zip(flat_h.tensor_split(chunks), flat_t.tensor_split(chunks), strict=True):
+    for h_c, t_c in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks), strict=True):
         if t_c.numel() == 0:
             continue
         if remat:
@@ -70,6 +66,34 @@ def chunked_cross_entropy(
             part = _chunk_loss(h_c, weight, t_c)
         total = part if total is None else total + part
     assert total is not None, "no tokens"
+    return total
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunks: int,
+    reduction: str = "mean",
+    fused: bool = True,
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets) for (B, S, h) hidden and (B, S) targets, `chunks` token
+    chunks at a time. reduction "mean" (over targets that count) or "sum". `fused`: where the tensors are
+    plain, take the gradients in forward (dtlaunch.train.fused_linear_ce) instead of recomputing each
+    chunk in backward; False where backward may not follow forward directly (a pipeline stage)."""
+    if isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
+        # Tensor parallel without sequence parallel: every rank holds the whole (replicated) hidden state.
+        hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
+    elif isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
+    flat_h, flat_t = hidden.flatten(0, 1), targets.flatten(0, 1)
+    # Gradients need the recompute (or the fused forward); without them (validation) each chunk's logits
+    # are simply freed.
+    remat = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if remat and fused and not isinstance(weight, DTensor):
+        total = linear_cross_entropy(flat_h, weight, flat_t, chunks)
+    else:
+        total = _chunk_by_chunk(flat_h, weight, flat_t, chunks, remat)
     if reduction == "sum":
         return total
     if reduction != "mean":
@@ -95,10 +119,11 @@ def head_module(model: nn.Module) -> Optional[nn.Module]:
 
 class HeadLoss:
     """The loss of the layer set that ends with the output head: plain cross_entropy on the logits the
-    model returns (loss_chunks = 1), or the chunked projection + loss on its hidden states."""
+    model returns (loss_chunks = 1), or the chunked projection + loss on its hidden states (`fused`:
+    gradients taken in forward, see chunked_cross_entropy)."""
 
-    def __init__(self, model: Optional[nn.Module], chunks: int) -> None:
-        self.model, self.chunks = model, chunks
+    def __init__(self, model: Optional[nn.Module], chunks: int, fused: bool = True) -> None:
+        self.model, self.chunks, self.fused = model, chunks, fused
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         if self.chunks == 1 or self.model is None:
@@ -109,15 +134,17 @@ class HeadLoss:
             # so the weight read below is the unsharded parameter whose gradient FSDP reduce-scatters.
             self.model.unshard()
         head = head_module(self.model)
-        loss = chunked_cross_entropy(output, head.weight, targets, self.chunks, reduction)
+        loss = chunked_cross_entropy(output, head.weight, targets, self.chunks, reduction, self.fused)
         if isinstance(self.model, FSDPModule) and not torch.is_grad_enabled():
             self.model.reshard()  # validation: no backward will reshard the root unit gathered above
         return loss
 
 
-def head_loss(cfg: Any, model_parts: list[nn.Module]) -> HeadLoss:
+def head_loss(cfg: Any, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:
     """The loss for these model parts (this rank's), switching the part with the head to return hidden
-    states when training.loss_chunks > 1. A model without the switch is refused, not run unchunked."""
+    states when training.loss_chunks > 1. A model without the switch is refused, not run unchunked.
+    `pipeline`: the last stage of a pipeline, whose schedule may run other micro-batches between a loss's
+    forward and its backward (the chunks are then recomputed in backward, not differentiated in forward)."""
     chunks = loss_chunks(cfg)
     if chunks > 1:
         for part in model_parts:
@@ -132,4 +159,4 @@ def head_loss(cfg: Any, model_parts: list[nn.Module]) -> HeadLoss:
         if getattr(head_module(owner), "bias", None) is not None:
             raise ConfigError(f"training.loss_chunks={chunks}: the output head has a bias: set training.loss_chunks=1")
         _inner(owner).hidden_only = True
-    return HeadLoss(owner, chunks)
+    return HeadLoss(owner, chunks, fused=not pipeline)

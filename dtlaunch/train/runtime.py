@@ -84,7 +84,7 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     pp_mesh = mesh["pp"]
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
     parts = [(i, parallelize(part, mesh, cfg, layout, init=init)) for i, part in parts]
-    loss = pipeline_loss_fn(head_loss(cfg, [p for _, p in parts]), pp_microbatches(cfg, layout), accum)
+    loss = pipeline_loss_fn(head_loss(cfg, [p for _, p in parts], pipeline=True), pp_microbatches(cfg, layout), accum)
     objective = PreferenceObjective.of(cfg)
     if objective is not None:  # the preference loss of each pipeline micro-batch's pairs
         from dtlaunch.train.objectives.pipeline import PreferencePipelineLoss
