@@ -123,8 +123,25 @@ def host_peak_lines(host: dict[str, float], host_at_step: dict[str, float]) -> d
 
 
 def staging_bytes(c: Any) -> float:
-    """CPU offload: one unit's fp32 shard copied to the device for its all-gather."""
-    return 4 * c.blk_gather / c.shard if cpu_offload(c) else 0.0
+    """CPU offload: one unit's fp32 shard copied to the device for its all-gather. On one rank FSDP2 skips
+    the all-gather and copies each parameter in on its own (FSDPParamGroup.wait_for_unshard's world-size-1
+    path): the largest parameter of a block is what exists at once."""
+    if not cpu_offload(c):
+        return 0.0
+    if c.shard == 1:
+        return 4 * _largest_block_param(c)
+    return 4 * c.blk_gather / c.shard
+
+
+def _largest_block_param(c: Any) -> float:
+    """The largest weight of one block, from the model family's block linears (the whole block where the
+    family does not list them)."""
+    from dtlaunch.models.registry import model_spec
+
+    linears = model_spec(c.m).block_linears
+    if linears is None:
+        return float(c.blk_gather)
+    return float(max(out_f * in_f for out_f, in_f, _ in linears(c.m).values()))
 
 
 def ranks_per_node(cfg: Any, world: int) -> int:

@@ -457,6 +457,10 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     held_act = lines["activations"] - (_loss_saved_per_token(c) * tokens if last else 0.0)
     held_act += held_logits(c)  # a full pass's logits stay referenced until backward returns
     blk_grads = (c.grad_bytes * c.trained_blk / div) if layers else 0.0
+    if offload.cpu_offload(c) and c.accum == 1:
+        # Each block's gradient shard becomes the host gradient as its reduce-scatter ends (with
+        # accumulation it stays on the device until it is added into the host's: measured on gloo runs).
+        blk_grads = 0.0
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
     at_first_blk += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
     at_first_blk += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
