@@ -70,9 +70,17 @@ def request_of(cfg: Any) -> EvalRequest:
 
 
 def check_eval_tasks(cfg: Any) -> None:
-    """Before any worker starts: lm_eval installed, the include directory there, every task name known."""
-    if cfg.training.eval_tasks:
-        check_request(request_of(cfg), *TRAINING_KEYS)
+    """Before any worker starts: lm_eval installed, the include directory there, every task name known, and
+    a chat template to apply if one is asked for."""
+    if not cfg.training.eval_tasks:
+        return
+    from dtlaunch.config.tokenizer_choice import effective_tokenizer
+    from dtlaunch.errors import ConfigError
+    from dtlaunch.infer.harness import BYTE_NO_CHAT
+
+    if cfg.training.eval_apply_chat_template and effective_tokenizer(cfg) == "byte":
+        raise ConfigError(f"training.eval_apply_chat_template=true: this run is {BYTE_NO_CHAT}: set it to false")
+    check_request(request_of(cfg), *TRAINING_KEYS)
 
 
 def eval_after_training(cfg: Any, run_dir: Any) -> None:

@@ -169,15 +169,31 @@ def save_torch(state: dict, m: Any, out: Path) -> Path:
 
 
 def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
-    """The run's Hugging Face tokenizer (kept in <run dir>/tokenizer by the launcher), beside the weights.
-    Runs on the byte tokenizer or synthetic data have none: nothing is written."""
+    """The run's tokenizer beside the weights: its Hugging Face tokenizer (kept in <run dir>/tokenizer by the
+    launcher), or the byte tokenizer's Hugging Face form for a run that trained on text with it. Runs on
+    synthetic data without a model tokenizer have none (their ids are not text): nothing is written."""
     from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files
 
-    for parent in list(checkpoint.resolve().parents)[:3]:  # run/checkpoints/step-N
+    parents = list(checkpoint.resolve().parents)[:3]  # run/checkpoints/step-N
+    for parent in parents:
         kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"
         if kept.is_file():
             return copy_tokenizer_files(kept, Path(out))
+    run = next((p for p in parents if (p / "config.yaml").is_file()), None)
+    if run is not None and _trained_on_bytes(run / "config.yaml"):
+        from dtlaunch.data.byte_hf_tokenizer import write_byte_tokenizer
+
+        return write_byte_tokenizer(Path(out))
     return []
+
+
+def _trained_on_bytes(config_yaml: Path) -> bool:
+    """The run's ids are the byte tokenizer's: data.tokenizer resolves to byte and the data is text."""
+    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.config.tokenizer_choice import effective_tokenizer
+
+    cfg = load_resolved(config_yaml)
+    return effective_tokenizer(cfg) == "byte" and str(cfg.data.kind) != "synthetic"
 
 
 # ---------------------------------------------------------------------------------------------

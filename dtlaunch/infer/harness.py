@@ -17,6 +17,8 @@ from typing import Any, Optional
 from dtlaunch.errors import ConfigError, InputError
 
 EVAL_DIR = "eval"  # RUN/eval/<time>.json
+# Byte runs train on text only (data.format=chat is refused for them), so no template fits their ids.
+BYTE_NO_CHAT = "trained on the byte tokenizer, which has no chat template (chat data needs a Hugging Face tokenizer)"
 
 
 @dataclass(frozen=True)
@@ -172,12 +174,15 @@ def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = 
     """Load SOURCE on one device (a GPU when there is one), evaluate, write the results file."""
     import torch
 
+    from dtlaunch.data.tokenizer import ByteTokenizer
     from dtlaunch.infer.lm_eval_adapter import load_lm
     from dtlaunch.run.phases import phase
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     start = time.perf_counter()
     lm = load_lm(src.spec, device, req.batch_size, adapter=adapter)
+    if req.apply_chat_template and isinstance(lm.loaded.tokenizer, ByteTokenizer):
+        raise ConfigError(f"--apply-chat-template: {src.spec} {BYTE_NO_CHAT}: drop --apply-chat-template")
     phase(f"eval: loaded {src.spec} on {device}; running {', '.join(req.tasks)}")
     out = evaluate(lm, req, manager)
     record = results_record(

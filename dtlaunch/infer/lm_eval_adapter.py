@@ -105,20 +105,31 @@ class DtlaunchLM(HFLM):
 
 
 def load_lm(source: str, device: torch.device, batch_size: int, adapter: str = "") -> DtlaunchLM:
-    """SOURCE (hf:DIR, a run or a checkpoint) as generate loads it, with the Hugging Face tokenizer it
-    trained with: the run's kept copy (RUN/tokenizer, with the run's chat template) or DIR's own."""
+    """SOURCE (hf:DIR, a run or a checkpoint) as generate loads it, with the tokenizer it trained with: the
+    run's kept Hugging Face copy (RUN/tokenizer, with the run's chat template), DIR's own, or, for a run on
+    the byte tokenizer, that tokenizer in Hugging Face form (dtlaunch.data.byte_hf_tokenizer)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
+    from dtlaunch.data.tokenizer import BYTE_VOCAB, ByteTokenizer
     from dtlaunch.errors import InputError
     from dtlaunch.infer.generate import load_source
 
     loaded = load_source(source, device, adapter=adapter)
+    if isinstance(loaded.tokenizer, ByteTokenizer):
+        from dtlaunch.data.byte_hf_tokenizer import byte_hf_tokenizer
+
+        if int(loaded.m.vocab_size) < BYTE_VOCAB:  # only a synthetic-data run can be this small
+            raise InputError(
+                f"eval {source}: the byte tokenizer's {BYTE_VOCAB} ids do not fit model.vocab_size="
+                f"{loaded.m.vocab_size} (a run on synthetic data): evaluate a run trained on text"
+            )
+        return DtlaunchLM(loaded, byte_hf_tokenizer(), device, batch_size)
     tok_file = Path(loaded.tokenizer_file)
     if not tok_file.is_file():
         raise InputError(
-            f"eval {source}: the model's tokenizer is '{loaded.tokenizer_file}', not a Hugging Face tokenizer.json; "
-            f"lm-eval needs one: train with data.tokenizer=<tokenizer.json>"
+            f"eval {source}: the model's tokenizer '{loaded.tokenizer_file}' is not a tokenizer.json; "
+            f"lm-eval needs one: train with data.tokenizer=byte or data.tokenizer=<tokenizer.json>"
         )
     return DtlaunchLM(loaded, AutoTokenizer.from_pretrained(str(tok_file.parent)), device, batch_size)

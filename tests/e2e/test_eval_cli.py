@@ -1,6 +1,6 @@
 """`dtlaunch eval`: lm-evaluation-harness on dtlaunch's own model gives what lm-eval's own HFLM gives on the
 model `ckpt export --format hf` writes (the same accuracy, per-sample loglikelihoods within 1e-5), for an
-hf:DIR source and a run; bad inputs are one line and exit 2.
+hf:DIR source, a run, and a run trained from scratch on the byte tokenizer; bad inputs are one line and exit 2.
 
 Offline: the tasks are YAML files of our own over local JSONL (lm-eval's built-in tasks download)."""
 
@@ -322,3 +322,59 @@ def test_bad_eval_task_in_training_is_refused_before_anything_starts(
     line = cli_error(["train", "recipe=tiny_ddp", *ev, f"run.dir={run_dir}"], monkeypatch, capsys)
     assert "training.eval_tasks: unknown task 'tiny_mcc'" in line and "tiny_mc" in line, line
     assert not run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory) -> Path:
+    """A tiny model trained from scratch on the built-in byte tokenizer over a real text file, as the
+    README's demo trains (data.kind=text, data.tokenizer=byte): two steps, one worker."""
+    import textwrap
+
+    base = tmp_path_factory.mktemp("byte_run")
+    text = base / "textwrap.py"
+    text.write_bytes(Path(textwrap.__file__).read_bytes())
+    run = base / "run"
+    data = ["data.kind=text", f"data.path={text}", "data.tokenizer=byte", f"data.cache_dir={base}/cache"]
+    short = ["training.steps=2", "training.seq_len=32", "checkpoint.every_steps=2", "optim.lr=1e-2"]
+    one = ["launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.loss_plot=false"]
+    dtlaunch("train", "recipe=tiny_ddp", *data, *short, *one, f"run.dir={run}")
+    return run
+
+
+def test_byte_tokenizer_run_matches_hflm_on_the_export(
+    byte_run: Path, tasks_dir: Path, manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from dtlaunch.cli import run as cli_run
+    from dtlaunch.infer.lm_eval_adapter import load_lm
+
+    # `dtlaunch eval CHECKPOINT` as a user runs it (float32) ...
+    (ckpt,) = (byte_run / "checkpoints").glob("step-*")
+    out = tmp_path / "results"
+    argv = ["eval", str(ckpt), "--tasks", "tiny_mc", "--include", str(tasks_dir), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv, "--batch-size", "4"])
+    with pytest.raises(SystemExit) as exc:
+        cli_run()
+    assert exc.value.code == 0, capsys.readouterr().out[-2000:]
+    (saved,) = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    # ... the export is a Hugging Face directory whose AutoTokenizer gives the byte ids ...
+    export = tmp_path / "export"
+    argv = ["ckpt", "export", str(byte_run), "--format", "hf", "--out", str(export)]
+    monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv])
+    with pytest.raises(SystemExit) as exc:
+        cli_run()
+    assert exc.value.code == 0, capsys.readouterr().out[-2000:]
+    tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert tok.encode("héllo <eos>", add_special_tokens=False) == list("héllo <eos>".encode())
+    assert (tok.bos_token_id, tok.eos_token_id) == (256, 257)
+    # ... and lm-eval's HFLM on it agrees sample by sample (float64 on both sides) with the run.
+    ours = float64(load_lm(str(byte_run), torch.device("cpu"), batch_size=4))
+    mine, ref = run_both(ours, export, manager, TASKS, "float64")
+    assert_same(mine, ref)
+    assert 0 < ref["results"]["tiny_mc"]["acc,none"] < 1
+    for key in ("acc,none", "acc_norm,none"):
+        assert saved["results"]["tiny_mc"][key] == ref["results"]["tiny_mc"][key]
+    # The byte tokenizer has no chat template: asking for one is one line.
+    capsys.readouterr()  # what the commands above printed
+    argv = ["eval", str(byte_run), "--tasks", "tiny_mc", "--include", str(tasks_dir), "--apply-chat-template"]
+    line = cli_error(argv, monkeypatch, capsys)
+    assert "--apply-chat-template" in line and "byte tokenizer" in line and "no chat template" in line, line
