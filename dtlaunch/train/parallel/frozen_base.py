@@ -48,14 +48,13 @@ def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = Fa
     quantize_base(model, cfg, shards)
 
 
-def frozen_ends(model: nn.Module, head: bool = True) -> list[nn.Module]:
+def frozen_ends(model: nn.Module) -> list[nn.Module]:
     """The frozen, untied embedding and output head (absent on a pipeline stage that does not own them):
-    under FSDP2 each is a unit of its own, gathered only while it runs. head=False leaves the head in the
-    root unit: a chunked loss (training.loss_chunks > 1) reads its weight outside the head's forward, where
-    no unit of its own would be gathered (dtlaunch.train.chunked_loss gathers the root)."""
+    under FSDP2 each is a unit of its own, gathered only while it runs (the head: its forward, or the
+    chunked loss, which runs as a forward method of the head's unit: dtlaunch.train.chunked_loss)."""
     counts = _uses(model)
     ends = []
-    for name in ("tok_embeddings", "output") if head else ("tok_embeddings",):
+    for name in ("tok_embeddings", "output"):
         mod = getattr(model, name, None)
         params = list(mod.parameters()) if isinstance(mod, nn.Module) else []
         if params and not any(p.requires_grad for p in params) and all(counts[id(p)] == 1 for p in params):
