@@ -15,11 +15,11 @@ The same code serves every layout:
 - DDP / one process: the head's weight is the plain parameter; autocast (compute_context) must cover
   the call, and checkpointing replays it in the recompute.
 - FSDP2, head a unit of its own (the frozen, untied head of LoRA / QLoRA: parallel.frozen_base): the
-  whole chunked loss runs as a forward method of that unit (`register_fsdp_forward_method`), so FSDP's own
+  whole chunked loss runs as that unit's forward (the head called with the targets), so FSDP's own
   hooks gather the head before it and reshard it after; in backward the hook on the loss gathers it again
   before the chunks' recompute and the hook on the hidden states (their gradient is complete after the
   last chunk) reshards it. The head is gathered only while the loss runs, in ZeRO-2 and ZeRO-3 alike.
-- FSDP2, head in the root unit (trained or tied head): called after the root module's forward, which
+- FSDP2, head in the root unit (trained or tied head, or a tensor-parallel one): called after the root module's forward, which
   (ZeRO-3) has resharded the root unit (embedding, norm, head): the loss gathers it again (`unshard`), as
   the root's pre-backward would, so the weight read here is the gathered parameter and its gradient
   reaches FSDP's reduce-scatter.
@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
@@ -99,21 +99,25 @@ def head_module(model: nn.Module) -> Optional[nn.Module]:
     return get() if callable(get) else None
 
 
-UNIT_LOSS = "chunked_loss"  # the head unit's forward method that runs the chunked loss
+def _run_loss_in_forward(head: nn.Module) -> None:
+    """Let the head's FSDP unit run the whole chunked loss as its forward: `head(hidden, targets, chunks,
+    reduction)` (called with the hidden states alone it is the plain head). Through the module's own call
+    every hook-based tool sees the loss as the head's forward: FSDP gathers the head once for all the
+    chunks (and once again in backward) and frees it after; torch's memory trackers follow the unit."""
+    if getattr(head, "runs_chunked_loss", False):
+        return  # installed by an earlier head_loss over the same model
+    plain = type(head).forward
 
-
-def _register_unit_loss(head: nn.Module) -> None:
-    """Give the head's FSDP unit a forward method that runs the whole chunked loss, so that FSDP gathers
-    the head once for all the chunks (and once again in backward) and frees it after."""
-    if hasattr(head, UNIT_LOSS):
-        return  # registered by an earlier head_loss over the same model
-
-    def chunked_loss(hidden: torch.Tensor, targets: torch.Tensor, chunks: int, reduction: str) -> torch.Tensor:
+    def forward(
+        hidden: torch.Tensor, targets: Optional[torch.Tensor] = None, chunks: int = 1, reduction: str = "mean"
+    ) -> torch.Tensor:
+        if targets is None:
+            return plain(head, hidden)
         # Read here, inside the unit's forward: the gathered parameter, not the shard.
         return chunked_cross_entropy(hidden, head.weight, targets, chunks, reduction)
 
-    setattr(head, UNIT_LOSS, chunked_loss)
-    register_fsdp_forward_method(head, UNIT_LOSS)
+    head.forward = forward
+    head.runs_chunked_loss = True
 
 
 class HeadLoss:
@@ -126,13 +130,13 @@ class HeadLoss:
         # The head as an FSDP unit of its own (not the root's): the loss runs inside that unit.
         self.unit = head if chunks > 1 and isinstance(head, FSDPModule) and head is not model else None
         if self.unit is not None:
-            _register_unit_loss(self.unit)
+            _run_loss_in_forward(self.unit)
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         if self.chunks == 1 or self.model is None:
             return cross_entropy(output, targets, reduction=reduction)
         if self.unit is not None:
-            return getattr(self.unit, UNIT_LOSS)(output, targets, self.chunks, reduction)
+            return self.unit(output, targets, self.chunks, reduction)
         if isinstance(self.model, FSDPModule):
             # ZeRO-3 reshards the root unit (embedding, norm, head) after its forward, and it would only
             # gather it again at its pre-backward: gather it now (a no-op when still gathered, ZeRO-2),
