@@ -19,10 +19,10 @@ The same code serves every layout:
   hooks gather the head before it and reshard it after; in backward the hook on the loss gathers it again
   before the chunks' recompute and the hook on the hidden states (their gradient is complete after the
   last chunk) reshards it. The head is gathered only while the loss runs, in ZeRO-2 and ZeRO-3 alike.
-- FSDP2, head in the root unit (trained or tied head, or a tensor-parallel one): called after the root module's forward, which
-  (ZeRO-3) has resharded the root unit (embedding, norm, head): the loss gathers it again (`unshard`), as
-  the root's pre-backward would, so the weight read here is the gathered parameter and its gradient
-  reaches FSDP's reduce-scatter.
+- FSDP2, head in the root unit (a trained, tied or tensor-parallel head): called after the root module's
+  forward, which (ZeRO-3) has resharded the root unit (embedding, norm, head): the loss gathers it again
+  (`unshard`), as the root's pre-backward would, so the weight read here is the gathered parameter and
+  its gradient reaches FSDP's reduce-scatter.
 - Tensor parallel: the weight is a Shard(0) (vocabulary) DTensor; the hidden states are brought to
   Replicate once (an all-gather under sequence parallel, as the head's own input style does), each
   chunk's logits are Shard(-1) and its loss runs under loss_parallel (the caller's loss_context).
