@@ -13,7 +13,8 @@ On top of it the head's weight gradient accumulates over the chunks: autograd ad
 contribution to the sum of the previous ones out of place, so three head-sized gradients exist for a
 moment (in the dtype the head's matmul differentiates: the compute dtype under FSDP's mixed precision,
 fp32 otherwise; none for a frozen head): with few tokens per chunk that, not the logits, is the peak. Under ZeRO-3 the
-loss gathers the root unit again (embedding included) for the head's weight. Under autocast each chunk's recompute also casts the head's weight to the compute dtype (the
+loss gathers the root unit again (embedding included) for the head's weight; a frozen, untied head (LoRA /
+QLoRA) is an FSDP unit of its own instead, gathered for the loss only (ZeRO-2 and ZeRO-3). Under autocast each chunk's recompute also casts the head's weight to the compute dtype (the
 cast is saved by the matmul until its backward, and its gradient is cast back to fp32). Under sequence
 parallel the hidden states are gathered once for the loss and kept until backward.
 """
@@ -68,7 +69,9 @@ def loss_backward_bytes(c: Any) -> float:
     # gradient, not two.
     at_softmax = (12 if c.tp == 1 else 8) * v * chunk_tokens
     moment = max(at_softmax + grad, 3 * grad)
-    if c.fsdp and c.zero == 3 and c.first:
+    if c.fsdp and c.frozen_head_unit:
+        moment += e * head  # the frozen head's own unit, gathered by the loss (ZeRO-2 and ZeRO-3)
+    elif c.fsdp and c.zero == 3 and c.first:
         moment += e * head  # the root unit gathered again for the loss brings the embedding back too
     if c.autocast:
         moment += e * head  # the chunk's cast of the head's weight, saved by its matmul
@@ -94,7 +97,9 @@ def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
     cast = e * head if c.autocast and trained else 0.0
     at_chunk = (4 + (e if e != 4 else 0)) * c.d.vocab * chunk_tokens
     moment = max(at_chunk + grad + cast, grad + (4 * head if cast else 0.0))
-    if c.fsdp and c.zero == 3 and c.first and trained:
+    if c.fsdp and c.frozen_head_unit:
+        moment += e * head  # the frozen head's own unit, gathered for the loss (ZeRO-2 and ZeRO-3)
+    elif c.fsdp and c.zero == 3 and c.first and trained:
         # The root unit gathered again for the loss brings the embedding back too (a frozen embedding is a
         # unit of its own: measured, LoRA ZeRO-3 on real gloo runs, nothing comes back).
         moment += e * head
@@ -106,8 +111,8 @@ def regathered_root(c: Any) -> float:
     through the blocks' backward until the root's post-backward. Traced (planner7m, 8 ranks): FSDP(4) x
     TP(2) with full AC was 5 % under without it; plain ZeRO-3 (bf16) is within 3.5 % without it and 6 %
     over with it, as for the full loss, whose re-gathered embedding does not add either (static_lines)."""
-    if loss_chunks(c) == 1 or not (c.fsdp and c.zero == 3 and c.first and c.tp > 1):
-        return 0.0
+    if loss_chunks(c) == 1 or not (c.fsdp and c.zero == 3 and c.first and c.tp > 1) or c.frozen_head_unit:
+        return 0.0  # (a frozen head's own unit is gathered for the loss alone, the root is not)
     if c.ft and c.kept == 0:
         return 0.0  # the fine-tuning term already holds the gathered embedding (dtlaunch.plan.stage)
     return c.e * c.v_h

@@ -136,9 +136,10 @@ class StageShape:
 
     @property
     def frozen_head_unit(self) -> bool:
-        """The frozen, untied head is an FSDP2 unit of its own (a full-vocabulary loss only: a chunked
-        one reads it from the root unit; dtlaunch.train.parallel.frozen_base)."""
-        return bool(self.ft and not self.tied_head and self.last and loss_chunks(self) == 1)
+        """The frozen, untied head is an FSDP2 unit of its own, gathered only while it runs: its forward,
+        or the chunked loss run inside it; under tensor parallel a chunked loss reads it from the root
+        unit (dtlaunch.train.parallel.frozen_base.chunked_head_unit)."""
+        return bool(self.ft and not self.tied_head and self.last and (loss_chunks(self) == 1 or self.tp == 1))
 
     @property
     def frozen_ends(self) -> int:
@@ -237,7 +238,14 @@ def stage_shape(
         # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA,
         # which then keeps the repeated copies for backward instead of the grouped ones.
         by_kind["none"] += e * 2 * (d.qw - d.k) / tp
-    if fsdp and sp and "selective" in by_kind:
+    lora = str(cfg.peft.method) != "none"
+    if lora and sp and "selective" in by_kind:
+        # Fine-tuning: selective AC keeps as much per block with sequence parallel as without it
+        # (measured, real 2-rank gloo runs, planner7m LoRA TP(2) bf16: 4,619 bytes per token and block
+        # either way, the no-SP count plus the adapters' autocast casts, which go with the autocast
+        # region): count it without SP (13 % under the measured peak with the SP count).
+        by_kind["selective"] = _block_tok(act, "selective", d, e, t, tp, False, autocast, compiled)
+    elif fsdp and sp and "selective" in by_kind:
         # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
         by_kind["selective"] += e * d.h
@@ -464,12 +472,14 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
     at_first_blk += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
     at_first_blk += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
-    if c.ft and fsdp and zero == 3 and first and c.kept == 0:
-        # Fine-tuning under full AC: the frozen embedding's unit is gathered again in the blocks' backward
-        # (FSDP2 prefetches the unit that ran before them) and, having no gradient, stays gathered until
-        # backward ends (real gloo runs, planner7m LoRA / QLoRA: within 0.4 %). The frozen head's unit,
-        # gathered again only for its own backward after the loss buffers are freed, adds nothing.
-        at_first_blk += e * c.v_h
+    if c.ft and fsdp and zero == 3 and layers > 1:
+        # Fine-tuning: the next block's unit, prefetched by the block's pre-backward (FSDP2 gathers the
+        # unit that ran before it in forward), is already gathered at the first block's peak: a traced
+        # CPU run (`plan --trace`, planner7m LoRA / QLoRA ZeRO-3) has one gathered block in "Unsharded
+        # Param" and one in "All Gather". (Full training's larger gradients put its peak after the
+        # prefetch is consumed.) The frozen embedding's unit is prefetched only by the last block
+        # processed, when the activations are gone, and the frozen head's after the loss: neither adds.
+        at_first_blk += gathered_block(c.ft, c.blk_gather, e)
     # Gradients produced since the first block: with accumulation they already exist from the earlier
     # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
     # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)

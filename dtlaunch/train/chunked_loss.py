@@ -18,9 +18,15 @@ Chunking happens before the projection, so the full logits never exist, not even
 The same code serves every layout:
 - DDP / one process: the head's weight is the plain parameter; autocast (compute_context) must cover
   the call, and checkpointing replays it in the recompute.
-- FSDP2: called after the root module's forward, which (ZeRO-3) has resharded the root unit (embedding,
-  norm, head): the loss gathers it again (`unshard`), as the root's pre-backward would, so the weight read
-  here is the gathered parameter and its gradient reaches FSDP's reduce-scatter.
+- FSDP2, head a unit of its own (the frozen, untied head of LoRA / QLoRA: parallel.frozen_base): the
+  whole chunked loss runs as that unit's forward (the head called with the targets), so FSDP's own
+  hooks gather the head before it and reshard it after; in backward the hook on the loss gathers it again
+  (the recompute needs it; the fused loss only scales its saved gradient then) and the hook on the hidden
+  states reshards it. The head is gathered only while the loss runs, in ZeRO-2 and ZeRO-3 alike.
+- FSDP2, head in the root unit (a trained, tied or tensor-parallel head): called after the root module's
+  forward, which (ZeRO-3) has resharded the root unit (embedding, norm, head): the loss gathers it again
+  (`unshard`), as the root's pre-backward would, so the weight read here is the gathered parameter and
+  its gradient reaches FSDP's reduce-scatter.
 - Tensor parallel: the weight is a Shard(0) (vocabulary) DTensor; the hidden states are brought to
   Replicate once (an all-gather under sequence parallel, as the head's own input style does), each
   chunk's logits are Shard(-1) and its loss runs under loss_parallel (the caller's loss_context).
@@ -117,6 +123,31 @@ def head_module(model: nn.Module) -> Optional[nn.Module]:
     return get() if callable(get) else None
 
 
+def _run_loss_in_forward(head: nn.Module) -> None:
+    """Let the head's FSDP unit run the whole chunked loss as its forward: `head(hidden, targets, chunks,
+    reduction)` (called with the hidden states alone it is the plain head). Through the module's own call
+    every hook-based tool sees the loss as the head's forward: FSDP gathers the head once for all the
+    chunks (and once again in backward) and frees it after; torch's memory trackers follow the unit."""
+    if getattr(head, "runs_chunked_loss", False):
+        return  # installed by an earlier head_loss over the same model
+    plain = type(head).forward
+
+    def forward(
+        hidden: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        chunks: int = 1,
+        reduction: str = "mean",
+        fused: bool = True,
+    ) -> torch.Tensor:
+        if targets is None:
+            return plain(head, hidden)
+        # Read here, inside the unit's forward: the gathered parameter, not the shard.
+        return chunked_cross_entropy(hidden, head.weight, targets, chunks, reduction, fused)
+
+    head.forward = forward
+    head.runs_chunked_loss = True
+
+
 class HeadLoss:
     """The loss of the layer set that ends with the output head: plain cross_entropy on the logits the
     model returns (loss_chunks = 1), or the chunked projection + loss on its hidden states (`fused`:
@@ -124,10 +155,17 @@ class HeadLoss:
 
     def __init__(self, model: Optional[nn.Module], chunks: int, fused: bool = True) -> None:
         self.model, self.chunks, self.fused = model, chunks, fused
+        head = head_module(model) if model is not None else None
+        # The head as an FSDP unit of its own (not the root's): the loss runs inside that unit.
+        self.unit = head if chunks > 1 and isinstance(head, FSDPModule) and head is not model else None
+        if self.unit is not None:
+            _run_loss_in_forward(self.unit)
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         if self.chunks == 1 or self.model is None:
             return cross_entropy(output, targets, reduction=reduction)
+        if self.unit is not None:
+            return self.unit(output, targets, self.chunks, reduction, self.fused)
         if isinstance(self.model, FSDPModule):
             # ZeRO-3 reshards the root unit (embedding, norm, head) after its forward, and it would only
             # gather it again at its pre-backward: gather it now (a no-op when still gathered, ZeRO-2),

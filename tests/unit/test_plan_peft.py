@@ -86,3 +86,48 @@ def test_search_keeps_qlora_on_layouts_that_hold_nf4() -> None:
     assert layouts and all(lay.tp == lay.pp == 1 for lay in layouts)
     assert any(st["zero_stage"] == 3 and lay.dp_shard == 4 for lay, st, _ in candidates(qlora.cfg))
     assert search(qlora.cfg, top=3)
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_frozen_head_is_a_unit_of_its_own_under_the_chunked_loss(zero: str) -> None:
+    """The chunked loss runs inside the frozen head's own FSDP unit (dtlaunch.train.chunked_loss): the
+    head is no longer held with the root unit (the static lines are those of the full-vocabulary loss,
+    whose head was always a unit of its own), only during the loss (its backward moment has it)."""
+    from dtlaunch.plan.loss_terms import loss_backward_bytes
+    from dtlaunch.plan.stage import stage_shape, static_lines
+
+    def shape(chunks: int):
+        job = load_job(
+            [*TINY, "peft=lora", f"strategy={zero}", "launch.nproc_per_node=2", f"training.loss_chunks={chunks}"]
+        )
+        return stage_shape(job.cfg, job.layout, 0, int(job.cfg.model.n_layers), True, True)
+
+    chunked, full = shape(8), shape(1)
+    assert chunked.frozen_head_unit and full.frozen_head_unit
+    assert static_lines(chunked)["unsharded parameters"] == static_lines(full)["unsharded parameters"]
+    # One chunk's fp32 logits (and, in bf16, the matmul's output or the gradient's cast) of the fused loss.
+    e = chunked.e
+    at_chunk = (4 + (e if e != 4 else 0)) * chunked.d.vocab * -(-chunked.tokens // 8)
+    assert loss_backward_bytes(chunked) == at_chunk + e * chunked.v_h  # the gathered head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["peft=lora", "strategy=zero2"],
+        ["peft=lora", "strategy=zero3", "precision=bf16"],
+        ["peft=qlora", "peft.nf4_scaler_block_size=128", "strategy=zero3"],
+    ],
+)
+def test_head_unit_plan_within_5_percent_of_trace(overrides: list[str]) -> None:
+    """The planner against the traced CPU run (`dtlaunch plan --trace`, real tensors, torch's
+    FSDPMemTracker following the head's unit through the chunked loss) with the default 8 loss chunks."""
+    from dtlaunch.plan.trace import trace_peak
+
+    base = ["model=planner7m", "training.micro_batch=4", "training.seq_len=128", "hardware=cpu"]
+    job = load_job([*base, *overrides, "launch.nproc_per_node=2"])
+    assert int(job.cfg.training.loss_chunks) == 8
+    traced = trace_peak(job.cfg, job.layout, rank=0)
+    predicted = plan_memory(job.cfg, job.layout).peak
+    assert abs(predicted - traced["peak_bytes"]) / traced["peak_bytes"] <= 0.05, (predicted, traced)

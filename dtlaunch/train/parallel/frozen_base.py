@@ -50,9 +50,9 @@ def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = Fa
 
 def frozen_ends(model: nn.Module, head: bool = True) -> list[nn.Module]:
     """The frozen, untied embedding and output head (absent on a pipeline stage that does not own them):
-    under FSDP2 each is a unit of its own, gathered only while it runs. head=False leaves the head in the
-    root unit: a chunked loss (training.loss_chunks > 1) reads its weight outside the head's forward, where
-    no unit of its own would be gathered (dtlaunch.train.chunked_loss gathers the root)."""
+    under FSDP2 each is a unit of its own, gathered only while it runs (the head: its forward, or the
+    chunked loss, which runs as the head unit's forward: dtlaunch.train.chunked_loss). head=False leaves
+    the head in the root unit (a chunked loss under tensor parallel: see chunked_head_unit)."""
     counts = _uses(model)
     ends = []
     for name in ("tok_embeddings", "output") if head else ("tok_embeddings",):
@@ -61,6 +61,17 @@ def frozen_ends(model: nn.Module, head: bool = True) -> list[nn.Module]:
         if params and not any(p.requires_grad for p in params) and all(counts[id(p)] == 1 for p in params):
             ends.append(mod)
     return ends
+
+
+def chunked_head_unit(model: nn.Module, chunks: int) -> bool:
+    """Whether the head can be a unit of its own with this many loss chunks. A chunked loss runs as the
+    head unit's forward; a tensor-parallel head's input and output styles (hooks on that forward) would
+    take the targets off and redistribute the loss as if it were logits, so under TP the chunked loss
+    reads the head from the root unit instead (dtlaunch.train.chunked_loss gathers it)."""
+    from torch.distributed.tensor import DTensor
+
+    weight = getattr(getattr(model, "output", None), "weight", None)
+    return chunks == 1 or not isinstance(weight, DTensor)
 
 
 def _uses(model: nn.Module) -> dict[int, int]:

@@ -23,7 +23,7 @@ from dtlaunch.config.layout import Layout, loss_chunks, shards_with_fsdp
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
-from dtlaunch.train.parallel.frozen_base import convert_frozen_base, frozen_ends
+from dtlaunch.train.parallel.frozen_base import chunked_head_unit, convert_frozen_base, frozen_ends
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
@@ -139,7 +139,7 @@ def apply_fsdp(
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
-    for end in frozen_ends(model, head=loss_chunks(cfg) == 1):
+    for end in frozen_ends(model, head=chunked_head_unit(model, loss_chunks(cfg))):
         fully_shard(end, mesh=mesh, mp_policy=policy, reshard_after_forward=True, **offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 
