@@ -480,6 +480,9 @@ class K8sConfig:
     # Pod tolerations, as Kubernetes writes them: [{key: ..., operator: Exists, effect: NoSchedule}].
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Secret holding a hub token, NAME or NAME:KEY (key default HF_TOKEN): the pods' HF_TOKEN refers to it
+    # (the value is never written into a manifest). Empty = the pods get no token.
+    hf_token_secret: str = ""
     # Requests = limits per node, as Kubernetes quantities ("32", "256Gi"); empty = none.
     cpu: str = ""
     memory: str = ""
