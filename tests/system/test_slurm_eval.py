@@ -6,7 +6,6 @@ is submitted. Offline: one multiple-choice task of our own over local JSONL."""
 from __future__ import annotations
 
 import json
-import random
 import re
 import subprocess
 import sys
@@ -29,46 +28,11 @@ def dtlaunch(env: dict, cwd: Path, *args: str, timeout: float = 300) -> subproce
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, tiny_hf_dirs) -> tuple[list[str], Path]:
-    """The job's overrides (a tiny HF Llama with its tokenizer, JSONL data over its words, the eval task)
-    and the task directory."""
-    model = tiny_hf_dirs["llama_tied"]
-    words = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
-    words = sorted(w for w in words if not w.startswith("<"))
-    rng = random.Random(0)
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 40))) for _ in range(60)]
-    base = tmp_path_factory.mktemp("slurm_eval")
-    (base / "data.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tasks = base / "tasks"
-    tasks.mkdir()
-    rows = []
-    for doc in docs[:12]:
-        w = doc.split()[:6]
-        choices = [" ".join(rng.sample(w, len(w))) for _ in range(2)] + [" ".join(w)]
-        rng.shuffle(choices)
-        rows.append({"question": f"{w[0]} {w[1]}", "choices": choices, "answer": choices.index(" ".join(w))})
-    (tasks / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tasks / "tiny_mc.yaml").write_text(
-        f"task: tiny_mc\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {tasks / 'mc.jsonl'}\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
-    )
-    overrides = [
-        "recipe=tiny_ddp",
-        "cluster=slurm",
-        "cluster.nodes=1",
-        "cluster.time=00:10:00",
-        f"model.init_from=hf:{model}",
-        "data.kind=jsonl",
-        f"data.path={base / 'data.jsonl'}",
-        f"data.cache_dir={base / 'cache'}",
-        f"training.steps={STEPS}",
-        "training.seq_len=32",
-        f"checkpoint.every_steps={STEPS}",
-        "training.loss_plot=false",
-        f"training.eval_include={tasks}",
-    ]
-    return overrides, tasks
+def inputs(tiny_eval_inputs) -> tuple[list[str], Path]:
+    """The job's overrides and the task directory (tests/conftest.py: tiny_eval_inputs)."""
+    overrides, tasks = tiny_eval_inputs
+    job = ["recipe=tiny_ddp", "cluster=slurm", "cluster.nodes=1", "cluster.time=00:10:00"]
+    return [*job, *overrides, f"training.steps={STEPS}", f"checkpoint.every_steps={STEPS}"], tasks
 
 
 def wait_finished(cluster, job_id: str, run_dir: Path, timeout: float = 300) -> str:
