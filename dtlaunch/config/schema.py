@@ -367,6 +367,10 @@ class DataConfig:
     # the training windows (val_fraction); at most one of the two.
     val_path: str = ""
     val_fraction: float = 0.0
+    # hf: the split validation reads (empty: data.split), e.g. `validation` of the same hub dataset; a hub
+    # data.val_path's branch, tag or commit (empty: main), recorded as its commit like data.revision.
+    val_split: str = ""
+    val_revision: str = ""
 
 
 class Tracker(Choice):

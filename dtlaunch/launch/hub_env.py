@@ -22,10 +22,10 @@ _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 
 def uses_hub(cfg: Any) -> bool:
     """The job names a hub model (model.init_from=hf:ORG/NAME) or a hub dataset (data.kind=hf)."""
-    from dtlaunch.hub.dataset import dataset_ref
+    from dtlaunch.hub.dataset import hub_dataset_refs
     from dtlaunch.inputs.job import is_hub_model
 
-    return is_hub_model(cfg) or dataset_ref(cfg, str(cfg.data.path)) is not None
+    return is_hub_model(cfg) or bool(hub_dataset_refs(cfg))
 
 
 def forwarded_env(cfg: Any, explicit: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
