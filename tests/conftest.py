@@ -240,3 +240,41 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_docs():
     """tiny_documents, for test modules (conftest is not importable as a module under every import mode)."""
     return tiny_documents
+
+
+@pytest.fixture(scope="session")
+def tiny_eval_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_hf_dirs) -> tuple[list[str], Path]:
+    """For training.eval_tasks in a job: overrides (a tiny HF Llama with its tokenizer, JSONL data over its
+    words, training.eval_include) and the directory holding `tiny_mc`, a multiple-choice lm-eval task over
+    local JSONL (offline: lm-eval's built-in tasks download)."""
+    import random
+
+    model = tiny_hf_dirs["llama_tied"]
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(TINY_HF_WORDS) for _ in range(rng.randint(20, 40))) for _ in range(60)]
+    base = tmp_path_factory.mktemp("eval_inputs")
+    (base / "data.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tasks = base / "tasks"
+    tasks.mkdir()
+    rows = []
+    for doc in docs[:12]:
+        w = doc.split()[:6]
+        choices = [" ".join(rng.sample(w, len(w))) for _ in range(2)] + [" ".join(w)]
+        rng.shuffle(choices)
+        rows.append({"question": f"{w[0]} {w[1]}", "choices": choices, "answer": choices.index(" ".join(w))})
+    (tasks / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tasks / 'mc.jsonl'}\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+    )
+    overrides = [
+        f"model.init_from=hf:{model}",
+        "data.kind=jsonl",
+        f"data.path={base / 'data.jsonl'}",
+        f"data.cache_dir={base / 'cache'}",
+        "training.seq_len=32",
+        "training.loss_plot=false",
+        f"training.eval_include={tasks}",
+    ]
+    return overrides, tasks

@@ -37,6 +37,9 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
             f"cluster.kind='{job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm, kubernetes or skypilot"
         )
     _plan_gate(job, force, to_stderr=dry_run)
+    from dtlaunch.commands.eval import check_eval_tasks
+
+    check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 now, not after the job trained
     if not dry_run:
         from dtlaunch.hub.dataset import pin_dataset
         from dtlaunch.hub.download import check_cached

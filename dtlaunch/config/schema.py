@@ -367,6 +367,10 @@ class DataConfig:
     # the training windows (val_fraction); at most one of the two.
     val_path: str = ""
     val_fraction: float = 0.0
+    # hf: the split validation reads (empty: data.split), e.g. `validation` of the same hub dataset; a hub
+    # data.val_path's branch, tag or commit (empty: main), recorded as its commit like data.revision.
+    val_split: str = ""
+    val_revision: str = ""
 
 
 class Tracker(Choice):
@@ -480,6 +484,9 @@ class K8sConfig:
     # Pod tolerations, as Kubernetes writes them: [{key: ..., operator: Exists, effect: NoSchedule}].
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Secret holding a hub token, NAME or NAME:KEY (key default HF_TOKEN): the pods' HF_TOKEN refers to it
+    # (the value is never written into a manifest). Empty = the pods get no token.
+    hf_token_secret: str = ""
     # Requests = limits per node, as Kubernetes quantities ("32", "256Gi"); empty = none.
     cpu: str = ""
     memory: str = ""

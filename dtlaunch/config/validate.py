@@ -376,14 +376,17 @@ def check_checkpoint(cfg: Any, notes: list[str]) -> None:
         _fail(f"checkpoint.load_path='{c.load_path}' is not a directory: give a checkpoints/step-* directory")
 
 
-def _hub_dataset(d: Any) -> bool:
-    """data.kind=hf data.path=ORG/NAME: a hub dataset, fetched by the launcher (dtlaunch.hub.dataset)."""
+def _hub_dataset(d: Any, field: str = "path") -> bool:
+    """data.kind=hf data.path=ORG/NAME (or data.val_path=ORG/NAME): a hub dataset, fetched by the launcher
+    (dtlaunch.hub.dataset); its revision has a key of its own (data.revision, data.val_revision)."""
     from dtlaunch.hub.resolve import parse_hub_name
 
-    ref = parse_hub_name(d.path) if d.kind == "hf" else None
+    value = str(getattr(d, field))
+    ref = parse_hub_name(value) if d.kind == "hf" else None
     if ref is not None and ref.revision:
-        _fail(f"data.path={d.path}: a hub dataset's revision goes in data.revision: data.path={ref.repo} "
-              f"data.revision={ref.revision}")  # fmt: skip
+        rev = "revision" if field == "path" else "val_revision"
+        _fail(f"data.{field}={value}: a hub dataset's revision goes in data.{rev}: data.{field}={ref.repo} "
+              f"data.{rev}={ref.revision}")  # fmt: skip
     return ref is not None
 
 
@@ -463,8 +466,10 @@ def check_validation(cfg: Any) -> None:
         _fail(f"data.val_path='{d.val_path}' and data.val_fraction={d.val_fraction} both set: use one of them")
     if d.val_path and d.kind == "synthetic":
         _fail("data.val_path is set but data.kind=synthetic has no files: drop data.val_path")
-    if d.val_path and not (os.path.exists(d.val_path) or glob.glob(d.val_path, recursive=True)):
-        _fail(f"data.val_path='{d.val_path}' does not exist: fix the path")
+    if d.val_path and not (
+        os.path.exists(d.val_path) or glob.glob(d.val_path, recursive=True) or _hub_dataset(d, "val_path")
+    ):
+        _fail(f"data.val_path='{d.val_path}' does not exist: fix the path (or data.kind=hf for a hub dataset)")
     if t.eval_every < 0 or t.eval_batches < 1:
         _fail(
             f"training.eval_every={t.eval_every} / training.eval_batches={t.eval_batches}: eval_every must be "

@@ -52,14 +52,21 @@ def _prepare_text(cfg: Any, path: str, out: Path) -> Optional[Any]:
     )
 
 
-def record_options(cfg: Any) -> dict[str, Any]:
+def split_of(cfg: Any, key: str = "data.path") -> str:
+    """The split an hf source reads: data.split, or for data.val_path data.val_split when set."""
+    if key == "data.val_path" and str(getattr(cfg.data, "val_split", "")):
+        return str(cfg.data.val_split)
+    return str(cfg.data.split)
+
+
+def record_options(cfg: Any, key: str = "data.path") -> dict[str, Any]:
     """What, besides the files and the tokenizer, decides a record source's tokens (part of the cache key)."""
     kind = str(cfg.data.kind)
     return {
         "kind": kind,
         "format": str(cfg.data.format),
         "fields": record_fields(cfg),
-        "split": str(cfg.data.split) if kind == "hf" else "",
+        "split": split_of(cfg, key) if kind == "hf" else "",
         # A hub dataset's configuration decides which records are read (absent, so local keys stay the same).
         **({"subset": str(cfg.data.subset)} if kind == "hf" and str(cfg.data.subset) else {}),
         **_chat_template_id(cfg),
@@ -94,7 +101,7 @@ def encoded_batches(cfg: Any, tok: Any, path: str, key: str, subset: Optional[st
     from dtlaunch.data.cache import encode_batches
     from dtlaunch.data.records import iter_documents, iter_records
 
-    kind, fmt, split = str(cfg.data.kind), str(cfg.data.format), str(cfg.data.split)
+    kind, fmt, split = str(cfg.data.kind), str(cfg.data.format), split_of(cfg, key)
     if fmt == "text":
         return encode_batches(tok, iter_documents(kind, path, str(cfg.data.text_field), split, key, subset))
     from dtlaunch.data.chat import ChatEncoder, encode_records
@@ -114,14 +121,14 @@ def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
     check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
     from dtlaunch.hub.dataset import local_source
 
-    local, subset = local_source(cfg, path)  # a hub dataset: its pinned snapshot in the hub cache
+    local, subset = local_source(cfg, path, key)  # a hub dataset: its pinned snapshot in the hub cache
     files = source_files(kind, local, key)
     if str(cfg.data.format) == "preference":
         return _tokenize_pairs(cfg, local, key, tok, files)
     masked = str(cfg.data.format) != "text"
     batches = encoded_batches(cfg, tok, local, key, subset)
     root = cache_root(str(cfg.data.cache_dir))
-    entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg), path, key, masked=masked)
+    entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg, key), path, key, masked=masked)
     return entry
 
 
@@ -131,10 +138,10 @@ def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Pat
     from dtlaunch.data.preference import PairEncoder, cached_pairs
     from dtlaunch.data.records import iter_records
 
-    kind, split = str(cfg.data.kind), str(cfg.data.split)
+    kind, split = str(cfg.data.kind), split_of(cfg, key)
     encoder = PairEncoder(ChatEncoder(Path(tok.name), tok._dtype, str(cfg.data.chat_template), chat=False), tok.eos_id)
     records = iter_records(kind, path, record_fields(cfg), split, key)
-    return cached_pairs(files, records, encoder, tok, record_options(cfg), str(cfg.data.cache_dir), key)
+    return cached_pairs(files, records, encoder, tok, record_options(cfg, key), str(cfg.data.cache_dir), key)
 
 
 def _report_cut_pairs(source: Any, cfg: Any) -> None:

@@ -16,10 +16,10 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
-from dtlaunch.launch import remote
+from dtlaunch.launch import hub_env, remote
 
 TRAINJOB = ("trainer.kubeflow.org", "v1alpha1", "TrainJob", "trainjobs")
 PYTORCHJOB = ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs")
@@ -60,9 +60,17 @@ def _check(cfg: Any) -> None:
         raise ConfigError(f"cluster.signal_before_s={cfg.cluster.signal_before_s} must be >= 0")
 
 
-def _env(cfg: Any) -> list[dict[str, str]]:
-    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
-    for name, value in cfg.cluster.k8s.env.items():
+def _env(cfg: Any, environ: Mapping[str, str]) -> list[dict[str, Any]]:
+    """PYTHONUNBUFFERED, the launcher's hub cache variables (hub_env.py), HF_TOKEN from the Secret
+    cluster.k8s.hf_token_secret names (a reference: the value never enters the manifest), then
+    cluster.k8s.env, which wins."""
+    k = cfg.cluster.k8s
+    env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env += [{"name": n, "value": v} for n, v in hub_env.forwarded_env(cfg, k.env, environ).items()]
+    if k.hf_token_secret and hub_env.TOKEN_VAR not in k.env:
+        name, key = hub_env.k8s_token_ref(str(k.hf_token_secret))
+        env.append({"name": hub_env.TOKEN_VAR, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    for name, value in k.env.items():
         env.append({"name": str(name), "value": str(value)})
     return env
 
@@ -123,9 +131,11 @@ def node_script(cfg: Any, config_file: str, nodes: int) -> str:
     return "\n".join(["set -eu", *check, remote.train_command(shlex.quote(config_file), rank, endpoint)]) + "\n"
 
 
-def render(cfg: Any, run_name: str) -> list[dict[str, Any]]:
-    """[ConfigMap, TrainJob | PyTorchJob] as plain dicts (what the API server receives)."""
+def render(cfg: Any, run_name: str, environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """[ConfigMap, TrainJob | PyTorchJob] as plain dicts (what the API server receives); `environ`: the
+    launcher's environment (default os.environ), read for the hub variables the pods get."""
     _check(cfg)
+    environ = os.environ if environ is None else environ
     k = cfg.cluster.k8s
     name = remote.job_name(run_name, k.job_name)
     config_map = f"{name}-config"
@@ -150,7 +160,7 @@ def render(cfg: Any, run_name: str) -> list[dict[str, Any]]:
             "command": command,
             "numNodes": nodes,
             "numProcPerNode": nproc,
-            "env": _env(cfg),
+            "env": _env(cfg, environ),
         }
         resources = _resources(cfg, gpus)
         if resources:
@@ -172,7 +182,7 @@ def render(cfg: Any, run_name: str) -> list[dict[str, Any]]:
             "name": "pytorch",  # the Training Operator finds the training container by this name
             "image": k.image,
             "command": command,
-            "env": _env(cfg),
+            "env": _env(cfg, environ),
             "volumeMounts": mounts,
         }
         resources = _resources(cfg, gpus)

@@ -10,16 +10,17 @@ directory and checkpoints live on a bucket mounted on every node. Exit 75 (stopp
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from dtlaunch.errors import EXIT_PREEMPTED, ConfigError, DtlaunchError
-from dtlaunch.launch import remote
+from dtlaunch.launch import hub_env, remote
 
 TASK_NAME = "skypilot.yaml"
 RECORD_NAME = "skypilot.json"
@@ -102,8 +103,9 @@ def run_script(cfg: Any, run_dir: str, config_text: str, file_name: str, nodes: 
     )
 
 
-def render(cfg: Any, run_name: str) -> dict[str, Any]:
-    """The task as a dict (what `sky launch TASK.yaml` reads)."""
+def render(cfg: Any, run_name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The task as a dict (what `sky launch TASK.yaml` reads); `environ`: the launcher's environment
+    (default os.environ), read for the hub variables the nodes get."""
     _check(cfg)
     s = cfg.cluster.sky
     nodes = int(cfg.cluster.nodes)
@@ -131,8 +133,13 @@ def render(cfg: Any, run_name: str) -> dict[str, Any]:
     if s.store:
         storage["store"] = str(s.store)
     task: dict[str, Any] = {"name": name, "num_nodes": nodes, "resources": resources}
-    envs = {"PYTHONUNBUFFERED": "1", **{str(a): str(b) for a, b in s.env.items()}}
-    task["envs"] = envs
+    environ = os.environ if environ is None else environ
+    explicit = {str(a): str(b) for a, b in s.env.items()}
+    task["envs"] = {"PYTHONUNBUFFERED": "1", **hub_env.forwarded_env(cfg, explicit, environ), **explicit}
+    if hub_env.token_to_forward(cfg, explicit, environ):
+        # A reference with no value: `sky ... --secret HF_TOKEN` (launch_command) gives it the value of the
+        # submitting environment's HF_TOKEN, which SkyPilot redacts; it never enters the task file.
+        task["secrets"] = {hub_env.TOKEN_VAR: None}
     task["file_mounts"] = {remote.check_mount_path("cluster.sky.mount_path", s.mount_path): storage}
     if cfg.cluster.setup:
         task["setup"] = "\n".join(str(line) for line in cfg.cluster.setup) + "\n"
@@ -144,10 +151,12 @@ def to_yaml(task: dict[str, Any]) -> str:
     return remote.to_yaml([task])
 
 
-def launch_command(cfg: Any, task_file: Path, name: str) -> list[str]:
+def launch_command(cfg: Any, task_file: Path, name: str, secrets: Sequence[str] = ()) -> list[str]:
+    """`secrets`: names whose values `sky` takes from its own environment (`--secret NAME`, no value)."""
+    given = [w for n in secrets for w in ("--secret", str(n))]
     if cfg.cluster.sky.managed:
-        return ["sky", "jobs", "launch", "--yes", "--name", name, str(task_file)]
-    return ["sky", "launch", "--yes", "--cluster", cfg.cluster.sky.cluster_name or name, str(task_file)]
+        return ["sky", "jobs", "launch", "--yes", *given, "--name", name, str(task_file)]
+    return ["sky", "launch", "--yes", *given, "--cluster", cfg.cluster.sky.cluster_name or name, str(task_file)]
 
 
 def require_cli() -> None:
@@ -163,7 +172,7 @@ def submit(cfg: Any, run_dir: Path, task: dict[str, Any]) -> str:
     require_cli()
     path = Path(run_dir) / TASK_NAME
     path.write_text(to_yaml(task))
-    cmd = launch_command(cfg, path, task["name"])
+    cmd = launch_command(cfg, path, task["name"], list(task.get("secrets") or {}))
     # Streams SkyPilot's own progress (provisioning takes minutes); --yes skips its confirmation prompt.
     res = subprocess.run(cmd)
     if res.returncode != 0:

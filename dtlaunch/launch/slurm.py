@@ -4,7 +4,9 @@ The script runs one `torchrun` per node (`srun --ntasks-per-node=1`), all meetin
 on the first node of the allocation. Preemption: Slurm sends SIGUSR1 to the batch shell
 `cluster.signal_before_s` seconds before the time limit (`--signal=B:USR1@N`); the shell forwards it to
 the srun step (workers checkpoint at the next step boundary and exit with EXIT_PREEMPTED) and then
-requeues the job, which resumes from that checkpoint. A step that exits with EXIT_PREEMPTED is requeued too. Every configured value is shell-quoted; the only
+requeues the job, which resumes from that checkpoint. A step that exits with EXIT_PREEMPTED is requeued too.
+With training.eval_tasks the batch shell evaluates the final checkpoint after a step that ended with 0
+(dtlaunch.launch.eval_job), as `dtlaunch train` does in its launcher. Every configured value is shell-quoted; the only
 text written as-is is `cluster.setup`, which is shell code by definition.
 """
 
@@ -25,6 +27,7 @@ from dtlaunch.errors import EXIT_PREEMPTED, ConfigError, DtlaunchError, InputErr
 from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
 SCRIPT_NAME = "slurm.sbatch"
+EVAL_MODULE = "dtlaunch.launch.eval_job"
 RECORD_NAME = "slurm.json"
 # Rendezvous ports are derived from the job id so that two jobs sharing a node do not collide.
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -181,9 +184,26 @@ def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "")
         '  scontrol requeue "$SLURM_JOB_ID"',
         f"  exit {EXIT_PREEMPTED}",
         "fi",
-        'exit "$rc"',
     ]
+    lines += _eval_lines(cfg, run_dir, python)
+    lines.append('exit "$rc"')
     return "\n".join(lines) + "\n"
+
+
+def _eval_lines(cfg: Any, run_dir: Path, python: str) -> list[str]:
+    """training.eval_tasks: once, in this batch shell (the job's launcher, on the allocation's first node),
+    after the step has ended with 0, i.e. every worker on every node has exited; as `dtlaunch train` does
+    in its launcher. The workers are gone, so the evaluation gets all of the node's CPUs."""
+    if not cfg.training.eval_tasks:
+        return []
+    return [
+        "# training.eval_tasks: the final checkpoint evaluated once, now that every worker has exited.",
+        'if [ "$rc" -eq 0 ]; then',
+        '  OMP_NUM_THREADS="${SLURM_CPUS_ON_NODE:-1}" '
+        f"{_q('python', python)} -m {EVAL_MODULE} {_q('run.dir', run_dir)}",
+        "  rc=$?",
+        "fi",
+    ]
 
 
 def write_script(cfg: Any, run_dir: Path, job_name: str = "") -> Path:

@@ -48,7 +48,7 @@ def _node_env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> None:
+def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> list[str]:
     procs = [
         subprocess.Popen(
             cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -65,6 +65,7 @@ def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path)
                 os.killpg(p.pid, signal.SIGKILL)
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"node {rank}:\n{out[-3000:]}"
+    return outputs
 
 
 def _check_trained(run_dir: Path) -> None:
@@ -114,9 +115,9 @@ def test_trainjob_command_trains_on_two_nodes_and_resumes(tmp_path: Path) -> Non
     _check_trained(pvc / "two-nodes")
 
 
-def test_skypilot_run_trains_on_two_nodes(tmp_path: Path) -> None:
-    bucket = tmp_path / "bucket"
-    overrides = [*TINY, "cluster=skypilot", "cluster.sky.bucket=runs", f"cluster.sky.mount_path={bucket}"]
+def _skypilot_nodes(tmp_path: Path, bucket: Path, *overrides: str) -> tuple[list[list[str]], list[dict[str, str]]]:
+    """The task's `run:` (parsed by SkyPilot) and the environment of its two nodes."""
+    overrides = (*TINY, "cluster=skypilot", "cluster.sky.bucket=runs", f"cluster.sky.mount_path={bucket}", *overrides)
     job = load_job([*overrides, f"cluster.sky.rdzv_port={_free_port()}"])
     task_file = tmp_path / "task.yaml"
     task_file.write_text(skypilot.to_yaml(skypilot.render(job.cfg, "two-nodes")))
@@ -133,5 +134,25 @@ def test_skypilot_run_trains_on_two_nodes(tmp_path: Path) -> None:
         )
         for rank in range(2)
     ]
-    _run_nodes([["bash", "-c", task["run"]]] * 2, envs, tmp_path)
+    return [["bash", "-c", task["run"]]] * 2, envs
+
+
+def test_skypilot_run_trains_on_two_nodes(tmp_path: Path) -> None:
+    bucket = tmp_path / "bucket"
+    _run_nodes(*_skypilot_nodes(tmp_path, bucket), tmp_path)
     _check_trained(bucket / "two-nodes")
+
+
+def test_submitted_job_evaluates_once_on_node_0_after_training(tmp_path: Path, tiny_eval_inputs) -> None:
+    """training.eval_tasks: node 0's `dtlaunch train` evaluates the final checkpoint once its workers have
+    exited (as a local run does); node 1 does not."""
+    pytest.importorskip("lm_eval")
+    overrides, _ = tiny_eval_inputs
+    bucket = tmp_path / "bucket"
+    commands, envs = _skypilot_nodes(tmp_path, bucket, *overrides, "training.eval_tasks=[tiny_mc]")
+    envs = [{**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} for env in envs]
+    node0, node1 = _run_nodes(commands, envs, tmp_path)
+    (path,) = (bucket / "two-nodes" / "eval").glob("*.json")
+    saved = json.loads(path.read_text())
+    assert saved["step"] == STEPS and saved["request"]["tasks"] == ["tiny_mc"]
+    assert node0.count("eval results:") == 1 and "eval results:" not in node1, node0[-2000:]

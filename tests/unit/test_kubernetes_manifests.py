@@ -307,3 +307,17 @@ def test_pytorchjob_applied_and_a_second_submission_refused(
         "(kubectl delete pytorchjobs pt -n default); the new one resumes from the run's checkpoints"
     ]
     assert ("PUT", "/api/v1/namespaces/default/configmaps/pt-config") in handler.requests
+
+
+def test_hf_token_secret_is_a_reference_and_bad_names_are_refused() -> None:
+    from dtlaunch.errors import ConfigError
+
+    env = render("cluster.k8s.hf_token_secret=hf-creds:token")[1]["spec"]["trainer"]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-creds", "key": "token"}}} in env
+    assert trainer_models.TrainerV1alpha1TrainJob.from_dict(render("cluster.k8s.hf_token_secret=hf-creds")[1])
+    for bad in ("HF_Creds", "hf-creds:bad/key"):
+        with pytest.raises(ConfigError, match="cluster.k8s.hf_token_secret"):
+            render(f"cluster.k8s.hf_token_secret={bad}")
+    # Set in cluster.k8s.env, the explicit value wins (one HF_TOKEN entry).
+    env = render("cluster.k8s.hf_token_secret=hf-creds", "+cluster.k8s.env.HF_TOKEN=x")[1]["spec"]["trainer"]["env"]
+    assert [e for e in env if e["name"] == "HF_TOKEN"] == [{"name": "HF_TOKEN", "value": "x"}]

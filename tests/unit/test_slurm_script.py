@@ -215,3 +215,16 @@ def test_cli_dry_run_prints_only_the_script(tmp_path: Path) -> None:
 def test_cli_status_of_unknown_run(tmp_path: Path) -> None:
     res = cli("status", "nope", cwd=tmp_path)
     assert res.returncode == 2 and "run 'nope' not found" in res.stderr
+
+
+def test_eval_tasks_run_once_after_the_step_only_when_set(tmp_path: Path) -> None:
+    assert slurm.EVAL_MODULE not in script_for(tmp_path)
+    script = script_for(tmp_path, "training.eval_tasks=[arc_easy]", run_dir=tmp_path / "my run")
+    bash_syntax_ok(script)
+    lines = script.splitlines()
+    (at,) = [i for i, ln in enumerate(lines) if f"-m {slurm.EVAL_MODULE} " in ln]
+    # After the step has ended and the requeue branch has exited; only on success; its exit is the job's.
+    assert lines.index("rc=$?") < lines.index('  scontrol requeue "$SLURM_JOB_ID"') < at
+    assert lines[at - 1] == 'if [ "$rc" -eq 0 ]; then' and lines[at + 1] == "  rc=$?"
+    assert lines[-1] == 'exit "$rc"'
+    assert shlex.split(lines[at])[-1] == str(tmp_path / "my run")
