@@ -69,8 +69,8 @@ def loss_backward_bytes(c: Any) -> float:
     # gradient, not two.
     at_softmax = (12 if c.tp == 1 else 8) * v * chunk_tokens
     moment = max(at_softmax + grad, 3 * grad)
-    if c.fsdp and c.frozen_head_unit:
-        moment += e * head  # the frozen head's own unit, gathered by the loss (ZeRO-2 and ZeRO-3)
+    if c.fsdp and c.head_unit:
+        moment += e * head  # the head's own unit, gathered by the loss (ZeRO-2 and ZeRO-3)
     elif c.fsdp and c.zero == 3 and c.first:
         moment += e * head  # the root unit gathered again for the loss brings the embedding back too
     if c.autocast:
@@ -97,8 +97,12 @@ def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
     cast = e * head if c.autocast and trained else 0.0
     at_chunk = (4 + (e if e != 4 else 0)) * c.d.vocab * chunk_tokens
     moment = max(at_chunk + grad + cast, grad + (4 * head if cast else 0.0))
-    if c.fsdp and c.frozen_head_unit:
-        moment += e * head  # the frozen head's own unit, gathered for the loss (ZeRO-2 and ZeRO-3)
+    if c.fsdp and c.head_unit:
+        # The head's own unit (frozen, or trained: dtlaunch.train.parallel.head_unit), gathered for the loss
+        # (ZeRO-2 and ZeRO-3), which runs as the unit's forward: FSDP2 keeps the forward's all-gather output
+        # until the next unit's copy-out (the first in backward), so the gathered weight is there twice
+        # (measured, LoRA ZeRO-3 and full fine-tuning ZeRO-2 / ZeRO-3 on real gloo runs).
+        moment += 2 * e * head
     elif c.fsdp and c.zero == 3 and c.first and trained:
         # The root unit gathered again for the loss brings the embedding back too (a frozen embedding is a
         # unit of its own: measured, LoRA ZeRO-3 on real gloo runs, nothing comes back).
@@ -111,8 +115,8 @@ def regathered_root(c: Any) -> float:
     through the blocks' backward until the root's post-backward. Traced (planner7m, 8 ranks): FSDP(4) x
     TP(2) with full AC was 5 % under without it; plain ZeRO-3 (bf16) is within 3.5 % without it and 6 %
     over with it, as for the full loss, whose re-gathered embedding does not add either (static_lines)."""
-    if loss_chunks(c) == 1 or not (c.fsdp and c.zero == 3 and c.first and c.tp > 1) or c.frozen_head_unit:
-        return 0.0  # (a frozen head's own unit is gathered for the loss alone, the root is not)
+    if loss_chunks(c) == 1 or not (c.fsdp and c.zero == 3 and c.first and c.tp > 1) or c.head_unit:
+        return 0.0  # (a head's own unit is gathered for the loss alone, the root is not)
     if c.ft and c.kept == 0:
         return 0.0  # the fine-tuning term already holds the gathered embedding (dtlaunch.plan.stage)
     return c.e * c.v_h

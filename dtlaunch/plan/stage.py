@@ -142,6 +142,36 @@ class StageShape:
         return bool(self.ft and not self.tied_head and self.last and (loss_chunks(self) == 1 or self.tp == 1))
 
     @property
+    def trained_head_unit(self) -> bool:
+        """Full fine-tuning under FSDP2 with the chunked loss and no tensor parallel: the trained, untied
+        head is a unit of its own, gathered only while the loss runs, its gradient reduce-scattered right
+        after the loss's backward (dtlaunch.train.parallel.head_unit). The final norm stays in the root."""
+        return bool(
+            self.fsdp
+            and self.ft is None
+            and not self.tied_head
+            and self.last
+            and loss_chunks(self) > 1
+            and self.tp == 1
+        )
+
+    @property
+    def head_unit(self) -> bool:
+        """The untied head is an FSDP2 unit of its own, frozen or trained."""
+        return self.frozen_head_unit or self.trained_head_unit
+
+    @property
+    def head_shard_grad(self) -> float:
+        """The trained head unit's gradient shard from its reduce-scatter (right after the loss's backward)
+        to the optimizer step: none where the accumulated gradients hold it already, CPU offload moves
+        it to the host or the step inside backward frees it at once."""
+        if not self.trained_head_unit or self.accum > 1 or offload.cpu_offload(self):
+            return 0.0
+        if self.opt and self.opt.in_backward:
+            return 0.0
+        return self.grad_bytes * self.v_h / self.shard
+
+    @property
     def frozen_ends(self) -> int:
         """The frozen, untied embedding and head on this rank (LoRA / QLoRA) that are FSDP2 units of their
         own, gathered only while they run (dtlaunch.train.parallel.frozen_base)."""
@@ -337,11 +367,14 @@ def static_lines(c: StageShape) -> dict[str, float]:
         lines["unsharded parameters"] = e * c.p_gather if (c.shard > 1 or e != 4) else 0.0
         if c.ft:
             lines["unsharded parameters"] += c.layers * (gathered_block(c.ft, c.blk, e) - e * c.blk) - e * c.frozen_ends
+        if c.trained_head_unit:
+            lines["unsharded parameters"] -= e * c.v_h  # resharded after the loss, unlike the root unit
     elif c.fsdp:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
-        # A frozen embedding and head are units of their own, resharded after use.
-        ends = c.v_h if c.frozen_head_unit else 0
+        # A frozen embedding and head, and a trained head under the chunked loss, are units of their own,
+        # resharded after use.
+        ends = c.v_h if c.head_unit else 0
         lines["unsharded parameters"] = e * (c.root - (c.v_h if c.first else 0) - ends)
     if c.cfg.precision.float8 != "none":
         # torchao's Float8Linear saves its input and the parameter itself (no compute-dtype weight copy:
@@ -444,6 +477,10 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
         unit = (e * c.blk_gather if zero == 3 else 0.0) + (e + (r if r != e else 0)) * c.blk_gather
         unit += offload.staging_bytes(c)  # CPU offload: the unit's fp32 shard copied in to be gathered
         head_grads = (e * (c.v_h + d.h) if last else 0.0) if zero == 3 else head_grads
+        if c.trained_head_unit:
+            # The head's gradient was reduce-scattered at its unit's post-backward, right after the loss's
+            # backward: its shard stays; the final norm's unsharded gradient waits for the root's.
+            head_grads = c.head_shard_grad + (e * d.h if zero == 3 else 4 * d.h / div)
         if c.ft:
             gathered = gathered_block(c.ft, c.blk_gather, e) if zero == 3 else 0.0
             unit = gathered + (e + (r if r != e else 0)) * c.trained_blk
@@ -491,6 +528,10 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
         # the block's backward, the root unit's (embedding, head) after the last block's.
         at_first_blk += c.opt.temp_block
     at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * c.held + grown
+    if c.trained_head_unit:
+        # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward: the head's stays
+        # through the first block's backward (traced, Llama-3.1-8B ZeRO-3: 6 % under without it).
+        at_first_blk += c.r * c.v_h
     if in_backward:
         at_last_blk += c.opt.temp - c.opt.temp_block
     if first and fsdp and zero == 3 and not c.ft:  # (a frozen embedding has no gradient)
@@ -499,6 +540,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
         at_last_blk += 4 * c.v_h / div
     backward = [base + loss_bwd, at_first_blk if layers else 0.0, at_last_blk if layers else 0.0]
     backward.append(_root_reduce_moment(c, lines, layers * blk_grads if grows else 0.0))
+    backward.append(_head_reduce_moment(c, base))
     if c.pp > 1 and c.n_mb > 1:
         backward += _later_microbatch_moments(c, lines, base, loss_bwd, at_first_blk, blk_grads, head_grads, blk_tok)
     return max(backward)
@@ -527,15 +569,37 @@ def _root_reduce_moment(c: StageShape, lines: dict[str, float], block_grads: flo
     gradients are taken in forward, it can be."""
     if not (c.fsdp and c.root and c.ft is None):
         return 0.0
-    static = sum(lines.values()) - lines["activations"]
+    root = c.root - (c.v_h if c.trained_head_unit else 0)  # the head's own unit was reduced already
+    static = sum(lines.values()) - lines["activations"] + c.head_shard_grad
     if c.zero == 2:
         # ZeRO-2's blocks were resharded after their own backward: what stays gathered is what ZeRO-3
         # holds, the root's head and final norm (measured: the embedding's gathered copy does not add).
-        held = c.e * (c.root - (c.v_h if c.first else 0))
+        held = c.e * (root - (c.v_h if c.first else 0))
         static -= max(0.0, lines.get("unsharded parameters", 0.0) - held)
+    return static + block_grads + _reduce_per_param(c) * root
+
+
+def _reduce_per_param(c: StageShape) -> float:
+    """Bytes per parameter at an FSDP unit's reduce-scatter: its unsharded gradients copied into a flat
+    reduce-dtype input (e + r), then that input next to its output shard (r + r / shard); gloo's
+    reduce-scatter (a CPU profile) copies its input once more, NCCL does not."""
     gloo = not int(c.cfg.hardware.gpus_per_node)
-    per_param = max(c.e + c.r, c.r + c.r / c.shard + (c.r if gloo else 0))
-    return static + block_grads + per_param * c.root
+    return max(c.e + c.r, c.r + c.r / c.shard + (c.r if gloo else 0))
+
+
+def _head_reduce_moment(c: StageShape, base: float) -> float:
+    """The trained head unit's reduce-scatter at its post-backward, right after the loss's backward
+    (dtlaunch.train.parallel.head_unit): everything forward kept (the blocks' activations, the hidden
+    states' gradient), under ZeRO-3 a second head-sized all-gather buffer (the gathered weight itself is
+    resharded just before the reduce-scatter), its unsharded gradient, the flat reduce-dtype
+    input and output shard (+ gloo's copy of the input on a CPU profile). Traced (Llama-3.1-8B ZeRO-3,
+    tiny 32k-vocabulary ZeRO-2 / ZeRO-3): FSDP2 frees the unsharded gradient only after the
+    reduce-scatter is issued."""
+    if not c.trained_head_unit:
+        return 0.0
+    gloo = not int(c.cfg.hardware.gpus_per_node)
+    buffer = c.e if c.zero == 3 else 0
+    return base + (buffer + c.e + c.r + c.r / c.shard + (c.r if gloo else 0)) * c.v_h
 
 
 def _later_microbatch_moments(

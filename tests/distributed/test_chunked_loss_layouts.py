@@ -4,7 +4,8 @@ the head's weight gathered while the loss runs), tensor parallel with and withou
 (vocabulary-sharded head, loss-parallel per chunk), a 1F1B pipeline (the last stage's loss), LoRA (frozen,
 tied head in the root unit; frozen untied head as an FSDP2 unit of its own, the loss running inside it,
 under ZeRO-2, ZeRO-3 and ZeRO-3 with gradient accumulation, also against the same 2-process layout with
-loss_chunks=1) and an MoE model with its auxiliary loss. fp32, 4 steps: loss and grad norm at every step.
+loss_chunks=1), full fine-tuning with the trained untied head as its own unit (ZeRO-2, ZeRO-3, with
+gradient accumulation and with CPU offload; also against the same layout with loss_chunks=1) and an MoE model with its auxiliary loss. fp32, 4 steps: loss and grad norm at every step.
 The MoE balance loss is computed over each rank's own tokens, so its reference is the same 2-process
 layout with loss_chunks=1 rather than one process.
 """
@@ -33,6 +34,16 @@ REFERENCES = {
 LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "ddp": ("tiny_gb8", ["recipe=tiny_ddp", "training.micro_batch=4"]),
     "zero3": ("tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=4"]),
+    # Full fine-tuning: the trained, untied head is an FSDP2 unit of its own (dtlaunch.train.parallel.head_unit).
+    "zero2": ("tiny_gb8", ["recipe=tiny_fsdp", "strategy=zero2", "training.micro_batch=4"]),
+    "zero3_accum": (
+        "tiny_gb8",
+        ["recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=2", "training.global_batch=8"],
+    ),
+    "zero3_offload": (
+        "tiny_gb8",
+        ["recipe=tiny_fsdp", "strategy=zero3", "strategy.cpu_offload=true", "training.micro_batch=4"],
+    ),
     "tp_sp": ("tiny", ["recipe=tiny_tp", "training.micro_batch=4"]),
     "tp_no_sp": ("tiny", ["recipe=tiny_tp", "training.micro_batch=4", "strategy.sequence_parallel=false"]),
     "pp_1f1b": ("tiny", ["recipe=tiny_pp", "training.micro_batch=4", "strategy.pp_schedule=1f1b"]),
@@ -48,6 +59,8 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
 # References run in the same 2-process group, with the full-vocabulary loss.
 FORKED_REFERENCES = {
     "moe_zero3_full": ["recipe=tiny_fsdp", *MOE, "training.micro_batch=4"],
+    "zero2_full": LAYOUTS["zero2"][1],
+    "zero3_full": LAYOUTS["zero3"][1],
     "lora_zero2_full": LAYOUTS["lora_zero2"][1],
     "lora_zero3_full": LAYOUTS["lora_zero3"][1],
 }
@@ -92,10 +105,10 @@ def test_chunked_loss_matches_full_loss_on_one_process(name: str, launched, refe
         assert diff <= TOL, f"{key}: max relative diff {diff:.3g} > {TOL}: {got[key]} vs {want[key]}"
 
 
-@pytest.mark.parametrize("name", ["lora_zero2", "lora_zero3"])
-def test_lora_head_unit_matches_the_full_loss_in_the_same_layout(name: str, launched) -> None:
-    """The frozen head's own FSDP unit, gathered only inside the chunked loss, against the same layout
-    running the full-vocabulary loss through the head's ordinary forward."""
+@pytest.mark.parametrize("name", ["zero2", "zero3", "lora_zero2", "lora_zero3"])
+def test_head_unit_matches_the_full_loss_in_the_same_layout(name: str, launched) -> None:
+    """The head's own FSDP unit (trained, or frozen under LoRA), gathered only inside the chunked loss,
+    against the same layout running the full-vocabulary loss with the head in the root unit."""
     got, want = launched[name], launched[f"{name}_full"]
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) / abs(b) for a, b in zip(got[key], want[key], strict=True))
@@ -106,3 +119,12 @@ def test_lora_head_unit_matches_the_full_loss_in_the_same_layout(name: str, laun
 def test_lora_frozen_head_is_its_own_unit_and_resharded_after_the_step(name: str, launched) -> None:
     assert launched[name]["inspect"] == {"unit": True, "resharded": True}, launched[name]["inspect"]
     assert launched["lora_zero3_tied"]["inspect"]["unit"] is False  # a tied head stays in the root unit
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_accum", "zero3_offload"])
+def test_trained_head_is_its_own_unit_under_the_chunked_loss(name: str, launched) -> None:
+    """Full fine-tuning: the trained, untied head is a unit of its own with loss_chunks > 1 (its gradient
+    reduce-scattered right after the loss's backward), in the root unit with the full loss or tied."""
+    assert launched[name]["inspect"] == {"unit": True, "resharded": True}, launched[name]["inspect"]
+    assert launched[f"{name[:5]}_full"]["inspect"]["unit"] is False  # loss_chunks=1: the head stays in the root
+    assert launched["lora_zero3_tied"]["inspect"]["unit"] is False

@@ -181,7 +181,7 @@ def test_fused_bf16_matches_autograd_and_its_plan() -> None:
     assert max(_rel(a.float(), b.float()) for a, b in zip(got_g, want_g, strict=True)) <= 1e-2
     c = SimpleNamespace(
         last=True, first=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, e=2, tp=1, pp=1, sp=False,
-        d=SimpleNamespace(h=h, vocab=v), fsdp=True, zero=2, autocast=False, ft=None, frozen_head_unit=False,
+        d=SimpleNamespace(h=h, vocab=v), fsdp=True, zero=2, autocast=False, ft=None, head_unit=False,
     )  # fmt: skip
     planned = loss_backward_bytes(c) + 2 * tokens * h  # + the hidden states' gradient (see above)
     measured = counter.peak - base

@@ -24,6 +24,7 @@ from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
 from dtlaunch.train.parallel.frozen_base import chunked_head_unit, convert_frozen_base, frozen_ends
+from dtlaunch.train.parallel.head_unit import trained_head_unit
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
@@ -127,7 +128,9 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP. A frozen
     embedding and head (LoRA / QLoRA) are units of their own, resharded after use: the root unit is
-    not, so in it they would stay gathered from forward to the end of backward.
+    not, so in it they would stay gathered from forward to the end of backward. So is a trained, untied
+    head under the chunked loss (dtlaunch.train.parallel.head_unit): its gradient is reduce-scattered
+    right after the loss's backward instead of at the root's post-backward.
 
     Under expert parallel each block's routed experts are their own FSDP unit on the expert-FSDP mesh
     (the shard ranks that hold the same experts), before the block takes the rest over `mesh`."""
@@ -139,7 +142,8 @@ def apply_fsdp(
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
-    for end in frozen_ends(model, head=chunked_head_unit(model, loss_chunks(cfg))):
+    chunks = loss_chunks(cfg)
+    for end in frozen_ends(model, head=chunked_head_unit(model, chunks)) + trained_head_unit(model, chunks):
         fully_shard(end, mesh=mesh, mp_policy=policy, reshard_after_forward=True, **offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 
