@@ -98,7 +98,10 @@ def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
     at_chunk = (4 + (e if e != 4 else 0)) * c.d.vocab * chunk_tokens
     moment = max(at_chunk + grad + cast, grad + (4 * head if cast else 0.0))
     if c.fsdp and c.frozen_head_unit:
-        moment += e * head  # the frozen head's own unit, gathered for the loss (ZeRO-2 and ZeRO-3)
+        # The frozen head's own unit, gathered for the loss (ZeRO-2 and ZeRO-3), which runs as the unit's
+        # forward: FSDP2 keeps the forward's all-gather output until the next unit's copy-out (the first
+        # in backward), so the gathered weight is there twice (measured, LoRA ZeRO-3 on real gloo runs).
+        moment += 2 * e * head
     elif c.fsdp and c.zero == 3 and c.first and trained:
         # The root unit gathered again for the loss brings the embedding back too (a frozen embedding is a
         # unit of its own: measured, LoRA ZeRO-3 on real gloo runs, nothing comes back).
