@@ -14,7 +14,7 @@ contribution to the sum of the previous ones out of place, so three head-sized g
 moment (in the dtype the head's matmul differentiates: the compute dtype under FSDP's mixed precision,
 fp32 otherwise; none for a frozen head): with few tokens per chunk that, not the logits, is the peak. Under ZeRO-3 the
 loss gathers the root unit again (embedding included) for the head's weight; a frozen, untied head (LoRA /
-QLoRA) is an FSDP unit of its own instead, gathered for the loss only (ZeRO-2 and ZeRO-3). Under autocast each chunk's recompute also casts the head's weight to the compute dtype (the
+QLoRA), and a trained untied head without TP, is an FSDP unit of its own instead, gathered for the loss only (ZeRO-2 and ZeRO-3). Under autocast each chunk's recompute also casts the head's weight to the compute dtype (the
 cast is saved by the matmul until its backward, and its gradient is cast back to fp32). Under sequence
 parallel the hidden states are gathered once for the loss and kept until backward.
 """

@@ -18,12 +18,13 @@ Chunking happens before the projection, so the full logits never exist, not even
 The same code serves every layout:
 - DDP / one process: the head's weight is the plain parameter; autocast (compute_context) must cover
   the call, and checkpointing replays it in the recompute.
-- FSDP2, head a unit of its own (the frozen, untied head of LoRA / QLoRA: parallel.frozen_base): the
+- FSDP2, head a unit of its own (the frozen, untied head of LoRA / QLoRA: parallel.frozen_base; the
+  trained, untied head of full fine-tuning without TP: parallel.head_unit): the
   whole chunked loss runs as that unit's forward (the head called with the targets), so FSDP's own
   hooks gather the head before it and reshard it after; in backward the hook on the loss gathers it again
   (the recompute needs it; the fused loss only scales its saved gradient then) and the hook on the hidden
   states reshards it. The head is gathered only while the loss runs, in ZeRO-2 and ZeRO-3 alike.
-- FSDP2, head in the root unit (a trained, tied or tensor-parallel head): called after the root module's
+- FSDP2, head in the root unit (a tied or tensor-parallel head): called after the root module's
   forward, which (ZeRO-3) has resharded the root unit (embedding, norm, head): the loss gathers it again
   (`unshard`), as the root's pre-backward would, so the weight read here is the gathered parameter and
   its gradient reaches FSDP's reduce-scatter.
