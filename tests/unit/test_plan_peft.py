@@ -108,7 +108,9 @@ def test_frozen_head_is_a_unit_of_its_own_under_the_chunked_loss(zero: str) -> N
     # One chunk's fp32 logits (and, in bf16, the matmul's output or the gradient's cast) of the fused loss.
     e = chunked.e
     at_chunk = (4 + (e if e != 4 else 0)) * chunked.d.vocab * -(-chunked.tokens // 8)
-    assert loss_backward_bytes(chunked) == at_chunk + 2 * e * chunked.v_h  # the gathered head, and its all-gather output
+    assert (
+        loss_backward_bytes(chunked) == at_chunk + 2 * e * chunked.v_h
+    )  # the gathered head, and its all-gather output
 
 
 @pytest.mark.slow
