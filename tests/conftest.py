@@ -278,3 +278,22 @@ def tiny_eval_inputs(tmp_path_factory: pytest.TempPathFactory, tiny_hf_dirs) -> 
         f"training.eval_include={tasks}",
     ]
     return overrides, tasks
+
+
+@pytest.fixture(scope="session")
+def write_pairs():
+    """`write(out, n, seed)`: n random preference pairs as JSONL (prompt, chosen, rejected: words w0..w249)."""
+    import json
+    import random
+
+    def write(out: Path, n: int, seed: int) -> Path:
+        rng = random.Random(seed)
+
+        def words(lo: int, hi: int) -> str:
+            return " ".join(f"w{rng.randint(0, 249)}" for _ in range(rng.randint(lo, hi)))
+
+        rows = [{"prompt": words(3, 12), "chosen": words(2, 8), "rejected": words(2, 8)} for _ in range(n)]
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return out
+
+    return write

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,8 @@ KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "reward
 
 
 @pytest.fixture(scope="module")
-def pairs_file(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    out = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-
-    def words(lo: int, hi: int) -> str:
-        return " ".join(f"w{rng.randint(0, 249)}" for _ in range(rng.randint(lo, hi)))
-
-    rows = [{"prompt": words(3, 12), "chosen": words(2, 8), "rejected": words(2, 8)} for _ in range(48)]
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+def pairs_file(tmp_path_factory, write_pairs) -> Path:
+    return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", 48, seed=0)
 
 
 def dpo_args(hf_dir: Path, pairs: Path, cache: Path) -> list[str]:
