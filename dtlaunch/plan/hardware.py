@@ -27,6 +27,12 @@ def link_bandwidth(hw: Any, group_size: int, contiguous_ranks: int) -> float:
     return intra if group_size * contiguous_ranks <= per_node else inter
 
 
+def gloo_collectives(hw: Any) -> bool:
+    """Whether a run on this profile communicates over gloo (the CPU profile), whose all-gather and
+    reduce-scatter copy their whole buffer once more; NCCL's do not."""
+    return not int(hw.gpus_per_node)
+
+
 def fused_optimizer(hw: Any) -> bool:
     """Whether a run on this profile steps AdamW with the fused kernel: GPU profiles do (the runtime picks
     fused on CUDA, dtlaunch.train.optim), the CPU profile runs foreach, which allocates temporaries."""

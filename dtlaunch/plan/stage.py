@@ -27,7 +27,7 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
-from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.plan.hardware import fused_optimizer, gloo_collectives
 from dtlaunch.plan.loss_terms import (
     held_logits,
     logits_saved_per_token,
@@ -555,7 +555,7 @@ def _embedding_gather_moment(c: StageShape, lines: dict[str, float]) -> float:
     if not (c.fsdp and c.ft and c.first and c.v_h) or c.tied_head:
         return 0.0
     static = sum(lines.values()) - lines.get("activations", 0.0)
-    gloo = not int(c.cfg.hardware.gpus_per_node)
+    gloo = gloo_collectives(c.cfg.hardware)
     return static + (3 if gloo else 2) * c.e * c.v_h
 
 
@@ -583,7 +583,7 @@ def _reduce_per_param(c: StageShape) -> float:
     """Bytes per parameter at an FSDP unit's reduce-scatter: its unsharded gradients copied into a flat
     reduce-dtype input (e + r), then that input next to its output shard (r + r / shard); gloo's
     reduce-scatter (a CPU profile) copies its input once more, NCCL does not."""
-    gloo = not int(c.cfg.hardware.gpus_per_node)
+    gloo = gloo_collectives(c.cfg.hardware)
     return max(c.e + c.r, c.r + c.r / c.shard + (c.r if gloo else 0))
 
 
@@ -597,7 +597,7 @@ def _head_reduce_moment(c: StageShape, base: float) -> float:
     reduce-scatter is issued."""
     if not c.trained_head_unit:
         return 0.0
-    gloo = not int(c.cfg.hardware.gpus_per_node)
+    gloo = gloo_collectives(c.cfg.hardware)
     buffer = c.e if c.zero == 3 else 0
     return base + (buffer + c.e + c.r + c.r / c.shard + (c.r if gloo else 0)) * c.v_h
 

@@ -47,10 +47,9 @@ from torch.utils.checkpoint import checkpoint
 
 from dtlaunch.config.layout import loss_chunks
 from dtlaunch.errors import ConfigError
+from dtlaunch.train.data import IGNORE_INDEX as IGNORE  # masked (chat) targets: see TokenLoader.next_batch
 from dtlaunch.train.fused_linear_ce import linear_cross_entropy
 from dtlaunch.train.parallel.tensor_parallel import cross_entropy
-
-IGNORE = -100  # masked (chat) targets: see TokenLoader.next_batch
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-IGNORE = -100  # masked targets (dtlaunch.train.chunked_loss)
+from dtlaunch.train.data import IGNORE_INDEX as IGNORE  # masked (chat) targets
 
 
 class LinearCrossEntropy(torch.autograd.Function):
