@@ -1,7 +1,7 @@
 """Rules of the `objective` section (preference tuning), run by `validate` before any worker starts.
 
 Ranges (beta, label_smoothing, sft_weight, gamma) are in config/ranges.py. Here: the pairs that do not go
-together, and the layouts preference objectives do not run on yet.
+together. Every layout runs every objective (under pipeline parallel: dtlaunch.train.objectives.pipeline).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 
 
@@ -74,30 +73,3 @@ def check_reference(ref: str, model: Any) -> None:
             f"objective.reference='{ref}': '{path}' holds no config.json: point it at a Hugging Face model "
             f"directory (e.g. one written by `dtlaunch ckpt export --format hf`)"
         )
-
-
-def check_objective_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
-    """Preference objectives run on every layout; under pipeline parallel DPO's reference log-probs must be
-    known before the step (they ride in the last stage's targets: dtlaunch.train.objectives.pipeline)."""
-    message = pipeline_refusal(cfg, layout.pp)
-    if message:
-        raise ConfigError(message)
-
-
-def pipeline_refusal(cfg: Any, pp: int) -> str:
-    """Why `pp` pipeline stages cannot run this objective ('' when they can); the layout search skips them."""
-    o = cfg.objective
-    if pp == 1 or str(o.name) != "dpo":
-        return ""
-    if str(cfg.peft.method) != "none" and str(o.reference) == "base":
-        return (
-            f"strategy.pp={pp} with objective=dpo and peft.method={cfg.peft.method}: the adapters-off reference "
-            f"(precomputed too) runs the whole model, which pipeline stages split: use strategy.pp=1 or "
-            f"objective.reference=hf:DIR with objective.precompute_reference=true"
-        )
-    if bool(o.precompute_reference):
-        return ""
-    return (
-        f"strategy.pp={pp} with objective=dpo needs the reference's log-probs before the step (a live reference "
-        f"does not run through pipeline stages): set objective.precompute_reference=true"
-    )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
-from dtlaunch.config.objective_rules import check_objective, check_objective_layout
+from dtlaunch.config.objective_rules import check_objective
 from dtlaunch.config.offload_rules import check_offload
 from dtlaunch.config.optim_rules import check_optim
 from dtlaunch.config.peft_rules import check_peft
@@ -563,7 +563,6 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_float8_tensor_parallel,
     check_qlora,
     check_offload,
-    check_objective_layout,
     check_optim,
 ]
 

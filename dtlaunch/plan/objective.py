@@ -10,13 +10,13 @@
   whole step, plus the reference's logits, their fp32 copy and log_softmax's output.
 - The precompute pass (objective.precompute_reference) is a phase of its own, before the first step: the
   parameters, the reference copy (if any) and one reference forward; no gradients, no optimizer state yet.
-  Under pipeline parallel (where DPO needs the precomputed reference) the pass runs the whole copy on
-  every rank.
+- Under pipeline parallel the reference (a copy split into stages, or the policy's stages with adapters
+  off) runs through the stages one pipeline micro-batch at a time: a stage that receives holds the hidden
+  states it received and those it sends on; the last stage, the logits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 FROZEN_COPY = "reference copy"
@@ -61,20 +61,19 @@ def reference_static_lines(c: Any) -> dict[str, float]:
 
 def reference_forward_bytes(c: Any) -> float:
     """Transient of one reference forward on top of what the rank holds: its logits (compute dtype), their
-    fp32 copy (none in fp32) and log_softmax's fp32 output; under ZeRO-3 the gathered root unit of the copy."""
+    fp32 copy (none in fp32) and log_softmax's fp32 output; under ZeRO-3 the gathered root unit of the copy.
+    Under pipeline parallel a rank without the last stage holds a pipeline micro-batch's hidden states
+    twice (received and sent on; sequence-parallel ones are 1 / tp of the sequence)."""
     if not c.last:
-        return 0.0
+        return 2 * _hidden_bytes(c) * c.m.dim * c.tokens / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
     per_token = (c.e + (4 if c.e != 4 else 0) + 4) * c.d.vocab / c.tp
     gathered = c.e * c.root if c.fsdp and c.zero == 3 else 0.0
     return per_token * c.tokens + gathered
 
 
-def whole_model(c: Any) -> Any:
-    """The stage shape of the precompute pass: under pipeline parallel every rank runs the whole frozen
-    copy (the pass does not run through the stages) on a whole micro-batch, beside its own stage."""
-    if c.pp == 1:
-        return c
-    return dataclasses.replace(c, layers=int(c.m.n_layers), first=True, last=True, tokens=c.tokens * c.n_mb)
+def _hidden_bytes(c: Any) -> int:
+    """Bytes per element of the hidden states between stages: fp32 under autocast, else the compute dtype."""
+    return 4 if c.autocast else c.e
 
 
 def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
@@ -83,7 +82,6 @@ def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
         return {}
     if precomputed(c.cfg):
         held = sum(v for k, v in static.items() if k in _HELD_BEFORE_TRAINING)
-        whole = whole_model(c)
-        copy = copy_bytes(whole) if reference_kind(c.cfg) == "copy" else 0.0
-        return {PHASE_PRECOMPUTE: held + copy + reference_forward_bytes(whole)}
+        copy = copy_bytes(c) if reference_kind(c.cfg) == "copy" else 0.0
+        return {PHASE_PRECOMPUTE: held + copy + reference_forward_bytes(c)}
     return {PHASE_REFERENCE: sum(static.values()) + reference_forward_bytes(c)}

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
-from dtlaunch.config.objective_rules import pipeline_refusal
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
@@ -196,8 +195,6 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
         for pp in _divisors(world // (tp * cp)):
             if pp > m.n_layers or (pp > 1 and cp > 1):
                 continue
-            if pipeline_refusal(cfg, pp):
-                continue  # DPO with a live reference (config.objective_rules)
             dp = world // (tp * pp * cp)
             for rep in _divisors(dp):
                 shard = dp // rep

@@ -8,8 +8,10 @@ LoRA the base with its adapters switched off. The tiny MoE trains with its auxil
 parallel (EP=2 over the 2 FSDP ranks), with a frozen copy and with LoRA. Context parallel (CP=2: both
 ranks hold chunks of every row) runs DPO with each reference (frozen copy, adapters off, the precomputed
 table, its pass run under CP too), ORPO and SimPO. Pipeline parallel (2 stages, 2 pipeline micro-batches
-of 4 pairs) runs DPO with the precomputed table, ORPO and SimPO. On 4 workers, CP=2 x TP=2 (full and
-LoRA) and HSDP (2 replicas x 2 shards). Loss and grad norm must agree within 1e-5 at every step.
+of 4 pairs) runs DPO with a frozen copy split into the stages, with LoRA's adapters off (1F1B, and 4 stages
+in a V under ZBV), on 4 looped stages, with the precomputed table (its pass run through the stages), ORPO
+and SimPO. On 4 workers, CP=2 x TP=2 (full and LoRA), HSDP (2 replicas x 2 shards) and PP=2 x ZeRO-3 (full
+and LoRA). Loss and grad norm must agree within 1e-5 at every step.
 
 QLoRA (an NF4 base) is compared with one process holding the same NF4 base: in fp32 within 1e-5 like the
 others, in bf16 within QLoRA's layout tolerance (tests/distributed/test_qlora.py's LAYOUT_TOL, at its
@@ -80,6 +82,10 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "lora_cp": ("lora", [*LORA, *CP]),
     "orpo_cp": ("orpo", ["objective=orpo", *CP]),
     "simpo_cp": ("simpo", ["objective=simpo", *CP]),
+    "pp": ("full", PP),
+    "pp_interleaved": ("full", [*PP, "strategy.pp_schedule=interleaved_1f1b", "strategy.pp_stages_per_rank=2"]),
+    "lora_pp": ("lora", [*LORA, *PP]),
+    "lora_pp_zbv": ("lora", [*LORA, *PP, "strategy.pp_schedule=zbv", "strategy.pp_stages_per_rank=2"]),
     "orpo_pp": ("orpo_mb4", ["objective=orpo", *PP]),
     "simpo_pp": ("simpo", ["objective=simpo", *PP]),
     "qlora_zero3": ("qlora", [*QLORA, "recipe=tiny_fsdp", "strategy=zero3", "training.micro_batch=4"]),
@@ -87,16 +93,28 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
 }
 # 4 workers: CP=2 x TP=2 (vocabulary-sharded logits whose per-token values are summed over the CP group).
 CP_TP = ["recipe=tiny_fsdp", "strategy=fsdp_tp", "strategy.cp=2", "strategy.dp_shard=1", "training.micro_batch=8"]
+# PP=2 x ZeRO-3 over 2 shard ranks: 4 pairs per data-parallel rank, 2 pipeline micro-batches of 2 pairs.
+PP_ZERO3 = [
+    "recipe=tiny_pp",
+    "strategy.pp=2",
+    "strategy.dp_shard=2",
+    "strategy.zero_stage=3",
+    "training.micro_batch=4",
+    "strategy.pp_microbatches=2",
+]
 LAYOUTS_4: dict[str, tuple[str, list[str]]] = {
     "cp_tp": ("full", CP_TP),
     "lora_cp_tp": ("lora", [*LORA, *CP_TP]),
     "hsdp": ("full", ["recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),
     "lora_hsdp": ("lora", [*LORA, "recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),
+    "pp_zero3": ("full", PP_ZERO3),
+    "lora_pp_zero3": ("lora", [*LORA, *PP_ZERO3]),
 }
 # Trained with objective.precompute_reference's table (the pass itself run on the layout too).
 PRECOMPUTED = {
     "cp_precomputed": ("full", CP),
     "pp_precomputed": ("full", [*PP, "objective.precompute_reference=true"]),
+    "lora_pp_precomputed": ("lora", [*LORA, *PP, "objective.precompute_reference=true"]),
 }
 
 

@@ -4,6 +4,9 @@
   starts as its adapters-off reference), reward metrics are in metrics.jsonl and the end summary, and a
   worker SIGKILLed after a checkpoint restarts and finishes with per-step losses and reward metrics
   identical bit for bit to the uninterrupted run;
+- full DPO on a 2-stage pipeline from a tiny untied Hugging Face Qwen2, its frozen reference copy split
+  into the stages: the plan holds half a copy per rank, the first loss is ln 2, and a killed worker resumes
+  bit for bit;
 - a bad record fails before any worker starts: one line naming the file and line, exit 2.
 """
 
@@ -21,6 +24,9 @@ KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "reward
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory, write_pairs) -> Path:
     return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", 48, seed=0)
+
+
+LORA_ZERO3 = ("peft=lora", "strategy=zero3")
 
 
 def dpo_args(hf_dir: Path, pairs: Path, cache: Path) -> list[str]:
@@ -72,6 +78,33 @@ def test_lora_dpo_resumes_bit_identical(trainer, tiny_hf_dirs, pairs_file, tmp_p
         "checkpoint.enabled=true",
         "debug.fail_at_step=3",
         "debug.fail_rank=1",
+        "debug.fail_mode=sigkill",
+        "launch.max_restarts=1",
+    )
+    assert per_step(killed) == want
+
+
+@pytest.mark.slow
+def test_full_dpo_on_a_pipeline_resumes_bit_identical(trainer, tiny_hf_dirs, pairs_file, tmp_path: Path) -> None:
+    args = [
+        *[a for a in dpo_args(tiny_hf_dirs["qwen2"], pairs_file, tmp_path / "cache") if a not in LORA_ZERO3],
+        "strategy=pp",
+        "strategy.pp_microbatches=2",
+    ]
+    plan = trainer.cli(["plan", *args, "--json"])
+    assert plan.returncode == 0, plan.stderr
+    assert all(s["categories"]["reference copy"] > 0 for s in json.loads(plan.stdout)["stages"])
+    straight = tmp_path / "straight"
+    trainer.run(straight, *args, "checkpoint.enabled=true")
+    want = per_step(straight)
+    assert want[1]["loss"] == pytest.approx(math.log(2), abs=1e-6) and want[4]["loss"] != want[1]["loss"]
+    killed = tmp_path / "killed"
+    trainer.run(
+        killed,
+        *args,
+        "checkpoint.enabled=true",
+        "debug.fail_at_step=3",
+        "debug.fail_rank=0",
         "debug.fail_mode=sigkill",
         "launch.max_restarts=1",
     )

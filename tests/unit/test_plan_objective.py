@@ -74,7 +74,30 @@ def test_context_parallel_dpo_splits_both_rows_and_shards_the_copy_over_cp() -> 
     assert 0 < cp.phases[PHASE_REFERENCE] < dp.phases[PHASE_REFERENCE]
 
 
-def test_pipeline_dpo_precompute_pass_holds_the_whole_copy(tiny_tokenizer, tmp_path) -> None:
+def _stages(*overrides: str) -> list:
+    job = load_job([*BASE, *overrides])
+    return plan_memory(job.cfg, job.layout).stages
+
+
+def _held(stage) -> float:
+    """What the rank holds through the whole step (the reference forward adds its buffers to it)."""
+    keys = ("parameters", "adapter parameters", "buffers", "optimizer state", FROZEN_COPY)
+    return sum(v for k, v in stage.lines.items() if k in keys)
+
+
+def test_pipeline_dpo_splits_the_reference_into_the_stages() -> None:
+    # Each pipeline rank holds the copy of its own stage: together, DDP's one whole copy.
+    first, last = _stages("strategy=pp", "objective=dpo")
+    whole = plan("strategy=ddp", "objective=dpo").lines[FROZEN_COPY]
+    assert first.lines[FROZEN_COPY] + last.lines[FROZEN_COPY] == pytest.approx(whole, rel=1e-9)
+    # The last stage's reference forward holds the logits; the first only the hidden states it sends on.
+    assert last.phases[PHASE_REFERENCE] - _held(last) > first.phases[PHASE_REFERENCE] - _held(first) > 0
+    # LoRA's reference is the policy's own stages with their adapters off: no copy.
+    lora = _stages("strategy=pp", "objective=dpo", "peft=lora")
+    assert all(FROZEN_COPY not in s.lines and PHASE_REFERENCE in s.phases for s in lora)
+
+
+def test_pipeline_dpo_precompute_pass_runs_through_the_stages(tiny_tokenizer, tmp_path) -> None:
     (tmp_path / "p.jsonl").write_text('{"prompt": "kaka", "chosen": " lolo", "rejected": " mimi"}\n')
     data = [
         "objective=dpo",
@@ -84,20 +107,17 @@ def test_pipeline_dpo_precompute_pass_holds_the_whole_copy(tiny_tokenizer, tmp_p
         f"data.path={tmp_path / 'p.jsonl'}",
         f"data.tokenizer={tiny_tokenizer / 'tokenizer.json'}",
     ]
-    pp, one = plan("strategy=pp", *data), plan("strategy=ddp", *data)
-    assert FROZEN_COPY not in pp.lines and PHASE_REFERENCE not in pp.phases
-
-    # Every pipeline rank runs the pass with the whole copy on the whole micro-batch, as DDP's ranks do,
-    # beside its own stage's weights instead of the whole model's.
-    def own(p) -> float:
-        return p.lines["parameters"] + p.lines["buffers"]
-
-    assert pp.phases[PHASE_PRECOMPUTE] - own(pp) == pytest.approx(one.phases[PHASE_PRECOMPUTE] - own(one), rel=1e-6)
+    pre, live = _stages("strategy=pp", *data), _stages("strategy=pp", "objective=dpo")
+    for p, q in zip(pre, live, strict=True):
+        assert FROZEN_COPY not in p.lines and PHASE_REFERENCE not in p.phases
+        # The pass holds the stage's copy and runs its forward, before any optimizer state exists.
+        held = q.phases[PHASE_REFERENCE] - q.lines["optimizer state"]
+        assert p.phases[PHASE_PRECOMPUTE] == pytest.approx(held, rel=1e-6)
     # Both rows of each pair in the pipeline's activations.
     assert plan("strategy=pp", "objective=orpo").phases["forward"] > plan("strategy=pp").phases["forward"]
 
 
-def test_layout_search_offers_pipelines_only_where_the_objective_runs_on_them() -> None:
+def test_layout_search_offers_pipelines_to_every_objective() -> None:
     from dtlaunch.plan.search import candidates
 
     def pipelines(*overrides: str) -> bool:
@@ -105,5 +125,6 @@ def test_layout_search_offers_pipelines_only_where_the_objective_runs_on_them() 
         return any(lay.pp > 1 for lay, _, _ in candidates(job.cfg))
 
     assert pipelines("objective=simpo") and pipelines("objective=orpo")
-    assert not pipelines("objective=dpo")  # a live reference: set objective.precompute_reference=true
-    assert not pipelines("objective=dpo", "peft=lora")  # adapters off needs the whole model on a rank
+    assert pipelines("objective=dpo") and pipelines(
+        "objective=dpo", "peft=lora"
+    )  # the reference runs through the stages

@@ -5,8 +5,9 @@ micro-batch stacks all chosen rows above all rejected rows (logps.py). `pair_row
 that every pipeline micro-batch holds its own pairs, chosen rows then rejected rows, in the same order.
 
 The loss_fn sees only (output, target) per pipeline micro-batch, so DPO's reference log-probs ride in the
-target: one extra column holding each row's float64 bits (`with_reference`); only a reference known
-before the step (objective.precompute_reference) can be sent this way.
+target: one extra column holding each row's float64 bits (`with_reference`). They are known before the
+schedule runs: precomputed (objective.precompute_reference), or computed just before it by a no-grad
+forward through the stages (pipeline_reference.py).
 
 Each pipeline micro-batch's loss is its mean over its pairs times 1 / (n * accum), so the step's
 gradient is that of the mean over the global batch, as without a pipeline (pp_step.py).
@@ -74,9 +75,13 @@ def pipeline_batch(
     rt: Any, batches: Any, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of one preference micro-step for the schedule: rows regrouped per pipeline
-    micro-batch, the targets carrying the reference's log-probs (DPO, precomputed)."""
+    micro-batch, the targets carrying the reference's log-probs (DPO)."""
     from dtlaunch.config.layout import pp_microbatches
+    from dtlaunch.train.parallel.parallelize import compute_context
 
     order = pair_rows(inputs.shape[0] // 2, pp_microbatches(rt.cfg, rt.layout)).to(inputs.device)
-    ref = rt.reference(inputs, targets, batches) if rt.reference is not None else None
+    ref = None
+    if rt.reference is not None:  # in the contexts the policy's forward and loss run in
+        with rt.loss_context(), compute_context(rt.model_parts, rt.cfg, rt.device):
+            ref = rt.reference(inputs, targets, batches)
     return inputs[order], with_reference(targets[order], ref[order] if ref is not None else None)

@@ -11,7 +11,9 @@
 
 Every reference forward runs under no_grad, before the policy's forward, so its activations are never
 kept. It reads the loader's model inputs beside the tokens (context parallel: the chunks' positions) and
-sums its log-probs over the CP group as the policy's are (logps.py).
+sums its log-probs over the CP group as the policy's are (logps.py). Under pipeline parallel the adapters-off
+base and the frozen copy are split into the pipeline's stages, and the forward runs through them
+(pipeline_reference.py).
 """
 
 from __future__ import annotations
@@ -78,16 +80,41 @@ def build_reference(
 ) -> Optional[Any]:
     """The reference of this rank for objective=dpo (None otherwise). live=True: a model even when
     objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
-    without values (the planner's trace, as build_runtime)."""
+    without values (the planner's trace, as build_runtime). `parts`: the policy's model, or this rank's
+    pipeline stage modules in schedule order."""
     if str(cfg.objective.name) != "dpo":
         return None
     if bool(cfg.objective.precompute_reference) and not live:
         return Precomputed()
+    if layout.pp > 1:
+        return _pipeline_reference(cfg, layout, mesh, parts, init)
     group = cp_group(mesh)
     if uses_adapters_off(cfg):
         (model,) = parts
         return AdaptersOff(model, group)
     return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts), init), group)
+
+
+def _pipeline_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: bool) -> Any:
+    """Under pipeline parallel: the policy's own stages with their adapters off, or a frozen copy split into
+    this rank's stages (dtlaunch.train.objectives.pipeline_reference)."""
+    from dtlaunch.config.layout import pp_microbatches
+    from dtlaunch.train.objectives.pipeline_reference import PipelineReference, stage_owners
+    from dtlaunch.train.parallel.pipeline import build_stage_modules, stage_ids
+
+    s, pp_mesh = cfg.strategy, mesh["pp"]
+    rank = pp_mesh.get_local_rank()
+    if uses_adapters_off(cfg):
+        stages = list(zip(stage_ids(rank, layout.pp, int(s.pp_stages_per_rank), s.pp_schedule), parts, strict=True))
+    else:
+        model, ref_cfg, weights = _frozen_model(cfg, init)
+        stages = [
+            (i, _parallelize_frozen(part, mesh, ref_cfg, layout, init, weights))
+            for i, part in build_stage_modules(model, ref_cfg, layout, rank)
+        ]
+    owners = stage_owners(layout.pp, int(s.pp_stages_per_rank), s.pp_schedule)
+    n_mb = pp_microbatches(cfg, layout)
+    return PipelineReference(stages, owners, pp_mesh.get_group(), n_mb, adapters_off=uses_adapters_off(cfg))
 
 
 def cp_group(mesh: Any) -> Optional[Any]:
@@ -106,9 +133,26 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init:
     """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
     (reference=base: the policy's initial weights, model.init_from included), from reference=hf:DIR or from
     the checkpoint of reference=RUN_DIR."""
-    from omegaconf import OmegaConf
+    model, ref_cfg, weights = _frozen_model(cfg, init)
+    if mesh is None:  # one process without a mesh (the tests' single-process reference)
+        from dtlaunch.train.parallel.init_weights import materialize_and_init
 
+        materialize_and_init(model, device, int(cfg.training.seed), init_source=model, weights=weights)
+        return model.eval()
+    return _parallelize_frozen(model, mesh, ref_cfg, layout, init, weights)
+
+
+def _parallelize_frozen(
+    model: nn.Module, mesh: Any, ref_cfg: Any, layout: Layout, init: bool, weights: Any
+) -> nn.Module:
     from dtlaunch.train.parallel.parallelize import parallelize
+
+    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True, weights=weights).eval()
+
+
+def _frozen_model(cfg: Any, init: bool) -> tuple[nn.Module, Any, Any]:
+    """(the reference model on the meta device, its config, the weights to load instead of its init)."""
+    from omegaconf import OmegaConf
 
     ref_cfg = OmegaConf.merge(cfg, {"peft": {"method": "none"}})
     ref, weights = str(cfg.objective.reference), None
@@ -130,9 +174,4 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init:
         for mod in model.modules():
             if isinstance(mod, nn.Linear) and mod.weight.dtype != dtype and id(mod.weight) not in tied:
                 mod.weight = nn.Parameter(mod.weight.detach().to(dtype), requires_grad=False)
-    if mesh is None:  # one process without a mesh (the tests' single-process reference)
-        from dtlaunch.train.parallel.init_weights import materialize_and_init
-
-        materialize_and_init(model, device, int(cfg.training.seed), init_source=model, weights=weights)
-        return model.eval()
-    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True, weights=weights).eval()
+    return model, ref_cfg, weights
