@@ -10,8 +10,8 @@ ranks hold chunks of every row) runs DPO with each reference (frozen copy, adapt
 table, its pass run under CP too), ORPO and SimPO. Pipeline parallel (2 stages, 2 pipeline micro-batches
 of 4 pairs) runs DPO with a frozen copy split into the stages, with LoRA's adapters off (1F1B, and 4 stages
 in a V under ZBV), on 4 looped stages, with the precomputed table (its pass run through the stages), ORPO
-and SimPO. On 4 workers, CP=2 x TP=2 (full and LoRA), HSDP (2 replicas x 2 shards) and PP=2 x ZeRO-3 (full
-and LoRA). Loss and grad norm must agree within 1e-5 at every step.
+and SimPO. On 4 workers, CP=2 x TP=2 (full and LoRA), HSDP (2 replicas x 2 shards), PP=2 x ZeRO-3 (full, LoRA
+and QLoRA) and PP=2 x TP=2 (full and LoRA). Loss and grad norm must agree within 1e-5 at every step.
 
 QLoRA (an NF4 base) is compared with one process holding the same NF4 base: in fp32 within 1e-5 like the
 others, in bf16 within QLoRA's layout tolerance (tests/distributed/test_qlora.py's LAYOUT_TOL, at its
@@ -102,6 +102,8 @@ PP_ZERO3 = [
     "training.micro_batch=4",
     "strategy.pp_microbatches=2",
 ]
+# PP=2 x TP=2: the last stage's logits are vocabulary-sharded in the reference's forward too.
+PP_TP = ["recipe=tiny_pp", "strategy.pp=2", "strategy.tp=2", "training.micro_batch=8", "strategy.pp_microbatches=2"]
 LAYOUTS_4: dict[str, tuple[str, list[str]]] = {
     "cp_tp": ("full", CP_TP),
     "lora_cp_tp": ("lora", [*LORA, *CP_TP]),
@@ -109,6 +111,9 @@ LAYOUTS_4: dict[str, tuple[str, list[str]]] = {
     "lora_hsdp": ("lora", [*LORA, "recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),
     "pp_zero3": ("full", PP_ZERO3),
     "lora_pp_zero3": ("lora", [*LORA, *PP_ZERO3]),
+    "qlora_pp_zero3": ("qlora", [*QLORA, *PP_ZERO3]),
+    "pp_tp": ("full", PP_TP),
+    "lora_pp_tp": ("lora", [*LORA, *PP_TP]),
 }
 # Trained with objective.precompute_reference's table (the pass itself run on the layout too).
 PRECOMPUTED = {
