@@ -105,9 +105,9 @@ def shards_with_fsdp(cfg: Any, layout: Layout) -> bool:
 
 
 def loss_chunks(cfg: Any) -> int:
-    """Token chunks the output head and its loss run over: training.loss_chunks for the next-token
-    objective; the preference objectives read token log-probs off the whole logits (one pass)."""
-    return int(cfg.training.loss_chunks) if str(cfg.objective.name) == "sft" else 1
+    """Token chunks the output head and its loss run over (training.loss_chunks): the next-token loss, and
+    the preference objectives' per-token log-probs (the policy's and the reference's)."""
+    return int(cfg.training.loss_chunks)
 
 
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:

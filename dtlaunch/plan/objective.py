@@ -17,7 +17,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+from dtlaunch.plan.loss_terms import loss_chunks
 
 FROZEN_COPY = "reference copy"
 PHASE_REFERENCE = "reference forward"
@@ -60,15 +63,24 @@ def reference_static_lines(c: Any) -> dict[str, float]:
 
 
 def reference_forward_bytes(c: Any) -> float:
-    """Transient of one reference forward on top of what the rank holds: its logits (compute dtype), their
-    fp32 copy (none in fp32) and log_softmax's fp32 output; under ZeRO-3 the gathered root unit of the copy.
-    Under pipeline parallel a rank without the last stage holds a pipeline micro-batch's hidden states
-    twice (received and sent on; sequence-parallel ones are 1 / tp of the sequence)."""
+    """Transient of one reference forward on top of what the rank holds.
+
+    Its head and log-probs over the whole micro-batch (training.loss_chunks=1): the logits (compute dtype),
+    their fp32 copy (none in fp32) and log_softmax's fp32 output; under ZeRO-3 the gathered root unit of
+    the copy. Chunked: the same for one chunk of the tokens, the per-token values, the head gathered as a
+    unit of its own under FSDP (an untied head without TP), and under sequence parallel the hidden states
+    gathered once. Under pipeline parallel a rank without the last stage holds a pipeline micro-batch's
+    hidden states twice (received and sent on; sequence-parallel ones are 1 / tp of the sequence)."""
     if not c.last:
         return 2 * _hidden_bytes(c) * c.m.dim * c.tokens / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
     per_token = (c.e + (4 if c.e != 4 else 0) + 4) * c.d.vocab / c.tp
-    gathered = c.e * c.root if c.fsdp and c.zero == 3 else 0.0
-    return per_token * c.tokens + gathered
+    n = loss_chunks(c)
+    root = c.e * c.root if c.fsdp and c.zero == 3 else 0.0
+    if n == 1:
+        return per_token * c.tokens + root
+    gathered = c.e * c.v_h if c.fsdp and not c.tied_head and c.tp == 1 else root
+    sp_hidden = c.e * c.d.h * c.tokens if c.sp else 0.0
+    return per_token * math.ceil(c.tokens / n) + 4 * c.tokens + gathered + sp_hidden
 
 
 def _hidden_bytes(c: Any) -> int:

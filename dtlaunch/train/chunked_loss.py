@@ -52,27 +52,34 @@ from dtlaunch.train.fused_linear_ce import linear_cross_entropy
 from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of one chunk: (T, h) hidden, (V, h) head weight, (T,) targets. fp32 softmax,
-    as cross_entropy does on full logits."""
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum", ignore_index=IGNORE)
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "sum"
+) -> torch.Tensor:
+    """Cross-entropy of one chunk, summed or per token ("none"): (T, h) hidden, (V, h) head weight, (T,)
+    targets. fp32 softmax, as cross_entropy does on full logits."""
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction=reduction, ignore_index=IGNORE)
 
 
 def _chunk_by_chunk(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int, remat: bool
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int, remat: bool, reduction: str = "sum"
 ) -> torch.Tensor:
-    """Summed cross-entropy of (T, h) hidden states, each chunk checkpointed (`remat`) or not (no grad)."""
-    total: Optional[torch.Tensor] = None
+    """Cross-entropy of (T, h) hidden states, summed or per token ("none": a (T,) plain tensor), each chunk
+    checkpointed (`remat`) or not (no grad)."""
+    parts: list[torch.Tensor] = []
     for h_c, t_c in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks), strict=True):
         if t_c.numel() == 0:
             continue
         if remat:
-            part = checkpoint(_chunk_loss, h_c, weight, t_c, use_reentrant=False)
+            part = checkpoint(_chunk_loss, h_c, weight, t_c, reduction, use_reentrant=False)
         else:
-            part = _chunk_loss(h_c, weight, t_c)
-        total = part if total is None else total + part
-    assert total is not None, "no tokens"
-    return total
+            part = _chunk_loss(h_c, weight, t_c, reduction)
+        if reduction == "none" and isinstance(part, DTensor):
+            part = part.to_local()  # replicated under loss_parallel: the local values are the whole (gradient too)
+        parts.append(part)
+        if reduction != "none" and len(parts) == 2:
+            parts = [parts[0] + parts[1]]
+    assert parts, "no tokens"
+    return torch.cat(parts) if reduction == "none" else parts[0]
 
 
 def chunked_cross_entropy(
@@ -84,7 +91,9 @@ def chunked_cross_entropy(
     fused: bool = True,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, targets) for (B, S, h) hidden and (B, S) targets, `chunks` token
-    chunks at a time. reduction "mean" (over targets that count) or "sum". `fused`: where the tensors are
+    chunks at a time. reduction "mean" (over targets that count), "sum", or "none": the (B * S,) per-token
+    values (the preference objectives' log-probs, dtlaunch.train.objectives.logps), always recomputed in
+    backward (their gradient is not known until every row's sum is). `fused`: where the tensors are
     plain, take the gradients in forward (dtlaunch.train.fused_linear_ce) instead of recomputing each
     chunk in backward; False where backward may not follow forward directly (a pipeline stage)."""
     if isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
@@ -96,14 +105,14 @@ def chunked_cross_entropy(
     # Gradients need the recompute (or the fused forward); without them (validation) each chunk's logits
     # are simply freed.
     remat = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if remat and fused and not isinstance(weight, DTensor):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction '{reduction}': use mean, sum or none")
+    if remat and fused and reduction != "none" and not isinstance(weight, DTensor):
         total = linear_cross_entropy(flat_h, weight, flat_t, chunks)
     else:
-        total = _chunk_by_chunk(flat_h, weight, flat_t, chunks, remat)
-    if reduction == "sum":
-        return total
+        total = _chunk_by_chunk(flat_h, weight, flat_t, chunks, remat, "none" if reduction == "none" else "sum")
     if reduction != "mean":
-        raise ValueError(f"reduction '{reduction}': use mean or sum")
+        return total
     # F.cross_entropy's mean: over the targets that count (0/0 = nan when none does, as there).
     return total / (flat_t != IGNORE).sum()
 
@@ -176,6 +185,11 @@ class HeadLoss:
         if isinstance(self.model, FSDPModule) and not torch.is_grad_enabled():
             self.model.reshard()  # validation: no backward will reshard the root unit gathered above
         return loss
+
+    def token_nll(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy: what the preference objectives' log-probs are made of
+        (dtlaunch.train.objectives.logps), chunk by chunk like the loss."""
+        return self(output, targets, reduction="none")
 
 
 def head_loss(cfg: Any, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:

@@ -89,7 +89,7 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     if objective is not None:  # the preference loss of each pipeline micro-batch's pairs
         from dtlaunch.train.objectives.pipeline import PreferencePipelineLoss
 
-        loss = PreferencePipelineLoss(objective, loss.scale, has_reference=objective.needs_reference)
+        loss = PreferencePipelineLoss(objective, loss.scale, objective.needs_reference, head=loss.loss_fn)
     plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
     return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
 

@@ -156,7 +156,7 @@ def micro_step(
             out = model(inputs, **extra)
             if rt.objective is not None:
                 # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).
-                loss, stats = rt.objective(out, targets, ref)
+                loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll)
                 loss = loss * nan / rt.accum
                 if pair_stats is not None:
                     pair_stats.append(stats)

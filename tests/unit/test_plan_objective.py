@@ -21,8 +21,8 @@ def plan(*overrides: str):
 
 @pytest.mark.parametrize("strategy", ["strategy=ddp", "strategy=zero3"])
 def test_pairs_double_the_activations_and_the_copy_is_held(strategy: str) -> None:
-    # SFT with one full-vocabulary pass, as the preference objectives run their loss (config.layout.loss_chunks).
-    sft, dpo = plan(strategy, "training.loss_chunks=1"), plan(strategy, "objective=dpo")
+    # Both with one full-vocabulary pass (the chunked log-probs: test_preference_chunks_drop_the_logits).
+    sft, dpo = plan(strategy, "training.loss_chunks=1"), plan(strategy, "objective=dpo", "training.loss_chunks=1")
     assert sft.phases["forward"] < dpo.phases["forward"]
     act = "activations"
     assert dpo.lines.get(act, 0) == pytest.approx(2 * sft.lines.get(act, 0), rel=0.01) or dpo.phase != sft.phase

@@ -101,11 +101,12 @@ def dpo_trainer(path, tmp_path, model, ref_model, **args) -> object:
     )
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize(
     "loss, smoothing, sft_weight",
     [("sigmoid", 0.0, 0.0), ("ipo", 0.0, 0.0), ("hinge", 0.0, 0.0), ("robust", 0.2, 0.5)],
 )
-def test_dpo_matches_trl(hf_dir, tmp_path, loss: str, smoothing: float, sft_weight: float) -> None:
+def test_dpo_matches_trl(hf_dir, tmp_path, loss: str, smoothing: float, sft_weight: float, chunks: int) -> None:
     ref_hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     policy_hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     perturb(policy_hf, seed=3)
@@ -124,8 +125,9 @@ def test_dpo_matches_trl(hf_dir, tmp_path, loss: str, smoothing: float, sft_weig
     objective = PreferenceObjective("dpo", loss, 0.3, smoothing, sft_weight, 0.0)
     inputs, targets = ours_targets(b)
     with torch.no_grad():
-        ref = objective_ref(reference, inputs, targets)
-    our_loss, stats = objective(policy(inputs), targets, ref)
+        ref = objective_ref(reference, inputs, targets, chunks)
+    policy_head = head(policy, chunks)
+    our_loss, stats = objective(policy(inputs), targets, ref, policy_head.token_nll)
     our_loss.backward()
 
     assert close(our_loss.item(), trl_loss.item()), (our_loss.item(), trl_loss.item())
@@ -142,10 +144,20 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def objective_ref(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def head(model: torch.nn.Module, chunks: int):
+    """The model's HeadLoss: with chunks > 1 the model returns its hidden states and the head runs chunk by
+    chunk over the tokens (training.loss_chunks), the full logits never made."""
+    from dtlaunch.train.chunked_loss import HeadLoss
+
+    model.hidden_only = chunks > 1
+    return HeadLoss(model, chunks)
+
+
+def objective_ref(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
     from dtlaunch.train.objectives.logps import completion_logps
 
-    return completion_logps(model(inputs), targets).logps
+    model_head = head(model, chunks)
+    return completion_logps(model(inputs), targets, token_nll=model_head.token_nll).logps
 
 
 LORA = {"targets": ["v_proj", "o_proj", "gate_proj"], "rank": 4, "alpha": 8.0, "dropout": 0.0}
@@ -178,8 +190,9 @@ def set_adapters(peft_model, model, m, a_scale: float, b_scale: float, which: st
                 p.copy_(by_hf[f"{module}.{'lora_a' if '.lora_A.' in name else 'lora_b'}"])
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("b_scale", [0.0, 0.2])
-def test_lora_dpo_matches_trl_with_adapters_off_reference(hf_dir, tmp_path, b_scale: float) -> None:
+def test_lora_dpo_matches_trl_with_adapters_off_reference(hf_dir, tmp_path, b_scale: float, chunks: int) -> None:
     from dtlaunch.train.objectives.reference import AdaptersOff
 
     peft_model, model, m = lora_pair(hf_dir)
@@ -191,8 +204,10 @@ def test_lora_dpo_matches_trl_with_adapters_off_reference(hf_dir, tmp_path, b_sc
     trl_loss = tr._compute_loss(tr.model, b, False)
     trl_loss.backward()
     inputs, targets = ours_targets(b)
-    ref = AdaptersOff(model)(inputs, targets, None)
-    our_loss, _ = PreferenceObjective("dpo", "sigmoid", 0.1, 0.0, 0.0, 0.0)(model(inputs), targets, ref)
+    head_loss = head(model, chunks)
+    ref = AdaptersOff(model, None, head_loss)(inputs, targets, None)
+    objective = PreferenceObjective("dpo", "sigmoid", 0.1, 0.0, 0.0, 0.0)
+    our_loss, _ = objective(model(inputs), targets, ref, head_loss.token_nll)
     our_loss.backward()
     if b_scale == 0:
         # At initialisation the policy is the reference: Δ = 0 and the loss is exactly ln 2.
@@ -222,8 +237,9 @@ def trl_logps(hf_model: torch.nn.Module, b: dict) -> tuple[torch.Tensor, torch.T
     return avg, nll
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("name", ["orpo", "simpo"])
-def test_reference_free_objectives_match_trl(hf_dir, name: str) -> None:
+def test_reference_free_objectives_match_trl(hf_dir, name: str, chunks: int) -> None:
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
 
@@ -249,7 +265,9 @@ def test_reference_free_objectives_match_trl(hf_dir, name: str) -> None:
 
     policy, m = ours(hf_dir, policy_hf)
     inputs, targets = ours_targets(b)
-    our_loss, stats = PreferenceObjective(name, "sigmoid", 0.4, 0.0, 0.0, 0.3)(policy(inputs), targets, None)
+    objective = PreferenceObjective(name, "sigmoid", 0.4, 0.0, 0.0, 0.3)
+    policy_head = head(policy, chunks)
+    our_loss, stats = objective(policy(inputs), targets, None, policy_head.token_nll)
     our_loss.backward()
     assert close(our_loss.item(), trl_loss.item()), (our_loss.item(), trl_loss.item())
     theirs = dict(policy_hf.named_parameters())

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from dtlaunch.train.objectives.dpo import dpo_losses
-from dtlaunch.train.objectives.logps import completion_logps
+from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
 from dtlaunch.train.objectives.orpo import orpo_losses
 from dtlaunch.train.objectives.simpo import simpo_losses
 
@@ -66,11 +66,16 @@ class PreferenceObjective:
         return self.name == "dpo"
 
     def __call__(
-        self, logits: torch.Tensor, targets: torch.Tensor, ref_logps: Optional[torch.Tensor]
+        self,
+        output: torch.Tensor,
+        targets: torch.Tensor,
+        ref_logps: Optional[torch.Tensor],
+        token_nll: Optional[TokenNLL] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss over this micro-batch's pairs, the STATS_LEN summed statistics, detached).
+        `output`: the logits, or the hidden states that `token_nll` (the chunked head) scores;
         `ref_logps`: the reference's (2B,) completion log-probs (DPO only)."""
-        comp = completion_logps(logits, targets, self.cp_group)
+        comp = completion_logps(output, targets, self.cp_group, token_nll)
         (c, r), (nc, nr) = comp.halves(comp.logps), comp.halves(comp.tokens)
         chosen_nll = -c.sum() / nc.sum().clamp(min=1)  # mean over every chosen completion token (TRL's "sft")
         if self.name == "dpo":

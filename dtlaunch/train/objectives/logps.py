@@ -13,7 +13,7 @@ share, and the gradient average over the dp_shard_cp mesh (as SFT's) divides the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,14 +49,23 @@ class SumOverRanks(torch.autograd.Function):
         return out, None
 
 
-def completion_logps(logits: torch.Tensor, targets: torch.Tensor, cp_group: Optional[Any] = None) -> Completions:
-    """Sums over completion tokens of (2B, S, V) logits' log-probs of (2B, S) targets (-100: not counted).
+# The model's output and the targets -> per-token negative log-likelihoods: the chunked head and loss
+# (dtlaunch.train.chunked_loss.HeadLoss with reduction="none") where the model returns hidden states.
+TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def completion_logps(
+    output: torch.Tensor, targets: torch.Tensor, cp_group: Optional[Any] = None, token_nll: Optional[TokenNLL] = None
+) -> Completions:
+    """Sums over completion tokens of the log-probs of (2B, S) targets (-100: not counted), from (2B, S, V)
+    logits, or from the model's hidden states through `token_nll` (training.loss_chunks: the head runs
+    chunk by chunk and the full logits never exist).
 
     Under tensor parallel the logits are vocabulary-sharded and this runs inside `loss_context`; the
     per-token values come back replicated, so every TP rank holds them whole. `cp_group`: the context-
     parallel group whose ranks hold the other chunks of these rows (None without CP)."""
     rows, seq = targets.shape
-    nll = cross_entropy(logits, targets, reduction="none")
+    nll = token_nll(output, targets) if token_nll is not None else cross_entropy(output, targets, reduction="none")
     if isinstance(nll, DTensor):
         nll = nll.to_local()  # replicated: the local value is the whole one (its gradient stays replicated)
     per_token = -nll.view(rows, seq)

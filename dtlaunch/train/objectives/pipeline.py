@@ -54,13 +54,14 @@ class PreferencePipelineLoss:
     step's placeholder outputs (backward metadata), before the real micro-batches: the step takes the
     statistics of the last `n` calls (`take_stats`)."""
 
-    def __init__(self, objective: Any, scale: float, has_reference: bool) -> None:
+    def __init__(self, objective: Any, scale: float, has_reference: bool, head: Any) -> None:
         self.objective, self.scale, self.has_reference = objective, scale, has_reference
+        self.head = head  # the stage's HeadLoss: the per-token values, chunked or from the logits
         self._stats: list[torch.Tensor] = []
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         targets, ref = split_reference(target, self.has_reference)
-        loss, stats = self.objective(output, targets, ref)
+        loss, stats = self.objective(output, targets, ref, self.head.token_nll)
         self._stats.append(stats)
         return loss * self.scale
 

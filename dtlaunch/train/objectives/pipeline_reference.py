@@ -52,8 +52,10 @@ class PipelineReference:
         group: Any,
         n_microbatches: int,
         adapters_off: bool,
+        head: Any,
     ) -> None:
         self.stages = dict(stages)  # stage index -> this rank's module
+        self.head = head  # the last stage's HeadLoss (chunked or not), where this rank runs it
         self.owners, self.group, self.n_mb = owners, group, n_microbatches
         self.adapters_off = adapters_off
         self.me = dist.get_rank(group)
@@ -94,7 +96,7 @@ class PipelineReference:
             module = self.stages[s]
             h = module(h)
             if s == last:
-                return completion_logps(h, targets).logps.float()
+                return completion_logps(h, targets, token_nll=self.head.token_nll).logps.float()
             if self.owners[s + 1] != self.me:
                 self._send(h, self.owners[s + 1])
                 h = None

@@ -10,7 +10,7 @@
   (dtlaunch.train.objectives.precompute); no reference model is held.
 
 Every reference forward runs under no_grad, before the policy's forward, so its activations are never
-kept. It reads the loader's model inputs beside the tokens (context parallel: the chunks' positions) and
+kept; with training.loss_chunks its head runs chunk by chunk, as the policy's (no full logits). It reads the loader's model inputs beside the tokens (context parallel: the chunks' positions) and
 sums its log-probs over the CP group as the policy's are (logps.py). Under pipeline parallel the adapters-off
 base and the frozen copy are split into the pipeline's stages, and the forward runs through them
 (pipeline_reference.py).
@@ -38,28 +38,28 @@ def _model_args(batches: Any, device: torch.device) -> dict[str, torch.Tensor]:
 class AdaptersOff:
     modules: list = []  # no module of its own (the memory tracker counts the reference's modules)
 
-    def __init__(self, model: nn.Module, cp_group: Optional[Any] = None) -> None:
+    def __init__(self, model: nn.Module, cp_group: Optional[Any], head: Any) -> None:
         # DDP's wrapper would prepare a gradient reduction; the wrapped module runs the same forward.
         self.model = getattr(model, "module", model)
-        self.cp_group = cp_group
+        self.cp_group, self.head = cp_group, head
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
         with adapters_disabled(self.model):
-            logits = self.model(inputs, **_model_args(batches, inputs.device))
-            return completion_logps(logits, targets, self.cp_group).logps
+            out = self.model(inputs, **_model_args(batches, inputs.device))
+            return completion_logps(out, targets, self.cp_group, self.head.token_nll).logps
 
 
 class FrozenCopy:
-    def __init__(self, model: nn.Module, cp_group: Optional[Any] = None) -> None:
+    def __init__(self, model: nn.Module, cp_group: Optional[Any], head: Any) -> None:
         self.model = model
         self.modules = [model]
-        self.cp_group = cp_group
+        self.cp_group, self.head = cp_group, head
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
-        logits = self.model(inputs, **_model_args(batches, inputs.device))
-        return completion_logps(logits, targets, self.cp_group).logps
+        out = self.model(inputs, **_model_args(batches, inputs.device))
+        return completion_logps(out, targets, self.cp_group, self.head.token_nll).logps
 
 
 class Precomputed:
@@ -88,11 +88,13 @@ def build_reference(
         return Precomputed()
     if layout.pp > 1:
         return _pipeline_reference(cfg, layout, mesh, parts, init)
+    from dtlaunch.train.chunked_loss import head_loss
+
     group = cp_group(mesh)
     if uses_adapters_off(cfg):
-        (model,) = parts
-        return AdaptersOff(model, group)
-    return FrozenCopy(frozen_copy(cfg, layout, mesh, _device(parts), init), group)
+        return AdaptersOff(parts[0], group, head_loss(cfg, parts))
+    copy = frozen_copy(cfg, layout, mesh, _device(parts), init)
+    return FrozenCopy(copy, group, head_loss(cfg, [copy]))
 
 
 def _pipeline_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: bool) -> Any:
@@ -112,9 +114,12 @@ def _pipeline_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: 
             (i, _parallelize_frozen(part, mesh, ref_cfg, layout, init, weights))
             for i, part in build_stage_modules(model, ref_cfg, layout, rank)
         ]
+    from dtlaunch.train.chunked_loss import head_loss
+
     owners = stage_owners(layout.pp, int(s.pp_stages_per_rank), s.pp_schedule)
+    head = head_loss(cfg, [m for _, m in stages], pipeline=True)  # the last stage's head, where this rank has it
     n_mb = pp_microbatches(cfg, layout)
-    return PipelineReference(stages, owners, pp_mesh.get_group(), n_mb, adapters_off=uses_adapters_off(cfg))
+    return PipelineReference(stages, owners, pp_mesh.get_group(), n_mb, uses_adapters_off(cfg), head)
 
 
 def cp_group(mesh: Any) -> Optional[Any]:
