@@ -1,6 +1,6 @@
 """objective.reference=RUN_DIR (dtlaunch.config.reference_run): what validate refuses before launch, in one
-line, and the block reads of the run's weights (dtlaunch.convert.run_weights). The losses against the
-exported reference: tests/e2e/test_dpo_reference_run.py."""
+line. The block reads of the run's weights (dtlaunch.convert.run_weights): tests/e2e/test_reference_run_blocks.py;
+the losses against the exported reference: tests/e2e/test_dpo_reference_run.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from dtlaunch.config.compose import compose
 from dtlaunch.config.schema import to_dict
 from dtlaunch.config.validate import validate
-from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.errors import ConfigError
 
 BASE = ["objective=dpo", "data=synthetic"]
 
@@ -74,19 +74,6 @@ def test_another_architecture_is_refused_naming_the_key(tmp_path: Path) -> None:
 def test_a_spoiled_marker_is_refused(tmp_path: Path) -> None:
     run = fake_run(tmp_path / "run", {"arch": "llama", "dim": "wide"})
     assert "not a model" in refused(str(run))
-
-
-def test_run_weights_hand_out_blocks() -> None:
-    import torch
-
-    from dtlaunch.convert.run_weights import StateWeights
-
-    full = torch.arange(24, dtype=torch.bfloat16).view(4, 6)
-    w = StateWeights({"w": full}, "objective.reference='run'")
-    assert torch.equal(w.read("w"), full.float())
-    assert torch.equal(w.read("w", (2, 3), (2, 3)), full[2:4, 3:6].float())
-    with pytest.raises(InputError, match="holds no v"):
-        w.read("v")
 
 
 def test_precomputed_reference_key_follows_the_runs_newest_checkpoint(tmp_path: Path) -> None:
