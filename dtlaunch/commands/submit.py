@@ -1,16 +1,20 @@
 """`submit` and `status`: run a job on Slurm, and look at it later.
 
 submit: compose -> validate -> plan gate -> run directory (+ data, prepared once here on the login node)
--> sbatch script -> sbatch. The job id is kept in run_dir/slurm.json so `status RUN` can find it.
+-> sbatch script -> sbatch (with training.eval_tasks, the evaluation's script too, as a second job held until
+training succeeded). The job ids are kept in run_dir/slurm.json so `status RUN` can find them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from dtlaunch.commands.common import Job, console, load_job, summary_table
 from dtlaunch.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from dtlaunch.launch.slurm import JobStatus
 
 
 def _plan_gate(job: Job, force: bool, to_stderr: bool) -> None:
@@ -55,6 +59,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
         run_dir = run_dir_for(job.cfg, job.recipe).resolve()
         # The script alone on stdout, so `dtlaunch submit ... --dry-run > job.sbatch` gives a usable file.
         print(slurm.render_script(job.cfg, run_dir, job.cfg.run.name or run_dir.name), end="")
+        _print_eval_script(job.cfg, run_dir)
         return 0
 
     from dtlaunch.data.run_data import prepare_run_data
@@ -65,11 +70,35 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
     slurm.render_script(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
     run_dir = create_run_dir(job.cfg, job.recipe)
     prepare_run_data(job.cfg, run_dir)
-    job_id = slurm.submit(job, run_dir)
-    out.print(f"submitted job {job_id}", markup=False)
+    sub = slurm.submit(job, run_dir)
+    out.print(f"submitted job {sub.job_id}", markup=False)
+    if sub.eval_job_id:
+        out.print(
+            f"submitted evaluation job {sub.eval_job_id} (training.eval_tasks; starts once job {sub.job_id} "
+            f"has succeeded; cluster.eval_time={job.cfg.cluster.eval_time or 'the partition default'})",
+            markup=False,
+            soft_wrap=True,  # one line, for people and for scripts that read the id
+        )
     out.print(f"run directory: {run_dir}", markup=False)
     out.print(f"follow it with: dtlaunch status {run_dir}", markup=False)
     return 0
+
+
+def _print_eval_script(cfg: Any, run_dir: Path) -> None:
+    """A dry run with training.eval_tasks: the evaluation job's script on stderr (stdout keeps the training
+    script alone)."""
+    import sys
+
+    from dtlaunch.launch.slurm_eval import EVAL_SCRIPT_NAME, render_eval_script, wants_eval_job
+
+    if not wants_eval_job(cfg):
+        return
+    print(
+        f"# training.eval_tasks: also submitted, as run_dir/{EVAL_SCRIPT_NAME} with "
+        f"`sbatch --dependency=afterok:<training job id>`:",
+        file=sys.stderr,
+    )
+    print(render_eval_script(cfg, run_dir, cfg.run.name or run_dir.name), end="", file=sys.stderr)
 
 
 def resolve_run(run: str, root: str = "runs") -> Path:
@@ -87,11 +116,20 @@ def status_command(run: str, as_json: bool) -> int:
 
     run_dir = resolve_run(run)
     st = slurm.status(run_dir)
+    ev = slurm.eval_status(run_dir)
     last_step = _last_step(run_dir)
     if as_json:
-        print(json.dumps({**st.as_dict(), "run_dir": str(run_dir), "last_step": last_step}))
+        record = {**st.as_dict(), "run_dir": str(run_dir), "last_step": last_step}
+        print(json.dumps({**record, "eval_job": ev.as_dict() if ev else None}))
         return 0
-    line = f"job {st.job_id}: {st.state}"
+    print(_status_line(st, "job") + (f", last logged step {last_step}" if last_step is not None else ""))
+    if ev is not None:
+        print(_status_line(ev, "evaluation job") + f", log {run_dir / 'logs' / f'slurm-{ev.job_id}.out'}")
+    return 0
+
+
+def _status_line(st: JobStatus, what: str) -> str:
+    line = f"{what} {st.job_id}: {st.state}"
     if st.reason and st.reason != "None":
         line += f" ({st.reason})"
     if st.exit_code:
@@ -100,10 +138,7 @@ def status_command(run: str, as_json: bool) -> int:
         line += f", requeued {st.restarts}x"
     if st.nodes and st.nodes != "(null)":
         line += f", nodes {st.nodes}"
-    if last_step is not None:
-        line += f", last logged step {last_step}"
-    print(line)
-    return 0
+    return line
 
 
 def _last_step(run_dir: Path) -> int | None:

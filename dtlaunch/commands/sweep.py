@@ -254,6 +254,14 @@ def sweep_submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], d
     _write_record(sweep_dir, points, {"slurm_array_job_id": job_id})
     out = console()
     out.print(f"submitted job array {job_id} ({len(points)} tasks)", markup=False)
+    eval_ids = [str(slurm.read_record(p.run_dir).get("eval_job_id") or "") for p in points]
+    if any(eval_ids):  # training.eval_tasks: point i's evaluation job waits for array task i
+        listed = ", ".join(f"{job_id}_{i}: {e}" for i, e in enumerate(eval_ids) if e)
+        out.print(
+            f"submitted evaluation jobs (each starts once its task has succeeded): {listed}",
+            markup=False,
+            soft_wrap=True,
+        )
     out.print(f"sweep directory: {sweep_dir}", markup=False)
     out.print(f"follow a task with: dtlaunch status {points[0].run_dir}", markup=False)
     return 0

@@ -528,7 +528,11 @@ class ClusterConfig:
     partition: str = ""
     account: str = ""
     qos: str = ""
+    # Slurm time limits ("MM", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS"; "" = the partition's).
+    # time is the training job's alone; with training.eval_tasks the evaluation is a job of its own
+    # (one node, one GPU, started only after training succeeded) whose limit is eval_time.
     time: str = "01:00:00"
+    eval_time: str = "01:00:00"
     cpus_per_task: int = 0
     mem: str = ""
     # Extra `#SBATCH` options, e.g. ["--exclusive", "--constraint=h100"].

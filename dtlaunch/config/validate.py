@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -513,6 +514,24 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
         _fail(f"debug.fail_mode='{cfg.debug.fail_mode}' is unknown: use raise, sigkill or input")
 
 
+# Slurm's time limit formats (sbatch --time): minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+SLURM_TIME = re.compile(r"(\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|UNLIMITED|INFINITE)", re.IGNORECASE)
+
+
+def check_cluster(cfg: Any, notes: list[str]) -> None:
+    # sbatch would refuse a malformed limit only after the run directory exists, and for the evaluation
+    # job only after the training job was already submitted: refuse it here.
+    if cfg.cluster.kind != "slurm":
+        return
+    for key in ("time", "eval_time"):
+        value = str(getattr(cfg.cluster, key))
+        if value and not SLURM_TIME.fullmatch(value):
+            _fail(
+                f"cluster.{key}={value!r} is not a Slurm time limit: write HH:MM:SS or D-HH:MM:SS "
+                f"(e.g. cluster.{key}=02:00:00), or '' for the partition's default"
+            )
+
+
 def check_profiling(cfg: Any, notes: list[str]) -> None:
     pr, steps = cfg.profiling, int(cfg.training.steps)
     if not pr.enabled:
@@ -547,6 +566,7 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_logging,
     check_hardware,
     check_launch,
+    check_cluster,
     check_profiling,
     check_run_name,
     check_peft,

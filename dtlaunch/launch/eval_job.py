@@ -1,13 +1,29 @@
-"""`python -m dtlaunch.launch.eval_job RUN_DIR`: training.eval_tasks on a finished run, for a cluster job's
-launcher. The Slurm batch shell runs it once, after the srun step (every worker on every node) has exited
-with 0: the same evaluation `dtlaunch train` runs in its launcher (dtlaunch.commands.eval.eval_after_training),
-results in RUN_DIR/eval/<time>.json. Errors are the CLI's one line and exit code."""
+"""`python -m dtlaunch.launch.eval_job RUN_DIR`: training.eval_tasks on a finished run, for a cluster job.
+On Slurm it is the evaluation job (dtlaunch.launch.slurm_eval), which Slurm starts only after the training
+job has ended with 0: the same evaluation `dtlaunch train` runs in its launcher
+(dtlaunch.commands.eval.eval_after_training), results in RUN/eval/<time>.json. A run whose newest
+checkpoint is not its final step (training not finished: the script submitted by hand, or a dependency
+removed) is refused rather than evaluated at some earlier step. Errors are the CLI's one line and exit code."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
+
+
+def check_finished(cfg: Any, run_dir: Path) -> None:
+    """The run's newest complete checkpoint is its final one (step >= training.steps)."""
+    from dtlaunch.errors import InputError
+    from dtlaunch.infer.harness import resolve_source
+
+    steps = int(cfg.training.steps)
+    step = resolve_source(str(run_dir)).step
+    if step is None or step < steps:
+        raise InputError(
+            f"training.eval_tasks: the newest checkpoint of {run_dir} is step {step} of training.steps={steps}: "
+            f"training has not finished; evaluate after it has (or `dtlaunch eval {run_dir} --tasks ...` for now)"
+        )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -19,7 +35,10 @@ def main(argv: Sequence[str]) -> int:
         print("usage: python -m dtlaunch.launch.eval_job RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
-    eval_after_training(load_resolved(run_dir / CONFIG_NAME), run_dir)
+    cfg = load_resolved(run_dir / CONFIG_NAME)
+    if cfg.training.eval_tasks:
+        check_finished(cfg, run_dir)
+    eval_after_training(cfg, run_dir)
     return 0
 
 

@@ -5,9 +5,10 @@ on the first node of the allocation. Preemption: Slurm sends SIGUSR1 to the batc
 `cluster.signal_before_s` seconds before the time limit (`--signal=B:USR1@N`); the shell forwards it to
 the srun step (workers checkpoint at the next step boundary and exit with EXIT_PREEMPTED) and then
 requeues the job, which resumes from that checkpoint. A step that exits with EXIT_PREEMPTED is requeued too.
-With training.eval_tasks the batch shell evaluates the final checkpoint after a step that ended with 0
-(dtlaunch.launch.eval_job), as `dtlaunch train` does in its launcher. Every configured value is shell-quoted; the only
-text written as-is is `cluster.setup`, which is shell code by definition.
+With training.eval_tasks the final checkpoint is evaluated by a second job (slurm_eval.py), submitted
+together with this one and started only after it succeeded, under its own time limit (cluster.eval_time):
+this job's cluster.time is training's alone. Every configured value is shell-quoted; the only text written
+as-is is `cluster.setup`, which is shell code by definition.
 """
 
 from __future__ import annotations
@@ -53,13 +54,27 @@ def workers_per_node(cfg: Any) -> int:
     return nproc_per_node(cfg, _gpus_per_node(cfg) or None)
 
 
-def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
-    """The `#SBATCH` options, already quoted."""
-    cl = cfg.cluster
-    logs = run_dir / "logs"
+def check_log_dir(run_dir: Path) -> Path:
     if "%" in str(run_dir):
         # sbatch expands %j, %x, ... in --output/--error: a literal % would scramble the log path.
         raise ConfigError(f"run directory '{run_dir}' contains '%', which Slurm expands in log names: rename it")
+    return Path(run_dir)
+
+
+def user_sbatch_args(cfg: Any) -> list[str]:
+    """cluster.sbatch_args, quoted: the site's extra options, for the training and the evaluation job."""
+    opts = []
+    for i, arg in enumerate(cfg.cluster.sbatch_args):
+        if not str(arg).startswith("-"):
+            raise ConfigError(f"cluster.sbatch_args[{i}]={arg!r} is not an option: write it as --name=value")
+        opts.append(_q(f"cluster.sbatch_args[{i}]", arg))
+    return opts
+
+
+def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
+    """The `#SBATCH` options, already quoted."""
+    cl = cfg.cluster
+    logs = check_log_dir(run_dir) / "logs"
     opts = [
         f"--job-name={_q('run.name', job_name)}",
         f"--nodes={int(cl.nodes)}",
@@ -82,11 +97,7 @@ def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
         "--requeue",
         f"--signal=B:USR1@{int(cl.signal_before_s)}",
     ]
-    for i, arg in enumerate(cl.sbatch_args):
-        if not str(arg).startswith("-"):
-            raise ConfigError(f"cluster.sbatch_args[{i}]={arg!r} is not an option: write it as --name=value")
-        opts.append(_q(f"cluster.sbatch_args[{i}]", arg))
-    return opts
+    return opts + user_sbatch_args(cfg)
 
 
 def _check_cluster(cfg: Any) -> None:
@@ -184,32 +195,26 @@ def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "")
         '  scontrol requeue "$SLURM_JOB_ID"',
         f"  exit {EXIT_PREEMPTED}",
         "fi",
+        "# Exit 0 is what releases the evaluation job (training.eval_tasks: --dependency=afterok on this job).",
+        'exit "$rc"',
     ]
-    lines += _eval_lines(cfg, run_dir, python)
-    lines.append('exit "$rc"')
     return "\n".join(lines) + "\n"
 
 
-def _eval_lines(cfg: Any, run_dir: Path, python: str) -> list[str]:
-    """training.eval_tasks: once, in this batch shell (the job's launcher, on the allocation's first node),
-    after the step has ended with 0, i.e. every worker on every node has exited; as `dtlaunch train` does
-    in its launcher. The workers are gone, so the evaluation gets all of the node's CPUs."""
-    if not cfg.training.eval_tasks:
-        return []
-    return [
-        "# training.eval_tasks: the final checkpoint evaluated once, now that every worker has exited.",
-        'if [ "$rc" -eq 0 ]; then',
-        '  OMP_NUM_THREADS="${SLURM_CPUS_ON_NODE:-1}" '
-        f"{_q('python', python)} -m {EVAL_MODULE} {_q('run.dir', run_dir)}",
-        "  rc=$?",
-        "fi",
-    ]
-
-
 def write_script(cfg: Any, run_dir: Path, job_name: str = "") -> Path:
+    """The training job's script, and with training.eval_tasks the evaluation job's beside it (a stale
+    one from an earlier submission without them is removed: its presence means "submit it too")."""
+    from dtlaunch.launch.slurm_eval import EVAL_SCRIPT_NAME, render_eval_script, wants_eval_job
+
     path = Path(run_dir) / SCRIPT_NAME
     path.write_text(render_script(cfg, run_dir, job_name))
     path.chmod(0o755)
+    eval_path = Path(run_dir) / EVAL_SCRIPT_NAME
+    if wants_eval_job(cfg):
+        eval_path.write_text(render_eval_script(cfg, run_dir, job_name))
+        eval_path.chmod(0o755)
+    else:
+        eval_path.unlink(missing_ok=True)
     return path
 
 
@@ -228,25 +233,63 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else "no message"
 
 
-def submit(job: Any, run_dir: Path, dry_run: bool = False) -> str:
-    """Write the script into the run directory and `sbatch --parsable` it; return the job id
-    ("" for a dry run, which writes and submits nothing)."""
+@dataclass
+class Submission:
+    job_id: str  # the training job ("" for a dry run)
+    eval_job_id: str = ""  # the evaluation job (training.eval_tasks), "" when there is none
+
+
+def submit(job: Any, run_dir: Path, dry_run: bool = False) -> Submission:
+    """Write the scripts into the run directory and `sbatch --parsable` them: the training job, then
+    with training.eval_tasks the evaluation job, held until the training job succeeded. A dry run
+    renders both and writes and submits nothing."""
+    from dtlaunch.launch.slurm_eval import render_eval_script, wants_eval_job
+
     cfg = job.cfg if hasattr(job, "cfg") else job
     run_dir = Path(run_dir)
     if dry_run:
         render_script(cfg, run_dir, cfg.run.name or run_dir.name)
-        return ""
+        if wants_eval_job(cfg):
+            render_eval_script(cfg, run_dir, cfg.run.name or run_dir.name)
+        return Submission("")
     script = write_script(cfg, run_dir, cfg.run.name or run_dir.name)
     job_id = _sbatch(script)
-    _record(run_dir, job_id, script)
-    return job_id
+    eval_job_id = _submit_eval(run_dir, job_id)
+    _record(run_dir, job_id, script, eval_job_id)
+    return Submission(job_id, eval_job_id)
 
 
-def _record(run_dir: Path, job_id: str, script: Path) -> None:
+def _submit_eval(run_dir: Path, train_job_id: str) -> str:
+    """The evaluation job of run_dir (its script there, written by write_script) after train_job_id; ""
+    when the run has none. If sbatch refuses it, the training job is cancelled: a run submitted with
+    training.eval_tasks never trains without its evaluation queued behind it."""
+    from dtlaunch.launch.slurm_eval import EVAL_SCRIPT_NAME, dependency_option
+
+    script = run_dir / EVAL_SCRIPT_NAME
+    if not script.is_file():
+        return ""
+    try:
+        return _sbatch(script, dependency_option(train_job_id))
+    except DtlaunchError as exc:
+        base = train_job_id.split("_")[0]  # an array task: the whole array goes (its tasks share one fate)
+        try:
+            cancelled = _run(["scancel", base]).returncode == 0
+        except DtlaunchError:
+            cancelled = False
+        done = f"training job {base} cancelled" if cancelled else f"cancel training job {base}: scancel {base}"
+        raise DtlaunchError(f"{exc} (the evaluation job, {script}); {done}") from exc
+
+
+def _record(run_dir: Path, job_id: str, script: Path, eval_job_id: str = "") -> None:
     path = run_dir / RECORD_NAME
     data = read_record(run_dir) if path.is_file() else {"jobs": []}
-    data["jobs"].append({"job_id": job_id, "script": str(script), "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    entry = {"job_id": job_id, "script": str(script), "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if eval_job_id:
+        entry["eval_job_id"] = eval_job_id
+    data["jobs"].append(entry)
     data["job_id"] = job_id
+    # The newest submission's evaluation only: an earlier one belongs to an earlier training job.
+    data["eval_job_id"] = eval_job_id
     tmp = run_dir / f".{RECORD_NAME}.tmp"
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
@@ -349,6 +392,12 @@ def status(run_dir: Path, retries: int = 3) -> JobStatus:
     return query_status(str(read_record(run_dir)["job_id"]), retries=retries)
 
 
+def eval_status(run_dir: Path, retries: int = 3) -> JobStatus | None:
+    """The state of the newest submission's evaluation job (training.eval_tasks); None without one."""
+    eval_job_id = str(read_record(run_dir).get("eval_job_id") or "")
+    return query_status(eval_job_id, retries=retries) if eval_job_id else None
+
+
 ARRAY_SCRIPT_NAME = "slurm-array.sbatch"
 
 
@@ -366,8 +415,12 @@ def render_array_script(cfgs: Sequence[Any], run_dirs: Sequence[Path], sweep_dir
                 f"sweep point {i} asks Slurm for other resources ({differ}) than point 0: a job array has one "
                 f"allocation shape; submit the points separately"
             )
+    from dtlaunch.launch.slurm_eval import render_eval_script, wants_eval_job
+
     for cfg, run_dir in zip(cfgs, run_dirs, strict=True):
         render_script(cfg, Path(run_dir))  # each task's own script must render (bad values fail here)
+        if wants_eval_job(cfg):
+            render_eval_script(cfg, Path(run_dir))  # and its evaluation job's
     # Slurm names an array task's log with %A (the array's id) and %a (the task index).
     opts = [o.replace("slurm-%j.", "slurm-%A_%a.") for o in options[0]]
     opts.insert(1, f"--array=0-{len(cfgs) - 1}")
@@ -384,9 +437,10 @@ def render_array_script(cfgs: Sequence[Any], run_dirs: Sequence[Path], sweep_dir
     return "\n".join(lines) + "\n"
 
 
-def _sbatch(script: Path) -> str:
-    """Submit a script; the job id (`--parsable` prints "<id>" or "<id>;<cluster>")."""
-    res = _run(["sbatch", "--parsable", str(script)])
+def _sbatch(script: Path, *options: str) -> str:
+    """Submit a script (options before it override its `#SBATCH` lines); the job id (`--parsable`
+    prints "<id>" or "<id>;<cluster>")."""
+    res = _run(["sbatch", "--parsable", *options, str(script)])
     if res.returncode != 0:
         raise DtlaunchError(f"sbatch failed (exit {res.returncode}): {_first_line(res.stderr or res.stdout)}")
     job_id = res.stdout.strip().split(";")[0]
@@ -396,7 +450,8 @@ def _sbatch(script: Path) -> str:
 
 
 def submit_array(script_text: str, sweep_dir: Path, run_dirs: Sequence[Path]) -> str:
-    """Write and `sbatch` the array script; record task i's job id (`<array id>_<i>`) in run_dirs[i]."""
+    """Write and `sbatch` the array script; record task i's job id (`<array id>_<i>`) in run_dirs[i], with
+    the evaluation job of a point with training.eval_tasks (held until task i succeeded)."""
     sweep_dir = Path(sweep_dir)
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     script = sweep_dir / ARRAY_SCRIPT_NAME
@@ -404,5 +459,6 @@ def submit_array(script_text: str, sweep_dir: Path, run_dirs: Sequence[Path]) ->
     script.chmod(0o755)
     job_id = _sbatch(script)
     for i, run_dir in enumerate(run_dirs):
-        _record(Path(run_dir), f"{job_id}_{i}", script)
+        task_id = f"{job_id}_{i}"
+        _record(Path(run_dir), task_id, script, _submit_eval(Path(run_dir), task_id))
     return job_id

@@ -12,7 +12,7 @@ import pytest
 
 from dtlaunch.commands.common import load_job
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
-from dtlaunch.launch import slurm
+from dtlaunch.launch import slurm, slurm_eval
 
 HOSTILE = "x; rm -rf / #$(touch /tmp/dtlaunch-pwned) `id` 'q' \"dq\""
 
@@ -217,14 +217,187 @@ def test_cli_status_of_unknown_run(tmp_path: Path) -> None:
     assert res.returncode == 2 and "run 'nope' not found" in res.stderr
 
 
-def test_eval_tasks_run_once_after_the_step_only_when_set(tmp_path: Path) -> None:
-    assert slurm.EVAL_MODULE not in script_for(tmp_path)
-    script = script_for(tmp_path, "training.eval_tasks=[arc_easy]", run_dir=tmp_path / "my run")
+def eval_script_for(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> str:
+    job = load_job(["recipe=tiny_ddp", "cluster=slurm", "training.eval_tasks=[arc_easy]", *overrides])
+    return slurm_eval.render_eval_script(job.cfg, run_dir or tmp_path / "run", job.cfg.run.name)
+
+
+def test_training_job_keeps_its_whole_time_and_never_evaluates(tmp_path: Path) -> None:
+    """training.eval_tasks is a job of its own: the training script is the same with or without it."""
+    plain = script_for(tmp_path, "cluster.time=04:00:00")
+    with_eval = script_for(tmp_path, "cluster.time=04:00:00", "cluster.eval_time=00:30:00", "training.eval_tasks=[x]")
+    assert with_eval == plain
+    assert slurm.EVAL_MODULE not in with_eval and "--time=04:00:00" in sbatch_options(with_eval)
+    assert with_eval.splitlines()[-1] == 'exit "$rc"'
+
+
+def test_eval_job_script(tmp_path: Path) -> None:
+    run = tmp_path / "my run"
+    script = eval_script_for(
+        tmp_path,
+        "cluster.nodes=4",
+        "cluster.time=04:00:00",
+        "cluster.eval_time=1-02:00:00",
+        "cluster.partition=gpu",
+        "cluster.account=proj",
+        "cluster.qos=high",
+        "cluster.mem=64G",
+        "cluster.cpus_per_task=16",
+        "cluster.sbatch_args=['--constraint=h100']",
+        "cluster.setup=['module load cuda']",
+        "run.name=exp",
+        run_dir=run,
+    )
     bash_syntax_ok(script)
+    opts = sbatch_options(script)
+    for expected in (
+        "--job-name=exp-eval",
+        "--nodes=1",
+        "--ntasks=1",
+        "--time=1-02:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--qos=high",
+        "--mem=64G",
+        "--cpus-per-task=16",
+        "--constraint=h100",
+        "--requeue",
+        "--kill-on-invalid-dep=yes",
+        f"--output={run}/logs/slurm-%j.out",
+        f"--error={run}/logs/slurm-%j.err",
+    ):
+        assert expected in opts, (expected, opts)
+    # Not the training job's shape, limit or signal; no GPU on the cpu hardware profile.
+    assert not any(o.startswith(("--nodes=4", "--time=04", "--signal", "--gpus")) for o in opts), opts
     lines = script.splitlines()
-    (at,) = [i for i, ln in enumerate(lines) if f"-m {slurm.EVAL_MODULE} " in ln]
-    # After the step has ended and the requeue branch has exited; only on success; its exit is the job's.
-    assert lines.index("rc=$?") < lines.index('  scontrol requeue "$SLURM_JOB_ID"') < at
-    assert lines[at - 1] == 'if [ "$rc" -eq 0 ]; then' and lines[at + 1] == "  rc=$?"
-    assert lines[-1] == 'exit "$rc"'
-    assert shlex.split(lines[at])[-1] == str(tmp_path / "my run")
+    assert lines.index("module load cuda") < len(lines) - 1
+    words = shlex.split(lines[-1])
+    assert words[0] == "OMP_NUM_THREADS=${SLURM_CPUS_ON_NODE:-1}"  # one process: all of the job's CPUs
+    assert words[1:] == ["exec", sys.executable, "-m", slurm.EVAL_MODULE, str(run)]
+    gpu = sbatch_options(
+        eval_script_for(
+            tmp_path, "hardware=h100_80gb", "cluster.gpus_per_node=8", "launch.nproc_per_node=0", "strategy.dp_shard=-1"
+        )
+    )
+    assert "--gpus-per-node=1" in gpu  # the evaluation loads the model on one device
+    no_limit = sbatch_options(eval_script_for(tmp_path, "cluster.eval_time=''"))
+    assert not any(o.startswith("--time") for o in no_limit)  # the partition's default limit
+
+
+def test_eval_job_values_stay_quoted(tmp_path: Path) -> None:
+    hydra_value = "'" + HOSTILE.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    run_dir = tmp_path / "run dir 'with' $(quotes)"
+    script = eval_script_for(tmp_path, f"cluster.partition={hydra_value}", f"run.name={hydra_value}", run_dir=run_dir)
+    bash_syntax_ok(script)
+    opts = sbatch_options(script)
+    assert f"--partition={HOSTILE}" in opts and f"--job-name={HOSTILE}-eval" in opts
+    assert shlex.split(script.splitlines()[-1])[-1] == str(run_dir)
+    job = load_job(["recipe=tiny_ddp", "cluster=slurm", "training.eval_tasks=[x]"])
+    job.cfg.cluster.eval_time = "1:00\nrm -rf /"
+    with pytest.raises(ConfigError, match=r"^cluster.eval_time=.*line break"):
+        slurm_eval.render_eval_script(job.cfg, tmp_path / "run")
+
+
+@pytest.mark.parametrize("value", ["90", "30:00", "02:00:00", "2-00", "1-12:00", "1-12:00:00", "UNLIMITED", ""])
+def test_slurm_time_formats_accepted(value: str) -> None:
+    load_job(["recipe=tiny_ddp", "cluster=slurm", f"cluster.eval_time='{value}'", f"cluster.time='{value}'"])
+
+
+@pytest.mark.parametrize("key", ["time", "eval_time"])
+@pytest.mark.parametrize("value", ["2h", "01:00:00:00", "1-", "-1", "1:2:3:4", "one hour", "1 -02:00"])
+def test_bad_slurm_time_is_one_line(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^cluster.{key}='{value}' is not a Slurm time limit: .*cluster.{key}="):
+        load_job(["recipe=tiny_ddp", "cluster=slurm", f"cluster.{key}='{value}'"])
+    load_job(["recipe=tiny_ddp", "cluster=local", f"cluster.{key}='{value}'"])  # only Slurm reads it
+
+
+FAKE_SBATCH = """#!/bin/bash
+# Records its arguments; prints the next job id. FAIL_DEPENDENT=1: refuses a job with a dependency.
+echo "sbatch $*" >> "$FAKE_LOG"
+if [ "${FAIL_DEPENDENT:-0}" = 1 ] && [[ "$*" == *--dependency=* ]]; then
+  echo "sbatch: error: Requested time limit is invalid (missing or exceeds some limit)" >&2
+  exit 1
+fi
+n=$(( $(cat "$FAKE_IDS" 2>/dev/null || echo 100) + 1 )); echo $n > "$FAKE_IDS"; echo "$n;cluster"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """sbatch and scancel on PATH that record their calls in the returned log file."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "scancel").write_text('#!/bin/bash\necho "scancel $*" >> "$FAKE_LOG"\n')
+    for tool in ("sbatch", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_IDS", str(tmp_path / "ids"))
+    return log
+
+
+def test_submit_sends_the_eval_job_after_training(tmp_path: Path, fake_slurm: Path) -> None:
+    job = load_job(["recipe=tiny_ddp", "cluster=slurm", "training.eval_tasks=[arc_easy]"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sub = slurm.submit(job, run_dir)
+    assert (sub.job_id, sub.eval_job_id) == ("101", "102")
+    train_script, eval_script = run_dir / slurm.SCRIPT_NAME, run_dir / slurm_eval.EVAL_SCRIPT_NAME
+    assert fake_slurm.read_text().splitlines() == [
+        f"sbatch --parsable {train_script}",
+        f"sbatch --parsable --dependency=afterok:101 {eval_script}",
+    ]
+    assert eval_script.read_text() == slurm_eval.render_eval_script(job.cfg, run_dir, run_dir.name)
+    record = slurm.read_record(run_dir)
+    assert record["job_id"] == "101" and record["eval_job_id"] == "102"
+    assert record["jobs"][-1]["eval_job_id"] == "102"
+    # Resubmitted without evaluation: the stale script goes, and the record no longer names an eval job.
+    job.cfg.training.eval_tasks = []
+    sub = slurm.submit(job, run_dir)
+    assert (sub.job_id, sub.eval_job_id) == ("103", "")
+    assert not eval_script.exists()
+    assert slurm.read_record(run_dir)["eval_job_id"] == "" and slurm.eval_status(run_dir) is None
+    assert fake_slurm.read_text().splitlines()[-1] == f"sbatch --parsable {train_script}"
+
+
+def test_refused_eval_job_cancels_training(tmp_path: Path, fake_slurm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIL_DEPENDENT", "1")
+    job = load_job(["recipe=tiny_ddp", "cluster=slurm", "training.eval_tasks=[arc_easy]"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(DtlaunchError, match=r"^sbatch failed .*Requested time limit.*training job 101 cancelled$"):
+        slurm.submit(job, run_dir)
+    assert fake_slurm.read_text().splitlines()[-1] == "scancel 101"
+    assert not (run_dir / slurm.RECORD_NAME).exists()
+
+
+def test_sweep_points_get_their_eval_jobs(tmp_path: Path, fake_slurm: Path) -> None:
+    """A job array: point i's evaluation waits for array task i alone."""
+    cfgs = [load_job(["recipe=tiny_ddp", "cluster=slurm", *extra]).cfg for extra in ([], ["training.eval_tasks=[x]"])]
+    run_dirs = [tmp_path / "sw" / str(i) for i in range(2)]
+    for cfg, run_dir in zip(cfgs, run_dirs, strict=True):
+        run_dir.mkdir(parents=True)
+        slurm.write_script(cfg, run_dir)
+    script = slurm.render_array_script(cfgs, run_dirs, tmp_path / "sw")
+    assert slurm.submit_array(script, tmp_path / "sw", run_dirs) == "101"
+    calls = fake_slurm.read_text().splitlines()
+    eval_script = run_dirs[1] / slurm_eval.EVAL_SCRIPT_NAME
+    assert calls[1:] == [f"sbatch --parsable --dependency=afterok:101_1 {eval_script}"]
+    assert slurm.read_record(run_dirs[0])["eval_job_id"] == ""
+    assert slurm.read_record(run_dirs[1]) | {"jobs": []} == {"jobs": [], "job_id": "101_1", "eval_job_id": "102"}
+
+
+def test_cli_dry_run_shows_the_eval_job_on_stderr(tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval")
+    base = ["submit", "recipe=tiny_ddp", "cluster=slurm", f"run.dir={tmp_path / 'r'}", "--dry-run"]
+    plain = cli(*base, cwd=tmp_path)
+    res = cli(*base, "training.eval_tasks=[arc_easy]", "cluster.eval_time=00:20:00", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == plain.stdout  # stdout: the training script alone, usable as a file
+    shown = res.stderr[res.stderr.index("#!/bin/bash\n") :]
+    bash_syntax_ok(shown)
+    assert {"--time=00:20:00", "--kill-on-invalid-dep=yes", "--nodes=1"} <= set(sbatch_options(shown))
+    assert "--dependency=afterok:<training job id>" in res.stderr
+    assert not (tmp_path / "r").exists()
