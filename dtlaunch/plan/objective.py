@@ -7,7 +7,8 @@
   adapters off (LoRA / QLoRA with reference=base) holds nothing more;
   precomputed holds nothing during training.
 - The reference forward (no grad) runs before the policy's, its own phase: what the rank holds for the
-  whole step, plus the reference's logits, their fp32 copy and log_softmax's output.
+  whole step, plus the larger of its logits moment (the logits, their fp32 copy and log_softmax's output)
+  and a layer's moment (expert parallel's all-to-all buffers, context parallel's gathered K/V).
 - The precompute pass (objective.precompute_reference) is a phase of its own, before the first step: the
   parameters, the reference copy (if any) and one reference forward; no gradients, no optimizer state yet.
 - Under pipeline parallel the reference (a copy split into stages, or the policy's stages with adapters
@@ -20,7 +21,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.loss_terms import loss_chunks
+from dtlaunch.plan.ring_terms import forward_exchange_bytes, sequence_tokens
 
 FROZEN_COPY = "reference copy"
 PHASE_REFERENCE = "reference forward"
@@ -62,25 +65,56 @@ def reference_static_lines(c: Any) -> dict[str, float]:
     return {}
 
 
-def reference_forward_bytes(c: Any) -> float:
-    """Transient of one reference forward on top of what the rank holds.
+def reference_layer_bytes(c: Any) -> float:
+    """The running layer's exchange buffers in a reference forward: expert parallel's all-to-all dispatch /
+    combine buffers (as in the policy's forward) and context parallel's K/V gathered from the CP ranks (no
+    gradients, unlike backward's exchange). No grad: one layer's at a time, none kept across layers. The
+    layer's own working set (SwiGLU's or the experts' intermediates, its gathered block) is not counted."""
+    if not c.layers:
+        return 0.0
+    layer = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.e)
+    if c.cp > 1:
+        layer += forward_exchange_bytes(c.d, c.e, c.tp, sequence_tokens(c))
+    return layer
 
-    Its head and log-probs over the whole micro-batch (training.loss_chunks=1): the logits (compute dtype),
-    their fp32 copy (none in fp32) and log_softmax's fp32 output; under ZeRO-3 the gathered root unit of
-    the copy. Chunked: the same for one chunk of the tokens, the per-token values, the head gathered as a
-    unit of its own under FSDP (an untied head without TP), and under sequence parallel the hidden states
-    gathered once. Under pipeline parallel a rank without the last stage holds a pipeline micro-batch's
-    hidden states twice (received and sent on; sequence-parallel ones are 1 / tp of the sequence)."""
-    if not c.last:
-        return 2 * _hidden_bytes(c) * c.m.dim * c.tokens / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
+
+def reference_head_bytes(c: Any) -> float:
+    """The reference's head and log-probs on the last stage: over the whole micro-batch
+    (training.loss_chunks=1) the logits (compute dtype), their fp32 copy (none in fp32) and log_softmax's
+    fp32 output; chunked, the same for one chunk of the tokens, the per-token values, the head gathered as
+    a unit of its own under FSDP (an untied head without TP) and, under sequence parallel, the hidden
+    states gathered once."""
     per_token = (c.e + (4 if c.e != 4 else 0) + 4) * c.d.vocab / c.tp
     n = loss_chunks(c)
-    root = c.e * c.root if c.fsdp and c.zero == 3 else 0.0
     if n == 1:
-        return per_token * c.tokens + root
-    gathered = c.e * c.v_h if c.fsdp and not c.tied_head and c.tp == 1 else root
+        return per_token * c.tokens
+    gathered = c.e * c.v_h if _head_unit(c) else 0.0
     sp_hidden = c.e * c.d.h * c.tokens if c.sp else 0.0
     return per_token * math.ceil(c.tokens / n) + 4 * c.tokens + gathered + sp_hidden
+
+
+def _head_unit(c: Any) -> bool:
+    """Under FSDP with the chunked head, an untied head without TP is a unit of its own (the frozen copy's,
+    or the policy's with its adapters off), gathered only while the head runs."""
+    return c.fsdp and loss_chunks(c) > 1 and not c.tied_head and c.tp == 1
+
+
+def reference_forward_bytes(c: Any) -> float:
+    """Transient of one reference forward on top of what the rank holds: the larger of two moments that do
+    not overlap (no grad frees a layer's buffers before the next layer runs): a layer's exchange buffers
+    (`reference_layer_bytes`) and, on the last stage, the head's (`reference_head_bytes`); under ZeRO-3
+    the root unit gathered for the whole forward on top (with the head in it). Under pipeline parallel a
+    rank without the last stage also holds a pipeline micro-batch's hidden states twice (received and sent
+    on; sequence-parallel ones are 1 / tp of the sequence).
+    Measured (real 2-rank gloo runs, a StorageCounter around the reference call, 1,024 tokens a rank):
+    the all-to-all buffers add 4.8 MiB to the MoE layer's moment (planner_moe, EP(2) against none; planned
+    4.1 MiB) and the K/V gather 3.3 MiB to attention's (planner7m, CP(2); planned 2.0 MiB)."""
+    layer = reference_layer_bytes(c)
+    if not c.last:
+        transit = 2 * _hidden_bytes(c) * c.m.dim * c.tokens / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
+        return transit + layer
+    root = c.e * c.root if c.fsdp and c.zero == 3 and not _head_unit(c) else 0.0
+    return max(reference_head_bytes(c), layer) + root
 
 
 def _hidden_bytes(c: Any) -> int:

@@ -128,3 +128,13 @@ def test_layout_search_offers_pipelines_to_every_objective() -> None:
     assert pipelines("objective=dpo") and pipelines(
         "objective=dpo", "peft=lora"
     )  # the reference runs through the stages
+
+
+@pytest.mark.parametrize("lora", [[], ["peft=lora"]], ids=["copy", "adapters_off"])
+def test_preference_chunks_drop_the_logits(lora: list[str]) -> None:
+    # training.loss_chunks: the policy's log-probs and the reference's come from the head run over 1/8 of
+    # the tokens at a time, so neither holds the micro-batch's logits.
+    full = plan("strategy=zero3", "objective=dpo", "training.loss_chunks=1", *lora)
+    chunked = plan("strategy=zero3", "objective=dpo", *lora)
+    assert chunked.phases["backward"] < full.phases["backward"]
+    assert chunked.phases[PHASE_REFERENCE] < full.phases[PHASE_REFERENCE]
