@@ -99,11 +99,17 @@ DPO_RUNS = [
     [DPO, "model=planner_moe", LORA, "peft.targets=[wq,wk,wv,wo]", "strategy=zero3", N2, "strategy.ep=2"],
     [DPO, "strategy=zero3", CP2, N2],
     [DPO, LORA, "strategy=zero3", CP2, N2],
+    # The whole micro-batch's logits (training.loss_chunks=1) against the chunked head of every row above.
+    [DPO, "strategy=zero3", N2, "training.loss_chunks=1"],
+    # Pipeline parallel with a live reference: a frozen copy split into the stages, the policy's stages with
+    # LoRA's adapters off (dtlaunch.train.objectives.pipeline_reference).
+    [DPO, "strategy=pp", N2],
+    [DPO, LORA, "strategy=pp", N2],
 ]
 
 
 DPO_TABLE = {
-    "title": ": DPO (reference copy, adapters off, precomputed; expert and context parallel)",
+    "title": ": DPO (reference copy, adapters off, precomputed; expert, context and pipeline parallel)",
     "data": ", on 64 preference pairs longer than a row (`dpo_data()`: a word-level tokenizer, data.kind=jsonl "
     "data.format=preference)",
     "notes": (
@@ -116,6 +122,11 @@ DPO_TABLE = {
         "its logits); the step's peak is the policy's backward, whose K/V exchange covers both rows of each pair.",
         "- LoRA on the MoE family is planned as full training (no closed-form fine-tuning terms: the plan's note), "
         "an upper bound: that row is listed, not scored.",
+        "- The log-probs (policy and reference) come from the head run over 1/8 of the tokens at a time "
+        "(training.loss_chunks=8, the default): no row holds a micro-batch's logits but the one with "
+        "training.loss_chunks=1 (248 MiB measured, 232 MiB chunked).",
+        "- DPO under PP: a live reference (a frozen copy split into the stages, or the policy's stages with the "
+        "adapters off) runs forward through the stages before each micro-step's schedule.",
     ),
 }
 
