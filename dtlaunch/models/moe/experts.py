@@ -32,11 +32,13 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else p
 
 
-def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> bool:
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, cast: bool = False) -> bool:
     """Whether torch's grouped GEMM takes these operands computed in `dtype`: every row a multiple of 16
     bytes (torch refuses other strides), and CUDA Hopper or newer in bf16, or a CPU kernel for `dtype`.
-    Traced (fake tensors, torch.compile), torch's shape function takes bf16 only."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    Traced (fake tensors, torch.compile), torch's shape function takes bf16 only. `cast`: both operands
+    are cast to `dtype` first (autocast), so their own dtypes need not match (a LoRA run's frozen
+    experts are stored in the compute dtype, the autocast input is fp32)."""
+    if not hasattr(torch, "_grouped_mm") or (x.dtype != w.dtype and not cast):
         return False
     if any(s * dtype.itemsize % 16 for s in (w.shape[1], w.shape[2])):
         return False
@@ -90,8 +92,9 @@ class GroupedExperts(nn.Module):
         """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        if grouped_mm_supported(x, w1, dtype):
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+        if grouped_mm_supported(x, w1, dtype, cast=autocast):
             return _grouped(*(t.to(dtype) for t in (x, w1, w2, w3)), num_tokens_per_expert)
         return _looped(x, w1, w2, w3, num_tokens_per_expert)
 

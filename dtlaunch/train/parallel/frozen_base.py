@@ -2,9 +2,11 @@
 
 Full training keeps fp32 master weights because the optimizer updates them; a frozen weight is never
 updated, and every matmul reads it in the compute dtype (FSDP2's MixedPrecisionPolicy casts it, or
-autocast does). So the frozen linears (the blocks' and the output head) and the frozen embedding are
-stored in precision.param_dtype: half the bytes (Llama-3.1-8B's base: 16 GB instead of 32 GB). Under
-QLoRA the blocks' linears become NF4 instead (dtlaunch.train.parallel.qlora). Norm gains stay fp32.
+autocast does). So the frozen linears (the blocks' and the output head), the frozen embedding and an MoE
+model's frozen routed experts (3-D `GroupedExperts` weights, most of its bytes: Qwen3-30B-A3B's are 29B
+of 30B parameters) are stored in precision.param_dtype: half the bytes (Llama-3.1-8B's base: 16 GB
+instead of 32 GB). Under QLoRA the blocks' 2-D linears become NF4 instead (dtlaunch.train.parallel.qlora);
+the routed experts stay in the compute dtype. Norm gains stay fp32.
 
 Without FSDP (autocast) the residual stream stays fp32: the compute-dtype embedding's output is cast back
 to fp32 (its values are the compute-dtype embedding's, as an FSDP run reads them). With
@@ -19,21 +21,22 @@ import torch
 from torch import nn
 
 from dtlaunch.models.lora import is_adapter
+from dtlaunch.models.moe.experts import GroupedExperts
 from dtlaunch.train.parallel.qlora import DTYPES, quantize_base
 
 
 def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = False) -> None:
-    """peft.method=lora/qlora: frozen linear and embedding weights (and biases) to the compute dtype,
-    then (qlora) the block linears to NF4. `shards`: the FSDP shard count (1 without FSDP); `fsdp`: FSDP2
+    """peft.method=lora/qlora: frozen linear, embedding and routed-expert weights (and biases) to the compute
+    dtype, then (qlora) the block linears to NF4. `shards`: the FSDP shard count (1 without FSDP); `fsdp`: FSDP2
     casts the compute (no autocast). Nothing under peft=none."""
     if str(cfg.peft.method) == "none":
         return
     dtype = DTYPES[str(cfg.precision.param_dtype)]
     counts = _uses(model)
     for mod in model.modules():
-        if not isinstance(mod, (nn.Linear, nn.Embedding)):
+        if not isinstance(mod, (nn.Linear, nn.Embedding, GroupedExperts)):
             continue
-        for name in ("weight", "bias"):
+        for name in ("w1", "w2", "w3") if isinstance(mod, GroupedExperts) else ("weight", "bias"):
             p = getattr(mod, name, None)
             # A head tied to the embedding is trained or frozen with it and stays as it is (and tied).
             if isinstance(p, nn.Parameter) and not p.requires_grad and p.dtype != dtype and counts[id(p)] == 1:
