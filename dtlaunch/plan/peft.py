@@ -22,8 +22,17 @@ What changes against full training, per rank (dtlaunch.plan.memory.plan_stage ap
   AC's op policy (every other matmul's output saved) the adapters' matmuls join the alternation, which
   then keeps other outputs: counted from the call order (measured on real runs: exact).
 
-Shapes come from the model family (`ModelSpec.block_linears`: Hugging Face name -> (out, in,
-column-parallel)); a family without them is planned as full training, with a note.
+MoE (model families with routed experts): the routed experts are frozen 3-D parameters stored in the
+compute dtype (counted with the frozen base, sharded by EP then FSDP as full training shards them; never
+adapted, no gradient or optimizer state). Per sparse block and token they no longer save (measured with
+the runtime's StorageCounter on planner_moe blocks, fp32, bf16 params and autocast, grouped GEMM and the
+per-expert loop: exact) the grouped token copies and the SwiGLU product their weights' gradients read,
+routed_scale·k·e·(h + F); the FFN norm's output (or, under autocast, each frozen reader's cast of it)
+when neither the router's gate nor a shared expert reading it is adapted, e·h; a frozen shared down
+projection's input, e·F_shared.
+
+Shapes come from the model family (`ModelSpec.block_linears`: target name -> (out, in, column-parallel;
+None: whole on every TP rank)); a family without them is planned as full training, with a note.
 """
 
 from __future__ import annotations
@@ -32,8 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 ALL_LINEAR = "all-linear"
-# Linears that read the same norm output (autocast: each saves its own cast of it).
-NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# Linears that read the same norm output (autocast: each saves its own cast of it); wq/wk/wv: model.arch=moe's
+# names (no Hugging Face format).
+NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk", "wv")
+# The attention linears of a block, by either name: an MoE block's FFN linears follow them.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "wq", "wk", "wv", "wo")
 NF4_CODE_TABLE = 16
 
 
@@ -91,14 +103,19 @@ def adapted(cfg: Any, names: list[str]) -> list[str]:
     return list(names) if ALL_LINEAR in targets else [n for n in names if n in targets]
 
 
-def adapter_params(out: int, inp: int, colwise: bool, rank: int, tp: int) -> int:
+def adapter_params(out: int, inp: int, colwise: bool | None, rank: int, tp: int) -> int:
     """lora_a [rank, in] and lora_b [out, rank] on one TP rank: column-parallel shards B's rows (A
-    whole), row-parallel shards A's columns (B whole)."""
+    whole), row-parallel shards A's columns (B whole), a linear TP leaves whole (None) neither."""
+    if colwise is None:
+        return rank * (inp + out)
     return rank * inp + out * rank // tp if colwise else rank * inp // tp + out * rank
 
 
-def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, autocast: bool) -> PeftTerms | None:
-    """The fine-tuning terms of a stage; None for full training. `shards`: FSDP shard count (1 without)."""
+def peft_terms(
+    cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, autocast: bool, routed_scale: float = 1.0
+) -> PeftTerms | None:
+    """The fine-tuning terms of a stage; None for full training. `shards`: FSDP shard count (1 without);
+    `routed_scale`: an MoE rank's routed token copies over the balanced share (expert parallel)."""
     p = cfg.peft
     method = str(p.method)
     if method == "none":
@@ -123,11 +140,12 @@ def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, au
     act = -2 * norm_dtype * h / sp_div
     adapter_act = e * rank * len(chosen)
     if float(p.dropout) > 0:
-        adapter_act += sum((1 + e) * shapes[n][1] / (tp if not shapes[n][2] else 1) for n in chosen)
+        adapter_act += sum((1 + e) * shapes[n][1] / (tp if shapes[n][2] is False else 1) for n in chosen)
     if autocast:
         act -= sum(e * shapes[n][1] for n in NORM_READERS if n in shapes and n not in chosen)
     if "down_proj" in shapes and "down_proj" not in chosen:
         act -= e * shapes["down_proj"][1] / tp  # w2's input, the SwiGLU product, is saved only by w2
+    act += frozen_experts_act(cfg, shapes, chosen, e, autocast, routed_scale)
     return PeftTerms(
         method=method,
         adapters=adapters_block * layers,
@@ -144,6 +162,31 @@ def peft_terms(cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, au
     )
 
 
+def frozen_experts_act(
+    cfg: Any, shapes: dict[str, tuple[int, int, bool | None]], chosen: list[str], e: int, autocast: bool, scale: float
+) -> float:
+    """Saved bytes per token of a stage's mean block that an MoE block's frozen FFN no longer keeps (<= 0;
+    0 for a model without routed experts): see the module docstring. `shapes` lists the FFN linears after
+    the attention's: the router's gate, then the shared SwiGLU's gate, up and down."""
+    from dtlaunch.models.registry import routed_experts
+
+    m = cfg.model
+    if not routed_experts(m):
+        return 0.0
+    from dtlaunch.models.moe.shapes import expert_dim, sparse_layers
+
+    h, k = int(m.dim), int(m.moe.top_k)
+    ffn = [n for n in shapes if n not in ATTENTION]
+    readers, down = ffn[:3], ffn[3:]  # gate (+ shared gate, up) read the FFN norm's output
+    act = -scale * k * e * (h + expert_dim(m))
+    if autocast:
+        act -= e * h * sum(n not in chosen for n in readers)
+    elif not any(n in chosen for n in readers):
+        act -= e * h
+    act -= sum(e * shapes[n][1] for n in down if n not in chosen)
+    return act * len(sparse_layers(m)) / int(m.n_layers)
+
+
 def saved_matmuls(
     shapes: dict[str, tuple[int, int, bool]], chosen: list[str], rank: int, tp: int, sp: bool, e: int
 ) -> float:
@@ -153,7 +196,7 @@ def saved_matmuls(
     sums) only under sequence parallel; A's rank-wide output is whole on every TP rank."""
     outs: list[float] = []
     for name, (out, _inp, colwise) in shapes.items():
-        width = out / tp if colwise else out / (tp if tp > 1 and sp else 1)
+        width = out if colwise is None else out / tp if colwise else out / (tp if tp > 1 and sp else 1)
         outs.append(width)
         if name in chosen:
             outs += [rank, out / tp if colwise else out]

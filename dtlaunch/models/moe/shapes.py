@@ -81,6 +81,28 @@ def tp_divisors(m: Any) -> list[tuple[str, int]]:
     return out
 
 
+# Our module names of a block's linears (model.arch=moe has no Hugging Face format: peft.targets name these).
+_OURS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
+_OURS_FFN = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def block_linears(m: Any, hf: bool = True) -> dict[str, tuple[int, int, bool | None]]:
+    """The linears of one sparse block by target name (Hugging Face's, or ours where the family has no HF
+    format): (out features, in features, column-parallel under TP; None: whole on every TP rank), in
+    forward order: attention, the router's gate (dim -> experts) and the shared experts' SwiGLU (the FFN
+    is not split by TP: dtlaunch.models.moe.tp_plan). The routed experts are 3-D parameters, not linears: never adapted,
+    frozen in the compute dtype under LoRA / QLoRA (dtlaunch.train.parallel.frozen_base). Blocks that are
+    dense (model.moe.sparse_step / dense_layers) are planned as this block (their SwiGLU is not listed)."""
+    attn = {k: v for k, v in dense.block_linears(m).items() if k in _OURS}
+    out = {(k if hf else _OURS[k]): v for k, v in attn.items()}
+    out["gate"] = (int(m.moe.num_experts), int(m.dim), None)
+    fs = shared_dim(m)
+    if fs:
+        shared = {"gate_proj": (fs, m.dim, None), "up_proj": (fs, m.dim, None), "down_proj": (m.dim, fs, None)}
+        out.update({(k if hf else _OURS_FFN[k]): v for k, v in shared.items()})
+    return out
+
+
 block_norm_params = dense.block_norm_params
 embedding_params = dense.embedding_params
 head_params = dense.head_params

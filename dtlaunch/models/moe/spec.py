@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import dtlaunch.models.moe.flops as flops
@@ -30,6 +31,7 @@ def moe_spec(
         flops_per_token=flops.flops_per_token,
         matmul_params=flops.matmul_params,
         tp_divisors=shapes.tp_divisors,
+        block_linears=functools.partial(shapes.block_linears, hf=bool(hf_names)),
         activations="dtlaunch.models.moe.activations",
         check="dtlaunch.models.moe.check:check",
         fixed=dict(fixed),
