@@ -79,6 +79,8 @@ PEFT = [
     [*QLORA, "strategy=zero3", N2, BF16, FULL],
     # LoRA on the MoE family (the MoE rows' model, adapters on attention): the routed experts frozen in the
     # compute dtype, sharded like full training's (FSDP, then EP), without their weights' saved inputs.
+    # The first (ZeRO-3, fp32) measures 102.91 or 107.73 MiB from one run to the next (same code, 2 shared
+    # cores; `plan --trace` has the lower one); the table holds whichever the last run saw.
     [LORA, *MOE_LORA, "strategy=zero3", N2],
     [LORA, *MOE_LORA, "strategy=zero3", N2, "strategy.ep=2"],
     [LORA, *MOE_LORA, "strategy=zero3", N2, BF16],
