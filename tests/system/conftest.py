@@ -56,6 +56,10 @@ class SlurmCluster:
     env: dict[str, str]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
+    def wait_for(self, pred, timeout: float, what: str) -> None:
+        """Poll `pred` until it holds (a test's own condition: a log line, a checkpoint, a queue state)."""
+        _wait(pred, timeout, what)
+
     def run(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         res = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and res.returncode != 0:

@@ -72,20 +72,11 @@ def newest_checkpoint(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def release_requeued(cluster, job_id: str) -> None:
     """A requeued job waits ~120 s (Reason=BeginTime); start it now, but only once it is PENDING and its
     old steps are gone (earlier, slurmctld drains the node)."""
     cluster.wait_state(job_id, {"PENDING"}, timeout=90)
-    wait_for(
+    cluster.wait_for(
         lambda: not cluster.run("squeue", "-h", "-s", "-j", job_id, check=False).stdout.strip(),
         60,
         f"the old steps of job {job_id} to end",
@@ -161,13 +152,13 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path: Path)
     )
     cluster = slurm_cluster
 
-    wait_for(lambda: newest_checkpoint(run_dir) >= 2, 120, "the first checkpoint")
+    cluster.wait_for(lambda: newest_checkpoint(run_dir) >= 2, 120, "the first checkpoint")
     cluster.run("scancel", "--signal=USR1", "--batch", job_id)
     release_requeued(cluster, job_id)
     assert cluster.job_field(job_id, "Restarts") == "1"
     first = newest_checkpoint(run_dir)
 
-    wait_for(lambda: newest_checkpoint(run_dir) > first, 120, "a checkpoint from the second attempt")
+    cluster.wait_for(lambda: newest_checkpoint(run_dir) > first, 120, "a checkpoint from the second attempt")
     cluster.run("scontrol", "requeue", job_id)
     release_requeued(cluster, job_id)
 

@@ -126,15 +126,6 @@ def test_evaluation_is_its_own_job_after_training(slurm_cluster, inputs, tmp_pat
     assert 0 < saved["n_samples"]["tiny_mc"]["effective"] == expected["n_samples"]["tiny_mc"]["effective"]
 
 
-def wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_requeued_training_keeps_the_evaluation_waiting(slurm_cluster, inputs, tmp_path: Path) -> None:
     """The time-limit signal: the workers checkpoint, the batch shell requeues its job (exit 75). The job is
     PENDING again under its id, never finished, so afterok still waits; the evaluation runs once, after
@@ -146,7 +137,7 @@ def test_requeued_training_keeps_the_evaluation_waiting(slurm_cluster, inputs, t
         cluster, tmp_path, run_dir, overrides, "debug.hold_at_step=2", "debug.fail_rank=1", "cluster.signal_before_s=30"
     )
     rank_log = run_dir / "logs" / "rank1.log"
-    wait_for(lambda: rank_log.is_file() and "holding at step 2" in rank_log.read_text(), 180, "rank 1 to hold")
+    cluster.wait_for(lambda: rank_log.is_file() and "holding at step 2" in rank_log.read_text(), 180, "rank 1 to hold")
     cluster.run("scancel", "--signal=USR1", "--batch", train_id)
     cluster.wait_state(train_id, {"PENDING"}, timeout=90)
     assert "requeueing job" in log_text(run_dir, train_id)
@@ -155,7 +146,9 @@ def test_requeued_training_keeps_the_evaluation_waiting(slurm_cluster, inputs, t
     assert cluster.job_field(eval_id, "Reason") == "Dependency"
     assert not (run_dir / "eval").exists()
     # Release the requeued job now rather than after Slurm's ~2 min hold (see test_slurm.release_requeued).
-    wait_for(lambda: not cluster.run("squeue", "-h", "-s", "-j", train_id, check=False).stdout.strip(), 60, "old steps")
+    cluster.wait_for(
+        lambda: not cluster.run("squeue", "-h", "-s", "-j", train_id, check=False).stdout.strip(), 60, "old steps"
+    )
     time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={train_id}", "StartTime=now")
     assert wait_finished(cluster, train_id, run_dir) == "COMPLETED", job_logs(run_dir)
