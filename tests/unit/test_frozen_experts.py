@@ -70,3 +70,15 @@ def test_bf16_experts_forward_backward_match_fp32_stored_under_autocast(
     # (the init is the same), so the two runs agree to bf16 accumulation-order noise.
     torch.testing.assert_close(out[True][0], out[False][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out[True][1], out[False][1], rtol=5e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_dpo_reference_copy_stores_routed_experts_in_the_compute_dtype(precision: str, dtype: torch.dtype) -> None:
+    # The planner counts the frozen copy's linears and experts at the compute dtype (plan.objective.copy_bytes).
+    from dtlaunch.train.objectives.reference import _frozen_model
+
+    cfg = compose(["model=tiny_moe", "objective=dpo", "data.kind=synthetic", f"precision={precision}"]).cfg
+    model, _, _ = _frozen_model(cfg, init=False)
+    assert all(p.dtype == dtype and not p.requires_grad for p in _routed(model))
+    assert model.tok_embeddings.weight.dtype == torch.float32  # as the policy's, trained in fp32
+    assert all(m.weight.dtype == torch.float32 for n, m in model.named_modules() if n.endswith("norm"))

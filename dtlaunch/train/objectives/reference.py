@@ -172,11 +172,18 @@ def _frozen_model(cfg: Any, init: bool) -> tuple[nn.Module, Any, Any]:
     for p in model.parameters():
         p.requires_grad_(False)
     if dtype != torch.float32:
-        # Never updated: no fp32 master copy of the linears, the compute dtype is all their matmuls read
-        # (norms and the embedding stay fp32, as the policy's, so both see the same numbers).
+        # Never updated: no fp32 master copy of the linears (nor of a MoE's routed experts), the compute
+        # dtype is all their matmuls read (norms and the embedding stay fp32, as the policy's, so both see
+        # the same numbers).
+        from dtlaunch.train.parallel.frozen_base import compute_dtype_weights
+
         ids = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
         tied = {i for i in ids if ids.count(i) > 1}  # a head tied to the embedding stays as it is
         for mod in model.modules():
-            if isinstance(mod, nn.Linear) and mod.weight.dtype != dtype and id(mod.weight) not in tied:
-                mod.weight = nn.Parameter(mod.weight.detach().to(dtype), requires_grad=False)
+            if isinstance(mod, nn.Embedding):
+                continue
+            for name in compute_dtype_weights(mod):
+                p = getattr(mod, name, None)
+                if isinstance(p, nn.Parameter) and p.dtype != dtype and id(p) not in tied:
+                    setattr(mod, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
     return model, ref_cfg, weights

@@ -25,6 +25,14 @@ from dtlaunch.models.moe.experts import GroupedExperts
 from dtlaunch.train.parallel.qlora import DTYPES, quantize_base
 
 
+def compute_dtype_weights(mod: nn.Module) -> tuple[str, ...]:
+    """The weights of `mod` that a frozen model stores in the compute dtype: a linear's or an embedding's
+    weight and bias, the routed experts' three (DPO's frozen reference copy too)."""
+    if isinstance(mod, GroupedExperts):
+        return ("w1", "w2", "w3")
+    return ("weight", "bias") if isinstance(mod, (nn.Linear, nn.Embedding)) else ()
+
+
 def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = False) -> None:
     """peft.method=lora/qlora: frozen linear, embedding and routed-expert weights (and biases) to the compute
     dtype, then (qlora) the block linears to NF4. `shards`: the FSDP shard count (1 without FSDP); `fsdp`: FSDP2
@@ -34,9 +42,7 @@ def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = Fa
     dtype = DTYPES[str(cfg.precision.param_dtype)]
     counts = _uses(model)
     for mod in model.modules():
-        if not isinstance(mod, (nn.Linear, nn.Embedding, GroupedExperts)):
-            continue
-        for name in ("w1", "w2", "w3") if isinstance(mod, GroupedExperts) else ("weight", "bias"):
+        for name in compute_dtype_weights(mod):
             p = getattr(mod, name, None)
             # A head tied to the embedding is trained or frozen with it and stays as it is (and tied).
             if isinstance(p, nn.Parameter) and not p.requires_grad and p.dtype != dtype and counts[id(p)] == 1:
