@@ -14,7 +14,11 @@ Cases: `llama8b-shaped` has the head's share of Llama-3.1-8B's FLOPs (head / all
 a recompute cost of ~2 %); `tiny-32k` is the 32k-vocabulary tiny model the planner rows use, where the
 head is most of the model (the worst case).
 
-    python bench/loss_chunks.py [--reps 5] [--steps 4] [--markdown FILE] [--json FILE]
+`--preference`: the preference objectives' chunked log-probs (objective=orpo: the policy alone; dpo: a
+frozen reference copy's no-grad forward too) against their whole-logits pass, on fixed pairs whose first
+half of each row is the prompt. Their chunks are always recomputed in backward.
+
+    python bench/loss_chunks.py [--reps 5] [--steps 4] [--preference] [--markdown FILE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +39,22 @@ CASES: dict[str, list[str]] = {
     "llama8b-shaped": ["model=planner7m", "model.vocab_size=1536", "training.micro_batch=4", "training.seq_len=256"],
     "tiny-32k": ["model=tiny", "model.vocab_size=32000", "training.micro_batch=4", "training.seq_len=128"],
 }
+
+
+class FixedPairs:
+    """A preference micro-batch as the loader hands it: `pairs` chosen rows above their rejected rows,
+    targets -100 over each row's first half (the prompt)."""
+
+    def __init__(self, pairs: int, seq_len: int, vocab: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (2 * pairs, seq_len + 1), generator=g)
+        self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:].clone()
+        self.targets[:, : seq_len // 2] = -100
+
+    def next_batch(self) -> tuple:
+        return self.inputs, self.targets
 
 
 class FixedBatches:
@@ -67,6 +87,9 @@ def runtime(overrides: list[str]) -> Any:
     materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
     layout = Layout.resolve(cfg.strategy, 1)
+    from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives.reference import build_reference
+
     return Runtime(
         cfg=cfg,
         layout=layout,
@@ -76,6 +99,8 @@ def runtime(overrides: list[str]) -> Any:
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
+        objective=PreferenceObjective.of(cfg),
+        reference=build_reference(cfg, layout, None, [model]),
     )
 
 
@@ -131,17 +156,104 @@ def bench_case(name: str, overrides: list[str], reps: int, steps: int) -> dict:
     return row
 
 
+PREFERENCE = {
+    "orpo-llama8b-shaped": [*CASES["llama8b-shaped"], "objective=orpo", "data.kind=synthetic"],
+    "dpo-llama8b-shaped": [*CASES["llama8b-shaped"], "objective=dpo", "data.kind=synthetic"],
+    "orpo-tiny-32k": [*CASES["tiny-32k"], "objective=orpo", "data.kind=synthetic"],
+}
+
+
+def bench_preference(name: str, overrides: list[str], reps: int, steps: int) -> dict:
+    """Chunked (8, recomputed) against whole-logits (1) preference log-probs, alternating blocks."""
+    from dtlaunch.train.step import train_step
+
+    rts = {n: runtime([*overrides, f"training.loss_chunks={n}"]) for n in (1, 8)}
+    t = rts[1].cfg.training
+    data = FixedPairs(int(t.micro_batch), int(t.seq_len), int(rts[1].cfg.model.vocab_size))
+    tokens = 2 * int(t.micro_batch) * int(t.seq_len) * steps
+    for rt in rts.values():
+        for s in range(2):
+            train_step(rt, data, s + 1)
+    rates: dict[int, list[float]] = {1: [], 8: []}
+    losses: dict[int, float] = {}
+    for rep in range(reps):
+        for n in (1, 8) if rep % 2 == 0 else (8, 1):
+            start = time.process_time()
+            for s in range(steps):
+                r = train_step(rts[n], data, 3 + rep * steps + s)
+            rates[n].append(tokens / (time.process_time() - start))
+            losses[n] = float(r.local_loss)
+    full, chunked = statistics.median(rates[1]), statistics.median(rates[8])
+    row = {
+        "case": name,
+        "overrides": overrides,
+        "tokens_per_s_full": full,
+        "tokens_per_s_chunked": chunked,
+        "ratio": chunked / full,
+        "expected_cost": expected_cost(rts[1].cfg),
+        "rates": rates,
+        "last_loss": losses,
+    }
+    print(
+        f"{name:20s} full {full:9.0f} tok/s  chunked(8) {chunked:9.0f} tok/s  ratio {chunked / full:.3f}  "
+        f"(expected cost {row['expected_cost'] * 100:.1f} %)  last loss {losses[1]:.6f} / {losses[8]:.6f}",
+        flush=True,
+    )
+    return row
+
+
+def preference_markdown(rows: list[dict], info: dict, args: Any) -> str:
+    table = markdown_table(
+        ["case", "overrides", "whole logits tok/s", "chunked (8) tok/s", "chunked / whole", "expected cost"],
+        [
+            [
+                r["case"],
+                " ".join(r["overrides"]),
+                f"{r['tokens_per_s_full']:.0f}",
+                f"{r['tokens_per_s_chunked']:.0f}",
+                f"{r['ratio']:.3f}",
+                f"{r['expected_cost'] * 100:.1f} %",
+            ]
+            for r in rows
+        ],
+    )
+    return "\n".join(
+        [
+            "# Preference objectives: chunked log-probs (training.loss_chunks=8) vs whole logits (=1), CPU",
+            "",
+            f"- machine: {describe_machine(info)}",
+            f"- command: `{this_command()}`",
+            f"- one process, one thread, fp32; {args.reps} alternating blocks of {args.steps} steps per mode "
+            "(median rows x tokens per CPU-second of the process); the same weights and pairs in both modes",
+            "- the chunks are recomputed in backward (a row's gradient waits for every row's sum): one more "
+            "head matmul per token for the policy, none for DPO's no-grad reference forward",
+            "",
+            table,
+            "",
+        ]
+    )
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--markdown", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--preference", action="store_true", help="the preference objectives' log-probs instead")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # one core: the ratio is not a measure of how busy the other core is
     info = machine_info()
+    if args.preference:
+        prefs = [bench_preference(n, ov, args.reps, args.steps) for n, ov in PREFERENCE.items()]
+        if args.json:
+            write_json(args.json, {"machine": info, "command": this_command(), "rows": prefs})
+        if args.markdown:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(preference_markdown(prefs, info, args))
+        return
     rows = [bench_case(n, ov, args.reps, args.steps) for n, ov in CASES.items()]
     if args.json:
         write_json(args.json, {"machine": info, "command": this_command(), "rows": rows})
