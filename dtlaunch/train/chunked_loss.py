@@ -76,10 +76,8 @@ def _chunk_by_chunk(
         if reduction == "none" and isinstance(part, DTensor):
             part = part.to_local()  # replicated under loss_parallel: the local values are the whole (gradient too)
         parts.append(part)
-        if reduction != "none" and len(parts) == 2:
-            parts = [parts[0] + parts[1]]
     assert parts, "no tokens"
-    return torch.cat(parts) if reduction == "none" else parts[0]
+    return torch.cat(parts) if reduction == "none" else sum(parts[1:], start=parts[0])
 
 
 def chunked_cross_entropy(
