@@ -74,7 +74,6 @@ def user_sbatch_args(cfg: Any) -> list[str]:
 def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
     """The `#SBATCH` options, already quoted."""
     cl = cfg.cluster
-    logs = check_log_dir(run_dir) / "logs"
     opts = [
         f"--job-name={_q('run.name', job_name)}",
         f"--nodes={int(cl.nodes)}",
@@ -83,21 +82,34 @@ def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
     gpus = _gpus_per_node(cfg)
     if gpus:
         opts.append(f"--gpus-per-node={gpus}")
-    if cl.cpus_per_task > 0:
-        opts.append(f"--cpus-per-task={int(cl.cpus_per_task)}")
-    for key in ("mem", "partition", "account", "qos", "time"):
+    opts += site_options(cfg, run_dir, "time")
+    opts.append(f"--signal=B:USR1@{int(cl.signal_before_s)}")
+    return opts + user_sbatch_args(cfg)
+
+
+def site_options(cfg: Any, run_dir: Path, time_key: str) -> list[str]:
+    """The options a run's training and evaluation jobs share, quoted: CPUs per task, the site's memory,
+    partition, account and qos, the time limit `cluster.<time_key>`, the logs, and requeue."""
+    cl = cfg.cluster
+    logs = check_log_dir(run_dir) / "logs"
+    opts = [f"--cpus-per-task={int(cl.cpus_per_task)}"] if cl.cpus_per_task > 0 else []
+    for option, key in (
+        ("mem", "mem"),
+        ("partition", "partition"),
+        ("account", "account"),
+        ("qos", "qos"),
+        ("time", time_key),
+    ):
         value = getattr(cl, key)
         if value:
-            opts.append(f"--{key}={_q(f'cluster.{key}', value)}")
-    opts += [
+            opts.append(f"--{option}={_q(f'cluster.{key}', value)}")
+    return opts + [
         f"--output={_q('run.dir', logs / 'slurm-%j.out')}",
         f"--error={_q('run.dir', logs / 'slurm-%j.err')}",
         # Append: a requeued job keeps the log of its previous attempts.
         "--open-mode=append",
         "--requeue",
-        f"--signal=B:USR1@{int(cl.signal_before_s)}",
     ]
-    return opts + user_sbatch_args(cfg)
 
 
 def _check_cluster(cfg: Any) -> None:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtlaunch.launch.slurm import EVAL_MODULE, _gpus_per_node, _q, check_log_dir, user_sbatch_args
+from dtlaunch.launch.slurm import EVAL_MODULE, _gpus_per_node, _q, site_options, user_sbatch_args
 from dtlaunch.run.env import RUN_DIR_ENV
 
 EVAL_SCRIPT_NAME = "slurm-eval.sbatch"
@@ -39,29 +39,15 @@ def dependency_option(train_job_id: str) -> str:
 
 def eval_sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
     """The evaluation job's `#SBATCH` options, already quoted: the training job's site options
-    (partition, account, qos, mem, sbatch_args) on one node with one task and one GPU."""
-    cl = cfg.cluster
-    logs = check_log_dir(run_dir) / "logs"
+    (partition, account, qos, mem, sbatch_args) on one node with one task and one GPU, its own time
+    limit (cluster.eval_time). Requeued when preempted or its node is lost: it evaluates again from the
+    start (it writes its results only at the end)."""
     opts = [f"--job-name={_q('run.name', job_name + '-eval')}", "--nodes=1", "--ntasks=1"]
     if _gpus_per_node(cfg):
         opts.append("--gpus-per-node=1")
-    if cl.cpus_per_task > 0:
-        opts.append(f"--cpus-per-task={int(cl.cpus_per_task)}")
-    for key in ("mem", "partition", "account", "qos"):
-        value = getattr(cl, key)
-        if value:
-            opts.append(f"--{key}={_q(f'cluster.{key}', value)}")
-    if cl.eval_time:
-        opts.append(f"--time={_q('cluster.eval_time', cl.eval_time)}")
-    opts += [
-        f"--output={_q('run.dir', logs / 'slurm-%j.out')}",
-        f"--error={_q('run.dir', logs / 'slurm-%j.err')}",
-        "--open-mode=append",
-        # Preempted or its node lost: evaluate again from the start (it writes its results only at the end).
-        "--requeue",
-        # Training ended in any other way than exit 0: cancel this job rather than leave it pending forever.
-        "--kill-on-invalid-dep=yes",
-    ]
+    opts += site_options(cfg, run_dir, "eval_time")
+    # Training ended in any other way than exit 0: cancel this job rather than leave it pending forever.
+    opts.append("--kill-on-invalid-dep=yes")
     return opts + user_sbatch_args(cfg)
 
 
