@@ -95,7 +95,9 @@ def why_not_here(cmd: DocCommand, cwd: Path) -> str | None:
         re.search(r"(^|[=:])[A-Z][A-Z0-9_]*(,|$)", a) or re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", a) for a in argv
     ):
         return "a synopsis with placeholders"
-    if len(argv) == 1 and argv[0] in MENTIONS:
+    if any(re.fullmatch(r"[a-z]+(/[a-z]+)+", a) for a in argv):  # `ckpt ls/inspect/verify/export`
+        return "a synopsis with placeholders"
+    if len(argv) == 1 and argv[0] in MENTIONS or argv == ["data", "prepare"]:
         return "names the command (no arguments)"
     if argv[0] == "--install-completion":
         return "changes the user's shell start-up files"
