@@ -126,6 +126,9 @@ def why_not_here(cmd: DocCommand, cwd: Path) -> str | None:
         first = argv[2] if argv[0] in ("ckpt", "data") and len(argv) > 2 else argv[1]
         if argv[0] == "status" and first.startswith("-"):
             first = ""
+        hub = first.startswith("hf:") and not first[3:].startswith((".", "/")) and first.count("/") == 1
+        if hub and not (cwd / first[3:]).exists():
+            return "a model from the Hugging Face Hub"
         if first and not first.startswith("-") and not (cwd / _value_path(first)).exists():
             return f"needs {first} (a run or file of the user's, or of an earlier command)"
     if any(k.startswith("launch.rdzv_endpoint=") for k in argv) and "--dry-run" not in argv:
