@@ -45,6 +45,9 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
 
     check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 now, not after the job trained
     if not dry_run:
+        from dtlaunch.inputs.job import check_training_weights
+
+        check_training_weights(job.cfg, fetch=False)  # a local hf:DIR must hold its weights, not only config.json
         from dtlaunch.hub.dataset import pin_dataset
         from dtlaunch.hub.download import check_cached
 

@@ -172,12 +172,10 @@ def launch_prepared(prepared: Prepared) -> int:
 
 
 def check_hf_weights(cfg: Any) -> None:
-    """A hub model's weights: fetched now and their safetensors headers checked, before a run directory is
-    created (a local hf:DIR was checked when the job was loaded: dtlaunch.inputs.job)."""
-    from dtlaunch.inputs.job import check_model_weights, is_hub_model
+    """The weights training starts from, before a run directory is created (dtlaunch.inputs.job)."""
+    from dtlaunch.inputs.job import check_training_weights
 
-    if is_hub_model(cfg):
-        check_model_weights(cfg, fetch=True)
+    check_training_weights(cfg, fetch=True)
 
 
 def _launch_recording_state(cfg: Any, run_dir: Path) -> None:
