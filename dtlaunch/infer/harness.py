@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.infer.eval_datasets import check_datasets_reachable, unreachable_dataset_error
 
 EVAL_DIR = "eval"  # RUN/eval/<time>.json
 # Byte runs train on text only (data.format=chat is refused for them), so no template fits their ids.
@@ -58,6 +59,7 @@ def check_request(req: EvalRequest, key: str = "--tasks", include_key: str = "--
             close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}?" if close else "see `lm-eval ls tasks`"
             raise ConfigError(f"{key}: unknown task '{name}': {hint}")
+    check_datasets_reachable(manager, req.tasks, key, include_key)  # offline: seconds here, not after the load
     return manager
 
 
@@ -184,7 +186,10 @@ def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = 
     if req.apply_chat_template and isinstance(lm.loaded.tokenizer, ByteTokenizer):
         raise ConfigError(f"--apply-chat-template: {src.spec} {BYTE_NO_CHAT}: drop --apply-chat-template")
     phase(f"eval: loaded {src.spec} on {device}; running {', '.join(req.tasks)}")
-    out = evaluate(lm, req, manager)
+    try:
+        out = evaluate(lm, req, manager)
+    except ConnectionError as exc:  # online mode without a network: a hub dataset could not be fetched
+        raise unreachable_dataset_error(exc, manager, req.tasks) from None
     record = results_record(
         out, req, src.spec + (f" + {adapter}" if adapter else ""), src.step, time.perf_counter() - start
     )

@@ -105,6 +105,11 @@ def tasks_dir(tmp_path_factory, tiny_docs) -> Path:
         "doc_to_target: '{{target}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n"
     )
+    # lm-eval's built-in tasks read hub datasets (arc_easy: allenai/ai2_arc); this one's is in no cache.
+    (d / "tiny_hub.yaml").write_text(
+        "task: tiny_hub\ndataset_path: dtlaunch-tests/no-such-dataset\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+    )
     return d
 
 
@@ -264,6 +269,13 @@ def test_bad_inputs_are_one_line(model_dir: Path, tasks_dir: Path, tmp_path: Pat
     assert "config.json" in cli_error(["eval", f"hf:{tmp_path}", "--tasks", "tiny_mc"], monkeypatch, capsys)
     assert "--tasks" in cli_error(["eval", hf, "--tasks", "tiny_mc,,x"], monkeypatch, capsys)
     assert "batch size 0" in cli_error(["eval", hf, "--tasks", "tiny_mc", "--batch-size", "0"], monkeypatch, capsys)
+    # Offline, a task whose hub dataset is not cached: refused before the model loads, naming the task, the
+    # dataset and the fix, instead of lm-eval's ConnectionError. (datasets reads HF_HUB_OFFLINE at its import,
+    # which another test module may have done first: set as datasets then sees it.)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    line = cli_error(["eval", hf, "--tasks", "tiny_mc,tiny_hub", *inc], monkeypatch, capsys)
+    assert "task 'tiny_hub' reads the hub dataset dtlaunch-tests/no-such-dataset" in line, line
+    assert "HF_HUB_OFFLINE=1" in line and "--include" in line, line
 
 
 def test_without_lm_eval_one_line_names_the_extra(model_dir: Path) -> None:
