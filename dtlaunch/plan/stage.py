@@ -693,11 +693,11 @@ def plan_stage(
 ) -> StagePlan:
     """The stage's plan: its lines at the peak phase, and every phase's total."""
     c = stage_shape(cfg, layout, stage, layers, first, last, layer_ids)
+    static = static_lines(c)
     # Offloading (dtlaunch.plan.offload): the device lines shrink by exactly what the host lines hold.
-    lines, host = offload.split(c, {**static_lines(c), **forward_lines(c)})
+    lines, host = offload.split(c, {**static, **forward_lines(c)})
     at_step, host_at_step = offload.split_at_step(c, optimizer_lines(c, lines))
     phases = {"forward": sum(lines.values()), "backward": backward_peak(c, lines), "optimizer": sum(at_step.values())}
-    static = static_lines(c)
     gather = _embedding_gather_moment(c, lines)
     phases["forward"] = max(phases["forward"], gather)
     phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
