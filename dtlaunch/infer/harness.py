@@ -6,13 +6,14 @@ optional dependency: it is imported here, inside functions, and only on the eval
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.infer.eval_datasets import check_datasets_reachable, unreachable_dataset_error
@@ -73,25 +74,50 @@ def task_manager(include: str) -> Any:
     return TaskManager(include_path=include or None)
 
 
+@contextlib.contextmanager
+def _git_hash_quietly() -> Iterator[None]:
+    """lm-eval records `git describe --always` of the working directory, letting git print "fatal: not a
+    git repository" on the terminal when it is none: the same lookup, with git's stderr discarded (the
+    results file dtlaunch writes does not keep the hash)."""
+    import subprocess
+
+    from lm_eval import evaluator
+
+    def quiet() -> Optional[str]:
+        try:
+            out = subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL)
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return None
+        return out.strip().decode()
+
+    original = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def evaluate(lm: Any, req: EvalRequest, manager: Any, log_samples: bool = False) -> dict:
     """lm_eval.simple_evaluate on `lm` (an lm_eval LM); its whole result dict."""
     import lm_eval
 
-    return lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(req.tasks),
-        num_fewshot=None if req.num_fewshot < 0 else req.num_fewshot,
-        batch_size=req.batch_size,
-        limit=req.limit or None,
-        apply_chat_template=req.apply_chat_template,
-        task_manager=manager,
-        log_samples=log_samples,
-        # Same seeds every time: few-shot sampling and any sampled generation repeat run to run.
-        random_seed=0,
-        numpy_random_seed=1234,
-        torch_random_seed=1234,
-        fewshot_random_seed=1234,
-    )
+    with _git_hash_quietly():
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(req.tasks),
+            num_fewshot=None if req.num_fewshot < 0 else req.num_fewshot,
+            batch_size=req.batch_size,
+            limit=req.limit or None,
+            apply_chat_template=req.apply_chat_template,
+            task_manager=manager,
+            log_samples=log_samples,
+            # Same seeds every time: few-shot sampling and any sampled generation repeat run to run.
+            random_seed=0,
+            numpy_random_seed=1234,
+            torch_random_seed=1234,
+            fewshot_random_seed=1234,
+        )
 
 
 def metric_rows(results: dict) -> list[tuple[str, str, float, Optional[float]]]:

@@ -217,20 +217,22 @@ def test_run_evaluated_after_training_matches_hflm_on_the_export(run: Path, mana
 
 
 def test_cli_on_hf_source_writes_results_and_prints_a_table(
-    model_dir: Path, tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+    model_dir: Path, tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd
 ) -> None:
     # In-process through the console entry point (the training run above is the subprocess one).
     from dtlaunch.cli import run as cli_run
 
     out = tmp_path / "results"
     monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.chdir(tmp_path)  # not a git repository: lm-eval's `git describe` there must stay quiet
     argv = ["eval", f"hf:{model_dir}", "--tasks", "tiny_mc,tiny_gen", "--include", str(tasks_dir), "--limit", "5"]
     more = ["--batch-size", "2", "--num-fewshot", "1", "--apply-chat-template", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv, *more])
     with pytest.raises(SystemExit) as exc:
         cli_run()
-    stdout = capsys.readouterr().out
+    stdout, stderr = capfd.readouterr()
     assert exc.value.code == 0, stdout[-2000:]
+    assert "not a git repository" not in stderr, stderr
     (path,) = out.glob("*.json")
     saved = json.loads(path.read_text())
     assert saved["n_samples"]["tiny_mc"]["effective"] == 5 and saved["step"] is None
