@@ -381,6 +381,9 @@ def report(
 
 def run() -> None:
     """Console entry point: one-line errors with documented exit codes."""
+    from dtlaunch.run.known_noise import silence_known_noise
+
+    silence_known_noise()  # before anything imports torch or torchao
     try:
         # Non-standalone mode returns the exit code of typer.Exit instead of exiting.
         code = app(standalone_mode=False) or 0
