@@ -150,13 +150,16 @@ def summary_rows(r: dict[str, Any]) -> list[list[Any]]:
         if c["goal_s"] is None:
             continue
         med = c["seconds"]["median"]
+        # A one-process command's CPU time is what it takes on a quiet machine, give or take its I/O; the
+        # wall time grows with whatever else loads the machine: the goal is judged on the CPU time if known.
         cpu = c.get("cpu_seconds", {}).get("median")
+        judged = cpu or med
         rows.append(
             [
                 c["name"],
                 (f"{med:.2f} s" + (f" (CPU {cpu:.2f} s)" if cpu else "")) if med else c["error"],
-                f"< {c['goal_s']} s",
-                "yes" if med and med < c["goal_s"] else "no",
+                f"< {c['goal_s']} s" + (" CPU" if cpu else ""),
+                "yes" if judged and judged < c["goal_s"] else "no",
             ]
         )
     p = r.get("planner")
@@ -193,7 +196,8 @@ def render(r: dict[str, Any]) -> str:
         f"# dtlaunch CPU benchmarks, {m['date']}",
         "",
         f"- machine: {describe_machine(m)}",
-        f"- command: `{r['command']}` ({'quick' if r['quick'] else 'full'} suite, {r['wall_s']:.0f} s)",
+        f"- command: `{r['command']}` ({'quick' if r['quick'] else 'full' if all(k in r for k in SECTIONS) else 'partial'}"
+        f" suite, {r['wall_s']:.0f} s)",
         "- every figure: median over repetitions, (min–max) where shown; A/B runs alternate.",
         "",
         "## Summary",
