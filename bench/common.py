@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -131,6 +132,15 @@ def time_process(cmd: Sequence[str], env: Optional[dict[str, str]] = None, timeo
     if done.returncode != 0:
         raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
     return wall
+
+
+def time_process_cpu(cmd: Sequence[str], timeout: float = 120) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system) of one whole process. The CPU figure is what the command
+    costs whatever else loads the machine; the wall figure is what a user waits on this machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = time_process(cmd, timeout=timeout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def _env(extra: Optional[dict[str, str]]) -> dict[str, str]:

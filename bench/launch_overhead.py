@@ -18,7 +18,7 @@ from typing import Any, Optional
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import command_line, markdown_table, min_med_max, stats, time_process, venv_bin
+from bench.common import command_line, markdown_table, min_med_max, stats, time_process_cpu, venv_bin
 
 # (name, command, goal in seconds or None)
 COMMANDS: list[tuple[str, list[str], Optional[float]]] = [
@@ -34,21 +34,28 @@ COMMANDS: list[tuple[str, list[str], Optional[float]]] = [
 
 
 def run(reps: int = 5) -> list[dict[str, Any]]:
-    """Alternate the commands within each repetition, so load changes spread over all of them."""
+    """Alternate the commands within each repetition, so load changes spread over all of them. Each
+    command's CPU time (user + system) is kept beside its wall time: on a machine others load, the wall
+    time grows with their load, the CPU time hardly."""
     times: dict[str, list[float]] = {name: [] for name, _, _ in COMMANDS}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in COMMANDS}
     errors: dict[str, str] = {}
     for _ in range(reps):
         for name, cmd, _ in COMMANDS:
             try:
-                times[name].append(time_process(cmd))
+                wall, used = time_process_cpu(cmd)
             except Exception as exc:  # noqa: BLE001 - a failing command is a result to report, not a crash
                 errors[name] = str(exc).splitlines()[0][:300]
+                continue
+            times[name].append(wall)
+            cpu[name].append(used)
     return [
         {
             "name": name,
             "command": command_line(cmd),
             "goal_s": goal,
             "seconds": stats(times[name]),
+            "cpu_seconds": stats(cpu[name]),
             "error": errors.get(name, ""),
         }
         for name, cmd, goal in COMMANDS
@@ -76,6 +83,7 @@ def table(rows: list[dict[str, Any]], first_steps: list[dict[str, Any]]) -> str:
         [
             r["name"],
             min_med_max(r["seconds"]),
+            min_med_max(r.get("cpu_seconds", {})),
             f"< {r['goal_s']}" if r["goal_s"] else "-",
             _verdict(r["seconds"]["median"], r["goal_s"]) if not r["error"] else f"error: {r['error']}",
         ]
@@ -87,11 +95,12 @@ def table(rows: list[dict[str, Any]], first_steps: list[dict[str, Any]]) -> str:
                 f"first step, {f['case']}: dtlaunch {min_med_max(f['dtlaunch'])} vs hand-written "
                 f"{min_med_max(f['handwritten'])}",
                 f"+{f['extra_s']:.2f}" if f["extra_s"] is not None else "-",
+                "-",
                 "≤ +1.0",
                 _verdict(f["extra_s"], f["goal_extra_s"]),
             ]
         )
-    return markdown_table(["what", "seconds, median (min–max)", "goal", "met"], lines)
+    return markdown_table(["what", "seconds, median (min–max)", "CPU seconds", "goal", "met"], lines)
 
 
 def main() -> None:

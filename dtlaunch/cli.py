@@ -381,6 +381,9 @@ def report(
 
 def run() -> None:
     """Console entry point: one-line errors with documented exit codes."""
+    from dtlaunch.run.known_noise import silence_known_noise
+
+    silence_known_noise()  # before anything imports torch or torchao
     try:
         # Non-standalone mode returns the exit code of typer.Exit instead of exiting.
         code = app(standalone_mode=False) or 0
@@ -391,7 +394,7 @@ def run() -> None:
 
 def exit_code_of(exc: BaseException) -> int:
     """Print the one line the user sees for `exc` (on stderr) and return the documented exit code. With
-    --debug, errors other than a requested exit are raised again, for their traceback."""
+    --debug, the traceback comes first; the exit code stays the documented one (scripts branch on it)."""
     from dtlaunch.errors import DtlaunchError
 
     if isinstance(exc, SystemExit):
@@ -402,18 +405,18 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, typer.Exit):
         return int(exc.exit_code)
     if isinstance(exc, DtlaunchError):
-        if _DEBUG:
-            raise exc
+        _traceback_if_debug(exc)
         # One line whatever a message echoes (a file name or value can hold a newline): shown escaped.
         print(f"dtlaunch: error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, OSError):
         # An OS error on a named path is bad input (a path too long, not writable, a file where a
         # directory belongs): mapped here once for every command instead of at each file operation.
-        if _DEBUG or exc.filename is None:
+        if exc.filename is None:
             return _internal_error(exc)
         from dtlaunch.errors import EXIT_BAD_INPUT, os_error_message
 
+        _traceback_if_debug(exc)
         print(f"dtlaunch: error: {os_error_message(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if isinstance(exc, (typer.Abort, KeyboardInterrupt)):
@@ -433,9 +436,17 @@ def _one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
-def _internal_error(exc: BaseException) -> int:
+def _traceback_if_debug(exc: BaseException) -> None:
     if _DEBUG:
-        raise exc
+        import traceback
+
+        traceback.print_exception(exc)
+
+
+def _internal_error(exc: BaseException) -> int:
+    _traceback_if_debug(exc)
+    if _DEBUG:
+        return 1
     print(
         f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr
     )

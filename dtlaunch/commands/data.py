@@ -58,7 +58,9 @@ def _prepare_records(
         raise InputError(f"--kind '{kind}' is unknown: use text, jsonl, parquet or hf")
     t0 = time.perf_counter()
     files = [f for item in inputs for f in source_files(kind, item, "INPUT")]
-    texts = itertools.chain.from_iterable(iter_documents(kind, item, text_field, split, "INPUT") for item in inputs)
+    texts = itertools.chain.from_iterable(
+        iter_documents(kind, item, text_field, split, "INPUT", field_key="--text-field") for item in inputs
+    )
     batches = cache.encode_batches(tok, texts)  # type: ignore[arg-type]
     meta = cache.write_tokens(
         out,

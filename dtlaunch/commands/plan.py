@@ -109,7 +109,9 @@ def plan_command(
         if rows:
             out.print("best layout as overrides: " + shlex.join(rows[0]["overrides"]), markup=False)
     if trace:
-        out.print_json(data=data["trace"])
+        from dtlaunch.plan.report import trace_table
+
+        out.print(trace_table(data["trace"]))  # the whole record: --json
     return 0 if plan.fits else 3
 
 

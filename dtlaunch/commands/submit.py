@@ -45,6 +45,9 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
 
     check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 now, not after the job trained
     if not dry_run:
+        from dtlaunch.inputs.job import check_training_weights
+
+        check_training_weights(job.cfg, fetch=False)  # a local hf:DIR must hold its weights, not only config.json
         from dtlaunch.hub.dataset import pin_dataset
         from dtlaunch.hub.download import check_cached
 
@@ -63,14 +66,16 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
         return 0
 
     from dtlaunch.data.run_data import prepare_run_data
-    from dtlaunch.launch.rundir import create_run_dir
+    from dtlaunch.launch.rundir import create_run_dir, pin_run_dir, removed_if_failed
 
     out.print(summary_table(job))
+    run_dir = pin_run_dir(job.cfg, job.recipe)
     # Check the script renders (bad values fail here) before creating anything.
-    slurm.render_script(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
-    run_dir = create_run_dir(job.cfg, job.recipe)
-    prepare_run_data(job.cfg, run_dir)
-    sub = slurm.submit(job, run_dir)
+    slurm.render_script(job.cfg, run_dir)
+    with removed_if_failed(run_dir):  # bad data or a refused sbatch: no new run directory stays behind
+        create_run_dir(job.cfg, job.recipe)
+        prepare_run_data(job.cfg, run_dir)
+        sub = slurm.submit(job, run_dir)
     out.print(f"submitted job {sub.job_id}", markup=False)
     if sub.eval_job_id:
         out.print(

@@ -43,7 +43,7 @@ def submit_remote(job: Job, dry_run: bool) -> int:
     if dry_run:
         print(text, end="")  # alone on stdout: `dtlaunch submit ... --dry-run | kubectl apply -f -`
         return 0
-    from dtlaunch.launch.rundir import create_run_dir
+    from dtlaunch.launch.rundir import create_run_dir, removed_if_failed, run_dir_for
 
     out = console()
     out.print(summary_table(job))
@@ -51,16 +51,18 @@ def submit_remote(job: Job, dry_run: bool) -> int:
         from dtlaunch.launch import kubernetes
 
         client = kubernetes.api_client(job.cfg.cluster.k8s.context)
-        run_dir = create_run_dir(job.cfg, job.recipe)
-        job_name = kubernetes.apply(rendered, client)
+        with removed_if_failed(run_dir_for(job.cfg, job.recipe).resolve()):  # a refused job leaves no record
+            run_dir = create_run_dir(job.cfg, job.recipe)
+            job_name = kubernetes.apply(rendered, client)
         kubernetes.record(run_dir, rendered, job.cfg.cluster.k8s.context)
         out.print(f"submitted {rendered[1]['kind']} {job_name} to namespace {job.cfg.cluster.k8s.namespace}")
     else:
         from dtlaunch.launch import skypilot
 
         skypilot.require_cli()
-        run_dir = create_run_dir(job.cfg, job.recipe)
-        job_name = skypilot.submit(job.cfg, run_dir, rendered)
+        with removed_if_failed(run_dir_for(job.cfg, job.recipe).resolve()):
+            run_dir = create_run_dir(job.cfg, job.recipe)
+            job_name = skypilot.submit(job.cfg, run_dir, rendered)
         out.print(f"submitted SkyPilot task {job_name}", markup=False)
     out.print(f"run directory on the cluster: {_node_run_dir(job.cfg, name)}", markup=False)
     out.print(f"record: {run_dir}; follow it with: dtlaunch status {run_dir}", markup=False)

@@ -85,42 +85,44 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     from dtlaunch.hub.dataset import pin_dataset
 
     pin_dataset(job.cfg)  # a hub dataset: fetched now and its commit recorded in config.yaml
-    from dtlaunch.launch.rundir import run_dir_for
+    from dtlaunch.launch.rundir import pin_run_dir, removed_if_failed
 
-    # Before anything in the run directory changes: one launcher per run directory (exit 2 naming the other).
-    lock_fd = _lock_run_dir(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+    run_dir = pin_run_dir(job.cfg, job.recipe)
+    lock_fd = -1
     try:
-        run_dir = _prepare_run_dir(job, plan, no_resume)
+        with removed_if_failed(run_dir):  # a new directory goes again, while this launcher still holds its lock
+            # Before anything in the run directory changes: one launcher per run directory (exit 2 naming the other).
+            lock_fd = _lock_run_dir(job.cfg, run_dir)
+            _prepare_run_dir(job, plan, no_resume, run_dir)
     except BaseException:
-        if lock_fd >= 0:  # an in-process caller goes on: a failed preparation must not keep the directory
+        if lock_fd >= 0:  # an in-process caller goes on: a failed preparation must not keep the lock
             os.close(lock_fd)
         raise
     return Prepared(run_dir=str(run_dir), layout=job.layout, recipe=job.recipe, cfg=job.cfg, lock_fd=lock_fd)
 
 
-def _prepare_run_dir(job: Any, plan: Any, no_resume: bool) -> Path:
+def _prepare_run_dir(job: Any, plan: Any, no_resume: bool, run_dir: Path) -> None:
     """The run directory with its config, plan and data, checked: the data sample and the checkpoint to
     resume (exit 2 here, not 1 in the workers)."""
     from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch.preflight import check_data, check_resume
-    from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside, run_dir_for
+    from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
     from dtlaunch.run.env import NO_RESUME_ENV
 
     out = console()
     if no_resume:
         # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and
         # CheckpointManager.resume() refuses a directory that gains checkpoints meanwhile.
-        moved = move_checkpoints_aside(job.cfg, run_dir_for(job.cfg, job.recipe).resolve())
+        moved = move_checkpoints_aside(job.cfg, run_dir)
         if moved is not None:
             out.print(f"--no-resume: moved the old checkpoints to {moved}; starting from step 1", markup=False)
         os.environ[NO_RESUME_ENV] = "1"
-    run_dir = create_run_dir(job.cfg, job.recipe)
+    create_run_dir(job.cfg, job.recipe)  # the pinned run directory
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     out.print(f"run directory: {run_dir}", markup=False)
     prepare_run_data(job.cfg, run_dir)
     check_data(job.cfg, run_dir, job.layout)
     check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
-    return run_dir
 
 
 def _lock_run_dir(cfg: Any, run_dir: Path) -> int:
@@ -170,12 +172,10 @@ def launch_prepared(prepared: Prepared) -> int:
 
 
 def check_hf_weights(cfg: Any) -> None:
-    """A hub model's weights: fetched now and their safetensors headers checked, before a run directory is
-    created (a local hf:DIR was checked when the job was loaded: dtlaunch.inputs.job)."""
-    from dtlaunch.inputs.job import check_model_weights, is_hub_model
+    """The weights training starts from, before a run directory is created (dtlaunch.inputs.job)."""
+    from dtlaunch.inputs.job import check_training_weights
 
-    if is_hub_model(cfg):
-        check_model_weights(cfg, fetch=True)
+    check_training_weights(cfg, fetch=True)
 
 
 def _launch_recording_state(cfg: Any, run_dir: Path) -> None:

@@ -28,6 +28,8 @@ _HF_BUILDERS = {
     ".arrow": "arrow",
 }
 EXTRA_HINT = "pip install 'dtlaunch[data]'"
+# What to set to name another field, as the caller's user spells it (`data prepare`: --text-field).
+FIELD_KEY = "data.text_field (or the format's field option)"
 
 
 def _need(module: str, kind: str) -> Any:
@@ -45,17 +47,18 @@ def _keys_hint(record: Any) -> str:
     return f"it is a JSON {type(record).__name__}, not an object"
 
 
-def _fields_of(record: Any, fields: Sequence[str], where: str, key: str) -> tuple:
+def _fields_of(record: Any, fields: Sequence[str], where: str, key: str, field_key: str) -> tuple:
     if not isinstance(record, dict) or any(f not in record for f in fields):
         missing = next(f for f in fields if not isinstance(record, dict) or f not in record)
         raise InputError(
-            f"{key}: record at {where} has no field '{missing}' ({_keys_hint(record)}): set the data.*_field "
-            f"option (data.text_field) to one of them"
+            f"{key}: record at {where} has no field '{missing}' ({_keys_hint(record)}): set {field_key} to one of them"
         )
     return tuple(record[f] for f in fields)
 
 
-def iter_jsonl(files: Sequence[Path], fields: Sequence[str], key: str = "data.path") -> Iterator[tuple[tuple, str]]:
+def iter_jsonl(
+    files: Sequence[Path], fields: Sequence[str], key: str = "data.path", field_key: str = FIELD_KEY
+) -> Iterator[tuple[tuple, str]]:
     for f in files:
         try:
             fh = f.open("rb")
@@ -72,10 +75,12 @@ def iter_jsonl(files: Sequence[Path], fields: Sequence[str], key: str = "data.pa
                         f"{key}: {f}:{n} is not JSON ({str(exc).splitlines()[0]}): each line of a .jsonl file must "
                         f"be one JSON object"
                     ) from exc
-                yield _fields_of(record, fields, f"{f}:{n}", key), f"{f}:{n}"
+                yield _fields_of(record, fields, f"{f}:{n}", key, field_key), f"{f}:{n}"
 
 
-def iter_parquet(files: Sequence[Path], fields: Sequence[str], key: str = "data.path") -> Iterator[tuple[tuple, str]]:
+def iter_parquet(
+    files: Sequence[Path], fields: Sequence[str], key: str = "data.path", field_key: str = FIELD_KEY
+) -> Iterator[tuple[tuple, str]]:
     pq = _need("pyarrow.parquet", "parquet")
     for f in files:
         try:
@@ -87,7 +92,7 @@ def iter_parquet(files: Sequence[Path], fields: Sequence[str], key: str = "data.
             if field not in names:
                 raise InputError(
                     f"{key}: Parquet file '{f}' has no column '{field}' (its columns are {names[:12]}): "
-                    f"set data.text_field (or the format's field option) to one of them"
+                    f"set {field_key} to one of them"
                 )
         row = 0
         for batch in pf.iter_batches(batch_size=1024, columns=list(fields)):
@@ -154,7 +159,12 @@ def hf_data_files(path: str, key: str) -> list[Path]:
 
 
 def iter_hf(
-    path: str, fields: Sequence[str], split: str, key: str = "data.path", subset: Optional[str] = None
+    path: str,
+    fields: Sequence[str],
+    split: str,
+    key: str = "data.path",
+    subset: Optional[str] = None,
+    field_key: str = FIELD_KEY,
 ) -> Iterator[tuple[tuple, str]]:
     ds = _load_hf(path, split, key, subset)
     names = list(ds.column_names)
@@ -162,7 +172,7 @@ def iter_hf(
         if field not in names:
             raise InputError(
                 f"{key}: the dataset at '{path}' has no column '{field}' (its columns are {names[:12]}): "
-                f"set data.text_field (or the format's field option) to one of them"
+                f"set {field_key} to one of them"
             )
     row = 0
     for batch in ds.select_columns(list(fields)).iter(batch_size=1024):
@@ -188,28 +198,36 @@ def iter_records(
     split: str = "train",
     key: str = "data.path",
     subset: Optional[str] = None,
+    field_key: str = FIELD_KEY,
 ) -> Iterator[tuple[tuple, str]]:
     """(values of `fields`, where) for every record of a jsonl / parquet / hf source, in a fixed order.
-    `subset` is not None for a hub dataset's snapshot (its configuration name, "" for the default)."""
+    `subset` is not None for a hub dataset's snapshot (its configuration name, "" for the default);
+    `field_key` is what an error tells the user to set to name another field."""
     if kind == "jsonl":
-        return iter_jsonl(source_files(kind, path, key), fields, key)
+        return iter_jsonl(source_files(kind, path, key), fields, key, field_key)
     if kind == "parquet":
-        return iter_parquet(source_files(kind, path, key), fields, key)
+        return iter_parquet(source_files(kind, path, key), fields, key, field_key)
     if kind == "hf":
-        return iter_hf(path, fields, split, key, subset)
+        return iter_hf(path, fields, split, key, subset, field_key)
     raise ValueError(f"not a record kind: {kind}")
 
 
 def iter_documents(
-    kind: str, path: str, field: str, split: str = "train", key: str = "data.path", subset: Optional[str] = None
+    kind: str,
+    path: str,
+    field: str,
+    split: str = "train",
+    key: str = "data.path",
+    subset: Optional[str] = None,
+    field_key: str = "data.text_field",
 ) -> Iterator[str]:
     """Every document's text (data.format=text); a null value is no document."""
-    for (value,), where in iter_records(kind, path, [field], split, key, subset):
+    for (value,), where in iter_records(kind, path, [field], split, key, subset, field_key):
         if value is None:
             continue
         if not isinstance(value, str):
             raise InputError(
-                f"{key}: field '{field}' at {where} is a {type(value).__name__}, not text: set data.text_field to "
+                f"{key}: field '{field}' at {where} is a {type(value).__name__}, not text: set {field_key} to "
                 f"a text field"
             )
         yield value

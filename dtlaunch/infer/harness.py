@@ -6,15 +6,17 @@ optional dependency: it is imported here, inside functions, and only on the eval
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.infer.eval_datasets import check_datasets_reachable, unreachable_dataset_error
 
 EVAL_DIR = "eval"  # RUN/eval/<time>.json
 # Byte runs train on text only (data.format=chat is refused for them), so no template fits their ids.
@@ -58,6 +60,7 @@ def check_request(req: EvalRequest, key: str = "--tasks", include_key: str = "--
             close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}?" if close else "see `lm-eval ls tasks`"
             raise ConfigError(f"{key}: unknown task '{name}': {hint}")
+    check_datasets_reachable(manager, req.tasks, key, include_key)  # offline: seconds here, not after the load
     return manager
 
 
@@ -71,25 +74,50 @@ def task_manager(include: str) -> Any:
     return TaskManager(include_path=include or None)
 
 
+@contextlib.contextmanager
+def _git_hash_quietly() -> Iterator[None]:
+    """lm-eval records `git describe --always` of the working directory, letting git print "fatal: not a
+    git repository" on the terminal when it is none: the same lookup, with git's stderr discarded (the
+    results file dtlaunch writes does not keep the hash)."""
+    import subprocess
+
+    from lm_eval import evaluator
+
+    def quiet() -> Optional[str]:
+        try:
+            out = subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL)
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return None
+        return out.strip().decode()
+
+    original = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def evaluate(lm: Any, req: EvalRequest, manager: Any, log_samples: bool = False) -> dict:
     """lm_eval.simple_evaluate on `lm` (an lm_eval LM); its whole result dict."""
     import lm_eval
 
-    return lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(req.tasks),
-        num_fewshot=None if req.num_fewshot < 0 else req.num_fewshot,
-        batch_size=req.batch_size,
-        limit=req.limit or None,
-        apply_chat_template=req.apply_chat_template,
-        task_manager=manager,
-        log_samples=log_samples,
-        # Same seeds every time: few-shot sampling and any sampled generation repeat run to run.
-        random_seed=0,
-        numpy_random_seed=1234,
-        torch_random_seed=1234,
-        fewshot_random_seed=1234,
-    )
+    with _git_hash_quietly():
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(req.tasks),
+            num_fewshot=None if req.num_fewshot < 0 else req.num_fewshot,
+            batch_size=req.batch_size,
+            limit=req.limit or None,
+            apply_chat_template=req.apply_chat_template,
+            task_manager=manager,
+            log_samples=log_samples,
+            # Same seeds every time: few-shot sampling and any sampled generation repeat run to run.
+            random_seed=0,
+            numpy_random_seed=1234,
+            torch_random_seed=1234,
+            fewshot_random_seed=1234,
+        )
 
 
 def metric_rows(results: dict) -> list[tuple[str, str, float, Optional[float]]]:
@@ -184,7 +212,10 @@ def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = 
     if req.apply_chat_template and isinstance(lm.loaded.tokenizer, ByteTokenizer):
         raise ConfigError(f"--apply-chat-template: {src.spec} {BYTE_NO_CHAT}: drop --apply-chat-template")
     phase(f"eval: loaded {src.spec} on {device}; running {', '.join(req.tasks)}")
-    out = evaluate(lm, req, manager)
+    try:
+        out = evaluate(lm, req, manager)
+    except ConnectionError as exc:  # online mode without a network: a hub dataset could not be fetched
+        raise unreachable_dataset_error(exc, manager, req.tasks) from None
     record = results_record(
         out, req, src.spec + (f" + {adapter}" if adapter else ""), src.step, time.perf_counter() - start
     )

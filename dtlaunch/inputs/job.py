@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlaunch.inputs.chat_template import check_chat_template
-from dtlaunch.inputs.hf_dir import check_tokenizer_json
+from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 
 
 def check_job_inputs(cfg: Any) -> None:
@@ -22,16 +22,35 @@ def check_job_inputs(cfg: Any) -> None:
 def check_model_weights(cfg: Any, fetch: bool = False) -> None:
     """model.init_from=hf:DIR: every tensor present and of the shape config.json implies (headers only).
 
-    A hub name is checked only with fetch=True (train, once it needs the weights, which fetches them):
-    planning reads its config.json only."""
+    Planning and validating read config.json only: a hub name is checked only with fetch=True (train,
+    once it needs the weights, which fetches them), and so is a local directory that holds no weights
+    (config.json alone is enough to plan); a local directory's weights, where it has some, are checked
+    always (cheap, and a spoiled file is better found before a plan is trusted)."""
     from dtlaunch.convert.hf import HFWeights, hf_init_dir
     from dtlaunch.models.registry import model_spec
 
     if is_hub_model(cfg) and not fetch:
         return
     path = hf_init_dir(cfg.model)
-    if path is not None and model_spec(cfg.model).hf_names:  # hf_auto: transformers reads its own names
+    if path is None or not model_spec(cfg.model).hf_names:  # hf_auto: transformers reads its own names
+        return
+    if fetch or weight_files(Path(path)):
         HFWeights(path, cfg.model)
+
+
+def check_training_weights(cfg: Any, fetch: bool) -> None:
+    """Before a job that trains (train, submit) creates anything: the weights it starts from are there. A
+    hub model's are fetched and checked with fetch=True (`submit` checks its cache instead); a local
+    hf:DIR holding config.json only, enough to plan, is refused here."""
+    from dtlaunch.convert.hf import hf_init_dir
+
+    if is_hub_model(cfg):
+        if fetch:
+            check_model_weights(cfg, fetch=True)
+        return
+    path = hf_init_dir(cfg.model)
+    if path is not None and not weight_files(Path(path)):  # with weights: checked when the job was loaded
+        check_model_weights(cfg, fetch=True)
 
 
 def is_hub_model(cfg: Any) -> bool:

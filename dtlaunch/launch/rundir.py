@@ -6,9 +6,11 @@ A run directory may already exist (a resume, possibly on another layout): its pr
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dtlaunch.errors import InputError
 
@@ -22,6 +24,34 @@ def run_name(cfg: Any, recipe: str) -> str:
 
 def run_dir_for(cfg: Any, recipe: str) -> Path:
     return Path(cfg.run.dir) if cfg.run.dir else Path(cfg.run.root) / run_name(cfg, recipe)
+
+
+def pin_run_dir(cfg: Any, recipe: str) -> Path:
+    """The run directory, its name fixed in the config first: the default name holds the time, and the
+    lock, the directory, the scripts and config.yaml must all name the same one (computed twice, two
+    calls a second apart would give two directories)."""
+    if not cfg.run.name and not cfg.run.dir:
+        cfg.run.name = run_name(cfg, recipe)
+    return run_dir_for(cfg, recipe).resolve()
+
+
+@contextlib.contextmanager
+def removed_if_failed(run_dir: Path) -> Iterator[None]:
+    """A run directory this command creates is removed again if the command fails before its job starts (a
+    failed preparation or submission leaves nothing behind), with any parent it created that stays empty.
+    A directory that existed before is never touched: it may hold a user's checkpoints and logs."""
+    created = [p for p in [run_dir, *run_dir.parents] if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            for parent in created[1:]:
+                try:
+                    parent.rmdir()  # only while empty: another command may have started a run there meanwhile
+                except OSError:
+                    break
+        raise
 
 
 def create_run_dir(cfg: Any, recipe: str) -> Path:

@@ -193,6 +193,10 @@ def routed_experts(m: Any) -> int:
 
 
 def _by_arch(arch: str) -> ModelSpec:
+    # The planner's search asks ~10^5 times: a registered arch is returned without copying the registry.
+    spec = _REGISTRY.get(arch)
+    if spec is not None:
+        return spec
     specs = registry()
     if arch not in specs:
         raise ConfigError(f"model.arch='{arch}' is not a registered model: use one of {', '.join(sorted(specs))}")

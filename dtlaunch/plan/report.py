@@ -126,3 +126,23 @@ def search_table(rows: list[dict], width: int = 80) -> Any:
         "over N ranks, pipeline schedule)"
     )
     return plain_table(headers, body, width, title=title)
+
+
+def trace_table(traced: dict) -> Any:
+    """`plan --trace`: the traced peak by torch's categories, beside the plan's peak of the same stage (the
+    two count in different categories: only the totals compare)."""
+    from rich.table import Table
+
+    t = Table(
+        title=f"traced: stage {traced['stage']}, rank {traced['rank']}, {traced['tensors']} tensors",
+        title_justify="left",
+    )
+    t.add_column("at the traced peak")
+    t.add_column("GiB", justify="right")
+    for name, value in traced["categories"].items():
+        if value:
+            t.add_row(name, gib(value))
+    t.add_row("[bold]traced peak[/bold]", f"[bold]{gib(traced['peak_bytes'])}[/bold]")
+    t.add_row("planned peak (same stage)", gib(traced["analytic_peak_bytes"]))
+    t.add_row("plan − trace", f"{traced['error_pct']:+.2f} %")
+    return t

@@ -19,6 +19,7 @@ counts) returning labelled byte counts:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -693,11 +694,11 @@ def plan_stage(
 ) -> StagePlan:
     """The stage's plan: its lines at the peak phase, and every phase's total."""
     c = stage_shape(cfg, layout, stage, layers, first, last, layer_ids)
+    static = static_lines(c)
     # Offloading (dtlaunch.plan.offload): the device lines shrink by exactly what the host lines hold.
-    lines, host = offload.split(c, {**static_lines(c), **forward_lines(c)})
+    lines, host = offload.split(c, {**static, **forward_lines(c)})
     at_step, host_at_step = offload.split_at_step(c, optimizer_lines(c, lines))
     phases = {"forward": sum(lines.values()), "backward": backward_peak(c, lines), "optimizer": sum(at_step.values())}
-    static = static_lines(c)
     gather = _embedding_gather_moment(c, lines)
     phases["forward"] = max(phases["forward"], gather)
     phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
@@ -737,12 +738,13 @@ def plan_stages(cfg: Any, layout: Layout, all_stages: bool = True) -> list[Stage
     n_stages = layout.pp * per_rank
     split = pp_stage_layers(cfg.model.n_layers, n_stages, list(s.pp_layers_per_stage) or None)
     ranks = range(layout.pp) if all_stages or per_rank > 1 else sorted(_likely_worst(split, layout.pp))
+    starts = list(itertools.accumulate(split, initial=0))  # each stage's first global block index
     stages = []
     for rank in ranks:
         # A rank owns stages rank, rank + pp, ... (interleaved); add its chunks up as one rank.
         owned = list(range(rank, n_stages, layout.pp))
         layers = sum(split[i] for i in owned)
-        ids = [sum(split[:i]) + j for i in owned for j in range(split[i])]  # global block indices
+        ids = [b for i in owned for b in range(starts[i], starts[i + 1])]  # global block indices
         stages.append(
             plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned, layer_ids=ids)
         )

@@ -16,12 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+from dtlaunch.run.known_noise import silence_known_noise
 from dtlaunch.run.parent_death import die_with_launcher
 
 if __name__ == "__main__":
     # First, before importing torch (seconds on a loaded machine): torchrun starts workers in sessions of
     # their own, so a launcher killed by SIGKILL would leave them training and pruning checkpoints.
     die_with_launcher()
+    silence_known_noise()  # torchao's import-time lines, before the rank's log is even open
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record

@@ -71,7 +71,15 @@ def test_errors_are_one_line_exit_2(text_dir: Path, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("")
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"body": "a document"}\n{"body": 7}\n')
     cases = [
+        # The fix named as this command spells it (--text-field), not as a config key (data.text_field).
+        (["data", "prepare", str(records), "--kind", "jsonl", "--out", str(tmp_path / "o4")], "set --text-field"),
+        (
+            ["data", "prepare", str(records), "--kind", "jsonl", "--text-field", "body", "--out", str(tmp_path / "o5")],
+            "set --text-field",
+        ),
         (["data", "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "o1")], "missing"),
         (["data", "prepare", str(empty), "--out", str(tmp_path / "o2")], "empty"),
         (["data", "prepare", str(text_dir), "--pattern", "*.rst", "--out", str(tmp_path / "o3")], "*.rst"),

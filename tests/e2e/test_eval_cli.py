@@ -105,6 +105,11 @@ def tasks_dir(tmp_path_factory, tiny_docs) -> Path:
         "doc_to_target: '{{target}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n"
     )
+    # lm-eval's built-in tasks read hub datasets (arc_easy: allenai/ai2_arc); this one's is in no cache.
+    (d / "tiny_hub.yaml").write_text(
+        "task: tiny_hub\ndataset_path: dtlaunch-tests/no-such-dataset\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+    )
     return d
 
 
@@ -212,20 +217,22 @@ def test_run_evaluated_after_training_matches_hflm_on_the_export(run: Path, mana
 
 
 def test_cli_on_hf_source_writes_results_and_prints_a_table(
-    model_dir: Path, tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+    model_dir: Path, tasks_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd
 ) -> None:
     # In-process through the console entry point (the training run above is the subprocess one).
     from dtlaunch.cli import run as cli_run
 
     out = tmp_path / "results"
     monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.chdir(tmp_path)  # not a git repository: lm-eval's `git describe` there must stay quiet
     argv = ["eval", f"hf:{model_dir}", "--tasks", "tiny_mc,tiny_gen", "--include", str(tasks_dir), "--limit", "5"]
     more = ["--batch-size", "2", "--num-fewshot", "1", "--apply-chat-template", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", ["dtlaunch", *argv, *more])
     with pytest.raises(SystemExit) as exc:
         cli_run()
-    stdout = capsys.readouterr().out
+    stdout, stderr = capfd.readouterr()
     assert exc.value.code == 0, stdout[-2000:]
+    assert "not a git repository" not in stderr, stderr
     (path,) = out.glob("*.json")
     saved = json.loads(path.read_text())
     assert saved["n_samples"]["tiny_mc"]["effective"] == 5 and saved["step"] is None
@@ -264,6 +271,13 @@ def test_bad_inputs_are_one_line(model_dir: Path, tasks_dir: Path, tmp_path: Pat
     assert "config.json" in cli_error(["eval", f"hf:{tmp_path}", "--tasks", "tiny_mc"], monkeypatch, capsys)
     assert "--tasks" in cli_error(["eval", hf, "--tasks", "tiny_mc,,x"], monkeypatch, capsys)
     assert "batch size 0" in cli_error(["eval", hf, "--tasks", "tiny_mc", "--batch-size", "0"], monkeypatch, capsys)
+    # Offline, a task whose hub dataset is not cached: refused before the model loads, naming the task, the
+    # dataset and the fix, instead of lm-eval's ConnectionError. (datasets reads HF_HUB_OFFLINE at its import,
+    # which another test module may have done first: set as datasets then sees it.)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    line = cli_error(["eval", hf, "--tasks", "tiny_mc,tiny_hub", *inc], monkeypatch, capsys)
+    assert "task 'tiny_hub' reads the hub dataset dtlaunch-tests/no-such-dataset" in line, line
+    assert "HF_HUB_OFFLINE=1" in line and "--include" in line, line
 
 
 def test_without_lm_eval_one_line_names_the_extra(model_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """`dtlaunch plan` and the train gate as a user runs them."""
 
 import json
+import re
 import subprocess
 
 
@@ -31,3 +32,13 @@ def test_train_refuses_and_dry_run_exit_codes():
 def test_search_prints_layouts():
     r = _run("plan", "recipe=llama8b_fsdp", "--search", "--top", "3")
     assert r.returncode == 0 and "layouts that fit" in r.stdout
+
+
+def test_trace_prints_the_traced_peak_beside_the_plan():
+    """`plan --trace` shows a table (the traced peak, the plan's peak of the same stage, the difference), not
+    the raw record (that is --json's)."""
+    r = _run("plan", "recipe=tiny_ddp", "--trace")
+    assert r.returncode == 0, r.stderr
+    assert "traced peak" in r.stdout and "planned peak (same stage)" in r.stdout and "plan − trace" in r.stdout
+    assert '"peak_bytes"' not in r.stdout
+    assert re.search(r"plan − trace\s+│\s+[+-]\d+\.\d\d %", r.stdout), r.stdout

@@ -124,9 +124,18 @@ def test_unknown_command_is_usage_error(monkeypatch: pytest.MonkeyPatch) -> None
     assert run_cli(["trian"], monkeypatch) == 2
 
 
-def test_debug_flag_shows_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtlaunch.errors import ConfigError
-
-    monkeypatch.setattr(sys, "argv", ["dtlaunch", "--debug", "validate", "training.stepz=1"])
-    with pytest.raises(ConfigError):
-        run()
+@pytest.mark.parametrize("how", ["--debug", "DTLAUNCH_DEBUG=1"])
+@pytest.mark.parametrize("bad", ["training.stepz=1", "strategy.tp=3"])
+def test_debug_shows_traceback_and_keeps_the_exit_code(
+    how: str, bad: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if how == "--debug":
+        argv = ["--debug", "validate", "recipe=tiny_ddp", bad]
+    else:
+        monkeypatch.setenv("DTLAUNCH_DEBUG", "1")
+        argv = ["validate", "recipe=tiny_ddp", bad]
+    code = run_cli(argv, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" in err and "ConfigError" in err
+    assert err.strip().splitlines()[-1].startswith("dtlaunch: error: "), err

@@ -56,6 +56,26 @@ def test_summary_rows_render_goals() -> None:
     rows = run_all.summary_rows(r)
     assert rows[0][-1] == "yes" and rows[0][1].startswith("0.990")
     assert rows[1] == ["dtlaunch --help", "0.50 s", "< 0.3 s", "no"]
+    r["launch"][0]["cpu_seconds"] = common.stats([0.25])  # beside the wall time: what a loaded machine hides
+    assert run_all.summary_rows(r)[1][1:] == ["0.50 s (CPU 0.25 s)", "< 0.3 s CPU", "yes"]
+
+
+def test_a_partial_run_replaces_its_rows_in_the_latest_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_all, "BENCH", tmp_path)  # its README.md: none here
+    machine = {"date": "2026-01-01", "cpu": "x", "cores": 2, "memory_gib": 1, "os": "L", "python": "3", "torch": "2"}
+    launch = {"name": "dtlaunch --help", "goal_s": 0.3, "error": ""}
+    full = {"machine": machine, "command": "make bench", "launch": [{**launch, "seconds": common.stats([0.5])}]}
+    full["planner"] = {"rows": 3, "timed_out": False, "median_abs_error_pct": 1.0, "max_abs_error_pct": 2.0}
+    (tmp_path / "cpu-2026-01-01.json").write_text(json.dumps(full))
+    run_all.update_latest(full, "cpu-2026-01-01.md")
+    partial = {"machine": {**machine, "date": "2026-01-02"}, "launch": [{**launch, "seconds": common.stats([0.2])}]}
+    merged, base, note = run_all.merged_with_latest(partial, ["launch"], "cpu-2026-01-02.md")
+    assert base == "cpu-2026-01-01.md" and "cpu-2026-01-02.md" in note
+    rows = run_all.summary_rows(merged)
+    assert rows[0][:2] == ["dtlaunch --help", "0.20 s"] and rows[1][0].startswith("planner accuracy (3 real runs")
 
 
 def test_gpu_bench_dry_run_plans_every_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -180,3 +180,22 @@ def test_data_checked_before_launch(
     args = ["train", "recipe=tiny_ddp", "data=tokens", f"data.path={tmp_path / 'shards'}", "model.vocab_size=260"]
     code, line = cli([*args, "training.seq_len=16", f"run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
     assert code == 2 and expected in line and "data.path=" in line, line
+
+
+def test_a_local_model_with_config_json_only_plans_and_is_refused_by_train(
+    tmp_path: Path, tiny_hf_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Planning and validating read config.json only (as for a hub name); train needs the weights and says so
+    before it creates a run directory."""
+    import shutil
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tiny_hf_dirs["qwen2"] / "config.json", model)
+    job = ["recipe=tiny_ddp", f"model.init_from=hf:{model}"]
+    for command in ("validate", "plan"):
+        assert cli([command, *job], monkeypatch, capsys)[0] == 0
+    _no_launch(monkeypatch)
+    code, err = cli(["train", *job, f"run.root={tmp_path / 'runs'}"], monkeypatch, capsys)
+    assert code == 2 and "has no model.safetensors" in err, err
+    assert not (tmp_path / "runs").exists()

@@ -373,6 +373,27 @@ def test_refused_eval_job_cancels_training(tmp_path: Path, fake_slurm: Path, mon
     assert not (run_dir / slurm.RECORD_NAME).exists()
 
 
+def test_refused_submission_leaves_no_run_directory(
+    tmp_path: Path, fake_slurm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sbatch refuses the job: the run directory `submit` created goes again (an unnamed one: its name is
+    fixed once, so the script and the directory agree), and an existing one keeps its files."""
+    from dtlaunch.commands.submit import submit_command
+
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text('#!/bin/bash\necho "sbatch: error: invalid partition specified: gpu" >&2\nexit 1\n')
+    root = tmp_path / "runs"
+    with pytest.raises(DtlaunchError, match="invalid partition"):
+        submit_command(["recipe=tiny_ddp", "cluster=slurm", f"run.root={root}"], [], dry_run=False, force=False)
+    assert not root.exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("the user's")
+    with pytest.raises(DtlaunchError, match="invalid partition"):
+        submit_command(["recipe=tiny_ddp", "cluster=slurm", f"run.dir={existing}"], [], dry_run=False, force=False)
+    assert (existing / "notes.txt").read_text() == "the user's"
+
+
 def test_sweep_points_get_their_eval_jobs(tmp_path: Path, fake_slurm: Path) -> None:
     """A job array: point i's evaluation waits for array task i alone."""
     cfgs = [load_job(["recipe=tiny_ddp", "cluster=slurm", *extra]).cfg for extra in ([], ["training.eval_tasks=[x]"])]
