@@ -185,6 +185,11 @@ def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = 
         raise ConfigError(f"--apply-chat-template: {src.spec} {BYTE_NO_CHAT}: drop --apply-chat-template")
     phase(f"eval: loaded {src.spec} on {device}; running {', '.join(req.tasks)}")
     out = evaluate(lm, req, manager)
+    if lm.hit_max_length:
+        phase(
+            f"eval: {lm.hit_max_length} of {lm.generations} continuations hit the task's max generation length before "
+            f"an end token (ids {sorted({lm.loaded.eos_id, *lm.loaded.stop_ids} - {None})})"
+        )
     record = results_record(
         out, req, src.spec + (f" + {adapter}" if adapter else ""), src.step, time.perf_counter() - start
     )
