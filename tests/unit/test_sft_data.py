@@ -199,3 +199,34 @@ def test_targets_are_counted_and_a_dataset_without_any_is_refused(
         assert "\n" not in str(err.value)
     # An empty completion still trains its EOS (TRL appends it): the model learns to answer nothing.
     prepared(tmp_path, job(tmp_path, tiny_tokenizer / "tokenizer.json", empty, data__format="prompt_completion"))
+
+
+def test_preference_completions_end_as_trls(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """Chosen / rejected rows are TRL DPOTrainer's prompt ids + completion ids: a text completion ends with
+    EOS, a chat completion with its template's end of turn."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from dtlaunch.data.chat import ChatEncoder
+    from dtlaunch.data.preference import PairEncoder
+
+    tok = hf_tok(tiny_tokenizer)
+    user = [{"role": "user", "content": "kaka lolo"}]
+    rows = [
+        {"prompt": "kaka lolo", "chosen": " mimi nunu", "rejected": " pepe"},
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "mimi"}], "rejected": [{"role": "assistant", "content": "rara sisi"}]},
+    ]  # fmt: skip
+    encoder = PairEncoder(
+        ChatEncoder(tiny_tokenizer / "tokenizer.json", np.dtype(np.uint16), chat=False), tok.eos_token_id
+    )
+    for row in rows:
+        model = tiny_model(len(tok))
+        args = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to=[], use_cpu=True, bf16=False)
+        data = Dataset.from_list([row])
+        ref = DPOTrainer(
+            model=model, ref_model=tiny_model(len(tok)), args=args, train_dataset=data, processing_class=tok
+        )
+        want = ref.train_dataset[0]
+        ours = encoder.pair((row["prompt"], row["chosen"], row["rejected"]), "x:1", "data.path")
+        for (ids, prompt_len), name in zip(ours, ("chosen", "rejected"), strict=True):
+            assert ids == want["prompt_ids"] + want[f"{name}_ids"] and prompt_len == len(want["prompt_ids"])
