@@ -72,3 +72,11 @@ def test_generation_stops_at_every_end_of_turn_id_as_transformers(tiny_hf_dirs, 
     generate_command(f"hf:{path}", PROMPT, 12, 0.0, 1.0, 0)
     printed = capsys.readouterr()
     assert "hit --max-new-tokens" not in printed.err and len(printed.out.split()) == free.index(turn_end)
+    # `dtlaunch eval`'s generation (lm-eval's generate_until) stops there too, and counts the cut ones.
+    pytest.importorskip("lm_eval")
+    from dtlaunch.infer.lm_eval_adapter import DtlaunchLM
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<eos>")
+    lm = DtlaunchLM(loaded, tok, torch.device("cpu"), 1)
+    assert lm._generate_row(prompt, 12, [], 0.0, 1.0) == ours and lm.hit_max_length == 0
+    assert lm._generate_row(prompt, 2, [], 0.0, 1.0) == ours[:2] and (lm.hit_max_length, lm.generations) == (1, 2)
