@@ -29,11 +29,18 @@ def generate_command(
     print(
         f"loaded {loaded.m.arch} model from {source} in {time.perf_counter() - start:.1f}s on {device}", file=sys.stderr
     )
-    new = generate_ids(loaded.model, ids, max_new_tokens, temperature, top_p, seed, loaded.eos_id)
-    if loaded.eos_id is not None and new and new[-1] == loaded.eos_id:
+    new = generate_ids(loaded.model, ids, max_new_tokens, temperature, top_p, seed, loaded.eos_id, loaded.stop_ids)
+    stopped = bool(new) and (new[-1] == loaded.eos_id or new[-1] in loaded.stop_ids)
+    if stopped:
         new = new[:-1]
     sys.stdout.write(loaded.tokenizer.decode(new))
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"{len(new)} new tokens in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    if not stopped:
+        print(
+            f"the continuation hit --max-new-tokens {max_new_tokens} before an end token (ids "
+            f"{list(loaded.stop_ids)}): raise --max-new-tokens to see more",
+            file=sys.stderr,
+        )
     return 0

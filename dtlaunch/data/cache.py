@@ -158,16 +158,21 @@ def write_tokens(
     extra_meta: dict,
     shard_tokens: int = SHARD_TOKENS,
     masked: bool = False,
+    eos_target: bool = False,
 ) -> dict[str, Any]:
     """Write encoded documents (each followed by EOS) as shards + meta.json with the manifest in `out_dir`,
     streaming: only one batch of documents and one shard's buffer are in memory. `batches` yields
     (documents, characters read); a document is an id array, or with `masked` an (ids, loss mask) pair whose
-    mask goes to parallel mask-NNNNN.bin files (uint8, 1 = the token is a training target)."""
+    mask goes to parallel mask-NNNNN.bin files (uint8, 1 = the token is a training target). With `eos_target`
+    (prompt/completion records) the EOS after a masked document is a target, as TRL's appended EOS is; else
+    it only separates documents. Masked data records its target count in meta.json ("targets",
+    "documents_without_targets") and is refused when no document has one."""
     t0 = time.perf_counter()
     writer = ShardWriter(out_dir, token_dtype(tok.vocab_size), shard_tokens)
     masks = ShardWriter(out_dir, np.dtype(np.uint8), shard_tokens, prefix="mask") if masked else None
     eos = np.asarray([tok.eos_id] if tok.eos_id is not None else [], dtype=writer.dtype)
-    docs, chars = 0, 0
+    docs, chars, targets, untrained = 0, 0, 0, 0
+    eos_mask = np.full(len(eos), int(eos_target), np.uint8)
     bar = _Progress(label, total_bytes)
     try:
         for documents, n_chars in batches:
@@ -177,8 +182,12 @@ def write_tokens(
                     continue
                 writer.add(np.concatenate([ids.astype(writer.dtype, copy=False), eos]) if len(eos) else ids)
                 if masks is not None:
-                    # The EOS after a document is no target of its own: the next document starts there.
-                    masks.add(np.concatenate([mask.astype(np.uint8), np.zeros(len(eos), np.uint8)]))
+                    doc_mask = np.concatenate([mask.astype(np.uint8), eos_mask])
+                    masks.add(doc_mask)
+                    # A document's first token is never a target: nothing before it predicts it.
+                    n = int(doc_mask[1:].sum())
+                    targets += n
+                    untrained += n == 0
                 docs += 1
             chars += n_chars
             bar.advance(n_chars)
@@ -186,6 +195,11 @@ def write_tokens(
         bar.stop()
     if writer.tokens == 0:
         raise InputError(f"{key}: the dataset {label} is empty (0 tokens from {docs} documents): give it some text")
+    if masks is not None and targets == 0:
+        raise InputError(
+            f"{key}: no record of {label} has a token to learn ({docs} records, every one context only): give "
+            f"records with a non-empty completion or assistant turn"
+        )
     if masks is not None:
         masks.flush_rest()
     writer.close({})  # flushes the last shard; the meta below, with the manifest, replaces this one
@@ -195,7 +209,7 @@ def write_tokens(
     if masks is not None:
         for s in masks.shards:
             s["crc32"] = _crc32(out_dir / s["file"])
-        extra["masks"] = masks.shards
+        extra.update(masks=masks.shards, targets=targets, documents_without_targets=untrained)
     return writer.close(
         {
             "vocab_size": tok.vocab_size,
@@ -219,12 +233,15 @@ def build_entry(
     key: str,
     extra_meta: dict,
     masked: bool = False,
+    eos_target: bool = False,
 ) -> dict[str, Any]:
     """write_tokens into a temporary directory renamed to `entry` when complete."""
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        meta = write_tokens(tmp, batches, tok, total_bytes, label, key, extra_meta, masked=masked)
+        meta = write_tokens(
+            tmp, batches, tok, total_bytes, label, key, extra_meta, masked=masked, eos_target=eos_target
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -245,6 +262,7 @@ def cached_tokens(
     label: str,
     key: str = "data.path",
     masked: bool = False,
+    eos_target: bool = False,
 ) -> tuple[Path, bool]:
     """(entry directory, whether it was built now). `batches` (see write_tokens) is only consumed when building."""
     check_writable(root)
@@ -252,5 +270,5 @@ def cached_tokens(
     if verify_entry(entry) is not None:
         return entry, False
     total = sum(f.stat().st_size for f in files)
-    build_entry(entry, batches, tok, total, label, key, {"source": options}, masked)
+    build_entry(entry, batches, tok, total, label, key, {"source": options}, masked, eos_target)
     return entry, True

@@ -1,23 +1,30 @@
 """Chat and prompt/completion records -> token ids plus a loss mask (1 = a token the model learns to
-produce: assistant turns, or the completion).
+produce), trained as TRL's SFTTrainer trains them (docs/sft-data.md).
 
 A conversation is rendered with transformers' apply_chat_template, using data.chat_template (a built-in
-name or a Jinja file) when given, else the tokenizer's own (tokenizer_config.json beside tokenizer.json).
-Which characters belong to which turn is found by rendering growing prefixes of the conversation: the
-text a turn adds is the difference between the rendering with and without it, so each turn's span is
-exact whatever the template looks like. The whole rendering is then tokenized once, and a token is a
-target when its first character came from an assistant turn.
+name or a Jinja file) when given, else the tokenizer's own (chat_template.jinja or tokenizer_config.json
+beside tokenizer.json). A template that marks assistant text with `{% generation %}` blocks trains exactly
+those tokens (transformers' assistant-token mask, TRL's assistant_only_loss). Otherwise which characters
+belong to which turn is found by rendering growing prefixes of the conversation: the text an assistant
+turn adds, less the generation prompt (its header, which inference writes for the model), is its
+target, so the turn's content and its end-of-turn token are trained, as TRL does for conversational
+prompt/completion data. The whole rendering is then tokenized once, and a token is a target when its
+first character came from an assistant turn's target text.
+
+A prompt/completion record is the ids of prompt + completion, the completion starting where they diverge
+from the prompt's own ids (TRL's common prefix), followed by the tokenizer's EOS, which is a target: the
+model learns to stop (the EOS is appended by dtlaunch.data.cache.write_tokens, see eos_target).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.inputs.chat_template import has_generation_blocks, own_chat_template
 
 ROLES = ("system", "user", "assistant", "tool")
 _BATCH = 256
@@ -38,7 +45,7 @@ class ChatEncoder:
         if chat_template:
             template = load_chat_template(chat_template)
         else:
-            template = tokenizer_chat_template(tokenizer_json)
+            template = own_chat_template(tokenizer_json.parent)[0]
         if not template and chat:
             raise ConfigError(
                 f"data.format=chat needs a chat template, but the tokenizer '{tokenizer_json}' has none: set "
@@ -48,6 +55,7 @@ class ChatEncoder:
         self._backend = self._hf.backend_tokenizer
         check_template_tokens(chat_template, lambda t: self._backend.token_to_id(t) is not None, str(tokenizer_json))
         self.dtype = dtype
+        self.generation_blocks = has_generation_blocks(template)
 
     def _ids(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids if text else []
@@ -62,7 +70,9 @@ class ChatEncoder:
                 raise InputError(
                     f"{key}: unknown role '{m['role']}' at {where}: use one of {', '.join(ROLES)} (fix the record)"
                 )
-        assistant_chars = bytearray()  # 1 per character of the rendering that an assistant turn added
+        if self.generation_blocks:
+            return self._marked(messages, where, key)
+        target_chars = bytearray()  # 1 per character of the rendering that is an assistant turn's target text
         before = ""
         for k in range(1, len(messages) + 1):
             text = self._render(messages[:k], where, key)
@@ -71,46 +81,66 @@ class ChatEncoder:
                     f"{key}: the chat template does not render a conversation as the rendering of its first turns "
                     f"plus more text (at {where}); loss masking needs a template that does"
                 )
-            assistant_chars += bytes([messages[k - 1]["role"] == "assistant"]) * (len(text) - len(before))
+            if messages[k - 1]["role"] == "assistant":
+                header = self._header(messages[: k - 1], before, text, where, key)
+                target_chars += b"\0" * header + b"\1" * (len(text) - len(before) - header)
+            else:
+                target_chars += b"\0" * (len(text) - len(before))
             before = text
         # The whole rendering is tokenized at once, so the ids are exactly what the tokenizer gives the
         # conversation (a turn boundary without whitespace, "[/INST]answer", may merge across it); a token
         # belongs to the turn its first character came from.
         enc = self._backend.encode(before, add_special_tokens=False)
-        chars = np.frombuffer(bytes(assistant_chars) + b"\0", dtype=np.uint8)
+        chars = np.frombuffer(bytes(target_chars) + b"\0", dtype=np.uint8)
         starts = np.fromiter((o[0] for o in enc.offsets), dtype=np.int64, count=len(enc.ids))
         return np.asarray(enc.ids, dtype=self.dtype), chars[np.minimum(starts, len(before))].astype(np.uint8)
 
-    def _render(self, messages: list, where: str, key: str) -> str:
-        try:
-            text = self._hf.apply_chat_template(messages, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - the template is user code run on user data (dtlaunch.inputs)
-            from dtlaunch.inputs.chat_template import describe, template_line
+    def _header(self, earlier: list, before: str, text: str, where: str, key: str) -> int:
+        """Characters of an assistant turn that its generation prompt wrote (context, not a target): the
+        rendering of the earlier turns with add_generation_prompt, when the turn's rendering extends it."""
+        if not earlier:
+            return 0
+        prompt = self._render(earlier, where, key, add_generation_prompt=True)
+        return len(prompt) - len(before) if prompt.startswith(before) and text.startswith(prompt) else 0
 
-            line = template_line(exc)
-            raise InputError(
-                f"{key}: the chat template fails on the record at {where}"
-                f"{f' (template line {line})' if line else ''}: {describe(exc)}: fix the record or the template"
-            ) from None
+    def _marked(self, messages: list, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """A template with `{% generation %}` blocks: transformers' assistant-token mask is the target mask."""
+        try:
+            out = self._hf.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+        except Exception as exc:  # noqa: BLE001 - the template is user code run on user data (dtlaunch.inputs)
+            raise self._template_error(exc, where, key) from None
+        return np.asarray(out["input_ids"], dtype=self.dtype), np.asarray(out["assistant_masks"], dtype=np.uint8)
+
+    def _render(self, messages: list, where: str, key: str, add_generation_prompt: bool = False) -> str:
+        try:
+            text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - the template is user code run on user data (dtlaunch.inputs)
+            raise self._template_error(exc, where, key) from None
         if not isinstance(text, str):
             raise InputError(f"{key}: the chat template rendered the record at {where} as no text: fix the template")
         return text
 
+    @staticmethod
+    def _template_error(exc: Exception, where: str, key: str) -> InputError:
+        from dtlaunch.inputs.chat_template import describe, template_line
+
+        line = template_line(exc)
+        return InputError(
+            f"{key}: the chat template fails on the record at {where}"
+            f"{f' (template line {line})' if line else ''}: {describe(exc)}: fix the record or the template"
+        )
+
     def prompt_completion(self, prompt: Any, completion: Any, where: str, key: str) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise InputError(f"{key}: prompt and completion at {where} must be text")
-        p, c = self._ids(prompt), self._ids(completion)
-        return np.asarray(p + c, dtype=self.dtype), np.asarray([0] * len(p) + [1] * len(c), dtype=np.uint8)
-
-
-def tokenizer_chat_template(tokenizer_json: Path) -> str:
-    """The chat_template of the tokenizer_config.json beside tokenizer.json ("" when it has none)."""
-    config_file = tokenizer_json.parent / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template or ""
+        # As TRL: the completion starts where the ids of the prompt and of prompt + completion diverge.
+        p, full = self._ids(prompt), self._ids(prompt + completion)
+        shared = next((i for i, (a, b) in enumerate(zip(p, full, strict=False)) if a != b), min(len(p), len(full)))
+        mask = np.zeros(len(full), dtype=np.uint8)
+        mask[shared:] = 1
+        return np.asarray(full, dtype=self.dtype), mask
 
 
 def encode_records(

@@ -70,6 +70,9 @@ def record_options(cfg: Any, key: str = "data.path") -> dict[str, Any]:
         # A hub dataset's configuration decides which records are read (absent, so local keys stay the same).
         **({"subset": str(cfg.data.subset)} if kind == "hf" and str(cfg.data.subset) else {}),
         **_chat_template_id(cfg),
+        # How records become targets (docs/sft-data.md): v2 trains the completion's EOS and an assistant turn's
+        # content and end of turn (not its generation-prompt header), or a template's {% generation %} blocks.
+        **({"targets": 2} if str(cfg.data.format) in ("chat", "prompt_completion") else {}),
     }
 
 
@@ -125,11 +128,29 @@ def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
     files = source_files(kind, local, key)
     if str(cfg.data.format) == "preference":
         return _tokenize_pairs(cfg, local, key, tok, files)
-    masked = str(cfg.data.format) != "text"
+    fmt = str(cfg.data.format)
     batches = encoded_batches(cfg, tok, local, key, subset)
     root = cache_root(str(cfg.data.cache_dir))
-    entry, _ = cached_tokens(root, files, batches, tok, record_options(cfg, key), path, key, masked=masked)
+    options = record_options(cfg, key)
+    eos_target = fmt == "prompt_completion"
+    entry, _ = cached_tokens(root, files, batches, tok, options, path, key, masked=fmt != "text", eos_target=eos_target)
     return entry
+
+
+def _report_targets(entry: Path, cfg: Any, key: str) -> None:
+    """The run's first lines say what is trained: records, target tokens, records without any."""
+    from dtlaunch.run.phases import phase
+
+    meta = json.loads((entry / "meta.json").read_text())
+    if "targets" not in meta:
+        return
+    fmt, docs, targets = str(cfg.data.format), int(meta["documents"]), int(meta["targets"])
+    what = "each completion and its EOS" if fmt == "prompt_completion" else "assistant turns and their end of turn"
+    none = int(meta["documents_without_targets"])
+    phase(
+        f"{key}: {docs} {fmt} records, {targets} target tokens ({targets / max(docs, 1):.1f} per record: {what})"
+        + (f"; {none} records have none and train nothing" if none else "")
+    )
 
 
 def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Path:
@@ -172,6 +193,7 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
         sources = {"train": str(tokenize_records(cfg, str(cfg.data.path), "data.path", tok))}
         if val_path:
             sources["val"] = str(tokenize_records(cfg, val_path, "data.val_path", tok))
+        _report_targets(Path(sources["train"]), cfg, "data.path")
         (Path(run_dir) / SOURCES_FILE).write_text(json.dumps(sources, indent=1) + "\n")
     elif kind == "text":
         summary = _prepare_text(cfg, str(cfg.data.path), Path(run_dir) / RUN_DATA_DIR)

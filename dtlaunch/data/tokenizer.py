@@ -14,6 +14,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.inputs.chat_template import TEMPLATE_FILE
 
 BYTE_BOS = 256
 BYTE_EOS = 257
@@ -122,7 +123,8 @@ def check_vocab(model_vocab: int, tokenizer_vocab: int, source: str) -> None:
 
 
 # Files of a Hugging Face tokenizer directory that travel with a run and its exports.
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# chat_template.jinja: where transformers' save_pretrained writes the chat template (dtlaunch.inputs.chat_template).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 RUN_TOKENIZER_DIR = "tokenizer"
 
 
@@ -150,11 +152,13 @@ def copy_tokenizer_files(tokenizer_json: Path, out: Path) -> list[Path]:
 
 
 def set_chat_template(tokenizer_dir: Path, template: str) -> None:
-    """Write `template` as the chat_template of tokenizer_dir/tokenizer_config.json (the file
-    transformers' AutoTokenizer reads it from)."""
+    """Write `template` as tokenizer_dir's chat template: chat_template.jinja, as transformers' save_pretrained
+    does (it takes priority over tokenizer_config.json, whose chat_template entry is dropped so the two
+    never disagree)."""
     import json
 
+    (tokenizer_dir / TEMPLATE_FILE).write_text(template, encoding="utf-8")
     config_file = tokenizer_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    config["chat_template"] = template
-    config_file.write_text(json.dumps(config, indent=1) + "\n")
+    if config.pop("chat_template", None) is not None:
+        config_file.write_text(json.dumps(config, indent=1) + "\n")

@@ -6,9 +6,10 @@ checkpoint and the run's tokenizer) or a checkpoint directory inside a run.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -23,6 +24,9 @@ class Loaded:
     eos_id: Optional[int]
     source: str
     tokenizer_file: str = ""  # the tokenizer.json it came from ("byte" for the byte tokenizer)
+    # Every id that ends a continuation, as transformers' generate stops: the tokenizer's EOS and each
+    # eos_token_id of the model's generation_config.json and config.json (an int or a list: end-of-turn ids).
+    stop_ids: tuple[int, ...] = ()
 
 
 def load_source(source: str, device: torch.device, max_len: int = 1, adapter: str = "") -> Loaded:
@@ -57,6 +61,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
         tokenizer = load_tokenizer(tokenizer_file)
         eos = c.get("eos_token_id")
         eos_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else tokenizer.eos_id
+        model_dir: Optional[Path] = path
     else:
         from dtlaunch.convert.hf import load_checkpoint_model
         from dtlaunch.run.checkpoints import resolve_load_path
@@ -70,13 +75,43 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
         tokenizer_file = _run_tokenizer(Path(info.path))
         tokenizer = load_tokenizer(tokenizer_file)
         eos_id = getattr(tokenizer, "eos_id", None)
+        model_dir = _run_base_dir(Path(info.path))
     model = model_spec(m).build(m, rope_len=max_len, device=device)
     model.init_weights(0)  # derived buffers (RoPE); every weight is then loaded
     result = model.load_state_dict({k: v for k, v in state.items()}, strict=False)
     missing = [k for k in result.missing_keys if not (k == "output.weight" and m.tie_embeddings)]
     if missing or result.unexpected_keys:
         raise InputError(f"generate {source}: weights do not fit the model ({(missing + result.unexpected_keys)[0]})")
-    return Loaded(model.eval(), m, tokenizer, eos_id, source, tokenizer_file)
+    stops = stop_ids(model_dir, getattr(tokenizer, "eos_id", None), eos_id)
+    return Loaded(model.eval(), m, tokenizer, eos_id, source, tokenizer_file, stops)
+
+
+def stop_ids(model_dir: Optional[Path], *known: Optional[int]) -> tuple[int, ...]:
+    """`known` ids (the tokenizer's EOS) and every eos_token_id that model_dir's generation_config.json and
+    config.json list, in that order, each once."""
+    found: list[int] = [i for i in known if isinstance(i, int)]
+    for name in ("generation_config.json", "config.json"):
+        file = model_dir / name if model_dir is not None else None
+        if file is None or not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue  # config.json was checked when the model loaded; a broken generation config sets no stops
+        found += [i for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)]
+    return tuple(dict.fromkeys(found))
+
+
+def _run_base_dir(checkpoint: Path) -> Optional[Path]:
+    """The local hf:DIR a run started from (its generation_config.json lists the end-of-turn ids), if any."""
+    from dtlaunch.config.compose import load_resolved
+
+    for parent in checkpoint.parents:
+        if (parent / "config.yaml").is_file():
+            spec = str(load_resolved(parent / "config.yaml").model.init_from)
+            local = Path(spec[3:]).expanduser() if spec.startswith("hf:") else None
+            return local if local is not None and local.is_dir() else None
+    return None
 
 
 def set_positions(model: torch.nn.Module, length: int) -> None:
@@ -120,8 +155,9 @@ def generate_ids(
     top_p: float = 1.0,
     seed: int = 0,
     eos_id: Optional[int] = None,
+    stop: Sequence[int] = (),
 ) -> list[int]:
-    """New token ids after `prompt` (the EOS id included when it ends the text)."""
+    """New token ids after `prompt` (the EOS id, or the `stop` id, included when it ends the text)."""
     from dtlaunch.models.dense.model import KVCache
 
     device = next(model.parameters()).device
@@ -133,7 +169,7 @@ def generate_ids(
         logits = model(x, caches=caches)[0, -1].float()
         nxt = _pick(logits, temperature, top_p, g)
         out.append(nxt)
-        if eos_id is not None and nxt == eos_id:
+        if nxt == eos_id or nxt in stop:
             break
         x = torch.tensor([[nxt]], dtype=torch.long, device=device)
     return out

@@ -216,6 +216,11 @@ def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = 
         out = evaluate(lm, req, manager)
     except ConnectionError as exc:  # online mode without a network: a hub dataset could not be fetched
         raise unreachable_dataset_error(exc, manager, req.tasks) from None
+    if lm.hit_max_length:
+        phase(
+            f"eval: {lm.hit_max_length} of {lm.generations} continuations hit the task's max generation length before "
+            f"an end token (ids {sorted({lm.loaded.eos_id, *lm.loaded.stop_ids} - {None})})"
+        )
     record = results_record(
         out, req, src.spec + (f" + {adapter}" if adapter else ""), src.step, time.perf_counter() - start
     )

@@ -26,6 +26,8 @@ class DtlaunchLM(HFLM):
         self._config = None
         self.loaded = loaded
         self._device = device
+        # Generation tasks: continuations produced, and those cut by the task's max length before an end token.
+        self.generations, self.hit_max_length = 0, 0
         self.backend = "causal"
         self.tokenizer = configure_pad_token(tokenizer)
         self.vocab_size = self.tokenizer.vocab_size
@@ -93,14 +95,17 @@ class DtlaunchLM(HFLM):
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.tensor([prompt], dtype=torch.long, device=self._device)
         new: list[int] = []
-        eos = self.loaded.eos_id
+        ends = {self.loaded.eos_id, *self.loaded.stop_ids}  # EOS and every end-of-turn id (transformers')
         while len(new) < budget:
             logits = self._model(x, caches=caches)[0, -1].float()
             nxt = _pick(logits, temperature, top_p, g)
             new.append(nxt)
-            if nxt == eos or any(s in self.tok_decode(new) for s in stop):
+            if nxt in ends or any(s in self.tok_decode(new) for s in stop):
                 break
             x = torch.tensor([[nxt]], dtype=torch.long, device=self._device)
+        else:
+            self.hit_max_length += 1
+        self.generations += 1
         return new
 
 

@@ -6,10 +6,13 @@ line naming the file, the template line and Jinja's reason."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import TracebackType
 from typing import Optional
 
 from dtlaunch.errors import InputError
+from dtlaunch.inputs.json_file import read_json_object
 
 SAMPLE = [
     {"role": "user", "content": "Hello, who are you?"},
@@ -53,3 +56,34 @@ def template_error(exc: BaseException, where: str, fix: str) -> InputError:
     line = template_line(exc)
     at = f"{where}, line {line}" if line else where
     return InputError(f"chat template {at}: {describe(exc)}: {fix}")
+
+
+# transformers writes a tokenizer's template to this file since 4.50 (save_pretrained); it takes priority
+# over tokenizer_config.json's chat_template when both exist, as in AutoTokenizer.from_pretrained.
+TEMPLATE_FILE = "chat_template.jinja"
+# `{% generation %}` ... `{% endgeneration %}` marks the assistant text to train
+# (transformers' return_assistant_tokens_mask, TRL's assistant_only_loss).
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def own_chat_template(tokenizer_dir: Path) -> tuple[str, Path]:
+    """(template, the file it came from) of a tokenizer directory: chat_template.jinja, else
+    tokenizer_config.json's chat_template (named templates: the default one); ("", that file) when none."""
+    jinja = tokenizer_dir / TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8"), jinja
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"'{jinja}' cannot be read ({exc}): restore the model's chat template") from None
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    config = read_json_object(config_file, f"'{config_file}'") if config_file.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next(
+            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+        )
+    return (template if isinstance(template, str) else ""), config_file
+
+
+def has_generation_blocks(template: str) -> bool:
+    return bool(_GENERATION_BLOCK.search(template))

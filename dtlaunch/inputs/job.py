@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dtlaunch.inputs.chat_template import check_chat_template
+from dtlaunch.inputs.chat_template import check_chat_template, own_chat_template
 from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 
 
@@ -71,12 +71,11 @@ def check_job_chat_template(cfg: Any) -> None:
         check_chat_template(load_chat_template(spec), where, "fix the template file (data.chat_template)")
         return
     from dtlaunch.config.tokenizer_choice import effective_tokenizer
-    from dtlaunch.data.chat import tokenizer_chat_template
 
     tok = Path(effective_tokenizer(cfg)).expanduser()
     tok_json = tok / "tokenizer.json" if tok.is_dir() else tok
     if tok_json.is_file():
-        template = tokenizer_chat_template(tok_json)
+        template, source = own_chat_template(tok_json.parent)
         if template:
-            where = f"chat_template of '{tok_json.parent / 'tokenizer_config.json'}'"
+            where = f"'{source}'" if source.suffix == ".jinja" else f"chat_template of '{source}'"
             check_chat_template(template, where, "fix it, or set data.chat_template to a built-in name or a Jinja file")

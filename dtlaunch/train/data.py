@@ -43,6 +43,19 @@ def document_inputs(inputs: np.ndarray, eos: int) -> dict[str, torch.Tensor]:
     return {"positions": torch.from_numpy(idx - starts), "doc_ids": torch.from_numpy(doc)}
 
 
+def check_ids(rows: np.ndarray, vocab_size: int, key: str) -> None:
+    """Every id of a batch inside [0, vocab_size), checked on the host: on a GPU an out-of-range id is an
+    opaque device-side assert, on a CPU an IndexError deep in the embedding."""
+    low, top = int(rows.min()), int(rows.max())
+    if low < 0:
+        raise InputError(f"{key}: token id {low} < 0: the data is not token ids; re-prepare the data")
+    if top >= vocab_size:
+        raise InputError(
+            f"{key}: token id {top} >= model.vocab_size={vocab_size}: the data was "
+            f"tokenized with a larger vocabulary; raise model.vocab_size or re-prepare the data"
+        )
+
+
 class TokenLoader:
     """Yields this dp rank's micro-batches in order: (inputs, targets), int64, (micro_batch, seq_len)."""
 
@@ -153,20 +166,15 @@ class TokenLoader:
             # Under CP each rank sums over its share of the tokens and gradients are averaged over the CP
             # ranks too: cp_size makes that average the sum again.
             self.last_weight = self.global_batch * self.cp_size / (self.micro_batch * total) if total else 0.0
-        top = int(rows.max())
-        if top >= self.vocab_size:
-            # Caught here, on the host: on a GPU an out-of-range id is an opaque device-side assert.
-            raise InputError(
-                f"{self.key}: token id {top} >= model.vocab_size={self.vocab_size}: the data was "
-                f"tokenized with a larger vocabulary; raise model.vocab_size or re-prepare the data"
-            )
+        check_ids(rows, self.vocab_size, self.key)
         batch = torch.from_numpy(rows)
         if self.document_eos is not None:
             self.last_model_args = document_inputs(rows[:, :-1], self.document_eos)
-        targets = batch[:, 1:].contiguous()
+        # Inputs and targets never share storage: for a one-row batch `batch[:, 1:].contiguous()` is a view of
+        # the inputs, and writing the ignore index into it would write -100 into the inputs.
+        inputs, targets = batch[:, :-1].clone(), batch[:, 1:].clone()
         if mask is not None:
             targets[torch.from_numpy(mask == 0)] = IGNORE_INDEX
-        inputs = batch[:, :-1]
         if self.cp_positions is not None:
             keep = torch.from_numpy(self.cp_positions)
             inputs, targets = inputs[:, keep], targets[:, keep]

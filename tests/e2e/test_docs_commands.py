@@ -65,11 +65,7 @@ MODEL_DIRS = {
 # Documented commands (by their text) that fail today only because of a bug being fixed on another
 # branch: run, and expected to fail until that fix lands (strict: an unexpected pass fails, saying to
 # delete the entry).
-CONFIG_ONLY = "plan/--dry-run with an hf: directory holding only config.json exits 2 (no model.safetensors)"
 AWAITING_FIX: dict[str, str] = {
-    "dtlaunch plan  recipe=llama8b_fsdp model.init_from=hf:/models/Qwen3-8B": CONFIG_ONLY,
-    "dtlaunch train recipe=llama8b_fsdp model.init_from=hf:/models/Qwen3-8B": CONFIG_ONLY,
-    "dtlaunch plan  recipe=llama3_8b_lora_dpo model.init_from=hf:/models/Llama-3.1-8B-Instruct": CONFIG_ONLY,
     "dtlaunch train recipe=tiny_tp model.arch=hf_auto model.init_from=hf:/models/Qwen3-0.6B strategy.tp=2 "
     "strategy.sequence_parallel=false": "model.arch=hf_auto: --dry-run of a config.json-only directory asks for "
     "the weights (tensor model.embed_tokens.weight is missing)",

@@ -247,7 +247,7 @@ def test_byte_level_bpe_masks_exactly_the_assistant_text(tmp_path: Path) -> None
     ids, mask = ChatEncoder(tmp_path / "tokenizer.json", np.dtype(np.uint16), "qwen").chat(messages, "x:1", "k")
     ref = hf_tokenizer(tmp_path / "tokenizer.json", QWEN_REF)
     assert ids.tolist() == ref.apply_chat_template(messages, tokenize=True, return_dict=False)
-    answers = "".join(
-        f"<|im_start|>assistant\n{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant"
-    )
+    # The generation prompt "<|im_start|>assistant\n" is context (inference writes it); the content and the
+    # end of turn are targets, as TRL trains conversational prompt/completion data.
+    answers = "".join(f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
     assert ref.decode(ids[mask == 1].tolist()) == answers

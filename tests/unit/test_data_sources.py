@@ -204,13 +204,10 @@ def test_chat_encoding_masks_all_but_assistant_tokens(tiny_tokenizer: Path) -> N
     full = hf.apply_chat_template(messages, tokenize=False)
     assert ids.tolist() == hf(full, add_special_tokens=False)["input_ids"]
     learnt = [hf.convert_ids_to_tokens(int(i)) for i, m in zip(ids, mask, strict=True) if m]
-    assert learnt == ["<|im_start|>", "assistant", "nunu", "pepe", "<|im_end|>"] * 1 + [
-        "<|im_start|>",
-        "assistant",
-        "sisi",
-        "<|im_end|>",
-    ]
-    ids, mask = enc.prompt_completion("kaka lolo", "mimi", "x:2", "data.path")
+    # Each answer and its end of turn; the header is the generation prompt inference writes (context).
+    assert learnt == ["nunu", "pepe", "<|im_end|>", "sisi", "<|im_end|>"]
+    # As TRL: prompt + completion is one text (spacing belongs to the data); the EOS is appended later.
+    ids, mask = enc.prompt_completion("kaka lolo", " mimi", "x:2", "data.path")
     assert mask.tolist() == [0, 0, 1] and len(ids) == 3
     bad = [{"role": "wizard", "content": "kaka"}]
     assert "unknown role 'wizard' at x:3" in error(lambda: enc.chat(bad, "x:3", "data.path"), InputError)
