@@ -158,3 +158,54 @@ def token_logps(output: torch.Tensor, targets: torch.Tensor, token_nll: Any = No
     if isinstance(nll, DTensor):
         nll = nll.to_local()
     return -nll.view(rows, seq).float()
+
+
+STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl", "entropy")
+
+
+@dataclass
+class GRPOObjective:
+    """objective=grpo in the step: the micro-batch's loss from the policy's output and the rollout's rows
+    (RolloutBatches.last_rows: advantages, old / reference log-probs, the step's token count)."""
+
+    settings: GRPOSettings
+    accum: int
+    stats_len: int = len(STAT_NAMES) + 1  # the sums, then the number of loss tokens
+
+    @classmethod
+    def of(cls, cfg: Any, accum: int) -> GRPOObjective:
+        return cls(GRPOSettings.of(cfg.objective), accum)
+
+    needs_reference = False
+
+    def __call__(
+        self, output: torch.Tensor, targets: torch.Tensor, rows: dict, token_nll: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = (targets != -100).float()
+        logps = token_logps(output, targets, token_nll)
+        parts = grpo_loss(
+            self.settings, logps, rows["old"], rows["ref"], rows["adv"], mask, self.accum, rows["step_tokens"]
+        )
+        with torch.no_grad():
+            tokens = mask.sum()
+            full = torch.broadcast_to(mask, parts.per_token.shape)
+            low = (parts.low_clipped.float().expand_as(full) * full).sum()
+            high = (parts.high_clipped.float().expand_as(full) * full).sum()
+            kl = (parts.kl * full).sum() if parts.kl is not None else torch.zeros((), device=tokens.device)
+            if (
+                token_nll is None and output.dim() == 3 and not isinstance(output, DTensor)
+            ):  # the logits exist: the policy's entropy per token
+                lp = torch.log_softmax(output.detach().float(), dim=-1)
+                entropy = (-(lp.exp() * lp).sum(-1) * mask).sum()
+            else:
+                entropy = torch.zeros((), device=tokens.device)
+            stats = torch.stack([low, high, kl, entropy, tokens])
+        return parts.loss, stats
+
+    @staticmethod
+    def summarize(stats: list[float]) -> dict[str, float]:
+        tokens = stats[-1] or 1.0
+        values = {name: value / tokens for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
+        if stats[STAT_NAMES.index("entropy")] == 0.0:  # not measured: the chunked head never forms the logits
+            del values["entropy"]
+        return values
