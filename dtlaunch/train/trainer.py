@@ -31,6 +31,7 @@ from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
 from dtlaunch.train.objectives.precompute import precomputed_reference
+from dtlaunch.train.objectives.reference import grpo_reference
 from dtlaunch.train.objectives.rollout import PromptLoader, Rollout
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
@@ -160,7 +161,8 @@ class Trainer:
         self.rollout: Optional[Rollout] = None
         if str(cfg.objective.name) == "grpo":
             self.loader, self.val_loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size), None
-            self.rollout = Rollout(cfg, rt, run_dir, self.loader, dp_size)
+            reference = grpo_reference(cfg, rt.layout, rt.mesh, rt.model_parts)
+            self.rollout = Rollout(cfg, rt, run_dir, self.loader, dp_size, reference)
         else:
             self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
         if rt.objective is not None and bool(cfg.objective.precompute_reference):

@@ -174,7 +174,7 @@ class Rollout:
             self.micro_batch,
         )
         batches.old = self._logps(model, batches) if self.mu > 1 else None
-        batches.ref = self._logps(self.ref_model, batches) if self.beta > 0 else None
+        batches.ref = self._logps(None, batches) if self.beta > 0 else None
         lengths = torch.tensor([len(c) for c in gen.completions], dtype=torch.float32)
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
         if self.rank == 0:
@@ -195,13 +195,16 @@ class Rollout:
 
     @torch.no_grad()
     def _logps(self, model: Any, b: RolloutBatches) -> torch.Tensor:
-        """Per-token log-probs of the rows' targets under `model`, micro-batch by micro-batch (no grad)."""
+        """Per-token log-probs of the rows' targets under `model` (None: the reference), micro-batch by
+        micro-batch (no grad)."""
         rt, out = self.rt, []
         for i in range(0, b.inputs.shape[0], self.micro_batch):
             x, y = b.inputs[i : i + self.micro_batch], b.targets[i : i + self.micro_batch]
             with rt.loss_context(), compute_context(rt.model_parts, self.cfg, rt.device):
-                logits = model(x)
-                out.append(token_logps(logits, y, rt.loss_fn.token_nll))
+                if model is None:  # the reference (objective.beta > 0)
+                    out.append(self.ref_model(x, y))
+                else:
+                    out.append(token_logps(model(x), y, rt.loss_fn.token_nll))
         return torch.cat(out)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
