@@ -35,6 +35,7 @@ from dtlaunch.plan.loss_terms import (
     loss_chunks,
     regathered_root,
 )
+from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
 from dtlaunch.plan.objective import reference_phases, reference_static_lines, rows_per_sample
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
@@ -701,6 +702,7 @@ def plan_stage(
     gather = _embedding_gather_moment(c, lines)
     phases["forward"] = max(phases["forward"], gather)
     phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
+    phases.update(generation_phases(c, static))  # GRPO: the rollout's generation and old-policy pass
     phase = max(phases, key=lambda k: phases[k])
     if phase == "forward" and gather == phases["forward"]:
         lines = {k: v for k, v in lines.items() if k != "activations"}
@@ -709,7 +711,9 @@ def plan_stage(
         lines["loss/backward buffers"] = phases["backward"] - phases["forward"]
     if phase == "optimizer":
         lines = at_step
-    if phase not in ("forward", "backward", "optimizer"):
+    if phase == PHASE_GENERATION:
+        lines = generation_lines(c, static)
+    elif phase not in ("forward", "backward", "optimizer"):
         lines = {**static, "reference forward buffers": phases[phase] - sum(static.values())}
     return StagePlan(
         stage=stage,

@@ -342,7 +342,7 @@ class RandomBatches:
     def __init__(self, cfg: Any) -> None:
         t = cfg.training
         # Preference objectives: a sample is a pair, two rows (and precomputed reference log-probs).
-        rows = int(t.micro_batch) * (1 if str(cfg.objective.name) == "sft" else 2)
+        rows = int(t.micro_batch) * (1 if str(cfg.objective.name) in ("sft", "grpo") else 2)
         self.shape = (rows, int(t.seq_len) + 1)
         self.vocab = int(cfg.model.vocab_size)
         self.last_ref_logps = torch.zeros(rows)
