@@ -15,7 +15,9 @@ from dtlaunch.errors import ConfigError
 
 def check_grpo(cfg: Any, notes: list[str]) -> None:
     o, d, t = cfg.objective, cfg.data, cfg.training
-    if str(d.format) != "prompt":
+    # data.kind=synthetic: the plan of a recipe before its prompts are named (`dtlaunch plan`); training
+    # refuses it when the launcher prepares the data (dtlaunch.data.run_data).
+    if str(d.format) != "prompt" and str(d.kind) != "synthetic":
         raise ConfigError(
             f"objective=grpo generates its completions from prompts, not data.format={d.format}: set "
             f"data.format=prompt (with data.prompt_field)"

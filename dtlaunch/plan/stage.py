@@ -27,6 +27,7 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
+from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
 from dtlaunch.plan.hardware import fused_optimizer, gloo_collectives
 from dtlaunch.plan.loss_terms import (
     held_logits,
@@ -35,7 +36,6 @@ from dtlaunch.plan.loss_terms import (
     loss_chunks,
     regathered_root,
 )
-from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
 from dtlaunch.plan.objective import reference_phases, reference_static_lines, rows_per_sample
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms

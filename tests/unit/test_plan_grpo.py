@@ -19,7 +19,9 @@ def plan(tmp_path, *overrides: str):
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel(vocab={"<unk>": 0, "w1": 1}, unk_token="<unk>")).save(str(tok))
-    job = load_job([f"data.path={prompts}", f"data.tokenizer={tok}", *overrides])
+    job = load_job(
+        [*overrides, "data.kind=jsonl", "data.format=prompt", f"data.path={prompts}", f"data.tokenizer={tok}"]
+    )
     return plan_memory(job.cfg, job.layout).worst
 
 
