@@ -60,6 +60,14 @@ def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
             f"objective=grpo does not generate under pipeline parallel (strategy.pp={layout.pp}): use "
             f"strategy.pp=1 (FSDP or TP for a model that does not fit one GPU)"
         )
+    # Decoding with a KV cache passes the cache to each block, which tensor parallel's input preparation
+    # and context parallel's sequence split do not take yet.
+    for key, degree in (("tp", layout.tp), ("cp", layout.cp)):
+        if degree > 1:
+            raise ConfigError(
+                f"objective=grpo does not generate under strategy.{key}={degree} yet: use strategy.{key}=1 "
+                f"(FSDP, strategy=fsdp, shards a model that does not fit one GPU)"
+            )
     per_rank = global_batch(cfg, layout) // max(layout.dp, 1)
     if global_batch(cfg, layout) % g or per_rank % g:
         raise ConfigError(
