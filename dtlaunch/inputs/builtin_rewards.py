@@ -1,9 +1,10 @@
 """The built-in reward functions (objective.rewards: accuracy, format), with TRL's reward signature.
 
 accuracy: 1.0 when the completion's answer equals the record's answer column, else 0.0; None for a
-record without one. The answer is the last \\boxed{...} in the completion, else its last number; numbers
-compare as numbers (1.50 == 1.5), anything else as stripped text. With the optional `math-verify` package
-installed (pip install 'dtlaunch[rl]'), its parser and verifier decide instead (LaTeX, fractions, sets).
+record without one. The completion's answer is its last \\boxed{...}, else its last number; the gold is
+the column's last \\boxed{...}, else the whole column. Numbers compare as numbers (1.50 == 1.5), anything
+else as stripped text. With the optional `math-verify` package installed (pip install 'dtlaunch[rl]'), its
+parser and verifier decide instead (LaTeX, fractions, sets).
 format: 1.0 when the whole completion matches objective.format_regex (re.DOTALL), else 0.0.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
+HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 
 
 def completion_text(completion: Any) -> str:
@@ -62,11 +63,12 @@ def accuracy_reward(
             out.append(None)
             continue
         text, gold_s = completion_text(completion), str(gold)
-        if _HAS_MATH_VERIFY:
+        if HAS_MATH_VERIFY:
             out.append(1.0 if _verified(text, gold_s) else 0.0)
             continue
         answer = extract_answer(text)
-        gold_answer = extract_answer(gold_s) or gold_s
+        boxed = _BOXED.findall(gold_s)  # a gold column may hold a worked solution ending in \boxed{...}
+        gold_answer = boxed[-1].strip() if boxed else gold_s.strip()
         out.append(1.0 if answer is not None and _same(answer, gold_answer) else 0.0)
     return out
 
