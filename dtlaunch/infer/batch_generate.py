@@ -13,7 +13,7 @@ by the rollout, so a resumed run draws the same tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -85,9 +85,12 @@ def generate_batch(
     stop_ids: Iterable[int],
     pad_id: int = 0,
     generator: Optional[torch.Generator] = None,
+    all_done: Optional[Callable[[torch.Tensor], bool]] = None,
 ) -> Generated:
     """Completions of `prompts` (token ids) from `model` (a dtlaunch decoder whose RoPE tables cover the
-    longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions)."""
+    longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions). `all_done(done)`: whether
+    decoding may stop, given this batch's finished rows; a sharded model's ranks must run the same number
+    of decode steps (each forward gathers weights collectively), so they agree on it there."""
     device = next(model.parameters()).device
     rows, longest = len(prompts), max(len(p) for p in prompts)
     capacity = longest + s.max_new_tokens
@@ -109,7 +112,8 @@ def generate_batch(
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out[:, n] = nxt
         done = done | torch.isin(nxt, stops)
-        if bool(done.all()) or n == s.max_new_tokens - 1:
+        finished = all_done(done) if all_done is not None else bool(done.all())
+        if finished or n == s.max_new_tokens - 1:
             break
         key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
         logits = model(nxt[:, None], positions=(lengths + n)[:, None], caches=caches)[:, -1].float()

@@ -145,7 +145,8 @@ class Rollout:
         model.hidden_only = False
         try:
             with compute_context(rt.model_parts, self.cfg, rt.device):
-                gen = generate_batch(model, [p["ids"] for p in prompts], self.sampling, self.stop_ids, PAD, g)
+                ids = [p["ids"] for p in prompts]
+                gen = generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
         finally:
             model.hidden_only = hidden_only
         gen_s = time.perf_counter() - began
@@ -206,6 +207,15 @@ class Rollout:
                 else:
                     out.append(token_logps(model(x), y, rt.loss_fn.token_nll))
         return torch.cat(out)
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Every rank's rows finished: FSDP gathers each block inside every decode step, so all ranks decode
+        the same number of steps (one small all-reduce per step; none with one process)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return bool(done.all())
+        unfinished = (~done).sum().reshape(1).to(self.rt.device)
+        dist.all_reduce(unfinished)
+        return int(unfinished) == 0
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every data-parallel rank's rows, in dp-rank order (TP / CP peers hold the same rows)."""
