@@ -626,6 +626,10 @@ class DebugConfig:
     hold_at_step: int = -1
     # `fail_rank` sleeps this long (s) in every step (tests the slow-rank report).
     slow_step_s: float = 0.0
+    # objective=grpo: read each rollout's completions from this JSONL instead of sampling them (tests: every
+    # layout trains on the same tokens). Line k: rollout k's completions, a list of token-id lists over the
+    # whole generation batch in global order (prompt position, then its G completions).
+    replay_completions: str = ""
 
 
 @dataclass

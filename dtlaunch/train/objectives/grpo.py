@@ -6,10 +6,11 @@ Everything here works on (rows, seq) tensors aligned with the micro-batch's targ
 completion tokens that count (targets != -100; a truncated completion's are 0 under
 mask_truncated_completions), `logps` the policy's per-token log-probs of those targets.
 
-Scaling across micro-steps and data-parallel ranks: the loop sums micro-step losses and the gradient
-average over dp ranks divides by dp. grpo / bnpo / dr_grpo are per-micro-batch means, so each is divided
-by accum (as TRL divides by its gradient-accumulation steps); dapo / cispo divide the micro-batch's token
-sum by the optimizer step's completion tokens over all ranks / dp (TRL's num_items_in_batch / processes).
+Scaling across micro-steps and data-parallel ranks: the loop sums micro-step losses, each divided by
+accum (dtlaunch.train.step.micro_step), and the gradient average over dp ranks divides by dp. grpo / bnpo /
+dr_grpo are per-micro-batch means (TRL divides them by its gradient-accumulation steps the same way);
+dapo / cispo divide the micro-batch's token sum by the optimizer step's completion tokens over all ranks /
+dp (TRL's num_items_in_batch / processes), which GRPOObjective multiplies by accum before the step divides.
 """
 
 from __future__ import annotations
@@ -183,9 +184,10 @@ class GRPOObjective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = (targets != -100).float()
         logps = token_logps(output, targets, token_nll)
-        parts = grpo_loss(
-            self.settings, logps, rows["old"], rows["ref"], rows["adv"], mask, self.accum, rows["step_tokens"]
-        )
+        # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
+        # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
+        parts = grpo_loss(self.settings, logps, rows["old"], rows["ref"], rows["adv"], mask, 1, rows["step_tokens"])
+        loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
         with torch.no_grad():
             tokens = mask.sum()
             full = torch.broadcast_to(mask, parts.per_token.shape)
@@ -200,7 +202,7 @@ class GRPOObjective:
             else:
                 entropy = torch.zeros((), device=tokens.device)
             stats = torch.stack([low, high, kl, entropy, tokens])
-        return parts.loss, stats
+        return loss, stats
 
     @staticmethod
     def summarize(stats: list[float]) -> dict[str, float]:

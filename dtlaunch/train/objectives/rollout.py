@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
-from dtlaunch.infer.batch_generate import Sampling, generate_batch
+from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
 from dtlaunch.inputs.rewards import call_reward, load_rewards
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
 from dtlaunch.train.parallel.parallelize import compute_context
@@ -119,6 +119,8 @@ class Rollout:
         self.stop_ids = list(loader.meta["stop_ids"])
         self.tokenizer = load_tokenizer(str(run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"))
         self.current: Optional[RolloutBatches] = None
+        replay = str(cfg.debug.replay_completions)  # test hook: completions from a file, no sampling
+        self.replay = [json.loads(x) for x in Path(replay).read_text().splitlines()] if replay else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     def batches(self, step: int) -> RolloutBatches:
@@ -141,14 +143,7 @@ class Rollout:
             (self.seed * 1_000_003 + TAG_ROLLOUT + index * 7_919 + self.loader.dp_rank * 104_729) % (2**63)
         )
         model = _unwrapped(rt.model_parts[0])
-        hidden_only = getattr(model, "hidden_only", False)  # training.loss_chunks: generation needs the logits
-        model.hidden_only = False
-        try:
-            with compute_context(rt.model_parts, self.cfg, rt.device):
-                ids = [p["ids"] for p in prompts]
-                gen = generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
-        finally:
-            model.hidden_only = hidden_only
+        gen = self._replayed(index, len(prompts)) if self.replay is not None else self._generate(model, prompts, g)
         gen_s = time.perf_counter() - began
         texts = [self.tokenizer.decode([i for i in c if i not in self.stop_ids]) for c in gen.completions]
         chat = not isinstance(prompts[0]["prompt"], str)
@@ -181,6 +176,24 @@ class Rollout:
         if self.rank == 0:
             self._write_sample(step, originals, texts, everyone[: len(prompts)], adv)
         return batches
+
+    def _generate(self, model: torch.nn.Module, prompts: list[dict], g: torch.Generator) -> Generated:
+        hidden_only = getattr(model, "hidden_only", False)  # training.loss_chunks: generation needs the logits
+        model.hidden_only = False
+        try:
+            with compute_context(self.rt.model_parts, self.cfg, self.rt.device):
+                ids = [p["ids"] for p in prompts]
+                return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
+        finally:
+            model.hidden_only = hidden_only
+
+    def _replayed(self, index: int, rows: int) -> Generated:
+        """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions."""
+        assert self.replay is not None
+        lo = self.loader.dp_rank * rows
+        completions = [list(c) for c in self.replay[index][lo : lo + rows]]
+        stops = set(self.stop_ids)
+        return Generated(completions, [not c or c[-1] not in stops for c in completions])
 
     def _rows(self, prompts: list, completions: list, truncated: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Training rows: prompt + completion from position 0, right-padded; targets are the completion's."""
