@@ -9,12 +9,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dtlaunch.config.grpo_rules import check_grpo
 from dtlaunch.errors import ConfigError
 
 
 def check_objective(cfg: Any, notes: list[str]) -> None:
     o, d = cfg.objective, cfg.data
     name = str(o.name)
+    if str(d.format) == "prompt" and name != "grpo":
+        raise ConfigError(
+            f"data.format=prompt holds prompts without completions, which objective={name} cannot train on: use "
+            f"objective=grpo (completions generated and scored by objective.rewards)"
+        )
+    if name == "grpo":
+        check_grpo(cfg, notes)
+        return
     if name == "sft":
         if str(d.format) == "preference":
             raise ConfigError(
@@ -28,6 +37,8 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
             f"objective={name} trains on preference pairs, not data.format={d.format}: set data.format=preference "
             f"(with data.prompt_field, data.chosen_field, data.rejected_field)"
         )
+    if float(o.beta) <= 0:
+        raise ConfigError(f"objective.beta={o.beta} must be > 0 for objective={name}: e.g. objective.beta=0.1")
     if float(o.label_smoothing) > 0 and not (name == "dpo" and str(o.loss) == "robust"):
         raise ConfigError(
             f"objective.label_smoothing={o.label_smoothing} is used by objective.loss=robust only (TRL >= 0.29 "

@@ -157,7 +157,16 @@ RANGES: dict[str, Range] = {
     "peft.dropout": PROBABILITY,
     "peft.nf4_block_size": AT_LEAST_1,
     "peft.nf4_scaler_block_size": AT_LEAST_1,
-    "objective.beta": POSITIVE,
+    "objective.beta": NON_NEGATIVE,  # 0: objective=grpo without a KL term (the preference losses need > 0)
+    "objective.num_generations": Range(2),  # a group of one has no spread to centre on
+    "objective.epsilon": Range(0, 1, max_open=True),
+    "objective.epsilon_high": POSITIVE,
+    "objective.num_iterations": AT_LEAST_1,
+    "objective.max_completion_length": AT_LEAST_1,
+    "objective.temperature": POSITIVE,
+    "objective.top_p": Range(0, 1, min_open=True),
+    "objective.top_k": NON_NEGATIVE,
+    "objective.reward_weights": Range(),
     "objective.label_smoothing": Range(0, 0.5, max_open=True),  # 0.5: the loss divides by 1 - 2 * it
     "objective.sft_weight": NON_NEGATIVE,  # 0 = off
     "objective.gamma": NON_NEGATIVE,

@@ -237,6 +237,9 @@ class DataFormat(Choice):
     prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
     # data.prompt_field + data.chosen_field + data.rejected_field (objective=dpo / orpo / simpo)
     preference = "preference"
+    # data.prompt_field only (objective=grpo: the completions are generated); every other column reaches
+    # the reward functions.
+    prompt = "prompt"
 
 
 class PeftMethod(Choice):
@@ -282,6 +285,7 @@ class ObjectiveName(Choice):
     dpo = "dpo"  # direct preference optimisation against a reference model
     orpo = "orpo"  # odds-ratio preference optimisation: NLL on chosen + odds-ratio term, no reference
     simpo = "simpo"  # length-normalised preference margin with a target gap, no reference
+    grpo = "grpo"  # online RL: sampled completions scored by reward functions (GRPO family, TRL's names)
 
 
 class PreferenceLoss(Choice):
@@ -291,6 +295,31 @@ class PreferenceLoss(Choice):
     ipo = "ipo"  # (length-normalised margin - 1 / (2 beta))^2
     hinge = "hinge"  # relu(1 - beta * margin)
     robust = "robust"  # label-noise-robust DPO (uses objective.label_smoothing)
+
+
+class GRPOLossType(Choice):
+    """objective=grpo: how the per-token losses are aggregated (TRL's loss_type; trl/trainer/grpo_trainer.py)."""
+
+    grpo = "grpo"  # mean over each completion's tokens, then over completions (length bias)
+    dr_grpo = "dr_grpo"  # sum over tokens / (completions x max_completion_length) (Dr. GRPO)
+    dapo = "dapo"  # sum over the generation batch's tokens / their count (TRL's default)
+    bnpo = "bnpo"  # sum over the micro-batch's tokens / their count
+    cispo = "cispo"  # clipped importance weight (detached) x advantage x log-prob, aggregated as dapo
+
+
+class ImportanceLevel(Choice):
+    """objective=grpo: the policy ratio per token, or one per completion (GSPO: the mean log-ratio)."""
+
+    token = "token"
+    sequence = "sequence"
+
+
+class ScaleRewards(Choice):
+    """objective=grpo: divide the group-centred reward by the group's std, the batch's std, or nothing."""
+
+    group = "group"
+    batch = "batch"
+    none = "none"
 
 
 @dataclass
@@ -318,6 +347,27 @@ class ObjectiveConfig:
     # One pass before training writes every pair's reference log-probs beside the token cache; training
     # then holds no reference model and runs no reference forward.
     precompute_reference: bool = False
+    # objective=grpo (online RL; dtlaunch.train.objectives.grpo), TRL's GRPOConfig names. `beta` above is the
+    # KL weight to the reference (configs/objective/grpo.yaml sets 0: no reference held, none computed).
+    num_generations: int = 8  # G completions sampled per prompt; training.global_batch counts completions
+    loss_type: GRPOLossType = GRPOLossType.dapo
+    importance_sampling_level: ImportanceLevel = ImportanceLevel.token
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
+    epsilon_high: float = 0.28  # upper clip (DAPO's clip-higher); cispo: the cap of the detached ratio
+    num_iterations: int = 1  # mu: optimizer steps on each generation batch (old-policy log-probs kept)
+    scale_rewards: ScaleRewards = ScaleRewards.group
+    # Completions cut at max_completion_length (no EOS / end-of-turn) contribute no loss.
+    mask_truncated_completions: bool = False
+    # Reward functions: built-ins `accuracy`, `format`, or `module:function` / `path/to/file.py:function`
+    # with TRL's signature f(prompts=, completions=, completion_ids=, **columns) -> list[float | None].
+    rewards: list[str] = field(default_factory=lambda: ["accuracy"])
+    reward_weights: list[float] = field(default_factory=list)  # empty: 1 for each reward function
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    format_regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `format` reward's pattern
+    answer_field: str = "answer"  # the `accuracy` reward compares against this dataset column
 
 
 @dataclass
@@ -576,6 +626,10 @@ class DebugConfig:
     hold_at_step: int = -1
     # `fail_rank` sleeps this long (s) in every step (tests the slow-rank report).
     slow_step_s: float = 0.0
+    # objective=grpo: read each rollout's completions from this JSONL instead of sampling them (tests: every
+    # layout trains on the same tokens). Line k: rollout k's completions, a list of token-id lists over the
+    # whole generation batch in global order (prompt position, then its G completions).
+    replay_completions: str = ""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dtlaunch.config.grpo_rules import check_grpo_layout
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
 from dtlaunch.config.objective_rules import check_objective
 from dtlaunch.config.offload_rules import check_offload
@@ -580,6 +581,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_pipeline,
     check_expert_parallel,
     check_batch,
+    check_grpo_layout,
     check_float8_tensor_parallel,
     check_qlora,
     check_offload,

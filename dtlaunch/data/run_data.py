@@ -185,9 +185,17 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
     train and validation data each hold a global batch, so bad data fails (exit 2) before any worker.
     Returns data.kind=text's PrepareSummary when it tokenized now, else None."""
     kind = check_kind(cfg)
+    if str(cfg.objective.name) == "grpo" and str(cfg.data.format) != "prompt":
+        raise InputError(
+            f"objective=grpo trains on generated completions of prompts, and data.kind={kind} holds none: set "
+            f"data.kind=jsonl (or parquet, hf) data.format=prompt data.path=<your prompts>"
+        )
     summary = None
     val_path = str(cfg.data.val_path)
     keep_tokenizer(cfg, Path(run_dir))
+    if str(cfg.data.format) == "prompt":  # objective=grpo: prompts only, the completions are generated
+        _prepare_prompts(cfg, Path(run_dir))
+        return None
     if kind in RECORD_KINDS:
         tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
         sources = {"train": str(tokenize_records(cfg, str(cfg.data.path), "data.path", tok))}
@@ -211,6 +219,24 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
         if val is not None:
             _check_enough(val, gb, "data.val_path" if val_path else "data.val_fraction", cfg)
     return summary
+
+
+def _prepare_prompts(cfg: Any, run_dir: Path) -> None:
+    from dtlaunch.config.layout import Layout, global_batch, world_size
+    from dtlaunch.data.prompts import prepare_prompts
+    from dtlaunch.data.tokenizer import resolve_tokenizer_spec
+
+    tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
+    check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
+    spec = Path(resolve_tokenizer_spec(str(cfg.data.tokenizer), str(cfg.model.init_from))).expanduser()
+    gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+    prepare_prompts(
+        cfg,
+        run_dir,
+        spec / "tokenizer.json" if spec.is_dir() else spec,
+        tok.eos_id,
+        gb // int(cfg.objective.num_generations),
+    )
 
 
 def _check_shards_tokenizer(cfg: Any, run_dir: Path) -> None:

@@ -27,7 +27,7 @@ def check_data(cfg: Any, run_dir: Path, layout: Layout) -> None:
     from dtlaunch.data.shards import open_shards
     from dtlaunch.data.sources import shard_dir
 
-    if str(cfg.data.kind) == "synthetic":
+    if str(cfg.data.kind) == "synthetic" or str(cfg.data.format) == "prompt":  # prompts: checked when prepared
         return
     roles = [("train", "data.path", cfg.data.path)]
     if str(cfg.data.val_path):

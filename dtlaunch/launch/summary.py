@@ -36,7 +36,7 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
         return {}
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = int(summary.get("final_step") or 0)
-    rows_per_sample = 1 if str(cfg.objective.name) == "sft" else 2  # a preference sample is a pair of rows
+    rows_per_sample = 1 if str(cfg.objective.name) in ("sft", "grpo") else 2  # a preference sample: two rows
     tokens_per_step = global_batch(cfg, layout) * int(cfg.training.seq_len) * rows_per_sample
     tps = summary.get("tokens_per_s_median")
     low = str(cfg.precision.param_dtype) in ("bf16", "fp16")

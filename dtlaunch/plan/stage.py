@@ -28,6 +28,7 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
+from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
 from dtlaunch.plan.hardware import fused_optimizer, gloo_collectives
 from dtlaunch.plan.loss_terms import (
     held_logits,
@@ -702,6 +703,7 @@ def plan_stage(
     gather = _embedding_gather_moment(c, lines)
     phases["forward"] = max(phases["forward"], gather)
     phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
+    phases.update(generation_phases(c, static))  # GRPO: the rollout's generation and old-policy pass
     phase = max(phases, key=lambda k: phases[k])
     if phase == "forward" and gather == phases["forward"]:
         lines = {k: v for k, v in lines.items() if k != "activations"}
@@ -710,7 +712,9 @@ def plan_stage(
         lines["loss/backward buffers"] = phases["backward"] - phases["forward"]
     if phase == "optimizer":
         lines = at_step
-    if phase not in ("forward", "backward", "optimizer"):
+    if phase == PHASE_GENERATION:
+        lines = generation_lines(c, static)
+    elif phase not in ("forward", "backward", "optimizer"):
         lines = {**static, "reference forward buffers": phases[phase] - sum(static.values())}
     return StagePlan(
         stage=stage,

@@ -342,10 +342,15 @@ class RandomBatches:
     def __init__(self, cfg: Any) -> None:
         t = cfg.training
         # Preference objectives: a sample is a pair, two rows (and precomputed reference log-probs).
-        rows = int(t.micro_batch) * (1 if str(cfg.objective.name) == "sft" else 2)
+        rows = int(t.micro_batch) * (1 if str(cfg.objective.name) in ("sft", "grpo") else 2)
         self.shape = (rows, int(t.seq_len) + 1)
         self.vocab = int(cfg.model.vocab_size)
         self.last_ref_logps = torch.zeros(rows)
+        if str(cfg.objective.name) == "grpo":
+            # The training phase of objective=grpo: rows as a rollout hands them (the rollout itself, its
+            # generation and no-grad passes, is analytic only: dtlaunch.plan.generation).
+            ref = torch.zeros(rows, int(t.seq_len)) if float(cfg.objective.beta) > 0 else None
+            self.last_rows = {"adv": torch.ones(rows), "old": None, "ref": ref, "step_tokens": torch.tensor(1.0)}
 
     def next_batch(self) -> tuple[Any, Any]:
 

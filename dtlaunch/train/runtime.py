@@ -120,6 +120,7 @@ def build_runtime(
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
     from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives.grpo import GRPOObjective
     from dtlaunch.train.objectives.reference import build_reference, cp_group
 
     in_backward = None
@@ -144,7 +145,11 @@ def build_runtime(
         pp_mesh=built.get("pp_mesh"),
         moe=_router_tracker(cfg, parts, mesh, layout, accum),
         loss_context=lambda: loss_context(cfg, layout),
-        objective=PreferenceObjective.of(cfg, cp_group(mesh)),
+        objective=(
+            GRPOObjective.of(cfg, accum)
+            if str(cfg.objective.name) == "grpo"
+            else PreferenceObjective.of(cfg, cp_group(mesh))
+        ),
         reference=build_reference(cfg, layout, mesh, parts, init=init),
         in_backward=in_backward,
     )

@@ -34,7 +34,7 @@ class StepResult:
     applied: Any
     # Mixture of experts: this rank's router statistics (dtlaunch.train.moe_stats), still on the device.
     router_stats: Optional[torch.Tensor] = None
-    # Preference objectives: this rank's summed pair statistics (dtlaunch.train.objectives), on the device.
+    # Preference objectives and GRPO: this rank's summed statistics (dtlaunch.train.objectives), on the device.
     pair_stats: Optional[torch.Tensor] = None
 
 
@@ -152,7 +152,10 @@ def micro_step(
         # The loss inside the compute context too: a chunked loss (training.loss_chunks) runs the head.
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             # DPO's reference first (no grad): none of its activations live through the policy's forward.
+            # objective=grpo reads its rollout's rows instead (advantages, old / reference log-probs).
             ref = rt.reference(inputs, targets, batches) if rt.reference is not None else None
+            if ref is None:
+                ref = getattr(batches, "last_rows", None)
             out = model(inputs, **extra)
             if rt.objective is not None:
                 # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).

@@ -30,9 +30,9 @@ from dtlaunch.run.phases import phase
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
-from dtlaunch.train.objectives import STATS_LEN
-from dtlaunch.train.objectives import summarize as summarize_pairs
 from dtlaunch.train.objectives.precompute import precomputed_reference
+from dtlaunch.train.objectives.reference import grpo_reference
+from dtlaunch.train.objectives.rollout import PromptLoader, Rollout
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
@@ -140,6 +140,8 @@ class _Totals:
         self.evals: dict[int, dict[str, float]] = {}  # step -> validation metrics computed after it
         self.last_eval: dict[str, float] = {}
         self.last_pairs: dict[str, float] = {}  # preference objectives: the last step's reward metrics
+        self.rollouts: dict[int, dict[str, float]] = {}  # objective=grpo: step -> its rollout's metrics
+        self.last_rollout: dict[str, float] = {}
         self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
 
@@ -155,7 +157,14 @@ class Trainer:
             f"this rank in {len(rt.model_parts)} part(s)"
         )
         dp_rank, dp_size = dp_rank_size(rt.mesh)
-        self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
+        # objective=grpo: prompts, and the rollout that turns them into the rows each step trains on.
+        self.rollout: Optional[Rollout] = None
+        if str(cfg.objective.name) == "grpo":
+            self.loader, self.val_loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size), None
+            reference = grpo_reference(cfg, rt.layout, rt.mesh, rt.model_parts)
+            self.rollout = Rollout(cfg, rt, run_dir, self.loader, dp_size, reference)
+        else:
+            self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
         if rt.objective is not None and bool(cfg.objective.precompute_reference):
             self.loader.ref_logps = precomputed_reference(cfg, run_dir, rt, self.loader)
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
@@ -173,7 +182,8 @@ class Trainer:
         if self.pace is not None and env.rank == 0:
             self.totals.stragglers = StragglerWatch(env.world, float(t.straggler_threshold))
         self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s), pace=self.pace)
-        rows = 2 if rt.objective is not None else 1  # a preference sample is a pair: two rows
+        # A preference sample is a pair: two rows (a GRPO sample is one completion).
+        rows = 2 if rt.objective is not None and self.rollout is None else 1
         self.tokens_per_step = rows * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
@@ -193,6 +203,9 @@ class Trainer:
                         time.sleep(loop.slow_step_s)
                     if self.pace is not None:
                         self.pace.started()
+                    if self.rollout is not None:  # generation and rewards: this step's rows
+                        batches = self.rollout.batches(step)
+                        self.totals.rollouts[step] = batches.metrics
                     result = step_fn(rt, batches, step)
                     if self.pace is not None:
                         self.pace.ended()
@@ -279,6 +292,7 @@ class Trainer:
                 "peak_mem_bytes": peak,
                 "skipped": int(skipped),
                 **totals.evals.pop(out.step, {}),
+                **self._rollout_values(out.step),
                 **self._stats_values(out.stats),
             }
             if out.step in totals.ended:  # the step's own end, not when its window was read
@@ -292,15 +306,23 @@ class Trainer:
                     f"{out.step}): lower optim.lr, or raise training.max_bad_steps"
                 )
 
+    def _rollout_values(self, step: int) -> dict[str, float]:
+        """objective=grpo: the metrics of the rollout this step generated (none on its later iterations)."""
+        values = self.totals.rollouts.pop(step, {})
+        if values:
+            self.totals.last_rollout = values
+        return values
+
     def _stats_values(self, stats: Optional[list[float]]) -> dict[str, float]:
-        """A step's extra vector: the router statistics (MoE), then the pair statistics (preference)."""
+        """A step's extra vector: the router statistics (MoE), then the objective's (preference, GRPO)."""
         if not stats:
             return {}
-        pairs = STATS_LEN if self.rt.objective is not None else 0
+        objective = self.rt.objective
+        pairs = objective.stats_len if objective is not None else 0
         router, pair = stats[: len(stats) - pairs], stats[len(stats) - pairs :]
         values = self.rt.moe.summarize(router) if self.rt.moe is not None and router else {}
         if pair:
-            self.totals.last_pairs = summarize_pairs(pair)
+            self.totals.last_pairs = objective.summarize(pair)
         return {**values, **self.totals.last_pairs} if pair else values
 
     def _peak(self) -> int:
@@ -331,6 +353,7 @@ class Trainer:
             "world": self.env.world,
             **t.last_eval,
             **t.last_pairs,
+            **{k: v for k, v in t.last_rollout.items() if not k.startswith("time/")},
             **(t.stragglers.summary() if t.stragglers is not None else {}),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

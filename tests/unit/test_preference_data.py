@@ -115,7 +115,7 @@ def test_a_bad_record_is_named_by_file_and_line(tiny_tokenizer: Path, tmp_path: 
         (["objective=sft"], "data.format=preference holds pairs, which objective=sft cannot train on"),
         (["objective.label_smoothing=0.1"], "objective.label_smoothing=0.1 is used by objective.loss=robust only"),
         (["objective.loss=robust", "objective.label_smoothing=0.5"], "objective.label_smoothing=0.5 is out of range"),
-        (["objective.beta=0"], "objective.beta=0.0 is out of range"),
+        (["objective.beta=0"], "objective.beta=0.0 must be > 0 for objective=dpo"),
         (["objective.reference=runs/x"], "objective.reference='runs/x': no such directory"),
         (["objective.reference=hf:/nonexistent"], "holds no config.json"),
         (["objective=orpo", "objective.precompute_reference=true"], "objective=orpo uses no reference model"),

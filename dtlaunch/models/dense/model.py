@@ -130,6 +130,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         mask = self._mask(mask, start, s, k.shape[1], x.device)
+        if cache is not None and cache.key_mask is not None:
+            mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -152,12 +154,27 @@ class Attention(nn.Module):
         return mask
 
 
+def padded_keys(mask: Optional[torch.Tensor], key_mask: torch.Tensor, start: int, s: int) -> torch.Tensor:
+    """`mask` (causal from `start`, or None: causal from 0) limited to the real keys of a left-padded batch
+    (`key_mask` (B, total), True = a real token). Each query may always see itself, so a padding position's
+    row is never empty (an empty row would make SDPA return NaN, which its zero weights would then spread)."""
+    total = key_mask.shape[1]
+    qpos = torch.arange(start, start + s, device=key_mask.device)[:, None]
+    kpos = torch.arange(total, device=key_mask.device)[None, :]
+    causal = kpos <= qpos if mask is None else mask
+    return (causal & key_mask[:, None, None, :]) | (kpos == qpos)
+
+
 class KVCache:
-    """Keys and values of the positions seen so far, for one block (decoding; never in training)."""
+    """Keys and values of the positions seen so far, for one block (decoding; never in training).
+
+    `key_mask` (B, positions), when set by the decoder, marks which cached positions are real tokens (a
+    left-padded batch of prompts); attention then ignores the others."""
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self.key_mask: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:

@@ -49,7 +49,7 @@ class PreferenceObjective:
     def of(cls, cfg: Any, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
-        if str(o.name) == "sft":
+        if str(o.name) in ("sft", "grpo"):  # grpo: dtlaunch.train.objectives.grpo.GRPOObjective
             return None
         return cls(
             name=str(o.name),
@@ -60,6 +60,12 @@ class PreferenceObjective:
             gamma=float(o.gamma),
             cp_group=cp_group,
         )
+
+    stats_len = STATS_LEN
+
+    @staticmethod
+    def summarize(stats: list[float]) -> dict[str, float]:
+        return summarize(stats)
 
     @property
     def needs_reference(self) -> bool:

@@ -187,3 +187,35 @@ def _frozen_model(cfg: Any, init: bool) -> tuple[nn.Module, Any, Any]:
                 if isinstance(p, nn.Parameter) and p.dtype != dtype and id(p) not in tied:
                     setattr(mod, name, nn.Parameter(p.detach().to(dtype), requires_grad=False))
     return model, ref_cfg, weights
+
+
+class TokenReference:
+    """objective=grpo with objective.beta > 0: the reference's per-token log-probs of a rollout's rows, from
+    the policy with its adapters off (LoRA / QLoRA) or from a frozen copy of the initial weights."""
+
+    def __init__(self, model: nn.Module, head: Any, adapters_off: bool) -> None:
+        self.model = getattr(model, "module", model)
+        self.head, self.adapters_off = head, adapters_off
+        self.modules = [] if adapters_off else [model]
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            with adapters_disabled(self.model):
+                out = self.model(inputs)
+        else:
+            out = self.model(inputs)
+        nll = self.head.token_nll(out, targets)
+        return -nll.view(targets.shape).float()
+
+
+def grpo_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: bool = True) -> Optional[TokenReference]:
+    """The reference of objective=grpo (None when objective.beta is 0: none is held)."""
+    if str(cfg.objective.name) != "grpo" or float(cfg.objective.beta) == 0.0:
+        return None
+    from dtlaunch.train.chunked_loss import head_loss
+
+    if str(cfg.peft.method) != "none":
+        return TokenReference(parts[0], head_loss(cfg, parts), adapters_off=True)
+    copy = frozen_copy(cfg, layout, mesh, _device(parts), init)
+    return TokenReference(copy, head_loss(cfg, [copy]), adapters_off=False)

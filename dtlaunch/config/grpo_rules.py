@@ -1,0 +1,77 @@
+"""Rules of objective=grpo (online RL), run by `validate` before any worker starts.
+
+Ranges (num_generations >= 2, epsilon, temperature, top_p, ...) are in config/ranges.py. Here: the pairs
+that do not go together. What needs the data (each reward function called once on a sample, prompts that
+leave no room for the completion) is checked when the launcher reads the prompts (dtlaunch.inputs.rewards).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.errors import ConfigError
+
+
+def check_grpo(cfg: Any, notes: list[str]) -> None:
+    o, d, t = cfg.objective, cfg.data, cfg.training
+    # data.kind=synthetic: the plan of a recipe before its prompts are named (`dtlaunch plan`); training
+    # refuses it when the launcher prepares the data (dtlaunch.data.run_data).
+    if str(d.format) != "prompt" and str(d.kind) != "synthetic":
+        raise ConfigError(
+            f"objective=grpo generates its completions from prompts, not data.format={d.format}: set "
+            f"data.format=prompt (with data.prompt_field)"
+        )
+    if str(o.reference) != "base" or bool(o.precompute_reference):
+        raise ConfigError(
+            "objective=grpo's KL term (objective.beta > 0) uses the initial weights (base): drop "
+            "objective.reference / objective.precompute_reference"
+        )
+    if int(t.seq_len) <= int(o.max_completion_length):
+        raise ConfigError(
+            f"objective.max_completion_length={o.max_completion_length} leaves no room for a prompt in "
+            f"training.seq_len={t.seq_len}: raise training.seq_len or lower objective.max_completion_length"
+        )
+    weights = list(o.reward_weights)
+    if weights and len(weights) != len(o.rewards):
+        raise ConfigError(
+            f"objective.reward_weights has {len(weights)} value(s) for {len(o.rewards)} objective.rewards: give "
+            f"one weight per reward function (or none: 1 each)"
+        )
+    if not list(o.rewards):
+        raise ConfigError(
+            "objective.rewards is empty: name at least one reward function, e.g. objective.rewards=[accuracy]"
+        )
+    if int(t.eval_every) > 0:
+        raise ConfigError(
+            f"training.eval_every={t.eval_every}: validation is not computed for objective=grpo yet: set "
+            f"training.eval_every=0"
+        )
+
+
+def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """The generation batch is whole groups: every prompt's G completions in the same optimizer step, on
+    the same data-parallel rank (the group's mean and std are taken there)."""
+    if str(cfg.objective.name) != "grpo":
+        return
+    g = int(cfg.objective.num_generations)
+    if layout.pp > 1:
+        raise ConfigError(
+            f"objective=grpo does not generate under pipeline parallel (strategy.pp={layout.pp}): use "
+            f"strategy.pp=1 (FSDP or TP for a model that does not fit one GPU)"
+        )
+    # Decoding with a KV cache passes the cache to each block, which tensor parallel's input preparation
+    # and context parallel's sequence split do not take yet.
+    for key, degree in (("tp", layout.tp), ("cp", layout.cp)):
+        if degree > 1:
+            raise ConfigError(
+                f"objective=grpo does not generate under strategy.{key}={degree} yet: use strategy.{key}=1 "
+                f"(FSDP, strategy=fsdp, shards a model that does not fit one GPU)"
+            )
+    per_rank = global_batch(cfg, layout) // max(layout.dp, 1)
+    if global_batch(cfg, layout) % g or per_rank % g:
+        raise ConfigError(
+            f"training.global_batch={global_batch(cfg, layout)} ({per_rank} completions per data-parallel rank) "
+            f"is not a multiple of objective.num_generations={g}: set training.global_batch to a multiple of "
+            f"{g * max(layout.dp, 1)}"
+        )

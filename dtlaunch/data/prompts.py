@@ -1,0 +1,131 @@
+"""Prompt data (data.format=prompt, objective=grpo): read, rendered, tokenized and checked once by the
+launcher before any worker starts, into RUN/data/prompts.jsonl, which the workers' rollout reads.
+
+A record's data.prompt_field is text (tokenized as it is) or a list of chat messages (rendered with the
+run's chat template and the generation prompt, as TRL does). Every other column is kept whole and reaches
+the reward functions as a keyword argument. JSONL, Parquet and HF datasets on disk are read.
+
+Checked here, exit 2: a prompt longer than training.seq_len - objective.max_completion_length (how many,
+the longest, the fix); fewer prompts than one generation batch needs; each reward function called once
+on the first record (dtlaunch.inputs.rewards.check_rewards).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from dtlaunch.data.chat import tokenizer_chat_template
+from dtlaunch.data.chat_templates import load_chat_template
+from dtlaunch.data.records import source_files
+from dtlaunch.errors import InputError
+from dtlaunch.inputs.rewards import check_rewards
+
+PROMPTS_FILE = "data/prompts.jsonl"
+META_FILE = "data/prompts_meta.json"
+# Tokens that end an assistant turn in the common chat templates: generation stops at them as at EOS.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>", "<eos>")
+
+
+def iter_prompt_records(kind: str, path: str, split: str, key: str = "data.path") -> Iterator[tuple[dict, str]]:
+    """(the whole record, where) of a jsonl / parquet / hf source, in file order."""
+    if kind == "jsonl":
+        for f in source_files(kind, path, key):
+            for n, line in enumerate(f.read_bytes().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise InputError(
+                        f"{key}: {f}:{n} is not JSON: each line of a .jsonl file must be one object"
+                    ) from None
+                if not isinstance(record, dict):
+                    raise InputError(f"{key}: {f}:{n} is not a JSON object")
+                yield record, f"{f}:{n}"
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        for f in source_files(kind, path, key):
+            for n, record in enumerate(pq.read_table(f).to_pylist(), 1):
+                yield record, f"{f}:row {n}"
+    elif kind == "hf":
+        import datasets
+
+        ds = datasets.load_from_disk(path)
+        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        for n, record in enumerate(ds, 1):
+            yield dict(record), f"{path}[{split}]:{n}"
+    else:
+        raise InputError(f"data.format=prompt reads jsonl, parquet or hf records, not data.kind={kind}")
+
+
+class PromptEncoder:
+    """Prompts as token ids: text as is, chat messages through the chat template with the generation prompt."""
+
+    def __init__(self, tokenizer_json: Path, chat_template: str = "") -> None:
+        from transformers import PreTrainedTokenizerFast
+
+        template = load_chat_template(chat_template) if chat_template else tokenizer_chat_template(tokenizer_json)
+        self.hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=template or None)
+        self.backend = self.hf.backend_tokenizer
+        self.has_template = bool(template)
+
+    def encode(self, prompt: Any, where: str) -> list[int]:
+        if isinstance(prompt, str):
+            return self.backend.encode(prompt, add_special_tokens=False).ids
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+            if not self.has_template:
+                raise InputError(
+                    f"data.prompt_field at {where} holds chat messages, but the tokenizer has no chat template: set "
+                    f"data.chat_template (e.g. chatml)"
+                )
+            text = self.hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return self.backend.encode(text, add_special_tokens=False).ids
+        raise InputError(f"data.prompt_field at {where} is neither text nor a list of chat messages: fix the record")
+
+    def stop_ids(self, eos_id: Any) -> list[int]:
+        """EOS and the end-of-turn tokens the tokenizer has."""
+        ids = {self.backend.token_to_id(t) for t in END_OF_TURN} | ({int(eos_id)} if eos_id is not None else set())
+        return sorted(i for i in ids if i is not None)
+
+
+def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, groups_per_step: int) -> int:
+    """Write RUN/data/prompts.jsonl (ids, prompt, columns) and its stop ids; returns the number of prompts."""
+    d, o = cfg.data, cfg.objective
+    field = str(d.prompt_field)
+    limit = int(cfg.training.seq_len) - int(o.max_completion_length)
+    encoder = PromptEncoder(tokenizer_json, str(d.chat_template))
+    out = run_dir / PROMPTS_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = too_long = longest = 0
+    first_long = ""
+    with out.open("w") as fh:
+        for record, where in iter_prompt_records(str(d.kind), str(d.path), str(d.split)):
+            if field not in record:
+                raise InputError(f"data.path: {where} has no field '{field}' (data.prompt_field): fix the record")
+            if n == 0:
+                check_rewards(o, record, field, where)
+            ids = encoder.encode(record[field], where)
+            if len(ids) > limit:
+                too_long += 1
+                first_long = first_long or where
+                longest = max(longest, len(ids))
+            columns = {k: v for k, v in record.items() if k != field}
+            fh.write(json.dumps({"ids": ids, "prompt": record[field], "columns": columns}) + "\n")
+            n += 1
+    if too_long:
+        raise InputError(
+            f"{too_long} of {n} prompts are longer than training.seq_len - objective.max_completion_length = {limit} "
+            f"tokens (the longest {longest}, first at {first_long}): raise training.seq_len to at least "
+            f"{longest + int(o.max_completion_length)}, lower objective.max_completion_length, or shorten them"
+        )
+    if n < groups_per_step:
+        raise InputError(
+            f"data.path holds {n} prompts; one generation batch needs {groups_per_step} (training.global_batch / "
+            f"objective.num_generations): add prompts or lower training.global_batch"
+        )
+    meta = {"prompts": n, "stop_ids": encoder.stop_ids(eos_id)}
+    (run_dir / META_FILE).write_text(json.dumps(meta) + "\n")
+    return n

@@ -1,0 +1,126 @@
+"""Reward functions named in objective.rewards: found, imported and tried once before any worker starts.
+
+A name is a built-in (`accuracy`, `format`: dtlaunch.inputs.builtin_rewards), `module:function` (imported
+from sys.path) or `path/to/file.py:function`. Every function has TRL's signature, so one written for
+TRL's GRPOTrainer works unchanged:
+
+    f(prompts=[...], completions=[...], completion_ids=[[...], ...], **dataset_columns) -> list[float | None]
+
+None means "does not apply to this completion" (TRL: excluded from that function's mean; a completion no
+function scores gets advantage 0). `check_rewards` calls each function on a sample record and refuses,
+in one line naming the function and the record, one that cannot be imported, raises, returns the wrong
+count, NaN or a non-number.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dtlaunch.errors import InputError
+from dtlaunch.inputs.builtin_rewards import accuracy_reward, format_reward
+
+RewardFn = Callable[..., list]
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str  # as objective.rewards names it (the metrics' rewards/<name>/mean)
+    fn: RewardFn
+    weight: float
+
+
+def load_reward(spec: str, format_regex: str = "", answer_field: str = "answer") -> RewardFn:
+    """The function objective.rewards names (InputError when it cannot be imported)."""
+    if spec == "accuracy":
+        return lambda **kw: accuracy_reward(answer_field=answer_field, **kw)
+    if spec == "format":
+        return lambda **kw: format_reward(pattern=format_regex, **kw)
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise InputError(
+            f"objective.rewards: '{spec}' is no reward function: use accuracy, format, module:function or "
+            f"path/to/file.py:function"
+        )
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise InputError(f"objective.rewards: '{spec}': no file {path}: point it at a Python file")
+            module_spec = importlib.util.spec_from_file_location(f"dtlaunch_reward_{path.stem}", path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's module failed to import: one line, its own error named
+        raise InputError(f"objective.rewards: '{spec}' cannot be imported ({type(exc).__name__}: {exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise InputError(f"objective.rewards: '{spec}': {where} has no function {attr}")
+    return fn
+
+
+def load_rewards(o: Any) -> list[Reward]:
+    """objective.rewards with their weights (objective.reward_weights, or 1 each)."""
+    weights = [float(w) for w in o.reward_weights] or [1.0] * len(o.rewards)
+    return [
+        Reward(str(s), load_reward(str(s), str(o.format_regex), str(o.answer_field)), w)
+        for s, w in zip(o.rewards, weights, strict=True)
+    ]
+
+
+def call_reward(
+    reward: Reward,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: dict[str, Sequence[Any]],
+    record: str = "",
+) -> list[float]:
+    """One function's rewards for the completions (NaN for None), every value checked: a reward that
+    raises or returns something else than one number (or None) per completion is an InputError."""
+    where = f" on {record}" if record else ""
+    try:
+        out = reward.fn(prompts=list(prompts), completions=list(completions), completion_ids=completion_ids, **columns)
+    except Exception as exc:
+        raise InputError(f"reward function '{reward.name}' raised{where}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(out, (list, tuple)) or len(out) != len(completions):
+        got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
+        raise InputError(
+            f"reward function '{reward.name}' returned {got} for {len(completions)} completions{where}: return "
+            f"a list with one float (or None) per completion"
+        )
+    values = []
+    for v in out:
+        if v is None:
+            values.append(math.nan)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+            raise InputError(
+                f"reward function '{reward.name}' returned {v!r} ({type(v).__name__}){where}: return floats (or None)"
+            )
+        f = float(v)
+        if not math.isfinite(f):
+            raise InputError(f"reward function '{reward.name}' returned {f}{where}: return finite floats (or None)")
+        values.append(f)
+    return values
+
+
+def check_rewards(o: Any, record: dict[str, Any], prompt_field: str, where: str) -> list[Reward]:
+    """Import every reward function and call it once on `record`'s prompt with two stand-in completions
+    (the prompt's own text and an empty one), before any worker starts."""
+    rewards = load_rewards(o)
+    prompt = record.get(prompt_field)
+    columns = {k: [v, v] for k, v in record.items() if k != prompt_field}
+    text = prompt if isinstance(prompt, str) else ""
+    completions: list[Any] = [text, ""] if isinstance(prompt, str) else [[{"role": "assistant", "content": ""}]] * 2
+    for r in rewards:
+        call_reward(r, [prompt, prompt], completions, [[], []], columns, where)
+    return rewards

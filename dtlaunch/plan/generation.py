@@ -1,0 +1,73 @@
+"""objective=grpo's rollout phases in the memory plan (dtlaunch.train.objectives.rollout).
+
+Generation runs between optimizer steps, while the rank holds what it holds for the whole step (the
+static lines: parameters, optimizer state, a reference copy) but no gradients and no activations:
+- the KV cache, preallocated for every row this rank generates at once (global_batch / dp completions)
+  over prompt + completion <= training.seq_len positions: layers x 2 x kv width / tp x rows x seq_len x
+  the compute dtype's bytes (dtlaunch.infer.batch_generate);
+- the larger of two moments that do not overlap: the prefill's working set in one block (no grad: one
+  block at a time; q, k, v, the attention output and SwiGLU's three ffn-wide tensors over the prompts'
+  tokens) and its logits (every prompt position, vocab / tp wide) with the sampling buffers of one decode
+  step (fp32 logits, probabilities, top-p's sorted copy and cumulative sum: rows x vocab x 4 bytes each);
+- under FSDP the unit being run gathered (one block at a time, and the root unit for the whole forward
+  under ZeRO-3), as in any forward.
+The old policy's pass (objective.num_iterations > 1) is a no-grad forward over the rows, micro-batch by
+micro-batch: the same moment as a reference forward (dtlaunch.plan.objective.reference_forward_bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.plan.objective import reference_forward_bytes
+
+PHASE_GENERATION = "generation"
+PHASE_OLD_POLICY = "old-policy forward"
+
+
+def generation_rows(c: Any) -> int:
+    """The completions this rank generates at once: its share of the global batch."""
+    return int(c.accum) * int(c.t.micro_batch)
+
+
+def kv_cache_bytes(c: Any) -> float:
+    return c.layers * 2 * (c.d.k / c.tp) * generation_rows(c) * int(c.t.seq_len) * c.e
+
+
+def decode_bytes(c: Any) -> float:
+    """The larger of the prefill's block working set and its logits with one decode step's sampling buffers."""
+    rows, d = generation_rows(c), c.d
+    prompt = int(c.t.seq_len) - int(c.cfg.objective.max_completion_length)
+    block = rows * prompt * (d.qw + 2 * d.k + d.h + 3 * d.f) * c.e / c.tp
+    logits = rows * prompt * (d.vocab / c.tp) * c.e + 4 * rows * d.vocab * 4 if c.last else 0.0
+    return max(block, logits)
+
+
+def gathered_bytes(c: Any) -> float:
+    if not c.fsdp:
+        return 0.0
+    root = c.e * c.root if c.zero == 3 else 0.0
+    return c.e * c.blk_gather + root
+
+
+def generation_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
+    if str(c.cfg.objective.name) != "grpo":
+        return {}
+    held = sum(_between_steps(static).values())
+    phases = {PHASE_GENERATION: held + kv_cache_bytes(c) + decode_bytes(c) + gathered_bytes(c)}
+    if int(c.cfg.objective.num_iterations) > 1:
+        phases[PHASE_OLD_POLICY] = held + reference_forward_bytes(c)
+    return phases
+
+
+def generation_lines(c: Any, static: dict[str, float]) -> dict[str, float]:
+    """The generation phase's lines (when it is the stage's peak)."""
+    lines = {**_between_steps(static), "KV cache": kv_cache_bytes(c), "prefill / sampling buffers": decode_bytes(c)}
+    if gathered_bytes(c):
+        lines["unsharded parameters"] = gathered_bytes(c)
+    return lines
+
+
+def _between_steps(static: dict[str, float]) -> dict[str, float]:
+    """What the rank holds between optimizer steps: the gradients were freed by the last step."""
+    return {k: v for k, v in static.items() if k != "accumulated gradients"}

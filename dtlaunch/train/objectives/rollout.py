@@ -1,0 +1,285 @@
+"""objective=grpo's rollout phase, run by the Trainer before an optimizer step: this data-parallel rank's
+prompts -> G sampled completions each (dtlaunch.infer.batch_generate, with the policy being trained) ->
+rewards (objective.rewards) -> advantages over the whole generation batch -> the rows the step trains on.
+
+A rollout serves objective.num_iterations optimizer steps (TRL's mu); with mu > 1 the old policy's per-token
+log-probs are computed once right after generation (no grad, micro-batch by micro-batch) and every step's
+ratio is taken against them; with mu = 1 the ratio is exactly 1 (TRL's detached current log-probs).
+With objective.beta > 0 the reference's per-token log-probs are computed at the same time.
+
+Prompt order: a seeded permutation per epoch of the prepared prompts (dtlaunch.data.prompts); rollout k
+takes the global positions k*P .. (k+1)*P (P = global_batch / G prompts), rank r its slice. Sampling draws
+from a generator seeded by (training.seed, rollout index, dp rank): a resumed run regenerates the same
+completions from the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
+from dtlaunch.data.sources import TAG_ORDER
+from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
+from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
+from dtlaunch.inputs.rewards import call_reward, load_rewards
+from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
+from dtlaunch.train.parallel.parallelize import compute_context
+
+IGNORE = -100
+PAD = 0
+TAG_ROLLOUT = 0x6A90  # the sampling generator's seed tag
+
+
+class PromptLoader:
+    """The prepared prompts in a seeded order; its state is the global position (any dp size resumes it)."""
+
+    def __init__(self, run_dir: Path, seed: int, dp_rank: int, dp_size: int) -> None:
+        lines = (run_dir / PROMPTS_FILE).read_text().splitlines()
+        self.records = [json.loads(line) for line in lines if line.strip()]
+        self.meta = json.loads((run_dir / META_FILE).read_text())
+        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.consumed = 0
+
+    def _index(self, position: int) -> int:
+        n = len(self.records)
+        perm = np.random.default_rng([self.seed, TAG_ORDER, position // n]).permutation(n)
+        return int(perm[position % n])
+
+    def next_prompts(self, global_prompts: int) -> list[dict]:
+        """This rank's share of the next `global_prompts` prompts; advances the global position."""
+        per_rank = global_prompts // self.dp_size
+        start = self.consumed + self.dp_rank * per_rank
+        self.consumed += global_prompts
+        return [self.records[self._index(p)] for p in range(start, start + per_rank)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_prompts": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = int(state["consumed_prompts"])
+
+
+@dataclass
+class RolloutBatches:
+    """One rollout's rows, handed to train_step as its micro-batches (`next_batch`), with the per-row values
+    the GRPO objective reads for the batch just returned (`last_rows`)."""
+
+    inputs: torch.Tensor  # (rows, seq)
+    targets: torch.Tensor  # (rows, seq): completion tokens, -100 elsewhere (and on masked truncated rows)
+    adv: torch.Tensor  # (rows,)
+    step_tokens_per_rank: torch.Tensor  # the generation batch's loss tokens over all ranks / dp
+    micro_batch: int
+    old: Optional[torch.Tensor] = None  # (rows, seq) old-policy log-probs (num_iterations > 1)
+    ref: Optional[torch.Tensor] = None  # (rows, seq) reference log-probs (beta > 0)
+    metrics: dict[str, float] = field(default_factory=dict)
+    cursor: int = 0
+    last_rows: dict[str, Any] = field(default_factory=dict)
+
+    def rewind(self) -> None:
+        self.cursor = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = slice(self.cursor, self.cursor + self.micro_batch)
+        self.cursor += self.micro_batch
+        self.last_rows = {
+            "adv": self.adv[sl],
+            "old": self.old[sl] if self.old is not None else None,
+            "ref": self.ref[sl] if self.ref is not None else None,
+            "step_tokens": self.step_tokens_per_rank,
+        }
+        return self.inputs[sl], self.targets[sl]
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """DDP's wrapper prepares a gradient reduction on forward; generation runs the wrapped module."""
+    return getattr(model, "module", model)
+
+
+class Rollout:
+    def __init__(self, cfg: Any, rt: Any, run_dir: Path, loader: PromptLoader, dp_size: int, ref_model: Any = None):
+        o, t = cfg.objective, cfg.training
+        self.cfg, self.rt, self.run_dir, self.loader, self.ref_model = cfg, rt, run_dir, loader, ref_model
+        self.g, self.mu, self.beta = int(o.num_generations), int(o.num_iterations), float(o.beta)
+        self.scale, self.mask_truncated = str(o.scale_rewards), bool(o.mask_truncated_completions)
+        self.rewards = load_rewards(o)
+        self.weights = torch.tensor([r.weight for r in self.rewards])
+        self.sampling = Sampling(int(o.max_completion_length), float(o.temperature), float(o.top_p), int(o.top_k))
+        self.seq_len, self.micro_batch, self.seed = int(t.seq_len), int(t.micro_batch), int(t.seed)
+        self.global_prompts = rt.accum * self.micro_batch * dp_size // self.g
+        self.dp_size = dp_size
+        self.stop_ids = list(loader.meta["stop_ids"])
+        self.tokenizer = load_tokenizer(str(run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"))
+        self.current: Optional[RolloutBatches] = None
+        replay = str(cfg.debug.replay_completions)  # test hook: completions from a file, no sampling
+        self.replay = [json.loads(x) for x in Path(replay).read_text().splitlines()] if replay else None
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def batches(self, step: int) -> RolloutBatches:
+        """The rows of optimizer step `step` (1-based): a new rollout every num_iterations steps."""
+        index = (step - 1) // self.mu
+        if self.current is None or (step - 1) % self.mu == 0:
+            self.loader.consumed = index * self.global_prompts  # resumable from the step alone
+            self.current = self._rollout(step, index)
+        else:
+            self.current.metrics = {}  # logged once, with the step that generated them
+        self.current.rewind()
+        return self.current
+
+    def _rollout(self, step: int, index: int) -> RolloutBatches:
+        rt = self.rt
+        began = time.perf_counter()
+        records = self.loader.next_prompts(self.global_prompts)
+        prompts = [r for r in records for _ in range(self.g)]  # each prompt's G completions side by side
+        g = torch.Generator(device=rt.device).manual_seed(
+            (self.seed * 1_000_003 + TAG_ROLLOUT + index * 7_919 + self.loader.dp_rank * 104_729) % (2**63)
+        )
+        model = _unwrapped(rt.model_parts[0])
+        gen = self._replayed(index, len(prompts)) if self.replay is not None else self._generate(model, prompts, g)
+        gen_s = time.perf_counter() - began
+        texts = [self.tokenizer.decode([i for i in c if i not in self.stop_ids]) for c in gen.completions]
+        chat = not isinstance(prompts[0]["prompt"], str)
+        completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
+        keys = sorted({k for p in prompts for k in p["columns"]})
+        columns = {k: [p["columns"].get(k) for p in prompts] for k in keys}
+        originals = [p["prompt"] for p in prompts]
+        per_func = torch.tensor(
+            [call_reward(r, originals, completions, gen.completions, columns) for r in self.rewards],
+            dtype=torch.float32,
+        ).T.reshape(len(prompts), len(self.rewards))
+        everyone = self._gather(per_func)  # (all rows, F) in dp-rank order
+        adv_all = advantages(everyone, self.weights, self.g, self.scale)
+        lo = self.loader.dp_rank * len(prompts)
+        adv = adv_all[lo : lo + len(prompts)]
+        inputs, targets = self._rows([p["ids"] for p in prompts], gen.completions, gen.truncated)
+        local_tokens = (targets != IGNORE).sum().float()
+        step_tokens = self._sum(local_tokens.clone()) / self.dp_size
+        batches = RolloutBatches(
+            inputs.to(rt.device),
+            targets.to(rt.device),
+            adv.to(rt.device),
+            step_tokens.to(rt.device),
+            self.micro_batch,
+        )
+        batches.old = self._logps(model, batches) if self.mu > 1 else None
+        batches.ref = self._logps(None, batches) if self.beta > 0 else None
+        lengths = torch.tensor([len(c) for c in gen.completions], dtype=torch.float32)
+        batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
+        if self.rank == 0:
+            self._write_sample(step, originals, texts, everyone[: len(prompts)], adv)
+        return batches
+
+    def _generate(self, model: torch.nn.Module, prompts: list[dict], g: torch.Generator) -> Generated:
+        hidden_only = getattr(model, "hidden_only", False)  # training.loss_chunks: generation needs the logits
+        model.hidden_only = False
+        try:
+            with compute_context(self.rt.model_parts, self.cfg, self.rt.device):
+                ids = [p["ids"] for p in prompts]
+                return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
+        finally:
+            model.hidden_only = hidden_only
+
+    def _replayed(self, index: int, rows: int) -> Generated:
+        """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions."""
+        assert self.replay is not None
+        lo = self.loader.dp_rank * rows
+        completions = [list(c) for c in self.replay[index][lo : lo + rows]]
+        stops = set(self.stop_ids)
+        return Generated(completions, [not c or c[-1] not in stops for c in completions])
+
+    def _rows(self, prompts: list, completions: list, truncated: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training rows: prompt + completion from position 0, right-padded; targets are the completion's."""
+        n = len(prompts)
+        inputs = torch.full((n, self.seq_len), PAD, dtype=torch.long)
+        targets = torch.full((n, self.seq_len), IGNORE, dtype=torch.long)
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            seq = (list(p) + list(c))[: self.seq_len + 1]
+            inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+            if not (self.mask_truncated and truncated[i]):
+                targets[i, len(p) - 1 : len(seq) - 1] = torch.tensor(seq[len(p) :])
+        return inputs, targets
+
+    @torch.no_grad()
+    def _logps(self, model: Any, b: RolloutBatches) -> torch.Tensor:
+        """Per-token log-probs of the rows' targets under `model` (None: the reference), micro-batch by
+        micro-batch (no grad)."""
+        rt, out = self.rt, []
+        for i in range(0, b.inputs.shape[0], self.micro_batch):
+            x, y = b.inputs[i : i + self.micro_batch], b.targets[i : i + self.micro_batch]
+            with rt.loss_context(), compute_context(rt.model_parts, self.cfg, rt.device):
+                if model is None:  # the reference (objective.beta > 0)
+                    out.append(self.ref_model(x, y))
+                else:
+                    out.append(token_logps(model(x), y, rt.loss_fn.token_nll))
+        return torch.cat(out)
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Every rank's rows finished: FSDP gathers each block inside every decode step, so all ranks decode
+        the same number of steps (one small all-reduce per step; none with one process)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return bool(done.all())
+        unfinished = (~done).sum().reshape(1).to(self.rt.device)
+        dist.all_reduce(unfinished)
+        return int(unfinished) == 0
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's rows, in dp-rank order (TP / CP peers hold the same rows)."""
+        if not dist.is_initialized() or self.dp_size == 1:
+            return t
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (self.loader.dp_rank, t))
+        by_rank = dict(parts)
+        return torch.cat([by_rank[r] for r in range(self.dp_size)])
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over data-parallel ranks of a value every TP / CP peer holds alike."""
+        if not dist.is_initialized() or self.dp_size == 1:
+            return t
+        world = dist.get_world_size()
+        out = t.to(self.rt.device)
+        dist.all_reduce(out)
+        return (out * self.dp_size / world).cpu()
+
+    def _metrics(self, per_func: torch.Tensor, lengths: torch.Tensor, truncated: list, gen_s: float, roll_s: float):
+        rewards = combine_rewards(per_func, self.weights)
+        m = {
+            "reward": float(torch.nanmean(rewards)),
+            "reward_std": float(_std(rewards)),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(np.mean(truncated)),
+            "time/generation_s": gen_s,
+            "time/rollout_s": roll_s,
+            "generated_tokens_per_s": float(lengths.sum()) / max(gen_s, 1e-9),
+        }
+        for i, r in enumerate(self.rewards):
+            col = per_func[:, i]
+            m[f"rewards/{r.name}/mean"] = float(torch.nanmean(col)) if not torch.isnan(col).all() else math.nan
+            m[f"rewards/{r.name}/std"] = float(_std(col))
+        return m
+
+    def _write_sample(self, step: int, prompts: list, texts: list, per_func: torch.Tensor, adv: torch.Tensor) -> None:
+        out = self.run_dir / "completions" / f"step-{step}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as fh:
+            for i in range(min(len(texts), 2 * self.g)):
+                rewards = {r.name: _finite(float(per_func[i, j])) for j, r in enumerate(self.rewards)}
+                row = {"prompt": prompts[i], "completion": texts[i], "rewards": rewards, "advantage": float(adv[i])}
+                fh.write(json.dumps(row) + "\n")
+
+
+def _std(t: torch.Tensor) -> torch.Tensor:
+    t = t[~torch.isnan(t)]
+    return t.std() if t.numel() > 1 else torch.tensor(0.0)
+
+
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
