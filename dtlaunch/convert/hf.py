@@ -18,6 +18,7 @@ from dtlaunch.config.model_schema import model_config_from_marker
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, read_weight_headers, weight_files
+from dtlaunch.models.dense.hf import halves_to_interleaved
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 TORCH_FILE = "model.pt"
@@ -271,7 +272,8 @@ class HFWeights:
         offset = tuple(offset) if offset is not None else (0,) * len(full)
         if name in self.stacked:
             return self._read_experts(name, shape, offset)
-        heads = self.names._heads_for(name, self.m)
+        rope_heads = getattr(self.names, "rope_heads", None)
+        heads = rope_heads(name, self.m) if rope_heads else None
         f, hf_name = self.where[name]
         rows = (offset[0], offset[0] + shape[0]) if shape else (0, 0)
         if heads:
@@ -285,7 +287,7 @@ class HFWeights:
             t = sl[index] if full else sl[:]
         if heads:
             n = (rows_read[1] - rows_read[0]) // (full[0] // heads)
-            t = self.names.halves_to_interleaved(t, n) if n else t
+            t = halves_to_interleaved(t, n) if n else t
             t = t[rows[0] - rows_read[0] : rows[1] - rows_read[0]]
         return t.float().contiguous()
 
