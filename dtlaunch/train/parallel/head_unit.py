@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 from dtlaunch.config.layout import head_unit, loss_chunks
 
 
-def own_head_unit(model: nn.Module, cfg: Any) -> list[nn.Module]:
-    """[the output head] when it is an FSDP2 unit of its own on this stage, else []."""
+def own_head_unit(model: nn.Module, cfg: Any, tp: int) -> list[nn.Module]:
+    """[the output head] when it is an FSDP2 unit of its own on this stage, else []. `tp`: the layout's
+    tensor-parallel degree."""
     head = getattr(model, "output", None)
     params = list(head.parameters()) if isinstance(head, nn.Module) else []
     trains = {p.requires_grad for p in params}
@@ -33,6 +34,6 @@ def own_head_unit(model: nn.Module, cfg: Any) -> list[nn.Module]:
     tp_sharded = any(isinstance(p, DTensor) for p in params)
     # The planner decides from the config: the modules must say the same.
     assert tied == bool(getattr(cfg.model, "tie_embeddings", False)), (tied, cfg.model)
-    assert tp_sharded == (int(cfg.strategy.tp) > 1), (tp_sharded, cfg.strategy.tp)
+    assert tp_sharded == (tp > 1), (tp_sharded, tp)
     own = head_unit(trains == {True}, tied, owns_head=True, loss_chunks=loss_chunks(cfg), tp=2 if tp_sharded else 1)
     return [head] if own else []

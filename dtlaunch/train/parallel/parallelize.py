@@ -82,7 +82,7 @@ def parallelize(
     convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1, fsdp=fsdp)
     if fsdp:
         reshard = zero == 3 or frozen
-        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp)
+        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp, tp=layout.tp)
     # FSDP CPU offload: parameters materialised on the host, buffers on the device (parallel.cpu_offload).
     where = init_device(cfg, device)
     if init:
@@ -124,6 +124,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     experts: ExpertMeshes | None = None,
     dp: int = 1,
+    tp: int = 1,
 ) -> None:
     """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP. A frozen
     embedding and head (LoRA / QLoRA) are units of their own, resharded after use: the root unit is
@@ -141,7 +142,7 @@ def apply_fsdp(
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
-    for end in frozen_ends(model, head=False) + own_head_unit(model, cfg):
+    for end in frozen_ends(model, head=False) + own_head_unit(model, cfg, tp):
         fully_shard(end, mesh=mesh, mp_policy=policy, reshard_after_forward=True, **offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 
