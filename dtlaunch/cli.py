@@ -14,6 +14,7 @@ from typing import List, Optional
 import typer
 
 from dtlaunch import __version__
+from dtlaunch.errors import exit_code_of
 
 app = typer.Typer(
     name="dtlaunch",
@@ -103,7 +104,7 @@ def train(
 
     raise typer.Exit(
         train_command(
-            overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume, report=exit_code_of
+            overrides or [], recipe_dir or [], dry_run=dry_run, force=force, no_resume=no_resume, report=exit_code
         )
     )
 
@@ -388,69 +389,13 @@ def run() -> None:
         # Non-standalone mode returns the exit code of typer.Exit instead of exiting.
         code = app(standalone_mode=False) or 0
     except BaseException as exc:
-        code = exit_code_of(exc)
+        code = exit_code(exc)
     sys.exit(code)
 
 
-def exit_code_of(exc: BaseException) -> int:
-    """Print the one line the user sees for `exc` (on stderr) and return the documented exit code. With
-    --debug, the traceback comes first; the exit code stays the documented one (scripts branch on it)."""
-    from dtlaunch.errors import DtlaunchError
-
-    if isinstance(exc, SystemExit):
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-            return 1
-        return int(exc.code or 0)
-    if isinstance(exc, typer.Exit):
-        return int(exc.exit_code)
-    if isinstance(exc, DtlaunchError):
-        _traceback_if_debug(exc)
-        # One line whatever a message echoes (a file name or value can hold a newline): shown escaped.
-        print(f"dtlaunch: error: {_one_line(str(exc))}", file=sys.stderr)
-        return exc.exit_code
-    if isinstance(exc, OSError):
-        # An OS error on a named path is bad input (a path too long, not writable, a file where a
-        # directory belongs): mapped here once for every command instead of at each file operation.
-        if exc.filename is None:
-            return _internal_error(exc)
-        from dtlaunch.errors import EXIT_BAD_INPUT, os_error_message
-
-        _traceback_if_debug(exc)
-        print(f"dtlaunch: error: {os_error_message(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if isinstance(exc, (typer.Abort, KeyboardInterrupt)):
-        print("dtlaunch: interrupted", file=sys.stderr)
-        return 130
-    if isinstance(exc, Exception) and hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
-        # A (typer-vendored) click usage error: one line like every other refusal (click's own display
-        # is three), with where the usage is.
-        ctx = getattr(exc, "ctx", None)
-        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
-        print(f"dtlaunch: error: {exc.format_message()}{hint}", file=sys.stderr)
-        return int(exc.exit_code)
-    return _internal_error(exc)
-
-
-def _one_line(text: str) -> str:
-    return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
-def _traceback_if_debug(exc: BaseException) -> None:
-    if _DEBUG:
-        import traceback
-
-        traceback.print_exception(exc)
-
-
-def _internal_error(exc: BaseException) -> int:
-    _traceback_if_debug(exc)
-    if _DEBUG:
-        return 1
-    print(
-        f"dtlaunch: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr
-    )
-    return 1
+def exit_code(exc: BaseException) -> int:
+    """errors.exit_code_of with this invocation's --debug."""
+    return exit_code_of(exc, debug=_DEBUG)
 
 
 if __name__ == "__main__":

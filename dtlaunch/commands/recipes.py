@@ -55,7 +55,7 @@ def recipe_rows(recipe_dirs: Sequence[str]) -> list[list[str]]:
 
 def recipes_table(rows: list[list[str]], width: int) -> Any:
     """The rows fitted to `width`: the name never wraps or is cut, the other columns wrap first."""
-    from dtlaunch.commands.tables import plain_table
+    from dtlaunch.report.tables import plain_table
 
     headers = ["name", "model", "layout", "hardware", "plan (GiB)"]
     t = plain_table(headers, rows, width, title="recipes", keep_whole=(0,))

@@ -161,7 +161,7 @@ def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -
 
 def recent_runs_command(root: Optional[str], as_json: bool) -> int:
     from dtlaunch.commands.common import console
-    from dtlaunch.commands.tables import plain_table
+    from dtlaunch.report.tables import plain_table
 
     if root is None:
         from dtlaunch.config.schema import RunConfig

@@ -32,7 +32,7 @@ def _plan_gate(job: Job, force: bool, to_stderr: bool) -> None:
 
 
 def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool) -> int:
-    from dtlaunch.launch import slurm
+    from dtlaunch.launch import slurm, slurm_script
     from dtlaunch.launch.rundir import run_dir_for
 
     job = load_job(overrides, recipe_dirs)
@@ -61,7 +61,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
     if dry_run:
         run_dir = run_dir_for(job.cfg, job.recipe).resolve()
         # The script alone on stdout, so `dtlaunch submit ... --dry-run > job.sbatch` gives a usable file.
-        print(slurm.render_script(job.cfg, run_dir, job.cfg.run.name or run_dir.name), end="")
+        print(slurm_script.render_script(job.cfg, run_dir, job.cfg.run.name or run_dir.name), end="")
         _print_eval_script(job.cfg, run_dir)
         return 0
 
@@ -71,7 +71,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
     out.print(summary_table(job))
     run_dir = pin_run_dir(job.cfg, job.recipe)
     # Check the script renders (bad values fail here) before creating anything.
-    slurm.render_script(job.cfg, run_dir)
+    slurm_script.render_script(job.cfg, run_dir)
     with removed_if_failed(run_dir):  # bad data or a refused sbatch: no new run directory stays behind
         create_run_dir(job.cfg, job.recipe)
         prepare_run_data(job.cfg, run_dir)
@@ -94,7 +94,7 @@ def _print_eval_script(cfg: Any, run_dir: Path) -> None:
     script alone)."""
     import sys
 
-    from dtlaunch.launch.slurm_eval import EVAL_SCRIPT_NAME, render_eval_script, wants_eval_job
+    from dtlaunch.launch.slurm_script import EVAL_SCRIPT_NAME, render_eval_script, wants_eval_job
 
     if not wants_eval_job(cfg):
         return

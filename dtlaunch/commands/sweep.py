@@ -166,7 +166,7 @@ def _run_point(cmd: list[str]) -> int:
 
 
 def sweep_table(points: list[Point], width: int) -> Any:
-    from dtlaunch.commands.tables import plain_table
+    from dtlaunch.report.tables import plain_table
 
     def num(v: Any, fmt: str) -> str:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
@@ -231,7 +231,7 @@ def sweep_train_command(
 def sweep_submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool) -> int:
     """Every point's run directory and script as `submit` writes them, and one job array running them."""
     from dtlaunch.data.run_data import prepare_run_data
-    from dtlaunch.launch import slurm
+    from dtlaunch.launch import slurm, slurm_script
     from dtlaunch.launch.rundir import create_run_dir
 
     points, sweep_dir = prepare_points(overrides, recipe_dirs, force)
@@ -242,14 +242,14 @@ def sweep_submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], d
                 f"cluster.kind='{p.job.cfg.cluster.kind}': a sweep (-m) is submitted as a Slurm job array only; "
                 f"add cluster=slurm, or submit each point without -m"
             )
-    script = slurm.render_array_script([p.job.cfg for p in points], [p.run_dir for p in points], sweep_dir)
+    script = slurm_script.render_array_script([p.job.cfg for p in points], [p.run_dir for p in points], sweep_dir)
     if dry_run:
         print(script, end="")  # the script alone on stdout, as `submit --dry-run`
         return 0
     for p in points:
         run_dir = create_run_dir(p.job.cfg, p.job.recipe)
         prepare_run_data(p.job.cfg, run_dir)
-        slurm.write_script(p.job.cfg, run_dir)
+        slurm_script.write_script(p.job.cfg, run_dir)
     job_id = slurm.submit_array(script, sweep_dir, [p.run_dir for p in points])
     _write_record(sweep_dir, points, {"slurm_array_job_id": job_id})
     out = console()

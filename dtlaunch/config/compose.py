@@ -432,7 +432,7 @@ def explain_compose_error(exc: BaseException, overrides: Sequence[str]) -> str:
     m = re.search(r"Invalid value '(.*?)', expected one of \[(.*?)\]", full)
     if m:
         key = key_m.group(1) if key_m else "?"
-        return f"{key}='{m.group(1)}' is not a valid choice: use one of {m.group(2)}"
+        return f"{key}='{m.group(1)}' is unknown: use one of {m.group(2)}"
     if "Invalid type assigned" in full or "Incompatible value" in full:
         key = key_m.group(1) if key_m else "?"
         return f"wrong type for '{key}': {_first_line(exc)}; fix the value (see `dtlaunch config`)"

@@ -13,21 +13,22 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
 
 
 def hf_source_dir(init_from: Any) -> Optional[Path]:
     """The directory holding config.json for hf:DIR, or for hf:ORG/NAME[@REV] its snapshot in the hub
     cache (config.json fetched if missing, nothing else); None for other sources."""
-    src = str(init_from or "random")
-    if not src.startswith("hf:"):
+    name = hf_name(init_from)
+    if name is None:
         return None
-    if not src[3:]:
+    if not name:
         raise ConfigError("model.init_from='hf:' names no directory: use model.init_from=hf:DIR or hf:ORG/NAME")
     from dtlaunch.hub.resolve import model_ref, model_snapshot
 
-    ref = model_ref(src[3:])  # an existing local directory wins over a hub name
-    return Path(src[3:]).expanduser() if ref is None else model_snapshot(ref)
+    ref = model_ref(name)  # an existing local directory wins over a hub name
+    return Path(name).expanduser() if ref is None else model_snapshot(ref)
 
 
 def hf_weights_dir(init_from: Any) -> Optional[Path]:
@@ -35,7 +36,7 @@ def hf_weights_dir(init_from: Any) -> Optional[Path]:
     path = hf_source_dir(init_from)
     from dtlaunch.hub.resolve import model_ref, pin
 
-    ref = model_ref(str(init_from)[3:]) if path is not None else None
+    ref = model_ref(hf_name(init_from) or "") if path is not None else None
     if ref is None:
         return path
     from dtlaunch.hub.download import ensure_model_files
@@ -175,7 +176,7 @@ def _pinned(init_from: str, path: Path) -> str:
     reads the same files); a local directory as given."""
     from dtlaunch.hub.resolve import model_ref, pin
 
-    ref = model_ref(init_from[3:])
+    ref = model_ref(hf_name(init_from) or "")
     return init_from if ref is None else f"hf:{pin(ref, path)}"
 
 

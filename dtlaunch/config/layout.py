@@ -110,6 +110,21 @@ def loss_chunks(cfg: Any) -> int:
     return int(cfg.training.loss_chunks)
 
 
+def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, tp: int) -> bool:
+    """Under FSDP2, whether a stage's output head is a unit of its own, gathered only while it runs (its
+    forward, or the chunked loss run as its forward): the one decision the planner (plan/stage.py) and the
+    runtime (train/parallel/head_unit.py) both take. A head tied to the embedding stays in the root with it.
+    A frozen head (LoRA / QLoRA, DPO's reference copy) is one, except with a chunked loss under tensor
+    parallel: the styles' hooks on its forward would treat the loss as logits, so the loss reads the head
+    from the root. A trained head is one only under the chunked loss without tensor parallel (a full-
+    vocabulary pass keeps its logits until backward anyway)."""
+    if tied or not owns_head:
+        return False
+    if head_trains:
+        return loss_chunks > 1 and tp == 1
+    return loss_chunks == 1 or tp == 1
+
+
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:
     """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
     gb = global_batch(cfg, layout)
@@ -117,8 +132,13 @@ def grad_accum_steps(cfg: Any, layout: Layout) -> int:
 
 
 def global_batch(cfg: Any, layout: Layout) -> int:
+    return global_batch_size(cfg, layout.dp)
+
+
+def global_batch_size(cfg: Any, dp_size: int) -> int:
+    """Samples per optimizer step: training.global_batch, or one micro-batch per data-parallel rank (0)."""
     gb = int(cfg.training.global_batch)
-    return gb if gb > 0 else int(cfg.training.micro_batch) * layout.dp
+    return gb if gb > 0 else int(cfg.training.micro_batch) * dp_size
 
 
 def pp_microbatches(cfg: Any, layout: Layout) -> int:

@@ -20,7 +20,7 @@ import typing
 from typing import Any, Optional
 
 from dtlaunch.config.schema import JobConfig, ModelConfig
-from dtlaunch.errors import ConfigError
+from dtlaunch.errors import ConfigError, InputError
 
 
 def family_schema(model: Any) -> type:
@@ -140,6 +140,17 @@ def typed_model(raw: Any) -> Any:
     model = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw)
     cls = family_schema(model)
     return OmegaConf.merge(OmegaConf.structured(cls), own_fields(model, cls))  # type: ignore[arg-type]
+
+
+def model_config_from_marker(marker: dict) -> Any:
+    """The typed model section a checkpoint was written with (stored in its completion marker)."""
+    if "model" not in marker:
+        raise InputError("checkpoint marker has no model section: it was not written by dtlaunch's CheckpointManager")
+    try:
+        return typed_model(marker["model"])
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's many error types; the marker is a file we read
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise InputError(f"checkpoint marker's model section is not a model ({first}): restore the marker") from None
 
 
 def register_schemas() -> None:

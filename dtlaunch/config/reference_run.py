@@ -50,7 +50,7 @@ def _check_run_config(checkpoint: Path, where: str) -> None:
 
 
 def _marker_model(info: Any, where: str) -> Any:
-    from dtlaunch.convert.hf import model_config_from_marker
+    from dtlaunch.config.model_schema import model_config_from_marker
 
     try:
         return model_config_from_marker(info.marker)

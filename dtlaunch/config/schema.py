@@ -85,6 +85,7 @@ class StrategyConfig:
     # 0 = DDP, 1 = optimizer state sharded, 2 = + gradients sharded, 3 = + parameters (FSDP full shard)
     zero_stage: int = 0
     sequence_parallel: bool = True
+    # A schedule of PP_SCHEDULES by its short name, or any torch.distributed.pipelining Schedule* class name.
     pp_schedule: str = "1f1b"
     # Micro-batches per step through the pipeline (each micro_batch / pp_microbatches samples).
     pp_microbatches: int = 0
@@ -106,15 +107,29 @@ class StrategyConfig:
     cpu_offload: bool = False
 
 
+# Pipeline schedules by our name -> torch.distributed.pipelining class; other torch class names also work.
+PP_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv"}
+# Schedules whose backward runs as separate input- and weight-gradient passes.
+SPLIT_BACKWARD = ("ZeroBubble", "ZBV", "DualPipe")
+
+
 @dataclass
 class PrecisionConfig:
-    param_dtype: str = "fp32"
-    reduce_dtype: str = "fp32"
+    param_dtype: Dtype = field(default_factory=lambda: Dtype.fp32)
+    reduce_dtype: Dtype = field(default_factory=lambda: Dtype.fp32)
     # Dynamic loss scaling; required for fp16 (validated), ignored otherwise.
     loss_scaling: bool = False
     # Float8 matmuls in the blocks' linears through torchao (none | tensorwise | rowwise scaling); needs
     # a hardware profile with float8 tensor cores (hardware.float8: Hopper, Blackwell).
-    float8: str = "none"
+    float8: Float8Recipe = field(default_factory=lambda: Float8Recipe.none)
     # Test and debug path, not a speed feature: torchao's emulated float8 matmuls (the same casts and scales,
     # products computed in fp32) let precision.float8 run on CPU or GPUs without float8 tensor cores.
     float8_emulate: bool = False
@@ -128,10 +143,10 @@ class TrainingConfig:
     seq_len: int = 128
     steps: int = 20
     seed: int = 1234
-    activation_checkpointing: str = "none"
+    activation_checkpointing: AcMode = field(default_factory=lambda: AcMode.none)
     # Selective AC policy. op: inside each block save attention's output and every other matmul's,
     # recompute the rest; layer: checkpoint (fully) every ac_every_n_layers-th block, keep the others.
-    ac_policy: str = "op"
+    ac_policy: AcPolicy = field(default_factory=lambda: AcPolicy.op)
     ac_every_n_layers: int = 2
     # Selective AC under compile by torch's activation-memory-budget partitioner instead of a policy:
     # the fraction (0..1] of the compiled graph's saved activations to keep; 0 = off.
@@ -191,7 +206,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 10
-    schedule: str = "cosine"
+    schedule: LrSchedule = field(default_factory=lambda: LrSchedule.cosine)
 
 
 class Choice(str, Enum):
@@ -203,6 +218,45 @@ class Choice(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(str(self.value), spec)
+
+
+class Dtype(Choice):
+    """A floating-point format of parameters, compute and reductions."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Float8Recipe(Choice):
+    """torchao's float8 scaling of the blocks' linears (none: no float8)."""
+
+    none = "none"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
+class AcMode(Choice):
+    """Activation checkpointing of the blocks."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class AcPolicy(Choice):
+    """What selective activation checkpointing keeps (see TrainingConfig.ac_policy)."""
+
+    op = "op"
+    layer = "layer"
+
+
+class LrSchedule(Choice):
+    """The learning rate's decay after warmup."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
 
 
 class OptimName(Choice):

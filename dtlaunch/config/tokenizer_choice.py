@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dtlaunch.config.hf_model import hf_source_dir
+from dtlaunch.config.weight_source import hf_name
 
 AUTO = "auto"
 BYTE = "byte"
@@ -25,7 +26,7 @@ def model_tokenizer_file(init_from: Any, fetch: bool = True) -> Optional[Path]:
         return None
     from dtlaunch.hub.resolve import model_ref, pin
 
-    ref = model_ref(str(init_from)[3:])
+    ref = model_ref(hf_name(init_from) or "")
     if ref is not None:
         if fetch:
             from dtlaunch.hub.download import ensure_model_files

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dtlaunch.config.weight_source import WeightSource, hf_name
 from dtlaunch.errors import InputError
+from dtlaunch.inputs.adapter_dir import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, check_adapter_dir
+from dtlaunch.inputs.hf_dir import read_weight_headers
+from dtlaunch.models.dtypes import torch_dtype
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
 _PEFT_KEY = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
 
@@ -53,7 +54,7 @@ def base_dir(record: dict, where: str) -> Path:
     from dtlaunch.convert.base_fingerprint import fingerprint
 
     base = str(record.get("base", ""))
-    if not base.startswith("hf:"):
+    if not WeightSource.parse(base).is_hf:
         raise InputError(
             f"{where}: the adapters were trained on a randomly initialised base (model.init_from={base}), which no "
             "model directory holds: fine-tune from model.init_from=hf:DIR to export or generate"
@@ -142,7 +143,7 @@ def peft_config(adapters: Adapters) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(rec.get("base", ""))[3:] or None,
+        "base_model_name_or_path": hf_name(rec.get("base")) or None,
         "r": int(rec["rank"]),
         "lora_alpha": float(rec["alpha"]),
         "lora_dropout": float(rec["dropout"]),
@@ -176,8 +177,6 @@ def load_peft_dir(path: Path, m: Any, base: Path) -> Adapters:
     from safetensors import safe_open
 
     from dtlaunch.convert.base_fingerprint import fingerprint
-    from dtlaunch.inputs.adapter_dir import check_adapter_dir
-    from dtlaunch.inputs.hf_dir import read_weight_headers
 
     where = f"--adapter {path}"
     file = path / ADAPTER_FILE
@@ -236,12 +235,11 @@ def _dequantized(base: dict, adapters: Adapters) -> dict:
     rec = adapters.record
     if rec.get("method") != "qlora":
         return base
-    import torch
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     from dtlaunch.models.lora import candidate_linears
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[str(rec.get("base_dtype", "bf16"))]
+    dtype = torch_dtype(rec.get("base_dtype", "bf16"))
     spec = _spec(adapters.m)
     out = dict(base)
     for fqn in candidate_linears(spec.build(adapters.m, rope_len=1, device="meta"), spec):

@@ -20,30 +20,21 @@ import struct
 from pathlib import Path
 from typing import Any, Optional
 
+from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, weight_files
 
 SAMPLES = 16
 SAMPLE_BYTES = 4096
 CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-def weight_files(path: Path) -> list[str]:
-    if (path / INDEX).is_file():
-        try:
-            return sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as exc:
-            raise InputError(f"'{path}': {INDEX} is not a valid index ({exc})") from exc
-    if (path / SINGLE).is_file():
-        return [SINGLE]
-    raise InputError(f"'{path}' has no {SINGLE} or {INDEX}: it is not a Hugging Face model directory")
 
 
 def fingerprint(path: str | Path) -> str:
     """'sha256:<hex>' of the base directory's config and weights (see the module docstring)."""
     p = Path(path).expanduser().resolve()
     files = weight_files(p)
+    if not files:
+        raise InputError(f"'{p}' has no {SINGLE_FILE} or {INDEX_FILE}: it is not a Hugging Face model directory")
     stamp = tuple((f, (p / f).stat().st_size, (p / f).stat().st_mtime_ns) for f in files)
     return _fingerprint(str(p), stamp)
 
@@ -83,7 +74,7 @@ def peft_record(cfg: Any) -> Optional[dict]:
         "dropout": float(peft.dropout),
         "targets": [str(t) for t in peft.targets],
         "base": src,
-        "base_fingerprint": fingerprint(_weights_dir(src)) if src.startswith("hf:") else None,
+        "base_fingerprint": fingerprint(_weights_dir(src)) if WeightSource.parse(src).is_hf else None,
         # QLoRA's NF4 base is quantised from this dtype: a merged export rounds the same way.
         "base_dtype": str(cfg.precision.param_dtype),
         "nf4_block_size": int(peft.nf4_block_size),

@@ -14,11 +14,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+from dtlaunch.config.model_schema import model_config_from_marker
+from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import InputError
+from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, read_weight_headers, weight_files
+from dtlaunch.models.dense.hf import halves_to_interleaved
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TORCH_FILE = "model.pt"
 
 
@@ -53,19 +55,6 @@ def hf_config(m: Any, dtype: str = "float32") -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Reading a DCP checkpoint on one process.
-
-
-def model_config_from_marker(marker: dict) -> Any:
-    """The typed model section a checkpoint was written with (stored in its completion marker)."""
-    from dtlaunch.config.model_schema import typed_model
-
-    if "model" not in marker:
-        raise InputError("checkpoint marker has no model section: it was not written by dtlaunch's CheckpointManager")
-    try:
-        return typed_model(marker["model"])
-    except Exception as exc:  # noqa: BLE001 - OmegaConf's many error types; the marker is a file we read
-        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise InputError(f"checkpoint marker's model section is not a model ({first}): restore the marker") from None
 
 
 def load_checkpoint_model(path: Path) -> tuple[dict, Any, Any]:
@@ -215,10 +204,13 @@ class HFWeights:
         path = Path(path)
         self.path, self.m, self.spec = path, m, _spec(m)
         self.names = self.spec.names()
-        from dtlaunch.inputs.hf_dir import read_weight_headers
-
         read_weight_headers(path)  # a spoiled file or index: one line naming it (safe_open's error names none)
-        self.files = _weight_files(path)
+        self.files = weight_files(path)
+        if not self.files:
+            raise InputError(
+                f"model.init_from: '{path}' has no {SINGLE_FILE} or {INDEX_FILE}: point it at a Hugging Face "
+                f"model directory (e.g. from `dtlaunch ckpt export --format hf`)"
+            )
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
         # Our 3-D expert tensors, stored by HF as one tensor per expert: name -> {expert: (file, HF name)}.
         self.stacked: dict[str, dict[int, tuple[str, str]]] = {}
@@ -280,7 +272,8 @@ class HFWeights:
         offset = tuple(offset) if offset is not None else (0,) * len(full)
         if name in self.stacked:
             return self._read_experts(name, shape, offset)
-        heads = self.names._heads_for(name, self.m)
+        rope_heads = getattr(self.names, "rope_heads", None)
+        heads = rope_heads(name, self.m) if rope_heads else None
         f, hf_name = self.where[name]
         rows = (offset[0], offset[0] + shape[0]) if shape else (0, 0)
         if heads:
@@ -294,7 +287,7 @@ class HFWeights:
             t = sl[index] if full else sl[:]
         if heads:
             n = (rows_read[1] - rows_read[0]) // (full[0] // heads)
-            t = self.names.halves_to_interleaved(t, n) if n else t
+            t = halves_to_interleaved(t, n) if n else t
             t = t[rows[0] - rows_read[0] : rows[1] - rows_read[0]]
         return t.float().contiguous()
 
@@ -312,20 +305,6 @@ class HFWeights:
         return torch.stack(rows).float().contiguous()
 
 
-def _weight_files(path: Path) -> list[str]:
-    if (path / INDEX_FILE).is_file():
-        try:
-            return sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as exc:
-            raise InputError(f"model.init_from=hf:{path}: {INDEX_FILE} is not a valid index ({exc})") from exc
-    if (path / SINGLE_FILE).is_file():
-        return [SINGLE_FILE]
-    raise InputError(
-        f"model.init_from: '{path}' has no {SINGLE_FILE} or {INDEX_FILE}: point it at a Hugging Face "
-        f"model directory (e.g. from `dtlaunch ckpt export --format hf`)"
-    )
-
-
 def load_hf_weights(path: str | Path, m: Any) -> dict:
     """{our parameter name: full fp32 tensor} from a HF directory, checked against the model config
     (one process: export tests, generate)."""
@@ -335,14 +314,14 @@ def load_hf_weights(path: str | Path, m: Any) -> dict:
 
 def hf_init_dir(m: Any) -> Optional[str]:
     """The directory of `model.init_from=hf:DIR`, None for random init."""
-    src = str(getattr(m, "init_from", "random") or "random")
-    if src == "random":
+    src = WeightSource.parse(getattr(m, "init_from", None))
+    if src.is_random:
         return None
-    if not src.startswith("hf:") or not src[3:]:
+    if not (src.is_hf and src.name):
         raise InputError(f"model.init_from='{src}' is not a weight source: use random or hf:DIR")
     from dtlaunch.config.hf_model import hf_weights_dir
 
-    return str(hf_weights_dir(src))
+    return str(hf_weights_dir(str(src)))
 
 
 _CACHE: dict[tuple[str, str], HFWeights] = {}

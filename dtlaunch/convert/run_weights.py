@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from dtlaunch.errors import InputError
+from dtlaunch.models.dtypes import torch_dtype
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -103,11 +104,10 @@ class LoraRunWeights:
 
     def _nf4_round(self, w: Any) -> Any:
         """adapters._dequantized for one weight: NF4 from the training dtype, as the run quantised it, and back."""
-        import torch
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
         rec = self.adapters.record
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[str(rec.get("base_dtype", "bf16"))]
+        dtype = torch_dtype(rec.get("base_dtype", "bf16"))
         q = to_nf4(w.to(dtype).contiguous(), int(rec["nf4_block_size"]), int(rec["nf4_scaler_block_size"]))
         return q.get_original_weight().to(w.dtype)
 
@@ -131,8 +131,8 @@ class LoraRunWeights:
 def run_weights(ref: str, m: Any) -> Any:
     """objective.reference=RUN_DIR's weights, its checks run again here (the run may have changed since
     the launch)."""
+    from dtlaunch.config.model_schema import model_config_from_marker
     from dtlaunch.config.reference_run import reference_checkpoint
-    from dtlaunch.convert.hf import model_config_from_marker
     from dtlaunch.run.phases import phase
 
     info = reference_checkpoint(ref, m)

@@ -125,11 +125,6 @@ def held_out_split(num_samples: int, fraction: float) -> tuple[np.ndarray, np.nd
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
-def global_batch_size(cfg: Any, dp_size: int) -> int:
-    gb = int(cfg.training.global_batch)
-    return gb if gb > 0 else int(cfg.training.micro_batch) * dp_size
-
-
 def check_kind(cfg: Any) -> str:
     kind = str(cfg.data.kind)
     if kind != "synthetic" and not str(cfg.data.path):

@@ -13,6 +13,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.inputs.chat_template import TEMPLATE_FILE
 
@@ -89,9 +90,10 @@ def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
     one of its own (as compose resolves it: dtlaunch.config.tokenizer_choice); other specs are unchanged."""
     if spec != "auto":
         return spec
-    if not init_from.startswith("hf:"):
+    name = hf_name(init_from)
+    if name is None:
         return "byte"
-    path = Path(init_from[3:]).expanduser() / "tokenizer.json"
+    path = Path(name).expanduser() / "tokenizer.json"
     if not path.is_file():
         raise ConfigError(
             f"data.tokenizer=auto: '{path}' does not exist (model.init_from={init_from}): put the model's "

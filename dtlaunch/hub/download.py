@@ -9,15 +9,15 @@ is removed on failure, so a later run never trusts half a file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dtlaunch.config.weight_source import hf_name
+from dtlaunch.errors import InputError
 from dtlaunch.hub.errors import hub_module, translate
 from dtlaunch.hub.resolve import HubRef, snapshot_path
+from dtlaunch.inputs.hf_dir import INDEX_FILE, weight_files
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # model*.safetensors, not *.safetensors: some repositories also hold the same weights in another layout
 # (consolidated.safetensors), which would double the download for nothing dtlaunch reads.
 WEIGHT_PATTERNS = ["model*.safetensors", INDEX_FILE, "config.json", "generation_config.json"]
@@ -26,14 +26,11 @@ TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "chat_template.ji
 
 def weights_complete(snapshot: Path) -> bool:
     """Every safetensors file the model consists of is in the snapshot (read from its index if sharded)."""
-    index = snapshot / INDEX_FILE
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError):
-            return False
-        return all((snapshot / s).is_file() for s in shards)
-    return (snapshot / SINGLE_FILE).is_file()
+    try:
+        files = weight_files(snapshot)
+    except InputError:  # an index not (yet) whole: fetch again
+        return False
+    return bool(files) and all((snapshot / f).is_file() for f in files)
 
 
 def ensure_model_files(ref: HubRef, weights: bool, tokenizer: bool, key: str = "model.init_from") -> Path:
@@ -92,11 +89,11 @@ def _remove_partial(folder: Path) -> None:
 def check_cached(cfg: object) -> None:
     """`submit`: a hub model's weights (pinned in config.yaml) must already be in the cache the nodes read,
     so they never download at once: refused otherwise, naming the `dtlaunch download` to run."""
-    from dtlaunch.errors import InputError
     from dtlaunch.hub.resolve import model_ref
 
     source = str(cfg.model.init_from)  # type: ignore[attr-defined]
-    ref = model_ref(source[3:]) if source.startswith("hf:") else None
+    name = hf_name(source)
+    ref = model_ref(name) if name is not None else None
     if ref is None or weights_complete(snapshot_path(ref)):
         return
     from huggingface_hub import constants

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import InputError
 
 
@@ -33,13 +34,14 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
     """The model (weights loaded, eval mode, RoPE for `max_len` positions: see set_positions) and
     its tokenizer. A LoRA run's adapters, or a peft adapter directory (`adapter`, with an hf: source),
     are merged into the base's weights (dtlaunch.convert.adapters)."""
-    if adapter and not source.startswith("hf:"):
+    name = hf_name(source)
+    if adapter and name is None:
         raise InputError(f"--adapter {adapter}: adapters go on an hf:DIR base; a run directory brings its own")
     from dtlaunch.config.model_schema import typed_model
     from dtlaunch.data.tokenizer import load_tokenizer
     from dtlaunch.models.registry import model_spec
 
-    if source.startswith("hf:"):
+    if name is not None:
         from dtlaunch.config.hf_model import hf_weights_dir, model_fields_from_hf, read_hf_config
         from dtlaunch.config.tokenizer_choice import model_tokenizer_file
         from dtlaunch.convert.hf import load_hf_weights
@@ -48,7 +50,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
         model_tokenizer_file(source)  # and its tokenizer files (a directory: only looked up)
         c = read_hf_config(path)
         fields = model_fields_from_hf(path, c)
-        m = typed_model({**fields, "name": Path(source[3:].partition("@")[0]).name})
+        m = typed_model({**fields, "name": Path(name.partition("@")[0]).name})
         state = load_hf_weights(path, m)
         if adapter:
             from dtlaunch.convert.adapters import load_peft_dir, merge

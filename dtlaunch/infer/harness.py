@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.infer.eval_datasets import check_datasets_reachable, unreachable_dataset_error
 
@@ -178,8 +179,9 @@ def resolve_source(source: str, out: str = "", adapter: str = "") -> Source:
     is one line. Results go to `out` when given, else RUN/eval for a run or checkpoint, ./eval for hf:DIR."""
     if adapter and not Path(adapter).expanduser().is_dir():
         raise InputError(f"--adapter {adapter}: no such directory; give a peft adapter directory")
-    if source.startswith("hf:"):
-        path = Path(source[3:]).expanduser()
+    name = hf_name(source)
+    if name is not None:
+        path = Path(name).expanduser()
         if not (path / "config.json").is_file():
             raise InputError(
                 f"eval {source}: no config.json in '{path}': give hf:DIR of a Hugging Face model directory"

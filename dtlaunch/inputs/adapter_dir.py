@@ -12,10 +12,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dtlaunch.convert.adapters import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.json_file import read_json_object
 from dtlaunch.inputs.safetensors_header import read_header
+
+# peft's adapter directory: the tensors, their config, and the prefix peft puts before each module name.
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
 
 
 def read_adapter_config(path: Path) -> dict:

@@ -12,11 +12,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dtlaunch.convert.hf import INDEX_FILE, SINGLE_FILE
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.json_file import read_json_object
 from dtlaunch.inputs.safetensors_header import read_header
 
+# The directory's weight files: one file, or numbered shards named by an index.
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 # Sizes above this are not a model anyone has (and int32 indexing in kernels stops there).
 MAX_SIZE = 2**31 - 1
 # config.json keys that are counts (>= 1 when present) and positive finite numbers.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.inputs.chat_template import check_chat_template, own_chat_template
 from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 
@@ -58,7 +59,8 @@ def is_hub_model(cfg: Any) -> bool:
     from dtlaunch.hub.resolve import model_ref
 
     src = str(cfg.model.init_from)
-    return src.startswith("hf:") and model_ref(src[3:]) is not None
+    name = hf_name(src)
+    return name is not None and model_ref(name) is not None
 
 
 def check_job_chat_template(cfg: Any) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dtlaunch.config.layout import head_unit
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.loss_terms import loss_chunks
 from dtlaunch.plan.ring_terms import forward_exchange_bytes, sequence_tokens
@@ -99,7 +100,8 @@ def reference_head_bytes(c: Any) -> float:
 def _head_unit(c: Any) -> bool:
     """Under FSDP with the chunked head, an untied head without TP is a unit of its own (the frozen copy's,
     or the policy's with its adapters off), gathered only while the head runs."""
-    return c.fsdp and loss_chunks(c) > 1 and not c.tied_head and c.tp == 1
+    chunks = loss_chunks(c)
+    return c.fsdp and chunks > 1 and head_unit(False, c.tied_head, owns_head=True, loss_chunks=chunks, tp=c.tp)
 
 
 def reference_forward_bytes(c: Any) -> float:

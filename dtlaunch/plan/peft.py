@@ -1,11 +1,11 @@
 """The memory planner's fine-tuning terms (peft.method=lora / qlora; pure Python, never imports torch).
 
-What changes against full training, per rank (dtlaunch.plan.memory.plan_stage applies it):
+What changes against full training, per rank (dtlaunch.plan.stage.plan_stage applies it):
 - the frozen linears are stored in the compute dtype (dtlaunch.train.parallel.frozen_base): no fp32 master, and
   under autocast no saved cast of them (the cast is the weight itself);
 - only the adapters train: gradients, AdamW state, DDP buckets and the optimizer's temporaries count
   the adapters (`lora_a` [rank, in], `lora_b` [out, rank] per adapted linear, split by tensor parallel
-  as dtlaunch.train.lora_tp does); the frozen base has none, the head and embedding no gradient;
+  as dtlaunch.train.parallel.lora_tp does); the frozen base has none, the head and embedding no gradient;
 - QLoRA's block linears are NF4 (torchao): their real bytes, codes n/2 + int8 block scales + one
   factor per scaler block in the compute dtype + mean and code table, per tensor and per FSDP shard.
   FSDP gathers those bytes, not a compute-dtype copy; a matmul dequantises the weight on the fly:
@@ -191,7 +191,7 @@ def saved_matmuls(
     shapes: dict[str, tuple[int, int, bool]], chosen: list[str], rank: int, tp: int, sp: bool, e: int
 ) -> float:
     """Bytes per token of the matmul outputs selective AC's op policy saves in one block: the 1st, 3rd,
-    ... matmul in call order (dtlaunch.train.ac), where an adapted linear calls three (base, A, B) and
+    ... matmul in call order (dtlaunch.train.parallel.ac), where an adapted linear calls three (base, A, B) and
     `shapes` is in forward order. Column-parallel outputs are sharded by TP, row-parallel ones (partial
     sums) only under sequence parallel; A's rank-wide output is whole on every TP rank."""
     outs: list[float] = []
@@ -229,7 +229,7 @@ def gathered_block(ft: PeftTerms, blk: float, e: int) -> float:
 
 
 def qlora_layout_ok(cfg: Any, tp: int, pp: int, dp: int, replicas: int) -> bool:
-    """Whether a searched layout can run QLoRA (dtlaunch.config.qlora_rules): no tensor or pipeline
+    """Whether a searched layout can run QLoRA (dtlaunch.config.rules.qlora): no tensor or pipeline
     parallel, and every block linear's FSDP row shard holds whole NF4 blocks. Other methods: always."""
     if str(cfg.peft.method) != "qlora":
         return True

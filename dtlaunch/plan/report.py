@@ -100,7 +100,7 @@ def suggestions_table(suggestions: list[dict]) -> Any:
 def search_table(rows: list[dict], width: int = 80) -> Any:
     """Few columns of space-separated words, fitted to `width` so that no value is cut (the step time
     is in --json; tokens/s ranks the same for the job's fixed global batch)."""
-    from dtlaunch.commands.tables import plain_table
+    from dtlaunch.report.tables import plain_table
 
     headers = ["#", "layout", "settings", "GiB", "tokens/s", "MFU", "vs #1"]
     body = [

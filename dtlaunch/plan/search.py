@@ -208,7 +208,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                     if tp > 1 and routed_experts(m) and (zero < 2 or dp * cp == 1):
                         continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     if not qlora_layout_ok(cfg, tp, pp, rep * shard * cp if zero >= 2 else 1, rep):
-                        continue  # config.qlora_rules: NF4 under FSDP2 or DDP, whole blocks per shard
+                        continue  # config.rules.qlora: NF4 under FSDP2 or DDP, whole blocks per shard
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:
                         if pp * v > m.n_layers:

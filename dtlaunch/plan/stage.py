@@ -23,7 +23,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches, pp_stage_layers, shards_with_fsdp
+from dtlaunch.config.layout import (
+    Layout,
+    grad_accum_steps,
+    head_unit,
+    pp_microbatches,
+    pp_stage_layers,
+    shards_with_fsdp,
+)
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
@@ -141,22 +148,19 @@ class StageShape:
     def frozen_head_unit(self) -> bool:
         """The frozen, untied head is an FSDP2 unit of its own, gathered only while it runs: its forward,
         or the chunked loss run inside it; under tensor parallel a chunked loss reads it from the root
-        unit (dtlaunch.train.parallel.frozen_base.chunked_head_unit)."""
-        return bool(self.ft and not self.tied_head and self.last and (loss_chunks(self) == 1 or self.tp == 1))
+        unit (dtlaunch.config.layout.head_unit, which the runtime's dtlaunch.train.parallel.head_unit takes)."""
+        return bool(self.ft) and self._head_unit(head_trains=False)
 
     @property
     def trained_head_unit(self) -> bool:
         """Full fine-tuning under FSDP2 with the chunked loss and no tensor parallel: the trained, untied
         head is a unit of its own, gathered only while the loss runs, its gradient reduce-scattered right
         after the loss's backward (dtlaunch.train.parallel.head_unit). The final norm stays in the root."""
-        return bool(
-            self.fsdp
-            and self.ft is None
-            and not self.tied_head
-            and self.last
-            and loss_chunks(self) > 1
-            and self.tp == 1
-        )
+        return bool(self.fsdp and self.ft is None) and self._head_unit(head_trains=True)
+
+    def _head_unit(self, head_trains: bool) -> bool:
+        """The runtime's decision (dtlaunch.train.parallel.head_unit), from the config."""
+        return head_unit(head_trains, self.tied_head, owns_head=self.last, loss_chunks=loss_chunks(self), tp=self.tp)
 
     @property
     def head_unit(self) -> bool:

@@ -6,9 +6,16 @@ Only global rank 0 prints (its stdout is the terminal; other ranks' goes to thei
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 
 def phase(what: str) -> None:
     """`[dtlaunch] <what>` on rank 0's stdout, flushed at once (the worker may then be busy for seconds)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"[dtlaunch] {what}", flush=True)
+
+
+def rank_log(msg: str) -> None:
+    """A timestamped line in this rank's log file (a worker's stderr is redirected there)."""
+    print(f"[{time.strftime('%T')}] {msg}", file=sys.stderr, flush=True)

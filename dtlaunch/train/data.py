@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from dtlaunch.config.layout import global_batch_size
 from dtlaunch.data.sources import (
     TAG_ORDER,
     SampleSource,
@@ -21,7 +22,6 @@ from dtlaunch.data.sources import (
     TokenSource,
     data_sources,
     eval_enabled,
-    global_batch_size,
 )
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
 

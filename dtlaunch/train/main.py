@@ -32,9 +32,10 @@ from dtlaunch.config.compose import load_resolved
 from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.env import RUN_DIR_ENV
+from dtlaunch.run.phases import rank_log
 from dtlaunch.train.observe.profiling import oom_snapshot
 from dtlaunch.train.parallel.process_group import init_distributed, restart_count, shutdown
-from dtlaunch.train.trainer import Trainer, log
+from dtlaunch.train.trainer import Trainer
 
 
 def redirect_logs(run_dir: Path, rank: int) -> None:
@@ -66,7 +67,7 @@ def main() -> None:
     except preemption.PreemptionStop as stop:  # checkpoint saved; a new start resumes
         if env.rank == 0 and cfg.checkpoint.enabled:
             preemption.write_marker(run_dir, stop.step, stop.signum)
-        log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
+        rank_log(f"{stop}: checkpoint saved, exiting {EXIT_PREEMPTED}")
         shutdown(EXIT_PREEMPTED)
     except DtlaunchError as exc:
         if exc.exit_code != EXIT_BAD_INPUT:

@@ -40,12 +40,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
+from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 from dtlaunch.train.optim import build_optimizer
 from dtlaunch.train.parallel.mesh import build_mesh
-from dtlaunch.train.parallel.parallelize import DTYPES, compute_context, parallelize
+from dtlaunch.train.parallel.parallelize import compute_context, parallelize
 from dtlaunch.train.parallel.pipeline import build_stage_modules
 from dtlaunch.train.parallel.pp_stage import set_fsdp_sync
 from dtlaunch.train.parallel.pp_step import clip_grad_norm
@@ -183,7 +184,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     fsdp = isinstance(part, FSDPModule)
     # Between stages flows the residual stream: in the compute dtype under FSDP's mixed precision,
     # fp32 otherwise (autocast's matmul outputs are added to an fp32 residual).
-    hidden_dtype = DTYPES[cfg.precision.param_dtype if fsdp else "fp32"]
+    hidden_dtype = torch_dtype(cfg.precision.param_dtype if fsdp else "fp32")
     order = PP_ORDERS[cfg.strategy.pp_schedule](n_mb, layout.pp, stage)
     scale = 1.0 / (n_mb * accum)
     reshard = bool(cfg.strategy.pp_reshard_grads)

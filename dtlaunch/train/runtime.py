@@ -43,7 +43,7 @@ class Runtime:
     in_backward: Optional[Any] = None  # dtlaunch.train.optim_in_backward.InBackward (optim.in_backward)
     # (output, targets, reduction) -> loss: the model's logits or, with training.loss_chunks > 1, its
     # hidden states through the head chunk by chunk (dtlaunch.train.chunked_loss). Set from the config.
-    loss_fn: Optional[Callable[..., Any]] = None
+    loss_fn: Callable[..., Any] = field(init=False)
 
     def __post_init__(self) -> None:
         from dtlaunch.train.optim import skips_on_device
@@ -51,7 +51,6 @@ class Runtime:
 
         # Read once: OmegaConf attribute access costs tens of microseconds per step.
         self.grad_clip = float(self.cfg.training.grad_clip)
-        self.nan_steps = frozenset(int(s) for s in self.cfg.debug.nan_at_steps)
         self.skip_on_device = self.scaler is None and all(skips_on_device(o) for o in self.optimizers)
         # Float8 weights all-gathered by FSDP: their scales, recomputed after every optimizer step.
         self.float8_scales = scale_precompute(self.model_parts) if self.cfg.precision.float8 != "none" else None
@@ -59,10 +58,9 @@ class Runtime:
         # than the norm itself on a small model. After parallelize the registered parameters are final
         # (FSDP2 registers its sharded ones, which hold the gradients, between steps).
         self.params = [list(m.parameters()) for m in self.model_parts]
-        if self.loss_fn is None:
-            from dtlaunch.train.chunked_loss import head_loss
+        from dtlaunch.train.chunked_loss import head_loss
 
-            self.loss_fn = head_loss(self.cfg, self.model_parts)
+        self.loss_fn = head_loss(self.cfg, self.model_parts)
 
 
 def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:

@@ -62,7 +62,6 @@ def train_step(
     For the planner's trace: `micro_steps` runs only those of the accumulation micro-steps (each still
     divided by accum), `host_reads=False` applies the update without reading the gradient norm on the
     host (fake tensors have no values), `before_micro(n)` runs before the n-th micro-step run."""
-    poison = step in rt.nan_steps  # test hook: a NaN loss must be skipped, not applied
     local_loss = torch.zeros((), device=rt.device)
     pair_stats: list[torch.Tensor] = []
     for n, micro in enumerate(range(rt.accum) if micro_steps is None else micro_steps):
@@ -70,7 +69,7 @@ def train_step(
             before_micro(n)
         inputs, targets = (to_device(t, rt.device) for t in batches.next_batch())
         with grad_sync(rt.model_parts, enabled=micro == rt.accum - 1):
-            local_loss += micro_step(rt, batches, inputs, targets, poison, pair_stats)
+            local_loss += micro_step(rt, batches, inputs, targets, pair_stats)
     if rt.scaler is not None:
         for opt in rt.optimizers:
             rt.scaler.unscale_(opt)
@@ -78,26 +77,25 @@ def train_step(
     # gradient, and so this all-reduced norm, non-finite on every rank.
     if rt.in_backward is not None:
         grad_norm = rt.in_backward.grad_norm(rt.device)
+        applied: Any = True  # every parameter was updated inside backward (dtlaunch.train.optim_in_backward)
     else:
         grad_norm = clip_grad_norm(rt.params, rt.grad_clip, rt.pp_mesh)
-    if rt.in_backward is not None:
-        applied: Any = True  # every parameter was updated inside backward (dtlaunch.train.optim_in_backward)
-    elif rt.scaler is not None:
-        # With fp16 loss scaling an overflowing step is routine: the scaler skips it and lowers the scale.
-        applied = True
-        for opt in rt.optimizers:
-            rt.scaler.step(opt)
-    elif rt.skip_on_device:
-        # Fused AdamW skips a non-finite step inside its kernel: the host never waits for the norm.
-        applied = torch.isfinite(grad_norm)
-        for opt in rt.optimizers:
-            step_unless_nonfinite(opt, grad_norm)
-    else:
-        # Host decision (free on CPU, where there is no queue of kernels to stall).
-        applied = math.isfinite(float(grad_norm)) if host_reads else True
-        if applied:
+        if rt.scaler is not None:
+            # With fp16 loss scaling an overflowing step is routine: the scaler skips it and lowers the scale.
+            applied = True
             for opt in rt.optimizers:
-                opt.step()
+                rt.scaler.step(opt)
+        elif rt.skip_on_device:
+            # Fused AdamW skips a non-finite step inside its kernel: the host never waits for the norm.
+            applied = torch.isfinite(grad_norm)
+            for opt in rt.optimizers:
+                step_unless_nonfinite(opt, grad_norm)
+        else:
+            # Host decision (free on CPU, where there is no queue of kernels to stall).
+            applied = math.isfinite(float(grad_norm)) if host_reads else True
+            if applied:
+                for opt in rt.optimizers:
+                    opt.step()
     if rt.scaler is not None:
         rt.scaler.update()
     if rt.float8_scales is not None:
@@ -125,12 +123,10 @@ def micro_step(
     batches: Batches,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    poison: bool,
     pair_stats: Optional[list] = None,
 ) -> torch.Tensor:
     """One micro-step's forward + backward; returns its loss already divided by `accum`. A preference
     objective appends its pair statistics to `pair_stats`."""
-    nan = float("nan") if poison else 1.0
     if rt.pipeline is not None:
         if rt.objective is not None:  # pairs kept whole in each pipeline micro-batch, the reference in the targets
             inputs, targets = pipeline_batch(rt, batches, inputs, targets)
@@ -139,12 +135,7 @@ def micro_step(
         if rt.objective is not None and pair_stats is not None:
             n = pp_microbatches(rt.cfg, rt.layout) if rt.pipeline.has_last_stage else 0
             pair_stats.append(rt.pipeline_loss.take_stats(n, rt.device))
-        if poison:
-            for m in rt.model_parts:
-                for p in m.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(nan)
-        return loss.detach() * nan / rt.accum
+        return loss.detach() / rt.accum
     (model,) = rt.model_parts
     weight = getattr(batches, "last_weight", None)  # masked (chat) data: see TokenLoader.next_batch
     with rt.loss_context():
@@ -160,13 +151,13 @@ def micro_step(
             if rt.objective is not None:
                 # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).
                 loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll)
-                loss = loss * nan / rt.accum
+                loss = loss / rt.accum
                 if pair_stats is not None:
                     pair_stats.append(stats)
             elif weight is None:
-                loss = rt.loss_fn(out, targets) * nan / rt.accum
+                loss = rt.loss_fn(out, targets) / rt.accum
             else:
-                loss = rt.loss_fn(out, targets, reduction="sum") * (weight * nan / rt.accum)
+                loss = rt.loss_fn(out, targets, reduction="sum") * (weight / rt.accum)
         (rt.scaler.scale(loss) if rt.scaler is not None else loss).backward()
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.

@@ -138,8 +138,8 @@ class WindowSync:
         if self.device.type != "cuda":
             return self._send_host(signal_requested)
         flags = torch.tensor([float(signal_requested > 0), float(signal_requested), self._proposal()])
-        if self.device.type == "cuda":  # a blocking copy from pageable memory would synchronise the stream
-            flags = flags.pin_memory().to(self.device, non_blocking=True)
+        # Pinned: a blocking copy from pageable memory would synchronise the stream.
+        flags = flags.pin_memory().to(self.device, non_blocking=True)
         stats_len = self._stats[0].numel() if self._stats else 0
         ranks = self.pace.payload() if self.pace is not None else []
         extra = [torch.tensor(ranks).pin_memory().to(self.device, non_blocking=True)] if ranks else []
@@ -147,25 +147,23 @@ class WindowSync:
         if all(isinstance(a, torch.Tensor) for a in self._applied):  # decided on the device
             applied = torch.stack([a.float() for a in self._applied])
         else:  # decided on the host (CPU, GradScaler): the flags are plain booleans
-            applied = torch.tensor([float(bool(a)) for a in self._applied])
-            if self.device.type == "cuda":
-                applied = applied.pin_memory().to(self.device, non_blocking=True)
+            applied = torch.tensor([float(bool(a)) for a in self._applied]).pin_memory()
+            applied = applied.to(self.device, non_blocking=True)
         local = torch.cat([torch.stack(self._norms), applied.to(self.device)])
         win = _Window(self._steps, self._host, reduced, local, stats_len, len(ranks))
         self._steps, self._host, self._losses, self._norms, self._applied = [], [], [], [], []
         self._stats = []
         if self.world > 1:
             win.work = dist.all_reduce(win.reduced, async_op=True)
-        if self.device.type == "cuda":
-            # NCCL: wait() only orders the current stream after the collective; the copies follow it on
-            # the stream and the event says when they are done, so reading later never drains the queue.
-            if win.work is not None:
-                win.work.wait()
-                win.work = None
-            win.reduced = win.reduced.to("cpu", non_blocking=True)
-            win.local = win.local.to("cpu", non_blocking=True)
-            win.ready = torch.cuda.Event()
-            win.ready.record()
+        # NCCL: wait() only orders the current stream after the collective; the copies follow it on the
+        # stream and the event says when they are done, so reading later never drains the queue.
+        if win.work is not None:
+            win.work.wait()
+            win.work = None
+        win.reduced = win.reduced.to("cpu", non_blocking=True)
+        win.local = win.local.to("cpu", non_blocking=True)
+        win.ready = torch.cuda.Event()
+        win.ready.record()
         return win
 
     def _send_host(self, signal_requested: int) -> _Window:

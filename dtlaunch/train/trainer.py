@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -26,10 +23,11 @@ import torch.distributed as dist
 
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.run import preemption
-from dtlaunch.run.phases import phase
+from dtlaunch.run.phases import phase, rank_log
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
+from dtlaunch.train.fault_injection import Faults
 from dtlaunch.train.objectives.precompute import precomputed_reference
 from dtlaunch.train.objectives.reference import grpo_reference
 from dtlaunch.train.objectives.rollout import PromptLoader, Rollout
@@ -39,7 +37,7 @@ from dtlaunch.train.observe.metrics import MetricsLogger
 from dtlaunch.train.observe.profiling import profiled
 from dtlaunch.train.observe.stragglers import RankPace, StragglerWatch, rank_times
 from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
-from dtlaunch.train.parallel.process_group import DistEnv, restart_count
+from dtlaunch.train.parallel.process_group import DistEnv
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step import train_step
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
@@ -55,11 +53,6 @@ class Outcome(str, Enum):
     FAILED = "failed"
 
 
-def log(msg: str) -> None:
-    """A line in this rank's log file (stderr is redirected there)."""
-    print(f"[{time.strftime('%T')}] {msg}", file=sys.stderr, flush=True)
-
-
 @dataclass(frozen=True)
 class LoopSettings:
     """The config values the loop consults every step, read once: an OmegaConf attribute read costs
@@ -70,16 +63,10 @@ class LoopSettings:
     eval_every: int
     eval_batches: int
     max_bad_steps: int
-    fail_at_step: int  # fault injection (debug.*): -1 when this rank does not fail, or after a restart
-    hang_at_step: int
-    fail_mode: str
-    hold_at_step: int
-    slow_step_s: float  # fault injection: this rank sleeps this long in every step (0: not this rank)
 
     @classmethod
-    def of(cls, cfg: Any, rank: int) -> LoopSettings:
-        t, d = cfg.training, cfg.debug
-        injects = rank == int(d.fail_rank) and restart_count() == 0
+    def of(cls, cfg: Any) -> LoopSettings:
+        t = cfg.training
         every = int(cfg.checkpoint.every_steps)
         return cls(
             steps=int(t.steps),
@@ -87,11 +74,6 @@ class LoopSettings:
             eval_every=int(t.eval_every),
             eval_batches=int(t.eval_batches),
             max_bad_steps=int(t.max_bad_steps),
-            fail_at_step=int(d.fail_at_step) if injects else -1,
-            hang_at_step=int(d.hang_at_step) if injects else -1,
-            fail_mode=str(d.fail_mode),
-            hold_at_step=int(d.hold_at_step) if injects else -1,
-            slow_step_s=float(d.slow_step_s) if rank == int(d.fail_rank) else 0.0,
         )
 
     def saves_at(self, step: int) -> bool:
@@ -101,31 +83,6 @@ class LoopSettings:
     def evaluates_at(self, step: int) -> bool:
         """Evaluate after this optimizer step: every training.eval_every steps and at the last one."""
         return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps)
-
-
-def maybe_fail(loop: LoopSettings, step: int) -> None:
-    """Fault injection for tests: fail `debug.fail_rank` at `debug.fail_at_step`, first attempt only."""
-    if step == loop.fail_at_step:
-        if loop.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
-            os.kill(os.getpid(), signal.SIGKILL)
-        if loop.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
-            from dtlaunch.errors import InputError
-
-            raise InputError(f"injected input error at step {step} (debug.fail_at_step)")
-        raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
-    if step == loop.hang_at_step:
-        # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
-        # when the launcher stops it, like a process with the default SIGTERM action.
-        log(f"hanging at step {step} (debug.hang_at_step)")
-        while not preemption.requested():
-            time.sleep(0.05)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-    if step == loop.hold_at_step:
-        # Tests signal a run at a known step: this rank waits here, its peers in their next collective.
-        log(f"holding at step {step} (debug.hold_at_step)")
-        while not preemption.requested():
-            time.sleep(0.01)
 
 
 class _Totals:
@@ -151,7 +108,7 @@ class Trainer:
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
         self.rt = rt = build_runtime(cfg, env)
-        log(
+        rank_log(
             f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {rt.mesh}; accumulation {rt.accum}; "
             f"{sum(_local_numel(p) for m in rt.model_parts for p in m.parameters()):,} parameter elements on "
             f"this rank in {len(rt.model_parts)} part(s)"
@@ -174,7 +131,8 @@ class Trainer:
         held = [*rt.model_parts, *(rt.reference.modules if rt.reference is not None else [])]
         self.tracker = PeakTracker(held, rt.optimizers, enabled=True, device=env.device)
         self.watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
-        self.loop = LoopSettings.of(cfg, env.rank)
+        self.loop = LoopSettings.of(cfg)
+        self.faults = Faults.of(cfg, env.rank)  # tests only (debug.*): dtlaunch.train.fault_injection
         t = cfg.training
         self.totals = _Totals()
         # Each rank's time per step rides on the window collective; rank 0 names a slow rank.
@@ -187,20 +145,20 @@ class Trainer:
         self.tokens_per_step = rows * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
+        self.step_fn = self.faults.wrap(self.step_fn)
 
     def fit(self) -> None:
         """Steps start+1 .. training.steps, then the final checkpoint and the summary. A preemption stop
         saves the step it stopped after and raises PreemptionStop (the worker exits 75)."""
         loop, rt, sync, step_fn, batches = self.loop, self.rt, self.sync, self.step_fn, self.step_loader
-        log(f"training steps {self.start + 1}..{loop.steps}")
+        rank_log(f"training steps {self.start + 1}..{loop.steps}")
         try:
             for step in range(self.start + 1, loop.steps + 1):
-                maybe_fail(loop, step)
+                self.faults.maybe_fail(step)
                 lr = rt.schedulers[0].get_last_lr()[0]
                 began = time.perf_counter()
                 with self.watch.step(step), self.tracker.step(step):
-                    if loop.slow_step_s:  # a slow rank (debug.slow_step_s): its peers wait for it
-                        time.sleep(loop.slow_step_s)
+                    self.faults.slow_down()
                     if self.pace is not None:
                         self.pace.started()
                     if self.rollout is not None:  # generation and rewards: this step's rows
@@ -238,7 +196,7 @@ class Trainer:
                         raise preemption.PreemptionStop(step, sync.signum)
                 self.totals.ended[step] = time.perf_counter()
             self._drain(loop.steps)
-            maybe_fail(loop, loop.steps + 1)  # fault injection "after the last step": before the final checkpoint
+            self.faults.maybe_fail(loop.steps + 1)  # fault injection "after the last step": before the final checkpoint
             final_step = max(self.start, loop.steps)
             self.ckpt.save(final_step, final=True)
         except (preemption.PreemptionStop, KeyboardInterrupt):
@@ -247,7 +205,7 @@ class Trainer:
             try:
                 self.close(Outcome.FAILED)
             except Exception as exc:  # never hide the error that stopped the run
-                log(f"closing after the failure also failed: {exc!r}")
+                rank_log(f"closing after the failure also failed: {exc!r}")
             raise
         self.close(Outcome.FINISHED, final_step)
 
@@ -260,7 +218,7 @@ class Trainer:
         summary = None
         if outcome is Outcome.FINISHED:
             summary = self._write_summary(final_step)
-            log(f"done at step {final_step}; {self.totals.skipped} skipped step(s)")
+            rank_log(f"done at step {final_step}; {self.totals.skipped} skipped step(s)")
         self.metrics.finish_trackers(summary)
 
     def _evaluate(self, step: int) -> None:

@@ -1,4 +1,4 @@
-"""`python -m dtlaunch.launch.eval_job RUN` (the Slurm evaluation job's command) on a run whose training did
+"""`python -m dtlaunch.commands.eval_job RUN` (the Slurm evaluation job's command) on a run whose training did
 not finish: one line and exit 2, nothing evaluated; the job must never score a half-trained model when it
 is started without its dependency on the training job."""
 
@@ -36,7 +36,7 @@ def test_unfinished_run_is_refused(tiny_eval_inputs, tmp_path: Path) -> None:
         f"run.dir={run_dir}",
     )
     assert train.returncode != 0 and (run_dir / "checkpoints" / "step-00000002").is_dir(), train.stderr[-2000:]
-    res = run("-m", "dtlaunch.launch.eval_job", str(run_dir))
+    res = run("-m", "dtlaunch.commands.eval_job", str(run_dir))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert len(lines) == 1 and "newest checkpoint" in lines[0] and "step 2 of training.steps=3" in lines[0], lines

@@ -58,7 +58,7 @@ def test_planned_state_equals_torchao_state(name: str) -> None:
 
 
 def test_lowbit_without_torchao_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtlaunch.config.optim_rules import check_optim
+    from dtlaunch.config.rules.optim import check_optim
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))

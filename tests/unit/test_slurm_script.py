@@ -12,14 +12,14 @@ import pytest
 
 from dtlaunch.commands.common import load_job
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
-from dtlaunch.launch import slurm, slurm_eval
+from dtlaunch.launch import slurm, slurm_script
 
 HOSTILE = "x; rm -rf / #$(touch /tmp/dtlaunch-pwned) `id` 'q' \"dq\""
 
 
 def script_for(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> str:
     job = load_job(["recipe=tiny_ddp", "cluster=slurm", *overrides])
-    return slurm.render_script(job.cfg, run_dir or tmp_path / "run", job.cfg.run.name)
+    return slurm_script.render_script(job.cfg, run_dir or tmp_path / "run", job.cfg.run.name)
 
 
 def sbatch_options(script: str) -> list[str]:
@@ -165,7 +165,7 @@ def test_bad_values_are_one_line_errors(tmp_path: Path) -> None:
     # A line break would end the `#SBATCH` comment and start a command: refused, not quoted.
     job.cfg.cluster.partition = "a\nrm -rf /"
     with pytest.raises(ConfigError, match=r"^cluster.partition=.*line break"):
-        slurm.render_script(job.cfg, tmp_path / "run")
+        slurm_script.render_script(job.cfg, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"^cluster.sbatch_args\[0\]='exclusive' is not an option"):
         script_for(tmp_path, "cluster.sbatch_args=[exclusive]")
     with pytest.raises(ConfigError, match=r"^cluster.nodes=0"):
@@ -184,7 +184,7 @@ def test_missing_sbatch_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     run_dir.mkdir()
     with pytest.raises(DtlaunchError, match="`sbatch` not found"):
         slurm.submit(job, run_dir)
-    assert (run_dir / slurm.SCRIPT_NAME).is_file()  # the script is there to submit by hand
+    assert (run_dir / slurm_script.SCRIPT_NAME).is_file()  # the script is there to submit by hand
     assert not (run_dir / slurm.RECORD_NAME).exists()
 
 
@@ -219,7 +219,7 @@ def test_cli_status_of_unknown_run(tmp_path: Path) -> None:
 
 def eval_script_for(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> str:
     job = load_job(["recipe=tiny_ddp", "cluster=slurm", "training.eval_tasks=[arc_easy]", *overrides])
-    return slurm_eval.render_eval_script(job.cfg, run_dir or tmp_path / "run", job.cfg.run.name)
+    return slurm_script.render_eval_script(job.cfg, run_dir or tmp_path / "run", job.cfg.run.name)
 
 
 def test_training_job_keeps_its_whole_time_and_never_evaluates(tmp_path: Path) -> None:
@@ -227,7 +227,7 @@ def test_training_job_keeps_its_whole_time_and_never_evaluates(tmp_path: Path) -
     plain = script_for(tmp_path, "cluster.time=04:00:00")
     with_eval = script_for(tmp_path, "cluster.time=04:00:00", "cluster.eval_time=00:30:00", "training.eval_tasks=[x]")
     assert with_eval == plain
-    assert slurm.EVAL_MODULE not in with_eval and "--time=04:00:00" in sbatch_options(with_eval)
+    assert slurm_script.EVAL_MODULE not in with_eval and "--time=04:00:00" in sbatch_options(with_eval)
     assert with_eval.splitlines()[-1] == 'exit "$rc"'
 
 
@@ -273,7 +273,7 @@ def test_eval_job_script(tmp_path: Path) -> None:
     assert lines.index("module load cuda") < len(lines) - 1
     words = shlex.split(lines[-1])
     assert words[0] == "OMP_NUM_THREADS=${SLURM_CPUS_ON_NODE:-1}"  # one process: all of the job's CPUs
-    assert words[1:] == ["exec", sys.executable, "-m", slurm.EVAL_MODULE, str(run)]
+    assert words[1:] == ["exec", sys.executable, "-m", slurm_script.EVAL_MODULE, str(run)]
     gpu = sbatch_options(
         eval_script_for(
             tmp_path, "hardware=h100_80gb", "cluster.gpus_per_node=8", "launch.nproc_per_node=0", "strategy.dp_shard=-1"
@@ -295,7 +295,7 @@ def test_eval_job_values_stay_quoted(tmp_path: Path) -> None:
     job = load_job(["recipe=tiny_ddp", "cluster=slurm", "training.eval_tasks=[x]"])
     job.cfg.cluster.eval_time = "1:00\nrm -rf /"
     with pytest.raises(ConfigError, match=r"^cluster.eval_time=.*line break"):
-        slurm_eval.render_eval_script(job.cfg, tmp_path / "run")
+        slurm_script.render_eval_script(job.cfg, tmp_path / "run")
 
 
 @pytest.mark.parametrize("value", ["90", "30:00", "02:00:00", "2-00", "1-12:00", "1-12:00:00", "UNLIMITED", ""])
@@ -344,12 +344,12 @@ def test_submit_sends_the_eval_job_after_training(tmp_path: Path, fake_slurm: Pa
     run_dir.mkdir()
     sub = slurm.submit(job, run_dir)
     assert (sub.job_id, sub.eval_job_id) == ("101", "102")
-    train_script, eval_script = run_dir / slurm.SCRIPT_NAME, run_dir / slurm_eval.EVAL_SCRIPT_NAME
+    train_script, eval_script = run_dir / slurm_script.SCRIPT_NAME, run_dir / slurm_script.EVAL_SCRIPT_NAME
     assert fake_slurm.read_text().splitlines() == [
         f"sbatch --parsable {train_script}",
         f"sbatch --parsable --dependency=afterok:101 {eval_script}",
     ]
-    assert eval_script.read_text() == slurm_eval.render_eval_script(job.cfg, run_dir, run_dir.name)
+    assert eval_script.read_text() == slurm_script.render_eval_script(job.cfg, run_dir, run_dir.name)
     record = slurm.read_record(run_dir)
     assert record["job_id"] == "101" and record["eval_job_id"] == "102"
     assert record["jobs"][-1]["eval_job_id"] == "102"
@@ -400,11 +400,11 @@ def test_sweep_points_get_their_eval_jobs(tmp_path: Path, fake_slurm: Path) -> N
     run_dirs = [tmp_path / "sw" / str(i) for i in range(2)]
     for cfg, run_dir in zip(cfgs, run_dirs, strict=True):
         run_dir.mkdir(parents=True)
-        slurm.write_script(cfg, run_dir)
-    script = slurm.render_array_script(cfgs, run_dirs, tmp_path / "sw")
+        slurm_script.write_script(cfg, run_dir)
+    script = slurm_script.render_array_script(cfgs, run_dirs, tmp_path / "sw")
     assert slurm.submit_array(script, tmp_path / "sw", run_dirs) == "101"
     calls = fake_slurm.read_text().splitlines()
-    eval_script = run_dirs[1] / slurm_eval.EVAL_SCRIPT_NAME
+    eval_script = run_dirs[1] / slurm_script.EVAL_SCRIPT_NAME
     assert calls[1:] == [f"sbatch --parsable --dependency=afterok:101_1 {eval_script}"]
     assert slurm.read_record(run_dirs[0])["eval_job_id"] == ""
     assert slurm.read_record(run_dirs[1]) | {"jobs": []} == {"jobs": [], "job_id": "101_1", "eval_job_id": "102"}

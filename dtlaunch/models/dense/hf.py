@@ -72,8 +72,9 @@ def halves_to_interleaved(w: Any, n_heads: int) -> Any:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def _heads_for(name: str, m: Any) -> Optional[int]:
-    """Heads to permute within for a RoPE-rotated tensor; None for the others."""
+def rope_heads(name: str, m: Any) -> Optional[int]:
+    """Heads to permute within for a RoPE-rotated tensor (HF keeps each head's rotary halves, we interleave
+    them); None for the others. Part of a family's names module: the importer reads slices by it."""
     if re.search(r"attention\.wq\.(weight|bias)$", name):
         return int(m.n_heads)
     if re.search(r"attention\.wk\.(weight|bias)$", name):
@@ -90,7 +91,7 @@ def to_hf_state(state: dict, m: Any) -> dict:
     for name, t in state.items():
         if name == "output.weight" and getattr(m, "tie_embeddings", False):
             continue
-        heads = _heads_for(name, m)
+        heads = rope_heads(name, m)
         t = interleaved_to_halves(t, heads) if heads else t
         out[to_hf_name(name)] = t.contiguous()
     return out
@@ -104,7 +105,7 @@ def from_hf_state(state: dict, m: Any) -> dict:
         if hf_name == "lm_head.weight" and getattr(m, "tie_embeddings", False):
             continue  # some tied exports also write the head; the embedding is the one parameter
         name = from_hf_name(hf_name)
-        heads = _heads_for(name, m)
+        heads = rope_heads(name, m)
         out[name] = (halves_to_interleaved(t, heads) if heads else t).contiguous()
     return out
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError, InputError
 
 
@@ -41,14 +42,13 @@ def _transformers() -> Any:
 
 
 def _source(m: Any) -> Path:
-    src = str(m.init_from or "")
-    if not src.startswith("hf:"):
+    if not WeightSource.parse(m.init_from).is_hf:
         raise ConfigError(
             "model.arch=hf_auto needs model.init_from=hf:DIR (the architecture and weights come from DIR)"
         )
     from dtlaunch.config.hf_model import hf_source_dir
 
-    return Path(str(hf_source_dir(src)))
+    return Path(str(hf_source_dir(m.init_from)))
 
 
 def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") -> nn.Module:

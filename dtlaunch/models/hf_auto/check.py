@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError
 
 
 def check(cfg: Any) -> None:
     s = cfg.strategy
-    if not str(cfg.model.init_from).startswith("hf:"):
+    if not WeightSource.parse(cfg.model.init_from).is_hf:
         raise ConfigError("model.arch=hf_auto needs model.init_from=hf:DIR: the architecture and weights come from DIR")
     if s.pp != 1:
         raise ConfigError(f"strategy.pp={s.pp}: model.arch=hf_auto has no pipeline split: use strategy.pp=1")

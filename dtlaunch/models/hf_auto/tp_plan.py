@@ -24,6 +24,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.models.tp_styles import Colwise, Rowwise, SequenceShard, Style
 
 LAYER_PREFIX = "layers.*."
@@ -75,7 +76,7 @@ def check(m: Any, tp: int, sequence_parallel: bool) -> str | None:
         for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
             if value % tp:
                 return (
-                    f"strategy.tp={tp} does not divide {key}={value} of {m.init_from[3:]}/config.json (its "
+                    f"strategy.tp={tp} does not divide {key}={value} of {hf_name(m.init_from)}/config.json (its "
                     f"tensor-parallel plan shards attention heads): choose a tp that divides it"
                 )
     return None

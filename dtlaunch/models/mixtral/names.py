@@ -1,6 +1,6 @@
 """Mixtral tensor names: `block_sparse_moe.gate`, `block_sparse_moe.experts.<e>.{w1,w2,w3}`."""
 
-from dtlaunch.models.dense.hf import _heads_for, halves_to_interleaved  # noqa: F401 (HFWeights reads them here)
+from dtlaunch.models.dense.hf import rope_heads  # noqa: F401 (the names module's RoPE rows: HFWeights reads it)
 from dtlaunch.models.moe.hf import MoENames
 
 _NAMES = MoENames("block_sparse_moe", w1="w1", w2="w2", w3="w3")

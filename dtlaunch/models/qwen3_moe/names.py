@@ -1,6 +1,6 @@
 """Qwen3-MoE tensor names: `mlp.gate`, `mlp.experts.<e>.{gate,up,down}_proj`."""
 
-from dtlaunch.models.dense.hf import _heads_for, halves_to_interleaved  # noqa: F401 (HFWeights reads them here)
+from dtlaunch.models.dense.hf import rope_heads  # noqa: F401 (the names module's RoPE rows: HFWeights reads it)
 from dtlaunch.models.moe.hf import MoENames
 
 _NAMES = MoENames("mlp", w1="gate_proj", w2="down_proj", w3="up_proj")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.data.sources import shard_dir
 from dtlaunch.run.phases import phase
 from dtlaunch.train.data import TokenLoader
@@ -40,7 +41,7 @@ def reference_key(cfg: Any) -> str:
         "dtype": str(cfg.precision.param_dtype),
     }
     ref = str(cfg.objective.reference)
-    if ref != "base" and not ref.startswith("hf:"):
+    if ref != "base" and not WeightSource.parse(ref).is_hf:
         # A run directory as the reference: its values are those of the checkpoint it resolves to now (a
         # run that saved a newer one since gives other log-probs).
         from dtlaunch.run.checkpoints import resolve_load_path

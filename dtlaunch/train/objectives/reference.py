@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from dtlaunch.config.layout import Layout
+from dtlaunch.config.weight_source import WeightSource
+from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import adapters_disabled
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.objectives.logps import completion_logps
-from dtlaunch.train.parallel.qlora import DTYPES
 
 
 def _model_args(batches: Any, device: torch.device) -> dict[str, torch.Tensor]:
@@ -161,14 +162,14 @@ def _frozen_model(cfg: Any, init: bool) -> tuple[nn.Module, Any, Any]:
 
     ref_cfg = OmegaConf.merge(cfg, {"peft": {"method": "none"}})
     ref, weights = str(cfg.objective.reference), None
-    if ref.startswith("hf:"):
+    if WeightSource.parse(ref).is_hf:
         ref_cfg.model.init_from = ref
     elif ref != "base" and init:
         from dtlaunch.convert.run_weights import run_weights
 
         weights = run_weights(ref, cfg.model)
     model = model_spec(ref_cfg.model).build(ref_cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
-    dtype = DTYPES[str(cfg.precision.param_dtype)]
+    dtype = torch_dtype(cfg.precision.param_dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     if dtype != torch.float32:

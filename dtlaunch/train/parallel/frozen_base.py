@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import is_adapter
 from dtlaunch.models.moe.experts import GroupedExperts
-from dtlaunch.train.parallel.qlora import DTYPES, quantize_base
+from dtlaunch.train.parallel.qlora import quantize_base
 
 
 def compute_dtype_weights(mod: nn.Module) -> tuple[str, ...]:
@@ -39,7 +40,7 @@ def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = Fa
     casts the compute (no autocast). Nothing under peft=none."""
     if str(cfg.peft.method) == "none":
         return
-    dtype = DTYPES[str(cfg.precision.param_dtype)]
+    dtype = torch_dtype(cfg.precision.param_dtype)
     counts = _uses(model)
     for mod in model.modules():
         for name in compute_dtype_weights(mod):
@@ -61,7 +62,7 @@ def frozen_ends(model: nn.Module, head: bool = True) -> list[nn.Module]:
     """The frozen, untied embedding and output head (absent on a pipeline stage that does not own them):
     under FSDP2 each is a unit of its own, gathered only while it runs (the head: its forward, or the
     chunked loss, which runs as the head unit's forward: dtlaunch.train.chunked_loss). head=False leaves
-    the head in the root unit (a chunked loss under tensor parallel: see chunked_head_unit)."""
+    the head to dtlaunch.train.parallel.head_unit, which decides whether it is a unit of its own."""
     counts = _uses(model)
     ends = []
     for name in ("tok_embeddings", "output") if head else ("tok_embeddings",):
@@ -70,17 +71,6 @@ def frozen_ends(model: nn.Module, head: bool = True) -> list[nn.Module]:
         if params and not any(p.requires_grad for p in params) and all(counts[id(p)] == 1 for p in params):
             ends.append(mod)
     return ends
-
-
-def chunked_head_unit(model: nn.Module, chunks: int) -> bool:
-    """Whether the head can be a unit of its own with this many loss chunks. A chunked loss runs as the
-    head unit's forward; a tensor-parallel head's input and output styles (hooks on that forward) would
-    take the targets off and redistribute the loss as if it were logits, so under TP the chunked loss
-    reads the head from the root unit instead (dtlaunch.train.chunked_loss gathers it)."""
-    from torch.distributed.tensor import DTensor
-
-    weight = getattr(getattr(model, "output", None), "weight", None)
-    return chunks == 1 or not isinstance(weight, DTensor)
 
 
 def _uses(model: nn.Module) -> dict[int, int]:

@@ -19,17 +19,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, loss_chunks, shards_with_fsdp
+from dtlaunch.config.layout import Layout, shards_with_fsdp
+from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
-from dtlaunch.train.parallel.frozen_base import chunked_head_unit, convert_frozen_base, frozen_ends
-from dtlaunch.train.parallel.head_unit import trained_head_unit
+from dtlaunch.train.parallel.frozen_base import convert_frozen_base, frozen_ends
+from dtlaunch.train.parallel.head_unit import own_head_unit
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(
@@ -83,7 +82,7 @@ def parallelize(
     convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1, fsdp=fsdp)
     if fsdp:
         reshard = zero == 3 or frozen
-        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp)
+        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp, tp=layout.tp)
     # FSDP CPU offload: parameters materialised on the host, buffers on the device (parallel.cpu_offload).
     where = init_device(cfg, device)
     if init:
@@ -93,7 +92,7 @@ def parallelize(
     if where != device:
         buffers_to(model, device)
     if data_mesh is not None and zero <= 1 and not frozen:
-        # DDP x TP is refused by dtlaunch.config.validate.check_zero before launch.
+        # DDP x TP is refused by dtlaunch.config.rules.strategy.check_zero before launch.
         return apply_ddp(model, dp_mesh(world_mesh, flatten=True), cfg, device)
     return model
 
@@ -114,7 +113,7 @@ def mp_policy(cfg: Any) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
-        param_dtype=DTYPES[cfg.precision.param_dtype], reduce_dtype=DTYPES[cfg.precision.reduce_dtype]
+        param_dtype=torch_dtype(cfg.precision.param_dtype), reduce_dtype=torch_dtype(cfg.precision.reduce_dtype)
     )
 
 
@@ -125,6 +124,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     experts: ExpertMeshes | None = None,
     dp: int = 1,
+    tp: int = 1,
 ) -> None:
     """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP. A frozen
     embedding and head (LoRA / QLoRA) are units of their own, resharded after use: the root unit is
@@ -142,8 +142,7 @@ def apply_fsdp(
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
-    chunks = loss_chunks(cfg)
-    for end in frozen_ends(model, head=chunked_head_unit(model, chunks)) + trained_head_unit(model, chunks):
+    for end in frozen_ends(model, head=False) + own_head_unit(model, cfg, tp):
         fully_shard(end, mesh=mesh, mp_policy=policy, reshard_after_forward=True, **offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 
@@ -205,7 +204,7 @@ def uses_fsdp(module: nn.Module) -> bool:
 def compute_context(model_parts: Iterable[nn.Module], cfg: Any, device: torch.device) -> Any:
     """Low-precision compute where FSDP's MixedPrecisionPolicy does not already cast (DDP, single
     process): autocast keeps fp32 master weights and casts matmul inputs."""
-    dtype = DTYPES[cfg.precision.param_dtype]
+    dtype = torch_dtype(cfg.precision.param_dtype)
     if dtype == torch.float32 or all(uses_fsdp(m) for m in model_parts):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
-from dtlaunch.config.validate import PP_SCHEDULES
+from dtlaunch.config.schema import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
 from dtlaunch.train.parallel.pp_stage import make_stage
 

@@ -23,9 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.nf4 import is_nf4, load_nf4_rows, quantize_frozen_linears, to_nf4
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def uses_qlora(cfg: Any) -> bool:
@@ -39,7 +38,7 @@ def quantize_base(model: nn.Module, cfg: Any, shards: int) -> list[str]:
     if not uses_qlora(cfg):
         return []
     p = cfg.peft
-    dtype = DTYPES[str(cfg.precision.param_dtype)]
+    dtype = torch_dtype(cfg.precision.param_dtype)
     return quantize_frozen_linears(model, int(p.nf4_block_size), int(p.nf4_scaler_block_size), dtype, shards)
 
 

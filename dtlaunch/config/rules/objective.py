@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dtlaunch.config.grpo_rules import check_grpo
+from dtlaunch.config.rules.grpo import check_grpo
+from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
 
 
@@ -73,12 +74,13 @@ def check_reference(ref: str, model: Any) -> None:
     of its checkpoints (dtlaunch.config.reference_run)."""
     if ref == "base":
         return
-    if not ref.startswith("hf:"):
+    name = hf_name(ref)
+    if name is None:
         from dtlaunch.config.reference_run import reference_checkpoint
 
         reference_checkpoint(ref, model)
         return
-    path = os.path.expanduser(ref[3:])
+    path = os.path.expanduser(name)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(
             f"objective.reference='{ref}': '{path}' holds no config.json: point it at a Hugging Face model "

@@ -1,5 +1,5 @@
-"""`python -m dtlaunch.launch.eval_job RUN_DIR`: training.eval_tasks on a finished run, for a cluster job.
-On Slurm it is the evaluation job (dtlaunch.launch.slurm_eval), which Slurm starts only after the training
+"""`python -m dtlaunch.commands.eval_job RUN_DIR`: training.eval_tasks on a finished run, for a cluster job.
+On Slurm it is the evaluation job (dtlaunch.launch.slurm_script), which Slurm starts only after the training
 job has ended with 0: the same evaluation `dtlaunch train` runs in its launcher
 (dtlaunch.commands.eval.eval_after_training), results in RUN/eval/<time>.json. A run whose newest
 checkpoint is not its final step (training not finished: the script submitted by hand, or a dependency
@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from dtlaunch.errors import exit_code_of
 
 
 def check_finished(cfg: Any, run_dir: Path) -> None:
@@ -32,7 +34,7 @@ def main(argv: Sequence[str]) -> int:
     from dtlaunch.launch.rundir import CONFIG_NAME
 
     if len(argv) != 1:
-        print("usage: python -m dtlaunch.launch.eval_job RUN_DIR", file=sys.stderr)
+        print("usage: python -m dtlaunch.commands.eval_job RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).resolve()
     cfg = load_resolved(run_dir / CONFIG_NAME)
@@ -46,7 +48,5 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     except BaseException as exc:  # the CLI's one line on stderr and its documented exit code
-        from dtlaunch.cli import exit_code_of
-
         code = exit_code_of(exc)
     sys.exit(code)

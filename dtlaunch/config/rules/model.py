@@ -1,0 +1,24 @@
+"""The model section's own rules: its shape against the registry entry of its family."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.errors import ConfigError
+
+
+def check_model_shape(cfg: Any, notes: list[str]) -> None:
+    """The fields the model's family fixes, then the family's own rules (its registry entry's `check`)."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.models.registry import model_spec
+
+    m = cfg.model
+    spec = model_spec(m)
+    for key, value in spec.fixed.items():
+        if OmegaConf.select(m, key) != value:
+            raise ConfigError(
+                f"model.{key}={OmegaConf.select(m, key)} does not fit model.arch={m.arch} (which has {key}={value}): "
+                f"drop the override or pick the model.arch that has it"
+            )
+    spec.check_config(cfg)

@@ -1,0 +1,93 @@
+"""Fault injection for tests (the debug.* section), kept out of the training step: a rank that fails, hangs,
+holds or runs slow at a chosen step, and steps whose loss is NaN. A real run has none of them (every
+field at its default), and then `wrap` returns the step function itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from dtlaunch.errors import InputError
+from dtlaunch.run import preemption
+from dtlaunch.run.phases import rank_log
+from dtlaunch.train.parallel.process_group import restart_count
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The debug.* values for this rank, read once (the loop consults them every step)."""
+
+    fail_at_step: int  # -1 when this rank does not fail, or after a restart
+    hang_at_step: int
+    fail_mode: str
+    hold_at_step: int
+    slow_step_s: float  # this rank sleeps this long in every step (0: not this rank)
+    nan_at_steps: frozenset[int]  # every rank's loss is NaN at these steps
+
+    @classmethod
+    def of(cls, cfg: Any, rank: int) -> Faults:
+        d = cfg.debug
+        injects = rank == int(d.fail_rank) and restart_count() == 0
+        return cls(
+            fail_at_step=int(d.fail_at_step) if injects else -1,
+            hang_at_step=int(d.hang_at_step) if injects else -1,
+            fail_mode=str(d.fail_mode),
+            hold_at_step=int(d.hold_at_step) if injects else -1,
+            slow_step_s=float(d.slow_step_s) if rank == int(d.fail_rank) else 0.0,
+            nan_at_steps=frozenset(int(s) for s in d.nan_at_steps),
+        )
+
+    def maybe_fail(self, step: int) -> None:
+        """Fail, hang or hold `debug.fail_rank` at its step, first attempt only."""
+        if step == self.fail_at_step:
+            if self.fail_mode == "sigkill":  # a real crash: no Python error, no error file, exit -9
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fail_mode == "input":  # bad input only a worker can see (e.g. a corrupt data window)
+                raise InputError(f"injected input error at step {step} (debug.fail_at_step)")
+            raise RuntimeError(f"injected failure at step {step} (debug.fail_at_step)")
+        if step == self.hang_at_step:
+            # A stuck rank: its peers' next collective must time out (launch.timeout_s) and name it. It ends
+            # when the launcher stops it, like a process with the default SIGTERM action.
+            rank_log(f"hanging at step {step} (debug.hang_at_step)")
+            while not preemption.requested():
+                time.sleep(0.05)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step == self.hold_at_step:
+            # Tests signal a run at a known step: this rank waits here, its peers in their next collective.
+            rank_log(f"holding at step {step} (debug.hold_at_step)")
+            while not preemption.requested():
+                time.sleep(0.01)
+
+    def slow_down(self) -> None:
+        """A slow rank (debug.slow_step_s): its peers wait for it."""
+        if self.slow_step_s:
+            time.sleep(self.slow_step_s)
+
+    def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`step_fn(rt, batches, step)`, its model parts' outputs NaN at debug.nan_at_steps: the loss and
+        every gradient are then non-finite, and the step must be skipped, not applied."""
+        if not self.nan_at_steps:
+            return step_fn
+
+        def step_with_faults(rt: Any, batches: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            if step not in self.nan_at_steps:
+                return step_fn(rt, batches, step, *args, **kwargs)
+            hooks = [m.register_forward_hook(_nan_output) for m in rt.model_parts]
+            try:
+                return step_fn(rt, batches, step, *args, **kwargs)
+            finally:
+                for h in hooks:
+                    h.remove()
+
+        return step_with_faults
+
+
+def _nan_output(_module: Any, _args: Any, out: Any) -> Any:
+    return out * float("nan") if isinstance(out, torch.Tensor) else out
