@@ -110,8 +110,8 @@ def _run_base_dir(checkpoint: Path) -> Optional[Path]:
 
     for parent in checkpoint.parents:
         if (parent / "config.yaml").is_file():
-            spec = str(load_resolved(parent / "config.yaml").model.init_from)
-            local = Path(spec[3:]).expanduser() if spec.startswith("hf:") else None
+            name = hf_name(load_resolved(parent / "config.yaml").model.init_from)
+            local = Path(name).expanduser() if name else None
             return local if local is not None and local.is_dir() else None
     return None
 
