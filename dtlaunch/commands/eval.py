@@ -69,9 +69,10 @@ def request_of(cfg: Any) -> EvalRequest:
     )
 
 
-def check_eval_tasks(cfg: Any) -> None:
+def check_eval_tasks(cfg: Any, datasets_here: bool = True) -> None:
     """Before any worker starts: lm_eval installed, the include directory there, every task name known, and
-    a chat template to apply if one is asked for."""
+    a chat template to apply if one is asked for. `datasets_here`: the evaluation runs in this environment
+    (`train`), so offline its hub datasets must be cached here; a submitted job evaluates on the cluster."""
     if not cfg.training.eval_tasks:
         return
     from dtlaunch.config.tokenizer_choice import effective_tokenizer
@@ -80,7 +81,7 @@ def check_eval_tasks(cfg: Any) -> None:
 
     if cfg.training.eval_apply_chat_template and effective_tokenizer(cfg) == "byte":
         raise ConfigError(f"training.eval_apply_chat_template=true: this run is {BYTE_NO_CHAT}: set it to false")
-    check_request(request_of(cfg), *TRAINING_KEYS)
+    check_request(request_of(cfg), *TRAINING_KEYS, datasets_here=datasets_here)
 
 
 def eval_after_training(cfg: Any, run_dir: Any) -> None:

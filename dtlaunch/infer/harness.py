@@ -42,9 +42,12 @@ def require_lm_eval() -> None:
         raise ConfigError("evaluation needs lm-evaluation-harness: pip install 'dtlaunch[eval]'") from None
 
 
-def check_request(req: EvalRequest, key: str = "--tasks", include_key: str = "--include") -> Any:
+def check_request(
+    req: EvalRequest, key: str = "--tasks", include_key: str = "--include", datasets_here: bool = True
+) -> Any:
     """The request's TaskManager, after every check that needs no model: numbers, the include directory,
-    and each task name (an unknown one names its closest known names)."""
+    each task name (an unknown one names its closest known names) and, where the evaluation runs in this
+    environment (`datasets_here`), that offline its hub datasets are cached."""
     if not req.tasks or any(not t.strip() for t in req.tasks):
         raise ConfigError(f"{key}: give one or more task names, comma-separated (e.g. hellaswag,arc_easy)")
     if req.limit < 0 or req.batch_size < 1 or req.num_fewshot < -1:
@@ -61,7 +64,8 @@ def check_request(req: EvalRequest, key: str = "--tasks", include_key: str = "--
             close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}?" if close else "see `lm-eval ls tasks`"
             raise ConfigError(f"{key}: unknown task '{name}': {hint}")
-    check_datasets_reachable(manager, req.tasks, key, include_key)  # offline: seconds here, not after the load
+    if datasets_here:  # offline: seconds here, not after the load
+        check_datasets_reachable(manager, req.tasks, key, include_key)
     return manager
 
 
