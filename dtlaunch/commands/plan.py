@@ -79,19 +79,7 @@ def plan_command(
         rows = run_search(job.cfg, top)
         data["search"] = [{k: v for k, v in r.items() if k != "times"} for r in rows]
     if trace:
-        from dtlaunch.plan.trace import trace_peak
-
-        # The most loaded pipeline stage's first rank (pp is the outermost mesh dimension).
-        traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
-        # Next to the analytic figure of the same stage.
-        stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
-        # The trace runs in one memory (CPU): what offloading would keep on the host is in its figure too.
-        traced["analytic_peak_bytes"] = int(stage.peak + stage.host_peak)
-        traced["analytic_categories"] = {k: int(v) for k, v in {**stage.lines, **stage.host}.items()}
-        traced["error_pct"] = round(
-            (traced["analytic_peak_bytes"] - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2
-        )
-        data["trace"] = traced
+        data["trace"] = _trace(job, plan)
     if as_json:
         print(json.dumps(data, indent=2))
         return 0 if plan.fits else 3
@@ -108,9 +96,31 @@ def plan_command(
         out.print(search_table(rows, out.width) if rows else "[red]no layout fits this GPU count[/red]")
         if rows:
             out.print("best layout as overrides: " + shlex.join(rows[0]["overrides"]), markup=False)
-    if trace:
+    if trace and "skipped" in data["trace"]:
+        out.print(f"--trace skipped: {data['trace']['skipped']}", markup=False, soft_wrap=True)
+    elif trace:
         out.print_json(data=data["trace"])
     return 0 if plan.fits else 3
+
+
+def _trace(job: Job, plan: MemoryPlan) -> dict:
+    """The traced second opinion next to the analytic figure of the same stage, or {"skipped": why} where
+    this machine cannot trace the job (the analytic plan stands; the command still succeeds)."""
+    from dtlaunch.plan.trace import skip_reason, trace_peak
+
+    reason = skip_reason(job.cfg, job.layout)
+    if reason:
+        return {"skipped": reason}
+    # The most loaded pipeline stage's first rank (pp is the outermost mesh dimension).
+    traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
+    stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
+    # The trace runs in one memory (CPU): what offloading would keep on the host is in its figure too.
+    traced["analytic_peak_bytes"] = int(stage.peak + stage.host_peak)
+    traced["analytic_categories"] = {k: int(v) for k, v in {**stage.lines, **stage.host}.items()}
+    traced["error_pct"] = round(
+        (traced["analytic_peak_bytes"] - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2
+    )
+    return traced
 
 
 def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: str, as_json: bool = False) -> int:

@@ -25,7 +25,7 @@ from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload
 from dtlaunch.train.parallel.float8 import apply_float8
 from dtlaunch.train.parallel.frozen_base import chunked_head_unit, convert_frozen_base, frozen_ends
 from dtlaunch.train.parallel.head_unit import trained_head_unit
-from dtlaunch.train.parallel.init_weights import materialize_and_init
+from dtlaunch.train.parallel.init_weights import allocate_without_values, materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
 
@@ -89,7 +89,7 @@ def parallelize(
     if init:
         materialize_and_init(model, where, int(cfg.training.seed), init_source=model, weights=weights)
     else:
-        model.to_empty(device=where)
+        allocate_without_values(model, where)
     if where != device:
         buffers_to(model, device)
     if data_mesh is not None and zero <= 1 and not frozen:
