@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dtlaunch.config.layout import Layout, global_batch, pp_microbatches, pp_stage_layers, world_size
+from dtlaunch.config.long_context_rules import check_mlp_tiles
 from dtlaunch.config.objective_rules import check_objective
 from dtlaunch.config.offload_rules import check_offload
 from dtlaunch.config.optim_rules import check_optim
@@ -583,6 +584,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_float8_tensor_parallel,
     check_qlora,
     check_offload,
+    check_mlp_tiles,
     check_optim,
 ]
 
