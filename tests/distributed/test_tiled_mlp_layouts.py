@@ -56,8 +56,8 @@ def test_tiled_mlp_matches_untiled(name: str, results: dict) -> None:
     plain, tiled = results[name], results[name + "+tiled"]
     assert len(tiled["loss"]) == STEPS
     assert plain["inspect"] == 0 and tiled["inspect"] == 2  # one MLP per block (MoE: the shared experts)
-    for a, b in zip(plain["loss"], tiled["loss"]):
+    for a, b in zip(plain["loss"], tiled["loss"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(a), (name, plain, tiled)
-    for a, b in zip(plain["grad_norm"], tiled["grad_norm"]):
+    for a, b in zip(plain["grad_norm"], tiled["grad_norm"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(a), (name, plain, tiled)
     assert plain["loss"][-1] < plain["loss"][0]  # the updates moved the loss
