@@ -132,6 +132,7 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
     found = maximize(job.cfg, key)
     if as_json:
         data = {"key": key, "value": found.value, "override": found.override if found.value else None}
+        data["savers_from_plan"] = list(found.savers)
         if found.plan is not None:
             data["device_total_bytes"] = int(found.plan.device_total)
         print(json.dumps(data, indent=2))
@@ -149,5 +150,9 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
     if found.value == found.largest:
         cap = "model.max_seq_len" if key == "training.seq_len" else "training.global_batch / data-parallel ranks"
         console().print(f"(the largest value allowed: {cap} caps {key} at {found.largest})", markup=False)
-    console().print(f"override to paste: {found.override}", markup=False)
+    if found.savers:
+        console().print(
+            f"savers the plan turned on (its own choice; pinned here): {' '.join(found.savers)}", markup=False
+        )
+    console().print(f"override to paste: {' '.join((found.override, *found.savers))}", markup=False)
     return 0
