@@ -100,7 +100,8 @@ def allocate_without_values(model: nn.Module, device: torch.device) -> None:
 
 def _allocate_nf4_metadata(model: nn.Module, device: torch.device) -> None:
     for p in model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
+        # The DTensor's own local tensor (FSDP2 gathers from it), as load_nf4_param sets it.
+        local = p._local_tensor if isinstance(p, DTensor) else p
         if is_nf4(local):
             allocate_nf4_metadata(local, device)
 
