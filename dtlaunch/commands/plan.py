@@ -79,19 +79,7 @@ def plan_command(
         rows = run_search(job.cfg, top)
         data["search"] = [{k: v for k, v in r.items() if k != "times"} for r in rows]
     if trace:
-        from dtlaunch.plan.trace import trace_peak
-
-        # The most loaded pipeline stage's first rank (pp is the outermost mesh dimension).
-        traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
-        # Next to the analytic figure of the same stage.
-        stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
-        # The trace runs in one memory (CPU): what offloading would keep on the host is in its figure too.
-        traced["analytic_peak_bytes"] = int(stage.peak + stage.host_peak)
-        traced["analytic_categories"] = {k: int(v) for k, v in {**stage.lines, **stage.host}.items()}
-        traced["error_pct"] = round(
-            (traced["analytic_peak_bytes"] - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2
-        )
-        data["trace"] = traced
+        data["trace"] = _trace(job, plan)
     if as_json:
         print(json.dumps(data, indent=2))
         return 0 if plan.fits else 3
@@ -108,11 +96,33 @@ def plan_command(
         out.print(search_table(rows, out.width) if rows else "[red]no layout fits this GPU count[/red]")
         if rows:
             out.print("best layout as overrides: " + shlex.join(rows[0]["overrides"]), markup=False)
-    if trace:
+    if trace and "skipped" in data["trace"]:
+        out.print(f"--trace skipped: {data['trace']['skipped']}", markup=False, soft_wrap=True)
+    elif trace:
         from dtlaunch.plan.report import trace_table
 
         out.print(trace_table(data["trace"]))  # the whole record: --json
     return 0 if plan.fits else 3
+
+
+def _trace(job: Job, plan: MemoryPlan) -> dict:
+    """The traced second opinion next to the analytic figure of the same stage, or {"skipped": why} where
+    this machine cannot trace the job (the analytic plan stands; the command still succeeds)."""
+    from dtlaunch.plan.trace import skip_reason, trace_peak
+
+    reason = skip_reason(job.cfg, job.layout)
+    if reason:
+        return {"skipped": reason}
+    # The most loaded pipeline stage's first rank (pp is the outermost mesh dimension).
+    traced = trace_peak(job.cfg, job.layout, rank=plan.worst.stage * (job.layout.world // job.layout.pp))
+    stage = next(sp for sp in plan.stages if sp.stage == traced["stage"])
+    # The trace runs in one memory (CPU): what offloading would keep on the host is in its figure too.
+    traced["analytic_peak_bytes"] = int(stage.peak + stage.host_peak)
+    traced["analytic_categories"] = {k: int(v) for k, v in {**stage.lines, **stage.host}.items()}
+    traced["error_pct"] = round(
+        (traced["analytic_peak_bytes"] - traced["peak_bytes"]) / max(1, traced["peak_bytes"]) * 100, 2
+    )
+    return traced
 
 
 def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: str, as_json: bool = False) -> int:
@@ -124,6 +134,7 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
     found = maximize(job.cfg, key)
     if as_json:
         data = {"key": key, "value": found.value, "override": found.override if found.value else None}
+        data["savers_from_plan"] = list(found.savers)
         if found.plan is not None:
             data["device_total_bytes"] = int(found.plan.device_total)
         print(json.dumps(data, indent=2))
@@ -141,5 +152,9 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
     if found.value == found.largest:
         cap = "model.max_seq_len" if key == "training.seq_len" else "training.global_batch / data-parallel ranks"
         console().print(f"(the largest value allowed: {cap} caps {key} at {found.largest})", markup=False)
-    console().print(f"override to paste: {found.override}", markup=False)
+    if found.savers:
+        console().print(
+            f"savers the plan turned on (its own choice; pinned here): {' '.join(found.savers)}", markup=False
+        )
+    console().print(f"override to paste: {' '.join((found.override, *found.savers))}", markup=False)
     return 0

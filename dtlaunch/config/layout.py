@@ -125,6 +125,24 @@ def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, 
     return loss_chunks == 1 or tp == 1
 
 
+# training.mlp_tiles=0: tiles of at most this many tokens (a micro-batch's rows x its local sequence).
+MLP_TILE_TOKENS = 8192
+
+
+def mlp_tiles(cfg: Any, layout: Layout) -> int:
+    """Sequence tiles each block's MLP runs over (training.mlp_tiles; 0 = ceil(tokens / MLP_TILE_TOKENS) of
+    one rank's micro-batch, at most one per position). Sequence parallel hands the MLP a sequence-sharded
+    DTensor, which the tiles do not split: untiled there (an explicit value is refused by validate)."""
+    n = int(cfg.training.mlp_tiles)
+    if n:
+        return n
+    if layout.tp > 1 and cfg.strategy.sequence_parallel:
+        return 1
+    rows = int(cfg.training.micro_batch) * (2 if str(cfg.objective.name) in ("dpo", "orpo", "simpo") else 1)
+    seq = int(cfg.training.seq_len) // layout.cp
+    return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
+
+
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:
     """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
     gb = global_batch(cfg, layout)

@@ -156,6 +156,11 @@ class TrainingConfig:
     # pinned host memory in forward and back in backward, on a side CUDA stream; the output head's and the
     # loss's stay on the device. Same losses; costs host memory and host-link time (both planned).
     activation_offload: bool = False
+    # Each block's SwiGLU MLP runs over this many tiles of the sequence, each recomputed in backward, so a
+    # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.tiled_mlp, ALST's
+    # TiledMLP). 0: from the plan (config.layout.mlp_tiles: tiles of at most 8192 tokens, so untiled up to
+    # 8192 tokens per micro-batch); 1: untiled.
+    mlp_tiles: int = 0
     grad_clip: float = 1.0
     # Non-finite loss or grad norm: skip the step; stop after this many in a row.
     max_bad_steps: int = 3

@@ -101,3 +101,12 @@ def load_nf4_rows(local: torch.Tensor, full: torch.Tensor, index: int, count: in
         getattr(local, attr).copy_(getattr(part, attr))
     local.scaler_mean = full.scaler_mean.to(local.quantized_data.device)
     local.nf4 = full.nf4.to(local.quantized_data.device)
+
+
+def allocate_nf4_metadata(t: torch.Tensor, device: torch.device) -> None:
+    """The whole tensor's mean and code table, which `to_empty` leaves on the meta device, allocated on
+    `device` without values (`plan --trace`; a real run gets them from load_nf4_rows)."""
+    for attr in ("scaler_mean", "nf4"):
+        value = getattr(t, attr)
+        if value.device != device:
+            setattr(t, attr, torch.empty_like(value, device=device))

@@ -24,6 +24,7 @@ class Maximized:
     smallest: int
     largest: int  # the last candidate (model.max_seq_len; the per-rank global batch when it is fixed)
     plan: Any  # the MemoryPlan at `value` (or at the smallest candidate when nothing fits)
+    savers: tuple[str, ...] = ()  # overrides of the savers the plan chose itself at `value` (0 = from the plan)
 
     @property
     def override(self) -> str:
@@ -58,7 +59,29 @@ def maximize(cfg: Any, key: str) -> Maximized:
             hi = mid - 1
     if best < 0:
         return Maximized(key=key, value=None, smallest=value_at(0), largest=value_at(count - 1), plan=plans.get(0))
-    return Maximized(key=key, value=value_at(best), smallest=value_at(0), largest=value_at(count - 1), plan=plans[best])
+    value = value_at(best)
+    return Maximized(
+        key=key,
+        value=value,
+        smallest=value_at(0),
+        largest=value_at(count - 1),
+        plan=plans[best],
+        savers=planned_savers(cfg, key, value),
+    )
+
+
+def planned_savers(cfg: Any, key: str, value: int) -> tuple[str, ...]:
+    """The savers left to the plan (training.mlp_tiles=0) that it turns on at `key`=`value`, as overrides."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.layout import Layout, mlp_tiles, world_size
+
+    if int(cfg.training.mlp_tiles):
+        return ()
+    job = copy.deepcopy(cfg)
+    OmegaConf.update(job, key, value)
+    tiles = mlp_tiles(job, Layout.resolve(job.strategy, world_size(job)))
+    return (f"training.mlp_tiles={tiles}",) if tiles > 1 else ()
 
 
 def _candidates(cfg: Any, key: str) -> tuple[Callable[[int], int], int]:

@@ -27,6 +27,7 @@ from dtlaunch.config.layout import (
     Layout,
     grad_accum_steps,
     head_unit,
+    mlp_tiles,
     pp_microbatches,
     pp_stage_layers,
     shards_with_fsdp,
@@ -48,6 +49,7 @@ from dtlaunch.plan.objective import reference_phases, reference_static_lines, ro
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
 from dtlaunch.plan.ring_terms import backward_exchange_bytes, sequence_tokens
+from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
 
 # Lines that do not exist at the optimizer step (freed after backward).
 _GONE_AT_OPTIMIZER = (
@@ -120,6 +122,7 @@ class StageShape:
     held: float  # micro-batches in flight, in units of the rank's whole layer set
     by_kind: dict  # AC kind -> saved bytes per token of one block
     ft: PeftTerms | None = None  # fine-tuning (peft.method=lora/qlora) terms, dtlaunch.plan.peft
+    mlp_tiles: int = 1  # training.mlp_tiles as resolved (config.layout.mlp_tiles): dtlaunch.plan.tiled_terms
     opt: OptimTerms | None = None  # the optimizer's state, temporaries and gradient dtype (plan.optim_terms)
 
     @property
@@ -284,6 +287,9 @@ def stage_shape(
     ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, autocast, getattr(d, "routed_scale", 1.0))
     if ft and "selective" in by_kind and t.ac_policy == "op":
         by_kind["selective"] += ft.selective
+    tiles = mlp_tiles(cfg, layout)
+    if tiled(act, tiles) and "none" in by_kind:
+        by_kind["none"] -= mlp_saved_bytes(d, e, tp, compiled)  # the tiled MLP saves nothing of its own
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     shape = StageShape(
         cfg=cfg,
@@ -324,6 +330,7 @@ def stage_shape(
         held=in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages),
         by_kind=by_kind,
         ft=ft,
+        mlp_tiles=tiles,
     )
     return dataclasses.replace(shape, opt=optim_terms(shape, fused_optimizer(cfg.hardware)))
 
@@ -489,6 +496,11 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     none_tok = c.act.block_bytes_no_ac(d, e, tp, c.sp, c.autocast, c.compiled)
     recompute = max((none_tok - c.by_kind[k] for k in c.mix if k != "none" and c.mix[k]), default=0.0)
     work = (c.act.backward_working_bytes(d, e, tp) + recompute) * tokens
+    if tiled(c.act, c.mlp_tiles):  # dtlaunch.plan.tiled_terms
+        none_tok -= mlp_saved_bytes(d, e, tp, c.compiled)
+        recompute = max((none_tok - c.by_kind[k] for k in c.mix if k != "none" and c.mix[k]), default=0.0)
+        grads = c.act.backward_working_bytes(d, e, tp) + tile_working_bytes(d, e, tp, c.mlp_tiles)
+        work = (grads + recompute) * tokens + grad_sum_bytes(d, c.grad_bytes, tp, not c.ft)
     if c.ft and c.ft.qlora:
         work += c.ft.dequant  # one NF4 weight dequantised for its matmul
     if c.cp > 1:

@@ -7,11 +7,12 @@ Real CPU tensors when the run is small enough, else fake tensors (shapes and dty
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
-from dtlaunch.models.registry import model_spec
+from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan.stage import plan_stages
 
 # Above this analytic per-rank peak the trace uses fake tensors instead of real CPU ones.
@@ -25,23 +26,77 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
 
     fake=None: real CPU tensors when the analytic peak is under REAL_TENSOR_LIMIT (this emulation
     reproduced real gloo runs' MemTracker peaks to 0.01 %), fake tensors above (fake and real traces
-    of the same run agree within 3 %: tests/unit/test_plan_trace.py)."""
+    of the same run agree within 3 %: tests/unit/test_plan_trace.py). A job that cannot be traced here
+    (`skip_reason`) is a ConfigError naming why."""
     if fake is None:
         fake = traced_with_fake_tensors(cfg, layout)
-    if layout.pp > 1 and (layout.tp > 1 or cfg.strategy.pp_schedule not in TRACEABLE_SCHEDULES):
-        raise ConfigError(
-            f"--trace replays only 1F1B and GPipe pipelines without TP (got strategy.pp_schedule="
-            f"{cfg.strategy.pp_schedule}, strategy.tp={layout.tp}): drop --trace, or check the plan with a real run"
-        )
+    if fake and real_tensors_needed(cfg, layout):
+        fake = False
+    reason = skip_reason(cfg, layout, fake)
+    if reason:
+        raise ConfigError(f"--trace: {reason}")
     from dtlaunch.train.memory_trace import trace_rank
 
     return trace_rank(cfg, layout, rank, steps, fake)
 
 
+def skip_reason(cfg: Any, layout: Layout, fake: bool | None = None) -> str | None:
+    """Why this job's trace cannot run in this process (None when it can): a pipeline schedule the
+    trace does not replay, or real tensors needed (see real_tensors_needed) beyond this machine's
+    free memory. `plan --trace` prints it in one line next to the analytic plan."""
+    if layout.pp > 1 and cfg.strategy.pp_schedule not in TRACEABLE_SCHEDULES:
+        return (
+            f"the trace replays only 1F1B and GPipe pipelines (strategy.pp_schedule={cfg.strategy.pp_schedule}); "
+            "check this plan with a real run"
+        )
+    if fake is None:
+        fake = traced_with_fake_tensors(cfg, layout)
+    why_real = real_tensors_needed(cfg, layout)
+    if not fake or why_real:
+        need = _analytic_bytes(cfg, layout)
+        free = free_host_bytes()
+        if need is not None and need > free:
+            because = f" ({why_real})" if why_real else ""
+            return (
+                f"this job traces on real tensors{because}: {need / 1024**3:.1f} GiB needed, "
+                f"{free / 1024**3:.1f} GiB free on this machine; check this plan with a real run or on a larger host"
+            )
+    return None
+
+
+def real_tensors_needed(cfg: Any, layout: Layout) -> str | None:
+    """Why fake tensors cannot trace this job (None when they can)."""
+    if int(cfg.strategy.zero_stage) <= 1 and layout.dp > 1:
+        return "DDP's reducer allocates its buckets outside the dispatcher"
+    if routed_experts(cfg.model):
+        return "a MoE router's token counts size the expert matmuls, and fake tensors hold no values"
+    return None
+
+
+def free_host_bytes() -> int:
+    """Memory this process can still take: MemAvailable on Linux, free pages elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _analytic_bytes(cfg: Any, layout: Layout) -> float | None:
+    """The traced rank's analytic bytes, device and host (the trace holds both in one memory); None for a
+    model without a closed-form plan."""
+    if not model_spec(cfg.model).analytic:
+        return None
+    return max(s.peak + s.host_peak for s in plan_stages(cfg, layout, all_stages=False))
+
+
 def traced_with_fake_tensors(cfg: Any, layout: Layout) -> bool:
     """Fake tensors when the analytic peak is over REAL_TENSOR_LIMIT. A model without a closed-form plan:
     fake tensors (no storage) where the runtime's path supports them (FSDP); DDP and single-process
-    layouts swap parameters in place when materialising, which fake tensors refuse: real tensors there."""
+    layouts of such a model are traced on real tensors."""
     if not model_spec(cfg.model).analytic:
         return int(cfg.strategy.zero_stage) >= 2 and layout.dp > 1
     return max(s.peak for s in plan_stages(cfg, layout, all_stages=False)) > REAL_TENSOR_LIMIT

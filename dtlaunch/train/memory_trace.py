@@ -45,7 +45,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 from dtlaunch.train.optim import build_optimizer
-from dtlaunch.train.parallel.mesh import build_mesh
+from dtlaunch.train.parallel.mesh import build_mesh, expert_meshes
 from dtlaunch.train.parallel.parallelize import compute_context, parallelize
 from dtlaunch.train.parallel.pipeline import build_stage_modules
 from dtlaunch.train.parallel.pp_stage import set_fsdp_sync
@@ -68,6 +68,7 @@ def trace_rank(cfg: Any, layout: Layout, rank: int, steps: int, fake: bool) -> d
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
     mesh = build_mesh(layout, "cpu")  # outside FakeTensorMode: the mesh holds real rank tensors
+    expert_meshes(mesh, layout.ep)  # so do the expert views of it, built once per mesh and cached
     mode: Any = contextlib.nullcontext()
     if fake:
         mode = FakeTensorMode(allow_non_fake_inputs=True)

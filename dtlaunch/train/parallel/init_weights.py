@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtlaunch.models.lora import is_adapter
+from dtlaunch.models.nf4 import allocate_nf4_metadata, is_nf4
 from dtlaunch.train.parallel.qlora import load_nf4_param
 
 # Prefixes added by wrappers (DDP, activation checkpointing, torch.compile) that the model's own
@@ -72,6 +73,37 @@ def materialize_and_init(
             full = pretrained.read(pname) if from_base else src.init_param(pname, tuple(p.shape), seed)
             p.copy_(full.to(device=device, dtype=p.dtype))
     _init_rope_buffers(model, src, device)
+
+
+def allocate_without_values(model: nn.Module, device: torch.device) -> None:
+    """`to_empty` without initial values (`plan --trace` under fake tensors). FSDP2's sharded (DTensor)
+    parameters go through to_empty, whose hooks FSDP2 needs. Otherwise each parameter and buffer is
+    replaced by an empty one: to_empty swaps tensors in place, and a fake tensor made under the mode
+    (the frozen base in the compute dtype, QLoRA's NF4 weights, to_empty's own results) carries the
+    mode's weak reference, which the swap refuses."""
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        model.to_empty(device=device)
+        _allocate_nf4_metadata(model, device)
+        return
+    made: dict[int, Any] = {}  # tied parameters stay tied
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            setattr(mod, name, made[id(p)])
+        for name, b in list(mod.named_buffers(recurse=False)):
+            mod.register_buffer(
+                name, torch.empty_like(b, device=device), persistent=name not in mod._non_persistent_buffers_set
+            )
+    _allocate_nf4_metadata(model, device)
+
+
+def _allocate_nf4_metadata(model: nn.Module, device: torch.device) -> None:
+    for p in model.parameters():
+        # The DTensor's own local tensor (FSDP2 gathers from it), as load_nf4_param sets it.
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if is_nf4(local):
+            allocate_nf4_metadata(local, device)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[str]]:

@@ -2,7 +2,7 @@
 
 Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
 context parallel (swaps the attention kernel for ring attention) -> expert parallel (routed experts only,
-dtlaunch.train.parallel.expert_parallel) -> activation checkpointing -> activation offload (hooks on the
+dtlaunch.train.parallel.expert_parallel) -> tiled MLP (dtlaunch.train.tiled_mlp) -> activation checkpointing -> activation offload (hooks on the
 checkpointed blocks, dtlaunch.train.offload_activations) -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
@@ -19,16 +19,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, shards_with_fsdp
+from dtlaunch.config.layout import Layout, mlp_tiles, shards_with_fsdp
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
 from dtlaunch.train.parallel.frozen_base import convert_frozen_base, frozen_ends
 from dtlaunch.train.parallel.head_unit import own_head_unit
-from dtlaunch.train.parallel.init_weights import materialize_and_init
+from dtlaunch.train.parallel.init_weights import allocate_without_values, materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
+from dtlaunch.train.tiled_mlp import apply_tiled_mlp
 
 
 def parallelize(
@@ -69,6 +70,7 @@ def parallelize(
         from dtlaunch.train.parallel.expert_parallel import apply_ep
 
         apply_ep(model, experts.ep)
+    apply_tiled_mlp(model, mlp_tiles(cfg, layout))  # inside each block: checkpointing wraps it too
     apply_ac(model, cfg.training)
     if cfg.training.activation_offload:
         from dtlaunch.train.offload_activations import apply_activation_offload
@@ -88,7 +90,7 @@ def parallelize(
     if init:
         materialize_and_init(model, where, int(cfg.training.seed), init_source=model, weights=weights)
     else:
-        model.to_empty(device=where)
+        allocate_without_values(model, where)
     if where != device:
         buffers_to(model, device)
     if data_mesh is not None and zero <= 1 and not frozen:
