@@ -71,71 +71,32 @@ def log_text(run_dir: Path, job_id: str) -> str:
     return "".join((run_dir / f"logs/slurm-{job_id}.{ext}").read_text() for ext in ("out", "err"))
 
 
-def test_evaluation_is_its_own_job_after_training(slurm_cluster, inputs, tmp_path: Path) -> None:
+def test_evaluation_is_its_own_job_and_waits_out_a_requeue(slurm_cluster, inputs, tmp_path: Path) -> None:
+    """The evaluation is its own job (own time limit, one task), started once after training ended, with
+    the scores `dtlaunch eval RUN` gives. The training job is interrupted once on the way, by the time-limit
+    signal: the workers checkpoint, the batch shell requeues its job (exit 75). The job is PENDING again
+    under its id, never finished, so afterok still waits; the evaluation runs once, after the requeued
+    attempt completed, on the final step. (One job carries both claims: each training and evaluation job
+    costs a submission, a training and an lm-eval start.)"""
     overrides, tasks = inputs
     run_dir = tmp_path / "run"
-    train_id, eval_id = submit(slurm_cluster, tmp_path, run_dir, overrides, "cluster.eval_time=00:07:00")
-    # Each job its own limit: training keeps all of cluster.time; one node, one task for the evaluation.
-    assert slurm_cluster.job_field(train_id, "TimeLimit") == "00:10:00"
-    assert slurm_cluster.job_field(eval_id, "TimeLimit") == "00:07:00"
-    assert (
-        slurm_cluster.job_field(eval_id, "NumNodes") in ("1", "1-1")
-        and slurm_cluster.job_field(eval_id, "NumTasks") == "1"
-    )
-    assert slurm_cluster.job_field(eval_id, "Dependency") in (f"afterok:{train_id}(unfulfilled)", "(null)")
-    state = wait_finished(slurm_cluster, train_id, run_dir)
-    assert state == "COMPLETED" and slurm_cluster.job_field(train_id, "ExitCode") == "0:0", job_logs(run_dir)
-    assert wait_finished(slurm_cluster, eval_id, run_dir) == "COMPLETED", job_logs(run_dir)
-    assert slurm_cluster.job_field(eval_id, "ExitCode") == "0:0", job_logs(run_dir)
-    # Never in the training job; once in the evaluation job, after training ended.
-    assert "eval results:" not in log_text(run_dir, train_id) and "eval_job" not in log_text(run_dir, train_id)
-    train_end = slurm_cluster.job_field(train_id, "EndTime")
-    assert slurm_cluster.job_field(eval_id, "StartTime") >= train_end
-    (path,) = (run_dir / "eval").glob("*.json")
-    saved = json.loads(path.read_text())
-    assert saved["step"] == STEPS and saved["request"]["tasks"] == ["tiny_mc"]
-    out = (run_dir / f"logs/slurm-{eval_id}.out").read_text()
-    assert out.count("eval results:") == 1 and str(path) in out, out[-2000:]
-    # `status` follows both jobs.
-    st = dtlaunch(slurm_cluster.env, tmp_path, "status", str(run_dir), "--json")
-    assert st.returncode == 0, st.stderr
-    record = json.loads(st.stdout)
-    assert (record["job_id"], record["state"]) == (train_id, "COMPLETED")
-    assert (record["eval_job"]["job_id"], record["eval_job"]["state"]) == (eval_id, "COMPLETED")
-    human = dtlaunch(slurm_cluster.env, tmp_path, "status", str(run_dir)).stdout
-    assert f"job {train_id}: COMPLETED" in human and f"evaluation job {eval_id}: COMPLETED" in human, human
-    # The scores `dtlaunch eval RUN` gives on the same run, here outside Slurm.
-    local = tmp_path / "local"
-    ref = dtlaunch(
-        slurm_cluster.env,
-        tmp_path,
-        "eval",
-        str(run_dir),
-        "--tasks",
-        "tiny_mc",
-        "--include",
-        str(tasks),
-        "--out",
-        str(local),
-    )
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    (ref_path,) = local.glob("*.json")
-    expected = json.loads(ref_path.read_text())
-    assert expected["step"] == STEPS
-    assert saved["results"]["tiny_mc"]["acc,none"] == expected["results"]["tiny_mc"]["acc,none"]
-    assert 0 < saved["n_samples"]["tiny_mc"]["effective"] == expected["n_samples"]["tiny_mc"]["effective"]
-
-
-def test_requeued_training_keeps_the_evaluation_waiting(slurm_cluster, inputs, tmp_path: Path) -> None:
-    """The time-limit signal: the workers checkpoint, the batch shell requeues its job (exit 75). The job is
-    PENDING again under its id, never finished, so afterok still waits; the evaluation runs once, after
-    the requeued attempt completed, on the final step."""
-    overrides, _ = inputs
-    run_dir = tmp_path / "requeue"
     cluster = slurm_cluster
     train_id, eval_id = submit(
-        cluster, tmp_path, run_dir, overrides, "debug.hold_at_step=2", "debug.fail_rank=1", "cluster.signal_before_s=30"
+        cluster,
+        tmp_path,
+        run_dir,
+        overrides,
+        "cluster.eval_time=00:07:00",
+        "debug.hold_at_step=2",
+        "debug.fail_rank=1",
+        "cluster.signal_before_s=30",
     )
+    # Each job its own limit: training keeps all of cluster.time; one node, one task for the evaluation.
+    assert cluster.job_field(train_id, "TimeLimit") == "00:10:00"
+    assert cluster.job_field(eval_id, "TimeLimit") == "00:07:00"
+    assert cluster.job_field(eval_id, "NumNodes") in ("1", "1-1") and cluster.job_field(eval_id, "NumTasks") == "1"
+    assert cluster.job_field(eval_id, "Dependency") in (f"afterok:{train_id}(unfulfilled)", "(null)")
+
     rank_log = run_dir / "logs" / "rank1.log"
     cluster.wait_for(lambda: rank_log.is_file() and "holding at step 2" in rank_log.read_text(), 180, "rank 1 to hold")
     cluster.run("scancel", "--signal=USR1", "--batch", train_id)
@@ -151,11 +112,40 @@ def test_requeued_training_keeps_the_evaluation_waiting(slurm_cluster, inputs, t
     )
     time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={train_id}", "StartTime=now")
-    assert wait_finished(cluster, train_id, run_dir) == "COMPLETED", job_logs(run_dir)
+
+    state = wait_finished(cluster, train_id, run_dir)
+    assert state == "COMPLETED" and cluster.job_field(train_id, "ExitCode") == "0:0", job_logs(run_dir)
     assert cluster.job_field(train_id, "Restarts") == "1"
     assert wait_finished(cluster, eval_id, run_dir) == "COMPLETED", job_logs(run_dir)
+    assert cluster.job_field(eval_id, "ExitCode") == "0:0", job_logs(run_dir)
+    # Never in the training job; once in the evaluation job, after training ended.
+    assert "eval results:" not in log_text(run_dir, train_id) and "eval_job" not in log_text(run_dir, train_id)
+    train_end = cluster.job_field(train_id, "EndTime")
+    assert cluster.job_field(eval_id, "StartTime") >= train_end
     (path,) = (run_dir / "eval").glob("*.json")
-    assert json.loads(path.read_text())["step"] == STEPS
+    saved = json.loads(path.read_text())
+    assert saved["step"] == STEPS and saved["request"]["tasks"] == ["tiny_mc"]
+    out = (run_dir / f"logs/slurm-{eval_id}.out").read_text()
+    assert out.count("eval results:") == 1 and str(path) in out, out[-2000:]
+    # `status` follows both jobs.
+    st = dtlaunch(cluster.env, tmp_path, "status", str(run_dir), "--json")
+    assert st.returncode == 0, st.stderr
+    record = json.loads(st.stdout)
+    assert (record["job_id"], record["state"]) == (train_id, "COMPLETED")
+    assert (record["eval_job"]["job_id"], record["eval_job"]["state"]) == (eval_id, "COMPLETED")
+    human = dtlaunch(cluster.env, tmp_path, "status", str(run_dir)).stdout
+    assert f"job {train_id}: COMPLETED" in human and f"evaluation job {eval_id}: COMPLETED" in human, human
+    # The scores `dtlaunch eval RUN` gives on the same run, here outside Slurm.
+    local = tmp_path / "local"
+    ref = dtlaunch(
+        cluster.env, tmp_path, "eval", str(run_dir), "--tasks", "tiny_mc", "--include", str(tasks), "--out", str(local)
+    )
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    (ref_path,) = local.glob("*.json")
+    expected = json.loads(ref_path.read_text())
+    assert expected["step"] == STEPS
+    assert saved["results"]["tiny_mc"]["acc,none"] == expected["results"]["tiny_mc"]["acc,none"]
+    assert 0 < saved["n_samples"]["tiny_mc"]["effective"] == expected["n_samples"]["tiny_mc"]["effective"]
 
 
 def test_failed_training_cancels_the_evaluation(slurm_cluster, inputs, tmp_path: Path) -> None:
