@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
@@ -57,7 +57,7 @@ def check_request(
         )
     if req.include and not Path(req.include).expanduser().is_dir():
         raise InputError(f"{include_key} {req.include}: no such directory; give a directory of task YAML files")
-    manager = task_manager(str(Path(req.include).expanduser().resolve()) if req.include else "")
+    manager = task_manager_for(str(Path(req.include).expanduser().resolve()) if req.include else "", req.tasks)
     known = set(manager.all_tasks)
     for name in req.tasks:
         if name not in known:
@@ -69,13 +69,36 @@ def check_request(
     return manager
 
 
+def task_manager_for(include: str, tasks: Sequence[str]) -> Any:
+    """The TaskManager that knows `tasks`: `include`'s YAMLs alone when every task is a plain task there
+    (indexing lm-eval's own ~15k task files costs ~9 s of CPU, the include folder milliseconds), else the
+    whole index (lm-eval's tasks, groups that may name them, and close names for a typo)."""
+    if include:
+        local = task_manager(include, with_defaults=False)
+        if all(_plain_task(local.task_index.get(name)) for name in tasks):
+            return local
+    return task_manager(include, with_defaults=True)
+
+
+def _plain_task(entry: Any) -> bool:
+    """A task defined by one YAML (or a Python class), not a group or tag that may name lm-eval's own tasks.
+    Index entries are objects with a `kind` enum in current lm-eval, dicts with a "type" in older ones."""
+    if entry is None:
+        return False
+    if isinstance(entry, dict):
+        return entry.get("type") in ("task", "python_task")
+    return getattr(getattr(entry, "kind", None), "name", None) in ("TASK", "PY_TASK")
+
+
 @functools.lru_cache(maxsize=4)
-def task_manager(include: str) -> Any:
-    """lm_eval's TaskManager over its own tasks and `include`'s YAMLs: indexing ~15k task files takes
-    seconds, so a process (the launcher checks before training and evaluates after it) builds it once."""
+def task_manager(include: str, with_defaults: bool = True) -> Any:
+    """lm_eval's TaskManager over `include`'s YAMLs, and lm-eval's own tasks `with_defaults`: a process (the
+    launcher checks before training and evaluates after it) builds each once."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 
+    if not with_defaults:
+        return TaskManager(include_path=include, include_defaults=False)
     return TaskManager(include_path=include or None)
 
 
