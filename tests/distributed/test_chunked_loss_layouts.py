@@ -18,6 +18,10 @@ from forked_training import run_forked, train
 pytestmark = pytest.mark.slow
 
 TOL = 1e-5
+# peft.alpha=256 scales the adapters' gradients 32-fold: against one process, the 2-rank reduction's fp32
+# rounding reaches 1.2e-5 of the grad norm at step 4 (same numbers on main d04c4ab with this machine's
+# current wheels). The losses and the same-layout comparison below keep TOL.
+GRAD_NORM_TOL = {"lora_zero2": 2e-5, "lora_zero3": 2e-5}
 STEPS = 4
 COMMON = ["training.seq_len=32", "optim.warmup_steps=2", "optim.lr=1e-2", "training.grad_clip=0.5"]
 CHUNKED, FULL = "training.loss_chunks=8", "training.loss_chunks=1"
@@ -101,8 +105,9 @@ def test_chunked_loss_matches_full_loss_on_one_process(name: str, launched, refe
     got, want = launched[name], launched[ref] if ref in FORKED_REFERENCES else references[ref]
     assert want["loss"][-1] < want["loss"][0] - 0.1, want  # the updates really move the loss
     for key in ("loss", "grad_norm"):
+        tol = GRAD_NORM_TOL.get(name, TOL) if key == "grad_norm" else TOL
         diff = max(abs(a - b) / abs(b) for a, b in zip(got[key], want[key], strict=True))
-        assert diff <= TOL, f"{key}: max relative diff {diff:.3g} > {TOL}: {got[key]} vs {want[key]}"
+        assert diff <= tol, f"{key}: max relative diff {diff:.3g} > {tol}: {got[key]} vs {want[key]}"
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3", "lora_zero2", "lora_zero3"])

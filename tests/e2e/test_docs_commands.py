@@ -97,6 +97,9 @@ def why_not_here(cmd: DocCommand, cwd: Path) -> str | None:
         return "names the command (no arguments)"
     if argv[0] == "--install-completion":
         return "changes the user's shell start-up files"
+    if argv[0] == "--show-completion":
+        # The script is for the shell it detects among its parent processes: under `make`'s /bin/sh it has none.
+        return "prints the completion script of the user's own shell"
     if argv[0] == "download":
         return "downloads from the Hugging Face Hub"
     if argv[0] == "eval" and "--include" not in argv:

@@ -18,9 +18,11 @@ RECIPES = sorted(p.stem for p in (Path(dtlaunch.__file__).parent.parent / "recip
 def _shrunk(name: str, full) -> list[str]:
     t = full.cfg.training
     layers = min(int(full.cfg.model.n_layers), 2 * full.layout.pp)
-    return [f"recipe={name}", f"model.n_layers={layers}", f"training.seq_len={min(int(t.seq_len), 512)}"] + (
-        ["training.compile=false"] if t.compile else []
-    )
+    seq = min(int(t.seq_len), 512)
+    extra = ["training.compile=false"] if t.compile else []
+    if str(full.cfg.objective.name) == "grpo":  # the completion must leave room for a prompt in the shorter rows
+        extra.append(f"objective.max_completion_length={min(int(full.cfg.objective.max_completion_length), seq // 2)}")
+    return [f"recipe={name}", f"model.n_layers={layers}", f"training.seq_len={seq}", *extra]
 
 
 @pytest.mark.slow
