@@ -125,6 +125,12 @@ def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, 
     return loss_chunks == 1 or tp == 1
 
 
+def rows_per_sample(cfg: Any) -> int:
+    """2 for preference pairs (a chosen and a rejected row per sample), else 1 (a GRPO sample is one
+    completion): the planner's tokens, the runtime's throughput and the MLP's tiles all count rows."""
+    return 1 if str(cfg.objective.name) in ("sft", "grpo") else 2
+
+
 # training.mlp_tiles=0: tiles of at most this many tokens (a micro-batch's rows x its local sequence).
 MLP_TILE_TOKENS = 8192
 
@@ -138,7 +144,7 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
         return n
     if layout.tp > 1 and cfg.strategy.sequence_parallel:
         return 1
-    rows = int(cfg.training.micro_batch) * (2 if str(cfg.objective.name) in ("dpo", "orpo", "simpo") else 1)
+    rows = int(cfg.training.micro_batch) * rows_per_sample(cfg)
     seq = int(cfg.training.seq_len) // layout.cp
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
 

@@ -33,12 +33,6 @@ PHASE_PRECOMPUTE = "reference pass (before training)"
 _HELD_BEFORE_TRAINING = ("parameters", "adapter parameters", "NF4 base weights", "buffers")
 
 
-def rows_per_sample(cfg: Any) -> int:
-    """2 for preference pairs (a chosen and a rejected row per sample), else 1 (a GRPO sample is one
-    completion)."""
-    return 1 if str(cfg.objective.name) in ("sft", "grpo") else 2
-
-
 def reference_kind(cfg: Any) -> str:
     """none | adapters_off | copy; precomputed references report how the pass computes them. objective=grpo
     holds one only for its KL term (objective.beta > 0): its reference forward runs in the rollout."""

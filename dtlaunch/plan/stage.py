@@ -30,6 +30,7 @@ from dtlaunch.config.layout import (
     mlp_tiles,
     pp_microbatches,
     pp_stage_layers,
+    rows_per_sample,
     shards_with_fsdp,
 )
 from dtlaunch.models.dtypes import DTYPE_BYTES
@@ -45,7 +46,7 @@ from dtlaunch.plan.loss_terms import (
     loss_chunks,
     regathered_root,
 )
-from dtlaunch.plan.objective import reference_phases, reference_static_lines, rows_per_sample
+from dtlaunch.plan.objective import reference_phases, reference_static_lines
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
 from dtlaunch.plan.ring_terms import backward_exchange_bytes, sequence_tokens

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dtlaunch.config.layout import rows_per_sample
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.phases import phase, rank_log
@@ -140,9 +141,7 @@ class Trainer:
         if self.pace is not None and env.rank == 0:
             self.totals.stragglers = StragglerWatch(env.world, float(t.straggler_threshold))
         self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s), pace=self.pace)
-        # A preference sample is a pair: two rows (a GRPO sample is one completion).
-        rows = 2 if rt.objective is not None and self.rollout is None else 1
-        self.tokens_per_step = rows * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
+        self.tokens_per_step = rows_per_sample(cfg) * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
         self.step_fn = self.faults.wrap(self.step_fn)
