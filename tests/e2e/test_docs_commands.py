@@ -12,9 +12,7 @@ the count. Markers and extraction: tests/e2e/docs_commands.py.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import re
@@ -26,6 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_in_process import run_cli  # noqa: E402
 from docs_commands import DocCommand, all_commands  # noqa: E402
 
 COMMANDS = all_commands()
@@ -148,24 +147,7 @@ def argv_to_run(cmd: DocCommand) -> list[str]:
 
 
 def run_in_process(argv: list[str], cwd: Path, python_path: str = "") -> tuple[int, str]:
-    from dtlaunch.cli import run
-
-    out = io.StringIO()
-    old_argv, old_cwd, old_path = sys.argv, os.getcwd(), list(sys.path)
-    sys.argv = ["dtlaunch", *argv]
-    sys.path[:0] = [str(cwd / p) for p in python_path.split(":") if p]
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
-            try:
-                run()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
-        os.chdir(old_cwd)
-    return code, out.getvalue()
+    return run_cli(argv, cwd, [str(cwd / p) for p in python_path.split(":") if p], stdout=True)
 
 
 @pytest.fixture(scope="session")

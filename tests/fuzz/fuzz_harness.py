@@ -14,17 +14,15 @@ reports them all), DTLAUNCH_FUZZ_REPORT=FILE appends one JSON line per kind: cas
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from cli_in_process import run_cli
 from hypothesis import HealthCheck, Phase, settings
 
 MARKER = "PWNED"
@@ -86,25 +84,6 @@ def fuzz_settings(ci_examples: int, night_examples: int) -> settings:
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-
-
-def run_cli(argv: list[str]) -> tuple[int, str]:
-    """`dtlaunch ARGV` through cli.run (the console script's function), stdout dropped, stderr kept."""
-    from dtlaunch.cli import run
-
-    err = io.StringIO()
-    old = sys.argv
-    sys.argv = ["dtlaunch", *argv]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                run()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = old
-    return code, err.getvalue()
 
 
 def tree(root: Path) -> dict[str, str]:

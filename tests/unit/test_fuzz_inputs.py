@@ -14,13 +14,11 @@ import json
 import os
 import random
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from dtlaunch.cli import run
+from cli_in_process import run_cli
 
 SEED = 16
 MARKER = "PWNED"
@@ -349,20 +347,7 @@ def _inside(path: str, allowed: list[Path]) -> bool:
     return any(path == str(a) or path.startswith(str(a) + os.sep) for a in allowed)
 
 
-def _run(argv: list[str]) -> tuple[int, str]:
-    err = io.StringIO()
-    old = sys.argv
-    sys.argv = ["dtlaunch", *argv]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                run()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = old
-    return code, err.getvalue()
+_run = run_cli
 
 
 @pytest.fixture(scope="module")
