@@ -27,27 +27,27 @@ PHASE_OLD_POLICY = "old-policy forward"
 
 def generation_rows(c: Any) -> int:
     """The completions this rank generates at once: its share of the global batch."""
-    return int(c.accum) * int(c.t.micro_batch)
+    return int(c.accum_steps) * int(c.training.micro_batch)
 
 
 def kv_cache_bytes(c: Any) -> float:
-    return c.layers * 2 * (c.d.k / c.tp) * generation_rows(c) * int(c.t.seq_len) * c.e
+    return c.layers * 2 * (c.block_dims.k / c.tp) * generation_rows(c) * int(c.training.seq_len) * c.compute_bytes
 
 
 def decode_bytes(c: Any) -> float:
     """The larger of the prefill's block working set and its logits with one decode step's sampling buffers."""
-    rows, d = generation_rows(c), c.d
-    prompt = int(c.t.seq_len) - int(c.cfg.objective.max_completion_length)
-    block = rows * prompt * (d.qw + 2 * d.k + d.h + 3 * d.f) * c.e / c.tp
-    logits = rows * prompt * (d.vocab / c.tp) * c.e + 4 * rows * d.vocab * 4 if c.last else 0.0
+    rows, d = generation_rows(c), c.block_dims
+    prompt = int(c.training.seq_len) - int(c.cfg.objective.max_completion_length)
+    block = rows * prompt * (d.qw + 2 * d.k + d.h + 3 * d.f) * c.compute_bytes / c.tp
+    logits = rows * prompt * (d.vocab / c.tp) * c.compute_bytes + 4 * rows * d.vocab * 4 if c.last_stage else 0.0
     return max(block, logits)
 
 
 def gathered_bytes(c: Any) -> float:
     if not c.fsdp:
         return 0.0
-    root = c.e * c.root if c.zero == 3 else 0.0
-    return c.e * c.blk_gather + root
+    root = c.compute_bytes * c.root_params if c.zero_stage == 3 else 0.0
+    return c.compute_bytes * c.gathered_block_params + root
 
 
 def generation_phases(c: Any, static: dict[str, float]) -> dict[str, float]:

@@ -30,39 +30,39 @@ from dtlaunch.config.layout import loss_chunks as config_loss_chunks
 
 def loss_chunks(c: Any) -> int:
     """Token chunks of this stage's loss (1 where the stage has no head)."""
-    return config_loss_chunks(c.cfg) if c.last else 1
+    return config_loss_chunks(c.cfg) if c.last_stage else 1
 
 
 def logits_saved_per_token(c: Any) -> float:
     """Bytes per token the loss keeps from forward to backward (beyond the final norm's)."""
-    if not c.last:
+    if not c.last_stage:
         return 0.0
     if loss_chunks(c) == 1:
-        return c.act.logits_forward_bytes(c.d, c.e, c.tp)
+        return c.activation_model.logits_forward_bytes(c.block_dims, c.compute_bytes, c.tp)
     # The gathered (full-sequence) hidden states of sequence parallel, saved by the chunks' matmuls.
-    return c.e * c.d.h if c.sp else 0.0
+    return c.compute_bytes * c.block_dims.h if c.sequence_parallel else 0.0
 
 
 def held_logits(c: Any) -> float:
     """The logits the micro-step keeps referenced until backward returns (a full pass only)."""
-    if not c.last or loss_chunks(c) > 1:
+    if not c.last_stage or loss_chunks(c) > 1:
         return 0.0
-    return c.e * c.d.vocab / c.tp * c.tokens
+    return c.compute_bytes * c.block_dims.vocab / c.tp * c.tokens
 
 
 def loss_backward_bytes(c: Any) -> float:
     """What the loss's backward adds on top of what forward kept, at its largest moment."""
-    if not c.last:
+    if not c.last_stage:
         return 0.0
     n = loss_chunks(c)
     if n == 1:
-        return c.act.logits_backward_bytes(c.d, c.e, c.tp) * c.tokens
-    e, v = c.e, c.d.vocab / c.tp
+        return c.activation_model.logits_backward_bytes(c.block_dims, c.compute_bytes, c.tp) * c.tokens
+    e, v = c.compute_bytes, c.block_dims.vocab / c.tp
     chunk_tokens = math.ceil(c.tokens / n)
-    head = c.d.h * v
+    head = c.block_dims.h * v
     if fused(c):
         return _fused_moment(c, chunk_tokens, head)
-    grad = 0.0 if c.ft is not None else (e if c.fsdp else 4) * head  # one head-sized weight gradient
+    grad = 0.0 if c.peft is not None else (e if c.fsdp else 4) * head  # one head-sized weight gradient
     # At a chunk's log_softmax backward: its fp32 output and the two fp32 gradients, next to the head's
     # gradient summed over the earlier chunks; then autograd adds the chunk's new weight gradient to
     # that sum out of place: sum, contribution and new sum (measured with StorageCounter on CPU).
@@ -72,7 +72,7 @@ def loss_backward_bytes(c: Any) -> float:
     moment = max(at_softmax + grad, 3 * grad)
     if c.fsdp and c.head_unit:
         moment += e * head  # the head's own unit, gathered by the loss (ZeRO-2 and ZeRO-3)
-    elif c.fsdp and c.zero == 3 and c.first:
+    elif c.fsdp and c.zero_stage == 3 and c.first_stage:
         moment += e * head  # the root unit gathered again for the loss brings the embedding back too
     if c.autocast:
         moment += e * head  # the chunk's cast of the head's weight, saved by its matmul
@@ -93,11 +93,11 @@ def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
     autocast, the head's weight cast to it; or, at backward, that gradient cast to the fp32 parameter's.
     The hidden states' gradient (held from forward to backward) takes the place of the final norm's output,
     which nothing saves now. Measured with StorageCounter on CPU (tests/unit/test_chunked_loss.py)."""
-    e = c.e
-    trained = c.ft is None
+    e = c.compute_bytes
+    trained = c.peft is None
     grad = (e if (c.fsdp or c.autocast) else 4) * head if trained else 0.0
     cast = e * head if c.autocast and trained else 0.0
-    at_chunk = (4 + (e if e != 4 else 0)) * c.d.vocab * chunk_tokens
+    at_chunk = (4 + (e if e != 4 else 0)) * c.block_dims.vocab * chunk_tokens
     moment = max(at_chunk + grad + cast, grad + (4 * head if cast else 0.0))
     if c.fsdp and c.head_unit:
         # The head's own unit (frozen, or trained: dtlaunch.train.parallel.head_unit), gathered for the loss
@@ -105,7 +105,7 @@ def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
         # until the next unit's copy-out (the first in backward), so the gathered weight is there twice
         # (measured, LoRA ZeRO-3 and full fine-tuning ZeRO-2 / ZeRO-3 on real gloo runs).
         moment += 2 * e * head
-    elif c.fsdp and c.zero == 3 and c.first and trained:
+    elif c.fsdp and c.zero_stage == 3 and c.first_stage and trained:
         # The root unit gathered again for the loss brings the embedding back too (a frozen embedding is a
         # unit of its own: measured, LoRA ZeRO-3 on real gloo runs, nothing comes back).
         moment += e * head
@@ -117,8 +117,8 @@ def regathered_root(c: Any) -> float:
     through the blocks' backward until the root's post-backward. Traced (planner7m, 8 ranks): FSDP(4) x
     TP(2) with full AC was 5 % under without it; plain ZeRO-3 (bf16) is within 3.5 % without it and 6 %
     over with it, as for the full loss, whose re-gathered embedding does not add either (static_lines)."""
-    if loss_chunks(c) == 1 or not (c.fsdp and c.zero == 3 and c.first and c.tp > 1) or c.head_unit:
+    if loss_chunks(c) == 1 or not (c.fsdp and c.zero_stage == 3 and c.first_stage and c.tp > 1) or c.head_unit:
         return 0.0  # (a head's own unit is gathered for the loss alone, the root is not)
-    if c.ft and c.kept == 0:
+    if c.peft and c.blocks_without_ac == 0:
         return 0.0  # the fine-tuning term already holds the gathered embedding (dtlaunch.plan.stage)
-    return c.e * c.v_h
+    return c.compute_bytes * c.vocab_params

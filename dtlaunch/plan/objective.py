@@ -50,10 +50,12 @@ def precomputed(cfg: Any) -> bool:
 
 def copy_bytes(c: Any) -> float:
     """The frozen reference copy on this rank: linears in the compute dtype, embedding and norms fp32."""
-    head = c.v_h if c.last and not c.tied_head else 0
-    linears = c.layers * (c.blk - c.norm_gains) + head
-    fp32 = (c.v_h if c.first else 0) + c.layers * c.norm_gains + (c.m.dim if c.last else 0)
-    return (c.e * linears + 4 * fp32) / (c.shard if c.fsdp else 1)
+    head = c.vocab_params if c.last_stage and not c.tied_head else 0
+    linears = c.layers * (c.block_params - c.block_norm_params) + head
+    fp32 = (
+        (c.vocab_params if c.first_stage else 0) + c.layers * c.block_norm_params + (c.model.dim if c.last_stage else 0)
+    )
+    return (c.compute_bytes * linears + 4 * fp32) / (c.shard_ranks if c.fsdp else 1)
 
 
 def reference_static_lines(c: Any) -> dict[str, float]:
@@ -70,9 +72,9 @@ def reference_layer_bytes(c: Any) -> float:
     layer's own working set (SwiGLU's or the experts' intermediates, its gathered block) is not counted."""
     if not c.layers:
         return 0.0
-    layer = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.e)
+    layer = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.compute_bytes)
     if c.cp > 1:
-        layer += forward_exchange_bytes(c.d, c.e, c.tp, sequence_tokens(c))
+        layer += forward_exchange_bytes(c.block_dims, c.compute_bytes, c.tp, sequence_tokens(c))
     return layer
 
 
@@ -82,12 +84,12 @@ def reference_head_bytes(c: Any) -> float:
     fp32 output; chunked, the same for one chunk of the tokens, the per-token values, the head gathered as
     a unit of its own under FSDP (an untied head without TP) and, under sequence parallel, the hidden
     states gathered once."""
-    per_token = (c.e + (4 if c.e != 4 else 0) + 4) * c.d.vocab / c.tp
+    per_token = (c.compute_bytes + (4 if c.compute_bytes != 4 else 0) + 4) * c.block_dims.vocab / c.tp
     n = loss_chunks(c)
     if n == 1:
         return per_token * c.tokens
-    gathered = c.e * c.v_h if _head_unit(c) else 0.0
-    sp_hidden = c.e * c.d.h * c.tokens if c.sp else 0.0
+    gathered = c.compute_bytes * c.vocab_params if _head_unit(c) else 0.0
+    sp_hidden = c.compute_bytes * c.block_dims.h * c.tokens if c.sequence_parallel else 0.0
     return per_token * math.ceil(c.tokens / n) + 4 * c.tokens + gathered + sp_hidden
 
 
@@ -109,16 +111,18 @@ def reference_forward_bytes(c: Any) -> float:
     the all-to-all buffers add 4.8 MiB to the MoE layer's moment (planner_moe, EP(2) against none; planned
     4.1 MiB) and the K/V gather 3.3 MiB to attention's (planner7m, CP(2); planned 2.0 MiB)."""
     layer = reference_layer_bytes(c)
-    if not c.last:
-        transit = 2 * _hidden_bytes(c) * c.m.dim * c.tokens / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
+    if not c.last_stage:
+        transit = (
+            2 * _hidden_bytes(c) * c.model.dim * c.tokens / (c.tp if c.sequence_parallel else 1) if c.pp > 1 else 0.0
+        )
         return transit + layer
-    root = c.e * c.root if c.fsdp and c.zero == 3 and not _head_unit(c) else 0.0
+    root = c.compute_bytes * c.root_params if c.fsdp and c.zero_stage == 3 and not _head_unit(c) else 0.0
     return max(reference_head_bytes(c), layer) + root
 
 
 def _hidden_bytes(c: Any) -> int:
     """Bytes per element of the hidden states between stages: fp32 under autocast, else the compute dtype."""
-    return 4 if c.autocast else c.e
+    return 4 if c.autocast else c.compute_bytes
 
 
 def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:

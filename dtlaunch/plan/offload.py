@@ -31,7 +31,7 @@ CPU_ADAM_PARAMS_PER_S = 2e9
 
 
 def activation_offload(c: Any) -> bool:
-    return bool(c.t.activation_offload)
+    return bool(c.training.activation_offload)
 
 
 def cpu_offload(c: Any) -> bool:
@@ -41,18 +41,22 @@ def cpu_offload(c: Any) -> bool:
 def moved_block_per_token(c: Any, kind: str) -> float:
     """Saved bytes per token of one block of a checkpointing kind that the offload hooks move."""
     if kind == "none":
-        return c.by_kind["none"]
+        return c.block_saved_per_token["none"]
     # A checkpointed block: only its input goes through the hooks (the full-AC set is the input).
-    return c.act.block_bytes(c.d, c.e, "full", c.tp, c.sp, c.autocast, c.compiled)
+    return c.activation_model.block_bytes(
+        c.block_dims, c.compute_bytes, "full", c.tp, c.sequence_parallel, c.autocast, c.compiled
+    )
 
 
 def moved_per_token(c: Any) -> float:
     """Saved bytes per token of the stage's blocks that move to the host (every kind of its AC mix)."""
     if not activation_offload(c):
         return 0.0
-    moved = sum(n * moved_block_per_token(c, k) for k, n in c.mix.items())
-    if c.ft:
-        moved += c.kept * c.ft.act_block + (c.ft.act_first if c.first and c.kept else 0.0)
+    moved = sum(n * moved_block_per_token(c, k) for k, n in c.ac_mix.items())
+    if c.peft:
+        moved += c.blocks_without_ac * c.peft.act_block + (
+            c.peft.act_first if c.first_stage and c.blocks_without_ac else 0.0
+        )
     return moved
 
 
@@ -62,16 +66,16 @@ def _reloaded_per_token(c: Any, kind: str) -> float:
     holds about the MLP's F-wide tensors (w1 and w3 outputs, SiLU output) and the MLP input at once, not
     its whole set (measured: 2-process CPU runs, bench/offload_accuracy.py). A checkpointed block: its input."""
     whole = moved_block_per_token(c, kind)
-    return min(whole, c.e * (3 * c.d.f / c.tp + c.d.h)) if kind == "none" else whole
+    return min(whole, c.compute_bytes * (3 * c.block_dims.f / c.tp + c.block_dims.h)) if kind == "none" else whole
 
 
 def reloaded_block(c: Any) -> float:
     """Bytes of the moved activations back on the device while backward runs through a block."""
     if not activation_offload(c) or not c.layers:
         return 0.0
-    per_tok = max(_reloaded_per_token(c, k) for k, n in c.mix.items() if n)
-    if c.ft and c.kept:
-        per_tok += c.ft.act_block + c.ft.adapter_act
+    per_tok = max(_reloaded_per_token(c, k) for k, n in c.ac_mix.items() if n)
+    if c.peft and c.blocks_without_ac:
+        per_tok += c.peft.act_block + c.peft.adapter_act
     return per_tok * c.tokens
 
 
@@ -80,11 +84,21 @@ def moved_activation_lines(c: Any) -> dict[str, float]:
     LoRA's; autocast's weight copies stay (its cast cache holds them through forward)."""
     if not activation_offload(c):
         return {}
-    rope = c.act.rope_cast_bytes(c.d, c.e, int(c.t.seq_len) // c.cp) * c.kept if c.autocast and not c.compiled else 0.0
-    moved = {"activations": (moved_per_token(c) * c.tokens + rope * (c.t.micro_batch // c.n_mb) / c.t.micro_batch)}
-    moved["activations"] *= c.held
-    if c.ft:
-        moved["LoRA activations"] = c.kept * c.ft.adapter_act * c.tokens * c.held
+    rope = (
+        c.activation_model.rope_cast_bytes(c.block_dims, c.compute_bytes, int(c.training.seq_len) // c.cp)
+        * c.blocks_without_ac
+        if c.autocast and not c.compiled
+        else 0.0
+    )
+    moved = {
+        "activations": (
+            moved_per_token(c) * c.tokens
+            + rope * (c.training.micro_batch // c.pp_microbatches) / c.training.micro_batch
+        )
+    }
+    moved["activations"] *= c.microbatches_in_flight
+    if c.peft:
+        moved["LoRA activations"] = c.blocks_without_ac * c.peft.adapter_act * c.tokens * c.microbatches_in_flight
     return moved
 
 
@@ -128,9 +142,9 @@ def staging_bytes(c: Any) -> float:
     path): the largest parameter of a block is what exists at once."""
     if not cpu_offload(c):
         return 0.0
-    if c.shard == 1:
+    if c.shard_ranks == 1:
         return 4 * _largest_block_param(c)
-    return 4 * c.blk_gather / c.shard
+    return 4 * c.gathered_block_params / c.shard_ranks
 
 
 def _largest_block_param(c: Any) -> float:
@@ -138,10 +152,10 @@ def _largest_block_param(c: Any) -> float:
     family does not list them)."""
     from dtlaunch.models.registry import model_spec
 
-    linears = model_spec(c.m).block_linears
+    linears = model_spec(c.model).block_linears
     if linears is None:
-        return float(c.blk_gather)
-    return float(max(out_f * in_f for out_f, in_f, _ in linears(c.m).values()))
+        return float(c.gathered_block_params)
+    return float(max(out_f * in_f for out_f, in_f, _ in linears(c.model).values()))
 
 
 def ranks_per_node(cfg: Any, world: int) -> int:

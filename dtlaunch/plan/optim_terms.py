@@ -58,13 +58,13 @@ def trained_tensors(c: Any) -> tuple[list[int], list[int]] | None:
     counts every element as quantised)."""
     from dtlaunch.models.registry import model_spec
 
-    spec = model_spec(c.m)
+    spec = model_spec(c.model)
     if spec.block_linears is None:
         return None
-    linears = dict(spec.block_linears(c.m))
-    shards = c.shard if c.fsdp else 1
+    linears = dict(spec.block_linears(c.model))
+    shards = c.shard_ranks if c.fsdp else 1
     out: list[int] = []
-    if c.ft:
+    if c.peft:
         rank = int(c.cfg.peft.rank)
         from dtlaunch.plan.peft import adapted
 
@@ -72,19 +72,19 @@ def trained_tensors(c: Any) -> tuple[list[int], list[int]] | None:
             o, i, _ = linears[name]
             out += [local_numel(rank, i, shards), local_numel(o, rank, shards)]
         return out, []
-    h = int(c.m.dim)
+    h = int(c.model.dim)
     per_block = [local_numel(o, i, shards) for o, i, _ in linears.values()]
-    norms, rest = divmod(c.norm_gains, h)
+    norms, rest = divmod(c.block_norm_params, h)
     per_block += [local_numel(1, h, shards)] * norms + ([rest] if rest else [])
-    other = c.blk - sum(o * i for o, i, _ in linears.values()) - c.norm_gains
+    other = c.block_params - sum(o * i for o, i, _ in linears.values()) - c.block_norm_params
     if other > 0:
         per_block.append(-(-other // shards))
     out = []
-    if c.first:
-        out.append(local_numel(int(c.m.vocab_size), h, shards))
-    if c.last:
+    if c.first_stage:
+        out.append(local_numel(int(c.model.vocab_size), h, shards))
+    if c.last_stage:
         if not c.tied_head:
-            out.append(local_numel(int(c.m.vocab_size), h, shards))
+            out.append(local_numel(int(c.model.vocab_size), h, shards))
         out.append(local_numel(1, h, shards))
     return per_block, out
 
@@ -93,17 +93,17 @@ def optim_terms(c: Any, fused: bool) -> OptimTerms:
     """The optimizer terms of a stage `c` (dtlaunch.plan.stage.StageShape); `fused`: GPU kernels."""
     o = c.cfg.optim
     name = str(o.name)
-    bf16 = str(o.state_dtype) == "bf16" and c.ft is not None
+    bf16 = str(o.state_dtype) == "bf16" and c.peft is not None
     elem = 2 if bf16 else 4
-    shards = c.shard if c.fsdp or c.zero == 1 else 1
+    shards = c.shard_ranks if c.fsdp or c.zero_stage == 1 else 1
     shapes = trained_tensors(c)
     tensors = shapes[0] * c.layers + shapes[1] if shapes else None
-    biggest_block = max(shapes[0], default=0) if shapes else c.trained / max(1, c.layers) / shards
+    biggest_block = max(shapes[0], default=0) if shapes else c.trained_params / max(1, c.layers) / shards
     if name in LOWBIT:
         if tensors is None:
             block, code, table = LOWBIT[name]
-            state = 2 * (code + 4 / block) * c.trained / shards
-            largest = c.trained / max(1, c.layers) / shards
+            state = 2 * (code + 4 / block) * c.trained_params / shards
+            largest = c.trained_params / max(1, c.layers) / shards
         else:
             state = sum(2 * moment_bytes(name, n) for n in tensors)
             largest = max(tensors, default=0)
@@ -111,9 +111,9 @@ def optim_terms(c: Any, fused: bool) -> OptimTerms:
         temp = per_elem * largest  # one tensor at a time, after backward or inside it
         temp_block = per_elem * biggest_block
     else:
-        state = 2 * elem * c.trained / shards
-        largest = max(tensors, default=0) if tensors else c.trained / max(1, c.layers) / shards
-        whole = 0.0 if fused else elem * c.trained / shards
+        state = 2 * elem * c.trained_params / shards
+        largest = max(tensors, default=0) if tensors else c.trained_params / max(1, c.layers) / shards
+        whole = 0.0 if fused else elem * c.trained_params / shards
         temp = (0.0 if fused else elem * largest) if o.in_backward else whole
         temp_block = 0.0 if fused else elem * biggest_block
     return OptimTerms(

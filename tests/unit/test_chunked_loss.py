@@ -113,8 +113,8 @@ def test_planner_chunk_term_matches_the_measured_peak(tokens: int) -> None:
         base = counter.live
         chunked_cross_entropy(hidden, weight, targets, 8).backward()
     c = SimpleNamespace(
-        last=True, first=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, e=4, tp=1, pp=1, sp=False,
-        d=SimpleNamespace(h=h, vocab=v), fsdp=False, zero=0, autocast=False, ft=None,
+        last_stage=True, first_stage=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, compute_bytes=4, tp=1, pp=1, sequence_parallel=False,
+        block_dims=SimpleNamespace(h=h, vocab=v), fsdp=False, zero_stage=0, autocast=False, peft=None,
     )  # fmt: skip
     # The hidden states' gradient, made in forward: in a model it takes the place of the final norm's
     # output (which the loss no longer saves); here the hidden states are an input, counted in `base`.
@@ -180,8 +180,8 @@ def test_fused_bf16_matches_autograd_and_its_plan() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0)
     assert max(_rel(a.float(), b.float()) for a, b in zip(got_g, want_g, strict=True)) <= 1e-2
     c = SimpleNamespace(
-        last=True, first=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, e=2, tp=1, pp=1, sp=False,
-        d=SimpleNamespace(h=h, vocab=v), fsdp=True, zero=2, autocast=False, ft=None, head_unit=False,
+        last_stage=True, first_stage=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, compute_bytes=2, tp=1, pp=1, sequence_parallel=False,
+        block_dims=SimpleNamespace(h=h, vocab=v), fsdp=True, zero_stage=2, autocast=False, peft=None, head_unit=False,
     )  # fmt: skip
     planned = loss_backward_bytes(c) + 2 * tokens * h  # + the hidden states' gradient (see above)
     measured = counter.peak - base

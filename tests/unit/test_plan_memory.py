@@ -52,7 +52,7 @@ def test_logits_buffers_only_on_last_stage_and_sized_by_vocab():
 
 
 def test_1f1b_first_stage_holds_most_microbatches_gpipe_all():
-    from dtlaunch.plan.stage import in_flight
+    from dtlaunch.plan.shape import in_flight
 
     assert [in_flight("1f1b", 4, i, 8) for i in range(4)] == [4, 3, 2, 1]
     assert [in_flight("gpipe", 4, i, 8) for i in range(4)] == [8, 8, 8, 8]

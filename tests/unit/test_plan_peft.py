@@ -106,10 +106,10 @@ def test_frozen_head_is_a_unit_of_its_own_under_the_chunked_loss(zero: str) -> N
     assert chunked.frozen_head_unit and full.frozen_head_unit
     assert static_lines(chunked)["unsharded parameters"] == static_lines(full)["unsharded parameters"]
     # One chunk's fp32 logits (and, in bf16, the matmul's output or the gradient's cast) of the fused loss.
-    e = chunked.e
-    at_chunk = (4 + (e if e != 4 else 0)) * chunked.d.vocab * -(-chunked.tokens // 8)
+    e = chunked.compute_bytes
+    at_chunk = (4 + (e if e != 4 else 0)) * chunked.block_dims.vocab * -(-chunked.tokens // 8)
     assert (
-        loss_backward_bytes(chunked) == at_chunk + 2 * e * chunked.v_h
+        loss_backward_bytes(chunked) == at_chunk + 2 * e * chunked.vocab_params
     )  # the gathered head, and its all-gather output
 
 
