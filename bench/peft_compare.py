@@ -39,6 +39,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import markdown_table
+from dtlaunch.plan.lines import Line
 
 GIB = 2**30
 SOURCE = "pytorch/torchtune README, Llama 3.1 fine-tuning memory and speed table"
@@ -104,7 +105,7 @@ ROWS = (
     Row("recipe llama3_8b_lora_dpo", ("recipe=llama3_8b_lora_dpo",), recipe="llama3_8b_lora_dpo"),
 )
 # Plan lines shown per row: what the fine-tuning terms and the main differences from torchtune cost.
-SHOWN = ("parameters", "NF4 base weights", "optimizer state", "activations", "loss/backward buffers")
+SHOWN = (Line.PARAMETERS, Line.NF4_BASE_WEIGHTS, Line.OPTIMIZER_STATE, Line.ACTIVATIONS, Line.LOSS_BACKWARD_BUFFERS)
 
 
 def plan_row(row: Row) -> dict:

@@ -1,12 +1,23 @@
-"""The backward phase of one stage's plan: the largest of its moments.
+"""The backward phase of one stage's plan: the largest of its moments, in bytes on the stage's most
+loaded rank, given what forward left (the static and forward lines of dtlaunch.plan.stage).
 
-PLACEHOLDER
+The moments, each a function below:
+  the loss's backward (last stage): everything forward kept, plus the loss's own gradients
+    (dtlaunch.plan.loss_terms);
+  inside the first block's backward (most activations still held): the block's working set (its
+    recompute, activation gradients, unsharded parameters and gradients), `_at_first_block`;
+  inside the last block's backward (most gradients produced): `_at_last_block`;
+  FSDP's reduce-scatter of the root unit at the end of backward, and of a trained head unit of its own
+    right after the loss's backward;
+  under a pipeline, a later micro-batch's backward, with every gradient of the stage allocated.
+Where a term was fitted to measurements (real gloo runs, `plan --trace`), its comment names the run.
 """
 
 from __future__ import annotations
 
 from dtlaunch.plan import offload
 from dtlaunch.plan.hardware import gloo_collectives
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, regathered_root
 from dtlaunch.plan.peft import gathered_block
 from dtlaunch.plan.ring_terms import backward_exchange_bytes, sequence_tokens
@@ -16,111 +27,173 @@ from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_work
 
 def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     """The largest backward moment, given the static and forward lines."""
-    d, e, r, tp, layers, tokens = c.block_dims, c.compute_bytes, c.reduce_bytes, c.tp, c.layers, c.tokens
-    fsdp, zero, first, last = c.fsdp, c.zero_stage, c.first_stage, c.last_stage
-    div = c.shard_ranks if fsdp else 1
-    in_backward = bool(c.optim and c.optim.in_backward)
     base = sum(lines.values())
-    # Blocks' saved bytes per token still on the device (training.activation_offload moves the rest).
-    blk_tok = mean_block_saved_per_token(c) - (offload.moved_per_token(c) / layers if layers else 0.0)
-    # Two moments: (1) log_softmax's backward on the last stage (everything forward kept + the fp32 loss
-    # gradients), (2) inside a block's backward: its recompute set, activation gradients, its unsharded
-    # parameters (+ the prefetched next block) and gradients, and the gradients already produced. (2) is
-    # taken at the first block processed (most activations still held) and at the last (most gradients
-    # produced).
     loss_bwd = loss_backward_bytes(c)  # full or chunked loss (dtlaunch.plan.loss_terms)
-    head_grads = (4 * (c.vocab_params + d.h) if last else 0.0) / div
-    unit = 0.0
-    if fsdp:
-        # The block being differentiated: its gathered parameters (ZeRO-3) and unsharded gradients
-        # (+ their reduce-dtype copy). Measured: the prefetched next block does not add at the peak.
-        unit = (e * c.gathered_block_params if zero == 3 else 0.0) + (
-            e + (r if r != e else 0)
-        ) * c.gathered_block_params
-        unit += offload.staging_bytes(c)  # CPU offload: the unit's fp32 shard copied in to be gathered
-        head_grads = (e * (c.vocab_params + d.h) if last else 0.0) if zero == 3 else head_grads
-        if c.trained_head_unit:
-            # The head's gradient was reduce-scattered at its unit's post-backward, right after the loss's
-            # backward: its shard stays; the final norm's unsharded gradient waits for the root's.
-            head_grads = c.head_grad_shard_bytes + (e * d.h if zero == 3 else 4 * d.h / div)
-        if c.peft:
-            gathered = gathered_block(c.peft, c.gathered_block_params, e) if zero == 3 else 0.0
-            unit = gathered + (e + (r if r != e else 0)) * c.trained_block_params
+    head_grads = _head_grads(c)
+    block_grads = _block_grads(c)
+    first_block = _at_first_block(c, lines, base, head_grads, block_grads)
+    last_block = _at_last_block(c, first_block, block_grads)
+    # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward: a trained head unit's
+    # stays through the first block's backward (traced, Llama-3.1-8B ZeRO-3: 6 % under without it).
+    if c.trained_head_unit:
+        first_block += c.reduce_bytes * c.vocab_params
+    moments = [base + loss_bwd, first_block if c.layers else 0.0, last_block if c.layers else 0.0]
+    moments.append(_root_reduce_moment(c, lines, c.layers * block_grads if _gradients_grow(c) else 0.0))
+    moments.append(_head_reduce_moment(c, base))
+    if c.pp > 1 and c.pp_microbatches > 1:
+        moments += _later_microbatch_moments(c, lines, base, loss_bwd, first_block, block_grads, head_grads)
+    return max(moments)
+
+
+def _grad_shards(c: StageShape) -> int:
+    """What a gradient held between its reduce-scatter and the step is divided by."""
+    return c.shard_ranks if c.fsdp else 1
+
+
+def _head_grads(c: StageShape) -> float:
+    """The head's and the final norm's gradients (last stage), produced by the loss's backward and held
+    through the blocks' backward: fp32 (sharded under FSDP), or unsharded in the compute dtype under
+    ZeRO-3 until the root unit's reduce-scatter. A trained head unit of its own was reduce-scattered at
+    its post-backward: its shard stays, the final norm's unsharded gradient waits for the root's. The
+    head and the final norm of a fine-tuned model are frozen."""
+    h, v, e = c.block_dims.h, c.vocab_params, c.compute_bytes
     if c.peft:
-        head_grads = 0.0  # the head and final norm are frozen
-    # The block being recomputed: the most any checkpointed kind of this stage re-creates at once.
-    none_tok = c.activation_model.block_bytes_no_ac(d, e, tp, c.sequence_parallel, c.autocast, c.compiled)
-    recompute = max(
-        (none_tok - c.block_saved_per_token[k] for k in c.ac_mix if k != "none" and c.ac_mix[k]), default=0.0
-    )
-    work = (c.activation_model.backward_working_bytes(d, e, tp) + recompute) * tokens
-    if tiled(c.activation_model, c.mlp_tiles):  # dtlaunch.plan.tiled_terms
-        none_tok -= mlp_saved_bytes(d, e, tp, c.compiled)
-        recompute = max(
-            (none_tok - c.block_saved_per_token[k] for k in c.ac_mix if k != "none" and c.ac_mix[k]), default=0.0
-        )
-        grads = c.activation_model.backward_working_bytes(d, e, tp) + tile_working_bytes(d, e, tp, c.mlp_tiles)
-        work = (grads + recompute) * tokens + grad_sum_bytes(d, c.grad_element_bytes, tp, not c.peft)
+        return 0.0
+    if c.trained_head_unit:
+        return c.head_grad_shard_bytes + (e * h if c.zero_stage == 3 else 4 * h / _grad_shards(c))
+    if c.fsdp and c.zero_stage == 3:
+        return e * (v + h) if c.last_stage else 0.0
+    return (4 * (v + h) if c.last_stage else 0.0) / _grad_shards(c)
+
+
+def _block_grads(c: StageShape) -> float:
+    """One block's gradients once its backward is done. Under CPU offload without accumulation each
+    block's gradient shard becomes the host gradient as its reduce-scatter ends (with accumulation it
+    stays on the device until it is added into the host's: measured on gloo runs)."""
+    if not c.layers or (offload.cpu_offload(c) and c.accum_steps == 1):
+        return 0.0
+    return c.grad_element_bytes * c.trained_block_params / _grad_shards(c)
+
+
+def _gradients_grow(c: StageShape) -> bool:
+    """Whether the blocks' gradients are new allocations during backward. With accumulation they exist
+    from the earlier micro-steps (the "accumulated gradients" line) and are added into in place:
+    counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace. Under CPU
+    offload each block's gradient shard leaves for the host; with the step in backward each is freed
+    at once."""
+    in_backward = bool(c.optim and c.optim.in_backward)
+    return c.accum_steps == 1 and not offload.cpu_offload(c) and not in_backward
+
+
+def _unsharded_block(c: StageShape) -> float:
+    """FSDP: the block being differentiated, its gathered parameters (ZeRO-3) and unsharded gradients
+    (+ their reduce-dtype copy); CPU offload also copies its fp32 shard in to be gathered. Measured: the
+    prefetched next block does not add at the peak (fine-tuning's does: `_prefetched_block`)."""
+    if not c.fsdp:
+        return 0.0
+    e, r, zero = c.compute_bytes, c.reduce_bytes, c.zero_stage
+    if c.peft:
+        gathered = gathered_block(c.peft, c.gathered_block_params, e) if zero == 3 else 0.0
+        return gathered + (e + (r if r != e else 0)) * c.trained_block_params
+    unit = (e * c.gathered_block_params if zero == 3 else 0.0) + (e + (r if r != e else 0)) * c.gathered_block_params
+    return unit + offload.staging_bytes(c)
+
+
+def _recompute_per_token(c: StageShape, no_ac: float) -> float:
+    """The block being recomputed: the most any checkpointed kind of this stage re-creates at once, per
+    token (`no_ac`: a block's saved bytes per token without AC)."""
+    kinds = [k for k in c.ac_mix if k != "none" and c.ac_mix[k]]
+    return max((no_ac - c.block_saved_per_token[k] for k in kinds), default=0.0)
+
+
+def _block_working_set(c: StageShape) -> float:
+    """What one block's backward creates and frees again: its recompute, the activation gradients (the
+    tiled MLP's one tile at a time and its summed weight gradients), QLoRA's dequantised weight, context
+    parallel's K/V exchange and, under autocast, a recomputed block's weight casts."""
+    d, e, tp, act = c.block_dims, c.compute_bytes, c.tp, c.activation_model
+    no_ac = act.block_bytes_no_ac(d, e, tp, c.sequence_parallel, c.autocast, c.compiled)
+    work = (act.backward_working_bytes(d, e, tp) + _recompute_per_token(c, no_ac)) * c.tokens
+    if tiled(act, c.mlp_tiles):  # dtlaunch.plan.tiled_terms
+        no_ac -= mlp_saved_bytes(d, e, tp, c.compiled)
+        grads = act.backward_working_bytes(d, e, tp) + tile_working_bytes(d, e, tp, c.mlp_tiles)
+        work = (grads + _recompute_per_token(c, no_ac)) * c.tokens
+        work += grad_sum_bytes(d, c.grad_element_bytes, tp, not c.peft)
     if c.peft and c.peft.qlora:
         work += c.peft.dequant  # one NF4 weight dequantised for its matmul
     if c.cp > 1:
         # Every row of the micro-batch (a preference pair is two: real 2-rank gloo DPO runs, CP(2), were
         # 3 % under with the exchange of one row per sample).
         work += backward_exchange_bytes(d, e, tp, sequence_tokens(c))
-    if c.autocast and c.blocks_without_ac < layers:
-        work += e * (
-            c.peft.adapters_block if c.peft else c.block_params - c.block_norm_params
-        )  # the recomputed block casts its weights
-    # The loss backward frees the final norm's and log_softmax's saved tensors of its own micro-batch
-    # only: under a pipeline the other micro-batches in flight keep theirs. (Subtracting them for every
-    # micro-batch in flight put GPipe's last stage 13 % under real gloo runs.)
-    held_act = lines["activations"] - (loss_saved_per_token(c) * tokens if last else 0.0)
-    held_act += held_logits(c)  # a full pass's logits stay referenced until backward returns
-    blk_grads = (c.grad_element_bytes * c.trained_block_params / div) if layers else 0.0
-    if offload.cpu_offload(c) and c.accum_steps == 1:
-        # Each block's gradient shard becomes the host gradient as its reduce-scatter ends (with
-        # accumulation it stays on the device until it is added into the host's: measured on gloo runs).
-        blk_grads = 0.0
-    at_first_blk = base - lines["activations"] + held_act + head_grads + unit + work + blk_grads
-    at_first_blk += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
-    at_first_blk += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
-    if c.peft and fsdp and zero == 3 and layers > 1:
-        # Fine-tuning: the next block's unit, prefetched by the block's pre-backward (FSDP2 gathers the
-        # unit that ran before it in forward), is already gathered at the first block's peak: a traced
-        # CPU run (`plan --trace`, planner7m LoRA / QLoRA ZeRO-3) has one gathered block in "Unsharded
-        # Param" and one in "All Gather". (Full training's larger gradients put its peak after the
-        # prefetch is consumed.) The frozen embedding's unit is prefetched only by the last block
-        # processed, when the activations are gone, and the frozen head's after the loss: neither adds.
-        # Under expert parallel the traced peak (planner_moe LoRA ZeRO-3, EP 2) holds one gathered block
-        # and nothing in "All Gather": counting the prefetch put the real run 5 % over.
-        at_first_blk += gathered_block(c.peft, c.gathered_block_params, e) if c.ep == 1 else 0.0
-    # Gradients produced since the first block: with accumulation they already exist from the earlier
-    # micro-steps (the "accumulated gradients" line) and are added into in place, so nothing grows.
-    # (Counting them again put Llama-3.1-70B FSDP x TP, 16 micro-steps, 12 % over its trace.)
-    # (Under CPU offload each block's gradient shard leaves for the host: nothing grows on the device.)
-    grows = c.accum_steps == 1 and not offload.cpu_offload(c) and not in_backward
-    grown = max(0, layers - 1) * blk_grads if grows else 0.0
-    if in_backward:
+    if c.autocast and c.blocks_without_ac < c.layers:
+        # The recomputed block casts its weights again.
+        work += e * (c.peft.adapters_block if c.peft else c.block_params - c.block_norm_params)
+    return work
+
+
+def _held_activations(c: StageShape, lines: dict[str, float]) -> float:
+    """The forward's activations still held in the blocks' backward. The loss's backward frees the final
+    norm's and log_softmax's saved tensors of its own micro-batch only: under a pipeline the other
+    micro-batches in flight keep theirs (subtracting them for every micro-batch in flight put GPipe's
+    last stage 13 % under real gloo runs). A full pass's logits stay referenced until backward returns."""
+    held = lines[Line.ACTIVATIONS] - (loss_saved_per_token(c) * c.tokens if c.last_stage else 0.0)
+    return held + held_logits(c)
+
+
+def _prefetched_block(c: StageShape) -> float:
+    """Fine-tuning under ZeRO-3: the next block's unit, prefetched by the block's pre-backward (FSDP2
+    gathers the unit that ran before it in forward), is already gathered at the first block's peak: a
+    traced CPU run (`plan --trace`, planner7m LoRA / QLoRA ZeRO-3) has one gathered block in "Unsharded
+    Param" and one in "All Gather". (Full training's larger gradients put its peak after the prefetch is
+    consumed.) The frozen embedding's unit is prefetched only by the last block processed, when the
+    activations are gone, and the frozen head's after the loss: neither adds. Under expert parallel the
+    traced peak (planner_moe LoRA ZeRO-3, EP 2) holds one gathered block and nothing in "All Gather":
+    counting the prefetch put the real run 5 % over."""
+    if not (c.peft and c.fsdp and c.zero_stage == 3 and c.layers > 1):
+        return 0.0
+    return gathered_block(c.peft, c.gathered_block_params, c.compute_bytes) if c.ep == 1 else 0.0
+
+
+def _at_first_block(
+    c: StageShape, lines: dict[str, float], base: float, head_grads: float, block_grads: float
+) -> float:
+    """Inside the first block's backward (the last block of forward): every activation but the loss's
+    still held, the head's gradients, the block's unsharded parameters and gradients, its working set,
+    and what offloading, a chunked loss under ZeRO-3 x TP and fine-tuning's prefetch bring back."""
+    held = _held_activations(c, lines)
+    unit = _unsharded_block(c)
+    at_first = base - lines[Line.ACTIVATIONS] + held + head_grads + unit + _block_working_set(c) + block_grads
+    at_first += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
+    at_first += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
+    at_first += _prefetched_block(c)
+    if c.optim and c.optim.in_backward:
         # The update of one tensor runs inside backward, its gradient freed right after: a block's inside
-        # the block's backward, the root unit's (embedding, head) after the last block's.
-        at_first_blk += c.optim.temp_block
-    at_last_blk = at_first_blk - (layers - 1) * blk_tok * tokens * c.microbatches_in_flight + grown
-    if c.trained_head_unit:
-        # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward: the head's stays
-        # through the first block's backward (traced, Llama-3.1-8B ZeRO-3: 6 % under without it).
-        at_first_blk += c.reduce_bytes * c.vocab_params
-    if in_backward:
-        at_last_blk += c.optim.temp - c.optim.temp_block
-    if first and fsdp and zero == 3 and not c.peft:  # (a frozen embedding has no gradient)
-        at_last_blk += e * c.vocab_params  # the embedding's unsharded gradient before its reduce-scatter
-    elif first and c.accum_steps == 1 and not c.peft:
-        at_last_blk += 4 * c.vocab_params / div
-    backward = [base + loss_bwd, at_first_blk if layers else 0.0, at_last_blk if layers else 0.0]
-    backward.append(_root_reduce_moment(c, lines, layers * blk_grads if grows else 0.0))
-    backward.append(_head_reduce_moment(c, base))
-    if c.pp > 1 and c.pp_microbatches > 1:
-        backward += _later_microbatch_moments(c, lines, base, loss_bwd, at_first_blk, blk_grads, head_grads, blk_tok)
-    return max(backward)
+        # the block's backward.
+        at_first += c.optim.temp_block
+    return at_first
+
+
+def _device_block_per_token(c: StageShape) -> float:
+    """The stage's mean block's saved bytes per token still on the device (training.activation_offload
+    moves the rest)."""
+    moved = offload.moved_per_token(c) / c.layers if c.layers else 0.0
+    return mean_block_saved_per_token(c) - moved
+
+
+def _at_last_block(c: StageShape, at_first: float, block_grads: float) -> float:
+    """Inside the last block's backward (the first stage's embedding next): the other blocks' activations
+    freed, their gradients produced (where they grow), the root unit's update under a step in backward,
+    and on the first stage the embedding's gradient (unsharded before its reduce-scatter under ZeRO-3)."""
+    layers, v = c.layers, c.vocab_params
+    grown = max(0, layers - 1) * block_grads if _gradients_grow(c) else 0.0
+    freed = (layers - 1) * _device_block_per_token(c) * c.tokens * c.microbatches_in_flight
+    at_last = at_first - freed + grown
+    if c.optim and c.optim.in_backward:
+        at_last += c.optim.temp - c.optim.temp_block  # the root unit's (embedding, head) after the last block
+    if c.first_stage and c.fsdp and c.zero_stage == 3 and not c.peft:  # (a frozen embedding has no gradient)
+        at_last += c.compute_bytes * v  # the embedding's unsharded gradient before its reduce-scatter
+    elif c.first_stage and c.accum_steps == 1 and not c.peft:
+        at_last += 4 * v / _grad_shards(c)
+    return at_last
 
 
 def _root_reduce_moment(c: StageShape, lines: dict[str, float], block_grads: float) -> float:
@@ -134,12 +207,12 @@ def _root_reduce_moment(c: StageShape, lines: dict[str, float], block_grads: flo
     if not (c.fsdp and c.root_params and c.peft is None):
         return 0.0
     root = c.root_params - (c.vocab_params if c.trained_head_unit else 0)  # the head's own unit was reduced already
-    static = sum(lines.values()) - lines["activations"] + c.head_grad_shard_bytes
+    static = sum(lines.values()) - lines[Line.ACTIVATIONS] + c.head_grad_shard_bytes
     if c.zero_stage == 2:
         # ZeRO-2's blocks were resharded after their own backward: what stays gathered is what ZeRO-3
         # holds, the root's head and final norm (measured: the embedding's gathered copy does not add).
         held = c.compute_bytes * (root - (c.vocab_params if c.first_stage else 0))
-        static -= max(0.0, lines.get("unsharded parameters", 0.0) - held)
+        static -= max(0.0, lines.get(Line.UNSHARDED_PARAMETERS, 0.0) - held)
     return static + block_grads + _reduce_per_param(c) * root
 
 
@@ -181,13 +254,13 @@ def _later_microbatch_moments(
     at_first_blk: float,
     blk_grads: float,
     head_grads: float,
-    blk_tok: float,
 ) -> list[float]:
     """A later pipeline micro-batch's backward: the stage's gradients are all allocated by the earlier ones
     while the schedule still holds its in-flight activations (1F1B: the same count as in warm-up; GPipe:
     one fewer). Measured on real 1F1B runs: this, not the first backward, is stage 0's peak."""
     s, e, r, layers, tokens, zero = c.cfg.strategy, c.compute_bytes, c.reduce_bytes, c.layers, c.tokens, c.zero_stage
-    per_mb = lines["activations"] / c.microbatches_in_flight
+    blk_tok = _device_block_per_token(c)
+    per_mb = lines[Line.ACTIVATIONS] / c.microbatches_in_flight
     fewer = per_mb if c.microbatches_in_flight >= c.pp_microbatches else 0.0
     # 1F1B's steady state runs a forward between two backwards, which reshards the blocks (ZeRO-3);
     # GPipe's backwards follow one another, so what a backward left gathered stays gathered.
@@ -203,7 +276,7 @@ def _later_microbatch_moments(
         # parameters stay gathered (ZeRO-3). They include the block in flight (`unit`), bar the
         # compute-dtype gradient it has just produced. Measured: Llama-3.1-8B FSDP(2) x PP(4)
         # stage 0 was 23 % under its trace without this.
-        gathered = e * c.gathered_params - lines.get("unsharded parameters", 0.0) if zero == 3 else 0.0
+        gathered = e * c.gathered_params - lines.get(Line.UNSHARDED_PARAMETERS, 0.0) if zero == 3 else 0.0
         # `unit` holds the block's gathered parameters (in `gathered`), the compute-dtype gradient it
         # has just produced (a transient before it is added in) and, with a reduce dtype other than
         # the compute dtype, the accumulated copy (in r * p_gather). Measured (fake-tensor trace,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
 
 PHASE_GENERATION = "generation"
@@ -62,12 +63,12 @@ def generation_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
 
 def generation_lines(c: Any, static: dict[str, float]) -> dict[str, float]:
     """The generation phase's lines (when it is the stage's peak)."""
-    lines = {**_between_steps(static), "KV cache": kv_cache_bytes(c), "prefill / sampling buffers": decode_bytes(c)}
+    lines = {**_between_steps(static), Line.KV_CACHE: kv_cache_bytes(c), Line.PREFILL_SAMPLING_BUFFERS: decode_bytes(c)}
     if gathered_bytes(c):
-        lines["unsharded parameters"] = gathered_bytes(c)
+        lines[Line.UNSHARDED_PARAMETERS] = gathered_bytes(c)
     return lines
 
 
 def _between_steps(static: dict[str, float]) -> dict[str, float]:
     """What the rank holds between optimizer steps: the gradients were freed by the last step."""
-    return {k: v for k, v in static.items() if k != "accumulated gradients"}
+    return {k: v for k, v in static.items() if k != Line.ACCUMULATED_GRADIENTS}

@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, pp_microbatches
 from dtlaunch.models.registry import model_spec
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.offload import offload_notes, ranks_per_node
 from dtlaunch.plan.peft import peft_notes
 from dtlaunch.plan.stage import StagePlan, plan_stages
@@ -123,9 +124,9 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
     worst = max(stages, key=lambda sp: sp.peak)
     hw = cfg.hardware
     overheads = {
-        "CUDA context": hw.context_gib * GIB,
-        "communicator buffers": hw.comm_buffers_gib * GIB,
-        "allocator fragmentation": hw.fragmentation * worst.peak,
+        Line.CUDA_CONTEXT: hw.context_gib * GIB,
+        Line.COMMUNICATOR_BUFFERS: hw.comm_buffers_gib * GIB,
+        Line.ALLOCATOR_FRAGMENTATION: hw.fragmentation * worst.peak,
     }
     overheads = {k: v for k, v in overheads.items() if v > 0}
     lay = {

@@ -23,14 +23,14 @@ from typing import Any
 
 from dtlaunch.config.layout import head_unit
 from dtlaunch.plan.experts import all_to_all_bytes
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import loss_chunks
 from dtlaunch.plan.ring_terms import forward_exchange_bytes, sequence_tokens
 
-FROZEN_COPY = "reference copy"
 PHASE_REFERENCE = "reference forward"
 PHASE_PRECOMPUTE = "reference pass (before training)"
 # What exists before the first step (no optimizer state, gradients or buckets yet).
-_HELD_BEFORE_TRAINING = ("parameters", "adapter parameters", "NF4 base weights", "buffers")
+_HELD_BEFORE_TRAINING = (Line.PARAMETERS, Line.ADAPTER_PARAMETERS, Line.NF4_BASE_WEIGHTS, Line.BUFFERS)
 
 
 def reference_kind(cfg: Any) -> str:
@@ -61,7 +61,7 @@ def copy_bytes(c: Any) -> float:
 def reference_static_lines(c: Any) -> dict[str, float]:
     """What the reference adds to the whole step."""
     if reference_kind(c.cfg) == "copy" and not precomputed(c.cfg):
-        return {FROZEN_COPY: copy_bytes(c)}
+        return {Line.REFERENCE_COPY: copy_bytes(c)}
     return {}
 
 

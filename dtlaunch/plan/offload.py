@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# Static lines FSDP's CPU offload keeps on the host.
-CPU_OFFLOADED = ("parameters", "adapter parameters", "optimizer state", "accumulated gradients")
+from dtlaunch.plan.lines import ON_HOST, Line
+
+# Static lines FSDP's CPU offload keeps on the host (each reported as its dtlaunch.plan.lines.ON_HOST line).
+CPU_OFFLOADED = (Line.PARAMETERS, Line.ADAPTER_PARAMETERS, Line.OPTIMIZER_STATE, Line.ACCUMULATED_GRADIENTS)
 # The CPU optimizer's lines at the step.
-CPU_OFFLOADED_AT_STEP = ("gradients", "optimizer temporaries")
-HOST_ACTIVATIONS = "activations (pinned host)"
+CPU_OFFLOADED_AT_STEP = (Line.GRADIENTS, Line.OPTIMIZER_TEMPORARIES)
 # No profile figure for the host link: PCIe 4.0 x16's typical achieved bandwidth.
 DEFAULT_HOST_LINK_GBPS = 25.0
 # Parameters a node's CPUs update per second in the CPU optimizer step (vectorised fused AdamW over
@@ -91,14 +92,14 @@ def moved_activation_lines(c: Any) -> dict[str, float]:
         else 0.0
     )
     moved = {
-        "activations": (
+        Line.ACTIVATIONS: (
             moved_per_token(c) * c.tokens
             + rope * (c.training.micro_batch // c.pp_microbatches) / c.training.micro_batch
         )
     }
-    moved["activations"] *= c.microbatches_in_flight
+    moved[Line.ACTIVATIONS] *= c.microbatches_in_flight
     if c.peft:
-        moved["LoRA activations"] = c.blocks_without_ac * c.peft.adapter_act * c.tokens * c.microbatches_in_flight
+        moved[Line.LORA_ACTIVATIONS] = c.blocks_without_ac * c.peft.adapter_act * c.tokens * c.microbatches_in_flight
     return moved
 
 
@@ -114,7 +115,7 @@ def split(c: Any, lines: dict[str, float]) -> tuple[dict[str, float], dict[str, 
             continue
         v = min(v, device[k])
         device[k] -= v
-        name = HOST_ACTIVATIONS if k in ("activations", "LoRA activations") else f"{k} (host)"
+        name = ON_HOST[k]
         host[name] = host.get(name, 0.0) + v
     return device, host
 
@@ -125,13 +126,13 @@ def split_at_step(c: Any, lines: dict[str, float]) -> tuple[dict[str, float], di
     if not cpu_offload(c):
         return lines, {}
     device = {k: v for k, v in lines.items() if k not in CPU_OFFLOADED_AT_STEP}
-    return device, {f"{k} (host)": v for k, v in lines.items() if k in CPU_OFFLOADED_AT_STEP}
+    return device, {ON_HOST[k]: v for k, v in lines.items() if k in CPU_OFFLOADED_AT_STEP}
 
 
 def host_peak_lines(host: dict[str, float], host_at_step: dict[str, float]) -> dict[str, float]:
     """The host lines at the larger of the two host moments: through forward and backward (states and
     pinned activations), or at the optimizer step (states, complete gradients, the step's temporaries)."""
-    at_step = {k: v for k, v in host.items() if k != HOST_ACTIVATIONS and "accumulated" not in k}
+    at_step = {k: v for k, v in host.items() if k not in (Line.HOST_ACTIVATIONS, Line.ACCUMULATED_GRADIENTS_HOST)}
     at_step.update(host_at_step)
     return host if sum(host.values()) >= sum(at_step.values()) else at_step
 

@@ -40,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dtlaunch.plan.lines import Line
+
 ALL_LINEAR = "all-linear"
 # Linears that read the same norm output (autocast: each saves its own cast of it); wq/wk/wv: model.arch=moe's
 # names (no Hugging Face format).
@@ -212,11 +214,11 @@ def param_lines(
     block linears in NF4 instead."""
     quantised = ft.quantised_block * layers
     lines = {
-        "parameters": (4 * (p_rank - frozen) + e * (frozen - quantised)) / shards,
-        "adapter parameters": adapter_bytes * ft.adapters / shards,
+        Line.PARAMETERS: (4 * (p_rank - frozen) + e * (frozen - quantised)) / shards,
+        Line.ADAPTER_PARAMETERS: adapter_bytes * ft.adapters / shards,
     }
     if ft.qlora:
-        lines["NF4 base weights"] = layers * (ft.nf4_block_shard if shards > 1 else ft.nf4_block)
+        lines[Line.NF4_BASE_WEIGHTS] = layers * (ft.nf4_block_shard if shards > 1 else ft.nf4_block)
     return lines
 
 

@@ -23,8 +23,9 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
 from dtlaunch.plan.experts import a2a_volume_bytes, stage_routed_params
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.memory import plan_memory
-from dtlaunch.plan.offload import HOST_ACTIVATIONS, offload_seconds, offload_variants
+from dtlaunch.plan.offload import offload_seconds, offload_variants
 from dtlaunch.plan.peft import qlora_layout_ok
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
@@ -278,7 +279,7 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
             continue
         fitted.add(key)
         n_mb = st["pp_microbatches"] or 1
-        times = step_time(job, lay, st["pp_stages_per_rank"], n_mb, plan.worst.host.get(HOST_ACTIVATIONS, 0.0))
+        times = step_time(job, lay, st["pp_stages_per_rank"], n_mb, plan.worst.host.get(Line.HOST_ACTIVATIONS, 0.0))
         tokens = tr["global_batch"] * plain.training.seq_len
         peak = hardware.peak_flops(plain.hardware, plain.precision.param_dtype)
         rows.append(

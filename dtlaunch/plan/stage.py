@@ -29,6 +29,7 @@ from dtlaunch.plan.backward import backward_peak
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
 from dtlaunch.plan.hardware import fused_optimizer, gloo_collectives
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import loss_chunks
 from dtlaunch.plan.objective import reference_phases, reference_static_lines
 from dtlaunch.plan.peft import gathered_block, param_lines
@@ -36,15 +37,15 @@ from dtlaunch.plan.shape import StageShape, blocks_saved_per_token, loss_saved_p
 
 # Lines that do not exist at the optimizer step (freed after backward).
 _GONE_AT_OPTIMIZER = (
-    "activations",
-    "unsharded parameters",
-    "autocast weight copies",
-    "accumulated gradients",
-    "RoPE tables (compute dtype)",
-    "all-to-all buffers",
-    "RoPE tables (CP positions)",
-    "float8 casts",
-    "LoRA activations",
+    Line.ACTIVATIONS,
+    Line.UNSHARDED_PARAMETERS,
+    Line.AUTOCAST_WEIGHT_COPIES,
+    Line.ACCUMULATED_GRADIENTS,
+    Line.ROPE_COMPUTE_DTYPE,
+    Line.ALL_TO_ALL_BUFFERS,
+    Line.ROPE_CP_POSITIONS,
+    Line.FLOAT8_CASTS,
+    Line.LORA_ACTIVATIONS,
 )
 
 
@@ -68,7 +69,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
     """What the rank holds through the whole step (before any activation)."""
     t, d, e, tp = c.training, c.block_dims, c.compute_bytes, c.tp
     lines: dict[str, float] = {}
-    lines["parameters"] = 4 * c.rank_params / (c.shard_ranks if c.fsdp else 1)
+    lines[Line.PARAMETERS] = 4 * c.rank_params / (c.shard_ranks if c.fsdp else 1)
     if c.peft:
         head = model_spec(c.model).head_params(c.model) // tp if c.last_stage else 0
         embedding = c.vocab_params if c.first_stage and not c.tied_head else 0  # stored in the compute dtype too
@@ -79,54 +80,54 @@ def static_lines(c: StageShape) -> dict[str, float]:
             )
         )
     rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
-    lines["buffers"] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
+    lines[Line.BUFFERS] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if c.cp > 1:
         # The tables picked at this rank's token positions (Decoder.forward), shared by every block.
-        lines["RoPE tables (CP positions)"] = 2 * (e if c.fsdp else 4) * (t.seq_len // c.cp) * (d.head // 2)
+        lines[Line.ROPE_CP_POSITIONS] = 2 * (e if c.fsdp else 4) * (t.seq_len // c.cp) * (d.head // 2)
     if c.fsdp and e != 4:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
         # (llama.Llama.forward); every block shares that copy until backward is done.
-        lines["RoPE tables (compute dtype)"] = 2 * e * rope_table
-    lines["optimizer state"] = c.optim.state if c.optim else 8 * c.trained_params / c.shard_ranks
+        lines[Line.ROPE_COMPUTE_DTYPE] = 2 * e * rope_table
+    lines[Line.OPTIMIZER_STATE] = c.optim.state if c.optim else 8 * c.trained_params / c.shard_ranks
     lines.update(reference_static_lines(c))  # DPO's frozen reference copy
     if c.ddp:
         # DDP (gradient_as_bucket_view off) keeps flat fp32 buckets for the whole run; gradients are
         # separate tensors, allocated in backward and set to None after the step.
-        lines["DDP buckets"] = 4 * c.trained_params
+        lines[Line.DDP_BUCKETS] = 4 * c.trained_params
     if c.accum_steps > 1:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
         # reduce-scatters every micro-step (dtlaunch.train.parallel.parallelize.grad_sync) and keeps only shards.
-        lines["accumulated gradients"] = c.gradient_bytes
+        lines[Line.ACCUMULATED_GRADIENTS] = c.gradient_bytes
     copies = _autocast_weight_copies(c)
     if copies is not None and c.last_stage and loss_chunks(c) > 1 and (not c.peft or c.tied_head):
         copies -= e * c.vocab_params  # a chunked loss casts the head per chunk instead (dtlaunch.plan.loss_terms)
     if copies is not None:
-        lines["autocast weight copies"] = copies
+        lines[Line.AUTOCAST_WEIGHT_COPIES] = copies
     if c.fsdp and c.zero_stage == 2:
-        lines["unsharded parameters"] = e * c.gathered_params if (c.shard_ranks > 1 or e != 4) else 0.0
+        lines[Line.UNSHARDED_PARAMETERS] = e * c.gathered_params if (c.shard_ranks > 1 or e != 4) else 0.0
         if c.peft:
-            lines["unsharded parameters"] += (
+            lines[Line.UNSHARDED_PARAMETERS] += (
                 c.layers * (gathered_block(c.peft, c.block_params, e) - e * c.block_params) - e * c.frozen_end_params
             )
         if c.trained_head_unit:
-            lines["unsharded parameters"] -= e * c.vocab_params  # resharded after the loss, unlike the root unit
+            lines[Line.UNSHARDED_PARAMETERS] -= e * c.vocab_params  # resharded after the loss, unlike the root unit
     elif c.fsdp:
         # The root unit is not resharded after forward; measured (real gloo runs, MemTracker): its
         # head and final norm stay gathered until backward, the embedding's gathered copy does not add.
         # A frozen embedding and head, and a trained head under the chunked loss, are units of their own,
         # resharded after use.
         ends = c.vocab_params if c.head_unit else 0
-        lines["unsharded parameters"] = e * (c.root_params - (c.vocab_params if c.first_stage else 0) - ends)
+        lines[Line.UNSHARDED_PARAMETERS] = e * (c.root_params - (c.vocab_params if c.first_stage else 0) - ends)
     if c.cfg.precision.float8 != "none":
         # torchao's Float8Linear saves its input and the parameter itself (no compute-dtype weight copy:
         # it casts to float8 inside), so only the head, still a plain linear, keeps an autocast copy; on
         # top, one linear at a time holds float8 (1-byte) copies of its input and weight and their
         # transposes, bounded by the widest (F-wide) linear and split by TP like the linear itself.
-        if "autocast weight copies" in lines:
-            lines["autocast weight copies"] = min(
-                lines["autocast weight copies"], e * c.vocab_params if c.last_stage else 0.0
+        if Line.AUTOCAST_WEIGHT_COPIES in lines:
+            lines[Line.AUTOCAST_WEIGHT_COPIES] = min(
+                lines[Line.AUTOCAST_WEIGHT_COPIES], e * c.vocab_params if c.last_stage else 0.0
             )
-        lines["float8 casts"] = 2 * (c.tokens + d.h) * d.f / tp
+        lines[Line.FLOAT8_CASTS] = 2 * (c.tokens + d.h) * d.f / tp
     return lines
 
 
@@ -171,14 +172,14 @@ def forward_lines(c: StageShape) -> dict[str, float]:
         else 0.0
     )
     lines = {
-        "activations": (per_token * c.tokens + rope * (t.micro_batch // c.pp_microbatches) / t.micro_batch)
+        Line.ACTIVATIONS: (per_token * c.tokens + rope * (t.micro_batch // c.pp_microbatches) / t.micro_batch)
         * c.microbatches_in_flight
     }
     if c.peft:
-        lines["LoRA activations"] = c.blocks_without_ac * c.peft.adapter_act * c.tokens * c.microbatches_in_flight
+        lines[Line.LORA_ACTIVATIONS] = c.blocks_without_ac * c.peft.adapter_act * c.tokens * c.microbatches_in_flight
     a2a = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.compute_bytes)
     if a2a:
-        lines["all-to-all buffers"] = a2a
+        lines[Line.ALL_TO_ALL_BUFFERS] = a2a
     return lines
 
 
@@ -190,7 +191,7 @@ def _embedding_gather_moment(c: StageShape, lines: dict[str, float]) -> float:
     chunked loss, which no longer holds a chunk's logits in backward, this can be the step's peak."""
     if not (c.fsdp and c.peft and c.first_stage and c.vocab_params) or c.tied_head:
         return 0.0
-    static = sum(lines.values()) - lines.get("activations", 0.0)
+    static = sum(lines.values()) - lines.get(Line.ACTIVATIONS, 0.0)
     gloo = gloo_collectives(c.cfg.hardware)
     return static + (3 if gloo else 2) * c.compute_bytes * c.vocab_params
 
@@ -201,12 +202,12 @@ def optimizer_lines(c: StageShape, lines: dict[str, float]) -> dict[str, float]:
     out = {k: v for k, v in lines.items() if k not in _GONE_AT_OPTIMIZER}
     if c.optim and c.optim.in_backward:
         return out  # every update ran inside backward; no gradient is left
-    out["gradients"] = c.gradient_bytes
+    out[Line.GRADIENTS] = c.gradient_bytes
     temp = (
         c.optim.temp if c.optim else (0.0 if fused_optimizer(c.cfg.hardware) else 4 * c.trained_params / c.shard_ranks)
     )
     if temp:
-        out["optimizer temporaries"] = temp
+        out[Line.OPTIMIZER_TEMPORARIES] = temp
     return out
 
 
@@ -226,16 +227,16 @@ def plan_stage(
     phases.update(generation_phases(c, static))  # GRPO: the rollout's generation and old-policy pass
     phase = max(phases, key=lambda k: phases[k])
     if phase == "forward" and gather == phases["forward"]:
-        lines = {k: v for k, v in lines.items() if k != "activations"}
-        lines["all-gather buffers"] = gather - sum(lines.values())
+        lines = {k: v for k, v in lines.items() if k != Line.ACTIVATIONS}
+        lines[Line.ALL_GATHER_BUFFERS] = gather - sum(lines.values())
     if phase == "backward":
-        lines["loss/backward buffers"] = phases["backward"] - phases["forward"]
+        lines[Line.LOSS_BACKWARD_BUFFERS] = phases["backward"] - phases["forward"]
     if phase == "optimizer":
         lines = at_step
     if phase == PHASE_GENERATION:
         lines = generation_lines(c, static)
     elif phase not in ("forward", "backward", "optimizer"):
-        lines = {**static, "reference forward buffers": phases[phase] - sum(static.values())}
+        lines = {**static, Line.REFERENCE_FORWARD_BUFFERS: phases[phase] - sum(static.values())}
     return StagePlan(
         stage=stage,
         layers=layers,

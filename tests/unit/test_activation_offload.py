@@ -13,8 +13,8 @@ import torch
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
 from dtlaunch.models.registry import model_spec
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.memory import plan_memory
-from dtlaunch.plan.offload import HOST_ACTIVATIONS
 from dtlaunch.train.offload_activations import apply_activation_offload, is_weight
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.init_weights import materialize_and_init
@@ -49,7 +49,7 @@ def _step(overrides: list[str], offload: bool = True, copy: bool = False) -> tup
     if off is None:
         return {}, 0.0, loss.detach(), grads
     counts = {"packed": off.packed_bytes, "held_fwd": held_after_forward, "held_end": off.held_bytes}
-    return counts, plan.worst.host[HOST_ACTIVATIONS], loss.detach(), grads
+    return counts, plan.worst.host[Line.HOST_ACTIVATIONS], loss.detach(), grads
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "+".join(x.split("=")[1] for x in m))

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from dtlaunch.commands.common import load_job
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.memory import plan_memory
-from dtlaunch.plan.objective import FROZEN_COPY, PHASE_PRECOMPUTE, PHASE_REFERENCE
+from dtlaunch.plan.objective import PHASE_PRECOMPUTE, PHASE_REFERENCE
 
 BASE = ["model=planner7m", "training.micro_batch=4", "training.seq_len=128", "launch.nproc_per_node=2"]
 
@@ -26,15 +27,15 @@ def test_pairs_double_the_activations_and_the_copy_is_held(strategy: str) -> Non
     assert sft.phases["forward"] < dpo.phases["forward"]
     act = "activations"
     assert dpo.lines.get(act, 0) == pytest.approx(2 * sft.lines.get(act, 0), rel=0.01) or dpo.phase != sft.phase
-    copy = dpo.lines[FROZEN_COPY]
+    copy = dpo.lines[Line.REFERENCE_COPY]
     assert copy > 0 and PHASE_REFERENCE in dpo.phases
     if strategy == "strategy=zero3":  # sharded like the policy: half of DDP's replica on 2 ranks
-        assert copy == pytest.approx(plan("strategy=ddp", "objective=dpo").lines[FROZEN_COPY] / 2)
+        assert copy == pytest.approx(plan("strategy=ddp", "objective=dpo").lines[Line.REFERENCE_COPY] / 2)
 
 
 def test_lora_and_precomputed_references_hold_no_copy(tiny_tokenizer, tmp_path) -> None:
     lora = plan("strategy=zero3", "objective=dpo", "peft=lora")
-    assert FROZEN_COPY not in lora.lines and PHASE_REFERENCE in lora.phases
+    assert Line.REFERENCE_COPY not in lora.lines and PHASE_REFERENCE in lora.phases
     (tmp_path / "p.jsonl").write_text('{"prompt": "kaka", "chosen": " lolo", "rejected": " mimi"}\n')
     pre = plan(
         "strategy=zero3",
@@ -45,13 +46,13 @@ def test_lora_and_precomputed_references_hold_no_copy(tiny_tokenizer, tmp_path) 
         f"data.path={tmp_path / 'p.jsonl'}",
         f"data.tokenizer={tiny_tokenizer / 'tokenizer.json'}",
     )
-    assert FROZEN_COPY not in pre.lines and PHASE_REFERENCE not in pre.phases
+    assert Line.REFERENCE_COPY not in pre.lines and PHASE_REFERENCE not in pre.phases
     assert 0 < pre.phases[PHASE_PRECOMPUTE] < pre.peak
 
 
 def test_reference_free_objectives_plan_pairs_only() -> None:
     orpo = plan("strategy=zero3", "objective=orpo")
-    assert FROZEN_COPY not in orpo.lines and PHASE_REFERENCE not in orpo.phases
+    assert Line.REFERENCE_COPY not in orpo.lines and PHASE_REFERENCE not in orpo.phases
     assert orpo.phases["forward"] > plan("strategy=zero3").phases["forward"]
 
 
@@ -61,7 +62,7 @@ def test_expert_parallel_dpo_counts_both_rows_in_the_all_to_all_and_shards_the_c
     a2a = "all-to-all buffers"
     assert dpo.lines[a2a] == pytest.approx(2 * sft.lines[a2a])  # a pair's two rows are routed
     # The copy's experts split over EP then FSDP over the shard ranks left: per rank, as ZeRO-3 alone.
-    assert dpo.lines[FROZEN_COPY] == pytest.approx(plan(*moe, "objective=dpo").lines[FROZEN_COPY])
+    assert dpo.lines[Line.REFERENCE_COPY] == pytest.approx(plan(*moe, "objective=dpo").lines[Line.REFERENCE_COPY])
     assert PHASE_REFERENCE in dpo.phases
 
 
@@ -70,7 +71,7 @@ def test_context_parallel_dpo_splits_both_rows_and_shards_the_copy_over_cp() -> 
     # over dp_shard x cp, so 2 ranks hold half each either way.
     dp, cp = plan("strategy=zero3", "objective=dpo"), plan("strategy=zero3", "objective=dpo", "strategy.cp=2")
     assert cp.lines["activations"] == pytest.approx(dp.lines["activations"] / 2, rel=0.01)
-    assert cp.lines[FROZEN_COPY] == pytest.approx(dp.lines[FROZEN_COPY])
+    assert cp.lines[Line.REFERENCE_COPY] == pytest.approx(dp.lines[Line.REFERENCE_COPY])
     assert 0 < cp.phases[PHASE_REFERENCE] < dp.phases[PHASE_REFERENCE]
 
 
@@ -81,20 +82,20 @@ def _stages(*overrides: str) -> list:
 
 def _held(stage) -> float:
     """What the rank holds through the whole step (the reference forward adds its buffers to it)."""
-    keys = ("parameters", "adapter parameters", "buffers", "optimizer state", FROZEN_COPY)
+    keys = ("parameters", "adapter parameters", "buffers", "optimizer state", Line.REFERENCE_COPY)
     return sum(v for k, v in stage.lines.items() if k in keys)
 
 
 def test_pipeline_dpo_splits_the_reference_into_the_stages() -> None:
     # Each pipeline rank holds the copy of its own stage: together, DDP's one whole copy.
     first, last = _stages("strategy=pp", "objective=dpo")
-    whole = plan("strategy=ddp", "objective=dpo").lines[FROZEN_COPY]
-    assert first.lines[FROZEN_COPY] + last.lines[FROZEN_COPY] == pytest.approx(whole, rel=1e-9)
+    whole = plan("strategy=ddp", "objective=dpo").lines[Line.REFERENCE_COPY]
+    assert first.lines[Line.REFERENCE_COPY] + last.lines[Line.REFERENCE_COPY] == pytest.approx(whole, rel=1e-9)
     # The last stage's reference forward holds the logits; the first only the hidden states it sends on.
     assert last.phases[PHASE_REFERENCE] - _held(last) > first.phases[PHASE_REFERENCE] - _held(first) > 0
     # LoRA's reference is the policy's own stages with their adapters off: no copy.
     lora = _stages("strategy=pp", "objective=dpo", "peft=lora")
-    assert all(FROZEN_COPY not in s.lines and PHASE_REFERENCE in s.phases for s in lora)
+    assert all(Line.REFERENCE_COPY not in s.lines and PHASE_REFERENCE in s.phases for s in lora)
 
 
 def test_pipeline_dpo_precompute_pass_runs_through_the_stages(tiny_tokenizer, tmp_path) -> None:
@@ -109,7 +110,7 @@ def test_pipeline_dpo_precompute_pass_runs_through_the_stages(tiny_tokenizer, tm
     ]
     pre, live = _stages("strategy=pp", *data), _stages("strategy=pp", "objective=dpo")
     for p, q in zip(pre, live, strict=True):
-        assert FROZEN_COPY not in p.lines and PHASE_REFERENCE not in p.phases
+        assert Line.REFERENCE_COPY not in p.lines and PHASE_REFERENCE not in p.phases
         # The pass holds the stage's copy and runs its forward, before any optimizer state exists.
         held = q.phases[PHASE_REFERENCE] - q.lines["optimizer state"]
         assert p.phases[PHASE_PRECOMPUTE] == pytest.approx(held, rel=1e-6)
