@@ -27,6 +27,18 @@ from typing import Any
 
 from dtlaunch.config.layout import loss_chunks as config_loss_chunks
 
+# Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
+# that the test exists and sees the term).
+# Head-sized weight gradients at once when autograd adds a chunk's gradient to the sum of the earlier
+# ones out of place: sum, contribution and new sum (StorageCounter on CPU).
+# Measured by tests/unit/test_plan_trace.py::test_analytic_within_5_percent_of_trace (the pipeline's last stage)
+HEAD_GRAD_SUM_COPIES = 3
+# A head unit of its own gathered for the fused loss: FSDP2 keeps the forward's all-gather output until
+# the next unit's copy-out, so the gathered weight is there twice (LoRA ZeRO-3 and full fine-tuning
+# ZeRO-2 / ZeRO-3 on real gloo runs).
+# Measured by tests/unit/test_plan_peft.py::test_head_unit_plan_within_5_percent_of_trace
+HEAD_UNIT_GATHERED_COPIES = 2
+
 
 def loss_chunks(c: Any) -> int:
     """Token chunks of this stage's loss (1 where the stage has no head)."""
@@ -69,7 +81,7 @@ def loss_backward_bytes(c: Any) -> float:
     # Under tensor parallel, loss_parallel's backward computes softmax - one-hot in one step: one fp32
     # gradient, not two.
     at_softmax = (12 if c.tp == 1 else 8) * v * chunk_tokens
-    moment = max(at_softmax + grad, 3 * grad)
+    moment = max(at_softmax + grad, HEAD_GRAD_SUM_COPIES * grad)
     if c.fsdp and c.head_unit:
         moment += e * head  # the head's own unit, gathered by the loss (ZeRO-2 and ZeRO-3)
     elif c.fsdp and c.zero_stage == 3 and c.first_stage:
@@ -102,9 +114,8 @@ def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:
     if c.fsdp and c.head_unit:
         # The head's own unit (frozen, or trained: dtlaunch.train.parallel.head_unit), gathered for the loss
         # (ZeRO-2 and ZeRO-3), which runs as the unit's forward: FSDP2 keeps the forward's all-gather output
-        # until the next unit's copy-out (the first in backward), so the gathered weight is there twice
-        # (measured, LoRA ZeRO-3 and full fine-tuning ZeRO-2 / ZeRO-3 on real gloo runs).
-        moment += 2 * e * head
+        # until the next unit's copy-out (the first in backward): HEAD_UNIT_GATHERED_COPIES.
+        moment += HEAD_UNIT_GATHERED_COPIES * e * head
     elif c.fsdp and c.zero_stage == 3 and c.first_stage and trained:
         # The root unit gathered again for the loss brings the embedding back too (a frozen embedding is a
         # unit of its own: measured, LoRA ZeRO-3 on real gloo runs, nothing comes back).

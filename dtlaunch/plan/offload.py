@@ -24,6 +24,11 @@ from dtlaunch.plan.lines import ON_HOST, Line
 CPU_OFFLOADED = (Line.PARAMETERS, Line.ADAPTER_PARAMETERS, Line.OPTIMIZER_STATE, Line.ACCUMULATED_GRADIENTS)
 # The CPU optimizer's lines at the step.
 CPU_OFFLOADED_AT_STEP = (Line.GRADIENTS, Line.OPTIMIZER_TEMPORARIES)
+# A block without AC in its backward holds at once about the MLP's F-wide tensors (w1 and w3 outputs, SiLU
+# output) and the MLP input of its reloaded set, not the whole set (unpacking is lazy; 2-process CPU runs,
+# bench/offload_accuracy.py).
+# Not measured by a test: bench/offload_accuracy.py measures it on 2-process CPU runs.
+RELOADED_F_WIDE_TENSORS = 3
 # No profile figure for the host link: PCIe 4.0 x16's typical achieved bandwidth.
 DEFAULT_HOST_LINK_GBPS = 25.0
 # Parameters a node's CPUs update per second in the CPU optimizer step (vectorised fused AdamW over
@@ -67,7 +72,11 @@ def _reloaded_per_token(c: Any, kind: str) -> float:
     holds about the MLP's F-wide tensors (w1 and w3 outputs, SiLU output) and the MLP input at once, not
     its whole set (measured: 2-process CPU runs, bench/offload_accuracy.py). A checkpointed block: its input."""
     whole = moved_block_per_token(c, kind)
-    return min(whole, c.compute_bytes * (3 * c.block_dims.f / c.tp + c.block_dims.h)) if kind == "none" else whole
+    return (
+        min(whole, c.compute_bytes * (RELOADED_F_WIDE_TENSORS * c.block_dims.f / c.tp + c.block_dims.h))
+        if kind == "none"
+        else whole
+    )
 
 
 def reloaded_block(c: Any) -> float:

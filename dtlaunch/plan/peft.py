@@ -49,6 +49,14 @@ NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "wq", "wk"
 # The attention linears of a block, by either name: an MoE block's FFN linears follow them.
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "wq", "wk", "wv", "wo")
 NF4_CODE_TABLE = 16
+# Dequantising one NF4 weight for its matmul (torchao's get_original_weight) holds two int64 code tensors
+# (8 bytes per element) and compute-dtype tensors (the dequantised halves with their scales, the result)
+# at once (measured on CPU).
+# Measured by tests/unit/test_plan_peft.py::test_head_unit_plan_within_5_percent_of_trace
+NF4_DEQUANT_CODE_BYTES = 8
+# The compute-dtype tensors it holds at the same time.
+# Measured by tests/unit/test_plan_peft.py::test_head_unit_plan_within_5_percent_of_trace
+NF4_DEQUANT_COMPUTE_COPIES = 3
 
 
 def nf4_bytes(numel: int, block_size: int, scaler_block_size: int, dtype_bytes: int) -> int:
@@ -136,7 +144,7 @@ def peft_terms(
         quantised = sum(sizes)
         nf4_whole = sum(nf4_bytes(n, b, s, e) for n in sizes)
         nf4_shard = sum(nf4_bytes(n // shards, b, s, e) for n in sizes)
-        dequant = (8 + 3 * e) * max(sizes)
+        dequant = (NF4_DEQUANT_CODE_BYTES + NF4_DEQUANT_COMPUTE_COPIES * e) * max(sizes)
     sp_div = tp if tp > 1 and sp else 1
     norm_dtype = 4 if autocast else e
     act = -2 * norm_dtype * h / sp_div

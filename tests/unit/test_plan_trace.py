@@ -22,6 +22,22 @@ def _stage_peak(job, stage: int) -> float:
         ["strategy=ddp", "launch.nproc_per_node=4", "precision=bf16"],
         # pipeline stages, replayed in 1F1B order: the first (most in flight) and the last (logits)
         ["strategy=pp", "launch.nproc_per_node=2", "strategy.pp_microbatches=2"],
+        # Selective AC under FSDP x sequence parallel (shape.FSDP_SP_SELECTIVE_HIDDEN_STATES: 5 % under without it)
+        [
+            "strategy=fsdp_tp",
+            "launch.nproc_per_node=4",
+            "precision=bf16",
+            "training.activation_checkpointing=selective",
+            "training.micro_batch=4",
+        ],
+        # LoRA, selective AC under sequence parallel (shape.LORA_SELECTIVE_COUNTED_WITHOUT_SP: 10 % under without it)
+        [
+            "strategy=tp",
+            "launch.nproc_per_node=2",
+            "precision=bf16",
+            "peft=lora",
+            "training.activation_checkpointing=selective",
+        ],
     ],
 )
 def test_analytic_within_5_percent_of_trace(overrides):
