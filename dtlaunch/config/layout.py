@@ -112,7 +112,7 @@ def loss_chunks(cfg: Any) -> int:
 
 def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, tp: int) -> bool:
     """Under FSDP2, whether a stage's output head is a unit of its own, gathered only while it runs (its
-    forward, or the chunked loss run as its forward): the one decision the planner (plan/stage.py) and the
+    forward, or the chunked loss run as its forward): the one decision the planner (plan/shape.py) and the
     runtime (train/parallel/head_unit.py) both take. A head tied to the embedding stays in the root with it.
     A frozen head (LoRA / QLoRA, DPO's reference copy) is one, except with a chunked loss under tensor
     parallel: the styles' hooks on its forward would treat the loss as logits, so the loss reads the head

@@ -1,5 +1,5 @@
 """The memory planner's optimizer terms (`optim.name`, `optim.state_dtype`, `optim.in_backward`; pure
-Python, never imports torch). dtlaunch.plan.stage applies them.
+Python, never imports torch). dtlaunch.plan.shape and dtlaunch.plan.stage apply them.
 
 - AdamW (torch): two moments in the parameter's dtype, 8 bytes per trained fp32 element; with
   optim.state_dtype=bf16 the adapters themselves train in bf16 (weights, gradients, moments: 2 + 2 + 4);
@@ -93,7 +93,7 @@ def trained_tensors(c: Any) -> tuple[list[int], list[int]] | None:
 
 
 def optim_terms(c: Any, fused: bool) -> OptimTerms:
-    """The optimizer terms of a stage `c` (dtlaunch.plan.stage.StageShape); `fused`: GPU kernels."""
+    """The optimizer terms of a stage `c` (dtlaunch.plan.shape.StageShape); `fused`: GPU kernels."""
     o = c.cfg.optim
     name = str(o.name)
     bf16 = str(o.state_dtype) == "bf16" and c.peft is not None

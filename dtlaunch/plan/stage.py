@@ -1,15 +1,15 @@
 """One pipeline stage's analytic memory plan (the most loaded rank of the stage), in four phases.
 
-Each phase is a function of the stage's shape (`StageShape`: degrees, dtype sizes, parameter and token
-counts) returning labelled byte counts:
+Each phase is a function of the stage's shape (dtlaunch.plan.shape.StageShape: degrees, dtype sizes,
+parameter and token counts) returning byte counts by line (dtlaunch.plan.lines.Line):
   `static_lines`    what the rank holds for the whole step: fp32 parameters (FSDP2 keeps fp32 shards, DDP
                     fp32 replicas), AdamW state, DDP buckets, accumulated gradients, autocast weight copies,
                     unsharded FSDP parameters (ZeRO-2 holds all of the stage's from forward to the end of
                     backward; ZeRO-3 the root unit), float8 casts, RoPE tables;
   `forward_lines`   saved activations (activations.py) times micro-batches in flight under the pipeline
                     schedule, logits/loss buffers (last stage only), all-to-all buffers;
-  `backward_peak`   the largest of the backward moments (the loss backward; inside the first and the last
-                    block's backward; a later pipeline micro-batch's backward);
+  `backward_peak`   the largest of the backward moments (dtlaunch.plan.backward: the loss backward; inside
+                    the first and the last block's backward; a later pipeline micro-batch's backward);
   `optimizer_lines` at the optimizer step: gradients complete, activations and unsharded buffers gone,
                     and on CPU the foreach-AdamW temporary (GPU runs step with the fused kernel).
 `plan_stage` adds them up; the peak is the largest phase. Planned vs measured: tests/unit/test_plan_stage.py
