@@ -546,6 +546,9 @@ class HardwareConfig:
     host_memory_gib: float = 0.0
     # Host <-> device link per GPU, one direction (GB/s, PCIe): offload transfers in the step-time estimate.
     host_link_gbps: float = 0.0
+    # Device memory bandwidth (GB/s, datasheet): a decode step reads every weight and the KV cache, so
+    # objective=grpo's generation time in the layout search is bounded by it. 0 = unknown (FLOPs only).
+    memory_gbps: float = 0.0
 
 
 @dataclass

@@ -3,6 +3,8 @@ for a mixture of experts, expert-parallel degree) for the job's GPU count that f
 estimated step time.
 
 Step time = compute (model FLOPs incl. recomputation, at the profile's peak x EFFICIENCY)
+          + objective=grpo's rollout (dtlaunch.plan.generation_time: prefill, memory-bound decode steps,
+            FSDP's gathers, the no-grad passes; only the layouts it can generate on are candidates)
           + exposed communication (per collective: message size / bandwidth of the link the group
             spans; overlappable collectives only count what compute cannot hide)
           + pipeline bubble ((p-1)/(v·m) of the pipelined compute).
@@ -19,10 +21,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
+from dtlaunch.config.rules.grpo import grpo_layout_problem
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
 from dtlaunch.plan.experts import a2a_volume_bytes, stage_routed_params
+from dtlaunch.plan.generation_time import generation_seconds
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.offload import HOST_ACTIVATIONS, offload_seconds, offload_variants
 from dtlaunch.plan.peft import qlora_layout_ok
@@ -135,12 +139,14 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) 
     if lay.pp > 1:
         bw = hardware.link_bandwidth(hw, 2, lay.tp * lay.dp)
         comm_exposed += 2 * tok_mb * m.dim * e / lay.tp * accum * v / bw
+    generation = generation_seconds(cfg, lay, EFFICIENCY)
     return {
         "compute": compute,
         "comm": comm_exposed,
         "bubble": bubble,
         "offload": offload_exposed,
-        "total": compute + comm_exposed + bubble + offload_exposed,
+        "generation": generation,
+        "total": compute + comm_exposed + bubble + offload_exposed + generation,
         "flops": flops_model,
     }
 
@@ -188,6 +194,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     world = base.world
     gb = global_batch(cfg, base)
     per_node = int(hw.gpus_per_node) or world
+    grpo = str(cfg.objective.name) == "grpo"
     out = []
     for tp in _divisors(world // cp):
         if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp):
@@ -220,6 +227,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                 _ep_degrees(m, shard, zero, cp), ("none", "selective", "full"), loss_chunk_options(cfg)
                             ):
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
+                                if grpo and grpo_layout_problem(cfg, lay):
+                                    continue  # a layout validate refuses for objective=grpo
                                 st = {
                                     "dp_replicate": rep,
                                     "dp_shard": shard,
@@ -332,8 +341,9 @@ def _why(row: dict, best: dict) -> str:
     if row is best:
         return "fastest"
     a, b = row["times"], best["times"]
-    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble", "offload")}
+    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble", "offload", "generation")}
     label = {
+        "generation": "slower generation",
         "compute": "more recompute",
         "comm": "more exposed communication",
         "bubble": "larger pipeline bubble",

@@ -50,13 +50,20 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
 
 
 def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
-    """The generation batch is whole groups: every prompt's G completions in the same optimizer step, on
-    the same data-parallel rank (the group's mean and std are taken there)."""
     if str(cfg.objective.name) != "grpo":
         return
+    problem = grpo_layout_problem(cfg, layout)
+    if problem:
+        raise ConfigError(problem)
+
+
+def grpo_layout_problem(cfg: Any, layout: Layout) -> str:
+    """Why objective=grpo cannot run on `layout` ("" when it can); `validate` refuses it and `plan --search`
+    skips it. The generation batch is whole groups: every prompt's G completions in the same optimizer step,
+    on the same data-parallel rank (the group's mean and std are taken there)."""
     g = int(cfg.objective.num_generations)
     if layout.pp > 1:
-        raise ConfigError(
+        return (
             f"objective=grpo does not generate under pipeline parallel (strategy.pp={layout.pp}): use "
             f"strategy.pp=1 (FSDP or TP for a model that does not fit one GPU)"
         )
@@ -64,14 +71,15 @@ def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
     # and context parallel's sequence split do not take yet.
     for key, degree in (("tp", layout.tp), ("cp", layout.cp)):
         if degree > 1:
-            raise ConfigError(
+            return (
                 f"objective=grpo does not generate under strategy.{key}={degree} yet: use strategy.{key}=1 "
                 f"(FSDP, strategy=fsdp, shards a model that does not fit one GPU)"
             )
     per_rank = global_batch(cfg, layout) // max(layout.dp, 1)
     if global_batch(cfg, layout) % g or per_rank % g:
-        raise ConfigError(
+        return (
             f"training.global_batch={global_batch(cfg, layout)} ({per_rank} completions per data-parallel rank) "
             f"is not a multiple of objective.num_generations={g}: set training.global_batch to a multiple of "
             f"{g * max(layout.dp, 1)}"
         )
+    return ""
