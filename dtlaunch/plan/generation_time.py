@@ -7,8 +7,8 @@ costs 1/num_iterations of:
   KV cache filled so far: the slower of its FLOPs at the sustained peak and those bytes at the device's
   memory bandwidth (hardware.memory_gbps; FLOPs alone when it is 0). Decode is memory bound on a GPU, so
   data parallelism does not shorten it: every rank reads the whole model once per generated token;
-- under FSDP (ZeRO-2/3), the parameters all-gathered for every forward the generation runs (the prefill
-  and each decode step: the FSDP2 units reshard after each one), on the critical path;
+- under FSDP (ZeRO-2/3), the parameters all-gathered once (dtlaunch.train.parallel.generation_gather),
+  on the critical path;
 - the no-grad passes over the rows: the old policy's (num_iterations > 1) and the reference's (beta > 0).
 """
 
@@ -21,12 +21,6 @@ from dtlaunch.models.dense.shapes import head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
-
-
-def generation_forwards(max_completion_length: int) -> int:
-    """Forwards one rollout runs while generating at most: the prefill, then one per generated token but
-    the last (dtlaunch.infer.batch_generate samples each token from the previous forward's logits)."""
-    return max_completion_length
 
 
 def generation_seconds(cfg: Any, lay: Layout, efficiency: float) -> float:
@@ -51,7 +45,7 @@ def generation_seconds(cfg: Any, lay: Layout, efficiency: float) -> float:
     gather = 0.0
     if lay.shard > 1 and int(cfg.strategy.zero_stage) >= 2:
         bw = hardware.link_bandwidth(hw, lay.shard, lay.tp)
-        gather = generation_forwards(completion) * (lay.shard - 1) / lay.shard * params * e / bw
+        gather = (lay.shard - 1) / lay.shard * params * e / bw
     passes = (int(o.num_iterations) > 1) + (float(o.beta) > 0)
     no_grad = passes * 2 * params * rows * int(t.seq_len) / flops_per_s
     return (prefill + decode + gather + no_grad) / int(o.num_iterations)
