@@ -100,6 +100,19 @@ class _Totals:
         self.last_pairs: dict[str, float] = {}  # preference objectives: the last step's reward metrics
         self.rollouts: dict[int, dict[str, float]] = {}  # objective=grpo: step -> its rollout's metrics
         self.last_rollout: dict[str, float] = {}
+        self.generation_s = 0.0  # objective=grpo: this attempt's seconds generating, and in the rest of the steps
+        self.training_s = 0.0
+        self.generated_tokens = 0.0
+
+    def add_rollout(self, step: int, metrics: dict[str, float], step_s: float) -> None:
+        """A GRPO step's rollout metrics (none on a rollout's later iterations) and its time split: generation,
+        and training (the step less its rollout: rewards, old-policy / reference passes, forward, backward)."""
+        generation = metrics.get("time/generation_s", 0.0)
+        training = step_s - metrics.get("time/rollout_s", 0.0)
+        self.rollouts[step] = {**metrics, "time/training_s": training}
+        self.generation_s += generation
+        self.training_s += step_s - generation
+        self.generated_tokens += metrics.get("generated_tokens_per_s", 0.0) * generation
         self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
 
@@ -162,8 +175,9 @@ class Trainer:
                         self.pace.started()
                     if self.rollout is not None:  # generation and rewards: this step's rows
                         batches = self.rollout.batches(step)
-                        self.totals.rollouts[step] = batches.metrics
                     result = step_fn(rt, batches, step)
+                    if self.rollout is not None:
+                        self.totals.add_rollout(step, batches.metrics, time.perf_counter() - began)
                     if self.pace is not None:
                         self.pace.ended()
                     rate = self.tokens_per_step / (time.perf_counter() - began)
@@ -266,7 +280,7 @@ class Trainer:
     def _rollout_values(self, step: int) -> dict[str, float]:
         """objective=grpo: the metrics of the rollout this step generated (none on its later iterations)."""
         values = self.totals.rollouts.pop(step, {})
-        if values:
+        if "reward" in values:
             self.totals.last_rollout = values
         return values
 
@@ -311,10 +325,20 @@ class Trainer:
             **t.last_eval,
             **t.last_pairs,
             **{k: v for k, v in t.last_rollout.items() if not k.startswith("time/")},
+            **(_time_split(t) if t.last_rollout else {}),
             **(t.stragglers.summary() if t.stragglers is not None else {}),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _time_split(t: _Totals) -> dict[str, float]:
+    """objective=grpo over the whole attempt: the share of step time spent generating, and the rate."""
+    total = t.generation_s + t.training_s
+    return {
+        "generation_share": t.generation_s / total if total else 0.0,
+        "generated_tokens_per_s": t.generated_tokens / t.generation_s if t.generation_s else 0.0,
+    }
 
 
 def _step_stats(result: Any) -> Optional[torch.Tensor]:

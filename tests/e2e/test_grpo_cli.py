@@ -11,6 +11,7 @@ a group whose G samples agree has no spread and so no gradient.)
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,28 @@ def grpo_args(toy: Path, *extra: str) -> list[str]:
 def test_tiny_model_learns_toy_task(trainer, toy: Path, tmp_path: Path, peft: str) -> None:
     lr = "1e-2" if peft == "none" else "3e-2"
     run = tmp_path / "run"
-    trainer.run(run, *grpo_args(toy, "training.steps=15", f"optim.lr={lr}", f"peft={peft}"))
-    rewards = [m["reward"] for m in trainer.metrics(run)]
+    proc = trainer.run(run, *grpo_args(toy, "training.steps=15", f"optim.lr={lr}", f"peft={peft}"))
+    metrics = trainer.metrics(run)
+    rewards = [m["reward"] for m in metrics]
     assert rewards[0] <= 0.3, rewards
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
     sample = (run / "completions" / "step-15.jsonl").read_text().splitlines()
     assert sample and "accuracy" in json.loads(sample[0])["rewards"]
+    # Item 6's metrics: every step's line, the end-of-run summary (file and printed) and the report.
+    last = metrics[-1]
+    for key in ("reward_std", "rewards/accuracy/mean", "rewards/accuracy/std", "completions/mean_length"):
+        assert key in last, key
+    assert 1 <= last["completions/mean_length"] <= last["completions/max_length"] <= 2
+    assert 0 <= last["completions/clipped_ratio"] <= 1 and last["clip_ratio/low_mean"] == 0  # mu = 1: ratio 1
+    assert 0 < last["entropy"] <= math.log(16) and "kl" not in last  # beta = 0: no KL term
+    assert last["time/generation_s"] > 0 and last["time/training_s"] > 0 and last["generated_tokens_per_s"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["generation_share"] < 1 and summary["reward"] == rewards[-1]
+    assert "GRPO" in proc.stdout and "% of step time generating at" in proc.stdout
+    from dtlaunch.report.html import run_report
+    from dtlaunch.report.rundata import read_run
+
+    assert "<h2>rewards</h2>" in run_report(read_run(run))
 
 
 def bad_reward_file(tmp_path: Path, body: str) -> str:

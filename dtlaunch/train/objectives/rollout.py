@@ -174,6 +174,8 @@ class Rollout:
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
         lengths = torch.tensor([len(c) for c in gen.completions], dtype=torch.float32)
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
+        if self.replay is None:  # replayed completions were not sampled: no distribution to measure
+            batches.metrics["entropy"] = gen.entropy
         if self.rank == 0:
             self._write_sample(step, originals, texts, everyone[: len(prompts)], adv)
         return batches
