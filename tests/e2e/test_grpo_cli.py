@@ -188,22 +188,41 @@ def test_plan_of_the_generation_phase(trainer, toy: Path, tmp_path: Path) -> Non
     assert abs(measured / plan["peak_bytes"] - 1) <= 0.08, (measured, plan["peak_bytes"])
 
 
-def test_layouts_train_alike_on_replayed_completions(trainer, toy: Path, tmp_path: Path) -> None:
-    """debug.replay_completions (a test hook) hands every layout the same completions; one process and FSDP2
-    on two ranks must then see the same rewards and losses (within 1e-5) at every step."""
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory) -> Path:
+    """Three rollouts of 32 completions (1-2 tokens, some ending at <eos>) for debug.replay_completions."""
     import random
 
     rng = random.Random(3)
     rollouts = [
         [[rng.choice([1, *range(3, 13)]) for _ in range(rng.randint(1, 2))] for _ in range(32)] for _ in range(3)
     ]
-    replay = tmp_path / "replay.jsonl"
-    replay.write_text("\n".join(json.dumps(r) for r in rollouts) + "\n")
-    common = grpo_args(toy, "training.steps=3", "training.micro_batch=8", f"debug.replay_completions={replay}")
-    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
-    trainer.run(one, *common)
-    trainer.run(fsdp, *common, "strategy=fsdp", "launch.nproc_per_node=2")
-    a, b = trainer.metrics(one), trainer.metrics(fsdp)
-    assert [m["reward"] for m in a] == [m["reward"] for m in b] and len(a) == 3
-    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (a, b)
-    assert any(abs(m["loss"]) > 1e-4 for m in a)  # the losses are not all zero
+    out = tmp_path_factory.mktemp("replay") / "replay.jsonl"
+    out.write_text("\n".join(json.dumps(r) for r in rollouts) + "\n")
+    return out
+
+
+@pytest.mark.parametrize(
+    "peft, layouts",
+    [
+        ("none", [["strategy=fsdp"], ["strategy=ddp"]]),
+        ("lora", [["strategy=fsdp"]]),
+    ],
+)
+def test_layouts_train_alike_on_replayed_completions(
+    trainer, toy: Path, tmp_path: Path, replay: Path, peft: str, layouts: list
+) -> None:
+    """debug.replay_completions (a test hook) hands every layout the same completions; one process and each
+    two-rank layout (FSDP2 and DDP; LoRA on FSDP2) must then see the same rewards and losses (within 1e-5)
+    at every step."""
+    common = grpo_args(
+        toy, "training.steps=3", "training.micro_batch=8", f"debug.replay_completions={replay}", f"peft={peft}"
+    )
+    trainer.run(tmp_path / "one", *common)
+    a = trainer.metrics(tmp_path / "one")
+    assert len(a) == 3 and any(abs(m["loss"]) > 1e-4 for m in a)  # the losses are not all zero
+    for i, layout in enumerate(layouts):
+        trainer.run(tmp_path / f"two{i}", *common, *layout, "launch.nproc_per_node=2")
+        b = trainer.metrics(tmp_path / f"two{i}")
+        assert [m["reward"] for m in a] == [m["reward"] for m in b], layout
+        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (layout, a, b)
