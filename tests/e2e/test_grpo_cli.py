@@ -126,6 +126,10 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
         (["strategy=tp", "launch.nproc_per_node=2"], "objective=grpo does not generate under strategy.tp=2 yet"),
         (["data.format=text"], "objective=grpo generates its completions from prompts, not data.format=text"),
         (["objective.max_completion_length=8"], "objective.max_completion_length=8 leaves no room for a prompt"),
+        (
+            ["objective.num_iterations=2", "checkpoint.every_steps=3"],
+            "checkpoint.every_steps=3 is not a multiple of objective.num_iterations=2",
+        ),
     ],
 )
 def test_grpo_config_rules(toy: Path, extra: list, message: str) -> None:
@@ -153,22 +157,31 @@ def test_prompt_too_long_refused(toy: Path, tmp_path: Path) -> None:
     ) and "raise training.seq_len to at least 4" in str(err.value)
 
 
-def test_fsdp_killed_and_resumed_equals_ddp(trainer, toy: Path, tmp_path: Path) -> None:
-    """Two ranks. DDP straight through; FSDP2 (ZeRO-3) with rank 1 SIGKILLed as step 3 begins (before its
-    rollout), restarted by the launcher and resumed from the step-2 checkpoint. Every step's rewards and
-    loss must be the same, bit for bit: each rank samples from the same seeds and weights on both layouts,
-    and the resumed rollout regenerates what the uninterrupted one would have."""
-    common = grpo_args(toy, "training.steps=4", "training.micro_batch=8", "launch.nproc_per_node=2", "optim.lr=1e-2")
-    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    trainer.run(ddp, *common, "strategy=ddp")
-    kill = ["debug.fail_at_step=3", "debug.fail_mode=sigkill", "debug.fail_rank=1", "launch.max_restarts=1"]
+def test_fsdp_killed_and_resumed_equals_uninterrupted(trainer, toy: Path, tmp_path: Path) -> None:
+    """FSDP2 (ZeRO-3) on two ranks, two optimizer steps per generation batch (mu = 2: steps 1-2 and 3-4
+    each share a rollout). Straight through, and with rank 1 SIGKILLed as step 4 begins (mid-way through
+    the second batch's steps), restarted by the launcher and resumed from the step-2 checkpoint. Every
+    step's rewards and loss must be the same, bit for bit: the resumed rollout regenerates what the
+    uninterrupted one did from the same seeds and weights (the checkpoints fall on batch boundaries:
+    config.rules.grpo). (DDP trains alike within 1e-5: the replayed-completions test.)"""
+    common = grpo_args(
+        toy,
+        "training.steps=4",
+        "training.micro_batch=8",
+        "launch.nproc_per_node=2",
+        "optim.lr=1e-2",
+        "objective.num_iterations=2",
+    )
+    straight, fsdp = tmp_path / "straight", tmp_path / "fsdp"
+    trainer.run(straight, *common, "strategy=fsdp")
+    kill = ["debug.fail_at_step=4", "debug.fail_mode=sigkill", "debug.fail_rank=1", "launch.max_restarts=1"]
     proc = trainer.run(fsdp, *common, "strategy=fsdp", "checkpoint.enabled=true", "checkpoint.every_steps=2", *kill)
     assert "resumed from step-00000002" in proc.stdout + proc.stderr
 
     def steps(run: Path) -> list[tuple]:
         return [(m["step"], m["loss"], m.get("reward")) for m in trainer.metrics(run)]
 
-    assert steps(fsdp) == steps(ddp) and len(steps(ddp)) == 4
+    assert steps(fsdp) == steps(straight) and len(steps(straight)) == 4
 
 
 def test_plan_of_the_generation_phase(trainer, toy: Path, tmp_path: Path) -> None:

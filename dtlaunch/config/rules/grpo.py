@@ -42,6 +42,15 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
         raise ConfigError(
             "objective.rewards is empty: name at least one reward function, e.g. objective.rewards=[accuracy]"
         )
+    mu, every = int(o.num_iterations), int(cfg.checkpoint.every_steps)
+    if bool(cfg.checkpoint.enabled) and every > 0 and every % mu:
+        # A checkpoint inside a generation batch could not be resumed exactly: the batch's completions came
+        # from the weights at its first step, which the checkpoint no longer holds.
+        raise ConfigError(
+            f"checkpoint.every_steps={every} is not a multiple of objective.num_iterations={mu}: a resume "
+            f"would regenerate a generation batch from later weights; set checkpoint.every_steps to a "
+            f"multiple of {mu}"
+        )
     if int(t.eval_every) > 0:
         raise ConfigError(
             f"training.eval_every={t.eval_every}: validation is not computed for objective=grpo yet: set "
