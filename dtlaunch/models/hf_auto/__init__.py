@@ -19,5 +19,6 @@ SPEC = register(
         "dtlaunch.models.hf_auto.build:build_model",
         tp_plan="dtlaunch.models.hf_auto.tp_plan",
         check="dtlaunch.models.hf_auto.check:check",
+        hf_attention=True,
     )
 )
