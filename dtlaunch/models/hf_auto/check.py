@@ -40,7 +40,7 @@ def check_ulysses_attention(cfg: Any) -> None:
     c = read_hf_config(hf_source_dir(cfg.model.init_from))
     seq = int(cfg.training.seq_len)
     window = c.get("sliding_window")
-    if window and c.get("use_sliding_window", True) and int(window) < seq:
+    if isinstance(window, (int, float)) and window and c.get("use_sliding_window", True) and window < seq:
         raise ConfigError(
             f"strategy.cp={cfg.strategy.cp}: this model's sliding_window={window} is shorter than training.seq_len="
             f"{seq}, and context parallel attention is plain causal: use training.seq_len<={window} or strategy.cp=1"
