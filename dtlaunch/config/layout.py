@@ -5,6 +5,7 @@ Pure Python (no torch) so the planner, the validators and the workers all agree 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,15 @@ def rows_per_sample(cfg: Any) -> int:
     """2 for preference pairs (a chosen and a rejected row per sample), else 1 (a GRPO sample is one
     completion): the planner's tokens, the runtime's throughput and the MLP's tiles all count rows."""
     return 1 if str(cfg.objective.name) in ("sft", "grpo") else 2
+
+
+def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
+    """K/V heads (of one tensor-parallel rank) that Ulysses' all-to-all carries: all of them when cp divides
+    them, each rank then receiving kv_heads / cp whole groups of query heads; otherwise (grouped-query
+    attention with fewer K/V heads than CP ranks, e.g. 8 over cp=16) each K/V head repeated until the count
+    is lcm(kv_heads, cp), so that every rank receives the K/V heads its query heads read. The runtime
+    (train/parallel/ulysses.py) and the planner (plan/ulysses_terms.py) both take the count from here."""
+    return kv_heads if kv_heads % cp == 0 else math.lcm(kv_heads, cp)
 
 
 # training.mlp_tiles=0: tiles of at most this many tokens (a micro-batch's rows x its local sequence).

@@ -79,9 +79,12 @@ class StrategyConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
-    # Context parallel: each sequence split over this many ranks (load-balanced chunks, ring attention);
-    # parameters are sharded over dp_shard x cp.
+    # Context parallel: each sequence split over this many ranks (load-balanced chunks); parameters are
+    # sharded over dp_shard x cp.
     cp: int = 1
+    # How attention spans the split sequence (CpStyle): ring (K/V of the whole sequence exchanged, every
+    # head on every rank) or ulysses (an all-to-all turns sequence shards into head shards around attention).
+    cp_style: CpStyle = field(default_factory=lambda: CpStyle.ring)
     # 0 = DDP, 1 = optimizer state sharded, 2 = + gradients sharded, 3 = + parameters (FSDP full shard)
     zero_stage: int = 0
     sequence_parallel: bool = True
@@ -239,6 +242,17 @@ class Float8Recipe(Choice):
     none = "none"
     tensorwise = "tensorwise"
     rowwise = "rowwise"
+
+
+class CpStyle(Choice):
+    """How context parallel attends over a sequence split across ranks (docs/long-context.md)."""
+
+    # Each rank keeps all heads of its own tokens and gathers every rank's K/V (ring attention): any
+    # head count, exchange grows with the whole sequence.
+    ring = "ring"
+    # DeepSpeed-Ulysses: an all-to-all trades sequence shards for head shards, each rank attends over the
+    # whole sequence for heads / cp heads with the plain kernel, and back; exchange stays per-rank sized.
+    ulysses = "ulysses"
 
 
 class AcMode(Choice):

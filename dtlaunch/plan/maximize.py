@@ -8,6 +8,7 @@ values that fit are a prefix of the candidates."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -36,7 +37,26 @@ class Maximized:
 
 
 def maximize(cfg: Any, key: str) -> Maximized:
-    """The largest value of `key` (see MAXIMIZABLE) whose plan fits, by bisection over its candidates."""
+    """The largest value of `key` (see MAXIMIZABLE) whose plan fits, by bisection over its candidates. With
+    context parallel, both attention styles (strategy.cp_style) are searched and the larger wins; the other
+    style, when it wins, is among the savers to paste."""
+    best = _maximize(cfg, key)
+    if int(cfg.strategy.cp) == 1:
+        return best
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.schema import CpStyle
+
+    other = CpStyle.ring if cfg.strategy.cp_style == CpStyle.ulysses else CpStyle.ulysses
+    job = copy.deepcopy(cfg)
+    OmegaConf.update(job, "strategy.cp_style", str(other))
+    alt = _maximize(job, key)
+    if alt.value is not None and (best.value is None or alt.value > best.value):
+        return dataclasses.replace(alt, savers=(f"strategy.cp_style={other}", *alt.savers))
+    return best
+
+
+def _maximize(cfg: Any, key: str) -> Maximized:
     from dtlaunch.models.registry import model_spec
 
     grpo = str(cfg.objective.name) == "grpo"

@@ -22,9 +22,9 @@ import math
 from typing import Any
 
 from dtlaunch.config.layout import head_unit
+from dtlaunch.plan.cp_terms import forward_exchange_bytes
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.loss_terms import loss_chunks
-from dtlaunch.plan.ring_terms import forward_exchange_bytes, sequence_tokens
 
 FROZEN_COPY = "reference copy"
 PHASE_REFERENCE = "reference forward"
@@ -72,7 +72,7 @@ def reference_layer_bytes(c: Any) -> float:
         return 0.0
     layer = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.e)
     if c.cp > 1:
-        layer += forward_exchange_bytes(c.d, c.e, c.tp, sequence_tokens(c))
+        layer += forward_exchange_bytes(c)
     return layer
 
 

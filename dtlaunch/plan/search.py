@@ -22,6 +22,7 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
 from dtlaunch.config.rules.grpo import grpo_layout_problem
+from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
@@ -30,6 +31,7 @@ from dtlaunch.plan.generation_time import generation_seconds
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.offload import HOST_ACTIVATIONS, offload_seconds, offload_variants
 from dtlaunch.plan.peft import qlora_layout_ok
+from dtlaunch.plan.ulysses_terms import qkv_width
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
 HIDDEN_FRACTION = 0.8  # share of overlappable communication that compute can hide at best
@@ -88,10 +90,18 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) 
     parts: dict[str, float] = {}
     if lay.cp > 1:
         bw = hardware.link_bandwidth(hw, lay.cp, lay.tp)
-        # Per layer: K and V all-gathered in forward and again in backward, their fp32 gradients
-        # reduce-scattered; not overlapped with the attention that waits for them.
-        kv = 2 * t.micro_batch * t.seq_len * kv_width(m) / lay.tp
-        vol = (lay.cp - 1) / lay.cp * kv * (2 * e + 4) * m.n_layers * accum
+        if cfg.strategy.cp_style == CpStyle.ulysses:
+            # Per layer: this rank's q, k, v and output all-to-all'd in forward, their gradients in backward
+            # (dtlaunch.plan.ulysses_terms); each sends (cp - 1) / cp of one rank's share.
+            hd = kv_width(m) // int(m.n_heads)
+            kv = int(m.n_kv_heads or m.n_heads)
+            width = qkv_width(int(m.n_heads), kv, hd, lay.tp, lay.cp) + kv_width(m) / lay.tp
+            vol = (lay.cp - 1) / lay.cp * 2 * e * width * tok_mb * m.n_layers * accum
+        else:
+            # Per layer: K and V all-gathered in forward and again in backward, their fp32 gradients
+            # reduce-scattered; not overlapped with the attention that waits for them.
+            kv = 2 * t.micro_batch * t.seq_len * kv_width(m) / lay.tp
+            vol = (lay.cp - 1) / lay.cp * kv * (2 * e + 4) * m.n_layers * accum
         parts["cp"] = vol / bw
         comm_exposed += parts["cp"]
     if lay.tp > 1:

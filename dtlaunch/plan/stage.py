@@ -36,6 +36,7 @@ from dtlaunch.config.layout import (
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
+from dtlaunch.plan.cp_terms import backward_exchange_bytes
 from dtlaunch.plan.experts import all_to_all_bytes, grouped_gemm, rank_imbalance, stage_routed_params
 from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
 from dtlaunch.plan.hardware import fused_optimizer, gloo_collectives
@@ -49,7 +50,6 @@ from dtlaunch.plan.loss_terms import (
 from dtlaunch.plan.objective import reference_phases, reference_static_lines
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, gathered_block, param_lines, peft_terms
-from dtlaunch.plan.ring_terms import backward_exchange_bytes, sequence_tokens
 from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
 
 # Lines that do not exist at the optimizer step (freed after backward).
@@ -507,7 +507,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     if c.cp > 1:
         # Every row of the micro-batch (a preference pair is two: real 2-rank gloo DPO runs, CP(2), were
         # 3 % under with the exchange of one row per sample).
-        work += backward_exchange_bytes(d, e, tp, sequence_tokens(c))
+        work += backward_exchange_bytes(c)
     if c.autocast and c.kept < layers:
         work += e * (c.ft.adapters_block if c.ft else c.blk - c.norm_gains)  # the recomputed block casts its weights
     # The loss backward frees the final norm's and log_softmax's saved tensors of its own micro-batch

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtlaunch.config.layout import Layout, mlp_tiles, shards_with_fsdp
+from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
@@ -61,7 +62,11 @@ def parallelize(
 
         apply_tp(model, tp_mesh, cfg)
     cp_mesh = sub_mesh(world_mesh, "cp")
-    if cp_mesh is not None:
+    if cp_mesh is not None and cfg.strategy.cp_style == CpStyle.ulysses:
+        from dtlaunch.train.parallel.ulysses import apply_ulysses
+
+        apply_ulysses(model, cp_mesh)  # head shards over the whole sequence, of TP's local heads
+    elif cp_mesh is not None:
         from dtlaunch.train.parallel.context_parallel import apply_cp
 
         apply_cp(model, cp_mesh)  # attention over the whole sequence; TP's heads stay local to a CP rank
