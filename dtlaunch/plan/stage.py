@@ -363,7 +363,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
         lines["DDP buckets"] = 4 * c.trained
     if c.accum > 1:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
-        # reduce-scatters every micro-step (dtlaunch.train.parallel.parallelize.grad_sync) and keeps only shards.
+        # reduce-scatters every micro-step (dtlaunch.train.step.grad_sync) and keeps only shards.
         lines["accumulated gradients"] = c.grads
     copies = _autocast_weight_copies(c)
     if copies is not None and c.last and loss_chunks(c) > 1 and (not c.ft or c.tied_head):

@@ -1,14 +1,17 @@
 """The training loop, read top to bottom: `Trainer(cfg, run_dir, env).fit()`.
 
 Built once: the runtime (dtlaunch.train.runtime: model parts, optimizers, schedules), the data loaders,
-the checkpoint manager (which resumes), metrics and the peak-memory tracker. Each step: fault injection
-(tests), the optimizer step, the step's outcome into the window the ranks agree on (dtlaunch.train
-.step_sync), evaluation, metrics lines, the checkpoint cadence, and a preemption stop. Every way out
-(finished, preempted, failed) goes through `close`.
+the checkpoint manager (which resumes), metrics and the peak-memory tracker. Each step: the optimizer step
+(dtlaunch.train.step, its loss dtlaunch.train.loss), the step's outcome into the window the ranks agree on
+(dtlaunch.train.step_sync), evaluation, metrics lines, the checkpoint cadence, and a preemption stop.
+Every way out (finished, preempted, failed) goes through `close`. Fault injection for tests (debug.*)
+wraps the step numbers, the step function and the final save at setup (dtlaunch.train.fault_injection),
+never a call in the loop.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -146,7 +149,6 @@ class Trainer:
         self.tracker = PeakTracker(held, rt.optimizers, enabled=True, device=env.device)
         self.watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
         self.loop = LoopSettings.of(cfg)
-        self.faults = Faults.of(cfg, env.rank)  # tests only (debug.*): dtlaunch.train.fault_injection
         t = cfg.training
         self.totals = _Totals()
         # Each rank's time per step rides on the window collective; rank 0 names a slow rank.
@@ -157,7 +159,11 @@ class Trainer:
         self.tokens_per_step = rows_per_sample(cfg) * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
-        self.step_fn = self.faults.wrap(self.step_fn)
+        # Tests only (debug.*); each wrapper is what it wraps in a real run.
+        faults = Faults.of(cfg, env.rank)
+        self.step_fn = faults.wrap_step(self.step_fn)
+        self.steps = faults.wrap_steps(range(self.start + 1, self.loop.steps + 1))
+        self.save_final = faults.wrap_final_save(functools.partial(self.ckpt.save, final=True), self.loop.steps)
 
     def fit(self) -> None:
         """Steps start+1 .. training.steps, then the final checkpoint and the summary. A preemption stop
@@ -165,12 +171,10 @@ class Trainer:
         loop, rt, sync, step_fn, batches = self.loop, self.rt, self.sync, self.step_fn, self.step_loader
         rank_log(f"training steps {self.start + 1}..{loop.steps}")
         try:
-            for step in range(self.start + 1, loop.steps + 1):
-                self.faults.maybe_fail(step)
+            for step in self.steps:
                 lr = rt.schedulers[0].get_last_lr()[0]
                 began = time.perf_counter()
                 with self.watch.step(step), self.tracker.step(step):
-                    self.faults.slow_down()
                     if self.pace is not None:
                         self.pace.started()
                     if self.rollout is not None:  # generation and rewards: this step's rows
@@ -209,9 +213,8 @@ class Trainer:
                         raise preemption.PreemptionStop(step, sync.signum)
                 self.totals.ended[step] = time.perf_counter()
             self._drain(loop.steps)
-            self.faults.maybe_fail(loop.steps + 1)  # fault injection "after the last step": before the final checkpoint
             final_step = max(self.start, loop.steps)
-            self.ckpt.save(final_step, final=True)
+            self.save_final(final_step)
         except (preemption.PreemptionStop, KeyboardInterrupt):
             raise
         except BaseException:

@@ -209,11 +209,11 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.data import build_loader
+    from dtlaunch.train.loss import cross_entropy, loss_context
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh, dp_rank_size
     from dtlaunch.train.parallel.parallelize import parallelize
     from dtlaunch.train.parallel.process_group import init_distributed
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy, loss_context
 
     run_dir = Path(os.environ["DTLAUNCH_RUN_DIR"])
     cfg = compose(overrides).cfg

@@ -15,11 +15,11 @@ from dtlaunch.config.validate import validate
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.offload import HOST_ACTIVATIONS
+from dtlaunch.train.loss import cross_entropy
 from dtlaunch.train.offload_activations import apply_activation_offload, is_weight
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.parallelize import compute_context
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
 BASE = ["launch.nproc_per_node=1", "training.activation_offload=true", "model=tiny", "training.seq_len=64"]
 MODES = [

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+from dtlaunch.train.loss import cross_entropy
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 

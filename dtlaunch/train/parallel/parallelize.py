@@ -215,15 +215,3 @@ def compute_context(model_parts: Iterable[nn.Module], cfg: Any, device: torch.de
     if dtype == torch.float32 or all(uses_fsdp(m) for m in model_parts):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
-
-
-def grad_sync(model_parts: Iterable[nn.Module], enabled: bool) -> Any:
-    """DDP skips its all-reduce on non-final accumulation micro-steps (gradients just add up locally).
-
-    FSDP (ZeRO-2/3) reduce-scatters on every micro-step instead: skipping it would keep the full,
-    unsharded gradients (4 bytes/param) alive between micro-steps, undoing the memory ZeRO saves."""
-    stack = contextlib.ExitStack()
-    for m in model_parts:
-        if not enabled and not uses_fsdp(m) and hasattr(m, "no_sync"):
-            stack.enter_context(m.no_sync())
-    return stack
