@@ -106,6 +106,7 @@ class _Totals:
         self.generation_s = 0.0  # objective=grpo: this attempt's seconds generating, and in the rest of the steps
         self.training_s = 0.0
         self.generated_tokens = 0.0
+        self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
     def add_rollout(self, step: int, metrics: dict[str, float], step_s: float) -> None:
         """A GRPO step's rollout metrics (none on a rollout's later iterations) and its time split: generation,
@@ -116,7 +117,6 @@ class _Totals:
         self.generation_s += generation
         self.training_s += step_s - generation
         self.generated_tokens += metrics.get("generated_tokens_per_s", 0.0) * generation
-        self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
 
 class Trainer:
