@@ -149,6 +149,17 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
 
 
+def offload_composes_with_compile(activation_checkpointing: Any) -> bool:
+    """Whether `training.activation_offload` combines with `training.compile` under this checkpointing mode.
+
+    Each block is compiled inside its checkpoint wrapper: the offload hooks and the checkpoint's saving of
+    the block input stay eager around the compiled graph (Dynamo would otherwise trace the hooks into it),
+    and the compiled block runs again for the recompute. That needs every block checkpointed whole:
+    `full`. The rule (config.rules.offload), the layout search (plan.offload) and the runtime
+    (train.parallel.parallelize) decide through this one function."""
+    return str(activation_checkpointing) == "full"
+
+
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:
     """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
     gb = global_batch(cfg, layout)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.config.layout import offload_composes_with_compile
+
 # Static lines FSDP's CPU offload keeps on the host.
 CPU_OFFLOADED = ("parameters", "adapter parameters", "optimizer state", "accumulated gradients")
 # The CPU optimizer's lines at the step.
@@ -183,7 +185,7 @@ def offload_variants(cfg: Any, lay: Any, st: dict, tr: dict) -> list[tuple[bool,
     one_rank_fsdp = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp == 1
     if not float(cfg.hardware.host_memory_gib):
         return [] if one_rank_fsdp else [(False, False)]
-    act = lay.pp == 1 and not cfg.training.compile
+    act = lay.pp == 1 and (not cfg.training.compile or offload_composes_with_compile(tr["activation_checkpointing"]))
     cpu = int(st["zero_stage"]) >= 2 and lay.tp == lay.pp == lay.ep == 1
     cpu = cpu and cfg.precision.float8 == "none" and str(cfg.peft.method) != "qlora"
     if one_rank_fsdp:

@@ -43,6 +43,10 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["recipe=tiny_tp", "strategy=fsdp_tp", "launch.nproc_per_node=4", "strategy.cpu_offload=true"], "strategy.tp=2"),
     (["recipe=tiny_fsdp", "strategy.cpu_offload=true", "hardware.host_memory_gib=0"], "hardware.host_memory_gib"),
     (["training.activation_offload=true", "training.compile=true"], "training.compile=false"),
+    (
+        ["training.activation_offload=true", "training.compile=true", "training.activation_checkpointing=selective"],
+        "training.activation_checkpointing=full",
+    ),
     (["recipe=tiny_pp", "training.activation_offload=true"], "strategy.pp=2"),
     (["hardware.host_memory_gib=-1"], "hardware.host_memory_gib"),
     (["hardware.host_link_gbps=nan"], "hardware.host_link_gbps"),

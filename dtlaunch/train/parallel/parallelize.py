@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, mlp_tiles, shards_with_fsdp
+from dtlaunch.config.layout import Layout, mlp_tiles, offload_composes_with_compile, shards_with_fsdp
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
@@ -77,7 +77,10 @@ def parallelize(
 
         apply_activation_offload(model, device)
     if cfg.training.compile:
-        apply_compile(model)
+        offload = bool(cfg.training.activation_offload)
+        apply_compile(
+            model, inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing)
+        )
     fsdp = shards_with_fsdp(cfg, layout)
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
     # FSDP2 shards what is stored.
@@ -105,10 +108,14 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`)."""
+def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> None:
+    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`).
+
+    inside_checkpoint (activation offload): compile the block each checkpoint wrapper holds, not the
+    wrapper, so that the offload hooks on the wrapper and the checkpoint's saving of the block input run
+    eagerly outside the compiled graph; the recompute in backward runs the compiled block again."""
     for block in model.layers.values():
-        block.compile()
+        (block._checkpoint_wrapped_module if inside_checkpoint else block).compile()
 
 
 def mp_policy(cfg: Any) -> Any:
