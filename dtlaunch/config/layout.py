@@ -160,6 +160,24 @@ def offload_composes_with_compile(activation_checkpointing: Any) -> bool:
     return str(activation_checkpointing) == "full"
 
 
+def autocast_compute(cfg: Any, layout: Layout) -> bool:
+    """Low-precision compute by autocast (fp32 master weights, DDP or one process) rather than by FSDP's
+    mixed-precision policy (train.parallel.parallelize.compute_context; the planner's `autocast`)."""
+    return str(cfg.precision.param_dtype) != "fp32" and not shards_with_fsdp(cfg, layout)
+
+
+def residual_in_compute_dtype(cfg: Any, layout: Layout) -> bool:
+    """precision.residual_dtype asks autocast's fp32 residual stream to be kept in the compute dtype instead:
+    the runtime casts the embedding's output (the decoder's `residual_dtype`) and the planner counts the
+    blocks' residual terms as the compute dtype's (as under FSDP's mixed precision)."""
+    return autocast_compute(cfg, layout) and str(cfg.precision.residual_dtype) not in ("auto", "fp32")
+
+
+def fp32_residual(cfg: Any, layout: Layout) -> bool:
+    """The residual stream is fp32 while the blocks compute in a lower precision (autocast, the default)."""
+    return autocast_compute(cfg, layout) and not residual_in_compute_dtype(cfg, layout)
+
+
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:
     """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
     gb = global_batch(cfg, layout)

@@ -133,6 +133,12 @@ class PrecisionConfig:
     # Test and debug path, not a speed feature: torchao's emulated float8 matmuls (the same casts and scales,
     # products computed in fp32) let precision.float8 run on CPU or GPUs without float8 tensor cores.
     float8_emulate: bool = False
+    # The residual stream between the blocks (what full activation checkpointing keeps per block, and
+    # its gradient in backward). auto: today's behaviour, fp32 under autocast (DDP, one process: the
+    # fp32 embedding's output and fp32 residual adds) and the compute dtype under FSDP's mixed precision;
+    # bf16 / fp16: the compute dtype under autocast too (as an all-bf16 model keeps it: half the bytes,
+    # rounding each residual add; loss difference measured in docs/long-context.md); fp32: fp32 (autocast only).
+    residual_dtype: ResidualDtype = field(default_factory=lambda: ResidualDtype.auto)
 
 
 @dataclass
@@ -228,6 +234,15 @@ class Choice(str, Enum):
 class Dtype(Choice):
     """A floating-point format of parameters, compute and reductions."""
 
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ResidualDtype(Choice):
+    """The dtype of the residual stream between the blocks (see PrecisionConfig.residual_dtype)."""
+
+    auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"

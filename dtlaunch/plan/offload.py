@@ -45,7 +45,7 @@ def moved_block_per_token(c: Any, kind: str) -> float:
     if kind == "none":
         return c.by_kind["none"]
     # A checkpointed block: only its input goes through the hooks (the full-AC set is the input).
-    return c.act.block_bytes(c.d, c.e, "full", c.tp, c.sp, c.autocast, c.compiled)
+    return c.act.block_bytes(c.d, c.e, "full", c.tp, c.sp, c.fp32_residual, c.compiled)
 
 
 def moved_per_token(c: Any) -> float:
@@ -82,7 +82,11 @@ def moved_activation_lines(c: Any) -> dict[str, float]:
     LoRA's; autocast's weight copies stay (its cast cache holds them through forward)."""
     if not activation_offload(c):
         return {}
-    rope = c.act.rope_cast_bytes(c.d, c.e, int(c.t.seq_len) // c.cp) * c.kept if c.autocast and not c.compiled else 0.0
+    rope = (
+        c.act.rope_cast_bytes(c.d, c.e, int(c.t.seq_len) // c.cp) * c.kept
+        if c.fp32_residual and not c.compiled
+        else 0.0
+    )
     moved = {"activations": (moved_per_token(c) * c.tokens + rope * (c.t.micro_batch // c.n_mb) / c.t.micro_batch)}
     moved["activations"] *= c.held
     if c.ft:

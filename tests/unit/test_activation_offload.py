@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dtlaunch.config.compose import compose
+from dtlaunch.config.layout import residual_in_compute_dtype
 from dtlaunch.config.validate import validate
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.memory import plan_memory
@@ -28,14 +29,20 @@ MODES = [
     ["training.activation_checkpointing=selective"],
     ["training.activation_checkpointing=selective", "training.ac_policy=layer"],
     ["precision=bf16"],
+    ["precision=bf16", "precision.residual_dtype=bf16"],
+    ["precision=bf16", "precision.residual_dtype=bf16", "training.activation_checkpointing=full"],
+    ["precision=bf16", "precision.residual_dtype=bf16", "training.activation_checkpointing=selective"],
 ]
 
 
 def _step(overrides: list[str], offload: bool = True, copy: bool = False) -> tuple[dict, float, torch.Tensor, list]:
     cfg = compose([*BASE, "training.micro_batch=2", *overrides]).cfg
-    plan = plan_memory(cfg, validate(cfg).layout)
+    layout = validate(cfg).layout
+    plan = plan_memory(cfg, layout)
     cpu = torch.device("cpu")
     model = model_spec(cfg.model).build(cfg.model, rope_len=64, device="meta")
+    if residual_in_compute_dtype(cfg, layout):
+        model.keep_residual_in(torch.bfloat16)
     apply_ac(model, cfg.training)
     off = apply_activation_offload(model, cpu, copy=copy) if offload else None
     materialize_and_init(model, cpu, 1, init_source=model)
@@ -52,7 +59,7 @@ def _step(overrides: list[str], offload: bool = True, copy: bool = False) -> tup
     return counts, plan.worst.host[HOST_ACTIVATIONS], loss.detach(), grads
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "+".join(x.split("=")[1] for x in m))
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "+".join(x.split("=")[1] for x in m) + f"-{len(m)}")
 def test_packed_bytes_are_the_planned_host_bytes(mode: list[str]) -> None:
     counts, planned, _, _ = _step(mode)
     assert counts["packed"] == planned, (counts, planned)

@@ -19,7 +19,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, mlp_tiles, offload_composes_with_compile, shards_with_fsdp
+from dtlaunch.config.layout import (
+    Layout,
+    mlp_tiles,
+    offload_composes_with_compile,
+    residual_in_compute_dtype,
+    shards_with_fsdp,
+)
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
@@ -54,6 +60,8 @@ def parallelize(
     data_mesh = dp_mesh(world_mesh)
     if data_mesh is None and shards_with_fsdp(cfg, layout):
         data_mesh = world_mesh["dp_shard"]  # CPU offload on one rank: FSDP over the world's 1-sized dim
+    if residual_in_compute_dtype(cfg, layout):  # precision.residual_dtype (checked: a registry decoder)
+        model.keep_residual_in(torch_dtype(cfg.precision.param_dtype))
     apply_float8(model, cfg.precision, device, fsdp=shards_with_fsdp(cfg, layout))
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
