@@ -149,6 +149,23 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
 
 
+def activation_offload(cfg: Any, pp: int) -> bool:
+    """training.activation_offload as the job runs it (the planner, the layout search and the runtime ask
+    here). true / false: as set. null, the default: on where it costs no step time by the plan's
+    step-time model (plan.search.step_time hides host copies behind compute) and changes no numerics:
+    under full activation checkpointing only each block's input moves (h values a token and block, against
+    the block's ~24·h² FLOPs a token, computed and recomputed), on a GPU profile (hardware.gpus_per_node
+    > 0) whose host RAM is known, without pipeline parallel (which the offload hooks do not support) and
+    without strategy.cpu_offload (whose state copies already fill the host link beyond what compute hides,
+    so the step-time model adds every activation copy to the step)."""
+    t, hw = cfg.training, cfg.hardware
+    if t.activation_offload is not None:
+        return bool(t.activation_offload)
+    full = str(t.activation_checkpointing) == "full"
+    free = pp == 1 and not cfg.strategy.cpu_offload
+    return full and free and int(hw.gpus_per_node) > 0 and float(hw.host_memory_gib) > 0
+
+
 def offload_composes_with_compile(activation_checkpointing: Any) -> bool:
     """Whether `training.activation_offload` combines with `training.compile` under this checkpointing mode.
 

@@ -161,7 +161,9 @@ class TrainingConfig:
     # The blocks' saved activations (under activation checkpointing: the checkpointed block inputs) move to
     # pinned host memory in forward and back in backward, on a side CUDA stream; the output head's and the
     # loss's stay on the device. Same losses; costs host memory and host-link time (both planned).
-    activation_offload: bool = False
+    # null (default): on where it costs no step time (config.layout.activation_offload: full activation
+    # checkpointing on a GPU profile with host RAM, no pipeline parallel); true / false: as set.
+    activation_offload: Optional[bool] = None
     # Each block's SwiGLU MLP runs over this many tiles of the sequence, each recomputed in backward, so a
     # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.tiled_mlp, ALST's
     # TiledMLP). 0: from the plan (config.layout.mlp_tiles: tiles of at most 8192 tokens, so untiled up to

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.config.layout import activation_offload as offload_on
 from dtlaunch.config.layout import offload_composes_with_compile
 
 # Static lines FSDP's CPU offload keeps on the host.
@@ -33,7 +34,7 @@ CPU_ADAM_PARAMS_PER_S = 2e9
 
 
 def activation_offload(c: Any) -> bool:
-    return bool(c.t.activation_offload)
+    return offload_on(c.cfg, c.pp)
 
 
 def cpu_offload(c: Any) -> bool:
@@ -165,7 +166,7 @@ def offload_seconds(cfg: Any, lay: Any, stage_moved: float, params_local: float,
     from dtlaunch.models.dtypes import DTYPE_BYTES
 
     bw = (float(cfg.hardware.host_link_gbps) or DEFAULT_HOST_LINK_GBPS) * 1e9
-    out = {"activation_transfer": 2 * stage_moved * accum / bw if cfg.training.activation_offload else 0.0}
+    out = {"activation_transfer": 2 * stage_moved * accum / bw if offload_on(cfg, lay.pp) else 0.0}
     if cfg.strategy.cpu_offload and int(cfg.strategy.zero_stage) >= 2:
         shard = params_local / lay.shard
         gathers = 2 if int(cfg.strategy.zero_stage) == 3 else 1

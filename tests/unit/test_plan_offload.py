@@ -84,8 +84,10 @@ def test_offload_with_compile_is_planned_and_searched() -> None:
     args = ["recipe=llama3_8b_qlora", "training.seq_len=65536", "training.micro_batch=1", "training.global_batch=1"]
     job, plan = _plan(*args, "training.activation_offload=true")
     assert job.cfg.training.compile and plan.worst.host[offload.HOST_ACTIVATIONS] > 0
-    _, kept = _plan(*args)
+    _, kept = _plan(*args, "training.activation_offload=false")
     assert plan.peak < kept.peak
+    _, default = _plan(*args)  # the default turns it on here: full AC on a GPU profile costs no step time
+    assert default.peak == plan.peak
     tr = {"activation_checkpointing": "full"}
     lay, st = job.layout, {"zero_stage": 0}
     assert (False, True) in offload.offload_variants(job.cfg, lay, st, tr)

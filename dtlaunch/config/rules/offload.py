@@ -11,6 +11,7 @@ from dtlaunch.errors import ConfigError
 
 def check_offload(cfg: Any, layout: Layout, notes: list[str]) -> None:
     t, s = cfg.training, cfg.strategy
+    # Only an explicit true is checked: the default (null) turns offload on only where these rules allow it.
     if (t.activation_offload or s.cpu_offload) and float(cfg.hardware.host_memory_gib) == 0:
         key = "training.activation_offload" if t.activation_offload else "strategy.cpu_offload"
         raise ConfigError(

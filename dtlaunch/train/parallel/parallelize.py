@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtlaunch.config.layout import (
     Layout,
+    activation_offload,
     mlp_tiles,
     offload_composes_with_compile,
     residual_in_compute_dtype,
@@ -80,12 +81,12 @@ def parallelize(
         apply_ep(model, experts.ep)
     apply_tiled_mlp(model, mlp_tiles(cfg, layout))  # inside each block: checkpointing wraps it too
     apply_ac(model, cfg.training)
-    if cfg.training.activation_offload:
+    offload = activation_offload(cfg, layout.pp)
+    if offload:
         from dtlaunch.train.offload_activations import apply_activation_offload
 
         apply_activation_offload(model, device)
     if cfg.training.compile:
-        offload = bool(cfg.training.activation_offload)
         apply_compile(
             model, inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing)
         )
