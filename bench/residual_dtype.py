@@ -92,7 +92,7 @@ def main() -> None:
     )
     if args.json:
         write_json(
-            args.json,
+            Path(args.json),
             {"command": this_command(), "fp32": fp32, "bf16": bf16, "last": last, "difference": diff, "worst": worst},
         )
 
