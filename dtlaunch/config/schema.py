@@ -136,6 +136,12 @@ class PrecisionConfig:
     # Test and debug path, not a speed feature: torchao's emulated float8 matmuls (the same casts and scales,
     # products computed in fp32) let precision.float8 run on CPU or GPUs without float8 tensor cores.
     float8_emulate: bool = False
+    # The residual stream between the blocks (what full activation checkpointing keeps per block, and
+    # its gradient in backward). auto: today's behaviour, fp32 under autocast (DDP, one process: the
+    # fp32 embedding's output and fp32 residual adds) and the compute dtype under FSDP's mixed precision;
+    # bf16 / fp16: the compute dtype under autocast too (as an all-bf16 model keeps it: half the bytes,
+    # rounding each residual add; loss difference measured in docs/long-context.md); fp32: fp32 (autocast only).
+    residual_dtype: ResidualDtype = field(default_factory=lambda: ResidualDtype.auto)
 
 
 @dataclass
@@ -158,7 +164,9 @@ class TrainingConfig:
     # The blocks' saved activations (under activation checkpointing: the checkpointed block inputs) move to
     # pinned host memory in forward and back in backward, on a side CUDA stream; the output head's and the
     # loss's stay on the device. Same losses; costs host memory and host-link time (both planned).
-    activation_offload: bool = False
+    # null (default): on where it costs no step time (config.layout.activation_offload: full activation
+    # checkpointing on a GPU profile with host RAM, no pipeline parallel); true / false: as set.
+    activation_offload: Optional[bool] = None
     # Each block's SwiGLU MLP runs over this many tiles of the sequence, each recomputed in backward, so a
     # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.tiled_mlp, ALST's
     # TiledMLP). 0: from the plan (config.layout.mlp_tiles: tiles of at most 8192 tokens, so untiled up to
@@ -231,6 +239,15 @@ class Choice(str, Enum):
 class Dtype(Choice):
     """A floating-point format of parameters, compute and reductions."""
 
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ResidualDtype(Choice):
+    """The dtype of the residual stream between the blocks (see PrecisionConfig.residual_dtype)."""
+
+    auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"

@@ -115,18 +115,23 @@ def _with(cfg: Any, key: str, value: int) -> dict[str, int]:
 
 
 def planned_savers(cfg: Any, key: str, value: int) -> tuple[str, ...]:
-    """The savers left to the plan (training.mlp_tiles=0) that it turns on at `key`=`value`, as overrides."""
+    """The savers left to the plan (training.mlp_tiles=0, training.activation_offload unset) that it turns on
+    at `key`=`value`, as overrides."""
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.layout import Layout, mlp_tiles, world_size
+    from dtlaunch.config.layout import Layout, activation_offload, mlp_tiles, world_size
 
-    if int(cfg.training.mlp_tiles):
-        return ()
     job = copy.deepcopy(cfg)
     for k, v in _with(cfg, key, value).items():
         OmegaConf.update(job, k, v)
-    tiles = mlp_tiles(job, Layout.resolve(job.strategy, world_size(job)))
-    return (f"training.mlp_tiles={tiles}",) if tiles > 1 else ()
+    layout = Layout.resolve(job.strategy, world_size(job))
+    out = []
+    if not int(cfg.training.mlp_tiles):
+        tiles = mlp_tiles(job, layout)
+        out += [f"training.mlp_tiles={tiles}"] if tiles > 1 else []
+    if cfg.training.activation_offload is None and activation_offload(job, layout.pp):
+        out.append("training.activation_offload=true")
+    return tuple(out)
 
 
 def _candidates(cfg: Any, key: str) -> tuple[Callable[[int], int], int]:

@@ -118,7 +118,7 @@ def reference_forward_bytes(c: Any) -> float:
 
 def _hidden_bytes(c: Any) -> int:
     """Bytes per element of the hidden states between stages: fp32 under autocast, else the compute dtype."""
-    return 4 if c.autocast else c.e
+    return 4 if c.fp32_residual else c.e
 
 
 def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from dtlaunch.config.layout import (
     Layout,
+    fp32_residual,
     grad_accum_steps,
     head_unit,
     mlp_tiles,
@@ -107,6 +108,7 @@ class StageShape:
     ddp: bool
     shard: int  # ranks the optimizer state (and FSDP's parameters) are sharded over
     autocast: bool
+    fp32_residual: bool  # the residual stream in fp32 under autocast (config.layout.fp32_residual)
     p_rank: int  # parameters on one rank of the stage
     blk: int  # one block's parameters on one rank
     root: int  # the root unit's parameters (embedding, final norm, head) on this stage
@@ -255,6 +257,8 @@ def stage_shape(
     fsdp = shards_with_fsdp(cfg, layout)
     # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
     autocast = e != 4 and not fsdp
+    # ... with an fp32 residual stream unless precision.residual_dtype keeps it in the compute dtype.
+    residual32 = fp32_residual(cfg, layout)
     p_rank, blk, root = _stage_params(m, layers, first, last, tp)
     # Routed experts (MoE): whole on every TP rank; a gathered block holds only this rank's 1/ep of them.
     ids = layer_ids if layer_ids is not None else list(range(layers))
@@ -266,7 +270,7 @@ def stage_shape(
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
     mix = act.ac_mix(t, ids)
     compiled = bool(t.compile)
-    by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, autocast, compiled) for k in mix}
+    by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, residual32, compiled) for k in mix}
     if cp > 1 and fused_optimizer(cfg.hardware) and "none" in by_kind:
         # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA,
         # which then keeps the repeated copies for backward instead of the grouped ones.
@@ -277,7 +281,7 @@ def stage_shape(
         # (measured, real 2-rank gloo runs, planner7m LoRA TP(2) bf16: 4,619 bytes per token and block
         # either way, the no-SP count plus the adapters' autocast casts, which go with the autocast
         # region): count it without SP (13 % under the measured peak with the SP count).
-        by_kind["selective"] = _block_tok(act, "selective", d, e, t, tp, False, autocast, compiled)
+        by_kind["selective"] = _block_tok(act, "selective", d, e, t, tp, False, residual32, compiled)
     elif fsdp and sp and "selective" in by_kind:
         # Empirical (real FSDP x TP runs, MemTracker): selective AC under sequence parallel keeps one
         # gathered (full-sequence) hidden state per block that the op-level count does not explain.
@@ -285,7 +289,7 @@ def stage_shape(
     # Fine-tuning: only the adapters train; QLoRA's base is NF4; the adapters join selective AC's matmul
     # alternation (dtlaunch.plan.peft).
     shard = layout.shard if fsdp or zero == 1 else 1
-    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, autocast, getattr(d, "routed_scale", 1.0))
+    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, residual32, getattr(d, "routed_scale", 1.0))
     if ft and "selective" in by_kind and t.ac_policy == "op":
         by_kind["selective"] += ft.selective
     tiles = mlp_tiles(cfg, layout)
@@ -314,6 +318,7 @@ def stage_shape(
         ddp=zero in (0, 1) and layout.dp * cp > 1,
         shard=shard,
         autocast=autocast,
+        fp32_residual=residual32,
         p_rank=p_rank,
         blk=blk,
         root=root,
@@ -425,7 +430,7 @@ def _loss_saved_per_token(c: StageShape) -> float:
     """The last stage's final norm and logits, saved for the loss backward (per token)."""
     if not c.last:
         return 0.0
-    final_norm = c.ft.final_norm if c.ft else c.act.final_norm_bytes(c.d, c.e, c.tp, c.sp, c.autocast)
+    final_norm = c.ft.final_norm if c.ft else c.act.final_norm_bytes(c.d, c.e, c.tp, c.sp, c.fp32_residual)
     return final_norm + logits_saved_per_token(c)
 
 
@@ -451,7 +456,9 @@ def forward_lines(c: StageShape) -> dict[str, float]:
         per_token += c.act.embedding_bytes(c.d, c.e)
     per_token += _loss_saved_per_token(c)
     # Under autocast the hidden state stays fp32 and each block's RoPE casts its own table slices.
-    rope = c.act.rope_cast_bytes(c.d, c.e, int(t.seq_len) // c.cp) * c.kept if c.autocast and not c.compiled else 0.0
+    rope = (
+        c.act.rope_cast_bytes(c.d, c.e, int(t.seq_len) // c.cp) * c.kept if c.fp32_residual and not c.compiled else 0.0
+    )
     lines = {"activations": (per_token * c.tokens + rope * (t.micro_batch // c.n_mb) / t.micro_batch) * c.held}
     if c.ft:
         lines["LoRA activations"] = c.kept * c.ft.adapter_act * c.tokens * c.held
@@ -494,7 +501,7 @@ def backward_peak(c: StageShape, lines: dict[str, float]) -> float:
     if c.ft:
         head_grads = 0.0  # the head and final norm are frozen
     # The block being recomputed: the most any checkpointed kind of this stage re-creates at once.
-    none_tok = c.act.block_bytes_no_ac(d, e, tp, c.sp, c.autocast, c.compiled)
+    none_tok = c.act.block_bytes_no_ac(d, e, tp, c.sp, c.fp32_residual, c.compiled)
     recompute = max((none_tok - c.by_kind[k] for k in c.mix if k != "none" and c.mix[k]), default=0.0)
     work = (c.act.backward_working_bytes(d, e, tp) + recompute) * tokens
     if tiled(c.act, c.mlp_tiles):  # dtlaunch.plan.tiled_terms

@@ -19,7 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, mlp_tiles, shards_with_fsdp
+from dtlaunch.config.layout import (
+    Layout,
+    activation_offload,
+    mlp_tiles,
+    offload_composes_with_compile,
+    residual_in_compute_dtype,
+    shards_with_fsdp,
+)
 from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
@@ -55,6 +62,8 @@ def parallelize(
     data_mesh = dp_mesh(world_mesh)
     if data_mesh is None and shards_with_fsdp(cfg, layout):
         data_mesh = world_mesh["dp_shard"]  # CPU offload on one rank: FSDP over the world's 1-sized dim
+    if residual_in_compute_dtype(cfg, layout):  # precision.residual_dtype (checked: a registry decoder)
+        model.keep_residual_in(torch_dtype(cfg.precision.param_dtype))
     apply_float8(model, cfg.precision, device, fsdp=shards_with_fsdp(cfg, layout))
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
@@ -77,12 +86,15 @@ def parallelize(
         apply_ep(model, experts.ep)
     apply_tiled_mlp(model, mlp_tiles(cfg, layout))  # inside each block: checkpointing wraps it too
     apply_ac(model, cfg.training)
-    if cfg.training.activation_offload:
+    offload = activation_offload(cfg, layout.pp)
+    if offload:
         from dtlaunch.train.offload_activations import apply_activation_offload
 
         apply_activation_offload(model, device)
     if cfg.training.compile:
-        apply_compile(model)
+        apply_compile(
+            model, inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing)
+        )
     fsdp = shards_with_fsdp(cfg, layout)
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
     # FSDP2 shards what is stored.
@@ -110,10 +122,14 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`)."""
+def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> None:
+    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`).
+
+    inside_checkpoint (activation offload): compile the block each checkpoint wrapper holds, not the
+    wrapper, so that the offload hooks on the wrapper and the checkpoint's saving of the block input run
+    eagerly outside the compiled graph; the recompute in backward runs the compiled block again."""
     for block in model.layers.values():
-        block.compile()
+        (block._checkpoint_wrapped_module if inside_checkpoint else block).compile()
 
 
 def mp_policy(cfg: Any) -> Any:
