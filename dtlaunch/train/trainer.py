@@ -102,6 +102,7 @@ class _Totals:
         self.last_rollout: dict[str, float] = {}
         self.generation_s = 0.0  # objective=grpo: this attempt's seconds generating, and in the rest of the steps
         self.training_s = 0.0
+        self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
         self.generated_tokens = 0.0
 
     def add_rollout(self, step: int, metrics: dict[str, float], step_s: float) -> None:
@@ -113,7 +114,6 @@ class _Totals:
         self.generation_s += generation
         self.training_s += step_s - generation
         self.generated_tokens += metrics.get("generated_tokens_per_s", 0.0) * generation
-        self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
 
 class Trainer:
