@@ -288,17 +288,19 @@ def memory_runs(hw: str, steps: int, host_gib: float = 0.0, gpus: int = 1) -> li
 @functools.cache
 def longest_context(overrides: tuple[str, ...]) -> tuple[str, ...]:
     """`overrides` at the longest training.seq_len the plan fits, with the savers the plan chose there (the
-    tiled MLP) spelled out; unchanged when the job does not validate or nothing fits (the row is then
-    skipped or refused with the reason, as any other)."""
+    tiled MLP) spelled out. A job that does not validate is left as it is (`memory_skip_reason` skips it
+    with validation's reason); when nothing fits, the row asks for the model's longest context, so that the
+    launch's plan gate refuses it with the plan's figures instead of the row running a short sequence."""
     from dtlaunch.commands.common import load_job
     from dtlaunch.plan.maximize import maximize
 
     try:
-        best = maximize(load_job(list(overrides)).cfg, "training.seq_len")
-    except Exception:  # the reason is reported by memory_skip_reason, from the same overrides
+        cfg = load_job(list(overrides)).cfg
+    except Exception:  # composition and validation errors alike: memory_skip_reason reports them
         return overrides
+    best = maximize(cfg, "training.seq_len")
     if best.value is None:
-        return overrides
+        return shrink(overrides, (f"training.seq_len={best.largest}",))
     return shrink(overrides, (best.override, *best.savers))
 
 

@@ -192,12 +192,19 @@ def test_gpu_bench_long_context_rows_run_at_the_plans_longest_seq_len() -> None:
         t = job.cfg.training
         assert (str(t.activation_checkpointing), t.activation_offload, t.micro_batch) == ("full", True, 1)
         assert gpu_bench.seq_len(run) == t.seq_len > 2048 and t.mlp_tiles > 1
-        assert plan_memory(job.cfg, job.layout).fits  # the longest that fits ...
-        if t.seq_len < job.cfg.model.max_seq_len:  # ... and, below the model's own limit, one token more does not
-            longer = load_job([*run.overrides, f"training.seq_len={t.seq_len + 1}"])
-            assert not plan_memory(longer.cfg, longer.layout).fits
+        assert plan_memory(job.cfg, job.layout).fits
         assert gpu_bench.steps_of(run, 12) == gpu_bench.LONG_STEPS and gpu_bench.steps_of(runs["baseline"], 12) == 12
     assert "peft.method=qlora" in runs["longctx-qlora"].overrides
+    # On an 80 GB card both reach the model's own context; on a 40 GiB one the GPU binds: the longest that
+    # fits, one token more does not; on 4 GiB nothing fits and the row asks for the longest (the gate refuses).
+    row = tuple(o for o in runs["longctx-full"].overrides if not o.startswith(("training.seq_len", "training.mlp_")))
+    smaller = gpu_bench.longest_context(gpu_bench.shrink(row, ("hardware.memory_gib=40",)))
+    seq = gpu_bench.seq_len(dataclasses.replace(runs["longctx-full"], overrides=smaller))
+    fit, longer = (load_job([*smaller, f"training.seq_len={n}"]) for n in (seq, seq + 1))
+    assert 2048 < seq < fit.cfg.model.max_seq_len and plan_memory(fit.cfg, fit.layout).fits
+    assert not plan_memory(longer.cfg, longer.layout).fits
+    none_fit = gpu_bench.longest_context(gpu_bench.shrink(row, ("hardware.memory_gib=4",)))
+    assert "training.seq_len=131072" in none_fit
 
 
 def test_gpu_bench_memory_table_reads_against_the_baseline() -> None:
