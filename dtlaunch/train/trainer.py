@@ -105,8 +105,8 @@ class _Totals:
         self.last_rollout: dict[str, float] = {}
         self.generation_s = 0.0  # objective=grpo: this attempt's seconds generating, and in the rest of the steps
         self.training_s = 0.0
-        self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
         self.generated_tokens = 0.0
+        self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
 
     def add_rollout(self, step: int, metrics: dict[str, float], step_s: float) -> None:
         """A GRPO step's rollout metrics (none on a rollout's later iterations) and its time split: generation,
