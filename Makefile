@@ -36,9 +36,13 @@ $(SKY_STAMP):
 	$(SKY_VENV)/bin/pip install -q 'skypilot==0.14.1'
 	touch $(SKY_STAMP)
 
-# Tests run `dtlaunch` as a user does, so the venv's console script must be on PATH.
+# Tests run `dtlaunch` as a user does, so the venv's console script must be on PATH. Two pytest-xdist workers,
+# a test file each at a time (tests/conftest.py groups them): a serial run leaves one of two cores idle
+# through every single-process phase (imports, compose, planning, in-process tests). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: install $(SKY_STAMP)  ## the whole suite: unit, multi-process, end-to-end and system tests
-	DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q --durations=25
+	DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" \
+		$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: install  ## unit tests only
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pytest -q tests/unit

@@ -38,7 +38,7 @@ MODEL = [
 def _train_step(model: object, opt: object, cfg: object) -> None:
     import torch
 
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+    from dtlaunch.train.loss import cross_entropy
 
     tokens = torch.randint(0, int(cfg.model.vocab_size), (1, int(cfg.training.seq_len) + 1))
     loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])

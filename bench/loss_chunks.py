@@ -5,7 +5,7 @@ same process with the same weights, and their timed blocks alternate (full, chun
 backwards), so a machine that gets busier or quieter hurts all alike. Time is this process's CPU time (one
 thread): on a shared machine, wall time mostly measures the other processes. Per case: tokens/s as the
 median over the blocks, and the ratios to the full loss of
-- the chunked loss as it runs by default (gradients taken in forward, dtlaunch.train.fused_linear_ce:
+- the chunked loss as it runs by default (gradients taken in forward, dtlaunch.train.loss.LinearCrossEntropy:
   the same FLOPs as the full loss);
 - the chunks recomputed in backward (a pipeline's last stage): the head's matmul once more per token,
   2·h·V of the step's ~6·P FLOPs per token, shown as "expected cost".

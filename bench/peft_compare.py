@@ -6,16 +6,17 @@ overrides like for like: the same model, method, GPU count, micro-batch, sequenc
 torchtune's adapter choice (8B LoRA: q, v at rank 8; 8B QLoRA: q, k, v, o and the MLP at rank 8; 70B LoRA:
 q, k, v at rank 16), with dtlaunch's defaults (chunked loss, 8 chunks; frozen base, embedding and head in
 bf16). "+ savers" rows add what dtlaunch offers beyond torchtune's configs, named in the row: bf16 adapter
-state, activation offloading (which compile does not combine with), more loss chunks; the full fine-tunes
+state, activation offloading (on by default where it costs no step time: full AC on a GPU
+profile without CPU offload; named in the rows where the default leaves it off), more loss chunks; the full fine-tunes
 use the optimizer settings torchtune used (8-bit AdamW with the step in backward; FSDP CPU offload).
 dtlaunch's figures: planned peak allocated bytes, and planned reserved = allocated x (1 +
 hardware.fragmentation). Which allocator statistic torchtune's table reports is not stated there.
 
 Where the programs still differ:
 - the residual stream: dtlaunch trains with fp32 master weights and, on one GPU, a fp32 hidden state
-  between blocks (autocast), so full activation checkpointing keeps 4 bytes per hidden value where
-  torchtune's all-bf16 model keeps 2 (1 GiB more for Llama-3.1-8B at 2 x 2048; activation offloading
-  moves it to the host);
+  between blocks (autocast) unless precision.residual_dtype=bf16, so full activation checkpointing keeps
+  4 bytes per hidden value where torchtune's all-bf16 model keeps 2 (1 GiB more for Llama-3.1-8B at
+  2 x 2048; activation offloading, on by default there, moves it to the host);
 - the 8B full fine-tune: torchtune's bf16 weights have no fp32 master copy and its paged 8-bit AdamW
   state spills to host memory when the GPU is short; dtlaunch keeps fp32 master weights (32 GB for 8B),
   so torchtune's settings do not fit a 24 GB card by the plan. dtlaunch's way onto that card is FSDP CPU
@@ -75,9 +76,9 @@ ONE_4090_CPU_OFFLOAD = (
     "hardware=rtx4090_24gb",
     "strategy.cpu_offload=true",
 )
-# What dtlaunch adds beyond torchtune's configs (activation offloading does not combine with compile).
+# What dtlaunch adds beyond torchtune's configs (activation offloading is on by default without CPU offload).
 BF16_STATE = "optim.state_dtype=bf16"
-OFFLOAD = ("training.activation_offload=true", "training.compile=false", "training.loss_chunks=32")
+OFFLOAD = ("training.activation_offload=true", "training.loss_chunks=32")
 
 ROWS = (
     Row("Llama-3.1-8B LoRA, 1x RTX 4090", (*LORA_8B, *ONE_4090, *JOB), 16.2),

@@ -44,6 +44,7 @@ N2, N4, N8 = "launch.nproc_per_node=2", "launch.nproc_per_node=4", "launch.nproc
 SEL, FULL = "training.activation_checkpointing=selective", "training.activation_checkpointing=full"
 BF16 = "precision=bf16"
 CP2 = "strategy.cp=2"
+ULYSSES = "strategy.cp_style=ulysses"
 RESHARD = "strategy.pp_reshard_grads=true"
 GPIPE = "strategy.pp_schedule=gpipe"
 PP_FSDP = ["strategy=pp", N4, "strategy.dp_shard=2", "strategy.zero_stage=3", "strategy.pp_microbatches=4"]
@@ -229,6 +230,13 @@ REAL = [  # overrides for real multi-process runs
     [*PP_FSDP, GPIPE, RESHARD],
     [*PP_FSDP, GPIPE, BF16],
     [*PP_FSDP, GPIPE, BF16, RESHARD],
+    # Context parallel as Ulysses (all-to-all to head shards around attention); 1,024 tokens make the
+    # exchange a visible share of the peak.
+    ["strategy=zero3", CP2, N2, ULYSSES],
+    ["strategy=zero3", CP2, N2, ULYSSES, "training.seq_len=1024", "training.micro_batch=1"],
+    ["strategy=zero3", CP2, N2, ULYSSES, "training.seq_len=1024", "training.micro_batch=1", FULL],
+    ["strategy=zero3", CP2, N2, ULYSSES, "training.seq_len=1024", "training.micro_batch=1", BF16, SEL],
+    ["strategy=ddp", CP2, N2, ULYSSES],
 ]
 # The planner7m shape as each registered family (flags that change parameters or saved activations).
 QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]

@@ -107,8 +107,7 @@ def main() -> None:
     rank, world = init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from bench import handwritten
-    from dtlaunch.train.parallel.pp_step import clip_grad_norm
-    from dtlaunch.train.step import train_step
+    from dtlaunch.train.step import clip_grad_norm, train_step
     from dtlaunch.train.step_sync import WindowSync
 
     run_dir = Path(tempfile.mkdtemp(prefix="dtlaunch-step-overhead-"))
@@ -185,7 +184,7 @@ def main() -> None:
         results["data: torch.randint"] = best_us(
             lambda: torch.randint(0, vocab, (mb, seq + 1), generator=gen), 50, args.outer
         )
-        results["clip: dtlaunch pp_step.clip_grad_norm + float"] = best_us(
+        results["clip: dtlaunch step.clip_grad_norm + float"] = best_us(
             lambda: float(clip_grad_norm(params, 1.0, None)), 50, args.outer
         )
         results["clip: torch get_total_norm + clip_grads_with_norm_ (foreach)"] = best_us(

@@ -124,7 +124,7 @@ def plan(
         "",
         "--maximize",
         metavar="KEY",
-        help="Print the largest training.seq_len or training.micro_batch that fits (device and host memory) with the rest of the job fixed, and the override to paste.",
+        help="Print the largest training.seq_len or training.micro_batch (objective=grpo: also objective.num_generations, objective.max_completion_length) that fits (device and host memory) with the rest of the job fixed, and the override to paste.",
     ),
     recipe_dir: Optional[List[str]] = RECIPE_DIRS,
 ) -> None:

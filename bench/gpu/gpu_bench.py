@@ -43,6 +43,7 @@ is installed) and the nvidia-smi memory watch; compiled runs are left out unless
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -189,6 +190,21 @@ MEM_BUDGET_S = 400.0
 MEM_RUN_TIMEOUT_S = 120.0  # default --run-timeout of the memory part (a run takes ~20-45 s on an H100)
 FULL_AC = "training.activation_checkpointing=full"
 LORA = "peft=lora"
+# The long-context rows: one sequence at the longest seq_len the plan fits on this GPU (`plan --maximize
+# training.seq_len`, evaluated when the rows are built, for this hardware profile and host RAM), with every
+# saver maximize leans on: full AC, activation offload (set explicitly, whatever its default), chunked loss
+# and the tiled MLP the plan picks. The search stops at the model's own context (131,072 for Llama 3.1):
+# past it, 4 layers at the GPU's limit (~320k tokens full fine-tune) take ~50 s a step on an H100, too slow
+# for this part's budget. At 131,072 tokens a step is ~27 GFLOP/token x 131k ~ 3.6 PFLOP, ~10 s on an H100:
+# LONG_STEPS steps plus start-up ~ 55 s a row, tokens/s over the last LONG_STEPS // 2.
+LONG_STEPS = 4
+LONGCTX = (
+    FULL_AC,
+    "training.activation_offload=true",
+    "training.loss_chunks=8",
+    "training.micro_batch=1",
+    f"training.steps={LONG_STEPS}",
+)
 # (variant, overrides on top of the baseline, data-parallel ranks, reference row), most important first:
 # a budget cut loses the tail. A feature reads against its reference row (the same job without it); the
 # baseline's training.loss_chunks=1 is added by `memory_runs` where the schema has it. in_backward runs
@@ -199,11 +215,14 @@ MEMORY_FEATURES: tuple[tuple[str, tuple[str, ...], int, str], ...] = (
     ("loss-chunks-8", ("training.loss_chunks=8",), 1, "baseline"),
     ("ac-full", (FULL_AC,), 1, "baseline"),
     ("act-offload", (FULL_AC, "training.activation_offload=true"), 1, "ac-full"),
+    # The plan's longest context (issue 41): seq_len is maximized at bench time (`memory_runs`).
+    ("longctx-full", LONGCTX, 1, ""),
     ("adamw8bit", ("optim.name=adamw8bit",), 1, "baseline"),
     ("in-backward", (FULL_AC, "optim.in_backward=true", "training.grad_clip=0"), 1, "ac-full"),
     ("lora", (LORA,), 1, "baseline"),  # frozen base; frozen embedding and head in the compute dtype
     ("lora-bf16-state", (LORA, "optim.state_dtype=bf16"), 1, "lora"),  # validation: bf16 state under PEFT only
     ("qlora", (LORA, "peft.method=qlora"), 1, "lora"),
+    ("longctx-qlora", (*LONGCTX, LORA, "peft.method=qlora"), 1, ""),
     # Under full AC only 4 small block inputs move; without AC every block's saved activations do.
     ("act-offload-no-ac", ("training.activation_offload=true",), 1, "baseline"),
     # FSDP over one rank only to keep parameters, gradients and AdamW state on the host (ZeRO-Offload).
@@ -256,9 +275,43 @@ def memory_runs(hw: str, steps: int, host_gib: float = 0.0, gpus: int = 1) -> li
     for variant, extra, ranks, _ in MEMORY_FEATURES:
         nproc = ranks if ranks <= gpus else 1
         keys = {e.split("=", 1)[0] for e in extra}
-        overrides = mem_job(nproc, hw, steps, [*(b for b in base if b.split("=", 1)[0] not in keys), *extra], host_gib)
+        # `shrink` replaces the job's keys that a row sets (training.steps, micro_batch) instead of repeating them.
+        overrides = shrink(
+            mem_job(nproc, hw, steps, [b for b in base if b.split("=", 1)[0] not in keys], host_gib), extra
+        )
+        if variant.startswith("longctx"):
+            overrides = longest_context(overrides)
         out.append(Run("mem-8b-4l", False, variant, overrides, ("dtlaunch",), MEMORY))
     return out
+
+
+@functools.cache
+def longest_context(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """`overrides` at the longest training.seq_len the plan fits, with the savers the plan chose there (the
+    tiled MLP) spelled out. A job that does not validate is left as it is (`memory_skip_reason` skips it
+    with validation's reason); when nothing fits, the row asks for the model's longest context, so that the
+    launch's plan gate refuses it with the plan's figures instead of the row running a short sequence."""
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.plan.maximize import maximize
+
+    try:
+        cfg = load_job(list(overrides)).cfg
+    except Exception:  # composition and validation errors alike: memory_skip_reason reports them
+        return overrides
+    best = maximize(cfg, "training.seq_len")
+    if best.value is None:
+        return shrink(overrides, (f"training.seq_len={best.largest}",))
+    return shrink(overrides, (best.override, *best.savers))
+
+
+def seq_len(run: Run) -> int:
+    """The training.seq_len `run` sets (the last one wins, as in composition)."""
+    return [int(o.split("=", 1)[1]) for o in run.overrides if o.startswith("training.seq_len=")][-1]
+
+
+def steps_of(run: Run, default: int) -> int:
+    """The training.steps a row sets for itself, else `default`."""
+    return next((int(o.split("=", 1)[1]) for o in run.overrides if o.startswith("training.steps=")), default)
 
 
 def memory_skip_reason(run: Run) -> str:
@@ -477,6 +530,7 @@ def measure(
     out: dict[str, Any] = {
         **identity(run, side),
         "command": res.command,
+        "seq_len": int(cfg.training.seq_len),
         "tokens_per_s": res.tokens_per_s,
         "step_s": res.step_s,
         "mfu": res.tokens_per_s * fpt / (peak_tflops * 1e12 * nproc) if res.tokens_per_s and peak_tflops else None,
@@ -674,6 +728,7 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
             [
                 r["variant"],
                 ref_name or "-",
+                f"{r['seq_len']:,}" if r.get("seq_len") else "-",
                 speed,
                 ratio(r, base, "tokens_per_s"),
                 ratio(r, ref, "tokens_per_s"),
@@ -690,6 +745,7 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
     headers = [
         "feature",
         "reference",
+        "seq_len",
         "tokens/s",
         "vs baseline",
         "vs reference",
@@ -710,7 +766,9 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
         f"- job: {shape}, {steps} steps, first {warmup} excluded from tokens/s; the baseline has"
         " training.loss_chunks=1 (where the schema has it); plan error = (plan - measured) / measured; the plan's"
         " device total adds the CUDA context and allocator overheads to the peak, compared here with the"
-        " allocator's reserved peak (the context is not in it)",
+        " allocator's reserved peak (the context is not in it); the longctx rows: micro-batch 1 at the longest"
+        " seq_len the plan fits on this GPU (full AC, activation offload, loss chunks 8, the plan's MLP tiles),"
+        f" {LONG_STEPS} steps, the first {LONG_STEPS // 2} excluded",
         "",
         markdown_table(headers, rows),
     ]
@@ -834,10 +892,11 @@ def dry_run(
                 "predicted_device_total_bytes": p.device_total,
                 "fits": p.fits,
                 "part": r.part,
+                "seq_len": seq_len(r),
             }
         )
         print(
-            f"  {r.name:32s} part {r.part} {'+'.join(r.sides):22s} plan {p.peak / 2**30:7.2f} GiB "
+            f"  {r.name:32s} part {r.part} {'+'.join(r.sides):22s} seq_len {seq_len(r):7d} plan {p.peak / 2**30:7.2f} GiB "
             f"(device total {p.device_total / 2**30:6.2f}) {'fits' if p.fits else 'DOES NOT FIT'}"
         )
     return rows
@@ -957,7 +1016,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                     report["runs"].append(skipped(run, side, why))
                     continue
                 timeout = min(cap, left) if left is not None else cap
-                w = mem_warmup if run.part == MEMORY else warmup
+                # A row with its own few steps (long context) measures its second half.
+                w = min(mem_warmup, steps_of(run, mem_steps) // 2) if run.part == MEMORY else warmup
                 report["runs"].append(measure(run, side, work, w, timeout, idle))
                 report["wall_s"] = time.perf_counter() - t0
                 report["total_s"] = time.perf_counter() - started

@@ -46,7 +46,7 @@ def summary_table(job: Job) -> Any:
     """The resolved job at a glance: what runs where, with the batch arithmetic spelled out."""
     from rich.table import Table
 
-    from dtlaunch.config.layout import global_batch, grad_accum_steps
+    from dtlaunch.config.layout import activation_offload, global_batch, grad_accum_steps
     from dtlaunch.models.shapes import human_count, param_count
 
     cfg, lay = job.cfg, job.layout
@@ -76,7 +76,7 @@ def summary_table(job: Job) -> Any:
         "precision",
         f"params {cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}; "
         f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}"
-        + ("; activations offloaded" if cfg.training.activation_offload else "")
+        + ("; activations offloaded" if activation_offload(cfg, lay.pp) else "")
         + ("; FSDP CPU offload" if cfg.strategy.cpu_offload else ""),
     )
     t.add_row("hardware", f"{cfg.hardware.name} ({cfg.hardware.memory_gib} GiB)")

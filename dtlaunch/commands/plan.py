@@ -150,7 +150,11 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
         markup=False,
     )
     if found.value == found.largest:
-        cap = "model.max_seq_len" if key == "training.seq_len" else "training.global_batch / data-parallel ranks"
+        cap = {
+            "training.seq_len": "model.max_seq_len",
+            "objective.max_completion_length": "model.max_seq_len less the prompts' room",
+            "objective.num_generations": "the search's cap on completions per prompt",
+        }.get(key, "training.global_batch / data-parallel ranks")
         console().print(f"(the largest value allowed: {cap} caps {key} at {found.largest})", markup=False)
     if found.savers:
         console().print(

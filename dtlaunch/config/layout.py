@@ -5,6 +5,7 @@ Pure Python (no torch) so the planner, the validators and the workers all agree 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,15 @@ def rows_per_sample(cfg: Any) -> int:
     return 1 if str(cfg.objective.name) in ("sft", "grpo") else 2
 
 
+def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
+    """K/V heads (of one tensor-parallel rank) that Ulysses' all-to-all carries: all of them when cp divides
+    them, each rank then receiving kv_heads / cp whole groups of query heads; otherwise (grouped-query
+    attention with fewer K/V heads than CP ranks, e.g. 8 over cp=16) each K/V head repeated until the count
+    is lcm(kv_heads, cp), so that every rank receives the K/V heads its query heads read. The runtime
+    (train/parallel/ulysses.py) and the planner (plan/ulysses_terms.py) both take the count from here."""
+    return kv_heads if kv_heads % cp == 0 else math.lcm(kv_heads, cp)
+
+
 # training.mlp_tiles=0: tiles of at most this many tokens (a micro-batch's rows x its local sequence).
 MLP_TILE_TOKENS = 8192
 
@@ -147,6 +157,52 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
     rows = int(cfg.training.micro_batch) * rows_per_sample(cfg)
     seq = int(cfg.training.seq_len) // layout.cp
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
+
+
+def activation_offload(cfg: Any, pp: int) -> bool:
+    """training.activation_offload as the job runs it (the planner, the layout search and the runtime ask
+    here). true / false: as set. null, the default: on where it costs no step time by the plan's
+    step-time model (plan.search.step_time hides host copies behind compute) and changes no numerics:
+    under full activation checkpointing only each block's input moves (h values a token and block, against
+    the block's ~24·h² FLOPs a token, computed and recomputed), on a GPU profile (hardware.gpus_per_node
+    > 0) whose host RAM is known, without pipeline parallel (which the offload hooks do not support) and
+    without strategy.cpu_offload (whose state copies already fill the host link beyond what compute hides,
+    so the step-time model adds every activation copy to the step)."""
+    t, hw = cfg.training, cfg.hardware
+    if t.activation_offload is not None:
+        return bool(t.activation_offload)
+    full = str(t.activation_checkpointing) == "full"
+    free = pp == 1 and not cfg.strategy.cpu_offload
+    return full and free and int(hw.gpus_per_node) > 0 and float(hw.host_memory_gib) > 0
+
+
+def offload_composes_with_compile(activation_checkpointing: Any) -> bool:
+    """Whether `training.activation_offload` combines with `training.compile` under this checkpointing mode.
+
+    Each block is compiled inside its checkpoint wrapper: the offload hooks and the checkpoint's saving of
+    the block input stay eager around the compiled graph (Dynamo would otherwise trace the hooks into it),
+    and the compiled block runs again for the recompute. That needs every block checkpointed whole:
+    `full`. The rule (config.rules.offload), the layout search (plan.offload) and the runtime
+    (train.parallel.parallelize) decide through this one function."""
+    return str(activation_checkpointing) == "full"
+
+
+def autocast_compute(cfg: Any, layout: Layout) -> bool:
+    """Low-precision compute by autocast (fp32 master weights, DDP or one process) rather than by FSDP's
+    mixed-precision policy (train.parallel.parallelize.compute_context; the planner's `autocast`)."""
+    return str(cfg.precision.param_dtype) != "fp32" and not shards_with_fsdp(cfg, layout)
+
+
+def residual_in_compute_dtype(cfg: Any, layout: Layout) -> bool:
+    """precision.residual_dtype asks autocast's fp32 residual stream to be kept in the compute dtype instead:
+    the runtime casts the embedding's output (the decoder's `residual_dtype`) and the planner counts the
+    blocks' residual terms as the compute dtype's (as under FSDP's mixed precision)."""
+    return autocast_compute(cfg, layout) and str(cfg.precision.residual_dtype) not in ("auto", "fp32")
+
+
+def fp32_residual(cfg: Any, layout: Layout) -> bool:
+    """The residual stream is fp32 while the blocks compute in a lower precision (autocast, the default)."""
+    return autocast_compute(cfg, layout) and not residual_in_compute_dtype(cfg, layout)
 
 
 def grad_accum_steps(cfg: Any, layout: Layout) -> int:

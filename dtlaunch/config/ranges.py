@@ -139,6 +139,7 @@ RANGES: dict[str, Range] = {
     "hardware.comm_buffers_gib": NON_NEGATIVE,
     "hardware.fragmentation": PROBABILITY,
     "hardware.host_memory_gib": NON_NEGATIVE,  # 0 = unknown
+    "hardware.memory_gbps": NON_NEGATIVE,  # 0 = unknown (generation time from FLOPs alone)
     "hardware.host_link_gbps": NON_NEGATIVE,  # 0 = unknown (offload transfers then assumed PCIe 4.0 x16)
     "launch.nnodes": AT_LEAST_1,
     "launch.nproc_per_node": NON_NEGATIVE,

@@ -79,9 +79,12 @@ class StrategyConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
-    # Context parallel: each sequence split over this many ranks (load-balanced chunks, ring attention);
-    # parameters are sharded over dp_shard x cp.
+    # Context parallel: each sequence split over this many ranks (load-balanced chunks); parameters are
+    # sharded over dp_shard x cp.
     cp: int = 1
+    # How attention spans the split sequence (CpStyle): ring (K/V of the whole sequence exchanged, every
+    # head on every rank) or ulysses (an all-to-all turns sequence shards into head shards around attention).
+    cp_style: CpStyle = field(default_factory=lambda: CpStyle.ring)
     # 0 = DDP, 1 = optimizer state sharded, 2 = + gradients sharded, 3 = + parameters (FSDP full shard)
     zero_stage: int = 0
     sequence_parallel: bool = True
@@ -133,6 +136,12 @@ class PrecisionConfig:
     # Test and debug path, not a speed feature: torchao's emulated float8 matmuls (the same casts and scales,
     # products computed in fp32) let precision.float8 run on CPU or GPUs without float8 tensor cores.
     float8_emulate: bool = False
+    # The residual stream between the blocks (what full activation checkpointing keeps per block, and
+    # its gradient in backward). auto: today's behaviour, fp32 under autocast (DDP, one process: the
+    # fp32 embedding's output and fp32 residual adds) and the compute dtype under FSDP's mixed precision;
+    # bf16 / fp16: the compute dtype under autocast too (as an all-bf16 model keeps it: half the bytes,
+    # rounding each residual add; loss difference measured in docs/long-context.md); fp32: fp32 (autocast only).
+    residual_dtype: ResidualDtype = field(default_factory=lambda: ResidualDtype.auto)
 
 
 @dataclass
@@ -155,7 +164,9 @@ class TrainingConfig:
     # The blocks' saved activations (under activation checkpointing: the checkpointed block inputs) move to
     # pinned host memory in forward and back in backward, on a side CUDA stream; the output head's and the
     # loss's stay on the device. Same losses; costs host memory and host-link time (both planned).
-    activation_offload: bool = False
+    # null (default): on where it costs no step time (config.layout.activation_offload: full activation
+    # checkpointing on a GPU profile with host RAM, no pipeline parallel); true / false: as set.
+    activation_offload: Optional[bool] = None
     # Each block's SwiGLU MLP runs over this many tiles of the sequence, each recomputed in backward, so a
     # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.tiled_mlp, ALST's
     # TiledMLP). 0: from the plan (config.layout.mlp_tiles: tiles of at most 8192 tokens, so untiled up to
@@ -233,12 +244,32 @@ class Dtype(Choice):
     fp16 = "fp16"
 
 
+class ResidualDtype(Choice):
+    """The dtype of the residual stream between the blocks (see PrecisionConfig.residual_dtype)."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 class Float8Recipe(Choice):
     """torchao's float8 scaling of the blocks' linears (none: no float8)."""
 
     none = "none"
     tensorwise = "tensorwise"
     rowwise = "rowwise"
+
+
+class CpStyle(Choice):
+    """How context parallel attends over a sequence split across ranks (docs/long-context.md)."""
+
+    # Each rank keeps all heads of its own tokens and gathers every rank's K/V (ring attention): any
+    # head count, exchange grows with the whole sequence.
+    ring = "ring"
+    # DeepSpeed-Ulysses: an all-to-all trades sequence shards for head shards, each rank attends over the
+    # whole sequence for heads / cp heads with the plain kernel, and back; exchange stays per-rank sized.
+    ulysses = "ulysses"
 
 
 class AcMode(Choice):
@@ -546,6 +577,9 @@ class HardwareConfig:
     host_memory_gib: float = 0.0
     # Host <-> device link per GPU, one direction (GB/s, PCIe): offload transfers in the step-time estimate.
     host_link_gbps: float = 0.0
+    # Device memory bandwidth (GB/s, datasheet): a decode step reads every weight and the KV cache, so
+    # objective=grpo's generation time in the layout search is bounded by it. 0 = unknown (FLOPs only).
+    memory_gbps: float = 0.0
 
 
 @dataclass

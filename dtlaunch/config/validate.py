@@ -16,7 +16,7 @@ from dtlaunch.config.rules.checkpoint import check_checkpoint
 from dtlaunch.config.rules.data import check_data
 from dtlaunch.config.rules.grpo import check_grpo_layout
 from dtlaunch.config.rules.launch import check_cluster, check_hardware, check_launch
-from dtlaunch.config.rules.long_context import check_mlp_tiles
+from dtlaunch.config.rules.long_context import check_mlp_tiles, check_residual_dtype
 from dtlaunch.config.rules.model import check_model_shape
 from dtlaunch.config.rules.objective import check_objective
 from dtlaunch.config.rules.offload import check_offload
@@ -74,6 +74,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_qlora,
     check_offload,
     check_mlp_tiles,
+    check_residual_dtype,
     check_optim,
 ]
 

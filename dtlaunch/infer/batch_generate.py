@@ -57,6 +57,9 @@ class Sampling:
 class Generated:
     completions: list[list[int]]  # each row's new ids, its stop id included when it stopped
     truncated: list[bool]  # no stop id within max_new_tokens
+    # Mean entropy (nats) of the distribution each new token was sampled from, before top-k / top-p, at the
+    # temperature (TRL's GRPO "entropy": logits / temperature over the completion tokens).
+    entropy: float = 0.0
 
 
 def sample_next(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -106,8 +109,11 @@ def generate_batch(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
     n = 0
+    entropy = torch.zeros((), device=device)
     logits = model(tokens, positions=positions, caches=caches)[:, -1].float()
     for n in range(s.max_new_tokens):
+        lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)
+        entropy += (-(lp.exp() * lp).sum(-1) * ~done).sum()  # the rows still generating
         nxt = sample_next(logits, s, generator)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out[:, n] = nxt
@@ -123,4 +129,5 @@ def generate_batch(
         end = next((j + 1 for j, t in enumerate(row) if t in stop_set), None)
         completions.append(row[:end] if end is not None else row)
         truncated.append(end is None)
-    return Generated(completions=completions, truncated=truncated)
+    tokens_out = sum(len(c) for c in completions)
+    return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))

@@ -93,6 +93,17 @@ def summary_lines(summary: dict[str, Any], run_dir: Path) -> list[str]:
                 f"(last step)",
             )
         )
+    if isinstance(summary.get("reward"), (int, float)):  # objective=grpo: the last rollout, the time split
+        rows.append(
+            (
+                "GRPO",
+                f"reward {summary['reward']:.3f} ± {summary['reward_std']:.3f}, completions "
+                f"{summary['completions/mean_length']:.1f} tokens (max {summary['completions/max_length']:.0f}, "
+                f"{100 * summary['completions/clipped_ratio']:.0f}% truncated) (last rollout); "
+                f"{100 * summary['generation_share']:.0f}% of step time generating at "
+                f"{summary['generated_tokens_per_s']:,.0f} tokens/s",
+            )
+        )
     tps = summary.get("tokens_per_s")
     speed = f"{tps:,.0f} tokens/s (median)" if isinstance(tps, (int, float)) else "-"
     if isinstance(summary.get("mfu"), float):

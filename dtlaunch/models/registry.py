@@ -76,6 +76,9 @@ class ModelSpec:
     check: str = ""
     # The attention is the decoder's own, which context parallel swaps for ring attention.
     ring_attention: bool = True
+    # The attention runs through transformers' attention-function registry (model.arch=hf_auto), where
+    # strategy.cp_style=ulysses installs its exchange (ring attention needs the decoder's own).
+    hf_attention: bool = False
     # The model section's schema: ModelConfig, or a subclass adding the family's own fields (a field of
     # another family is then an error; dtlaunch/config/model_schema.py).
     config: type = ModelConfig
@@ -115,7 +118,9 @@ class ModelSpec:
         return _module(self.hf_names)
 
 
-def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "", check: str = "") -> ModelSpec:
+def traced_spec(
+    arch: str, description: str, builder: str, tp_plan: str = "", check: str = "", hf_attention: bool = False
+) -> ModelSpec:
     """An entry with no closed-form shapes or pipeline split (and a tensor-parallel plan only where
     `tp_plan` names one): sizes are counted on the meta device (so it imports torch and the module) and
     the planner traces one real step."""
@@ -144,6 +149,7 @@ def traced_spec(arch: str, description: str, builder: str, tp_plan: str = "", ch
         activations=None,
         check=check,
         ring_attention=False,
+        hf_attention=hf_attention,
     )
 
 

@@ -16,11 +16,11 @@ Where a term was fitted to measurements (real gloo runs, `plan --trace`), its co
 from __future__ import annotations
 
 from dtlaunch.plan import offload
+from dtlaunch.plan.cp_terms import backward_exchange_bytes
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, regathered_root
 from dtlaunch.plan.peft import gathered_block
-from dtlaunch.plan.ring_terms import backward_exchange_bytes, sequence_tokens
 from dtlaunch.plan.shape import StageShape, loss_saved_per_token, mean_block_saved_per_token
 from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
 
@@ -122,7 +122,7 @@ def _block_working_set(c: StageShape) -> float:
     tiled MLP's one tile at a time and its summed weight gradients), QLoRA's dequantised weight, context
     parallel's K/V exchange and, under autocast, a recomputed block's weight casts."""
     d, e, tp, act = c.block_dims, c.compute_bytes, c.tp, c.activation_model
-    no_ac = act.block_bytes_no_ac(d, e, tp, c.sequence_parallel, c.autocast, c.compiled)
+    no_ac = act.block_bytes_no_ac(d, e, tp, c.sequence_parallel, c.fp32_residual, c.compiled)
     work = (act.backward_working_bytes(d, e, tp) + _recompute_per_token(c, no_ac)) * c.tokens
     if tiled(act, c.mlp_tiles):  # dtlaunch.plan.tiled_terms
         no_ac -= mlp_saved_bytes(d, e, tp, c.compiled)
@@ -134,7 +134,7 @@ def _block_working_set(c: StageShape) -> float:
     if c.cp > 1:
         # Every row of the micro-batch (a preference pair is two: real 2-rank gloo DPO runs, CP(2), were
         # 3 % under with the exchange of one row per sample).
-        work += backward_exchange_bytes(d, e, tp, sequence_tokens(c))
+        work += backward_exchange_bytes(c)
     if c.autocast and c.blocks_without_ac < c.layers:
         # The recomputed block casts its weights again.
         work += e * (c.peft.adapters_block if c.peft else c.block_params - c.block_norm_params)

@@ -9,8 +9,8 @@ static lines: parameters, optimizer state, a reference copy) but no gradients an
   block at a time; q, k, v, the attention output and SwiGLU's three ffn-wide tensors over the prompts'
   tokens) and its logits (every prompt position, vocab / tp wide) with the sampling buffers of one decode
   step (fp32 logits, probabilities, top-p's sorted copy and cumulative sum: rows x vocab x 4 bytes each);
-- under FSDP the unit being run gathered (one block at a time, and the root unit for the whole forward
-  under ZeRO-3), as in any forward.
+- under FSDP the whole model gathered: no unit reshards between the rollout's forwards, so the weights
+  are all-gathered once per rollout (dtlaunch.train.parallel.generation_gather).
 The old policy's pass (objective.num_iterations > 1) is a no-grad forward over the rows, micro-batch by
 micro-batch: the same moment as a reference forward (dtlaunch.plan.objective.reference_forward_bytes).
 """
@@ -45,10 +45,8 @@ def decode_bytes(c: Any) -> float:
 
 
 def gathered_bytes(c: Any) -> float:
-    if not c.fsdp:
-        return 0.0
-    root = c.compute_bytes * c.root_params if c.zero_stage == 3 else 0.0
-    return c.compute_bytes * c.gathered_block_params + root
+    """Every FSDP unit's parameters unsharded in the compute dtype, beside the shards."""
+    return c.compute_bytes * c.gathered_params if c.fsdp else 0.0
 
 
 def generation_phases(c: Any, static: dict[str, float]) -> dict[str, float]:

@@ -4,7 +4,7 @@ Full pass (loss_chunks = 1): forward keeps the logits (compute dtype, referenced
 and log_softmax's fp32 output; its backward adds nll's and log_softmax's fp32 gradients (the model
 family's `logits_forward_bytes` / `logits_backward_bytes`).
 
-Chunked, gradients taken in forward (dtlaunch/train/fused_linear_ce.py; no tensor parallel, no pipeline):
+Chunked, gradients taken in forward (dtlaunch/train/loss.py, LinearCrossEntropy; no tensor parallel, no pipeline):
 `_fused_moment`. Chunked and recomputed (tensor parallel, a pipeline's last stage, the preference objectives' per-token
 log-probs): forward keeps no logits at all (each chunk runs under
 checkpointing and leaves only its loss). At a chunk's backward its logits are recomputed: log_softmax's
@@ -92,8 +92,8 @@ def loss_backward_bytes(c: Any) -> float:
 
 
 def fused(c: Any) -> bool:
-    """Whether the chunks' gradients are taken in forward (dtlaunch.train.fused_linear_ce): plain tensors
-    (no tensor parallel), no pipeline (dtlaunch.train.chunked_loss.head_loss), and the next-token loss (a
+    """Whether the chunks' gradients are taken in forward (dtlaunch.train.loss.LinearCrossEntropy): plain tensors
+    (no tensor parallel), no pipeline (dtlaunch.train.loss.head_loss), and the next-token loss (a
     preference objective's per-token log-probs are recomputed: their gradient waits for every row's sum)."""
     return c.tp == 1 and getattr(c, "pp", 1) == 1 and str(c.cfg.objective.name) == "sft"
 

@@ -22,10 +22,10 @@ import math
 from typing import Any
 
 from dtlaunch.config.layout import head_unit
+from dtlaunch.plan.cp_terms import forward_exchange_bytes
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import loss_chunks
-from dtlaunch.plan.ring_terms import forward_exchange_bytes, sequence_tokens
 
 PHASE_REFERENCE = "reference forward"
 PHASE_PRECOMPUTE = "reference pass (before training)"
@@ -74,7 +74,7 @@ def reference_layer_bytes(c: Any) -> float:
         return 0.0
     layer = all_to_all_bytes(c.cfg, c.ep, c.tokens, c.compute_bytes)
     if c.cp > 1:
-        layer += forward_exchange_bytes(c.block_dims, c.compute_bytes, c.tp, sequence_tokens(c))
+        layer += forward_exchange_bytes(c)
     return layer
 
 
@@ -122,7 +122,7 @@ def reference_forward_bytes(c: Any) -> float:
 
 def _hidden_bytes(c: Any) -> int:
     """Bytes per element of the hidden states between stages: fp32 under autocast, else the compute dtype."""
-    return 4 if c.autocast else c.compute_bytes
+    return 4 if c.fp32_residual else c.compute_bytes
 
 
 def reference_phases(c: Any, static: dict[str, float]) -> dict[str, float]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.config.layout import activation_offload as offload_on
+from dtlaunch.config.layout import offload_composes_with_compile
 from dtlaunch.plan.lines import ON_HOST, Line
 
 # Static lines FSDP's CPU offload keeps on the host (each reported as its dtlaunch.plan.lines.ON_HOST line).
@@ -37,7 +39,7 @@ CPU_ADAM_PARAMS_PER_S = 2e9
 
 
 def activation_offload(c: Any) -> bool:
-    return bool(c.training.activation_offload)
+    return offload_on(c.cfg, c.pp)
 
 
 def cpu_offload(c: Any) -> bool:
@@ -50,7 +52,7 @@ def moved_block_per_token(c: Any, kind: str) -> float:
         return c.block_saved_per_token["none"]
     # A checkpointed block: only its input goes through the hooks (the full-AC set is the input).
     return c.activation_model.block_bytes(
-        c.block_dims, c.compute_bytes, "full", c.tp, c.sequence_parallel, c.autocast, c.compiled
+        c.block_dims, c.compute_bytes, "full", c.tp, c.sequence_parallel, c.fp32_residual, c.compiled
     )
 
 
@@ -97,7 +99,7 @@ def moved_activation_lines(c: Any) -> dict[str, float]:
     rope = (
         c.activation_model.rope_cast_bytes(c.block_dims, c.compute_bytes, int(c.training.seq_len) // c.cp)
         * c.blocks_without_ac
-        if c.autocast and not c.compiled
+        if c.fp32_residual and not c.compiled
         else 0.0
     )
     moved = {
@@ -183,7 +185,7 @@ def offload_seconds(cfg: Any, lay: Any, stage_moved: float, params_local: float,
     from dtlaunch.models.dtypes import DTYPE_BYTES
 
     bw = (float(cfg.hardware.host_link_gbps) or DEFAULT_HOST_LINK_GBPS) * 1e9
-    out = {"activation_transfer": 2 * stage_moved * accum / bw if cfg.training.activation_offload else 0.0}
+    out = {"activation_transfer": 2 * stage_moved * accum / bw if offload_on(cfg, lay.pp) else 0.0}
     if cfg.strategy.cpu_offload and int(cfg.strategy.zero_stage) >= 2:
         shard = params_local / lay.shard
         gathers = 2 if int(cfg.strategy.zero_stage) == 3 else 1
@@ -207,7 +209,7 @@ def offload_variants(cfg: Any, lay: Any, st: dict, tr: dict) -> list[tuple[bool,
     one_rank_fsdp = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp == 1
     if not float(cfg.hardware.host_memory_gib):
         return [] if one_rank_fsdp else [(False, False)]
-    act = lay.pp == 1 and not cfg.training.compile
+    act = lay.pp == 1 and (not cfg.training.compile or offload_composes_with_compile(tr["activation_checkpointing"]))
     cpu = int(st["zero_stage"]) >= 2 and lay.tp == lay.pp == lay.ep == 1
     cpu = cpu and cfg.precision.float8 == "none" and str(cfg.peft.method) != "qlora"
     if one_rank_fsdp:

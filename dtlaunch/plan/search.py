@@ -3,6 +3,8 @@ for a mixture of experts, expert-parallel degree) for the job's GPU count that f
 estimated step time.
 
 Step time = compute (model FLOPs incl. recomputation, at the profile's peak x EFFICIENCY)
+          + objective=grpo's rollout (dtlaunch.plan.generation_time: prefill, memory-bound decode steps,
+            FSDP's gathers, the no-grad passes; only the layouts it can generate on are candidates)
           + exposed communication (per collective: message size / bandwidth of the link the group
             spans; overlappable collectives only count what compute cannot hide)
           + pipeline bubble ((p-1)/(v·m) of the pipelined compute).
@@ -19,14 +21,18 @@ from types import SimpleNamespace
 from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
+from dtlaunch.config.rules.grpo import grpo_layout_problem
+from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
 from dtlaunch.plan.experts import a2a_volume_bytes, stage_routed_params
+from dtlaunch.plan.generation_time import generation_seconds
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.offload import offload_seconds, offload_variants
 from dtlaunch.plan.peft import qlora_layout_ok
+from dtlaunch.plan.ulysses_terms import qkv_width
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
 HIDDEN_FRACTION = 0.8  # share of overlappable communication that compute can hide at best
@@ -85,10 +91,18 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) 
     parts: dict[str, float] = {}
     if lay.cp > 1:
         bw = hardware.link_bandwidth(hw, lay.cp, lay.tp)
-        # Per layer: K and V all-gathered in forward and again in backward, their fp32 gradients
-        # reduce-scattered; not overlapped with the attention that waits for them.
-        kv = 2 * t.micro_batch * t.seq_len * kv_width(m) / lay.tp
-        vol = (lay.cp - 1) / lay.cp * kv * (2 * e + 4) * m.n_layers * accum
+        if cfg.strategy.cp_style == CpStyle.ulysses:
+            # Per layer: this rank's q, k, v and output all-to-all'd in forward, their gradients in backward
+            # (dtlaunch.plan.ulysses_terms); each sends (cp - 1) / cp of one rank's share.
+            hd = kv_width(m) // int(m.n_heads)
+            kv = int(m.n_kv_heads or m.n_heads)
+            width = qkv_width(int(m.n_heads), kv, hd, lay.tp, lay.cp) + kv_width(m) / lay.tp
+            vol = (lay.cp - 1) / lay.cp * 2 * e * width * tok_mb * m.n_layers * accum
+        else:
+            # Per layer: K and V all-gathered in forward and again in backward, their fp32 gradients
+            # reduce-scattered; not overlapped with the attention that waits for them.
+            kv = 2 * t.micro_batch * t.seq_len * kv_width(m) / lay.tp
+            vol = (lay.cp - 1) / lay.cp * kv * (2 * e + 4) * m.n_layers * accum
         parts["cp"] = vol / bw
         comm_exposed += parts["cp"]
     if lay.tp > 1:
@@ -136,12 +150,14 @@ def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) 
     if lay.pp > 1:
         bw = hardware.link_bandwidth(hw, 2, lay.tp * lay.dp)
         comm_exposed += 2 * tok_mb * m.dim * e / lay.tp * accum * v / bw
+    generation = generation_seconds(cfg, lay, EFFICIENCY)
     return {
         "compute": compute,
         "comm": comm_exposed,
         "bubble": bubble,
         "offload": offload_exposed,
-        "total": compute + comm_exposed + bubble + offload_exposed,
+        "generation": generation,
+        "total": compute + comm_exposed + bubble + offload_exposed + generation,
         "flops": flops_model,
     }
 
@@ -189,6 +205,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     world = base.world
     gb = global_batch(cfg, base)
     per_node = int(hw.gpus_per_node) or world
+    grpo = str(cfg.objective.name) == "grpo"
     out = []
     for tp in _divisors(world // cp):
         if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp):
@@ -221,6 +238,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                 _ep_degrees(m, shard, zero, cp), ("none", "selective", "full"), loss_chunk_options(cfg)
                             ):
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
+                                if grpo and grpo_layout_problem(cfg, lay):
+                                    continue  # a layout validate refuses for objective=grpo
                                 st = {
                                     "dp_replicate": rep,
                                     "dp_shard": shard,
@@ -333,8 +352,9 @@ def _why(row: dict, best: dict) -> str:
     if row is best:
         return "fastest"
     a, b = row["times"], best["times"]
-    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble", "offload")}
+    deltas = {name: a[name] - b[name] for name in ("compute", "comm", "bubble", "offload", "generation")}
     label = {
+        "generation": "slower generation",
         "compute": "more recompute",
         "comm": "more exposed communication",
         "bubble": "larger pipeline bubble",

@@ -15,6 +15,7 @@ from typing import Any
 
 from dtlaunch.config.layout import (
     Layout,
+    fp32_residual,
     grad_accum_steps,
     head_unit,
     mlp_tiles,
@@ -69,6 +70,7 @@ class StageShape:
     ddp: bool  # DDP over more than one rank (ZeRO 0 / 1)
     shard_ranks: int  # ranks the optimizer state (and FSDP's parameters) are sharded over
     autocast: bool  # the compute dtype comes from autocast, not from FSDP's mixed-precision policy
+    fp32_residual: bool  # the residual stream in fp32 under autocast (config.layout.fp32_residual)
     rank_params: int  # parameters on one rank of the stage (after TP division)
     block_params: int  # one block's parameters on one rank
     root_params: int  # the root unit's parameters (embedding, final norm, head) on this stage
@@ -222,6 +224,8 @@ def stage_shape(
     fsdp = shards_with_fsdp(cfg, layout)
     # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
     autocast = e != 4 and not fsdp
+    # ... with an fp32 residual stream unless precision.residual_dtype keeps it in the compute dtype.
+    residual32 = fp32_residual(cfg, layout)
     p_rank, blk, root = _stage_params(m, layers, first, last, tp)
     # Routed experts (MoE): whole on every TP rank; a gathered block holds only this rank's 1/ep of them.
     ids = layer_ids if layer_ids is not None else list(range(layers))
@@ -233,7 +237,7 @@ def stage_shape(
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
     mix = act.ac_mix(t, ids)
     compiled = bool(t.compile)
-    by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, autocast, compiled) for k in mix}
+    by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, residual32, compiled) for k in mix}
     if cp > 1 and fused_optimizer(cfg.hardware) and "none" in by_kind:
         # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA,
         # which then keeps the repeated copies for backward instead of the grouped ones.
@@ -244,7 +248,7 @@ def stage_shape(
         # (measured, real 2-rank gloo runs, planner7m LoRA TP(2) bf16: 4,619 bytes per token and block
         # either way, the no-SP count plus the adapters' autocast casts, which go with the autocast
         # region): count it without SP (13 % under the measured peak with the SP count).
-        by_kind["selective"] = _block_tok(act, "selective", d, e, t, tp, False, autocast, compiled)
+        by_kind["selective"] = _block_tok(act, "selective", d, e, t, tp, False, residual32, compiled)
     elif fsdp and sp and "selective" in by_kind:
         # Selective AC under sequence parallel keeps gathered hidden states the op-level count does not
         # explain (FSDP_SP_SELECTIVE_HIDDEN_STATES).
@@ -252,7 +256,7 @@ def stage_shape(
     # Fine-tuning: only the adapters train; QLoRA's base is NF4; the adapters join selective AC's matmul
     # alternation (dtlaunch.plan.peft).
     shard = layout.shard if fsdp or zero == 1 else 1
-    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, autocast, getattr(d, "routed_scale", 1.0))
+    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, residual32, getattr(d, "routed_scale", 1.0))
     if ft and "selective" in by_kind and t.ac_policy == "op":
         by_kind["selective"] += ft.selective
     tiles = mlp_tiles(cfg, layout)
@@ -281,6 +285,7 @@ def stage_shape(
         ddp=zero in (0, 1) and layout.dp * cp > 1,
         shard_ranks=shard,
         autocast=autocast,
+        fp32_residual=residual32,
         rank_params=p_rank,
         block_params=blk,
         root_params=root,
@@ -310,7 +315,9 @@ def loss_saved_per_token(c: StageShape) -> float:
     final_norm = (
         c.peft.final_norm
         if c.peft
-        else c.activation_model.final_norm_bytes(c.block_dims, c.compute_bytes, c.tp, c.sequence_parallel, c.autocast)
+        else c.activation_model.final_norm_bytes(
+            c.block_dims, c.compute_bytes, c.tp, c.sequence_parallel, c.fp32_residual
+        )
     )
     return final_norm + logits_saved_per_token(c)
 

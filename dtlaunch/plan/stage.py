@@ -102,7 +102,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
         lines[Line.DDP_BUCKETS] = 4 * c.trained_params
     if c.accum_steps > 1:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
-        # reduce-scatters every micro-step (dtlaunch.train.parallel.parallelize.grad_sync) and keeps only shards.
+        # reduce-scatters every micro-step (dtlaunch.train.step.grad_sync) and keeps only shards.
         lines[Line.ACCUMULATED_GRADIENTS] = c.gradient_bytes
     copies = _autocast_weight_copies(c)
     if copies is not None and c.last_stage and loss_chunks(c) > 1 and (not c.peft or c.tied_head):
@@ -174,7 +174,7 @@ def forward_lines(c: StageShape) -> dict[str, float]:
     # Under autocast the hidden state stays fp32 and each block's RoPE casts its own table slices.
     rope = (
         c.activation_model.rope_cast_bytes(c.block_dims, c.compute_bytes, int(t.seq_len) // c.cp) * c.blocks_without_ac
-        if c.autocast and not c.compiled
+        if c.fp32_residual and not c.compiled
         else 0.0
     )
     lines = {

@@ -6,6 +6,7 @@ import copy
 import itertools
 from typing import Any, Callable, Optional
 
+from dtlaunch.config.layout import activation_offload, offload_composes_with_compile
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.plan.memory import MemoryPlan, plan_memory
 
@@ -33,8 +34,11 @@ def _changes(cfg: Any, layout: Any) -> list[Change]:
     if cfg.precision.param_dtype == "fp32":
         out.append(("bf16 compute", 3, ["precision=bf16"]))
     if float(cfg.hardware.host_memory_gib):  # offloading (dtlaunch.plan.offload) needs a host figure
-        if not t.activation_offload:
-            out.append(("offload activations to host memory", 4, ["training.activation_offload=true"]))
+        if not activation_offload(cfg, layout.pp):
+            fix = ["training.activation_offload=true"]
+            if t.compile and not offload_composes_with_compile(t.activation_checkpointing):
+                fix.append("training.activation_checkpointing=full")  # offload under compile: config.layout
+            out.append(("offload activations to host memory", 4, fix))
         if not s.cpu_offload:
             out.append(("FSDP CPU offload (the optimizer steps on the host)", 7, ["strategy.cpu_offload=true"]))
     mb = int(t.micro_batch)

@@ -190,6 +190,13 @@ def run_report(run: RunData) -> str:
         acc = ("accuracy", *run.series("rewards/accuracies"), "reward accuracy")
         body.append("<h2>rewards</h2>")
         body.append(_figure(plots.line_plot([*curves, ("margin", rs, margins)], "reward", "rewards", acc), ""))
+    rs, rewards = run.series("reward")
+    if rs:  # objective=grpo (dtlaunch.train.objectives.rollout): each rollout's rewards, per function too
+        per_func = sorted({k for row in run.metrics for k in row if k.startswith("rewards/") and k.endswith("/mean")})
+        curves = [("mean", rs, rewards), *((k.split("/")[1], *run.series(k)) for k in per_func)]
+        length = ("mean length", *run.series("completions/mean_length"), "completion tokens")
+        body.append("<h2>rewards</h2>")
+        body.append(_figure(plots.line_plot(curves, "reward", "rewards", length), "per rollout"))
     measured = _measured_peaks(run)
     world = int((run.plan.get("layout") or {}).get("world") or len(measured) or 1)
     planned = {r: planned_bytes_of_rank(run.plan, r) for r in range(world)} if run.plan else {}

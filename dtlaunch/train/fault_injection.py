@@ -1,6 +1,12 @@
-"""Fault injection for tests (the debug.* section), kept out of the training step: a rank that fails, hangs,
-holds or runs slow at a chosen step, and steps whose loss is NaN. A real run has none of them (every
-field at its default), and then `wrap` returns the step function itself.
+"""Fault injection for tests (the debug.* section), kept out of the training loop: a rank that fails, hangs,
+holds or runs slow at a chosen step, and steps whose loss is NaN.
+
+The Trainer applies the wrappers once, at setup: `wrap_steps` around the step numbers the loop runs over
+(a fault at step N strikes before that step starts, before the rank records that it reached it, as a rank
+that never got there), `wrap_step` around the step function (NaN outputs), `wrap_final_save` around the
+run's last checkpoint (a fault "after the last step", at training.steps + 1). A real run has none of them
+(every field at its default), and then each wrapper returns what it was given: its loop holds no fault
+call.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -43,6 +49,34 @@ class Faults:
             nan_at_steps=frozenset(int(s) for s in d.nan_at_steps),
         )
 
+    def wrap_steps(self, steps: Iterable[int]) -> Iterable[int]:
+        """The loop's step numbers, each preceded by this rank's fault at that step (fail, hang or hold) and
+        its sleep (debug.slow_step_s: before the step's work, so that the others wait for it in the step's
+        first collective, as for a rank late from data loading)."""
+        if max(self.fail_at_step, self.hang_at_step, self.hold_at_step) < 0 and not self.slow_step_s:
+            return steps
+
+        def steps_with_faults() -> Iterator[int]:
+            for step in steps:
+                self.maybe_fail(step)
+                self.slow_down()
+                yield step
+
+        return steps_with_faults()
+
+    def wrap_final_save(self, save: Callable[[int], None], last_step: int) -> Callable[[int], None]:
+        """`save(step)`, the run's final checkpoint, preceded by this rank's fault "after the last step"
+        (at `last_step` + 1: training.steps + 1)."""
+        after = last_step + 1
+        if after not in (self.fail_at_step, self.hang_at_step, self.hold_at_step):
+            return save
+
+        def save_after_fault(step: int) -> None:
+            self.maybe_fail(after)
+            save(step)
+
+        return save_after_fault
+
     def maybe_fail(self, step: int) -> None:
         """Fail, hang or hold `debug.fail_rank` at its step, first attempt only."""
         if step == self.fail_at_step:
@@ -70,7 +104,7 @@ class Faults:
         if self.slow_step_s:
             time.sleep(self.slow_step_s)
 
-    def wrap(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
         """`step_fn(rt, batches, step)`, its model parts' outputs NaN at debug.nan_at_steps: the loss and
         every gradient are then non-finite, and the step must be skipped, not applied."""
         if not self.nan_at_steps:

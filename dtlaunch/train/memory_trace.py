@@ -43,18 +43,16 @@ from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.train.loss import cross_entropy
 from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 from dtlaunch.train.optim import build_optimizer
 from dtlaunch.train.parallel.mesh import build_mesh, expert_meshes
 from dtlaunch.train.parallel.parallelize import compute_context, parallelize
-from dtlaunch.train.parallel.pipeline import build_stage_modules
-from dtlaunch.train.parallel.pp_stage import set_fsdp_sync
-from dtlaunch.train.parallel.pp_step import clip_grad_norm
+from dtlaunch.train.parallel.pipeline import build_stage_modules, set_fsdp_sync
 from dtlaunch.train.parallel.process_group import DistEnv
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 from dtlaunch.train.peft import apply_peft
 from dtlaunch.train.runtime import build_runtime
-from dtlaunch.train.step import train_step
+from dtlaunch.train.step import clip_grad_norm, train_step
 
 
 def trace_rank(cfg: Any, layout: Layout, rank: int, steps: int, fake: bool) -> dict:
@@ -196,7 +194,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
             held: dict[int, tuple[Any, ...]] = {}
             for kind, i in order:
                 last_bwd = kind == "B" and i == n_mb - 1
-                if fsdp:  # what the pipeline stage (dtlaunch.train.parallel.pp_stage) does around each backward
+                if fsdp:  # what the pipeline stage (dtlaunch.train.parallel.pipeline) does around each backward
                     set_fsdp_sync(part, last_bwd or reshard)
                 if kind == "F":
                     if first:

@@ -15,6 +15,11 @@ before it reads the result, and the result is recorded on the compute stream). E
 the two streams is an explicit wait, which is what tensor-parallel runs need (collectives enqueued on the
 compute stream read these tensors). Host buffers are pinned, so the copies are asynchronous.
 
+Under `training.compile` (full activation checkpointing only, config.layout.offload_composes_with_compile)
+the hooks sit on the eager checkpoint wrapper and the block inside it is what is compiled
+(train.parallel.parallelize.apply_compile): the checkpoint saves the block input through these hooks
+outside the compiled graph, and the compiled block runs again for the recompute in backward.
+
 On a CPU run host and device are the same memory: packing keeps the tensor as it is (nothing to copy),
 so the hook path and its accounting run without moving bytes; `copy=True` makes it copy each storage
 and rebuild the saved views from the copy in backward, as on CUDA (minus streams and pinning). `packed_bytes` and `peak_held_bytes` are

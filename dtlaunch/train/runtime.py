@@ -18,6 +18,7 @@ import torch
 
 from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
 from dtlaunch.models.registry import model_spec
+from dtlaunch.train.loss import head_loss, loss_context, pipeline_loss_fn
 from dtlaunch.train.parallel.process_group import DistEnv
 
 
@@ -33,7 +34,7 @@ class Runtime:
     schedulers: list
     scaler: Optional[Any] = None
     pipeline: Optional[Any] = None  # dtlaunch.train.parallel.pipeline.PipelinePlan
-    pipeline_loss: Optional[Any] = None  # dtlaunch.train.parallel.pp_step.PipelineLoss
+    pipeline_loss: Optional[Any] = None  # dtlaunch.train.loss.PipelineLoss
     pp_mesh: Optional[Any] = None
     moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models
     loss_context: Callable[[], Any] = field(default=contextlib.nullcontext)
@@ -42,7 +43,7 @@ class Runtime:
     reference: Optional[Any] = None
     in_backward: Optional[Any] = None  # dtlaunch.train.optim_in_backward.InBackward (optim.in_backward)
     # (output, targets, reduction) -> loss: the model's logits or, with training.loss_chunks > 1, its
-    # hidden states through the head chunk by chunk (dtlaunch.train.chunked_loss). Set from the config.
+    # hidden states through the head chunk by chunk (dtlaunch.train.loss). Set from the config.
     loss_fn: Callable[..., Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,8 +59,6 @@ class Runtime:
         # than the norm itself on a small model. After parallelize the registered parameters are final
         # (FSDP2 registers its sharded ones, which hold the gradients, between steps).
         self.params = [list(m.parameters()) for m in self.model_parts]
-        from dtlaunch.train.chunked_loss import head_loss
-
         self.loss_fn = head_loss(self.cfg, self.model_parts)
 
 
@@ -74,10 +73,8 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
-    from dtlaunch.train.chunked_loss import head_loss
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
-    from dtlaunch.train.parallel.pp_step import pipeline_loss_fn
 
     pp_mesh = mesh["pp"]
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
@@ -107,7 +104,6 @@ def build_runtime(
     choice (see dtlaunch.train.optim.adamw_kwargs); `loss_scaler=False` leaves fp16 loss scaling out."""
     from dtlaunch.train.optim import build_grad_scaler, build_optimizer, build_scheduler
     from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh
-    from dtlaunch.train.parallel.tensor_parallel import loss_context
 
     layout = layout if layout is not None else Layout.resolve(cfg.strategy, env.world)
     mesh = mesh if mesh is not None else build_mesh(layout, env.device.type)

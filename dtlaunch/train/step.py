@@ -3,23 +3,31 @@
 Loss scaling for parity with one big batch: each micro-step's loss is its token mean divided by the
 number of accumulation micro-steps, so gradients summed over micro-steps (and averaged over data-parallel
 ranks by DDP/FSDP) equal those of the mean over the whole global batch. Under PP the schedule runs the
-micro-step and the pipeline loss carries the same scaling (dtlaunch.train.parallel.pp_step).
+micro-step (dtlaunch.train.parallel.pipeline) and the pipeline loss carries the same scaling
+(dtlaunch.train.loss). The loss itself, in every form, is dtlaunch.train.loss; the loop around the step
+is dtlaunch.train.trainer.
+
+Read top to bottom: `train_step` (micro-steps, then the update), `micro_step` (one forward + backward),
+`grad_sync` (when data-parallel gradients are reduced), `clip_grad_norm` (the global norm over any layout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtlaunch.config.layout import pp_microbatches
 from dtlaunch.train.objectives.pipeline import pipeline_batch
 from dtlaunch.train.optim import step_unless_nonfinite
-from dtlaunch.train.parallel.parallelize import compute_context, grad_sync
-from dtlaunch.train.parallel.pp_step import clip_grad_norm, pp_forward_backward
+from dtlaunch.train.parallel.parallelize import compute_context, uses_fsdp
 from dtlaunch.train.runtime import Runtime
 
 
@@ -131,7 +139,7 @@ def micro_step(
         if rt.objective is not None:  # pairs kept whole in each pipeline micro-batch, the reference in the targets
             inputs, targets = pipeline_batch(rt, batches, inputs, targets)
         with compute_context(rt.model_parts, rt.cfg, rt.device):
-            loss = pp_forward_backward(rt.pipeline, rt.pipeline_loss, inputs, targets, rt.pp_mesh, rt.loss_context())
+            loss = rt.pipeline.forward_backward(rt.pipeline_loss, inputs, targets, rt.pp_mesh, rt.loss_context())
         if rt.objective is not None and pair_stats is not None:
             n = pp_microbatches(rt.cfg, rt.layout) if rt.pipeline.has_last_stage else 0
             pair_stats.append(rt.pipeline_loss.take_stats(n, rt.device))
@@ -162,3 +170,84 @@ def micro_step(
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def grad_sync(model_parts: Iterable[nn.Module], enabled: bool) -> Any:
+    """DDP skips its all-reduce on non-final accumulation micro-steps (gradients just add up locally).
+
+    FSDP (ZeRO-2/3) reduce-scatters on every micro-step instead: skipping it would keep the full,
+    unsharded gradients (4 bytes/param) alive between micro-steps, undoing the memory ZeRO saves."""
+    stack = contextlib.ExitStack()
+    for m in model_parts:
+        if not enabled and not uses_fsdp(m) and hasattr(m, "no_sync"):
+            stack.enter_context(m.no_sync())
+    return stack
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    parameters_by_part: list[Iterable[torch.nn.Parameter]], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Global L2 grad norm over every part on this rank, every DP/TP shard and every pipeline rank;
+    grads are scaled in place so that the norm is at most `max_norm` (no clipping when max_norm <= 0).
+    Returns the norm before clipping (a plain fp32 scalar, equal on all ranks)."""
+    grads = [p.grad for part in parameters_by_part for p in part if p.grad is not None]
+    sq = _squared_norm(grads)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        # Each pipeline rank holds different layers: their squared norms add up.
+        dist.all_reduce(sq, group=pp_mesh.get_group())
+    total = sq.sqrt()
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for (device, _), ts in _by_device_dtype(g.to_local() if isinstance(g, DTensor) else g for g in grads).items():
+            torch._foreach_mul_(ts, coef.to(device))
+    return total
+
+
+def _squared_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all gradient elements, each counted once across DP/TP shards and replicas.
+
+    Local sums are grouped by (mesh, sharded mesh dims) and all-reduced over the sharded dims only:
+    replicated dims hold copies, which must not be added twice. Plain tensors are full copies.
+    Within a group the norms come from one multi-tensor kernel per (device, dtype) (what
+    torch.nn.utils.get_total_norm uses): one op per gradient would cost tens of microseconds each.
+    """
+    locals_by_key: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        key: tuple = ()
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+            # "Not replicated" rather than is_shard(): FSDP x TP uses _StridedShard, not a Shard subclass.
+            dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+            key = (g.device_mesh, dims) if dims else ()
+            g = g.to_local()
+        locals_by_key.setdefault(key, []).append(g.detach())
+    groups = {key: _sum_of_squares(ts) for key, ts in locals_by_key.items()}
+    total = None  # no host-side zero: copying it to a GPU would synchronise the stream every step
+    for key, sq in groups.items():
+        if key:
+            mesh, dims = key
+            for d in dims:
+                dist.all_reduce(sq, group=mesh.get_group(d))
+        total = sq if total is None else total + sq.to(total.device)
+    return total if total is not None else torch.zeros(())
+
+
+def _by_device_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 sum of the squares of every element, via one foreach norm per (device, dtype)."""
+    parts = []
+    for ts in _by_device_dtype(tensors).values():
+        norms = torch._foreach_norm(ts, 2.0, dtype=torch.float32)
+        parts.append(torch.stack(norms).pow(2).sum())
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p.to(total.device)
+    return total

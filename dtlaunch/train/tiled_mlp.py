@@ -28,7 +28,6 @@ from torch import nn
 from dtlaunch.models.dense.model import FeedForward
 
 
-@torch._dynamo.disable
 def tiled_forward(mlp: nn.Module, tiles: int, x: torch.Tensor) -> torch.Tensor:
     """`mlp`'s own forward over `tiles` tiles of dim -2 (the sequence of (B, S, h), or the tokens of (N, h))."""
     run = partial(type(mlp).forward, mlp)
@@ -98,10 +97,13 @@ def apply_tiled_mlp(model: nn.Module, tiles: int) -> int:
     instance, so parameter names, TP plans and LoRA targets stay those of the model. Returns how many."""
     if tiles <= 1:
         return 0
+    # Compiled blocks run it eagerly (see above). Wrapped here, not decorated at import: the decorator
+    # imports torch._dynamo, about a second of every worker's start whether it tiles or not.
+    eager = torch.compiler.disable(tiled_forward)
     wrapped = 0
     for block in model.layers.values():
         for mod in list(block.modules()):
             if isinstance(mod, FeedForward):
-                mod.forward = partial(tiled_forward, mod, tiles)
+                mod.forward = partial(eager, mod, tiles)
                 wrapped += 1
     return wrapped

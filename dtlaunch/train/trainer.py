@@ -1,14 +1,17 @@
 """The training loop, read top to bottom: `Trainer(cfg, run_dir, env).fit()`.
 
 Built once: the runtime (dtlaunch.train.runtime: model parts, optimizers, schedules), the data loaders,
-the checkpoint manager (which resumes), metrics and the peak-memory tracker. Each step: fault injection
-(tests), the optimizer step, the step's outcome into the window the ranks agree on (dtlaunch.train
-.step_sync), evaluation, metrics lines, the checkpoint cadence, and a preemption stop. Every way out
-(finished, preempted, failed) goes through `close`.
+the checkpoint manager (which resumes), metrics and the peak-memory tracker. Each step: the optimizer step
+(dtlaunch.train.step, its loss dtlaunch.train.loss), the step's outcome into the window the ranks agree on
+(dtlaunch.train.step_sync), evaluation, metrics lines, the checkpoint cadence, and a preemption stop.
+Every way out (finished, preempted, failed) goes through `close`. Fault injection for tests (debug.*)
+wraps the step numbers, the step function and the final save at setup (dtlaunch.train.fault_injection),
+never a call in the loop.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -100,7 +103,20 @@ class _Totals:
         self.last_pairs: dict[str, float] = {}  # preference objectives: the last step's reward metrics
         self.rollouts: dict[int, dict[str, float]] = {}  # objective=grpo: step -> its rollout's metrics
         self.last_rollout: dict[str, float] = {}
+        self.generation_s = 0.0  # objective=grpo: this attempt's seconds generating, and in the rest of the steps
+        self.training_s = 0.0
+        self.generated_tokens = 0.0
         self.stragglers: Optional[StragglerWatch] = None  # global rank 0: the per-rank times, the slow rank
+
+    def add_rollout(self, step: int, metrics: dict[str, float], step_s: float) -> None:
+        """A GRPO step's rollout metrics (none on a rollout's later iterations) and its time split: generation,
+        and training (the step less its rollout: rewards, old-policy / reference passes, forward, backward)."""
+        generation = metrics.get("time/generation_s", 0.0)
+        training = step_s - metrics.get("time/rollout_s", 0.0)
+        self.rollouts[step] = {**metrics, "time/training_s": training}
+        self.generation_s += generation
+        self.training_s += step_s - generation
+        self.generated_tokens += metrics.get("generated_tokens_per_s", 0.0) * generation
 
 
 class Trainer:
@@ -133,7 +149,6 @@ class Trainer:
         self.tracker = PeakTracker(held, rt.optimizers, enabled=True, device=env.device)
         self.watch = StepWatch(env.rank, env.world, float(cfg.launch.timeout_s))  # names a late rank
         self.loop = LoopSettings.of(cfg)
-        self.faults = Faults.of(cfg, env.rank)  # tests only (debug.*): dtlaunch.train.fault_injection
         t = cfg.training
         self.totals = _Totals()
         # Each rank's time per step rides on the window collective; rank 0 names a slow rank.
@@ -144,7 +159,11 @@ class Trainer:
         self.tokens_per_step = rows_per_sample(cfg) * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
-        self.step_fn = self.faults.wrap(self.step_fn)
+        # Tests only (debug.*); each wrapper is what it wraps in a real run.
+        faults = Faults.of(cfg, env.rank)
+        self.step_fn = faults.wrap_step(self.step_fn)
+        self.steps = faults.wrap_steps(range(self.start + 1, self.loop.steps + 1))
+        self.save_final = faults.wrap_final_save(functools.partial(self.ckpt.save, final=True), self.loop.steps)
 
     def fit(self) -> None:
         """Steps start+1 .. training.steps, then the final checkpoint and the summary. A preemption stop
@@ -152,18 +171,17 @@ class Trainer:
         loop, rt, sync, step_fn, batches = self.loop, self.rt, self.sync, self.step_fn, self.step_loader
         rank_log(f"training steps {self.start + 1}..{loop.steps}")
         try:
-            for step in range(self.start + 1, loop.steps + 1):
-                self.faults.maybe_fail(step)
+            for step in self.steps:
                 lr = rt.schedulers[0].get_last_lr()[0]
                 began = time.perf_counter()
                 with self.watch.step(step), self.tracker.step(step):
-                    self.faults.slow_down()
                     if self.pace is not None:
                         self.pace.started()
                     if self.rollout is not None:  # generation and rewards: this step's rows
                         batches = self.rollout.batches(step)
-                        self.totals.rollouts[step] = batches.metrics
                     result = step_fn(rt, batches, step)
+                    if self.rollout is not None:
+                        self.totals.add_rollout(step, batches.metrics, time.perf_counter() - began)
                     if self.pace is not None:
                         self.pace.ended()
                     rate = self.tokens_per_step / (time.perf_counter() - began)
@@ -195,9 +213,8 @@ class Trainer:
                         raise preemption.PreemptionStop(step, sync.signum)
                 self.totals.ended[step] = time.perf_counter()
             self._drain(loop.steps)
-            self.faults.maybe_fail(loop.steps + 1)  # fault injection "after the last step": before the final checkpoint
             final_step = max(self.start, loop.steps)
-            self.ckpt.save(final_step, final=True)
+            self.save_final(final_step)
         except (preemption.PreemptionStop, KeyboardInterrupt):
             raise
         except BaseException:
@@ -266,7 +283,7 @@ class Trainer:
     def _rollout_values(self, step: int) -> dict[str, float]:
         """objective=grpo: the metrics of the rollout this step generated (none on its later iterations)."""
         values = self.totals.rollouts.pop(step, {})
-        if values:
+        if "reward" in values:
             self.totals.last_rollout = values
         return values
 
@@ -311,10 +328,20 @@ class Trainer:
             **t.last_eval,
             **t.last_pairs,
             **{k: v for k, v in t.last_rollout.items() if not k.startswith("time/")},
+            **(_time_split(t) if t.last_rollout else {}),
             **(t.stragglers.summary() if t.stragglers is not None else {}),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _time_split(t: _Totals) -> dict[str, float]:
+    """objective=grpo over the whole attempt: the share of step time spent generating, and the rate."""
+    total = t.generation_s + t.training_s
+    return {
+        "generation_share": t.generation_s / total if total else 0.0,
+        "generated_tokens_per_s": t.generated_tokens / t.generation_s if t.generation_s else 0.0,
+    }
 
 
 def _step_stats(result: Any) -> Optional[torch.Tensor]:

@@ -22,15 +22,32 @@ import pytest
 class SeededBatches:
     """The loader's interface over one seeded global batch of `global_batch` x (seq_len + 1) tokens, the
     same every step (the loss must fall as it is learnt): data-parallel rank `dp_rank`'s micro-batches of
-    it (the batch cut into dp x accumulation micro-batches, rank r taking the r-th run of them)."""
+    it (the batch cut into dp x accumulation micro-batches, rank r taking the r-th run of them). Under
+    context parallel (`cp_size` > 1) each row keeps this CP rank's load-balanced chunks and the model gets
+    their positions, as the worker's loader hands them."""
 
-    def __init__(self, global_batch: int, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int, vocab: int):
+    def __init__(
+        self,
+        global_batch: int,
+        seq_len: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        vocab: int,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+    ):
         import torch
 
         self.gen = torch.Generator()
         self.global_batch, self.seq_len = global_batch, seq_len
         self.micro_batch, self.dp_rank, self.dp_size, self.vocab = micro_batch, dp_rank, dp_size, vocab
         self.pending: list = []
+        self.last_model_args: dict = {}
+        if cp_size > 1:
+            from dtlaunch.train.parallel.context_parallel import local_positions
+
+            self.last_model_args = {"positions": torch.from_numpy(local_positions(seq_len, cp_rank, cp_size))}
 
     def next_batch(self) -> tuple:
         import torch
@@ -42,7 +59,11 @@ class SeededBatches:
             per_rank = chunks.shape[0] // self.dp_size
             self.pending = list(chunks[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
         t = self.pending.pop(0)
-        return t[:, :-1], t[:, 1:]
+        inputs, targets = t[:, :-1], t[:, 1:]
+        if self.last_model_args:
+            keep = self.last_model_args["positions"]
+            inputs, targets = inputs[:, keep], targets[:, keep]
+        return inputs, targets
 
 
 def one_process_runtime(cfg: object, device: object, prepare: Callable | None = None) -> object:
@@ -122,7 +143,8 @@ def train(
     def batches(dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> Any:
         if make_batches is not None:
             return make_batches(cfg, gb, dp_rank, dp_size, cp_rank, cp_size)
-        return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))
+        vocab = int(cfg.model.vocab_size)
+        return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, vocab, cp_rank, cp_size)
 
     if world > 1 or mesh:  # the worker's runtime object
         from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size

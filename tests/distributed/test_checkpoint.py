@@ -158,10 +158,18 @@ def test_corrupt_checkpoint_is_skipped(tmp_path: Path) -> None:
     assert res["start"] == 3
 
 
+@pytest.fixture(scope="module")
+def single_stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One single-process run stopped after its step-3 checkpoint; each test spoils a copy of it."""
+    base = tmp_path_factory.mktemp("single_at_3")
+    run_worker("single", base / "run", base / "a.json", stop_at=3)
+    return base / "run"
+
+
 @pytest.mark.slow
-def test_no_resume_refuses(tmp_path: Path) -> None:
+def test_no_resume_refuses(single_stopped_at_3: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    run_worker("single", run, tmp_path / "a.json", stop_at=3)
+    shutil.copytree(single_stopped_at_3, run)
     os.environ["DTLAUNCH_NO_RESUME"] = "1"
     try:
         res = run_worker("single", run, tmp_path / "b.json", expect_rc=1)
@@ -171,9 +179,9 @@ def test_no_resume_refuses(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_save_failure_keeps_previous(tmp_path: Path) -> None:
+def test_save_failure_keeps_previous(single_stopped_at_3: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    run_worker("single", run, tmp_path / "a.json", stop_at=3)
+    shutil.copytree(single_stopped_at_3, run)
     # A plain file where the next save's directory must go: the write fails with an OSError, as on a
     # full disk or a read-only mount, and must neither hide the error nor touch step 3.
     (run / "checkpoints" / ".tmp-step-00000006").write_text("in the way")
@@ -209,11 +217,11 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.data import build_loader
+    from dtlaunch.train.loss import cross_entropy, loss_context
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh, dp_rank_size
     from dtlaunch.train.parallel.parallelize import parallelize
     from dtlaunch.train.parallel.process_group import init_distributed
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy, loss_context
 
     run_dir = Path(os.environ["DTLAUNCH_RUN_DIR"])
     cfg = compose(overrides).cfg

@@ -1,4 +1,4 @@
-"""training.loss_chunks=8 (the chunked head + cross-entropy, dtlaunch/train/chunked_loss.py) in 2-process
+"""training.loss_chunks=8 (the chunked head + cross-entropy, dtlaunch/train/loss.py) in 2-process
 gloo layouts against one process computing the full-vocabulary loss (loss_chunks=1): DDP, FSDP2 (ZeRO-3,
 the head's weight gathered while the loss runs), tensor parallel with and without sequence parallel
 (vocabulary-sharded head, loss-parallel per chunk), a 1F1B pipeline (the last stage's loss), LoRA (frozen,
@@ -76,7 +76,7 @@ def _head_unit(runtime) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from dtlaunch.train.chunked_loss import head_module
+    from dtlaunch.train.loss import head_module
 
     model = runtime.model_parts[-1]
     head = head_module(model)

@@ -1,4 +1,4 @@
-"""Tensor / pipeline parallel pieces (dtlaunch.train.parallel.tensor_parallel, pipeline, pp_step) against one process.
+"""Tensor / pipeline parallel pieces (dtlaunch.train.parallel.tensor_parallel, pipeline, dtlaunch.train.loss, step) against one process.
 
 Each case starts this file as a torchrun worker (gloo, CPU). The workers build the layout from the
 pieces (TP plan, stage split, FSDP), train a few SGD steps with grad clipping on seeded batches, and
@@ -140,7 +140,7 @@ def _reference(cfg, steps: int, global_batch: int) -> tuple[list[float], list[fl
     import torch
 
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+    from dtlaunch.train.loss import cross_entropy
 
     model = build_model(cfg.model, rope_len=cfg.training.seq_len, device="cpu")
     model.init_weights(cfg.training.seed)
@@ -165,11 +165,12 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from dtlaunch.config.layout import Layout, pp_microbatches
     from dtlaunch.config.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
+    from dtlaunch.train.loss import cross_entropy, loss_context, pipeline_loss_fn
     from dtlaunch.train.parallel.init_weights import materialize_and_init
     from dtlaunch.train.parallel.mesh import build_mesh, dp_rank_size, sub_mesh
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
-    from dtlaunch.train.parallel.pp_step import clip_grad_norm, pipeline_loss_fn, pp_forward_backward
-    from dtlaunch.train.parallel.tensor_parallel import apply_tp, cross_entropy, loss_context
+    from dtlaunch.train.parallel.tensor_parallel import apply_tp
+    from dtlaunch.train.step import clip_grad_norm
 
     cfg = typed_job(OmegaConf.from_dotlist(overrides))
     dist.init_process_group("gloo")
@@ -201,7 +202,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
     for inputs, targets in _batches(cfg, cfg.training.steps, mb * dp_size):
         x, y = inputs[dp_rank * mb : (dp_rank + 1) * mb], targets[dp_rank * mb : (dp_rank + 1) * mb]
         if pp_mesh is not None:
-            loss = pp_forward_backward(plan, pp_loss, x, y, pp_mesh, loss_context(cfg, layout))
+            loss = plan.forward_backward(pp_loss, x, y, pp_mesh, loss_context(cfg, layout))
         else:
             with loss_context(cfg, layout):
                 loss = cross_entropy(modules[0](x), y)

@@ -11,6 +11,7 @@ a group whose G samples agree has no spread and so no gradient.)
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,28 @@ def grpo_args(toy: Path, *extra: str) -> list[str]:
 def test_tiny_model_learns_toy_task(trainer, toy: Path, tmp_path: Path, peft: str) -> None:
     lr = "1e-2" if peft == "none" else "3e-2"
     run = tmp_path / "run"
-    trainer.run(run, *grpo_args(toy, "training.steps=15", f"optim.lr={lr}", f"peft={peft}"))
-    rewards = [m["reward"] for m in trainer.metrics(run)]
+    proc = trainer.run(run, *grpo_args(toy, "training.steps=15", f"optim.lr={lr}", f"peft={peft}"))
+    metrics = trainer.metrics(run)
+    rewards = [m["reward"] for m in metrics]
     assert rewards[0] <= 0.3, rewards
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
     sample = (run / "completions" / "step-15.jsonl").read_text().splitlines()
     assert sample and "accuracy" in json.loads(sample[0])["rewards"]
+    # Item 6's metrics: every step's line, the end-of-run summary (file and printed) and the report.
+    last = metrics[-1]
+    for key in ("reward_std", "rewards/accuracy/mean", "rewards/accuracy/std", "completions/mean_length"):
+        assert key in last, key
+    assert 1 <= last["completions/mean_length"] <= last["completions/max_length"] <= 2
+    assert 0 <= last["completions/clipped_ratio"] <= 1 and last["clip_ratio/low_mean"] == 0  # mu = 1: ratio 1
+    assert 0 < last["entropy"] <= math.log(16) and "kl" not in last  # beta = 0: no KL term
+    assert last["time/generation_s"] > 0 and last["time/training_s"] > 0 and last["generated_tokens_per_s"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["generation_share"] < 1 and summary["reward"] == rewards[-1]
+    assert "GRPO" in proc.stdout and "% of step time generating at" in proc.stdout
+    from dtlaunch.report.html import run_report
+    from dtlaunch.report.rundata import read_run
+
+    assert "<h2>rewards</h2>" in run_report(read_run(run))
 
 
 def bad_reward_file(tmp_path: Path, body: str) -> str:
@@ -109,6 +126,10 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
         (["strategy=tp", "launch.nproc_per_node=2"], "objective=grpo does not generate under strategy.tp=2 yet"),
         (["data.format=text"], "objective=grpo generates its completions from prompts, not data.format=text"),
         (["objective.max_completion_length=8"], "objective.max_completion_length=8 leaves no room for a prompt"),
+        (
+            ["objective.num_iterations=2", "checkpoint.every_steps=3"],
+            "checkpoint.every_steps=3 is not a multiple of objective.num_iterations=2",
+        ),
     ],
 )
 def test_grpo_config_rules(toy: Path, extra: list, message: str) -> None:
@@ -136,22 +157,31 @@ def test_prompt_too_long_refused(toy: Path, tmp_path: Path) -> None:
     ) and "raise training.seq_len to at least 4" in str(err.value)
 
 
-def test_fsdp_killed_and_resumed_equals_ddp(trainer, toy: Path, tmp_path: Path) -> None:
-    """Two ranks. DDP straight through; FSDP2 (ZeRO-3) with rank 1 SIGKILLed as step 3 begins (before its
-    rollout), restarted by the launcher and resumed from the step-2 checkpoint. Every step's rewards and
-    loss must be the same, bit for bit: each rank samples from the same seeds and weights on both layouts,
-    and the resumed rollout regenerates what the uninterrupted one would have."""
-    common = grpo_args(toy, "training.steps=4", "training.micro_batch=8", "launch.nproc_per_node=2", "optim.lr=1e-2")
-    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    trainer.run(ddp, *common, "strategy=ddp")
-    kill = ["debug.fail_at_step=3", "debug.fail_mode=sigkill", "debug.fail_rank=1", "launch.max_restarts=1"]
+def test_fsdp_killed_and_resumed_equals_uninterrupted(trainer, toy: Path, tmp_path: Path) -> None:
+    """FSDP2 (ZeRO-3) on two ranks, two optimizer steps per generation batch (mu = 2: steps 1-2 and 3-4
+    each share a rollout). Straight through, and with rank 1 SIGKILLed as step 4 begins (mid-way through
+    the second batch's steps), restarted by the launcher and resumed from the step-2 checkpoint. Every
+    step's rewards and loss must be the same, bit for bit: the resumed rollout regenerates what the
+    uninterrupted one did from the same seeds and weights (the checkpoints fall on batch boundaries:
+    config.rules.grpo). (DDP trains alike within 1e-5: the replayed-completions test.)"""
+    common = grpo_args(
+        toy,
+        "training.steps=4",
+        "training.micro_batch=8",
+        "launch.nproc_per_node=2",
+        "optim.lr=1e-2",
+        "objective.num_iterations=2",
+    )
+    straight, fsdp = tmp_path / "straight", tmp_path / "fsdp"
+    trainer.run(straight, *common, "strategy=fsdp")
+    kill = ["debug.fail_at_step=4", "debug.fail_mode=sigkill", "debug.fail_rank=1", "launch.max_restarts=1"]
     proc = trainer.run(fsdp, *common, "strategy=fsdp", "checkpoint.enabled=true", "checkpoint.every_steps=2", *kill)
     assert "resumed from step-00000002" in proc.stdout + proc.stderr
 
     def steps(run: Path) -> list[tuple]:
         return [(m["step"], m["loss"], m.get("reward")) for m in trainer.metrics(run)]
 
-    assert steps(fsdp) == steps(ddp) and len(steps(ddp)) == 4
+    assert steps(fsdp) == steps(straight) and len(steps(straight)) == 4
 
 
 def test_plan_of_the_generation_phase(trainer, toy: Path, tmp_path: Path) -> None:
@@ -171,22 +201,41 @@ def test_plan_of_the_generation_phase(trainer, toy: Path, tmp_path: Path) -> Non
     assert abs(measured / plan["peak_bytes"] - 1) <= 0.08, (measured, plan["peak_bytes"])
 
 
-def test_layouts_train_alike_on_replayed_completions(trainer, toy: Path, tmp_path: Path) -> None:
-    """debug.replay_completions (a test hook) hands every layout the same completions; one process and FSDP2
-    on two ranks must then see the same rewards and losses (within 1e-5) at every step."""
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory) -> Path:
+    """Three rollouts of 32 completions (1-2 tokens, some ending at <eos>) for debug.replay_completions."""
     import random
 
     rng = random.Random(3)
     rollouts = [
         [[rng.choice([1, *range(3, 13)]) for _ in range(rng.randint(1, 2))] for _ in range(32)] for _ in range(3)
     ]
-    replay = tmp_path / "replay.jsonl"
-    replay.write_text("\n".join(json.dumps(r) for r in rollouts) + "\n")
-    common = grpo_args(toy, "training.steps=3", "training.micro_batch=8", f"debug.replay_completions={replay}")
-    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
-    trainer.run(one, *common)
-    trainer.run(fsdp, *common, "strategy=fsdp", "launch.nproc_per_node=2")
-    a, b = trainer.metrics(one), trainer.metrics(fsdp)
-    assert [m["reward"] for m in a] == [m["reward"] for m in b] and len(a) == 3
-    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (a, b)
-    assert any(abs(m["loss"]) > 1e-4 for m in a)  # the losses are not all zero
+    out = tmp_path_factory.mktemp("replay") / "replay.jsonl"
+    out.write_text("\n".join(json.dumps(r) for r in rollouts) + "\n")
+    return out
+
+
+@pytest.mark.parametrize(
+    "peft, layouts",
+    [
+        ("none", [["strategy=fsdp"], ["strategy=ddp"]]),
+        ("lora", [["strategy=fsdp"]]),
+    ],
+)
+def test_layouts_train_alike_on_replayed_completions(
+    trainer, toy: Path, tmp_path: Path, replay: Path, peft: str, layouts: list
+) -> None:
+    """debug.replay_completions (a test hook) hands every layout the same completions; one process and each
+    two-rank layout (FSDP2 and DDP; LoRA on FSDP2) must then see the same rewards and losses (within 1e-5)
+    at every step."""
+    common = grpo_args(
+        toy, "training.steps=3", "training.micro_batch=8", f"debug.replay_completions={replay}", f"peft={peft}"
+    )
+    trainer.run(tmp_path / "one", *common)
+    a = trainer.metrics(tmp_path / "one")
+    assert len(a) == 3 and any(abs(m["loss"]) > 1e-4 for m in a)  # the losses are not all zero
+    for i, layout in enumerate(layouts):
+        trainer.run(tmp_path / f"two{i}", *common, *layout, "launch.nproc_per_node=2")
+        b = trainer.metrics(tmp_path / f"two{i}")
+        assert [m["reward"] for m in a] == [m["reward"] for m in b], layout
+        assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (layout, a, b)

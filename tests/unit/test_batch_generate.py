@@ -14,20 +14,31 @@ PROMPTS = [[5, 17, 42, 3, 99, 8, 11], [7], [60, 2, 33, 90], [14, 14, 14, 200, 31
 NEW = 12
 
 
-def hf_greedy(path, prompts, stops: list[int]) -> list[list[int]]:
+def hf_greedy(path, prompts, stops: list[int]) -> tuple[list[list[int]], float]:
+    """transformers' greedy completions, and the mean entropy of its logits over the completion tokens."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     longest = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     attn = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         out = ref.generate(
-            ids, attention_mask=attn, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=stops
+            ids,
+            attention_mask=attn,
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=stops,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    rows = []
-    for row in out[:, longest:].tolist():
+    rows, entropy = [], 0.0
+    for i, row in enumerate(out.sequences[:, longest:].tolist()):
         end = next((j + 1 for j, t in enumerate(row) if t in stops), None)
         rows.append(row[:end] if end is not None else row)
-    return rows
+        for j in range(len(rows[-1])):
+            lp = torch.log_softmax(out.logits[j][i].float(), dim=-1)
+            entropy += float(-(lp.exp() * lp).sum())
+    return rows, entropy / sum(len(r) for r in rows)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
@@ -41,7 +52,9 @@ def test_greedy_batch_matches_transformers(tiny_hf_dirs, family: str) -> None:
     stop = free.completions[0][NEW // 2]
     ours = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1, stop])
     assert any(len(c) < NEW for c in ours.completions) and any(t for t in ours.truncated)
-    assert ours.completions == hf_greedy(path, PROMPTS, [1, stop])
+    hf_rows, hf_entropy = hf_greedy(path, PROMPTS, [1, stop])
+    assert ours.completions == hf_rows
+    assert ours.entropy == pytest.approx(hf_entropy, rel=1e-5) and ours.entropy > 0  # the rollout's "entropy"
     # Each row alone (no padding) gives the same tokens as in the batch.
     for prompt, batched in zip(PROMPTS, ours.completions, strict=True):
         assert generate_batch(loaded.model, [prompt], greedy, stop_ids=[1, stop]).completions[0] == batched

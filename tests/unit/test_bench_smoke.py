@@ -176,6 +176,37 @@ def test_gpu_bench_memory_part_plans_each_feature_against_the_baseline() -> None
     assert gpu_bench.result_stem("NVIDIA H100", "memory").endswith("-nvidia-h100-memory")
 
 
+def test_gpu_bench_long_context_rows_run_at_the_plans_longest_seq_len() -> None:
+    """The longctx rows: one sequence at the seq_len `plan --maximize training.seq_len` gives for the bench's
+    hardware profile, with the savers spelled out (activation offload explicit, whatever its default), and a
+    steady window of their own few steps."""
+    from bench.gpu import gpu_bench
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.plan.memory import plan_memory
+
+    runs = {r.variant: r for r in gpu_bench.memory_runs("h100_80gb", 12)}
+    for variant in ("longctx-full", "longctx-qlora"):
+        run = runs[variant]
+        assert gpu_bench.memory_skip_reason(run) == ""
+        job = load_job(list(run.overrides))
+        t = job.cfg.training
+        assert (str(t.activation_checkpointing), t.activation_offload, t.micro_batch) == ("full", True, 1)
+        assert gpu_bench.seq_len(run) == t.seq_len > 2048 and t.mlp_tiles > 1
+        assert plan_memory(job.cfg, job.layout).fits
+        assert gpu_bench.steps_of(run, 12) == gpu_bench.LONG_STEPS and gpu_bench.steps_of(runs["baseline"], 12) == 12
+    assert "peft.method=qlora" in runs["longctx-qlora"].overrides
+    # On an 80 GB card both reach the model's own context; on a 40 GiB one the GPU binds: the longest that
+    # fits, one token more does not; on 4 GiB nothing fits and the row asks for the longest (the gate refuses).
+    row = tuple(o for o in runs["longctx-full"].overrides if not o.startswith(("training.seq_len", "training.mlp_")))
+    smaller = gpu_bench.longest_context(gpu_bench.shrink(row, ("hardware.memory_gib=40",)))
+    seq = gpu_bench.seq_len(dataclasses.replace(runs["longctx-full"], overrides=smaller))
+    fit, longer = (load_job([*smaller, f"training.seq_len={n}"]) for n in (seq, seq + 1))
+    assert 2048 < seq < fit.cfg.model.max_seq_len and plan_memory(fit.cfg, fit.layout).fits
+    assert not plan_memory(longer.cfg, longer.layout).fits
+    none_fit = gpu_bench.longest_context(gpu_bench.shrink(row, ("hardware.memory_gib=4",)))
+    assert "training.seq_len=131072" in none_fit
+
+
 def test_gpu_bench_memory_table_reads_against_the_baseline() -> None:
     from bench.gpu import gpu_bench
 
@@ -194,6 +225,7 @@ def test_gpu_bench_memory_table_reads_against_the_baseline() -> None:
             "predicted_bytes": alloc,
             "predicted_device_total_bytes": reserved + 2**30,
             "error_pct": 0.0,
+            "seq_len": 2048,
             **kw,
         }
 
@@ -212,11 +244,14 @@ def test_gpu_bench_memory_table_reads_against_the_baseline() -> None:
         "runs": [
             row("baseline", 1000.0, 20 * 2**30, 22 * 2**30),
             row("lora", 1500.0, 10 * 2**30, 11 * 2**30),
+            row("longctx-full", 500.0, 40 * 2**30, 44 * 2**30, seq_len=131072),
             {**gpu_bench.skipped(gpu_bench.memory_runs("h100_80gb", 12)[-1], "dtlaunch", "needs 2 GPUs")},
         ],
     }
     text = gpu_bench.render(report)
     assert "## Memory features" in text and "310 s in all" in text and "skipped: needs 2 GPUs" in text
     assert (
-        "| lora | baseline | 1,500 | 1.500 | 1.500 | 10.00 | 10.00 | +0.0 % | 0.500 | 12.00 | 11.00 | +9.1 % |" in text
+        "| lora | baseline | 2,048 | 1,500 | 1.500 | 1.500 | 10.00 | 10.00 | +0.0 % | 0.500 | 12.00 | 11.00 | +9.1 % |"
+        in text
     )
+    assert "| longctx-full | - | 131,072 | 500 | 0.500 | - | 40.00 | 40.00 | +0.0 % | - | 45.00 | 44.00 |" in text

@@ -1,4 +1,4 @@
-"""training.loss_chunks: the chunked head + cross-entropy (dtlaunch.train.chunked_loss) against plain
+"""training.loss_chunks: the chunked head + cross-entropy (dtlaunch.train.loss) against plain
 torch on full logits, for the loss and the gradients of the hidden states and the head's weight."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtlaunch.train.chunked_loss import chunked_cross_entropy
+from dtlaunch.train.loss import chunked_cross_entropy
 
 
 def _inputs(seed: int = 0, b: int = 3, s: int = 7, h: int = 16, v: int = 50):
@@ -61,9 +61,8 @@ def test_decoder_hidden_only_through_the_runtime_loss() -> None:
     """The tiny model with hidden_only: the HeadLoss on its hidden states equals cross_entropy on its logits."""
     from dtlaunch.config.compose import compose
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.loss import cross_entropy, head_loss
     from dtlaunch.train.parallel.init_weights import materialize_and_init
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     cfg = compose(["model=tiny", "training.seq_len=16", "training.loss_chunks=3"]).cfg
     model = model_spec(cfg.model).build(cfg.model, rope_len=16, device="meta")
@@ -87,7 +86,7 @@ def test_model_without_the_switch_is_refused() -> None:
     """A module that only returns logits cannot take the chunked loss: one-line ConfigError, no fallback."""
     from dtlaunch.config.compose import compose
     from dtlaunch.errors import ConfigError
-    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.loss import head_loss
 
     cfg = compose(["model=tiny", "training.loss_chunks=4"]).cfg
     with pytest.raises(ConfigError, match="training.loss_chunks=4: .* set training.loss_chunks=1"):
@@ -128,9 +127,8 @@ def test_hf_auto_hidden_states_through_the_chunked_loss(tiny_hf_dirs) -> None:
     cross_entropy on transformers' own logits, loss and gradients."""
     from dtlaunch.config.compose import compose
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.loss import cross_entropy, head_loss
     from dtlaunch.train.parallel.init_weights import materialize_and_init
-    from dtlaunch.train.parallel.tensor_parallel import cross_entropy
 
     args = ["model.arch=hf_auto", f"model.init_from=hf:{tiny_hf_dirs['qwen3']}", "training.seq_len=16"]
     cfg = compose([*args, "training.loss_chunks=4"]).cfg
@@ -149,7 +147,7 @@ def test_hf_auto_hidden_states_through_the_chunked_loss(tiny_hf_dirs) -> None:
 
 
 def test_fused_gradients_equal_the_recomputed_chunks() -> None:
-    """Gradients taken in forward (dtlaunch.train.fused_linear_ce) against each chunk recomputed in
+    """Gradients taken in forward (dtlaunch.train.loss.LinearCrossEntropy) against each chunk recomputed in
     backward under checkpointing (the pipeline's path), fp32."""
     hidden, weight, targets = _inputs(2)
     got = torch.autograd.grad(chunked_cross_entropy(hidden, weight, targets, 4, fused=True), (hidden, weight))

@@ -21,9 +21,10 @@ def test_meta_fills_are_skipped_and_real_ones_are_not() -> None:
         assert torch.arange(3).tolist() == [0, 1, 2]
 
 
-def test_a_meta_build_does_not_import_dynamo() -> None:
+def test_the_workers_imports_and_a_meta_build_do_not_import_dynamo() -> None:
     code = (
         "import sys\n"
+        "import dtlaunch.train.main\n"  # everything a worker imports before it builds
         "from dtlaunch.config.compose import compose\n"
         "from dtlaunch.models.registry import model_spec\n"
         "for model in ('tiny', 'tiny_moe', 'qwen3_0.6b'):\n"

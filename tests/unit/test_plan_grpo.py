@@ -38,3 +38,50 @@ def test_8b_fsdp_recipe_fits_both_phases(tmp_path) -> None:
     worst = plan(tmp_path, "recipe=qwen3_8b_grpo_fsdp", "objective.num_iterations=2")
     assert {PHASE_GENERATION, PHASE_OLD_POLICY, "backward"} <= set(worst.phases)
     assert max(worst.phases.values()) == worst.peak < 79 * GIB
+
+
+def test_search_ranks_only_layouts_grpo_runs_with_both_phases_planned() -> None:
+    """`plan --search` for GRPO: every row is a layout validate accepts (no TP / PP / CP, whole groups
+    per rank), its memory is the larger phase's, and its step time holds the rollout: at least one read
+    of every weight per generated token at the device's memory bandwidth (decode is memory bound)."""
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.plan.search import search
+
+    base = ["recipe=qwen3_0.6b_grpo", "launch.nproc_per_node=8"]
+    cfg = load_job(base).cfg
+    rows = search(cfg, top=50)
+    assert rows and {r["zero_stage"] for r in rows} >= {0, 3}  # DDP and FSDP both ranked
+    params = model_spec(cfg.model).param_count(cfg.model)
+    floor = int(cfg.objective.max_completion_length) * params * 2 / (float(cfg.hardware.memory_gbps) * 1e9)
+    for r in rows[:: max(1, len(rows) // 6)]:
+        assert r["tp"] == r["pp"] == r["cp"] == 1
+        job = load_job([*base, *r["overrides"]])  # validate accepts it
+        worst = plan_memory(job.cfg, job.layout).worst
+        assert worst.peak == max(worst.phases.values()) and PHASE_GENERATION in worst.phases
+        assert r["times"]["generation"] >= floor
+    # FSDP gathers the weights for the rollout; DDP holds them: with everything else equal, it generates faster.
+    same = {(r["micro_batch"], r["ac"]): r for r in rows if r["zero_stage"] == 0}
+    fsdp = next(r for r in rows if r["zero_stage"] == 3 and (r["micro_batch"], r["ac"]) in same)
+    assert fsdp["times"]["generation"] > same[(fsdp["micro_batch"], fsdp["ac"])]["times"]["generation"]
+
+
+def test_maximize_generations_and_completion_length_find_the_edge() -> None:
+    """`plan --maximize objective.num_generations` keeps the prompts per step (the global batch moves
+    with G); `objective.max_completion_length` keeps the prompts' room (training.seq_len moves with it)."""
+    from dtlaunch.plan.maximize import maximize
+
+    base = ["recipe=qwen3_8b_grpo_fsdp"]  # 8 prompts a step on 8 ranks, micro-batch 2, prompts' room 512
+    cfg = load_job(base).cfg
+    g = maximize(cfg, "objective.num_generations")
+    assert g.override == f"objective.num_generations={g.value} training.global_batch={8 * g.value}"
+    c = maximize(cfg, "objective.max_completion_length")
+    assert c.override == f"objective.max_completion_length={c.value} training.seq_len={512 + c.value}"
+    # The next candidate: G + 2 (whole micro-batches of 2 on every rank), one more completion token.
+    for found, over in (
+        (g, [f"objective.num_generations={g.value + 2}", f"training.global_batch={8 * (g.value + 2)}"]),
+        (c, [f"objective.max_completion_length={c.value + 1}", f"training.seq_len={513 + c.value}"]),
+    ):
+        fits = load_job([*base, *found.override.split(), *found.savers])
+        assert plan_memory(fits.cfg, fits.layout).fits
+        over_job = load_job([*base, *over, *found.savers])
+        assert not plan_memory(over_job.cfg, over_job.layout).fits

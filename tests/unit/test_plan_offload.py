@@ -11,6 +11,7 @@ import pytest
 from dtlaunch.cli import run
 from dtlaunch.commands.common import load_job
 from dtlaunch.plan import offload
+from dtlaunch.plan.lines import Line
 from dtlaunch.plan.maximize import maximize
 from dtlaunch.plan.memory import GIB, plan_memory
 from dtlaunch.plan.search import search
@@ -76,6 +77,22 @@ def test_search_offloads_only_what_does_not_fit_otherwise() -> None:
     assert rows[0]["times"]["offload"] > 0 and "strategy.cpu_offload=true" in rows[0]["overrides"]
     job8, _ = _plan(*LLAMA8B, "training.seq_len=2048")
     assert not any(r["cpu_offload"] or r["activation_offload"] for r in search(job8.cfg, top=3))
+
+
+def test_offload_with_compile_is_planned_and_searched() -> None:
+    """Under compile with full AC, activation offload is planned (the compiled blocks' inputs on the host)
+    and the layout search may offer it; without full AC it is neither."""
+    args = ["recipe=llama3_8b_qlora", "training.seq_len=65536", "training.micro_batch=1", "training.global_batch=1"]
+    job, plan = _plan(*args, "training.activation_offload=true")
+    assert job.cfg.training.compile and plan.worst.host[Line.HOST_ACTIVATIONS] > 0
+    _, kept = _plan(*args, "training.activation_offload=false")
+    assert plan.peak < kept.peak
+    _, default = _plan(*args)  # the default turns it on here: full AC on a GPU profile costs no step time
+    assert default.peak == plan.peak
+    tr = {"activation_checkpointing": "full"}
+    lay, st = job.layout, {"zero_stage": 0}
+    assert (False, True) in offload.offload_variants(job.cfg, lay, st, tr)
+    assert (False, True) not in offload.offload_variants(job.cfg, lay, st, {"activation_checkpointing": "selective"})
 
 
 @pytest.mark.parametrize("key", ["training.seq_len", "training.micro_batch"])

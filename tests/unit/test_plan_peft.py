@@ -90,7 +90,7 @@ def test_search_keeps_qlora_on_layouts_that_hold_nf4() -> None:
 
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_frozen_head_is_a_unit_of_its_own_under_the_chunked_loss(zero: str) -> None:
-    """The chunked loss runs inside the frozen head's own FSDP unit (dtlaunch.train.chunked_loss): the
+    """The chunked loss runs inside the frozen head's own FSDP unit (dtlaunch.train.loss): the
     head is no longer held with the root unit (the static lines are those of the full-vocabulary loss,
     whose head was always a unit of its own), only during the loss (its backward moment has it)."""
     from dtlaunch.plan.loss_terms import loss_backward_bytes

@@ -56,7 +56,9 @@ def test_analytic_within_5_percent_of_trace(overrides):
     "overrides",
     [
         ["recipe=llama8b_fsdp"],  # Llama-3.1-8B, FSDP on 8, bf16, selective AC, 4 accumulation steps
-        ["recipe=llama70b_fsdp_tp"],  # Llama-3.1-70B, FSDP 8 x TP 8 (64 ranks), full AC, 16 steps
+        # Llama-3.1-70B, FSDP 8 x TP 8 (64 ranks), full AC, 16 steps; the trace runs on this CPU, where the
+        # default's activation offload moves nothing, so the plan is compared without it
+        ["recipe=llama70b_fsdp_tp", "training.activation_offload=false"],
         # Llama-3.1-8B FSDP 2 x 1F1B PP 4, 4 micro-batches: stage 0 holds the peak
         ["recipe=llama8b_fsdp", "strategy.pp=4", "strategy.pp_microbatches=4", "training.micro_batch=4"],
     ],

@@ -1,5 +1,5 @@
 """`strategy.pp_reshard_grads`: FSDP's gradient policy across pipeline micro-batches, in the config, the
-planner and the runtime's pipeline stage (dtlaunch.train.parallel.pp_stage).
+planner and the runtime's pipeline stage (dtlaunch.train.parallel.pipeline).
 
 Loss parity of both policies with one process: tests/distributed/test_parallel_layouts.py (fsdp_pp_reshard_2x2),
 and tests/e2e/test_train_tp_pp.py (the 3-D recipe, for the default). Predicted vs measured peaks of both: bench/planner_accuracy.py --real.
@@ -88,7 +88,7 @@ def _sharded_after_each_backward(mesh, reshard: bool) -> list[bool]:
     from torch.distributed.pipelining import Schedule1F1B
     from torch.distributed.tensor import DTensor
 
-    from dtlaunch.train.parallel.pp_stage import make_stage
+    from dtlaunch.train.parallel.pipeline import make_stage
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))

@@ -147,7 +147,7 @@ def close(a: float, b: float) -> bool:
 def head(model: torch.nn.Module, chunks: int):
     """The model's HeadLoss: with chunks > 1 the model returns its hidden states and the head runs chunk by
     chunk over the tokens (training.loss_chunks), the full logits never made."""
-    from dtlaunch.train.chunked_loss import HeadLoss
+    from dtlaunch.train.loss import HeadLoss
 
     model.hidden_only = chunks > 1
     return HeadLoss(model, chunks)

@@ -42,6 +42,15 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
         raise ConfigError(
             "objective.rewards is empty: name at least one reward function, e.g. objective.rewards=[accuracy]"
         )
+    mu, every = int(o.num_iterations), int(cfg.checkpoint.every_steps)
+    if bool(cfg.checkpoint.enabled) and every > 0 and every % mu:
+        # A checkpoint inside a generation batch could not be resumed exactly: the batch's completions came
+        # from the weights at its first step, which the checkpoint no longer holds.
+        raise ConfigError(
+            f"checkpoint.every_steps={every} is not a multiple of objective.num_iterations={mu}: a resume "
+            f"would regenerate a generation batch from later weights; set checkpoint.every_steps to a "
+            f"multiple of {mu}"
+        )
     if int(t.eval_every) > 0:
         raise ConfigError(
             f"training.eval_every={t.eval_every}: validation is not computed for objective=grpo yet: set "
@@ -50,13 +59,20 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
 
 
 def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
-    """The generation batch is whole groups: every prompt's G completions in the same optimizer step, on
-    the same data-parallel rank (the group's mean and std are taken there)."""
     if str(cfg.objective.name) != "grpo":
         return
+    problem = grpo_layout_problem(cfg, layout)
+    if problem:
+        raise ConfigError(problem)
+
+
+def grpo_layout_problem(cfg: Any, layout: Layout) -> str:
+    """Why objective=grpo cannot run on `layout` ("" when it can); `validate` refuses it and `plan --search`
+    skips it. The generation batch is whole groups: every prompt's G completions in the same optimizer step,
+    on the same data-parallel rank (the group's mean and std are taken there)."""
     g = int(cfg.objective.num_generations)
     if layout.pp > 1:
-        raise ConfigError(
+        return (
             f"objective=grpo does not generate under pipeline parallel (strategy.pp={layout.pp}): use "
             f"strategy.pp=1 (FSDP or TP for a model that does not fit one GPU)"
         )
@@ -64,14 +80,15 @@ def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
     # and context parallel's sequence split do not take yet.
     for key, degree in (("tp", layout.tp), ("cp", layout.cp)):
         if degree > 1:
-            raise ConfigError(
+            return (
                 f"objective=grpo does not generate under strategy.{key}={degree} yet: use strategy.{key}=1 "
                 f"(FSDP, strategy=fsdp, shards a model that does not fit one GPU)"
             )
     per_rank = global_batch(cfg, layout) // max(layout.dp, 1)
     if global_batch(cfg, layout) % g or per_rank % g:
-        raise ConfigError(
+        return (
             f"training.global_batch={global_batch(cfg, layout)} ({per_rank} completions per data-parallel rank) "
             f"is not a multiple of objective.num_generations={g}: set training.global_batch to a multiple of "
             f"{g * max(layout.dp, 1)}"
         )
+    return ""

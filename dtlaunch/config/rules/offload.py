@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtlaunch.config.layout import Layout
+from dtlaunch.config.layout import Layout, offload_composes_with_compile
 from dtlaunch.errors import ConfigError
 
 
 def check_offload(cfg: Any, layout: Layout, notes: list[str]) -> None:
     t, s = cfg.training, cfg.strategy
+    # Only an explicit true is checked: the default (null) turns offload on only where these rules allow it.
     if (t.activation_offload or s.cpu_offload) and float(cfg.hardware.host_memory_gib) == 0:
         key = "training.activation_offload" if t.activation_offload else "strategy.cpu_offload"
         raise ConfigError(
@@ -25,11 +26,14 @@ def check_offload(cfg: Any, layout: Layout, notes: list[str]) -> None:
 
 def _check_activation_offload(cfg: Any, layout: Layout) -> None:
     t = cfg.training
-    if t.compile:
-        # The hooks wrap each block's call; a compiled block would trace them into its graph.
+    if t.compile and not offload_composes_with_compile(t.activation_checkpointing):
+        # Each block is compiled inside its checkpoint wrapper, the hooks outside it: every block must be
+        # checkpointed whole for the hooks to see only block inputs (config.layout).
         raise ConfigError(
-            "training.activation_offload=true does not combine with training.compile=true: "
-            "set training.compile=false (or training.activation_offload=false)"
+            f"training.activation_offload=true with training.compile=true needs "
+            f"training.activation_checkpointing=full, not {t.activation_checkpointing} (the offload hooks "
+            f"run outside the compiled blocks, around their checkpoints): set "
+            f"training.activation_checkpointing=full (or training.compile=false)"
         )
     if layout.pp > 1:
         raise ConfigError(

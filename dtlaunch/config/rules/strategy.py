@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers, world_size
-from dtlaunch.config.schema import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, SPLIT_BACKWARD
+from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers, ulysses_kv_heads, world_size
+from dtlaunch.config.schema import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, SPLIT_BACKWARD, CpStyle
 from dtlaunch.errors import ConfigError
 
 
@@ -52,9 +52,14 @@ def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
     from dtlaunch.models.registry import model_spec
 
-    if not model_spec(m).ring_attention:
+    spec = model_spec(m)
+    if s.cp_style == CpStyle.ulysses:
+        check_ulysses(cfg, layout, notes)
+    elif not spec.ring_attention:
+        fix = "strategy.cp_style=ulysses" if spec.hf_attention else "strategy.cp=1"
         raise ConfigError(
-            f"strategy.cp={cp} needs a registry decoder's swappable attention: use strategy.cp=1 for this model"
+            f"strategy.cp={cp} with ring attention needs a registry decoder's swappable attention: use {fix} "
+            f"for model.arch={m.arch}"
         )
     if layout.pp > 1:
         raise ConfigError(
@@ -63,7 +68,7 @@ def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
     if cfg.data.document_mask:
         raise ConfigError(
-            f"data.document_mask=true is not supported with strategy.cp={cp} (ring attention is plain causal): "
+            f"data.document_mask=true is not supported with strategy.cp={cp} (context parallel attention is plain causal): "
             f"set data.document_mask=false or strategy.cp=1"
         )
     if t.compile:
@@ -74,6 +79,35 @@ def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         raise ConfigError(
             f"strategy.zero_stage=0 (DDP) cannot average gradients over strategy.cp={cp} ranks with "
             f"strategy.tp={layout.tp}: use strategy.zero_stage=2 or 3 (FSDP)"
+        )
+
+
+def check_ulysses(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    """strategy.cp_style=ulysses: every rank attends over the whole sequence for (heads / tp) / cp of the
+    query heads, so cp must divide them; K/V heads that cp does not divide are repeated (grouped-query
+    attention: config.layout.ulysses_kv_heads). The model's attention must be swappable: a registry
+    decoder's or transformers' (model.arch=hf_auto)."""
+    from dtlaunch.models.registry import model_spec
+
+    m, cp, tp = cfg.model, layout.cp, layout.tp
+    spec = model_spec(m)
+    if not (spec.ring_attention or spec.hf_attention):
+        raise ConfigError(
+            f"strategy.cp_style=ulysses needs a registry decoder or model.arch=hf_auto (a swappable attention), "
+            f"not model.arch={m.arch}: use strategy.cp=1"
+        )
+    heads = int(m.n_heads) // tp
+    if heads % cp:
+        per_rank = f" ({heads} per tensor-parallel rank)" if tp > 1 else ""
+        raise ConfigError(
+            f"strategy.cp_style=ulysses shards attention heads over strategy.cp={cp}, but model.n_heads="
+            f"{m.n_heads}{per_rank} does not divide by it: use a cp that divides {heads} or strategy.cp_style=ring"
+        )
+    kv = int(m.n_kv_heads or m.n_heads) // tp
+    if ulysses_kv_heads(kv, cp) != kv:
+        notes.append(
+            f"strategy.cp_style=ulysses: {kv} K/V heads per rank do not divide by strategy.cp={cp}; each is "
+            f"repeated to {ulysses_kv_heads(kv, cp)} heads for the all-to-all"
         )
 
 

@@ -26,12 +26,12 @@ def check_attention(m: Any) -> None:
 
 
 def check_window(cfg: Any) -> None:
-    """Context parallel's ring attention is plain causal: no window shorter than the sequence."""
+    """Context parallel's attention (ring or Ulysses) is plain causal: no window shorter than the sequence."""
     m, cp = cfg.model, int(cfg.strategy.cp)
     if cp > 1 and m.sliding_window is not None and m.sliding_window < int(cfg.training.seq_len):
         raise ConfigError(
-            f"model.sliding_window={m.sliding_window} is not supported with strategy.cp={cp} (ring attention is "
-            f"plain causal): set model.sliding_window=null, training.seq_len<={m.sliding_window} or strategy.cp=1"
+            f"model.sliding_window={m.sliding_window} is not supported with strategy.cp={cp} (context parallel "
+            f"attention is plain causal): set model.sliding_window=null, training.seq_len<={m.sliding_window} or strategy.cp=1"
         )
 
 

@@ -74,12 +74,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # Set on the residual stream's norms when it is kept in a low precision under autocast
+        # (Decoder.keep_residual_in): the fp32 gain would otherwise promote the output back to fp32.
+        self.out_dtype: Optional[torch.dtype] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 for stability, return in the input dtype (as Meta's reference does).
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
+        y = out.type_as(x) * self.weight
+        return y if self.out_dtype is None else y.to(self.out_dtype)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -237,6 +241,8 @@ class Decoder(nn.Module):
         if getattr(m, "tie_embeddings", False):
             # One Parameter under two names; named_parameters() (init, FSDP, optimizer) sees it once.
             self.output.weight = self.tok_embeddings.weight
+        # The residual stream's dtype when it is not the embedding's (keep_residual_in); None: as computed.
+        self.residual_dtype: Optional[torch.dtype] = None
         # Not persistent: derived from the config, so checkpoints carry weights only.
         cos, sin = rope_cache(m, self.rope_len)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -256,6 +262,8 @@ class Decoder(nn.Module):
         inside each document (causal and same document). `caches` (one per block, decoding only): the
         new tokens follow the cached positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.residual_dtype is not None and h.is_floating_point():
+            h = h.to(self.residual_dtype)
         # One copy of the tables in the hidden state's dtype, shared by every block. Handed the fp32
         # tables, FSDP's mixed-precision hook would cast them again at each block's entry: a copy
         # per block, kept for backward under activation checkpointing.
@@ -272,6 +280,15 @@ class Decoder(nn.Module):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and not self.hidden_only else h
+
+    def keep_residual_in(self, dtype: torch.dtype) -> None:
+        """Keep the residual stream in `dtype` (precision.residual_dtype under autocast): the embedding's
+        output is cast once, the residual adds of autocast's low-precision outputs then stay in it, and
+        the norms that read the stream return it (per-head q/k norms are not on the stream)."""
+        self.residual_dtype = dtype
+        for name, mod in self.named_modules():
+            if isinstance(mod, RMSNorm) and not name.endswith(("q_norm", "k_norm")):
+                mod.out_dtype = dtype
 
     def make_block(self, m: Any, layer: int) -> nn.Module:
         """Block `layer` (a subclass swaps in its own, e.g. the MoE decoder's sparse blocks)."""

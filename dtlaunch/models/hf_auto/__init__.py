@@ -5,7 +5,8 @@ transformers' own AutoModelForCausalLM is wrapped to follow the runtime's protoc
 become the `layers` the runtime wraps with FSDP2, activation checkpointing and compile). No closed-form
 memory model: the planner traces one step. Tensor parallel follows the architecture's own
 `base_model_tp_plan` (tp_plan.py; validate refuses tp > 1 where there is none); no pipeline split
-(validate asks for strategy.pp=1). Needs `pip install dtlaunch[hf]`.
+(validate asks for strategy.pp=1). Context parallel runs as Ulysses (strategy.cp_style=ulysses: the
+attention installed through transformers' attention-function registry). Needs `pip install dtlaunch[hf]`.
 """
 
 from __future__ import annotations
@@ -19,5 +20,6 @@ SPEC = register(
         "dtlaunch.models.hf_auto.build:build_model",
         tp_plan="dtlaunch.models.hf_auto.tp_plan",
         check="dtlaunch.models.hf_auto.check:check",
+        hf_attention=True,
     )
 )

@@ -74,12 +74,15 @@ def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") ->
     decoder.layers = layers
     base = type(model)
 
-    def forward(self: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self: nn.Module, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         # The runtime's protocol: token ids in, the logits tensor out (no cache, no output object); the
         # decoder's normed hidden states when `hidden_only` (the trainer's chunked loss applies the head).
+        # `positions`: the tokens' positions when they are not 0..S-1 (context parallel's chunks), (S,) or
+        # (B, S), as transformers' position_ids (its rotary tables follow them).
+        ids = None if positions is None else positions.expand(tokens.shape[0], -1)
         if getattr(self, "hidden_only", False):
-            return self.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
-        return base.forward(self, input_ids=tokens, use_cache=False).logits
+            return self.get_decoder()(input_ids=tokens, position_ids=ids, use_cache=False).last_hidden_state
+        return base.forward(self, input_ids=tokens, position_ids=ids, use_cache=False).logits
 
     methods = {"forward": forward, "init_param": _init_param, "buffer_values": _buffer_values}
     model.__class__ = type(f"HFAuto{base.__name__}", (base,), methods)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+from dtlaunch.train.loss import cross_entropy
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
@@ -161,7 +161,9 @@ def token_logps(output: torch.Tensor, targets: torch.Tensor, token_nll: Any = No
     return -nll.view(rows, seq).float()
 
 
-STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl", "entropy")
+# The policy's entropy is measured where the logits exist whatever training.loss_chunks says: on the
+# completion tokens as they are sampled (dtlaunch.infer.batch_generate, the rollout's "entropy").
+STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl")
 
 
 @dataclass
@@ -194,20 +196,12 @@ class GRPOObjective:
             low = (parts.low_clipped.float().expand_as(full) * full).sum()
             high = (parts.high_clipped.float().expand_as(full) * full).sum()
             kl = (parts.kl * full).sum() if parts.kl is not None else torch.zeros((), device=tokens.device)
-            if (
-                token_nll is None and output.dim() == 3 and not isinstance(output, DTensor)
-            ):  # the logits exist: the policy's entropy per token
-                lp = torch.log_softmax(output.detach().float(), dim=-1)
-                entropy = (-(lp.exp() * lp).sum(-1) * mask).sum()
-            else:
-                entropy = torch.zeros((), device=tokens.device)
-            stats = torch.stack([low, high, kl, entropy, tokens])
+            stats = torch.stack([low, high, kl, tokens])
         return loss, stats
 
-    @staticmethod
-    def summarize(stats: list[float]) -> dict[str, float]:
+    def summarize(self, stats: list[float]) -> dict[str, float]:
         tokens = stats[-1] or 1.0
         values = {name: value / tokens for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
-        if stats[STAT_NAMES.index("entropy")] == 0.0:  # not measured: the chunked head never forms the logits
-            del values["entropy"]
+        if self.settings.beta == 0:  # no reference, no KL term
+            del values["kl"]
         return values

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.parallel.tensor_parallel import cross_entropy
+from dtlaunch.train.loss import cross_entropy
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SumOverRanks(torch.autograd.Function):
 
 
 # The model's output and the targets -> per-token negative log-likelihoods: the chunked head and loss
-# (dtlaunch.train.chunked_loss.HeadLoss with reduction="none") where the model returns hidden states.
+# (dtlaunch.train.loss.HeadLoss with reduction="none") where the model returns hidden states.
 TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

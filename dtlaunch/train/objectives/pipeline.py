@@ -10,7 +10,7 @@ schedule runs: precomputed (objective.precompute_reference), or computed just be
 forward through the stages (pipeline_reference.py).
 
 Each pipeline micro-batch's loss is its mean over its pairs times 1 / (n * accum), so the step's
-gradient is that of the mean over the global batch, as without a pipeline (pp_step.py).
+gradient is that of the mean over the global batch, as without a pipeline (dtlaunch.train.loss).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def build_reference(
         return Precomputed()
     if layout.pp > 1:
         return _pipeline_reference(cfg, layout, mesh, parts, init)
-    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.loss import head_loss
 
     group = cp_group(mesh)
     if uses_adapters_off(cfg):
@@ -115,7 +115,7 @@ def _pipeline_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: 
             (i, _parallelize_frozen(part, mesh, ref_cfg, layout, init, weights))
             for i, part in build_stage_modules(model, ref_cfg, layout, rank)
         ]
-    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.loss import head_loss
 
     owners = stage_owners(layout.pp, int(s.pp_stages_per_rank), s.pp_schedule)
     head = head_loss(cfg, [m for _, m in stages], pipeline=True)  # the last stage's head, where this rank has it
@@ -214,7 +214,7 @@ def grpo_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: bool 
     """The reference of objective=grpo (None when objective.beta is 0: none is held)."""
     if str(cfg.objective.name) != "grpo" or float(cfg.objective.beta) == 0.0:
         return None
-    from dtlaunch.train.chunked_loss import head_loss
+    from dtlaunch.train.loss import head_loss
 
     if str(cfg.peft.method) != "none":
         return TokenReference(parts[0], head_loss(cfg, parts), adapters_off=True)

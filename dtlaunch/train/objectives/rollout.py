@@ -32,6 +32,7 @@ from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
 from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
 from dtlaunch.inputs.rewards import call_reward, load_rewards
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
+from dtlaunch.train.parallel.generation_gather import gathered_for_generation
 from dtlaunch.train.parallel.parallelize import compute_context
 
 IGNORE = -100
@@ -173,6 +174,8 @@ class Rollout:
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
         lengths = torch.tensor([len(c) for c in gen.completions], dtype=torch.float32)
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
+        if self.replay is None:  # replayed completions were not sampled: no distribution to measure
+            batches.metrics["entropy"] = gen.entropy
         if self.rank == 0:
             self._write_sample(step, originals, texts, everyone[: len(prompts)], adv)
         return batches
@@ -181,7 +184,7 @@ class Rollout:
         hidden_only = getattr(model, "hidden_only", False)  # training.loss_chunks: generation needs the logits
         model.hidden_only = False
         try:
-            with compute_context(self.rt.model_parts, self.cfg, self.rt.device):
+            with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model):
                 ids = [p["ids"] for p in prompts]
                 return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
         finally:
@@ -222,8 +225,9 @@ class Rollout:
         return torch.cat(out)
 
     def _all_done(self, done: torch.Tensor) -> bool:
-        """Every rank's rows finished: FSDP gathers each block inside every decode step, so all ranks decode
-        the same number of steps (one small all-reduce per step; none with one process)."""
+        """Every rank's rows finished: all ranks decode the same number of steps (one small all-reduce per
+        step; none with one process), so that a rank's forwards never wait on a collective of a rank that
+        stopped (FSDP's gather of a unit the prefill did not reach, MoE's expert exchange)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return bool(done.all())
         unfinished = (~done).sum().reshape(1).to(self.rt.device)

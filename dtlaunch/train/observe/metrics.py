@@ -34,6 +34,10 @@ _SHOWN = (
     # Preference objectives (dtlaunch.train.objectives): chosen rewarded above rejected, and by how much.
     ("rewards/accuracies", "acc {:.2f}"),
     ("rewards/margins", "margin {:.3f}"),
+    # objective=grpo (dtlaunch.train.objectives.rollout): the rollout's mean reward, lengths and speed.
+    ("reward", "reward {:.3f}"),
+    ("completions/mean_length", "len {:.1f}"),
+    ("generated_tokens_per_s", "gen {:,.0f} tok/s"),
 )
 
 

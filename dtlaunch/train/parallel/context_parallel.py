@@ -68,18 +68,19 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Layout of the gathered K/V: rank r's local (B, H, 2c, D) tensor holds chunks r and 2cp-1-r.
+# Layout of the gathered K/V: rank r's local (B, H, 2c, D) tensor holds chunks r and 2cp-1-r (Ulysses'
+# exchange, train/parallel/ulysses.py, orders its received chunks the same way).
 
 
-def _to_global(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+def sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     """(cp, B, H, 2c, D) as gathered -> (B, H, S, D) in sequence order."""
     heads = [gathered[r].chunk(2, dim=2)[0] for r in range(cp)]
     tails = [gathered[r].chunk(2, dim=2)[1] for r in reversed(range(cp))]
     return torch.cat(heads + tails, dim=2)
 
 
-def _to_ranks(full: torch.Tensor, cp: int) -> torch.Tensor:
-    """(B, H, S, D) in sequence order -> (cp, B, H, 2c, D), rank r's chunks at index r (inverse of _to_global)."""
+def rank_rows(full: torch.Tensor, cp: int) -> torch.Tensor:
+    """(B, H, S, D) in sequence order -> (cp, B, H, 2c, D), rank r's chunks at index r (inverse of sequence_order)."""
     chunks = full.chunk(2 * cp, dim=2)
     return torch.stack([torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim=2) for r in range(cp)])
 
@@ -128,8 +129,8 @@ class _RingAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, exchange, cp_rank: int, scale: float):  # type: ignore[override]
         cp = exchange.cp
         groups = q.shape[1] // k.shape[1]
-        k_glob = _expand_heads(_to_global(exchange.gather(k), cp), groups)
-        v_glob = _expand_heads(_to_global(exchange.gather(v), cp), groups)
+        k_glob = _expand_heads(sequence_order(exchange.gather(k), cp), groups)
+        v_glob = _expand_heads(sequence_order(exchange.gather(v), cp), groups)
         c = q.shape[2] // 2
         outs, lses = [], []
         for half, chunk in enumerate((cp_rank, 2 * cp - 1 - cp_rank)):
@@ -146,8 +147,8 @@ class _RingAttentionFn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         exchange, cp_rank, scale, groups = ctx.exchange, ctx.cp_rank, ctx.scale, ctx.groups
         cp = exchange.cp
-        k_glob = _expand_heads(_to_global(exchange.gather(k), cp), groups)
-        v_glob = _expand_heads(_to_global(exchange.gather(v), cp), groups)
+        k_glob = _expand_heads(sequence_order(exchange.gather(k), cp), groups)
+        v_glob = _expand_heads(sequence_order(exchange.gather(v), cp), groups)
         dk_glob = torch.zeros(k_glob.shape, dtype=torch.float32, device=k.device)
         dv_glob = torch.zeros(v_glob.shape, dtype=torch.float32, device=v.device)
         dout = dout.contiguous()
@@ -166,8 +167,8 @@ class _RingAttentionFn(torch.autograd.Function):
                 dk_glob[:, :, cols] += g[1]
                 dv_glob[:, :, cols] += g[2]
             dqs.append(dq)
-        dk = exchange.reduce_scatter(_to_ranks(_fold_heads(dk_glob, groups), cp))
-        dv = exchange.reduce_scatter(_to_ranks(_fold_heads(dv_glob, groups), cp))
+        dk = exchange.reduce_scatter(rank_rows(_fold_heads(dk_glob, groups), cp))
+        dv = exchange.reduce_scatter(rank_rows(_fold_heads(dv_glob, groups), cp))
         return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

@@ -8,7 +8,7 @@ the CPU. What this needs from the rest of the runtime:
   the buffers (RoPE tables) that forward reads go to the device;
 - the gradient-norm all-reduce of clipping runs on CPU tensors, so a CUDA process group also needs gloo
   (dtlaunch.train.parallel.process_group: "cuda:nccl,cpu:gloo");
-- gradient accumulation keeps FSDP's reduce-scatter on every micro-step (parallelize.grad_sync), so the
+- gradient accumulation keeps FSDP's reduce-scatter on every micro-step (dtlaunch.train.step.grad_sync), so the
   sharded CPU gradients are summed in place.
 """
 

@@ -61,7 +61,7 @@ def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = Fa
 def frozen_ends(model: nn.Module, head: bool = True) -> list[nn.Module]:
     """The frozen, untied embedding and output head (absent on a pipeline stage that does not own them):
     under FSDP2 each is a unit of its own, gathered only while it runs (the head: its forward, or the
-    chunked loss, which runs as the head unit's forward: dtlaunch.train.chunked_loss). head=False leaves
+    chunked loss, which runs as the head unit's forward: dtlaunch.train.loss). head=False leaves
     the head to dtlaunch.train.parallel.head_unit, which decides whether it is a unit of its own."""
     counts = _uses(model)
     ends = []

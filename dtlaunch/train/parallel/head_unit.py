@@ -6,7 +6,7 @@ by tensor parallel), and checked against the config.
 A trained head in the root unit would keep its unsharded gradient from the loss's backward to the root's
 post-backward at the very end of backward, and (ZeRO-3) its gathered weight from the forward to then: on
 Llama-3.1-70B about 2 GiB each. As its own unit (as torchtitan shards `output`), the chunked loss runs as
-the unit's forward (dtlaunch.train.chunked_loss), so FSDP gathers the head only while the loss runs and
+the unit's forward (dtlaunch.train.loss), so FSDP gathers the head only while the loss runs and
 reduce-scatters its gradient at the unit's post-backward, right after the loss's backward. The final norm
 stays in the root: the model's forward applies it outside the head.
 """

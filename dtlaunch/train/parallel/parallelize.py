@@ -19,7 +19,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import Layout, mlp_tiles, shards_with_fsdp
+from dtlaunch.config.layout import (
+    Layout,
+    activation_offload,
+    mlp_tiles,
+    offload_composes_with_compile,
+    residual_in_compute_dtype,
+    shards_with_fsdp,
+)
+from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
@@ -54,6 +62,8 @@ def parallelize(
     data_mesh = dp_mesh(world_mesh)
     if data_mesh is None and shards_with_fsdp(cfg, layout):
         data_mesh = world_mesh["dp_shard"]  # CPU offload on one rank: FSDP over the world's 1-sized dim
+    if residual_in_compute_dtype(cfg, layout):  # precision.residual_dtype (checked: a registry decoder)
+        model.keep_residual_in(torch_dtype(cfg.precision.param_dtype))
     apply_float8(model, cfg.precision, device, fsdp=shards_with_fsdp(cfg, layout))
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
@@ -61,7 +71,11 @@ def parallelize(
 
         apply_tp(model, tp_mesh, cfg)
     cp_mesh = sub_mesh(world_mesh, "cp")
-    if cp_mesh is not None:
+    if cp_mesh is not None and cfg.strategy.cp_style == CpStyle.ulysses:
+        from dtlaunch.train.parallel.ulysses import apply_ulysses
+
+        apply_ulysses(model, cp_mesh)  # head shards over the whole sequence, of TP's local heads
+    elif cp_mesh is not None:
         from dtlaunch.train.parallel.context_parallel import apply_cp
 
         apply_cp(model, cp_mesh)  # attention over the whole sequence; TP's heads stay local to a CP rank
@@ -72,12 +86,15 @@ def parallelize(
         apply_ep(model, experts.ep)
     apply_tiled_mlp(model, mlp_tiles(cfg, layout))  # inside each block: checkpointing wraps it too
     apply_ac(model, cfg.training)
-    if cfg.training.activation_offload:
+    offload = activation_offload(cfg, layout.pp)
+    if offload:
         from dtlaunch.train.offload_activations import apply_activation_offload
 
         apply_activation_offload(model, device)
     if cfg.training.compile:
-        apply_compile(model)
+        apply_compile(
+            model, inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing)
+        )
     fsdp = shards_with_fsdp(cfg, layout)
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
     # FSDP2 shards what is stored.
@@ -105,10 +122,14 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`)."""
+def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> None:
+    """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`).
+
+    inside_checkpoint (activation offload): compile the block each checkpoint wrapper holds, not the
+    wrapper, so that the offload hooks on the wrapper and the checkpoint's saving of the block input run
+    eagerly outside the compiled graph; the recompute in backward runs the compiled block again."""
     for block in model.layers.values():
-        block.compile()
+        (block._checkpoint_wrapped_module if inside_checkpoint else block).compile()
 
 
 def mp_policy(cfg: Any) -> Any:
@@ -210,15 +231,3 @@ def compute_context(model_parts: Iterable[nn.Module], cfg: Any, device: torch.de
     if dtype == torch.float32 or all(uses_fsdp(m) for m in model_parts):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
-
-
-def grad_sync(model_parts: Iterable[nn.Module], enabled: bool) -> Any:
-    """DDP skips its all-reduce on non-final accumulation micro-steps (gradients just add up locally).
-
-    FSDP (ZeRO-2/3) reduce-scatters on every micro-step instead: skipping it would keep the full,
-    unsharded gradients (4 bytes/param) alive between micro-steps, undoing the memory ZeRO saves."""
-    stack = contextlib.ExitStack()
-    for m in model_parts:
-        if not enabled and not uses_fsdp(m) and hasattr(m, "no_sync"):
-            stack.enter_context(m.no_sync())
-    return stack

@@ -1,6 +1,7 @@
-"""Pipeline parallel: split the model into stages, then build a torch.distributed.pipelining schedule.
+"""Pipeline parallel: split the model into stages, build a torch.distributed.pipelining schedule over them,
+and run one micro-step through it.
 
-Two steps, so that the worker can parallelise each stage module (TP -> AC -> compile -> FSDP) and
+Two steps to build, so that the worker can parallelise each stage module (TP -> AC -> compile -> FSDP) and
 materialise it in between, torchtitan's order:
 
     parts = build_stage_modules(model, cfg, layout, pp_rank)     # meta-device stage modules
@@ -10,23 +11,40 @@ materialise it in between, torchtitan's order:
 A stage is a deep copy of the (meta) model with the blocks it does not own deleted. `layers` is a
 ModuleDict keyed by the *global* block index, so parameter names (FQNs) are those of the full model:
 checkpoints and the name-keyed init are layout independent.
+
+A micro-step (`PipelinePlan.forward_backward`): every rank of a pipeline gets the same (inputs, targets);
+the first stage consumes the inputs, the last the targets, whose loss (dtlaunch.train.loss.PipelineLoss)
+carries the step's scaling. Only the last stage knows the loss; it is handed to every stage.
+
+The stage's gradient policy across micro-batches (`strategy.pp_reshard_grads`): torch's PipelineStage
+turns an FSDP module's gradient sync and resharding off before every micro-batch's backward and runs both
+once after the step's last backward (`perform_reduce_grad`): the stage's gradients accumulate unsharded
+(and ZeRO-3 parameters stay gathered) across the micro-batches, then one reduce-scatter. That is
+`pp_reshard_grads=false`, the plain PipelineStage. `pp_reshard_grads=true` keeps FSDP's own behaviour
+inside every backward instead, as in a non-pipelined accumulation micro-step: each block reduce-scatters
+its gradients and reshards its parameters as soon as its backward is done, into sharded gradients that
+accumulate across the micro-batches (`ReshardingStage`). The end-of-step `perform_reduce_grad` then finds
+nothing left to reduce.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import schedules
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
 
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
 from dtlaunch.config.schema import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
-from dtlaunch.train.parallel.pp_stage import make_stage
 
 # Schedules whose two stages per rank form a "V": rank r holds stages r and (n_stages - 1 - r).
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -39,6 +57,38 @@ class PipelinePlan:
     has_first_stage: bool
     has_last_stage: bool
     stage_ids: list[int]
+
+    def forward_backward(
+        self,
+        loss_fn: Any,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        pp_mesh: DeviceMesh,
+        loss_ctx: contextlib.AbstractContextManager | None = None,
+    ) -> torch.Tensor:
+        """Run forward+backward of one micro-step; return its mean loss (the same value on every PP rank).
+
+        `loss_fn` is the schedule's (a dtlaunch.train.loss.PipelineLoss: its `scale` is undone here).
+        `loss_ctx` (loss_parallel under TP) must cover the schedule: the loss and its backward both run
+        inside `step`."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last_stage else {}
+        with loss_ctx if loss_ctx is not None else contextlib.nullcontext():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.has_last_stage:
+            # Undo the backward scaling: the mean over the micro-batches of the unscaled loss.
+            loss = torch.stack([_local(v.detach()) for v in losses]).sum() / (loss_fn.scale * len(losses))
+        else:
+            loss = torch.zeros((), device=inputs.device)
+        # Only the last stage knows the loss; a SUM over the pipeline group hands it to every stage.
+        dist.all_reduce(loss, group=pp_mesh.get_group())
+        return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor scalar (loss_parallel's loss) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def schedule_class(name: str) -> type:
@@ -105,7 +155,7 @@ def build_schedule(
 
     `loss_fn(output, target)` runs on the last stage once per pipeline micro-batch. The schedule is
     built with scale_grads=False: gradients are the plain sum over micro-batches, so `loss_fn` must
-    return its loss already divided by the number of micro-batches (see pp_step.pipeline_loss_fn).
+    return its loss already divided by the number of micro-batches (dtlaunch.train.loss.pipeline_loss_fn).
     Shapes are inferred at the first step (no static example inputs), which also covers sequence-
     parallel activations of shape (B, S/tp, D) between stages.
     """
@@ -132,3 +182,47 @@ def build_schedule(
         has_last_stage=n_stages - 1 in ids,
         stage_ids=ids,
     )
+
+
+# The FSDPModule setters torch's stage calls with False around each backward.
+_SYNC_SETTERS = ("set_is_last_backward", "set_requires_gradient_sync", "set_reshard_after_backward")
+
+
+def set_fsdp_sync(module: FSDPModule, on: bool) -> None:
+    """Reduce-scatter gradients and reshard parameters at the end of the next backward (`on`), or keep
+    both unsharded for a later backward to add to."""
+    for name in _SYNC_SETTERS:
+        getattr(module, name)(on)
+
+
+@contextlib.contextmanager
+def _fsdp_sync_pinned_on(module: FSDPModule) -> Iterator[None]:
+    set_fsdp_sync(module, True)
+    # Instance attributes shadow the methods for the duration of the stage's backward, so that its
+    # "sync off" calls do not undo the setting.
+    for name in _SYNC_SETTERS:
+        setattr(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in _SYNC_SETTERS:
+            delattr(module, name)
+
+
+class ReshardingStage(PipelineStage):
+    """A PipelineStage whose FSDP module reduce-scatters after every micro-batch's backward."""
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type != "full":
+            # Validation refuses split-backward schedules with pp_reshard_grads (config.validate).
+            raise RuntimeError(f"pp_reshard_grads needs full backward passes, got a '{backward_type}' pass")
+        with _fsdp_sync_pinned_on(self.submod):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def make_stage(
+    module: nn.Module, idx: int, n_stages: int, device: Any, group: Any, reshard_grads: bool
+) -> PipelineStage:
+    """The pipeline stage for one stage module under the configured gradient policy."""
+    cls = ReshardingStage if reshard_grads and isinstance(module, FSDPModule) else PipelineStage
+    return cls(module, idx, n_stages, device, group=group)

@@ -11,7 +11,7 @@ Activation layouts between blocks:
   sequence shard; attention / feed-forward inputs are all-gathered, their outputs reduce-scattered.
 - without it: the residual stream is replicated; only the linear layers are split.
 In both cases the logits stay sharded on the vocabulary (Shard(-1)) and the loss runs on them under
-`loss_parallel()`, so no rank ever holds the full (B, S, V) logits.
+`loss_parallel()` (dtlaunch.train.loss.loss_context), so no rank ever holds the full (B, S, V) logits.
 
 The token embedding is vocabulary-parallel (`VocabParallel`): each rank holds V/tp rows, looks up the
 tokens that fall in them and the partial outputs are summed. Not torch's RowwiseParallel: its
@@ -22,7 +22,6 @@ a 2 GiB bf16 transient per GPU at the end of backward, and the dense V x h scatt
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from typing import Any
 
@@ -38,7 +37,6 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
@@ -174,20 +172,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
         # Each style distributed its own copy of the shared matrix; both are Shard(0) on the vocabulary,
         # so the head can use the embedding's DTensor again and the two stay one parameter.
         model.output.weight = model.tok_embeddings.weight
-
-
-def loss_context(cfg: Any, layout: Any) -> contextlib.AbstractContextManager:
-    """Wrap forward *and* backward of the loss: vocabulary-sharded logits need loss_parallel for both.
-
-    A new context per use: loss_parallel() is a one-shot generator context manager."""
-    return loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Mean token cross-entropy of (B, S, V) logits against (B, S) targets.
-
-    Logits are upcast to fp32 (a bf16 softmax over a large vocabulary loses precision), as in Meta's and
-    torchtitan's recipes. Under TP the logits are a Shard(-1) DTensor and this must run inside
-    `loss_context`; the upcast then stays sharded. Targets equal to -100 (masked chat data) do not count.
-    """
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction=reduction)

@@ -1,0 +1,51 @@
+"""objective=grpo's rollout in the layout search's step time (dtlaunch.plan.search.step_time).
+
+A rollout (dtlaunch.train.objectives.rollout) serves objective.num_iterations optimizer steps; per step it
+costs 1/num_iterations of:
+- the prefill: one forward over this rank's rows' prompts (rows = global_batch / dp completions);
+- max_completion_length decode steps, each a forward of one token per row that reads every weight and the
+  KV cache filled so far: the slower of its FLOPs at the sustained peak and those bytes at the device's
+  memory bandwidth (hardware.memory_gbps; FLOPs alone when it is 0). Decode is memory bound on a GPU, so
+  data parallelism does not shorten it: every rank reads the whole model once per generated token;
+- under FSDP (ZeRO-2/3), the parameters all-gathered once (dtlaunch.train.parallel.generation_gather),
+  on the critical path;
+- the no-grad passes over the rows: the old policy's (num_iterations > 1) and the reference's (beta > 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.models.dense.shapes import head_dim, kv_heads
+from dtlaunch.models.dtypes import DTYPE_BYTES
+from dtlaunch.models.registry import model_spec
+from dtlaunch.plan import hardware
+
+
+def generation_seconds(cfg: Any, lay: Layout, efficiency: float) -> float:
+    """Seconds per optimizer step that objective=grpo's rollout adds (0 for the other objectives)."""
+    o, m, t, hw = cfg.objective, cfg.model, cfg.training, cfg.hardware
+    if str(o.name) != "grpo":
+        return 0.0
+    e = DTYPE_BYTES[cfg.precision.param_dtype]
+    params = model_spec(m).param_count(m)
+    flops_per_s = hardware.peak_flops(hw, cfg.precision.param_dtype) * efficiency
+    rows = global_batch(cfg, lay) // lay.dp
+    completion = int(o.max_completion_length)
+    prompt = int(t.seq_len) - completion
+    prefill = 2 * params * rows * prompt / flops_per_s
+    kv_per_position = int(m.n_layers) * 2 * kv_heads(m) * head_dim(m) * rows * e
+    bandwidth = float(hw.memory_gbps) * 1e9
+    # One term per decode step would cost the search ~completion iterations per layout: the mean KV cache
+    # (half the completion filled) gives the same sum for the linear byte count.
+    step_bytes = params * e + kv_per_position * (prompt + completion / 2)
+    step_flops = 2 * params * rows / flops_per_s
+    decode = completion * max(step_flops, step_bytes / bandwidth if bandwidth else 0.0)
+    gather = 0.0
+    if lay.shard > 1 and int(cfg.strategy.zero_stage) >= 2:
+        bw = hardware.link_bandwidth(hw, lay.shard, lay.tp)
+        gather = (lay.shard - 1) / lay.shard * params * e / bw
+    passes = (int(o.num_iterations) > 1) + (float(o.beta) > 0)
+    no_grad = passes * 2 * params * rows * int(t.seq_len) / flops_per_s
+    return (prefill + decode + gather + no_grad) / int(o.num_iterations)
