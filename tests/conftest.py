@@ -19,8 +19,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`). Each test file is one unit of work
-    there, so its module-scoped fixtures (a forked layout sweep, a run its tests share) are built once,
+    """`make test TEST_WORKERS=N` runs N pytest-xdist workers (`--dist loadgroup`). Each test file is one
+    unit of work there, so its module-scoped fixtures (a forked layout sweep, a run its tests share) are built once,
     on one worker; the files that use the session's real Slurm cluster are one unit, so that only one
     worker starts Slurm."""
     for item in items:
