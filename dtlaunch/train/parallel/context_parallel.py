@@ -183,11 +183,7 @@ class RingAttention:
         self.cp_rank = cp_rank
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if mask is not None:
-            raise ConfigError(
-                "context parallel runs plain causal attention only: set data.document_mask=false and "
-                "model.sliding_window=null (or strategy.cp=1)"
-            )
+        refuse_mask(mask)
         if q.shape[2] % 2:
             raise ConfigError(f"context parallel: {q.shape[2]} local tokens cannot form two equal chunks")
         scale = q.shape[-1] ** -0.5
@@ -245,4 +241,13 @@ def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
         raise ConfigError(
             "strategy.cp > 1 needs a model whose attention calls a pluggable attention_fn (the registry's "
             "dense decoder): use strategy.cp=1 for this model"
+        )
+
+
+def refuse_mask(mask: Optional[torch.Tensor]) -> None:
+    """Both context-parallel styles attend plain causally over the whole sequence: no mask to split."""
+    if mask is not None:
+        raise ConfigError(
+            "context parallel runs plain causal attention only: set data.document_mask=false and "
+            "model.sliding_window=null (or strategy.cp=1)"
         )

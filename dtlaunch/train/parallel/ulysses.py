@@ -29,7 +29,7 @@ from torch import nn
 
 from dtlaunch.config.layout import ulysses_kv_heads
 from dtlaunch.errors import ConfigError
-from dtlaunch.train.parallel.context_parallel import rank_rows, sequence_order
+from dtlaunch.train.parallel.context_parallel import rank_rows, refuse_mask, sequence_order
 
 # The name under which transformers' models find the Ulysses attention (AttentionInterface). Not a mask
 # implementation, so transformers builds no mask for it: attention is causal over the whole sequence.
@@ -99,11 +99,7 @@ class UlyssesAttention:
         self.exchange = exchange
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if mask is not None:
-            raise ConfigError(
-                "context parallel runs plain causal attention only: set data.document_mask=false and "
-                "model.sliding_window=null (or strategy.cp=1)"
-            )
+        refuse_mask(mask)
         _check_local(q, self.exchange.cp)
         return self.exchange.to_tokens(_causal(*self.exchange.heads_of(q, k, v)))
 
