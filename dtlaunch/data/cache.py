@@ -18,7 +18,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -245,12 +245,32 @@ def build_entry(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(entry, ignore_errors=True)  # a corrupt entry being replaced
-    try:
-        os.replace(tmp, entry)
-    except OSError:  # another process finished the same entry first: theirs is as good as ours
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_entry(tmp, entry)
     return meta
+
+
+def publish_entry(tmp: Path, entry: Path, complete: Optional[Callable[[Path], bool]] = None) -> None:
+    """Move the finished `tmp` to `entry`. Every node of a multi-node job prepares its data into the same
+    shared cache at once, so another launcher may have published this entry first -- and its workers, or
+    its launcher's checks, may be reading it: a complete entry is never removed (ours is dropped), only a
+    partial or corrupt one is moved aside and replaced."""
+    try:
+        os.rename(tmp, entry)  # fails while `entry` exists with files in it
+        return
+    except OSError:
+        pass
+    if (
+        complete(entry) if complete else verify_entry(entry) is not None
+    ):  # another process finished the same entry first: theirs is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    stale = entry.with_name(f"{entry.name}.stale-{os.getpid()}")
+    try:
+        os.rename(entry, stale)
+        os.rename(tmp, entry)
+    except OSError:  # a third process replaced it in between: that one is complete
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def cached_tokens(

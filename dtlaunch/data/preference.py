@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from dtlaunch.data.cache import _crc32, cache_key, cache_root, check_writable, verify_entry
+from dtlaunch.data.cache import _crc32, cache_key, cache_root, check_writable, publish_entry, verify_entry
 from dtlaunch.data.shards import ShardWriter, open_shards
 from dtlaunch.data.tokenizer import token_dtype
 from dtlaunch.errors import InputError
@@ -106,7 +106,7 @@ def cached_pairs(
     root = cache_root(cache_dir)
     check_writable(root)
     entry = root / cache_key(files, tok, options)
-    if verify_entry(entry) is not None and (entry / ROWS_FILE).is_file():
+    if _complete(entry):
         return entry
     tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -117,12 +117,12 @@ def cached_pairs(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(entry, ignore_errors=True)
-    try:
-        os.replace(tmp, entry)
-    except OSError:  # another process finished the same entry first
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_entry(tmp, entry, complete=_complete)
     return entry
+
+
+def _complete(entry: Path) -> bool:
+    return verify_entry(entry) is not None and (entry / ROWS_FILE).is_file()
 
 
 def cut(prompt_len: int, length: int, limit: int) -> tuple[int, int]:

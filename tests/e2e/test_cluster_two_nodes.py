@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from dtlaunch.commands.common import load_job
 from dtlaunch.launch import kubernetes, skypilot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from ports import listen_port  # noqa: E402
 from test_skypilot_task import parse_with_skypilot  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,12 +36,6 @@ TINY = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _node_env(extra: dict[str, str]) -> dict[str, str]:
     # `dtlaunch` as the image has it: the console script next to this interpreter.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
@@ -58,13 +52,21 @@ def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path)
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
+            try:
+                outputs.append(p.communicate(timeout=240)[0])
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                outputs.append(p.communicate()[0] + "\n[test] killed after 240 s")
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"node {rank}:\n{out[-3000:]}"
+    # A failure shows both nodes: the one that failed first is often not node 0.
+    said = "\n".join(
+        f"--- node {rank} (rc {p.returncode}):\n{out[-2500:]}"
+        for rank, (p, out) in enumerate(zip(procs, outputs, strict=True))
+    )
+    assert all(p.returncode == 0 for p in procs), said
     return outputs
 
 
@@ -89,7 +91,7 @@ def _trainjob_nodes(tmp_path: Path, pvc: Path, *overrides: str) -> tuple[list[li
     command = list(trainjob["spec"]["trainer"]["command"])
     assert command[-1].count(kubernetes.CONFIG_MOUNT + "/") == 1
     command[-1] = command[-1].replace(kubernetes.CONFIG_MOUNT + "/", f"{config_dir}/")
-    port = str(_free_port())
+    port = str(listen_port())
     envs = [
         _node_env(
             {
@@ -118,7 +120,7 @@ def test_trainjob_command_trains_on_two_nodes_and_resumes(tmp_path: Path) -> Non
 def _skypilot_nodes(tmp_path: Path, bucket: Path, *overrides: str) -> tuple[list[list[str]], list[dict[str, str]]]:
     """The task's `run:` (parsed by SkyPilot) and the environment of its two nodes."""
     overrides = (*TINY, "cluster=skypilot", "cluster.sky.bucket=runs", f"cluster.sky.mount_path={bucket}", *overrides)
-    job = load_job([*overrides, f"cluster.sky.rdzv_port={_free_port()}"])
+    job = load_job([*overrides, f"cluster.sky.rdzv_port={listen_port()}"])
     task_file = tmp_path / "task.yaml"
     task_file.write_text(skypilot.to_yaml(skypilot.render(job.cfg, "two-nodes")))
     task = parse_with_skypilot(task_file)

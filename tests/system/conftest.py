@@ -18,15 +18,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from ports import listen_port
 
 PACKAGES = ["munge", "slurmctld", "slurmd", "slurm-client"]
 TOOLS = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _install_slurm() -> None:
@@ -103,8 +98,8 @@ def _write_conf(root: Path, node: str, munge_socket: Path) -> Path:
     conf.write_text(f"""\
 ClusterName=dtlaunchtest
 SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={listen_port()}
+SlurmdPort={listen_port()}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from dtlaunch.config.model_schema import typed_job
 from dtlaunch.config.validate import validate
-from dtlaunch.data.cache import cached_tokens, encode_batches, verify_entry
+from dtlaunch.data.cache import build_entry, cached_tokens, encode_batches, publish_entry, verify_entry
 from dtlaunch.data.records import iter_documents
 from dtlaunch.data.run_data import prepare_run_data
 from dtlaunch.data.shards import open_shards
@@ -81,6 +81,29 @@ def test_cache_builds_once_and_rebuilds_a_corrupt_entry(sources, tiny_tokenizer,
     # Another text field is another entry.
     other, built = cached_tokens(tmp_path, files, encode_batches(tok, ["kaka lolo"]), tok, {"f": 2}, "x")
     assert built and other != entry
+
+
+def test_a_second_launcher_keeps_the_entry_the_first_published(sources, tiny_tokenizer, tmp_path: Path) -> None:
+    """Both nodes of a multi-node job tokenize into the shared cache at once. The one that finishes second
+    must not remove the entry the first published (its launcher, then its workers, read it): it keeps
+    theirs -- the same directory, files never missing -- and drops its own. A corrupt one is replaced."""
+    tok = load_tokenizer(str(tiny_tokenizer / "tokenizer.json"))
+    files = sorted(Path(sources["jsonl"]).parent.glob("*.jsonl"))
+    texts = list(iter_documents("jsonl", str(sources["jsonl"]), "body"))
+    entry, _ = cached_tokens(tmp_path, files, encode_batches(tok, texts), tok, {"f": 1}, "x")
+    first = (entry.stat().st_ino, (entry / "shard-00000.bin").stat().st_ino)
+    reader = open(entry / "shard-00000.bin", "rb")  # noqa: SIM115 -- held open as node 0's check would
+    # The second launcher checked before the first published, so it built the same entry beside it.
+    tmp = entry.with_name(entry.name + ".tmp-second")
+    build_entry(tmp, encode_batches(tok, texts), tok, 1, "x", "data.path", {"source": {"f": 1}})
+    publish_entry(tmp, entry)
+    assert (entry.stat().st_ino, (entry / "shard-00000.bin").stat().st_ino) == first
+    assert not tmp.exists() and [p.name for p in tmp_path.iterdir()] == [entry.name]
+    reader.close()
+    (entry / "shard-00000.bin").write_bytes(b"corrupt")
+    build_entry(tmp, encode_batches(tok, texts), tok, 1, "x", "data.path", {"source": {"f": 1}})
+    publish_entry(tmp, entry)
+    assert verify_entry(entry) is not None and [p.name for p in tmp_path.iterdir()] == [entry.name]
 
 
 def test_held_out_split_is_fixed_and_disjoint() -> None:
