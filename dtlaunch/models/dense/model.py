@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlaunch.models.dense.documents import Documents, attend
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 
 
@@ -86,8 +87,11 @@ class RMSNorm(nn.Module):
         return y if self.out_dtype is None else y.to(self.out_dtype)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Causal attention (or `mask`'s, True = may attend) with grouped-query heads: torch's SDPA."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor | Documents]) -> torch.Tensor:
+    """Causal attention (or `mask`'s, True = may attend; packed `Documents`: causal inside each) with
+    grouped-query heads: torch's SDPA."""
+    if isinstance(mask, Documents):
+        return attend(q, k, v, mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -115,11 +119,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: Optional[torch.Tensor] = None,
+        mask: Optional[torch.Tensor | Documents] = None,
         cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        """`mask`: (B, 1, S, S) boolean, True where a query may attend (causal within its document);
-        `cache`: decoding only, the new tokens follow the cached positions."""
+        """`mask`: packed `Documents` (causal within each), or (B, 1, S, S) boolean, True where a query may
+        attend; `cache`: decoding only, the new tokens follow the cached positions."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -140,8 +144,8 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _mask(
-        self, doc_mask: Optional[torch.Tensor], start: int, s: int, total: int, device: torch.device
-    ) -> Optional[torch.Tensor]:
+        self, doc_mask: Optional[torch.Tensor | Documents], start: int, s: int, total: int, device: torch.device
+    ) -> Optional[torch.Tensor | Documents]:
         """None for plain causal attention over the whole sequence (SDPA's fast path); else a boolean
         mask: causal from position `start` on (decoding with a cache), within the sliding window, and
         within the document when a document mask is given."""
@@ -153,8 +157,9 @@ class Attention(nn.Module):
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-        if doc_mask is not None:
-            mask = doc_mask & mask  # (B, 1, S, S) with (S, S)
+        if doc_mask is not None:  # a sliding window inside each document: one dense mask for both
+            dense = doc_mask.dense(device) if isinstance(doc_mask, Documents) else doc_mask
+            mask = dense & mask  # (B, 1, S, S) with (S, S)
         return mask
 
 
@@ -271,11 +276,8 @@ class Decoder(nn.Module):
         cos, sin = self.rope_cos.to(dtype), self.rope_sin.to(dtype)
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
-        mask = None
-        if doc_ids is not None:
-            s = doc_ids.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+        # Packed documents: their lengths, read once here, not an [S x S] mask (dtlaunch.models.dense.documents).
+        mask = Documents.of(doc_ids) if doc_ids is not None else None
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h

@@ -74,11 +74,18 @@ def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") ->
     decoder.layers = layers
     base = type(model)
 
-    def forward(self: nn.Module, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self: nn.Module,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         # The runtime's protocol: token ids in, the logits tensor out (no cache, no output object); the
         # decoder's normed hidden states when `hidden_only` (the trainer's chunked loss applies the head).
         # `positions`: the tokens' positions when they are not 0..S-1 (context parallel's chunks), (S,) or
-        # (B, S), as transformers' position_ids (its rotary tables follow them).
+        # (B, S), as transformers' position_ids (its rotary tables follow them). Packed documents
+        # (data.document_mask): their positions restart at each document, from which transformers' mask
+        # keeps each document to itself (masking_utils.find_packed_sequence_indices); `doc_ids` says no more.
         ids = None if positions is None else positions.expand(tokens.shape[0], -1)
         if getattr(self, "hidden_only", False):
             return self.get_decoder()(input_ids=tokens, position_ids=ids, use_cache=False).last_hidden_state

@@ -93,7 +93,9 @@ def parallelize(
         apply_activation_offload(model, device)
     if cfg.training.compile:
         apply_compile(
-            model, inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing)
+            model,
+            inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing),
+            documents=bool(cfg.data.document_mask),
         )
     fsdp = shards_with_fsdp(cfg, layout)
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
@@ -122,13 +124,20 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def apply_compile(model: nn.Module, inside_checkpoint: bool = False) -> None:
+def apply_compile(model: nn.Module, inside_checkpoint: bool = False, documents: bool = False) -> None:
     """Compile each block in place (`Module.compile` keeps parameter names free of `_orig_mod`).
 
     inside_checkpoint (activation offload): compile the block each checkpoint wrapper holds, not the
     wrapper, so that the offload hooks on the wrapper and the checkpoint's saving of the block input run
-    eagerly outside the compiled graph; the recompute in backward runs the compiled block again."""
+    eagerly outside the compiled graph; the recompute in backward runs the compiled block again.
+    documents (data.document_mask): attention runs eagerly between the block's two compiled halves; it
+    loops over each batch's document lengths (dtlaunch.models.dense.documents), which compiled would be a
+    recompile per batch."""
     for block in model.layers.values():
+        if documents:
+            for mod in block.modules():
+                if hasattr(mod, "attention_fn"):
+                    mod.attention_fn = torch.compiler.disable(mod.attention_fn)
         (block._checkpoint_wrapped_module if inside_checkpoint else block).compile()
 
 
