@@ -215,27 +215,34 @@ def replay(tmp_path_factory) -> Path:
     return out
 
 
+# HSDP: two replicas of a two-way shard, each rank one group of G = 8 completions.
+HSDP = ["strategy=fsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "launch.nproc_per_node=4"]
+
+
 @pytest.mark.parametrize(
     "peft, layouts",
     [
-        ("none", [["strategy=fsdp"], ["strategy=ddp"]]),
+        ("none", [["strategy=fsdp"], ["strategy=ddp"], HSDP]),
         ("lora", [["strategy=fsdp"]]),
+        ("qlora", [["strategy=fsdp"]]),  # NF4 blocks small enough for the tiny model's row shards
     ],
 )
 def test_layouts_train_alike_on_replayed_completions(
     trainer, toy: Path, tmp_path: Path, replay: Path, peft: str, layouts: list
 ) -> None:
     """debug.replay_completions (a test hook) hands every layout the same completions; one process and each
-    two-rank layout (FSDP2 and DDP; LoRA on FSDP2) must then see the same rewards and losses (within 1e-5)
-    at every step."""
+    multi-rank layout (FSDP2, DDP and HSDP; LoRA and QLoRA on FSDP2) must then see the same rewards and
+    losses (within 1e-5) at every step."""
     common = grpo_args(
         toy, "training.steps=3", "training.micro_batch=8", f"debug.replay_completions={replay}", f"peft={peft}"
     )
+    if peft == "qlora":
+        common += ["peft.nf4_block_size=16", "peft.nf4_scaler_block_size=4"]
     trainer.run(tmp_path / "one", *common)
     a = trainer.metrics(tmp_path / "one")
     assert len(a) == 3 and any(abs(m["loss"]) > 1e-4 for m in a)  # the losses are not all zero
     for i, layout in enumerate(layouts):
-        trainer.run(tmp_path / f"two{i}", *common, *layout, "launch.nproc_per_node=2")
+        trainer.run(tmp_path / f"two{i}", *common, "launch.nproc_per_node=2", *layout)
         b = trainer.metrics(tmp_path / f"two{i}")
         assert [m["reward"] for m in a] == [m["reward"] for m in b], layout
         assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (layout, a, b)
