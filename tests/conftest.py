@@ -91,42 +91,6 @@ def reference_run(trainer: Trainer, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def worker_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of `rank`'s training worker of this run, from /proc (its environment names the run)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            b"dtlaunch.train.main" in cmd
-            and f"RANK={rank}".encode() in env
-            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
-        ):
-            return int(proc.name)
-    return None
-
-
-def run_workers(run_dir: Path) -> list[int]:
-    """The pids of every live training worker of this run (any rank, any attempt), from /proc."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            cmd = (proc / "cmdline").read_bytes()
-            state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z" and b"dtlaunch.train.main" in cmd and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env:
-            found.append(int(proc.name))
-    return found
-
-
 # Tiny random-weight Hugging Face directories, one per native family (transformers' own config
 # classes and save_pretrained), with a word-level tokenizer.json from the `tokenizers` package.
 TINY_HF = {

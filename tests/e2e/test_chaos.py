@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
-from conftest import run_workers
+from processes import run_workers
 
 STEPS = 8
 COMMON = [

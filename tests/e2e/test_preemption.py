@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import worker_pid
+from processes import worker_pid
 
 STEPS = 30
 HOLD = 4  # rank 1 waits at the start of this step for the signal

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import worker_pid
+from processes import worker_pid
 
 COMMON = [
     "training.seq_len=32",

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_workers
+from processes import run_workers
 from test_preemption import wait_until_held
 
 ARGS = [
