@@ -5,6 +5,7 @@
   python bench/planner_accuracy.py --real --only 3,7   # a subset (indices into REAL)
   python bench/planner_accuracy.py --families # real runs of the other registry families (FAMILIES)
   python bench/planner_accuracy.py --moe      # real runs of a mixture of experts (MOE)
+  python bench/planner_accuracy.py --grpo     # objective=grpo: generation and training (GRPO_RUNS)
   python bench/planner_accuracy.py --moe --only 5,14   # a subset (indices into MOE; --families alike)
   python bench/planner_accuracy.py --float8   # real runs with float8 linears (torchao, emulated on CPU)
   python bench/planner_accuracy.py --peft     # real LoRA / QLoRA runs (PEFT); writes planner_accuracy_peft_cpu.md
@@ -164,6 +165,55 @@ def dpo_data(root: Path) -> list[str]:
         "data.kind=jsonl",
         "data.format=preference",
         f"data.path={root / 'pairs.jsonl'}",
+        f"data.tokenizer={root / 'tokenizer.json'}",
+        f"data.cache_dir={root / 'cache'}",
+    ]
+
+
+# objective=grpo: both phases in one measured step (the rollout -- weights gathered under FSDP2, the KV
+# cache of micro-batch x G rows, each decode step's logits -- then the completions' forward and backward).
+# A random planner7m over 2,048 ids almost never samples EOS, so every completion runs to its full length,
+# the length the plan assumes. Writes planner_accuracy_grpo_cpu.md / .json with --grpo.
+GRPO = ["objective=grpo", "objective.num_generations=8", "objective.max_completion_length=96", "training.seq_len=128"]
+GRPO += ["training.micro_batch=8", "training.global_batch=16"]
+BETA = "objective.beta=0.04"
+GRPO_RUNS = [
+    [*GRPO, "strategy=ddp", N2],
+    [*GRPO, "strategy=zero3", N2],
+    [*GRPO, "strategy=zero3", N2, BF16],
+    [*GRPO, "strategy=zero3", N2, FULL],
+    [*GRPO, BETA, "strategy=ddp", N2],
+    [*GRPO, BETA, "strategy=zero3", N2],
+    [*GRPO, LORA, "strategy=ddp", N2],
+    [*GRPO, LORA, "strategy=zero3", N2],
+    [*GRPO, LORA, BETA, "strategy=zero3", N2],
+    [*GRPO, *QLORA, "strategy=zero3", N2, BF16],
+]
+GRPO_TABLE = {
+    "title": ": GRPO (generation and training in one step)",
+    "data": ", on 32 prompts of 16 words (`grpo_data()`: the DPO rows' word-level tokenizer, data.kind=jsonl "
+    "data.format=prompt)",
+    "notes": (
+        "- GRPO: each step generates G = 8 completions of 96 tokens for each of its prompts (a micro-batch of 8 "
+        "rows is one prompt's group), then trains on them; the plan's peak is the larger phase. beta > 0 adds "
+        "the reference's no-grad pass (a frozen copy for full fine-tuning, the adapters off for LoRA).",
+    ),
+}
+
+
+def grpo_data(root: Path) -> list[str]:
+    """dpo_data's tokenizer and 32 prompts of 16 words with an `answer` column, under `root`; returns the
+    data overrides that read them."""
+    import random
+
+    dpo_data(root)
+    rng = random.Random(1)
+    rows = [{"prompt": " ".join(f"w{rng.randrange(2000)}" for _ in range(16)), "answer": "7"} for _ in range(32)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        "data.kind=jsonl",
+        "data.format=prompt",
+        f"data.path={root / 'prompts.jsonl'}",
         f"data.tokenizer={root / 'tokenizer.json'}",
         f"data.cache_dir={root / 'cache'}",
     ]
@@ -480,11 +530,13 @@ if __name__ == "__main__":
             print("wrote", write_markdown(rows, cmd, name))
             (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
         sys.exit(0)
-    if "--dpo" in sys.argv:
+    if "--dpo" in sys.argv or "--grpo" in sys.argv:
+        grpo = "--grpo" in sys.argv
+        runs, kind = (GRPO_RUNS, "grpo") if grpo else (DPO_RUNS, "dpo")
         rows = []
         with tempfile.TemporaryDirectory() as data_dir:
-            data = dpo_data(Path(data_dir))
-            for i, ov in enumerate(DPO_RUNS):
+            data = (grpo_data if grpo else dpo_data)(Path(data_dir))
+            for i, ov in enumerate(runs):
                 if only is not None and i not in only:
                     continue
                 rows.append(run_real(ov, base=[*REAL_BASE, *data]))
@@ -492,9 +544,10 @@ if __name__ == "__main__":
         errs = [abs(_err(r)) for r in _scored(rows)]
         print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
         if only is None:
-            (RESULTS / "planner_accuracy_dpo_cpu.json").write_text(json.dumps(rows, indent=1))
-            cmd = "python bench/planner_accuracy.py --dpo"
-            print("wrote", write_markdown(rows, cmd, "planner_accuracy_dpo_cpu.md", **DPO_TABLE))
+            (RESULTS / f"planner_accuracy_{kind}_cpu.json").write_text(json.dumps(rows, indent=1))
+            cmd = f"python bench/planner_accuracy.py --{kind}"
+            table = GRPO_TABLE if grpo else DPO_TABLE
+            print("wrote", write_markdown(rows, cmd, f"planner_accuracy_{kind}_cpu.md", **table))
         sys.exit(0)
     if "--loss-chunks" in sys.argv:
         rows = [run_real(ov, base=LOSS_BASE) for i, ov in enumerate(LOSS_CHUNKS) if only is None or i in only]
