@@ -38,8 +38,8 @@ $(SKY_STAMP):
 
 # Tests run `dtlaunch` as a user does, so the venv's console script must be on PATH. The single-process
 # layers (unit, fuzz) run on UNIT_WORKERS pytest-xdist workers, a test file each at a time (tests/conftest.py
-# groups them): 7.3 instead of 10.2 minutes on 2 cores. The multi-process layers already start 2-8 processes
-# per test, so they run serially (TEST_WORKERS); two workers there were slower on 2 cores, not faster.
+# groups them): about 7 instead of 10 minutes on 2 cores. The multi-process layers already start 2-8
+# processes per test and keep both cores busy, so they run serially (TEST_WORKERS=N to try workers there).
 UNIT_WORKERS ?= 2
 TEST_WORKERS ?= 0
 PYTEST_ENV = DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH"
