@@ -147,6 +147,18 @@ def dpo_data(root: Path) -> list[str]:
     pairs longer than a row, written under `root`; returns the data overrides that read them."""
     import random
 
+    words = _word_tokenizer(root)
+    rng = random.Random(0)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    rows = [{"prompt": text(80), "chosen": text(60), "rejected": text(70)} for _ in range(64)]
+    return _jsonl_data(root, "pairs.jsonl", rows, "preference")
+
+
+def _word_tokenizer(root: Path) -> list[str]:
+    """root/tokenizer.json: 2,000 words w0..w1999 after <unk> and <eos>; returns the words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = [f"w{i}" for i in range(2000)]
@@ -154,17 +166,16 @@ def dpo_data(root: Path) -> list[str]:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "unk_token": "<unk>"}))
-    rng = random.Random(0)
+    return words
 
-    def text(n: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(n))
 
-    rows = [{"prompt": text(80), "chosen": text(60), "rejected": text(70)} for _ in range(64)]
-    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+def _jsonl_data(root: Path, name: str, rows: list[dict], fmt: str) -> list[str]:
+    """`rows` written to root/name; the data overrides that read them with root's tokenizer."""
+    (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return [
         "data.kind=jsonl",
-        "data.format=preference",
-        f"data.path={root / 'pairs.jsonl'}",
+        f"data.format={fmt}",
+        f"data.path={root / name}",
         f"data.tokenizer={root / 'tokenizer.json'}",
         f"data.cache_dir={root / 'cache'}",
     ]
@@ -206,17 +217,10 @@ def grpo_data(root: Path) -> list[str]:
     data overrides that read them."""
     import random
 
-    dpo_data(root)
     rng = random.Random(1)
     rows = [{"prompt": " ".join(f"w{rng.randrange(2000)}" for _ in range(16)), "answer": "7"} for _ in range(32)]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [
-        "data.kind=jsonl",
-        "data.format=prompt",
-        f"data.path={root / 'prompts.jsonl'}",
-        f"data.tokenizer={root / 'tokenizer.json'}",
-        f"data.cache_dir={root / 'cache'}",
-    ]
+    _word_tokenizer(root)
+    return _jsonl_data(root, "prompts.jsonl", rows, "prompt")
 
 
 # The optimizer's memory options (optim.*) and the frozen embedding / head as FSDP2 units of their own

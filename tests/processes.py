@@ -4,31 +4,13 @@ that name (tests/system/conftest.py when the layers are named on the command lin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 
-def worker_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of `rank`'s training worker of this run, from /proc (its environment names the run)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            b"dtlaunch.train.main" in cmd
-            and f"RANK={rank}".encode() in env
-            and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env
-        ):
-            return int(proc.name)
-    return None
-
-
-def run_workers(run_dir: Path) -> list[int]:
-    """The pids of every live training worker of this run (any rank, any attempt), from /proc."""
-    found = []
+def _workers(run_dir: Path) -> Iterator[tuple[int, list[bytes], str]]:
+    """(pid, environment, state) of every process of this run's training workers (its environment names the
+    run); processes that vanish while being read are skipped."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -38,6 +20,15 @@ def run_workers(run_dir: Path) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
         except (OSError, IndexError):
             continue
-        if state != "Z" and b"dtlaunch.train.main" in cmd and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env:
-            found.append(int(proc.name))
-    return found
+        if b"dtlaunch.train.main" in cmd and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env:
+            yield int(proc.name), env, state
+
+
+def worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank`'s training worker of this run."""
+    return next((pid for pid, env, _ in _workers(run_dir) if f"RANK={rank}".encode() in env), None)
+
+
+def run_workers(run_dir: Path) -> list[int]:
+    """The pids of every live training worker of this run (any rank, any attempt)."""
+    return [pid for pid, _, state in _workers(run_dir) if state != "Z"]

@@ -259,9 +259,8 @@ def publish_entry(tmp: Path, entry: Path, complete: Optional[Callable[[Path], bo
         return
     except OSError:
         pass
-    if (
-        complete(entry) if complete else verify_entry(entry) is not None
-    ):  # another process finished the same entry first: theirs is as good as ours
+    complete = complete or (lambda e: verify_entry(e) is not None)
+    if complete(entry):  # another process finished the same entry first: theirs is as good as ours
         shutil.rmtree(tmp, ignore_errors=True)
         return
     stale = entry.with_name(f"{entry.name}.stale-{os.getpid()}")

@@ -86,7 +86,7 @@ def _packed(lengths: list[list[int]], seed: int = 0) -> torch.Tensor:
 def test_document_attention_equals_sdpa_under_the_dense_mask() -> None:
     """Each document's causal kernel on its own slice gives the outputs and gradients of one SDPA call under
     the dense "causal and same document" mask (grouped-query heads, rows cut differently)."""
-    from dtlaunch.models.dense.documents import Documents, attend
+    from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 
     doc_ids = document_inputs(_packed([[7, 1, 24], [32]]).numpy(), EOS)["doc_ids"]
     docs = Documents.of(doc_ids)
@@ -95,7 +95,7 @@ def test_document_attention_equals_sdpa_under_the_dense_mask() -> None:
     q = torch.randn(2, 4, 32, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 2, 32, 8, generator=g, requires_grad=True) for _ in range(2))
     out = attend(q, k, v, docs)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=docs.dense(q.device), enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(doc_ids), enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     for a, b in zip(grads, torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):

@@ -36,18 +36,13 @@ class Documents:
             rows.append(tuple(int(n) for n in counts.tolist()))
         return cls(tuple(rows))
 
-    @property
-    def seq_len(self) -> int:
-        return sum(self.lengths[0])
 
-    def dense(self, device: torch.device) -> torch.Tensor:
-        """(B, 1, S, S) boolean, True where a query may attend: for the paths that combine it with another
-        mask (a sliding window)."""
-        s = self.seq_len
-        ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in self.lengths])
-        ids = ids.to(device)
-        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
-        return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+def dense_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) boolean, True where a query may attend (causal and same document): for a sliding window
+    inside each document, which needs a mask anyway."""
+    s = doc_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents) -> torch.Tensor:

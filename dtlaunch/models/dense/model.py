@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtlaunch.models.dense.documents import Documents, attend
+from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 
 
@@ -157,9 +157,8 @@ class Attention(nn.Module):
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-        if doc_mask is not None:  # a sliding window inside each document: one dense mask for both
-            dense = doc_mask.dense(device) if isinstance(doc_mask, Documents) else doc_mask
-            mask = dense & mask  # (B, 1, S, S) with (S, S)
+        if doc_mask is not None:
+            mask = doc_mask & mask  # (B, 1, S, S) with (S, S)
         return mask
 
 
@@ -276,8 +275,11 @@ class Decoder(nn.Module):
         cos, sin = self.rope_cos.to(dtype), self.rope_sin.to(dtype)
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
-        # Packed documents: their lengths, read once here, not an [S x S] mask (dtlaunch.models.dense.documents).
-        mask = Documents.of(doc_ids) if doc_ids is not None else None
+        mask = None
+        if doc_ids is not None:  # packed documents: their lengths, not an [S x S] mask (models.dense.documents)
+            window = getattr(self.cfg, "sliding_window", None)
+            # A sliding window shorter than the sequence needs a dense mask anyway: built once, for every block.
+            mask = dense_mask(doc_ids) if window and window < doc_ids.shape[1] else Documents.of(doc_ids)
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
