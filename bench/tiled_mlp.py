@@ -80,7 +80,7 @@ def main() -> None:
     )
     if args.json:
         write_json(
-            args.json,
+            Path(args.json),
             {"command": this_command(), "tokens_per_s": med, "ratio": ratio, "seq": args.seq, "tiles": args.tiles},
         )
 

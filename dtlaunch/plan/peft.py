@@ -13,12 +13,13 @@ What changes against full training, per rank (dtlaunch.plan.stage.plan_stage app
   and the result at once, (8 + 3e) bytes per element of the largest linear (measured on CPU). It saves
   the NF4 weight itself for backward, never an autocast copy;
 - saved activations (per token, one block; measured with saved-tensor hooks on the dense block, fp32,
-  bf16 params and autocast): frozen norm gains no longer need the normalised value before the gain
-  (-e_n·h per norm, e_n the norm's dtype); each adapter keeps its rank-wide A output (+e·rank); under
+  bf16 params and autocast): the norms keep what they keep in full training (their input and rsqrt;
+  dtlaunch.models.dense.norm); each adapter keeps its rank-wide A output (+e·rank); under
   autocast a frozen linear without an adapter no longer saves its own cast of a norm output (-e·in);
   a dropout > 0 keeps its mask and dropped input (+(1 + e)·in). The first block's input does not need
-  a gradient (the embedding is frozen), so its first norm saves nothing of its own (-(4h + 4)); the
-  final norm before the frozen head keeps only its fp32 input view and rsqrt (4h + 4). Under selective
+  a gradient (the embedding is frozen), so its first norm saves nothing of its own (-(e_n·h + 4), e_n
+  the stream's dtype: 4 under autocast); the final norm before the frozen head keeps only its input
+  and rsqrt (e_n·h + 4). Under selective
   AC's op policy (every other matmul's output saved) the adapters' matmuls join the alternation, which
   then keeps other outputs: counted from the call order (measured on real runs: exact).
 
@@ -146,8 +147,8 @@ def peft_terms(
         nf4_shard = sum(nf4_bytes(n // shards, b, s, e) for n in sizes)
         dequant = (NF4_DEQUANT_CODE_BYTES + NF4_DEQUANT_COMPUTE_COPIES * e) * max(sizes)
     sp_div = tp if tp > 1 and sp else 1
-    norm_dtype = 4 if autocast else e
-    act = -2 * norm_dtype * h / sp_div
+    stream = 4 if autocast else e  # the residual stream's bytes per element, what the norms keep
+    act = 0.0
     adapter_act = e * rank * len(chosen)
     if float(p.dropout) > 0:
         adapter_act += sum((1 + e) * shapes[n][1] / (tp if shapes[n][2] is False else 1) for n in chosen)
@@ -165,8 +166,8 @@ def peft_terms(
         nf4_block_shard=nf4_shard,
         act_block=act,
         adapter_act=adapter_act,
-        act_first=-(4 * h + 4) / sp_div,
-        final_norm=(4 * h + 4) / sp_div,
+        act_first=-(stream * h + 4) / sp_div,
+        final_norm=(stream * h + 4) / sp_div,
         dequant=dequant,
         selective=saved_matmuls(shapes, chosen, rank, tp, sp, e) - saved_matmuls(shapes, [], rank, tp, sp, e),
     )

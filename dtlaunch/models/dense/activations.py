@@ -3,25 +3,25 @@
 What eager autograd keeps between forward and backward, per token of one micro-batch (e = bytes of
 the compute dtype, h = dim, k = kv-heads * head_dim, F = FFN width, a = heads):
 
-RMSNorm (`x.float()`, pow/mean/rsqrt, `* rsqrt`, `.type_as(x)`, `* weight`):
-    fp32 view of the input, 4h (in fp32 `.float()` is the input itself, so the block input is this
-    tensor), the normalised value before the weight, e·h, and the output, e·h (saved by the next
-    linear), plus rsqrt, 4 bytes. -> 4h + 2e·h + 4 per norm.
+RMSNorm (dtlaunch.models.dense.norm: a Function that keeps its input and rsqrt, and recomputes the
+    normalised value in backward): the input, e·h (for the attention norm that is the block input;
+    for the FFN norm the residual h1, which nothing else keeps), and rsqrt, 4 bytes; its output, e·h,
+    is saved by the next linear. -> 2e·h + 4 per norm.
 Attention: wq/wk/wv share the norm output (counted above); RoPE multiplies by constant cos/sin so
     it saves no input, only its outputs q_rot (e·h) and k_rot (e·k) that SDPA keeps; SDPA keeps v
     (e·k), its output (e·h; laid out so that transpose+reshape into wo is a view) and a logsumexp
     (4a). On CPU torch runs `_scaled_dot_product_flash_attention_for_cpu` for fp32 and bf16 (also
     with GQA), which saves no (s x s) matrix; the math fallback would add 4·a·s per token (noted).
 SwiGLU: w1 out, silu out, w3 out, their product (w2's input): 4·e·F.
-Residual adds save nothing; the residual h1 is the fp32 input view of ffn_norm (counted there).
+Residual adds save nothing; the residual h1 is ffn_norm's saved input (counted there).
 
-Per block, no AC: 2·(4h + 2eh + 4) + e·(2h + 2k + 4F) + 4a (h stands for the query width
+Per block, no AC: 2·(2eh + 4) + e·(2h + 2k + 4F) + 4a (h stands for the query width
 n_heads·head_dim in the attention terms; it differs from dim when head_dim is set, as on Qwen3).
-Per-head q/k RMSNorm (Qwen3): each keeps its input in fp32, the pre-weight value and one rsqrt per
-head; its output goes to RoPE, which saves no input: (4 + e)·(q + k) + 4·(a + kv heads).
+Per-head q/k RMSNorm (Qwen3): each keeps its input (the projection's output) and one rsqrt per head;
+its output goes to RoPE, which saves no input: e·(q + k) + 4·(a + kv heads).
 Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
 parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
-column-parallel linears is full: norms give (4h + eh + 4)/t + eh each.
+column-parallel linears is full: norms give (eh + 4)/t + eh each.
 Selective AC, op policy (dtlaunch.train.parallel.ac: attention and every other matmul saved, the 1st, 3rd, ...
 of the block): block input + wq, wv, w1, w2 outputs + SDPA out and logsumexp; wk, wo, w3 and
 everything elementwise are recomputed.
@@ -72,17 +72,14 @@ class BlockDims:
 
 
 def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, consumers: int = 1) -> float:
-    """One RMSNorm's saved bytes per token (fp32 input view, pre-weight value, output, rsqrt).
+    """One RMSNorm's saved bytes per token: its input and rsqrt (sequence-sharded under sequence
+    parallel), and the output its readers save.
 
-    Under autocast the residual stream stays fp32: the norm keeps its fp32 input and fp32 pre-weight
-    value, and each of its `consumers` linears saves its OWN compute-dtype cast of the fp32 output
-    (3 for wq/wk/wv, 2 for w1/w3; measured with saved-tensor hooks)."""
-    if autocast:
-        own = (8 * d.h + 4) / (tp if tp > 1 and sp else 1)
-        return own + consumers * e * d.h
-    if tp > 1 and sp:
-        return (4 * d.h + e * d.h + 4) / tp + e * d.h
-    return 4 * d.h + 2 * e * d.h + 4
+    Under autocast the residual stream stays fp32: the norm keeps its fp32 input, and each of its
+    `consumers` linears saves its OWN compute-dtype cast of the fp32 output (3 for wq/wk/wv, 2 for
+    w1/w3; measured with saved-tensor hooks)."""
+    own = ((4 if autocast else e) * d.h + 4) / (tp if tp > 1 and sp else 1)
+    return own + (consumers if autocast else 1) * e * d.h
 
 
 def block_bytes_no_ac(
@@ -90,14 +87,13 @@ def block_bytes_no_ac(
 ) -> float:
     attn = e * (2 * d.qw + 2 * d.k) + 4 * d.a
     if d.qk_norm:
-        attn += (4 + e) * (d.qw + d.k) + 4 * (d.a + d.k // d.head)
+        attn += e * (d.qw + d.k) + 4 * (d.a + d.k // d.head)
     mlp = 4 * e * d.f
     norms = norm_bytes(d, e, tp, sp, autocast, 3) + norm_bytes(d, e, tp, sp, autocast, 2)
     if compiled:
-        # Inductor's partitioner recomputes cheap pointwise values from what it saves anyway: each norm's
-        # fp32 copy of its input (4h) and SwiGLU's SiLU output (e·F) are not saved. Measured with
-        # saved-tensor hooks on compiled CPU blocks (fp32 and bf16, two shapes): exact.
-        norms -= 2 * 4 * d.h / (tp if tp > 1 and sp else 1)
+        # Inductor's partitioner recomputes cheap pointwise values from what it saves anyway: SwiGLU's
+        # SiLU output (e·F) is not saved. Measured with saved-tensor hooks on compiled CPU blocks (fp32
+        # and bf16, two shapes): exact.
         mlp -= e * d.f
     return norms + (attn + mlp) / tp
 

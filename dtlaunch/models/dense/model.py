@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtlaunch.models.dense.documents import Documents, attend, dense_mask
+from dtlaunch.models.dense.norm import RMSNorm
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 
 
@@ -68,23 +69,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        # Set on the residual stream's norms when it is kept in a low precision under autocast
-        # (Decoder.keep_residual_in): the fp32 gain would otherwise promote the output back to fp32.
-        self.out_dtype: Optional[torch.dtype] = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability, return in the input dtype (as Meta's reference does).
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = out.type_as(x) * self.weight
-        return y if self.out_dtype is None else y.to(self.out_dtype)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor | Documents]) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""RMSNorm that keeps its input and one rsqrt per row for backward, nothing else.
+
+Written as plain ops, autograd would keep the input's fp32 copy (`x.float()`, 4 bytes per element even for
+a bf16 stream) and the normalised value before the gain for the gain's gradient. At long context those
+dominate a block's recompute: 8 bytes per element of two norms per block, 18 GiB at 600k tokens on an
+8B model. This Function saves the input itself (usually alive anyway as the block input) and recomputes
+the normalised value in backward (one elementwise pass). torch.compile's partitioner already made that
+choice for compiled blocks; eager now matches it.
+
+Forward runs the same ops as Meta's and Hugging Face's RMSNorm (normalise in fp32, cast to the input dtype,
+then multiply by the gain). Backward replays, op for op, the formulas autograd uses for those ops
+(torch's derivatives.yaml: mul, rsqrt, mean, pow, the dtype casts), so gradients are bit-identical to
+the plain-op version (tests/unit/test_rms_norm.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (xf * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
+        x, rstd, weight = ctx.saved_tensors
+        xf = x.float()
+        normed = xf * rstd
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # y = normed.type_as(x) * weight: mul's gradient in the gain's dtype, summed over the broadcast.
+            grad_w = (grad * normed.type_as(x)).to(weight.dtype).sum_to_size(weight.shape)
+        if not ctx.needs_input_grad[0]:
+            return None, grad_w, None
+        # Through the mul (to the input dtype) and the cast back to fp32, as autograd rounds them.
+        grad_n = (grad * weight).to(x.dtype).float()
+        grad_xf = grad_n * rstd
+        # normed = xf * rstd: rstd's gradient, then rsqrt's, mean's and pow's.
+        grad_rstd = (grad_n * xf).sum(-1, keepdim=True)
+        grad_var = -0.5 * grad_rstd * rstd.pow(3)
+        grad_sq = grad_var.expand(xf.shape) / xf.shape[-1]
+        grad_xf = grad_xf + grad_sq * (2.0 * xf)
+        return grad_xf.to(x.dtype), grad_w, None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        # Set on the residual stream's norms when it is kept in a low precision under autocast
+        # (Decoder.keep_residual_in): the fp32 gain would otherwise promote the output back to fp32.
+        self.out_dtype: Optional[torch.dtype] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _RMSNorm.apply(x, self.weight, self.eps)
+        return y if self.out_dtype is None else y.to(self.out_dtype)
