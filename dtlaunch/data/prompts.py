@@ -3,7 +3,9 @@ launcher before any worker starts, into RUN/data/prompts.jsonl, which the worker
 
 A record's data.prompt_field is text (tokenized as it is) or a list of chat messages (rendered with the
 run's chat template and the generation prompt, as TRL does). Every other column is kept whole and reaches
-the reward functions as a keyword argument. JSONL, Parquet and HF datasets on disk are read.
+the reward functions as a keyword argument. JSONL, Parquet, HF datasets on disk and hub datasets
+(data.kind=hf data.path=ORG/NAME: the snapshot the launcher pinned, read with data.subset and data.split)
+are read.
 
 Checked here, exit 2: a prompt longer than training.seq_len - objective.max_completion_length (how many,
 the longest, the fix); fewer prompts than one generation batch needs; each reward function called once
@@ -14,10 +16,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from dtlaunch.data.chat_templates import load_chat_template
-from dtlaunch.data.records import source_files
+from dtlaunch.data.records import load_hf, source_files
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.chat_template import own_chat_template
 from dtlaunch.inputs.rewards import check_rewards
@@ -28,8 +30,11 @@ META_FILE = "data/prompts_meta.json"
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>", "<eos>")
 
 
-def iter_prompt_records(kind: str, path: str, split: str, key: str = "data.path") -> Iterator[tuple[dict, str]]:
-    """(the whole record, where) of a jsonl / parquet / hf source, in file order."""
+def iter_prompt_records(
+    kind: str, path: str, split: str, key: str = "data.path", subset: Optional[str] = None
+) -> Iterator[tuple[dict, str]]:
+    """(the whole record, where) of a jsonl / parquet / hf source, in file order (`subset`: a hub dataset's
+    configuration, as dtlaunch.data.records.iter_records takes it)."""
     if kind == "jsonl":
         for f in source_files(kind, path, key):
             for n, line in enumerate(f.read_bytes().splitlines(), 1):
@@ -51,11 +56,7 @@ def iter_prompt_records(kind: str, path: str, split: str, key: str = "data.path"
             for n, record in enumerate(pq.read_table(f).to_pylist(), 1):
                 yield record, f"{f}:row {n}"
     elif kind == "hf":
-        import datasets
-
-        ds = datasets.load_from_disk(path)
-        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        for n, record in enumerate(ds, 1):
+        for n, record in enumerate(load_hf(path, split, key, subset), 1):
             yield dict(record), f"{path}[{split}]:{n}"
     else:
         raise InputError(f"data.format=prompt reads jsonl, parquet or hf records, not data.kind={kind}")
@@ -101,8 +102,11 @@ def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, 
     out.parent.mkdir(parents=True, exist_ok=True)
     n = too_long = longest = 0
     first_long = ""
+    from dtlaunch.hub.dataset import local_source
+
+    path, subset = local_source(cfg, str(d.path))  # a hub dataset: the snapshot pinned in data.revision
     with out.open("w") as fh:
-        for record, where in iter_prompt_records(str(d.kind), str(d.path), str(d.split)):
+        for record, where in iter_prompt_records(str(d.kind), path, str(d.split), subset=subset):
             if field not in record:
                 raise InputError(f"data.path: {where} has no field '{field}' (data.prompt_field): fix the record")
             if n == 0:

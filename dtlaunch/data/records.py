@@ -106,7 +106,7 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def _load_hf(path: str, split: str, key: str, subset: Optional[str] = None) -> Any:
+def load_hf(path: str, split: str, key: str, subset: Optional[str] = None) -> Any:
     # Never reach the hub: set before `datasets` is imported (it reads these at import time).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -166,7 +166,7 @@ def iter_hf(
     subset: Optional[str] = None,
     field_key: str = FIELD_KEY,
 ) -> Iterator[tuple[tuple, str]]:
-    ds = _load_hf(path, split, key, subset)
+    ds = load_hf(path, split, key, subset)
     names = list(ds.column_names)
     for field in fields:
         if field not in names:

@@ -173,3 +173,44 @@ def test_two_nodes_from_a_hub_name_download_the_weights_once(hub: Hub, tmp_path:
         assert p.returncode == 0, f"node {rank}:\n{out[-3000:]}"
     assert hub.gets("/model.safetensors") == before + 1
     assert (pvc / "hub-nodes" / "metrics.jsonl").is_file()
+
+
+PROMPTS = "acme/tiny-prompts"
+PROMPT_WORDS = ["<pad>", "<eos>", "copy", *[str(d) for d in range(10)], "the", "a", "is"]
+
+
+def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> None:
+    """data.format=prompt with data.kind=hf data.path=ORG/NAME: the launcher pins the snapshot, reads the
+    data.subset's records whole (every column reaches the rewards) and a GRPO step trains on them."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    repo = tmp_path / "repo"
+    for subset, prompts in (("easy", [f"{a} {b}" for a in ("the", "a", "is", "copy") for b in ("the", "a")]),
+                            ("hard", ["copy 3", "copy 4"])):
+        (repo / subset).mkdir(parents=True)
+        lines = [json.dumps({"question": p, "answer": "7", "source": subset}) for p in prompts]
+        (repo / subset / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (repo / "README.md").write_text(README.replace("config_name: en", "config_name: easy").replace(
+        "path: en/", "path: easy/").replace("config_name: short", "config_name: hard").replace("path: short/", "path: hard/"))
+    hub.repos[("datasets", PROMPTS)] = Repo.from_dir(repo)
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(PROMPT_WORDS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    run = tmp_path / "run"
+    args = [
+        "model.vocab_size=16", "objective=grpo", "data.kind=hf", f"data.path={PROMPTS}", "data.subset=easy",
+        "data.format=prompt", "data.prompt_field=question", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+        "training.seq_len=8", "objective.max_completion_length=2", "objective.num_generations=8",
+        "training.micro_batch=16", "training.global_batch=32", "launch.nproc_per_node=1",
+        "launch.threads_per_worker=1", "training.steps=1", "checkpoint.enabled=false", "training.loss_plot=false",
+    ]
+    ok(dtlaunch(hub, tmp_path / "hf", "train", *args, f"run.dir={run}"))
+    records = [json.loads(x) for x in (run / "data" / "prompts.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and {r["columns"]["source"] for r in records} == {"easy"}
+    assert records[0]["prompt"] == "the the" and records[0]["columns"]["answer"] == "7"
+    from dtlaunch.config.compose import load_resolved
+
+    assert load_resolved(run / "config.yaml").data.revision == hub.repos[("datasets", PROMPTS)].sha
+    assert (run / "metrics.jsonl").read_text().strip()
