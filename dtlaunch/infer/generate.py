@@ -148,7 +148,6 @@ def _configured_tokenizer(cfg: Any) -> str:
     return effective_tokenizer(cfg)
 
 
-@torch.no_grad()
 def generate_ids(
     model: torch.nn.Module,
     prompt: list[int],
@@ -159,31 +158,13 @@ def generate_ids(
     eos_id: Optional[int] = None,
     stop: Sequence[int] = (),
 ) -> list[int]:
-    """New token ids after `prompt` (the EOS id, or the `stop` id, included when it ends the text)."""
-    from dtlaunch.models.dense.model import KVCache
+    """New token ids after `prompt` (the EOS id, or the `stop` id, included when it ends the text): one row
+    of dtlaunch.infer.batch_generate, the path objective=grpo's rollouts take, so `dtlaunch generate` shows
+    what a rollout would sample."""
+    from dtlaunch.infer.batch_generate import Sampling, generate_batch
 
     device = next(model.parameters()).device
-    caches = [KVCache() for _ in model.layers]
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.tensor([prompt], dtype=torch.long, device=device)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(x, caches=caches)[0, -1].float()
-        nxt = _pick(logits, temperature, top_p, g)
-        out.append(nxt)
-        if nxt == eos_id or nxt in stop:
-            break
-        x = torch.tensor([[nxt]], dtype=torch.long, device=device)
-    return out
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, g: torch.Generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1).cpu()
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=g))
+    stops = set(stop) | ({int(eos_id)} if eos_id is not None else set())
+    generator = torch.Generator(device=device).manual_seed(seed)
+    s = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    return generate_batch(model, [prompt], s, stops, generator=generator).completions[0]

@@ -16,7 +16,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import configure_pad_token
 
-from dtlaunch.infer.generate import Loaded, _pick, set_positions
+from dtlaunch.infer.batch_generate import Sampling, sample_next
+from dtlaunch.infer.generate import Loaded, set_positions
 
 
 class DtlaunchLM(HFLM):
@@ -92,13 +93,13 @@ class DtlaunchLM(HFLM):
         from dtlaunch.models.dense.model import KVCache
 
         caches = [KVCache() for _ in self._model.layers]
-        g = torch.Generator(device="cpu").manual_seed(0)
+        g = torch.Generator(device=self._device).manual_seed(0)
         x = torch.tensor([prompt], dtype=torch.long, device=self._device)
         new: list[int] = []
         ends = {self.loaded.eos_id, *self.loaded.stop_ids}  # EOS and every end-of-turn id (transformers')
         while len(new) < budget:
             logits = self._model(x, caches=caches)[0, -1].float()
-            nxt = _pick(logits, temperature, top_p, g)
+            nxt = int(sample_next(logits[None], Sampling(budget, temperature, top_p), g)[0])
             new.append(nxt)
             if nxt in ends or any(s in self.tok_decode(new) for s in stop):
                 break
