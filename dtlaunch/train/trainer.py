@@ -203,8 +203,9 @@ class Trainer:
                     self._drain(step)
                     self.metrics.flush()
                 self.ckpt.maybe_save(step)
-                # Preemption: every rank read the same window, so all stop after this step and save it.
-                if sync.signum:
+                # Preemption: every rank read the same window, so all stop after this step and save it; a
+                # GRPO generation batch is finished first (a resume regenerates at a batch's first step).
+                if sync.signum and (self.rollout is None or self.rollout.last_step_of_batch(step)):
                     self._drain(step)
                     preemption.stopping(sync.signum)
                     if step < loop.steps:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -157,31 +158,61 @@ def test_prompt_too_long_refused(toy: Path, tmp_path: Path) -> None:
     ) and "raise training.seq_len to at least 4" in str(err.value)
 
 
-def test_fsdp_killed_and_resumed_equals_uninterrupted(trainer, toy: Path, tmp_path: Path) -> None:
-    """FSDP2 (ZeRO-3) on two ranks, two optimizer steps per generation batch (mu = 2: steps 1-2 and 3-4
-    each share a rollout). Straight through, and with rank 1 SIGKILLed as step 4 begins (mid-way through
-    the second batch's steps), restarted by the launcher and resumed from the step-2 checkpoint. Every
-    step's rewards and loss must be the same, bit for bit: the resumed rollout regenerates what the
-    uninterrupted one did from the same seeds and weights (the checkpoints fall on batch boundaries:
-    config.rules.grpo). (DDP trains alike within 1e-5: the replayed-completions test.)"""
+def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy: Path, tmp_path: Path) -> None:
+    """FSDP2 (ZeRO-3) on two ranks, three optimizer steps per generation batch (mu = 3: steps 1-3 and 4-6
+    each share a rollout), straight through; every step's rewards and loss must equal it, bit for bit, in:
+    - a run whose rank 1 is SIGKILLed as step 5 begins (mid-way through the second batch), restarted by the
+      launcher and resumed from the step-3 checkpoint: the resumed rollout regenerates what the
+      uninterrupted one did from the same seeds and weights (checkpoints fall on batch boundaries:
+      config.rules.grpo);
+    - a run SIGTERMed while rank 1 holds at step 1, whose stop would land after step 1 or 2 (when the
+      flag rides the step's collectives), mid-batch: it finishes the batch, saves step 3, exits 75, and the
+      same command resumes it.
+    (DDP trains alike within 1e-5: the replayed-completions test.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
     common = grpo_args(
         toy,
-        "training.steps=4",
+        "training.steps=6",
         "training.micro_batch=8",
         "launch.nproc_per_node=2",
         "optim.lr=1e-2",
-        "objective.num_iterations=2",
+        "objective.num_iterations=3",
+        "strategy=fsdp",
     )
-    straight, fsdp = tmp_path / "straight", tmp_path / "fsdp"
-    trainer.run(straight, *common, "strategy=fsdp")
-    kill = ["debug.fail_at_step=4", "debug.fail_mode=sigkill", "debug.fail_rank=1", "launch.max_restarts=1"]
-    proc = trainer.run(fsdp, *common, "strategy=fsdp", "checkpoint.enabled=true", "checkpoint.every_steps=2", *kill)
-    assert "resumed from step-00000002" in proc.stdout + proc.stderr
+    straight, killed, preempted = tmp_path / "straight", tmp_path / "killed", tmp_path / "preempted"
+    trainer.run(straight, *common)
+    kill = ["debug.fail_at_step=5", "debug.fail_mode=sigkill", "debug.fail_rank=1", "launch.max_restarts=1"]
+    proc = trainer.run(killed, *common, "checkpoint.enabled=true", "checkpoint.every_steps=3", *kill)
+    assert "resumed from step-00000003" in proc.stdout + proc.stderr
+
+    # The flag raised before step 1 is read by every rank after step 1 or 2 (sync_interval_s=0: each step's
+    # collective carries it), both mid-way through the first batch.
+    resume = [*common, "checkpoint.enabled=true", "checkpoint.every_steps=999", "training.sync_interval_s=0"]
+    cmd = [sys.executable, "-m", "dtlaunch", "train", *trainer.FAST, *resume, f"run.dir={preempted}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    held = subprocess.Popen(
+        [*cmd, "debug.hold_at_step=1", "debug.fail_rank=1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    log, deadline = preempted / "logs" / "rank1.log", time.monotonic() + 300
+    while not (log.is_file() and "holding at step 1" in log.read_text()):
+        assert held.poll() is None and time.monotonic() < deadline, held.communicate()
+        time.sleep(0.05)
+    held.send_signal(signal.SIGTERM)
+    out, err = held.communicate(timeout=300)
+    assert held.returncode == 75 and "checkpoint saved at step 3" in err, out[-2000:] + err[-2000:]
+    again = trainer.run(preempted, *resume)
+    assert "resumed from step-00000003" in again.stdout + again.stderr
 
     def steps(run: Path) -> list[tuple]:
         return [(m["step"], m["loss"], m.get("reward")) for m in trainer.metrics(run)]
 
-    assert steps(fsdp) == steps(straight) and len(steps(straight)) == 4
+    assert steps(killed) == steps(straight) and len(steps(straight)) == 6
+    assert steps(preempted) == steps(straight)
 
 
 def test_plan_of_the_generation_phase(trainer, toy: Path, tmp_path: Path) -> None:

@@ -135,6 +135,12 @@ class Rollout:
         self.current.rewind()
         return self.current
 
+    def last_step_of_batch(self, step: int) -> bool:
+        """Whether `step` is its generation batch's last optimizer step: the only steps a checkpoint may follow
+        (checkpoint.every_steps is a multiple of num_iterations; a preemption stop waits for one), since a
+        resume regenerates from the weights at a batch's first step."""
+        return step % self.mu == 0
+
     def _rollout(self, step: int, index: int) -> RolloutBatches:
         rt = self.rt
         began = time.perf_counter()
