@@ -188,6 +188,7 @@ def _jsonl_data(root: Path, name: str, rows: list[dict], fmt: str) -> list[str]:
 GRPO = ["objective=grpo", "objective.num_generations=8", "objective.max_completion_length=96", "training.seq_len=128"]
 GRPO += ["training.micro_batch=8", "training.global_batch=16"]
 BETA = "objective.beta=0.04"
+GATHER = [x.replace("=96", "=112").replace("global_batch=16", "global_batch=128") for x in GRPO]
 GRPO_RUNS = [
     [*GRPO, "strategy=ddp", N2],
     [*GRPO, "strategy=zero3", N2],
@@ -199,6 +200,9 @@ GRPO_RUNS = [
     [*GRPO, LORA, "strategy=zero3", N2],
     [*GRPO, LORA, BETA, "strategy=zero3", N2],
     [*GRPO, *QLORA, "strategy=zero3", N2, BF16],
+    # 64 rows a rank whose 16-token prompts fill the prompt room (the plan's KV cache and prefill assume that):
+    # the generation phase is the peak, with the whole model gathered or one unit at a time.
+    *([*GATHER, "strategy=zero3", N2, FULL, f"objective.generation_gather={g}"] for g in ("whole", "unit")),
 ]
 GRPO_TABLE = {
     "title": ": GRPO (generation and training in one step)",

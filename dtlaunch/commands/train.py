@@ -71,6 +71,9 @@ def _compose_and_plan(overrides: Sequence[str], recipe_dirs: Sequence[str], forc
 
     phase("planning memory")
     plan = plan_gate(job, force=force)
+    if plan.generation_gather and str(job.cfg.objective.generation_gather) == "auto":
+        # The plan's choice goes into config.yaml: the workers gather as it was planned.
+        job.cfg.objective.generation_gather = plan.generation_gather
     console().print(summary_table(job))
     return job, plan
 

@@ -159,6 +159,17 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
 
 
+def generation_gather(cfg: Any, layout: Layout) -> str:
+    """How objective=grpo's rollout holds FSDP ZeRO-3 weights while it generates: "whole" or "unit"; "" where
+    the choice does not arise (another objective, no ZeRO-3 sharding: the weights stay as they are). `auto`
+    reads as "whole" here: the plan (dtlaunch.plan.memory.plan_memory) turns it into "unit" when only that
+    fits, and the launcher writes that choice into the run's config.yaml, which the runtime reads."""
+    if str(cfg.objective.name) != "grpo" or not shards_with_fsdp(cfg, layout) or int(cfg.strategy.zero_stage) != 3:
+        return ""
+    mode = str(cfg.objective.generation_gather)
+    return "whole" if mode == "auto" else mode
+
+
 def activation_offload(cfg: Any, pp: int) -> bool:
     """training.activation_offload as the job runs it (the planner, the layout search and the runtime ask
     here). true / false: as set. null, the default: on where it costs no step time by the plan's

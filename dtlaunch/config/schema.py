@@ -404,6 +404,14 @@ class ImportanceLevel(Choice):
     sequence = "sequence"
 
 
+class GenerationGather(Choice):
+    """objective=grpo under FSDP ZeRO-3: how the rollout holds the weights while it generates."""
+
+    auto = "auto"  # whole when the plan fits so, else unit (the launcher writes its choice into config.yaml)
+    whole = "whole"  # every unit gathered once per rollout, kept for all decode steps (fast)
+    unit = "unit"  # one unit at a time, gathered again for every decode step (the whole model never held)
+
+
 class ScaleRewards(Choice):
     """objective=grpo: divide the group-centred reward by the group's std, the batch's std, or nothing."""
 
@@ -456,6 +464,9 @@ class ObjectiveConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    # FSDP ZeRO-3 only: the weights for generation gathered whole (once per rollout) or one unit at a time
+    # (per decode step: slower, the whole model never held); auto: whole unless only unit fits the plan.
+    generation_gather: GenerationGather = GenerationGather.auto
     format_regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `format` reward's pattern
     answer_field: str = "answer"  # the `accuracy` reward compares against this dataset column
 

@@ -10,7 +10,12 @@ static lines: parameters, optimizer state, a reference copy) but no gradients an
   tokens) and its logits (every prompt position, vocab / tp wide) with the sampling buffers of one decode
   step (fp32 logits, probabilities, top-p's sorted copy and cumulative sum: rows x vocab x 4 bytes each);
 - under FSDP the whole model gathered: no unit reshards between the rollout's forwards, so the weights
-  are all-gathered once per rollout (dtlaunch.train.parallel.generation_gather).
+  are all-gathered once per rollout (dtlaunch.train.parallel.generation_gather); with ZeRO-3 and
+  objective.generation_gather=unit (or auto, when only that fits) one unit at a time instead, gathered
+  for each forward and resharded after it, as in a training forward: the root unit (its head and final
+  norm a static line already, its embedding on top) and, at the largest other unit's all-gather (a
+  block, or a head of its own), that unit's flat all-gather output and the storage it is copied into
+  (gloo, a CPU profile, holds one more copy).
 The old policy's pass (objective.num_iterations > 1) is a no-grad forward over the rows, micro-batch by
 micro-batch: the same moment as a reference forward (dtlaunch.plan.objective.reference_forward_bytes).
 """
@@ -19,10 +24,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
 
 PHASE_GENERATION = "generation"
+# One unit's all-gather: the flat output and the unsharded storage it is copied into exist together.
+# Measured by bench/planner_accuracy.py --grpo (objective.generation_gather=unit, real gloo runs).
+UNIT_GATHER_COPIES = 2
 PHASE_OLD_POLICY = "old-policy forward"
 
 
@@ -44,26 +53,36 @@ def decode_bytes(c: Any) -> float:
     return max(block, logits)
 
 
-def gathered_bytes(c: Any) -> float:
-    """Every FSDP unit's parameters unsharded in the compute dtype, beside the shards."""
-    return c.compute_bytes * c.gathered_params if c.fsdp else 0.0
+def gathered_bytes(c: Any, gather: str = "whole") -> float:
+    """The FSDP parameters unsharded in the compute dtype while generating, beside the shards: every unit's
+    (`gather` "whole"), or, one unit at a time ("unit"), the largest unit beyond what the static lines hold
+    gathered anyway (the root unit's head and final norm: dtlaunch.plan.stage.static_lines)."""
+    if not c.fsdp:
+        return 0.0
+    if gather == "unit":
+        own_head = c.vocab_params if c.last_stage and c.head_unit else 0
+        embedding = c.vocab_params if c.first_stage else 0
+        copies = UNIT_GATHER_COPIES + (GLOO_EXTRA_BUFFER_COPIES if gloo_collectives(c.cfg.hardware) else 0)
+        return c.compute_bytes * (embedding + copies * max(c.gathered_block_params, own_head))
+    return c.compute_bytes * c.gathered_params
 
 
-def generation_phases(c: Any, static: dict[str, float]) -> dict[str, float]:
+def generation_phases(c: Any, static: dict[str, float], gather: str = "whole") -> dict[str, float]:
     if str(c.cfg.objective.name) != "grpo":
         return {}
     held = sum(_between_steps(static).values())
-    phases = {PHASE_GENERATION: held + kv_cache_bytes(c) + decode_bytes(c) + gathered_bytes(c)}
+    phases = {PHASE_GENERATION: held + kv_cache_bytes(c) + decode_bytes(c) + gathered_bytes(c, gather)}
     if int(c.cfg.objective.num_iterations) > 1:
         phases[PHASE_OLD_POLICY] = held + reference_forward_bytes(c)
     return phases
 
 
-def generation_lines(c: Any, static: dict[str, float]) -> dict[str, float]:
+def generation_lines(c: Any, static: dict[str, float], gather: str = "whole") -> dict[str, float]:
     """The generation phase's lines (when it is the stage's peak)."""
     lines = {**_between_steps(static), Line.KV_CACHE: kv_cache_bytes(c), Line.PREFILL_SAMPLING_BUFFERS: decode_bytes(c)}
-    if gathered_bytes(c):
-        lines[Line.UNSHARDED_PARAMETERS] = gathered_bytes(c)
+    if gathered_bytes(c, gather):
+        held = lines.get(Line.UNSHARDED_PARAMETERS, 0.0) if gather == "unit" else 0.0
+        lines[Line.UNSHARDED_PARAMETERS] = held + gathered_bytes(c, gather)
     return lines
 
 

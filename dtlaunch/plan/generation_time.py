@@ -8,7 +8,7 @@ costs 1/num_iterations of:
   memory bandwidth (hardware.memory_gbps; FLOPs alone when it is 0). Decode is memory bound on a GPU, so
   data parallelism does not shorten it: every rank reads the whole model once per generated token;
 - under FSDP (ZeRO-2/3), the parameters all-gathered once (dtlaunch.train.parallel.generation_gather),
-  on the critical path;
+  on the critical path; one unit at a time (objective.generation_gather=unit), once for every forward;
 - the no-grad passes over the rows: the old policy's (num_iterations > 1) and the reference's (beta > 0).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.config.layout import Layout, generation_gather, global_batch
 from dtlaunch.models.dense.shapes import head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
@@ -46,6 +46,8 @@ def generation_seconds(cfg: Any, lay: Layout, efficiency: float) -> float:
     if lay.shard > 1 and int(cfg.strategy.zero_stage) >= 2:
         bw = hardware.link_bandwidth(hw, lay.shard, lay.tp)
         gather = (lay.shard - 1) / lay.shard * params * e / bw
+        if generation_gather(cfg, lay) == "unit":
+            gather *= 1 + completion  # the prefill and every decode step gather the model again
     passes = (int(o.num_iterations) > 1) + (float(o.beta) > 0)
     no_grad = passes * 2 * params * rows * int(t.seq_len) / flops_per_s
     return (prefill + decode + gather + no_grad) / int(o.num_iterations)

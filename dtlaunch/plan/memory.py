@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtlaunch.config.layout import Layout, pp_microbatches
+from dtlaunch.config.layout import Layout, generation_gather, pp_microbatches
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.offload import offload_notes, ranks_per_node
@@ -37,6 +37,7 @@ class MemoryPlan:
     suggestions: list[dict] = field(default_factory=list)
     host_ranks: int = 1  # ranks sharing one node's host RAM
     host_capacity: float = 0.0  # bytes of host RAM per node (hardware.host_memory_gib)
+    generation_gather: str = ""  # objective=grpo under ZeRO-3: "whole" or "unit" (config.layout.generation_gather)
 
     @property
     def host_per_rank(self) -> float:
@@ -96,6 +97,7 @@ class MemoryPlan:
                 for s in self.stages
             ],
             "notes": list(self.notes),
+            **({"generation_gather": self.generation_gather} if self.generation_gather else {}),
             "suggestions": list(self.suggestions),
             **(self._host_dict() if self.host_per_rank else {}),
         }
@@ -118,9 +120,28 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan:
-    """Plan every pipeline rank (or, for the search, only those that can hold the peak)."""
+    """Plan every pipeline rank (or, for the search, only those that can hold the peak). objective=grpo
+    under ZeRO-3 with objective.generation_gather=auto: the rollout gathers the whole model unless only one
+    unit at a time fits; the plan says which (`generation_gather`, and a note)."""
+    gather = generation_gather(cfg, layout)
+    plan = _plan_memory(cfg, layout, all_stages, gather)
+    if gather == "whole" and str(cfg.objective.generation_gather) == "auto" and not plan.fits:
+        unit = _plan_memory(cfg, layout, all_stages, "unit")
+        if unit.fits:
+            unit.notes.append(
+                "generation gathers the weights one FSDP unit at a time, again for every decode step: the whole "
+                "model does not fit beside the KV cache (objective.generation_gather=unit)"
+            )
+            return unit
+    return plan
+
+
+def _plan_memory(cfg: Any, layout: Layout, all_stages: bool, gather: str) -> MemoryPlan:
     s = cfg.strategy
-    stages = plan_stages(cfg, layout, all_stages) if model_spec(cfg.model).analytic else [_traced_stage(cfg, layout)]
+    if model_spec(cfg.model).analytic:
+        stages = plan_stages(cfg, layout, all_stages, gather or "whole")
+    else:
+        stages = [_traced_stage(cfg, layout)]
     worst = max(stages, key=lambda sp: sp.peak)
     hw = cfg.hardware
     overheads = {
@@ -163,6 +184,7 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
         overheads=overheads,
         host_ranks=ranks_per_node(cfg, layout.world),
         host_capacity=float(hw.host_memory_gib) * GIB,
+        generation_gather=gather,
     )
 
 

@@ -297,6 +297,8 @@ def search(cfg: Any, top: int = 10) -> list[dict]:
         if plan is None or not plan.fits:
             continue
         fitted.add(key)
+        if plan.generation_gather == "unit":  # the plan's choice under auto: its step time too
+            job.objective = SimpleNamespace(**{**vars(plain.objective), "generation_gather": "unit"})
         n_mb = st["pp_microbatches"] or 1
         times = step_time(job, lay, st["pp_stages_per_rank"], n_mb, plan.worst.host.get(Line.HOST_ACTIVATIONS, 0.0))
         tokens = tr["global_batch"] * plain.training.seq_len

@@ -219,9 +219,17 @@ def optimizer_lines(c: StageShape, lines: dict[str, float]) -> dict[str, float]:
 
 
 def plan_stage(
-    cfg: Any, layout: Layout, stage: int, layers: int, first: bool, last: bool, layer_ids: list[int] | None = None
+    cfg: Any,
+    layout: Layout,
+    stage: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    layer_ids: list[int] | None = None,
+    rollout_gather: str = "whole",
 ) -> StagePlan:
-    """The stage's plan: its lines at the peak phase, and every phase's total."""
+    """The stage's plan: its lines at the peak phase, and every phase's total (`rollout_gather`: how GRPO's rollout
+    holds FSDP weights, dtlaunch.config.layout.generation_gather)."""
     c = stage_shape(cfg, layout, stage, layers, first, last, layer_ids)
     static = static_lines(c)
     # Offloading (dtlaunch.plan.offload): the device lines shrink by exactly what the host lines hold.
@@ -231,7 +239,7 @@ def plan_stage(
     gather = _embedding_gather_moment(c, lines)
     phases["forward"] = max(phases["forward"], gather)
     phases.update(reference_phases(c, static))  # DPO: the reference forward, or the precompute pass
-    phases.update(generation_phases(c, static))  # GRPO: the rollout's generation and old-policy pass
+    phases.update(generation_phases(c, static, rollout_gather))  # GRPO: the rollout's generation and old-policy pass
     phase = max(phases, key=lambda k: phases[k])
     if phase == "forward" and gather == phases["forward"]:
         lines = {k: v for k, v in lines.items() if k != Line.ACTIVATIONS}
@@ -241,7 +249,7 @@ def plan_stage(
     if phase == "optimizer":
         lines = at_step
     if phase == PHASE_GENERATION:
-        lines = generation_lines(c, static)
+        lines = generation_lines(c, static, rollout_gather)
     elif phase not in ("forward", "backward", "optimizer"):
         lines = {**static, Line.REFERENCE_FORWARD_BUFFERS: phases[phase] - sum(static.values())}
     return StagePlan(
@@ -263,7 +271,7 @@ def _likely_worst(split: list[int], pp: int) -> set[int]:
     return {0, min(1, pp - 1), pp - 1, most}
 
 
-def plan_stages(cfg: Any, layout: Layout, all_stages: bool = True) -> list[StagePlan]:
+def plan_stages(cfg: Any, layout: Layout, all_stages: bool = True, rollout_gather: str = "whole") -> list[StagePlan]:
     """Every pipeline rank's plan (or, for the search, only those that can hold the peak)."""
     s = cfg.strategy
     per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1
@@ -278,6 +286,6 @@ def plan_stages(cfg: Any, layout: Layout, all_stages: bool = True) -> list[Stage
         layers = sum(split[i] for i in owned)
         ids = [b for i in owned for b in range(starts[i], starts[i + 1])]  # global block indices
         stages.append(
-            plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned, layer_ids=ids)
+            plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned, layer_ids=ids, rollout_gather=rollout_gather)
         )
     return stages

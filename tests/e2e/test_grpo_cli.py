@@ -167,7 +167,8 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
       config.rules.grpo);
     - a run SIGTERMed while rank 1 holds at step 1, whose stop would land after step 1 or 2 (when the
       flag rides the step's collectives), mid-batch: it finishes the batch, saves step 3, exits 75, and the
-      same command resumes it.
+      same command resumes it. It generates with one FSDP unit gathered at a time
+      (objective.generation_gather=unit), the others with the whole model (auto, as the plan chose).
     (DDP trains alike within 1e-5: the replayed-completions test.)"""
     import signal
     import subprocess
@@ -192,6 +193,7 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
     # The flag raised before step 1 is read by every rank after step 1 or 2 (sync_interval_s=0: each step's
     # collective carries it), both mid-way through the first batch.
     resume = [*common, "checkpoint.enabled=true", "checkpoint.every_steps=999", "training.sync_interval_s=0"]
+    resume.append("objective.generation_gather=unit")
     cmd = [sys.executable, "-m", "dtlaunch", "train", *trainer.FAST, *resume, f"run.dir={preempted}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     held = subprocess.Popen(
@@ -213,6 +215,10 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
 
     assert steps(killed) == steps(straight) and len(steps(straight)) == 6
     assert steps(preempted) == steps(straight)
+    from dtlaunch.config.compose import load_resolved
+
+    assert str(load_resolved(straight / "config.yaml").objective.generation_gather) == "whole"  # the plan's choice
+    assert json.loads((preempted / "plan.json").read_text())["generation_gather"] == "unit"
 
 
 def test_plan_of_the_generation_phase(trainer, toy: Path, tmp_path: Path) -> None:

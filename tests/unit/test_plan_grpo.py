@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dtlaunch.commands.common import load_job
 from dtlaunch.plan.generation import PHASE_GENERATION, PHASE_OLD_POLICY
 from dtlaunch.plan.memory import plan_memory
@@ -85,3 +87,39 @@ def test_maximize_generations_and_completion_length_find_the_edge() -> None:
         assert plan_memory(fits.cfg, fits.layout).fits
         over_job = load_job([*base, *over, *found.savers])
         assert not plan_memory(over_job.cfg, over_job.layout).fits
+
+
+def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit() -> None:
+    """qwen3_8b_grpo_fsdp with 144 rows a rank: gathered whole for generation it needs 83 GiB of the H100's
+    79; one unit at a time fits, and `auto` (the default) chooses it, says so, and the step-time model
+    charges an all-gather per decode step. At the recipe's own 8 rows `auto` stays whole."""
+    from dtlaunch.config.layout import generation_gather
+    from dtlaunch.plan.generation_time import generation_seconds
+
+    def planned(*extra: str):
+        job = load_job(["recipe=qwen3_8b_grpo_fsdp", *extra])
+        return job, plan_memory(job.cfg, job.layout)
+
+    _, whole = planned("training.global_batch=1152", "objective.generation_gather=whole")
+    job, auto = planned("training.global_batch=1152")
+    assert not whole.fits and auto.fits and auto.generation_gather == "unit"
+    assert any("one FSDP unit at a time" in n for n in auto.notes)
+    assert auto.to_dict()["generation_gather"] == "unit"
+    gen = whole.worst.phases[PHASE_GENERATION] - auto.worst.phases[PHASE_GENERATION]
+    assert 10 * GIB < gen < 15.3 * GIB  # the whole bf16 model (15.3 GiB), less the embedding and one block's gather
+    unit_job, _ = planned("training.global_batch=1152", "objective.generation_gather=unit")
+    assert generation_gather(unit_job.cfg, unit_job.layout) == "unit"
+    slow = generation_seconds(unit_job.cfg, unit_job.layout, 0.5)
+    assert slow > generation_seconds(job.cfg, job.layout, 0.5)  # job: auto reads as whole before the plan
+    _, small = planned()
+    assert small.generation_gather == "whole" and small.fits
+
+
+def test_generation_gather_outside_zero3_is_refused() -> None:
+    from dtlaunch.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_job(["recipe=qwen3_0.6b_grpo", "objective.generation_gather=unit"])
+    msg = str(err.value)
+    assert "objective.generation_gather=unit" in msg and "leave objective.generation_gather=auto" in msg
+    assert "\n" not in msg

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtlaunch.config.layout import Layout, global_batch
+from dtlaunch.config.layout import Layout, generation_gather, global_batch
 from dtlaunch.errors import ConfigError
 
 
@@ -64,6 +64,13 @@ def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
     problem = grpo_layout_problem(cfg, layout)
     if problem:
         raise ConfigError(problem)
+    mode = str(cfg.objective.generation_gather)
+    if mode != "auto" and not generation_gather(cfg, layout):
+        raise ConfigError(
+            f"objective.generation_gather={mode} chooses how FSDP ZeRO-3 holds the weights while generating, and "
+            f"this job does not shard them that way (strategy.zero_stage={cfg.strategy.zero_stage} over "
+            f"{layout.dp} data-parallel rank(s)): leave objective.generation_gather=auto"
+        )
 
 
 def grpo_layout_problem(cfg: Any, layout: Layout) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtlaunch.config.layout import generation_gather
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
@@ -190,7 +191,8 @@ class Rollout:
         hidden_only = getattr(model, "hidden_only", False)  # training.loss_chunks: generation needs the logits
         model.hidden_only = False
         try:
-            with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model):
+            whole = generation_gather(self.cfg, self.rt.layout) != "unit"
+            with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
                 ids = [p["ids"] for p in prompts]
                 return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
         finally:

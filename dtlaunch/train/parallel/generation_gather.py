@@ -7,6 +7,11 @@ them: max_completion_length all-gathers of the whole model per rollout, on the c
 decode steps reuse it; on exit every unit is resharded and its own setting restored, so training
 starts from the shards as before. The plan holds the whole model gathered for the generation phase
 (dtlaunch.plan.generation.gathered_bytes).
+
+With objective.generation_gather=unit (ZeRO-3; chosen by the plan under `auto` when the whole model does
+not fit beside the KV cache) the units keep their own setting: each forward gathers one unit at a time
+and reshards it after, as in training, so the whole model is never held; on exit every unit is
+resharded all the same.
 """
 
 from __future__ import annotations
@@ -23,8 +28,15 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def gathered_for_generation(model: nn.Module) -> Iterator[None]:
+def gathered_for_generation(model: nn.Module, whole: bool = True) -> Iterator[None]:
     units = fsdp_units(model)
+    if not whole:
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()  # type: ignore[operator]
+        return
     # fully_shard keeps each unit's setting as its param groups' post-forward mesh (None: no reshard)
     # and, for the root, an automatic flag; FSDPModule only offers a setter, so they are saved here.
     saved = []
