@@ -85,7 +85,7 @@ def main() -> None:
         return args.seq / (time.process_time() - start)
 
     step(light), step(plain)  # warm-up; leaves each model's gradients of the same batch
-    same = all(torch.equal(a.grad, b.grad) for a, b in zip(light.parameters(), plain.parameters()))
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(light.parameters(), plain.parameters(), strict=True))
     light.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
     saved = {"plain": saved_per_token(plain), "light": saved_per_token(light)}
     rates: dict[str, list[float]] = {"plain": [], "light": []}

@@ -14,10 +14,10 @@ INSTALL = "pip install 'dtlaunch[hub]'"
 def hub_module() -> Any:
     """huggingface_hub, or the one-line refusal naming the extra that provides it."""
     try:
+        # huggingface_hub.file_download loaded explicitly: the package's lazy attributes do not include this
+        # submodule, so `huggingface_hub.file_download` fails unless something imported it first (a hub
+        # dataset fetched before any hub model did: "No huggingface_hub attribute file_download").
         import huggingface_hub
-        # Loaded explicitly: huggingface_hub's lazy attributes do not include this submodule, so
-        # `huggingface_hub.file_download` fails unless something imported it first (a hub dataset fetched
-        # before any hub model did: "No huggingface_hub attribute file_download").
         import huggingface_hub.file_download  # noqa: F401
     except ImportError:
         raise InputError(f"hub names (ORG/NAME) need the 'huggingface_hub' package: {INSTALL}") from None

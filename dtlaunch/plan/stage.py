@@ -286,6 +286,15 @@ def plan_stages(cfg: Any, layout: Layout, all_stages: bool = True, rollout_gathe
         layers = sum(split[i] for i in owned)
         ids = [b for i in owned for b in range(starts[i], starts[i + 1])]  # global block indices
         stages.append(
-            plan_stage(cfg, layout, rank, layers, first=0 in owned, last=n_stages - 1 in owned, layer_ids=ids, rollout_gather=rollout_gather)
+            plan_stage(
+                cfg,
+                layout,
+                rank,
+                layers,
+                first=0 in owned,
+                last=n_stages - 1 in owned,
+                layer_ids=ids,
+                rollout_gather=rollout_gather,
+            )
         )
     return stages

@@ -197,7 +197,10 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
     cmd = [sys.executable, "-m", "dtlaunch", "train", *trainer.FAST, *resume, f"run.dir={preempted}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     held = subprocess.Popen(
-        [*cmd, "debug.hold_at_step=1", "debug.fail_rank=1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*cmd, "debug.hold_at_step=1", "debug.fail_rank=1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     log, deadline = preempted / "logs" / "rank1.log", time.monotonic() + 300

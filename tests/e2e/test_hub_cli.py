@@ -187,24 +187,43 @@ def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     repo = tmp_path / "repo"
-    for subset, prompts in (("easy", [f"{a} {b}" for a in ("the", "a", "is", "copy") for b in ("the", "a")]),
-                            ("hard", ["copy 3", "copy 4"])):
+    for subset, prompts in (
+        ("easy", [f"{a} {b}" for a in ("the", "a", "is", "copy") for b in ("the", "a")]),
+        ("hard", ["copy 3", "copy 4"]),
+    ):
         (repo / subset).mkdir(parents=True)
         lines = [json.dumps({"question": p, "answer": "7", "source": subset}) for p in prompts]
         (repo / subset / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (repo / "README.md").write_text(README.replace("config_name: en", "config_name: easy").replace(
-        "path: en/", "path: easy/").replace("config_name: short", "config_name: hard").replace("path: short/", "path: hard/"))
+    (repo / "README.md").write_text(
+        README.replace("config_name: en", "config_name: easy")
+        .replace("path: en/", "path: easy/")
+        .replace("config_name: short", "config_name: hard")
+        .replace("path: short/", "path: hard/")
+    )
     hub.repos[("datasets", PROMPTS)] = Repo.from_dir(repo)
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(PROMPT_WORDS)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "tokenizer.json"))
     run = tmp_path / "run"
     args = [
-        "model.vocab_size=16", "objective=grpo", "data.kind=hf", f"data.path={PROMPTS}", "data.subset=easy",
-        "data.format=prompt", "data.prompt_field=question", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
-        "training.seq_len=8", "objective.max_completion_length=2", "objective.num_generations=8",
-        "training.micro_batch=16", "training.global_batch=32", "launch.nproc_per_node=1",
-        "launch.threads_per_worker=1", "training.steps=1", "checkpoint.enabled=false", "training.loss_plot=false",
+        "model.vocab_size=16",
+        "objective=grpo",
+        "data.kind=hf",
+        f"data.path={PROMPTS}",
+        "data.subset=easy",
+        "data.format=prompt",
+        "data.prompt_field=question",
+        f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+        "training.seq_len=8",
+        "objective.max_completion_length=2",
+        "objective.num_generations=8",
+        "training.micro_batch=16",
+        "training.global_batch=32",
+        "launch.nproc_per_node=1",
+        "launch.threads_per_worker=1",
+        "training.steps=1",
+        "checkpoint.enabled=false",
+        "training.loss_plot=false",
     ]
     ok(dtlaunch(hub, tmp_path / "hf", "train", *args, f"run.dir={run}"))
     records = [json.loads(x) for x in (run / "data" / "prompts.jsonl").read_text().splitlines()]
