@@ -30,7 +30,8 @@ from dtlaunch.plan.objective import reference_forward_bytes
 
 PHASE_GENERATION = "generation"
 # One unit's all-gather: the flat output and the unsharded storage it is copied into exist together.
-# Measured by bench/planner_accuracy.py --grpo (objective.generation_gather=unit, real gloo runs).
+# Measured by tests/distributed/test_plan_accuracy.py::test_predicted_peak_matches_real_grpo_runs (the
+# generation-bound row with objective.generation_gather=unit; real gloo runs).
 UNIT_GATHER_COPIES = 2
 PHASE_OLD_POLICY = "old-policy forward"
 

@@ -95,12 +95,15 @@ def test_predicted_peak_matches_real_optimizer_option_runs():
 
 @pytest.mark.slow
 def test_predicted_peak_matches_real_grpo_runs(tmp_path):
-    """objective=grpo, both phases in each measured step: FSDP2 with the reference's no-grad pass (beta > 0)
-    and LoRA on FSDP2 (the rollout generates with the adapters on, after one gather of the shards). The
-    whole matrix (DDP, FSDP2, bf16, full AC, beta, LoRA, QLoRA) is `python bench/planner_accuracy.py --grpo`."""
+    """objective=grpo, both phases in each measured step: FSDP2 with the reference's no-grad pass (beta > 0),
+    LoRA on FSDP2 (the rollout generates with the adapters on, after one gather of the shards) and a
+    generation-bound ZeRO-3 run gathering one unit at a time (objective.generation_gather=unit). The whole
+    matrix (DDP, FSDP2, bf16, full AC, beta, LoRA, QLoRA, whole / unit) is
+    `python bench/planner_accuracy.py --grpo`."""
     bench = _bench()
     base = [*bench.REAL_BASE, *bench.grpo_data(tmp_path)]
-    rows = [bench.run_real(bench.GRPO_RUNS[i], base=base) for i in (5, 7)]
+    rows = [bench.run_real(bench.GRPO_RUNS[i], base=base) for i in (5, 7, 11)]
+    assert "objective.generation_gather=unit" in bench.GRPO_RUNS[11]
     table = "\n".join(bench._fmt(r) for r in rows)
     assert all(r["measured"] > 0 for r in rows), table
     assert max(abs(bench._err(r)) for r in rows) <= 8.0, table

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.plan import backward, hardware, loss_terms, offload, optim_terms, peft, shape, stage
+from dtlaunch.plan import backward, generation, hardware, loss_terms, offload, optim_terms, peft, shape, stage
 from dtlaunch.plan.memory import plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "tests/unit/test_plan_trace.py::test_analytic_within_5_percent_of_trace"
 PEFT_TRACE = "tests/unit/test_plan_peft.py::test_head_unit_plan_within_5_percent_of_trace"
 REAL_OPTIM = "tests/distributed/test_plan_accuracy.py::test_predicted_peak_matches_real_optimizer_option_runs"
+REAL_GRPO = "tests/distributed/test_plan_accuracy.py::test_predicted_peak_matches_real_grpo_runs"
 # The layouts of those tests (their own lists: test_plan_trace.BASE, test_plan_peft's and the accuracy
 # bench's REAL_BASE).
 SMALL = ["model=planner7m", "training.micro_batch=2", "training.seq_len=128", "hardware=cpu"]
@@ -86,6 +87,16 @@ MEASURED = [
         REAL_OPTIM,
         [*REAL, "strategy=zero3", "launch.nproc_per_node=2", "optim.name=adamw8bit", "optim.in_backward=true"]
         + ["training.grad_clip=0"],
+    ),
+    (
+        generation,
+        "UNIT_GATHER_COPIES",
+        0,
+        REAL_GRPO,
+        ["model=planner7m", "hardware=cpu", "objective=grpo", "objective.num_generations=8", "training.seq_len=128"]
+        + ["objective.max_completion_length=112", "training.micro_batch=8", "training.global_batch=128"]
+        + ["strategy=zero3", "launch.nproc_per_node=2", "training.activation_checkpointing=full"]
+        + ["objective.generation_gather=unit"],
     ),
 ]
 # Fitted to measurements that no test repeats (their comments say where they were measured).
