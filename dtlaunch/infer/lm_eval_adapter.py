@@ -97,9 +97,10 @@ class DtlaunchLM(HFLM):
         x = torch.tensor([prompt], dtype=torch.long, device=self._device)
         new: list[int] = []
         ends = {self.loaded.eos_id, *self.loaded.stop_ids}  # EOS and every end-of-turn id (transformers')
+        sampling = Sampling(budget, temperature, top_p)
         while len(new) < budget:
             logits = self._model(x, caches=caches)[0, -1].float()
-            nxt = int(sample_next(logits[None], Sampling(budget, temperature, top_p), g)[0])
+            nxt = int(sample_next(logits[None], sampling, g)[0])
             new.append(nxt)
             if nxt in ends or any(s in self.tok_decode(new) for s in stop):
                 break

@@ -16,18 +16,13 @@ import os
 from pathlib import Path
 
 import pytest
-
-WORDS = ["<pad>", "<eos>", "copy", *[str(d) for d in range(10)], "the", "a", "is"]
+from grpo_toy import toy_args, write_tokenizer
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     out = tmp_path_factory.mktemp("grpo_toy")
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out / "tokenizer.json"))
+    write_tokenizer(out / "tokenizer.json")
     prompts = [f"{a} {b}" for a in ("the", "a", "is", "copy") for b in ("the", "a")]
     lines = [json.dumps({"prompt": p, "answer": "7"}) for p in prompts]
     (out / "prompts.jsonl").write_text("\n".join(lines) + "\n")
@@ -35,21 +30,8 @@ def toy(tmp_path_factory) -> Path:
 
 
 def grpo_args(toy: Path, *extra: str) -> list[str]:
-    return [
-        "model.vocab_size=16",
-        "objective=grpo",
-        "data.kind=jsonl",
-        f"data.path={toy / 'prompts.jsonl'}",
-        "data.format=prompt",
-        f"data.tokenizer={toy / 'tokenizer.json'}",
-        "training.seq_len=8",
-        "objective.max_completion_length=2",
-        "objective.num_generations=8",
-        "training.micro_batch=16",
-        "training.global_batch=32",
-        "launch.nproc_per_node=1",
-        *extra,
-    ]
+    data = ["data.kind=jsonl", f"data.path={toy / 'prompts.jsonl'}", f"data.tokenizer={toy / 'tokenizer.json'}"]
+    return toy_args(data, *extra)
 
 
 @pytest.mark.parametrize("peft", ["none", "lora"])

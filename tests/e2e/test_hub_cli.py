@@ -176,7 +176,6 @@ def test_two_nodes_from_a_hub_name_download_the_weights_once(hub: Hub, tmp_path:
 
 
 PROMPTS = "acme/tiny-prompts"
-PROMPT_WORDS = ["<pad>", "<eos>", "copy", *[str(d) for d in range(10)], "the", "a", "is"]
 
 
 def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> None:
@@ -184,7 +183,7 @@ def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> 
     data.subset's records whole (every column reaches the rewards) and a GRPO step trains on them."""
     import json
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from grpo_toy import toy_args, write_tokenizer
 
     repo = tmp_path / "repo"
     for subset, prompts in (
@@ -201,30 +200,12 @@ def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> 
         .replace("path: short/", "path: hard/")
     )
     hub.repos[("datasets", PROMPTS)] = Repo.from_dir(repo)
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(PROMPT_WORDS)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(tmp_path / "tokenizer.json"))
     run = tmp_path / "run"
-    args = [
-        "model.vocab_size=16",
-        "objective=grpo",
-        "data.kind=hf",
-        f"data.path={PROMPTS}",
-        "data.subset=easy",
-        "data.format=prompt",
-        "data.prompt_field=question",
-        f"data.tokenizer={tmp_path / 'tokenizer.json'}",
-        "training.seq_len=8",
-        "objective.max_completion_length=2",
-        "objective.num_generations=8",
-        "training.micro_batch=16",
-        "training.global_batch=32",
-        "launch.nproc_per_node=1",
-        "launch.threads_per_worker=1",
-        "training.steps=1",
-        "checkpoint.enabled=false",
-        "training.loss_plot=false",
-    ]
+    data = ["data.kind=hf", f"data.path={PROMPTS}", "data.subset=easy", "data.prompt_field=question"]
+    data.append(f"data.tokenizer={write_tokenizer(tmp_path / 'tokenizer.json')}")
+    args = toy_args(
+        data, "launch.threads_per_worker=1", "training.steps=1", "checkpoint.enabled=false", "training.loss_plot=false"
+    )
     ok(dtlaunch(hub, tmp_path / "hf", "train", *args, f"run.dir={run}"))
     records = [json.loads(x) for x in (run / "data" / "prompts.jsonl").read_text().splitlines()]
     assert len(records) == 8 and {r["columns"]["source"] for r in records} == {"easy"}
