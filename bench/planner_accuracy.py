@@ -203,6 +203,10 @@ GRPO_RUNS = [
     # 64 rows a rank whose 16-token prompts fill the prompt room (the plan's KV cache and prefill assume that):
     # the generation phase is the peak, with the whole model gathered or one unit at a time.
     *([*GATHER, "strategy=zero3", N2, FULL, f"objective.generation_gather={g}"] for g in ("whole", "unit")),
+    # Tensor parallel generates on its shards (sequence parallel on: padded prompts, decode fillers).
+    [*GRPO, "strategy=tp", N2],
+    [*GRPO, LORA, "strategy=tp", N2],
+    [*GATHER, "strategy=tp", N2, FULL],  # generation-bound: 128 rows on the TP pair
 ]
 GRPO_TABLE = {
     "title": ": GRPO (generation and training in one step)",
@@ -216,15 +220,15 @@ GRPO_TABLE = {
 }
 
 
-def grpo_data(root: Path) -> list[str]:
-    """dpo_data's tokenizer and 32 prompts of 16 words with an `answer` column, under `root`; returns the
-    data overrides that read them."""
+def grpo_data(root: Path, words: int = 16) -> list[str]:
+    """dpo_data's tokenizer and 32 prompts of `words` words (a token each) with an `answer` column, under
+    `root`; returns the data overrides that read them."""
     import random
 
     rng = random.Random(1)
-    rows = [{"prompt": " ".join(f"w{rng.randrange(2000)}" for _ in range(16)), "answer": "7"} for _ in range(32)]
+    rows = [{"prompt": " ".join(f"w{rng.randrange(2000)}" for _ in range(words)), "answer": "7"} for _ in range(32)]
     _word_tokenizer(root)
-    return _jsonl_data(root, "prompts.jsonl", rows, "prompt")
+    return _jsonl_data(root, "prompts.jsonl" if words == 16 else f"prompts-{words}.jsonl", rows, "prompt")
 
 
 # The optimizer's memory options (optim.*) and the frozen embedding / head as FSDP2 units of their own
@@ -551,11 +555,15 @@ if __name__ == "__main__":
                 print(f"[{i:2d}] " + _fmt(rows[-1]), flush=True)
         errs = [abs(_err(r)) for r in _scored(rows)]
         print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
-        if only is None:
-            (RESULTS / f"planner_accuracy_{kind}_cpu.json").write_text(json.dumps(rows, indent=1))
-            cmd = f"python bench/planner_accuracy.py --{kind}"
-            table = GRPO_TABLE if grpo else DPO_TABLE
-            print("wrote", write_markdown(rows, cmd, f"planner_accuracy_{kind}_cpu.md", **table))
+        store = RESULTS / f"planner_accuracy_{kind}_cpu.json"
+        if only is not None and store.exists():
+            # Re-run rows replace the stored ones of the same name; the table is rebuilt from all rows.
+            fresh = {r["name"]: r for r in rows}
+            rows = [fresh.pop(r["name"], r) for r in json.loads(store.read_text())] + list(fresh.values())
+        store.write_text(json.dumps(rows, indent=1))
+        cmd = f"python bench/planner_accuracy.py --{kind}"
+        table = GRPO_TABLE if grpo else DPO_TABLE
+        print("wrote", write_markdown(rows, cmd, f"planner_accuracy_{kind}_cpu.md", **table))
         sys.exit(0)
     if "--loss-chunks" in sys.argv:
         rows = [run_real(ov, base=LOSS_BASE) for i, ov in enumerate(LOSS_CHUNKS) if only is None or i in only]

@@ -159,6 +159,13 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
 
 
+def decode_positions_multiple(cfg: Any, tp: int) -> int:
+    """objective=grpo's rollout: every forward carries a multiple of this many positions (sequence parallel
+    shards each forward's positions over the TP ranks; dtlaunch.infer.batch_generate pads to it). The
+    runtime passes it to the generator, the planner sizes the KV cache with it."""
+    return tp if tp > 1 and cfg.strategy.sequence_parallel else 1
+
+
 def generation_gather(cfg: Any, layout: Layout) -> str:
     """How objective=grpo's rollout holds FSDP ZeRO-3 weights while it generates: "whole" or "unit"; "" where
     the choice does not arise (another objective, no ZeRO-3 sharding: the weights stay as they are). `auto`

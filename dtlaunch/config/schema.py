@@ -467,6 +467,9 @@ class ObjectiveConfig:
     # FSDP ZeRO-3 only: the weights for generation gathered whole (once per rollout) or one unit at a time
     # (per decode step: slower, the whole model never held); auto: whole unless only unit fits the plan.
     generation_gather: GenerationGather = GenerationGather.auto
+    # The decode steps compiled (torch.compile against a static KV cache; CUDA graphs on CUDA): one compile
+    # per run, then each step replays it. Off by default: the compile costs its seconds even on short runs.
+    generation_compile: bool = False
     format_regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `format` reward's pattern
     answer_field: str = "answer"  # the `accuracy` reward compares against this dataset column
 

@@ -8,10 +8,18 @@ written in place. A row stops at its first stop id (EOS, end of turn), which it 
 when every row has, or after max_new_tokens. Sampling follows transformers' order: temperature, top-k,
 top-p; temperature 0 is greedy. Draws come from the caller's torch.Generator (seeded per rank and step
 by the rollout, so a resumed run draws the same tokens).
+
+Tensor parallel: the head's logits arrive sharded on the vocabulary and are gathered whole for sampling
+(every TP rank then draws the same token from the same generator). Sequence parallel shards each
+forward's positions over the TP ranks, so every forward must carry a multiple of `sequence_multiple`
+positions: the prompts get that much more left padding (masked like the rest), and each decode step
+feeds its new token followed by copies of it at the same position, which attention never reads (they
+sit after the real token, and are overwritten in the cache by the next step's token).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -33,6 +41,10 @@ class PreallocatedKVCache(KVCache):
     def length(self) -> int:
         return self.filled
 
+    def drop_last(self, n: int) -> None:
+        """Forget the last `n` positions written (a decode step's filler positions)."""
+        self.filled -= n
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is None:
             shape = (k.shape[0], self.capacity, *k.shape[2:])
@@ -43,6 +55,38 @@ class PreallocatedKVCache(KVCache):
         self.v[:, self.filled : end] = v
         self.filled = end
         return self.k[:, :end], self.v[:, :end]
+
+
+class StaticKVCache(KVCache):
+    """objective.generation_compile: a block's keys and values for all `capacity` positions, attended whole
+    (the unwritten ones masked), the new positions written at `pos` (a one-element tensor every block
+    shares, advanced by the decoder). No shape and no Python number changes from one decode step to the
+    next, so the step compiles once and a CUDA graph can replay it."""
+
+    static = True
+
+    def __init__(self, capacity: int, key_mask: torch.Tensor, pos: torch.Tensor) -> None:
+        super().__init__()
+        self.capacity, self.key_mask, self.pos = capacity, key_mask, pos
+        self.key_pos = torch.arange(capacity, device=key_mask.device)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, window: Optional[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.k is None:  # at the prefill (eager), before any compiled step
+            shape = (k.shape[0], self.capacity, *k.shape[2:])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        assert self.v is not None
+        written = self.pos + torch.arange(k.shape[1], device=k.device)
+        self.k.index_copy_(1, written, k)
+        self.v.index_copy_(1, written, v)
+        q, kpos = written[:, None], self.key_pos[None, :]
+        seen = kpos <= q
+        if window is not None:
+            seen &= kpos > q - window
+        # Each query sees itself, so a padding row is never empty (SDPA would return NaN): as padded_keys.
+        mask = (seen & self.key_mask[:, None, None, :]) | (kpos == q)
+        return self.k, self.v, mask
 
 
 @dataclass(frozen=True)
@@ -89,14 +133,19 @@ def generate_batch(
     pad_id: int = 0,
     generator: Optional[torch.Generator] = None,
     all_done: Optional[Callable[[torch.Tensor], bool]] = None,
+    sequence_multiple: int = 1,
+    compiled: bool = False,
 ) -> Generated:
     """Completions of `prompts` (token ids) from `model` (a dtlaunch decoder whose RoPE tables cover the
     longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions). `all_done(done)`: whether
     decoding may stop, given this batch's finished rows; a sharded model's ranks must run the same number
-    of decode steps (each forward gathers weights collectively), so they agree on it there."""
+    of decode steps (each forward gathers weights collectively), so they agree on it there.
+    `sequence_multiple`: every forward's positions a multiple of it (sequence parallel: the TP degree).
+    `compiled`: the decode steps run compiled against static caches (`decode_step`); the prefill eagerly."""
     device = next(model.parameters()).device
-    rows, longest = len(prompts), max(len(p) for p in prompts)
-    capacity = longest + s.max_new_tokens
+    m = sequence_multiple
+    rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
+    capacity = longest + s.max_new_tokens + m - 1
     tokens = torch.full((rows, longest), pad_id, dtype=torch.long, device=device)
     key_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
@@ -104,13 +153,19 @@ def generate_batch(
         key_mask[i, longest - len(p) : longest] = True
     lengths = key_mask[:, :longest].sum(dim=1)
     positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
-    caches = [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
+    pos = torch.zeros(1, dtype=torch.long, device=device)  # the static caches' next position
+    if compiled:
+        caches: list[KVCache] = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers]
+    else:
+        caches = [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
+    step_fn = decode_step(model) if compiled else model
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
     n = 0
     entropy = torch.zeros((), device=device)
-    logits = model(tokens, positions=positions, caches=caches)[:, -1].float()
+    logits = _whole(model(tokens, positions=positions, caches=caches)[:, -1]).float()
+    pos += longest
     for n in range(s.max_new_tokens):
         lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)
         entropy += (-(lp.exp() * lp).sum(-1) * ~done).sum()  # the rows still generating
@@ -122,7 +177,13 @@ def generate_batch(
         if finished or n == s.max_new_tokens - 1:
             break
         key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
-        logits = model(nxt[:, None], positions=(lengths + n)[:, None], caches=caches)[:, -1].float()
+        step, at = nxt[:, None].expand(rows, m), (lengths + n)[:, None].expand(rows, m)
+        logits = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
+        pos += 1  # the static caches' fillers are overwritten by the next step
+        if m > 1 and not compiled:
+            for cache in caches:
+                assert isinstance(cache, PreallocatedKVCache)
+                cache.drop_last(m - 1)
     stop_set = set(stops.tolist())
     completions, truncated = [], []
     for row in out[:, : n + 1].tolist():
@@ -131,3 +192,26 @@ def generate_batch(
         truncated.append(end is None)
     tokens_out = sum(len(c) for c in completions)
     return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    """The logits over the whole vocabulary: tensor parallel's head leaves them a DTensor sharded on it."""
+    full = getattr(logits, "full_tensor", None)
+    return full() if full is not None else logits
+
+
+def decode_step(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """`model`'s forward compiled for decoding (objective.generation_compile): shapes fixed (dynamic=False),
+    and on CUDA captured as CUDA graphs ("reduce-overhead"), so a step replays one graph instead of launching
+    every kernel from Python. Compiled once per model; later rollouts reuse it (the caches' tensors are
+    inputs, checked by shape)."""
+    compiled = _DECODE_STEPS.get(model)
+    if compiled is None:
+        cuda = next(model.parameters()).device.type == "cuda"
+        compiled = torch.compile(model, dynamic=False, mode="reduce-overhead" if cuda else None)
+        _DECODE_STEPS[model] = compiled
+    return compiled
+
+
+# Not an attribute of the model: a module assigned to a module becomes its submodule (and its state_dict's).
+_DECODE_STEPS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., torch.Tensor]] = weakref.WeakKeyDictionary()

@@ -4,7 +4,8 @@ Generation runs between optimizer steps, while the rank holds what it holds for 
 static lines: parameters, optimizer state, a reference copy) but no gradients and no activations:
 - the KV cache, preallocated for every row this rank generates at once (global_batch / dp completions)
   over prompt + completion <= training.seq_len positions: layers x 2 x kv width / tp x rows x seq_len x
-  the compute dtype's bytes (dtlaunch.infer.batch_generate);
+  the compute dtype's bytes (dtlaunch.infer.batch_generate; under sequence parallel the prompt block
+  padded to a multiple of tp and tp - 1 decode fillers more);
 - the larger of two moments that do not overlap: the prefill's working set in one block (no grad: one
   block at a time; q, k, v, the attention output and SwiGLU's three ffn-wide tensors over the prompts'
   tokens) and its logits (every prompt position, vocab / tp wide) with the sampling buffers of one decode
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.config.layout import decode_positions_multiple
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
@@ -41,16 +43,29 @@ def generation_rows(c: Any) -> int:
     return int(c.accum_steps) * int(c.training.micro_batch)
 
 
+def prompt_positions(c: Any) -> int:
+    """The prompt block's width: the prompt room, padded to the decode multiple (sequence parallel)."""
+    m = decode_positions_multiple(c.cfg, c.tp)
+    return -(-(int(c.training.seq_len) - int(c.cfg.objective.max_completion_length)) // m) * m
+
+
 def kv_cache_bytes(c: Any) -> float:
-    return c.layers * 2 * (c.block_dims.k / c.tp) * generation_rows(c) * int(c.training.seq_len) * c.compute_bytes
+    """Keys and values for the prompt block, every completion position and a decode step's fillers."""
+    positions = (
+        prompt_positions(c) + int(c.cfg.objective.max_completion_length) + decode_positions_multiple(c.cfg, c.tp) - 1
+    )
+    return c.layers * 2 * (c.block_dims.k / c.tp) * generation_rows(c) * positions * c.compute_bytes
 
 
 def decode_bytes(c: Any) -> float:
-    """The larger of the prefill's block working set and its logits with one decode step's sampling buffers."""
-    rows, d = generation_rows(c), c.block_dims
-    prompt = int(c.training.seq_len) - int(c.cfg.objective.max_completion_length)
-    block = rows * prompt * (d.qw + 2 * d.k + d.h + 3 * d.f) * c.compute_bytes / c.tp
-    logits = rows * prompt * (d.vocab / c.tp) * c.compute_bytes + 4 * rows * d.vocab * 4 if c.last_stage else 0.0
+    """The larger of the prefill's block working set and its logits with one decode step's sampling buffers
+    (under tensor parallel the last position's logits gathered whole first)."""
+    rows, d, prompt = generation_rows(c), c.block_dims, prompt_positions(c)
+    # The heads and the FFN width are split over TP; the block's input and output are not.
+    block = rows * prompt * ((d.qw + 2 * d.k + 3 * d.f) / c.tp + d.h) * c.compute_bytes
+    gathered = rows * d.vocab * c.compute_bytes if c.tp > 1 else 0.0
+    sampling = 4 * rows * d.vocab * 4 + gathered
+    logits = rows * prompt * (d.vocab / c.tp) * c.compute_bytes + sampling if c.last_stage else 0.0
     return max(block, logits)
 
 

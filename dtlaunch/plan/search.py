@@ -223,6 +223,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
+                    if zero == 0 and tp > 1 and dp > 1:  # nor over data parallel (config.rules.strategy.check_zero)
+                        continue
                     if tp > 1 and routed_experts(m) and (zero < 2 or dp * cp == 1):
                         continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     if not qlora_layout_ok(cfg, tp, pp, rep * shard * cp if zero >= 2 else 1, rep):

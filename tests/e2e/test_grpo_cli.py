@@ -106,7 +106,7 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
     [
         (["training.global_batch=20", "training.micro_batch=4"], "is not a multiple of objective.num_generations=8"),
         (["strategy.pp=2", "launch.nproc_per_node=2"], "objective=grpo does not generate under pipeline parallel"),
-        (["strategy=tp", "launch.nproc_per_node=2"], "objective=grpo does not generate under strategy.tp=2 yet"),
+        (["strategy.cp=2", "launch.nproc_per_node=2"], "objective=grpo does not generate under strategy.cp=2 yet"),
         (["data.format=text"], "objective=grpo generates its completions from prompts, not data.format=text"),
         (["objective.max_completion_length=8"], "objective.max_completion_length=8 leaves no room for a prompt"),
         (
@@ -244,8 +244,8 @@ HSDP = ["strategy=fsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "laun
 @pytest.mark.parametrize(
     "peft, layouts",
     [
-        ("none", [["strategy=fsdp"], ["strategy=ddp"], HSDP]),
-        ("lora", [["strategy=fsdp"]]),
+        ("none", [["strategy=fsdp"], ["strategy=ddp"], ["strategy=tp"], HSDP]),
+        ("lora", [["strategy=fsdp"], ["strategy=tp"]]),
         ("qlora", [["strategy=fsdp"]]),  # NF4 blocks small enough for the tiny model's row shards
     ],
 )
@@ -253,8 +253,8 @@ def test_layouts_train_alike_on_replayed_completions(
     trainer, toy: Path, tmp_path: Path, replay: Path, peft: str, layouts: list
 ) -> None:
     """debug.replay_completions (a test hook) hands every layout the same completions; one process and each
-    multi-rank layout (FSDP2, DDP and HSDP; LoRA and QLoRA on FSDP2) must then see the same rewards and
-    losses (within 1e-5) at every step."""
+    multi-rank layout (FSDP2, DDP, TP and HSDP; LoRA on FSDP2 and TP, QLoRA on FSDP2) must then see the same
+    rewards and losses (within 1e-5) at every step."""
     common = grpo_args(
         toy, "training.steps=3", "training.micro_batch=8", f"debug.replay_completions={replay}", f"peft={peft}"
     )
@@ -268,3 +268,18 @@ def test_layouts_train_alike_on_replayed_completions(
         b = trainer.metrics(tmp_path / f"two{i}")
         assert [m["reward"] for m in a] == [m["reward"] for m in b], layout
         assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (layout, a, b)
+
+
+def test_tensor_parallel_run_samples_as_one_process(trainer, toy: Path, tmp_path: Path) -> None:
+    """strategy=tp on two ranks (sequence parallel on, the default) generates its own completions, sampled:
+    from the same initial weights and seeds both TP ranks draw what one process draws, so every step's
+    rewards are equal and the losses agree within 1e-5 (the TP rollout itself:
+    tests/distributed/test_grpo_generation_tp.py). The one process decodes compiled
+    (objective.generation_compile=true), the TP pair eagerly: the same draws too."""
+    common = grpo_args(toy, "training.steps=2", "training.micro_batch=8", "optim.lr=1e-2")
+    trainer.run(tmp_path / "one", *common, "objective.generation_compile=true")
+    trainer.run(tmp_path / "tp", *common, "launch.nproc_per_node=2", "strategy=tp")
+    a, b = trainer.metrics(tmp_path / "one"), trainer.metrics(tmp_path / "tp")
+    assert len(a) == len(b) == 2 and [m["reward"] for m in a] == [m["reward"] for m in b], (a, b)
+    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (a, b)
+    assert any(abs(m["loss"]) > 1e-4 for m in a), a  # a group with spread: a real gradient

@@ -70,3 +70,28 @@ def test_seeded_sampling_repeats(tiny_hf_dirs) -> None:
         return generate_batch(loaded.model, PROMPTS, s, [1], generator=g).completions
 
     assert draw(3) == draw(3) and draw(3) != draw(4)
+
+
+def test_compiled_decode_matches_transformers_and_compiles_once(tiny_hf_dirs) -> None:
+    """objective.generation_compile: the decode steps compiled against static caches give transformers'
+    greedy completions (per-row stops included) and eager's seeded samples; a second batch of the same
+    shape reuses the compiled step (the caches are new objects, the weights the same)."""
+    from torch._dynamo.utils import counters
+
+    path = tiny_hf_dirs["qwen2"]
+    loaded = load_source(f"hf:{path}", torch.device("cpu"))
+    set_positions(loaded.model, max(len(p) for p in PROMPTS) + NEW)
+    greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
+    stop = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1]).completions[0][NEW // 2]
+    compiled = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1, stop], compiled=True)
+    assert compiled.completions == hf_greedy(path, PROMPTS, [1, stop])[0]
+    graphs = counters["stats"]["unique_graphs"]
+    s = Sampling(max_new_tokens=NEW, temperature=1.0, top_p=0.9)
+
+    def draw(**kw) -> list[list[int]]:
+        return generate_batch(
+            loaded.model, PROMPTS, s, [1], generator=torch.Generator().manual_seed(3), **kw
+        ).completions
+
+    assert draw(compiled=True) == draw()
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled

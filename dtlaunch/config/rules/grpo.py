@@ -83,14 +83,13 @@ def grpo_layout_problem(cfg: Any, layout: Layout) -> str:
             f"objective=grpo does not generate under pipeline parallel (strategy.pp={layout.pp}): use "
             f"strategy.pp=1 (FSDP or TP for a model that does not fit one GPU)"
         )
-    # Decoding with a KV cache passes the cache to each block, which tensor parallel's input preparation
-    # and context parallel's sequence split do not take yet.
-    for key, degree in (("tp", layout.tp), ("cp", layout.cp)):
-        if degree > 1:
-            return (
-                f"objective=grpo does not generate under strategy.{key}={degree} yet: use strategy.{key}=1 "
-                f"(FSDP, strategy=fsdp, shards a model that does not fit one GPU)"
-            )
+    # Context parallel splits each forward's sequence over its ranks, which decoding one position at a
+    # time against a KV cache does not (tensor parallel generates on its shards: infer.batch_generate).
+    if layout.cp > 1:
+        return (
+            f"objective=grpo does not generate under strategy.cp={layout.cp} yet: use strategy.cp=1 "
+            f"(FSDP, strategy=fsdp, or tensor parallel, strategy.tp, shards a model that does not fit one GPU)"
+        )
     per_rank = global_batch(cfg, layout) // max(layout.dp, 1)
     if global_batch(cfg, layout) % g or per_rank % g:
         return (

@@ -115,15 +115,21 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        start = cache.length if cache is not None else 0
-        if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
-            cos, sin = cos[start:], sin[start:]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        mask = self._mask(mask, start, s, k.shape[1], x.device)
-        if cache is not None and cache.key_mask is not None:
-            mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
+        if cache is not None and cache.static:
+            # A static cache (compiled decoding) knows the positions (the caller passes their RoPE tables)
+            # and which keys each new token sees; its shapes never change.
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k, v, mask = cache.update(k, v, self.sliding_window)
+        else:
+            start = cache.length if cache is not None else 0
+            if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
+                cos, sin = cos[start:], sin[start:]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cache is not None:
+                k, v = cache.append(k, v)
+            mask = self._mask(mask, start, s, k.shape[1], x.device)
+            if cache is not None and cache.key_mask is not None:
+                mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -162,6 +168,10 @@ class KVCache:
 
     `key_mask` (B, positions), when set by the decoder, marks which cached positions are real tokens (a
     left-padded batch of prompts); attention then ignores the others."""
+
+    # True: a fixed-shape cache (dtlaunch.infer.batch_generate.StaticKVCache) whose `update(k, v, window)`
+    # writes the new positions and returns (keys, values, the attention mask).
+    static = False
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
@@ -205,12 +215,9 @@ class TransformerBlock(nn.Module):
         mask: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        # The cache only when decoding: tensor parallel's input preparation expects (x, cos, sin, mask).
-        normed = self.attention_norm(x)
-        if cache is None:
-            h = x + self.attention(normed, cos, sin, mask)
-        else:
-            h = x + self.attention(normed, cos, sin, mask, cache)
+        # The cache as a keyword: sequence parallel's input preparation checks the positional inputs
+        # (x, cos, sin, mask) and passes keywords through.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

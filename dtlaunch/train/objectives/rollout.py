@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dtlaunch.config.layout import generation_gather
+from dtlaunch.config.layout import decode_positions_multiple, generation_gather
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
@@ -194,7 +194,11 @@ class Rollout:
             whole = generation_gather(self.cfg, self.rt.layout) != "unit"
             with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
                 ids = [p["ids"] for p in prompts]
-                return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done)
+                multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
+                compiled = bool(self.cfg.objective.generation_compile)
+                return generate_batch(
+                    model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done, multiple, compiled
+                )
         finally:
             model.hidden_only = hidden_only
 
