@@ -205,6 +205,42 @@ LONGCTX = (
     "training.micro_batch=1",
     f"training.steps={LONG_STEPS}",
 )
+# objective=grpo (issue 39): LoRA (GRPO on one GPU, as users run it) with 8 prompts x 8 completions on the
+# rank, generated at once (a 64-row KV cache, the prefill's 128k-wide logits), up to 256 tokens after a
+# 256-token prompt room, on synthetic prompts, trained in micro-batches of 8 under full AC with the head in
+# chunks: the plan's peak is the generation phase. The compiled row decodes under CUDA graphs
+# (objective.generation_compile) against the eager one (generated tokens/s in the JSON). The training phase
+# against its plan: the `grpo-train` row (full fine-tune, one group per step: backward the peak).
+# GRPO_STEPS steps, tokens/s over the last one. The prompts (`grpo_prompts`) fill the prompt room, as the
+# plan assumes: word-level prompts of one token per word, which need the `tokenizers` package.
+GRPO_STEPS = 3
+GRPO = (
+    "objective=grpo",
+    "objective.num_generations=8",
+    "objective.max_completion_length=256",
+    "training.seq_len=512",
+    "training.micro_batch=8",
+    "training.loss_chunks=8",
+    f"training.steps={GRPO_STEPS}",
+)
+GRPO_PROMPT_ROOM = 256
+
+
+def grpo_prompts(words: int) -> tuple[str, ...]:
+    """Data overrides reading 32 prompts of `words` one-token words (bench/planner_accuracy.grpo_data), in
+    a directory of the machine's temp dir; () without the `tokenizers` package (the rows are then skipped)."""
+    import importlib.util
+
+    from bench.planner_accuracy import grpo_data
+
+    if importlib.util.find_spec("tokenizers") is None:
+        return ()
+    root = Path(tempfile.gettempdir()) / "dtlaunch-gpu-grpo-prompts"
+    root.mkdir(exist_ok=True)
+    return tuple(grpo_data(root, words))
+
+
+GRPO_GENERATION = (*GRPO, LORA, FULL_AC, "training.global_batch=64")
 # (variant, overrides on top of the baseline, data-parallel ranks, reference row), most important first:
 # a budget cut loses the tail. A feature reads against its reference row (the same job without it); the
 # baseline's training.loss_chunks=1 is added by `memory_runs` where the schema has it. in_backward runs
@@ -217,12 +253,15 @@ MEMORY_FEATURES: tuple[tuple[str, tuple[str, ...], int, str], ...] = (
     ("act-offload", (FULL_AC, "training.activation_offload=true"), 1, "ac-full"),
     # The plan's longest context (issue 41): seq_len is maximized at bench time (`memory_runs`).
     ("longctx-full", LONGCTX, 1, ""),
+    ("grpo", GRPO_GENERATION, 1, ""),
+    ("grpo-compiled", (*GRPO_GENERATION, "objective.generation_compile=true"), 1, "grpo"),
     ("adamw8bit", ("optim.name=adamw8bit",), 1, "baseline"),
     ("in-backward", (FULL_AC, "optim.in_backward=true", "training.grad_clip=0"), 1, "ac-full"),
     ("lora", (LORA,), 1, "baseline"),  # frozen base; frozen embedding and head in the compute dtype
     ("lora-bf16-state", (LORA, "optim.state_dtype=bf16"), 1, "lora"),  # validation: bf16 state under PEFT only
     ("qlora", (LORA, "peft.method=qlora"), 1, "lora"),
     ("longctx-qlora", (*LONGCTX, LORA, "peft.method=qlora"), 1, ""),
+    ("grpo-train", (*GRPO, "training.global_batch=8"), 1, ""),
     # Under full AC only 4 small block inputs move; without AC every block's saved activations do.
     ("act-offload-no-ac", ("training.activation_offload=true",), 1, "baseline"),
     # FSDP over one rank only to keep parameters, gradients and AdamW state on the host (ZeRO-Offload).
@@ -281,6 +320,8 @@ def memory_runs(hw: str, steps: int, host_gib: float = 0.0, gpus: int = 1) -> li
         )
         if variant.startswith("longctx"):
             overrides = longest_context(overrides)
+        if "objective=grpo" in overrides:
+            overrides = shrink(overrides, grpo_prompts(GRPO_PROMPT_ROOM))
         out.append(Run("mem-8b-4l", False, variant, overrides, ("dtlaunch",), MEMORY))
     return out
 
@@ -319,6 +360,8 @@ def memory_skip_reason(run: Run) -> str:
     (a feature not merged yet), a missing package, or a layout validation refuses. The same checks `dtlaunch train` runs first, done here so the row is skipped with the reason."""
     from dtlaunch.commands.common import load_job
 
+    if "objective=grpo" in run.overrides and not any(o.startswith("data.path=") for o in run.overrides):
+        return "objective=grpo's prompt data needs the tokenizers package (bash bench/gpu/wheels.sh carries it)"
     for o in run.overrides:
         key = o.split("=", 1)[0]
         if "." in key and not schema_has(key):
@@ -372,8 +415,11 @@ def shrink(overrides: Sequence[str], extra: Sequence[str] = REHEARSAL_SHAPE) -> 
 
 def rehearsal_overrides(run: Run) -> tuple[str, ...]:
     """`run`'s overrides at the rehearsal's tiny shape; QLoRA's NF4 scaler blocks shrunk to whole blocks of
-    its 64-wide weights (64 x 16 elements)."""
+    its 64-wide weights (64 x 16 elements); objective=grpo's completions shortened to fit its sequence."""
     extra = ("peft.nf4_scaler_block_size=16",) if "peft.method=qlora" in run.overrides else ()
+    # objective=grpo: a 64-position sequence (48 for the prompts, 16 generated), the words' 2,002 ids
+    if "objective=grpo" in run.overrides:
+        extra += ("objective.max_completion_length=16", "model.vocab_size=2048", *grpo_prompts(48))
     return shrink(run.overrides, (*REHEARSAL_SHAPE, *extra))
 
 
@@ -500,13 +546,15 @@ def measure(
     run: Run, side: str, work: Path, warmup: int, timeout: Optional[float], idle_mib: Optional[int]
 ) -> dict[str, Any]:
     """One run of dtlaunch (or the hand-written loop on the same job): tokens/s, MFU, memory."""
+    from dtlaunch.config.layout import Layout, global_batch
     from dtlaunch.models.flops import flops_per_token
 
     cfg = throughput.composed(list(run.overrides))
     nproc = int(cfg.launch.nproc_per_node)
     run_dir = work / f"{run.name}-{side}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokens_per_step = int(cfg.training.micro_batch) * nproc * int(cfg.training.seq_len)
+    # Every trained row of a step (objective=grpo's rows accumulate over micro-batches).
+    tokens_per_step = global_batch(cfg, Layout.resolve(cfg.strategy, nproc)) * int(cfg.training.seq_len)
     if side == "dtlaunch":
         cmd = [*console("dtlaunch", "dtlaunch"), "train", *run.overrides, f"run.dir={run_dir}", "--force"]
         metrics = run_dir / "metrics.jsonl"
@@ -549,12 +597,16 @@ def measure(
     if side == "dtlaunch" and plan_file.exists():
         plan = json.loads(plan_file.read_text())
         out.update(predicted_bytes=plan["peak_bytes"], predicted_device_total_bytes=plan["device_total_bytes"])
+        out["predicted_phase"] = plan.get("peak_phase")
     if side == "dtlaunch" and not res.error and summary_file.exists():
         summary = json.loads(summary_file.read_text())
         measured = max(summary["peak_mem_bytes_per_rank"])
         out["measured_bytes"] = measured
         reserved = max(summary.get("peak_reserved_bytes_per_rank") or [0])  # 0 on CPU: no caching allocator
         out["measured_reserved_bytes"] = reserved or None
+        for key in ("generated_tokens_per_s", "generation_share"):  # objective=grpo's rollout
+            if summary.get(key) is not None:
+                out[key] = summary[key]
         if out.get("predicted_bytes") and measured:
             out["error_pct"] = (out["predicted_bytes"] - measured) / measured * 100
     elif side == "handwritten" and not res.error:
@@ -771,7 +823,21 @@ def memory_lines(results: Sequence[dict[str, Any]], gib: Callable[[Any], str], u
         f" {LONG_STEPS} steps, the first {LONG_STEPS // 2} excluded",
         "",
         markdown_table(headers, rows),
+        *grpo_lines(results),
     ]
+
+
+def grpo_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """objective=grpo rows: the rollout's generated tokens/s and share of the step, and the phase the plan
+    peaks in (the table's plan error compares that phase's plan with the run's measured peak)."""
+    out = [
+        f"- {r['variant']}: plan peak in {r.get('predicted_phase') or '?'}; generated "
+        f"{r['generated_tokens_per_s']:,.0f} tokens/s, generation {100 * (r.get('generation_share') or 0):.0f} % "
+        "of the run's time"
+        for r in results
+        if r.get("generated_tokens_per_s")
+    ]
+    return ["", *out] if out else []
 
 
 MEMORY_SHAPE = "Llama-3.1-8B width, 4 layers, vocabulary 128,256, bf16, one rank, micro-batch 2 x 2048 tokens"

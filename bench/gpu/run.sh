@@ -4,10 +4,10 @@
 #
 # Runs on a machine whose python3 has a CUDA build of torch and nothing of ours: a bare GPU machine with
 # no network gets a copy of the checkout, not our .venv. What dtlaunch needs beyond such an image
-# (hydra-core, omegaconf, antlr4; torchao for the float8 runs) comes as wheels in .whl/ (made where a
-# package registry is reachable by `bash bench/gpu/wheels.sh`), installed into a private directory
-# on PYTHONPATH so the image's own environment stays as it is; dtlaunch itself runs from the checkout
-# when it is not installed. --rehearse and --dry-run run on CPU with the repository's .venv.
+# (hydra-core, omegaconf, antlr4; torchao for the float8 runs, tokenizers for the GRPO runs) comes as
+# wheels in .whl/ (made where a package registry is reachable by `bash bench/gpu/wheels.sh`), installed
+# into a private directory on PYTHONPATH so the image's own environment stays as it is; dtlaunch itself
+# runs from the checkout when it is not installed. --rehearse and --dry-run run on CPU with the repository's .venv.
 # Interpreter: $PYTHON, else .venv/bin/python when its torch sees a GPU (or on CPU for --rehearse /
 # --dry-run), else python3.
 set -euo pipefail
@@ -39,13 +39,13 @@ site="${DTLAUNCH_GPU_SITE:-/tmp/dtlaunch-gpu-site}"
 if [[ -d "$site" ]]; then
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-need=$(missing hydra omegaconf antlr4 torchao)
+need=$(missing hydra omegaconf antlr4 torchao tokenizers)
 if [[ -n "$need" ]] && compgen -G ".whl/*.whl" >/dev/null; then
   echo "installing carried wheels for: $need (into $site)"
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
     --target "$site" .whl/*.whl
   [[ ":${PYTHONPATH:-}:" == *":$site:"* ]] || export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-  need=$(missing hydra omegaconf antlr4 torchao)
+  need=$(missing hydra omegaconf antlr4 torchao tokenizers)
 fi
 case " $need " in
   *" hydra "* | *" omegaconf "* | *" antlr4 "*)
@@ -54,6 +54,7 @@ case " $need " in
     ;;
 esac
 [[ " $need " == *" torchao "* ]] && echo "torchao is not installed: the float8 runs will be skipped" >&2
+[[ " $need " == *" tokenizers "* ]] && echo "tokenizers is not installed: the GRPO runs will be skipped" >&2
 
 # Importable from anywhere, not just from this directory: the hand-written loop runs as a script from bench/.
 if ! "$PYTHON" -c 'import sys; sys.path.pop(0); import dtlaunch' 2>/dev/null; then

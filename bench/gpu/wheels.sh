@@ -17,5 +17,5 @@ rm -f .whl/*.whl
 "${PIP[@]}" wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 "${PIP[@]}" download -q --no-deps --only-binary=:all: -d .whl --python-version "$PY_VERSION" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 torchao==0.18.0
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 torchao==0.18.0 tokenizers==0.23.3
 ls -l .whl
