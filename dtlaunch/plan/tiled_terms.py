@@ -1,4 +1,4 @@
-"""The tiled MLP's terms (`training.mlp_tiles`, dtlaunch.train.tiled_mlp) in a dense block's plan.
+"""The tiled MLP's terms (`training.mlp_tiles`, dtlaunch.train.tiled_mlp) in a block's plan.
 
 Tiled, a block's SwiGLU keeps nothing of its own between forward and backward: its input (the ffn norm's
 output) is what the untiled w1 / w3 save already (counted with the norm). So the MLP's saved
@@ -10,31 +10,48 @@ into a buffer of the input's size (e·h). The tiles' parameter gradients are sum
 accumulates them once: one extra copy of the trained MLP weights' gradients while the block's backward
 runs (full training; the adapters' are negligible).
 
-The MoE family's shared experts are tiled too but not counted here (the plan over-counts them).
+The MoE family (dtlaunch/models/moe/activations.py, its `tiled_*` functions): the routed experts run over
+tiles of their routed copies (the router and dispatch stay whole), so their F-wide intermediates leave the
+saved set and one tile of the copies is recomputed at a time; the shared experts and dense blocks count
+as the dense SwiGLU.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dtlaunch.models.moe import activations as moe_act
+
 
 def tiled(act: Any, tiles: int) -> bool:
-    """Whether the tiles change this family's plan (the dense blocks; see the module doc for MoE)."""
-    return tiles > 1 and not hasattr(act.BlockDims, "sparse")
+    """Whether the tiles change the plan: every registry family tiles its MLPs (dense and MoE)."""
+    return tiles > 1
+
+
+def _moe(d: Any) -> Any:
+    """The MoE activation model when `d` is a MoE block's dims, else None."""
+    return moe_act if isinstance(d, moe_act.BlockDims) else None
 
 
 def mlp_saved_bytes(d: Any, e: int, tp: int, compiled: bool) -> float:
     """Per token: what an untiled SwiGLU saves for backward, which its tiled form does not."""
-    return (3 if compiled else 4) * e * d.f / tp
+    moe = _moe(d)
+    return moe.tiled_saved_bytes(d, e, tp) if moe else (3 if compiled else 4) * e * d.f / tp
 
 
 def tile_working_bytes(d: Any, e: int, tp: int, tiles: int) -> float:
     """Per token of the micro-batch, the change to one block's backward gradients: one tile's recompute and
     gradients (6·e·F over `tiles`) and the input-gradient buffer (e·h), less the untiled F-wide
     gradients (2·e·F)."""
+    moe = _moe(d)
+    if moe:
+        return moe.tiled_working_bytes(d, e, tp, tiles)
     return 6 * e * d.f / (tp * tiles) + e * d.h - 2 * e * d.f / tp
 
 
 def grad_sum_bytes(d: Any, grad_bytes: int, tp: int, full_training: bool) -> float:
     """Per block: the tiles' summed gradients of the trained MLP weights, beside autograd's own."""
-    return grad_bytes * 3 * d.h * d.f / tp if full_training else 0.0
+    if not full_training:
+        return 0.0
+    moe = _moe(d)
+    return grad_bytes * (moe.tiled_grad_sum_elements(d, tp) if moe else 3 * d.h * d.f / tp)

@@ -1,6 +1,7 @@
 """Tiled MLP (dtlaunch/train/tiled_mlp.py) against the untiled model, one process, fp32: the loss and every
 trained parameter's gradient within 1e-6 relative. Dense blocks, LoRA (with dropout: the recompute replays
-the forward's masks), QLoRA's NF4 base, MoE blocks' shared experts; and under full activation
+the forward's masks), QLoRA's NF4 base, MoE blocks' shared and routed experts (the routed ones alone:
+tests/unit/test_tiled_experts.py); and under full activation
 checkpointing. The bad values of training.mlp_tiles are refused in one line."""
 
 import copy
@@ -60,7 +61,9 @@ def test_tiled_matches_untiled(name: str) -> None:
         overrides = CASES.get(name, [])
     cfg, plain = _model(overrides)
     _, tiled = _model(overrides)  # the same seeded init (a deep copy would re-quantise NF4 with defaults)
-    assert apply_tiled_mlp(tiled, 5) == int(cfg.model.n_layers)  # uneven tiles: 48 = 10+10+10+9+9
+    # One MLP per block; a MoE block's routed experts too. Uneven tiles: 48 = 10+10+10+9+9.
+    moe = sum(type(m).__name__ == "GroupedExperts" for m in tiled.modules())
+    assert apply_tiled_mlp(tiled, 5) == int(cfg.model.n_layers) + moe and moe == (4 if name == "moe_shared" else 0)
     if name == "dense_full_ac":
         cfg.training.activation_checkpointing = "full"
         apply_ac(plain, cfg.training)
@@ -141,18 +144,24 @@ def test_maximize_turns_tiles_on_and_fits_more() -> None:
 
 
 @pytest.mark.slow
-def test_plan_within_8_percent_of_trace_tiled() -> None:
+@pytest.mark.parametrize(
+    "model, seq, ac",
+    # MoE without AC: the routed experts' saved intermediates and tiles are what change (plan +0.4 %;
+    # untiled 558 MiB planned, tiled 439 MiB).
+    [("planner7m", 4096, "full"), ("planner_moe", 2048, "none")],
+)
+def test_plan_within_8_percent_of_trace_tiled(model: str, seq: int, ac: str) -> None:
     """The plan's tiled terms (dtlaunch.plan.tiled_terms) against the traced step on real CPU tensors."""
     from dtlaunch.plan.trace import trace_peak
 
     job = load_job(
         [
-            "model=planner7m",
-            "model.max_seq_len=4096",
+            f"model={model}",
+            f"model.max_seq_len={seq}",
             "hardware=cpu",
             "training.micro_batch=1",
-            "training.seq_len=4096",
-            "training.activation_checkpointing=full",
+            f"training.seq_len={seq}",
+            f"training.activation_checkpointing={ac}",
             "training.mlp_tiles=8",
         ]
     )
