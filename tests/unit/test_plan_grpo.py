@@ -106,6 +106,13 @@ def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit
     assert not whole.fits and auto.fits and auto.generation_gather == "unit"
     assert any("one FSDP unit at a time" in n for n in auto.notes)
     assert auto.to_dict()["generation_gather"] == "unit"
+    from rich.console import Console
+
+    from dtlaunch.commands.plan import print_plan
+
+    shown = Console(record=True, width=200)
+    print_plan(auto, shown)  # `dtlaunch plan` and train's gate print the note, not only --json
+    assert "note: generation gathers the weights one FSDP unit at a time" in shown.export_text()
     gen = whole.worst.phases[PHASE_GENERATION] - auto.worst.phases[PHASE_GENERATION]
     assert 10 * GIB < gen < 15.3 * GIB  # the whole bf16 model (15.3 GiB), less the embedding and one block's gather
     unit_job, _ = planned("training.global_batch=1152", "objective.generation_gather=unit")
