@@ -164,7 +164,7 @@ def generate_batch(
     out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
     n = 0
     entropy = torch.zeros((), device=device)
-    logits = _whole(model(tokens, positions=positions, caches=caches)[:, -1]).float()
+    logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
     pos += longest
     for n in range(s.max_new_tokens):
         lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)

@@ -8,8 +8,9 @@ static lines: parameters, optimizer state, a reference copy) but no gradients an
   padded to a multiple of tp and tp - 1 decode fillers more);
 - the larger of two moments that do not overlap: the prefill's working set in one block (no grad: one
   block at a time; q, k, v, the attention output and SwiGLU's three ffn-wide tensors over the prompts'
-  tokens) and its logits (every prompt position, vocab / tp wide) with the sampling buffers of one decode
-  step (fp32 logits, probabilities, top-p's sorted copy and cumulative sum: rows x vocab x 4 bytes each);
+  tokens) and one step's logits (the prefill projects only its last position: vocab / tp wide) with the
+  sampling buffers (fp32 logits, probabilities, top-p's sorted copy and cumulative sum: rows x vocab x 4
+  bytes each);
 - under FSDP the whole model gathered: no unit reshards between the rollout's forwards, so the weights
   are all-gathered once per rollout (dtlaunch.train.parallel.generation_gather); with ZeRO-3 and
   objective.generation_gather=unit (or auto, when only that fits) one unit at a time instead, gathered
@@ -58,14 +59,16 @@ def kv_cache_bytes(c: Any) -> float:
 
 
 def decode_bytes(c: Any) -> float:
-    """The larger of the prefill's block working set and its logits with one decode step's sampling buffers
-    (under tensor parallel the last position's logits gathered whole first)."""
+    """The larger of the prefill's block working set and one step's logits with its sampling buffers (the
+    prefill projects its last position only; under tensor parallel the logits are gathered whole first)."""
     rows, d, prompt = generation_rows(c), c.block_dims, prompt_positions(c)
     # The heads and the FFN width are split over TP; the block's input and output are not.
     block = rows * prompt * ((d.qw + 2 * d.k + 3 * d.f) / c.tp + d.h) * c.compute_bytes
     gathered = rows * d.vocab * c.compute_bytes if c.tp > 1 else 0.0
     sampling = 4 * rows * d.vocab * 4 + gathered
-    logits = rows * prompt * (d.vocab / c.tp) * c.compute_bytes + sampling if c.last_stage else 0.0
+    # A step's positions (sequence parallel: one per TP rank) through the head's vocab / tp columns.
+    kept = decode_positions_multiple(c.cfg, c.tp)
+    logits = rows * kept * (d.vocab / c.tp) * c.compute_bytes + sampling if c.last_stage else 0.0
     return max(block, logits)
 
 

@@ -249,9 +249,11 @@ class Decoder(nn.Module):
         positions: Optional[torch.Tensor] = None,
         doc_ids: Optional[torch.Tensor] = None,
         caches: Optional[list[KVCache]] = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V) (the normed hidden states (B, S, h) when `hidden_only`);
-        a pipeline middle stage maps hidden -> hidden.
+        a pipeline middle stage maps hidden -> hidden. `last_only`: the logits of the last position only
+        (decoding's prefill samples from it alone), so the (B, S, V) logits never exist.
 
         Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
         inside each document (causal and same document). `caches` (one per block, decoding only): the
@@ -274,6 +276,10 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h
+        if last_only:
+            # Under sequence parallel `h` is this rank's slice of the positions; the head gathers the slices
+            # of every rank, the last of which is the last position.
+            h = h[:, -1:]
         return self.output(h) if self.output is not None and not self.hidden_only else h
 
     def keep_residual_in(self, dtype: torch.dtype) -> None:
