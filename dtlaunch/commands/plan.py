@@ -33,7 +33,7 @@ def print_plan(plan: MemoryPlan, out: Any) -> None:
 
         out.print(TRACED_NOTE, markup=False, soft_wrap=True)
     for note in plan.notes:  # what validation and the plan chose for the user (e.g. how generation gathers)
-        out.print(f"note: {note}", markup=False, soft_wrap=True)
+        out.print(f"note: {note}", markup=False)  # wrapped to the terminal: notes can be long
     out.print(verdict_line(plan))
     if plan.suggestions:
         out.print(suggestions_table(plan.suggestions))
