@@ -153,11 +153,10 @@ def generate_batch(
         key_mask[i, longest - len(p) : longest] = True
     lengths = key_mask[:, :longest].sum(dim=1)
     positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
-    pos = torch.zeros(1, dtype=torch.long, device=device)  # the static caches' next position
-    if compiled:
-        caches: list[KVCache] = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers]
-    else:
-        caches = [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
+    pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
+    preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
+    static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
+    caches: list[KVCache] = [*preallocated, *static]
     step_fn = decode_step(model) if compiled else model
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -165,7 +164,8 @@ def generate_batch(
     n = 0
     entropy = torch.zeros((), device=device)
     logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
-    pos += longest
+    if compiled:
+        pos += longest
     for n in range(s.max_new_tokens):
         lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)
         entropy += (-(lp.exp() * lp).sum(-1) * ~done).sum()  # the rows still generating
@@ -179,10 +179,11 @@ def generate_batch(
         key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
         step, at = nxt[:, None].expand(rows, m), (lengths + n)[:, None].expand(rows, m)
         logits = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
-        pos += 1  # the static caches' fillers are overwritten by the next step
-        if m > 1 and not compiled:
-            for cache in caches:
-                assert isinstance(cache, PreallocatedKVCache)
+        # The next step writes over this one's fillers (sequence parallel): one position on.
+        if compiled:
+            pos += 1
+        elif m > 1:
+            for cache in preallocated:
                 cache.drop_last(m - 1)
     stop_set = set(stops.tolist())
     completions, truncated = [], []

@@ -125,10 +125,10 @@ def _block_working_set(c: StageShape) -> float:
     no_ac = act.block_bytes_no_ac(d, e, tp, c.sequence_parallel, c.fp32_residual, c.compiled)
     work = (act.backward_working_bytes(d, e, tp) + _recompute_per_token(c, no_ac)) * c.tokens
     if tiled(act, c.mlp_tiles):  # dtlaunch.plan.tiled_terms
-        no_ac -= mlp_saved_bytes(d, e, tp, c.compiled)
-        grads = act.backward_working_bytes(d, e, tp) + tile_working_bytes(d, e, tp, c.mlp_tiles)
+        no_ac -= mlp_saved_bytes(act, d, e, tp, c.compiled)
+        grads = act.backward_working_bytes(d, e, tp) + tile_working_bytes(act, d, e, tp, c.mlp_tiles)
         work = (grads + _recompute_per_token(c, no_ac)) * c.tokens
-        work += grad_sum_bytes(d, c.grad_element_bytes, tp, not c.peft)
+        work += grad_sum_bytes(act, d, c.grad_element_bytes, tp, not c.peft)
     if c.peft and c.peft.qlora:
         work += c.peft.dequant  # one NF4 weight dequantised for its matmul
     if c.cp > 1:

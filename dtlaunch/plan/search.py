@@ -22,6 +22,7 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
 from dtlaunch.config.rules.grpo import grpo_layout_problem
+from dtlaunch.config.rules.strategy import zero_layout_problem
 from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
@@ -218,12 +219,13 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                 shard = dp // rep
                 if rep > 1 and (shard * cp * tp * pp) % per_node:
                     continue  # replicate across node groups only
+                degrees = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp)
                 for zero in (0, 1, 2, 3):
-                    if (zero == 1 and (tp > 1 or rep > 1)) or (zero == 0 and rep > 1) or (zero == 1 and dp * cp == 1):
+                    if zero_layout_problem(zero, degrees):
+                        continue  # validate refuses it (config.rules.strategy.check_zero)
+                    if (zero == 0 and rep > 1) or (zero == 1 and dp * cp == 1):
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
-                        continue
-                    if zero == 0 and tp > 1 and dp > 1:  # nor over data parallel (config.rules.strategy.check_zero)
                         continue
                     if tp > 1 and routed_experts(m) and (zero < 2 or dp * cp == 1):
                         continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)

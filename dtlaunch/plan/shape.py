@@ -261,7 +261,7 @@ def stage_shape(
         by_kind["selective"] += ft.selective
     tiles = mlp_tiles(cfg, layout)
     if tiled(act, tiles) and "none" in by_kind:
-        by_kind["none"] -= mlp_saved_bytes(d, e, tp, compiled)  # the tiled MLP saves nothing of its own
+        by_kind["none"] -= mlp_saved_bytes(act, d, e, tp, compiled)  # the tiled MLP saves nothing of its own
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     shape = StageShape(
         cfg=cfg,

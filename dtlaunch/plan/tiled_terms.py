@@ -10,17 +10,16 @@ into a buffer of the input's size (e·h). The tiles' parameter gradients are sum
 accumulates them once: one extra copy of the trained MLP weights' gradients while the block's backward
 runs (full training; the adapters' are negligible).
 
-The MoE family (dtlaunch/models/moe/activations.py, its `tiled_*` functions): the routed experts run over
-tiles of their routed copies (the router and dispatch stay whole), so their F-wide intermediates leave the
-saved set and one tile of the copies is recomputed at a time; the shared experts and dense blocks count
-as the dense SwiGLU.
+Each family's activation model has the formulas (`tiled_saved_bytes`, `tiled_working_bytes`,
+`tiled_grad_sum_elements`: dtlaunch/models/dense/activations.py, dtlaunch/models/moe/activations.py).
+The MoE family: the routed experts run over tiles of their routed copies (the router and dispatch stay
+whole), so their F-wide intermediates leave the saved set and one tile of the copies is recomputed at a
+time; the shared experts and dense blocks count as the dense SwiGLU.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from dtlaunch.models.moe import activations as moe_act
 
 
 def tiled(act: Any, tiles: int) -> bool:
@@ -28,30 +27,16 @@ def tiled(act: Any, tiles: int) -> bool:
     return tiles > 1
 
 
-def _moe(d: Any) -> Any:
-    """The MoE activation model when `d` is a MoE block's dims, else None."""
-    return moe_act if isinstance(d, moe_act.BlockDims) else None
+def mlp_saved_bytes(act: Any, d: Any, e: int, tp: int, compiled: bool) -> float:
+    """Per token: what the family's untiled MLPs save for backward, which their tiled forms do not."""
+    return act.tiled_saved_bytes(d, e, tp, compiled)
 
 
-def mlp_saved_bytes(d: Any, e: int, tp: int, compiled: bool) -> float:
-    """Per token: what an untiled SwiGLU saves for backward, which its tiled form does not."""
-    moe = _moe(d)
-    return moe.tiled_saved_bytes(d, e, tp) if moe else (3 if compiled else 4) * e * d.f / tp
+def tile_working_bytes(act: Any, d: Any, e: int, tp: int, tiles: int) -> float:
+    """Per token of the micro-batch, the change to one block's backward working set."""
+    return act.tiled_working_bytes(d, e, tp, tiles)
 
 
-def tile_working_bytes(d: Any, e: int, tp: int, tiles: int) -> float:
-    """Per token of the micro-batch, the change to one block's backward gradients: one tile's recompute and
-    gradients (6·e·F over `tiles`) and the input-gradient buffer (e·h), less the untiled F-wide
-    gradients (2·e·F)."""
-    moe = _moe(d)
-    if moe:
-        return moe.tiled_working_bytes(d, e, tp, tiles)
-    return 6 * e * d.f / (tp * tiles) + e * d.h - 2 * e * d.f / tp
-
-
-def grad_sum_bytes(d: Any, grad_bytes: int, tp: int, full_training: bool) -> float:
+def grad_sum_bytes(act: Any, d: Any, grad_bytes: int, tp: int, full_training: bool) -> float:
     """Per block: the tiles' summed gradients of the trained MLP weights, beside autograd's own."""
-    if not full_training:
-        return 0.0
-    moe = _moe(d)
-    return grad_bytes * (moe.tiled_grad_sum_elements(d, tp) if moe else 3 * d.h * d.f / tp)
+    return grad_bytes * act.tiled_grad_sum_elements(d, tp) if full_training else 0.0

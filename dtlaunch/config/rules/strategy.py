@@ -242,15 +242,24 @@ def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
     z = cfg.strategy.zero_stage
     if z not in (0, 1, 2, 3):
         raise ConfigError(f"strategy.zero_stage={z} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3 (FSDP full shard)")
+    problem = zero_layout_problem(z, layout)
+    if problem:
+        raise ConfigError(problem)
+    if z in (2, 3) and layout.shard == 1 and layout.dp_replicate > 1:
+        notes.append("zero_stage with dp_shard=1 shards nothing: parameters are only replicated")
+
+
+def zero_layout_problem(z: int, layout: Layout) -> str:
+    """Why ZeRO stage `z` cannot run on `layout` ("" when it can); `check_zero` refuses it and `plan --search`
+    skips it."""
     if z == 0 and layout.tp > 1 and layout.dp > 1:
-        raise ConfigError(
+        return (
             f"strategy.zero_stage=0 (DDP) cannot combine with strategy.tp={layout.tp} over dp={layout.dp} ranks: "
             f"use strategy.zero_stage=2 or 3 (FSDP) for data x tensor parallel"
         )
     if z == 1 and (layout.tp > 1 or layout.dp_replicate > 1):
-        raise ConfigError(
+        return (
             f"strategy.zero_stage=1 shards the optimizer over plain DDP and cannot combine with "
             f"tp={layout.tp}/dp_replicate={layout.dp_replicate}: use strategy.zero_stage=2 or 3"
         )
-    if z in (2, 3) and layout.shard == 1 and layout.dp_replicate > 1:
-        notes.append("zero_stage with dp_shard=1 shards nothing: parameters are only replicated")
+    return ""

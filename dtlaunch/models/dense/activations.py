@@ -165,6 +165,26 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     return e * d.h + 2 * e * d.f / tp
 
 
+# training.mlp_tiles (dtlaunch.train.tiled_mlp; how the plan uses these: dtlaunch.plan.tiled_terms).
+
+
+def tiled_saved_bytes(d: BlockDims, e: int, tp: int, compiled: bool) -> float:
+    """Per token: what the untiled SwiGLU saves for backward and the tiled one does not (w1, SiLU, w3 and
+    their product; compiled, Inductor drops the SiLU output)."""
+    return (3 if compiled else 4) * e * d.f / tp
+
+
+def tiled_working_bytes(d: BlockDims, e: int, tp: int, tiles: int) -> float:
+    """Per token, the change to the block's backward working set: one tile's recompute and gradients
+    (6·e·F over `tiles`) and the input-gradient buffer (e·h), less the untiled F-wide gradients (2·e·F)."""
+    return 6 * e * d.f / (tp * tiles) + e * d.h - 2 * e * d.f / tp
+
+
+def tiled_grad_sum_elements(d: BlockDims, tp: int = 1) -> float:
+    """Per block: the tiles' summed SwiGLU weight gradients, elements."""
+    return 3 * d.h * d.f / tp
+
+
 def rope_cast_bytes(d: BlockDims, e: int, seq: int) -> float:
     """Per block and micro-batch: RoPE casts its fp32 cos/sin tables to the compute dtype for q and
     k (4 tables of seq x head_dim/2, saved by the rotations); nothing in fp32 (no-op cast)."""

@@ -145,12 +145,12 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
 # tiles of their routed copies, the shared experts and dense blocks' SwiGLU over tiles of the tokens.
 
 
-def tiled_saved_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
+def tiled_saved_bytes(d: BlockDims, e: int, tp: int, compiled: bool) -> float:
     """Per token: what the tiled MLPs do not save: the routed experts' four F-wide intermediates per
-    copy, the shared SwiGLU's, and the dense blocks' (as `_ffn_bytes` counts them). Their inputs, the
-    grouped copies and the norm output, stay saved (by the tiled function instead of the first matmuls)."""
+    copy, the shared SwiGLU's, and the dense blocks' (the dense model's count). Their inputs, the grouped
+    copies and the norm output, stay saved (by the tiled function instead of the first matmuls)."""
     moe = d.routed_scale * 4 * d.top_k * e * d.fe + 4 * e * d.fs
-    return d.sparse * moe + (1 - d.sparse) * 4 * e * d.f / tp
+    return d.sparse * moe + (1 - d.sparse) * dense.tiled_saved_bytes(d, e, tp, compiled)
 
 
 def tiled_working_bytes(d: BlockDims, e: int, tp: int, tiles: int) -> float:
@@ -161,12 +161,11 @@ def tiled_working_bytes(d: BlockDims, e: int, tp: int, tiles: int) -> float:
     The routed input-gradient buffer is the grouped copies' gradient, counted already."""
     routed = d.routed_scale * 6 * d.top_k * e * d.fe / tiles
     shared = (6 * e * d.fs / tiles + e * d.h - 2 * e * d.fs) if d.fs else 0.0
-    dense_ffn = 6 * e * d.f / (tp * tiles) + e * d.h - 2 * e * d.f / tp
-    return d.sparse * (routed + shared) + (1 - d.sparse) * dense_ffn
+    return d.sparse * (routed + shared) + (1 - d.sparse) * dense.tiled_working_bytes(d, e, tp, tiles)
 
 
 def tiled_grad_sum_elements(d: BlockDims, tp: int = 1) -> float:
     """Per block, the largest: the tiles' summed weight gradients of its MLPs, elements (a sparse block's
     local experts, E / ep of them, and shared experts; a dense block's SwiGLU)."""
     sparse = 3 * d.h * (d.experts // d.ep * d.fe + d.fs) if d.sparse else 0
-    return max(sparse, 3 * d.h * d.f / tp if d.sparse < 1 else 0)
+    return max(sparse, dense.tiled_grad_sum_elements(d, tp) if d.sparse < 1 else 0)
