@@ -142,57 +142,63 @@ def generate_batch(
     of decode steps (each forward gathers weights collectively), so they agree on it there.
     `sequence_multiple`: every forward's positions a multiple of it (sequence parallel: the TP degree).
     `compiled`: the decode steps run compiled against static caches (`decode_step`); the prefill eagerly."""
-    device = next(model.parameters()).device
-    m = sequence_multiple
-    rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
-    capacity = longest + s.max_new_tokens + m - 1
-    tokens = torch.full((rows, longest), pad_id, dtype=torch.long, device=device)
-    key_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        key_mask[i, longest - len(p) : longest] = True
-    lengths = key_mask[:, :longest].sum(dim=1)
-    positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
-    pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
-    preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
-    static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
-    caches: list[KVCache] = [*preallocated, *static]
-    step_fn = decode_step(model) if compiled else model
-    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
-    n = 0
-    entropy = torch.zeros((), device=device)
-    logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
-    if compiled:
-        pos += longest
-    for n in range(s.max_new_tokens):
-        lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)
-        entropy += (-(lp.exp() * lp).sum(-1) * ~done).sum()  # the rows still generating
-        nxt = sample_next(logits, s, generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        out[:, n] = nxt
-        done = done | torch.isin(nxt, stops)
-        finished = all_done(done) if all_done is not None else bool(done.all())
-        if finished or n == s.max_new_tokens - 1:
-            break
-        key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
-        step, at = nxt[:, None].expand(rows, m), (lengths + n)[:, None].expand(rows, m)
-        logits = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
-        # The next step writes over this one's fillers (sequence parallel): one position on.
+    # training.loss_chunks leaves the head to the loss (`hidden_only`); sampling needs the logits.
+    hidden_only = getattr(model, "hidden_only", False)
+    model.hidden_only = False
+    try:
+        device = next(model.parameters()).device
+        m = sequence_multiple
+        rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
+        capacity = longest + s.max_new_tokens + m - 1
+        tokens = torch.full((rows, longest), pad_id, dtype=torch.long, device=device)
+        key_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        for i, p in enumerate(prompts):
+            tokens[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            key_mask[i, longest - len(p) : longest] = True
+        lengths = key_mask[:, :longest].sum(dim=1)
+        positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
+        pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
+        preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
+        static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
+        caches: list[KVCache] = [*preallocated, *static]
+        step_fn = decode_step(model) if compiled else model
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        n = 0
+        entropy = torch.zeros((), device=device)
+        logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
         if compiled:
-            pos += 1
-        elif m > 1:
-            for cache in preallocated:
-                cache.drop_last(m - 1)
-    stop_set = set(stops.tolist())
-    completions, truncated = [], []
-    for row in out[:, : n + 1].tolist():
-        end = next((j + 1 for j, t in enumerate(row) if t in stop_set), None)
-        completions.append(row[:end] if end is not None else row)
-        truncated.append(end is None)
-    tokens_out = sum(len(c) for c in completions)
-    return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
+            pos += longest
+        for n in range(s.max_new_tokens):
+            lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)
+            entropy += (-(lp.exp() * lp).sum(-1) * ~done).sum()  # the rows still generating
+            nxt = sample_next(logits, s, generator)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            out[:, n] = nxt
+            done = done | torch.isin(nxt, stops)
+            finished = all_done(done) if all_done is not None else bool(done.all())
+            if finished or n == s.max_new_tokens - 1:
+                break
+            key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
+            step, at = nxt[:, None].expand(rows, m), (lengths + n)[:, None].expand(rows, m)
+            logits = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
+            # The next step writes over this one's fillers (sequence parallel): one position on.
+            if compiled:
+                pos += 1
+            elif m > 1:
+                for cache in preallocated:
+                    cache.drop_last(m - 1)
+        stop_set = set(stops.tolist())
+        completions, truncated = [], []
+        for row in out[:, : n + 1].tolist():
+            end = next((j + 1 for j, t in enumerate(row) if t in stop_set), None)
+            completions.append(row[:end] if end is not None else row)
+            truncated.append(end is None)
+        tokens_out = sum(len(c) for c in completions)
+        return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
+    finally:
+        model.hidden_only = hidden_only
 
 
 def _whole(logits: torch.Tensor) -> torch.Tensor:

@@ -188,19 +188,12 @@ class Rollout:
         return batches
 
     def _generate(self, model: torch.nn.Module, prompts: list[dict], g: torch.Generator) -> Generated:
-        hidden_only = getattr(model, "hidden_only", False)  # training.loss_chunks: generation needs the logits
-        model.hidden_only = False
-        try:
-            whole = generation_gather(self.cfg, self.rt.layout) != "unit"
-            with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
-                ids = [p["ids"] for p in prompts]
-                multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
-                compiled = bool(self.cfg.objective.generation_compile)
-                return generate_batch(
-                    model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done, multiple, compiled
-                )
-        finally:
-            model.hidden_only = hidden_only
+        whole = generation_gather(self.cfg, self.rt.layout) != "unit"
+        with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
+            ids = [p["ids"] for p in prompts]
+            multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
+            compiled = bool(self.cfg.objective.generation_compile)
+            return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done, multiple, compiled)
 
     def _replayed(self, index: int, rows: int) -> Generated:
         """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions."""
