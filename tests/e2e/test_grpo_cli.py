@@ -281,5 +281,8 @@ def test_tensor_parallel_run_samples_as_one_process(trainer, toy: Path, tmp_path
     trainer.run(tmp_path / "tp", *common, "launch.nproc_per_node=2", "strategy=tp")
     a, b = trainer.metrics(tmp_path / "one"), trainer.metrics(tmp_path / "tp")
     assert len(a) == len(b) == 2 and [m["reward"] for m in a] == [m["reward"] for m in b], (a, b)
+    for step in (1, 2):  # the same completions, not only rewards that happen to agree
+        sample = f"completions/step-{step}.jsonl"
+        assert (tmp_path / "one" / sample).read_text() == (tmp_path / "tp" / sample).read_text()
     assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (a, b)
     assert any(abs(m["loss"]) > 1e-4 for m in a), a  # a group with spread: a real gradient
