@@ -38,17 +38,8 @@ def iter_prompt_records(
     if kind == "jsonl":
         for f in source_files(kind, path, key):
             for n, line in enumerate(f.read_bytes().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise InputError(
-                        f"{key}: {f}:{n} is not JSON: each line of a .jsonl file must be one object"
-                    ) from None
-                if not isinstance(record, dict):
-                    raise InputError(f"{key}: {f}:{n} is not a JSON object")
-                yield record, f"{f}:{n}"
+                if line.strip():
+                    yield _json_record(line, f, n, key), f"{f}:{n}"
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -60,6 +51,46 @@ def iter_prompt_records(
             yield dict(record), f"{path}[{split}]:{n}"
     else:
         raise InputError(f"data.format=prompt reads jsonl, parquet or hf records, not data.kind={kind}")
+
+
+def first_prompt_record(kind: str, path: str, split: str, field: str) -> Optional[tuple[dict, str]]:
+    """(the first record, where) of a local jsonl / parquet / hf source, or None when it holds none: the
+    record the reward functions are tried on. Reads that record alone (the first line, the first row),
+    so that checking a job of a large corpus stays quick."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        for f in source_files(kind, path, "data.path"):
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1):
+                if batch.num_rows:
+                    return _with_prompt(batch.to_pylist()[0], f"{f}:row 1", field)
+        return None
+    if kind == "jsonl":
+        for f in source_files(kind, path, "data.path"):
+            with f.open("rb") as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        return _with_prompt(_json_record(line, f, n), f"{f}:{n}", field)
+        return None
+    for record, where in iter_prompt_records(kind, path, split):
+        return _with_prompt(record, where, field)
+    return None
+
+
+def _with_prompt(record: dict, where: str, field: str) -> tuple[dict, str]:
+    if field not in record:
+        raise InputError(f"data.path: {where} has no field '{field}' (data.prompt_field): fix the record")
+    return record, where
+
+
+def _json_record(line: bytes, f: Path, n: int, key: str = "data.path") -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise InputError(f"{key}: {f}:{n} is not JSON: each line of a .jsonl file must be one object") from None
+    if not isinstance(record, dict):
+        raise InputError(f"{key}: {f}:{n} is not a JSON object")
+    return record
 
 
 class PromptEncoder:
@@ -107,9 +138,8 @@ def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, 
     path, subset = local_source(cfg, str(d.path))  # a hub dataset: the snapshot pinned in data.revision
     with out.open("w") as fh:
         for record, where in iter_prompt_records(str(d.kind), path, str(d.split), subset=subset):
-            if field not in record:
-                raise InputError(f"data.path: {where} has no field '{field}' (data.prompt_field): fix the record")
-            if n == 0:
+            _with_prompt(record, where, field)
+            if n == 0 and path != str(d.path):  # a hub dataset's first record, read now (a local one's: by load_job)
                 check_rewards(o, record, field, where)
             ids = encoder.encode(record[field], where)
             if len(ids) > limit:

@@ -1,5 +1,11 @@
-"""The files a composed job names, checked before anything runs (validate, plan, train, submit): the
-model directory's tensors against its config.json, the tokenizer file, the chat template."""
+"""The files and functions a composed job names, checked before anything runs or is printed: the model
+directory's tensors against its config.json, the tokenizer file, the chat template, the reward functions,
+the evaluation's task directory, a replay file.
+
+`check_job_inputs` is the one check every command that reads a job runs (dtlaunch.commands.common.load_job:
+validate, plan, train and submit, dry run or not), after the config rules (dtlaunch.config.validate, which
+refuse a missing data.path, data.val_path, data.tokenizer, checkpoint.load_path, objective.reference,
+model._target_) and before the plan: what `train` would refuse, `validate` refuses too."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlaunch.config.weight_source import hf_name
+from dtlaunch.errors import InputError
 from dtlaunch.inputs.chat_template import check_chat_template, own_chat_template
 from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 
@@ -18,6 +25,50 @@ def check_job_inputs(cfg: Any) -> None:
         check_tokenizer_json(Path(tok))
     if str(cfg.data.format) == "chat":
         check_job_chat_template(cfg)
+    check_job_rewards(cfg)
+    check_eval_include(cfg)
+    check_replay_completions(cfg)
+
+
+def check_job_rewards(cfg: Any) -> None:
+    """objective=grpo: every function of objective.rewards imported and called once on the first prompt
+    record (dtlaunch.inputs.rewards.check_rewards), the call the launcher makes before any worker starts.
+    A hub dataset is not fetched to check a job: its functions are imported here and called on its first
+    record when the launcher prepares the prompts (dtlaunch.data.prompts.prepare_prompts)."""
+    if str(cfg.objective.name) != "grpo":
+        return
+    from dtlaunch.inputs.rewards import check_rewards, load_rewards
+
+    d = cfg.data
+    first = None
+    if str(d.format) == "prompt" and str(d.kind) != "synthetic":
+        from dtlaunch.hub.dataset import dataset_ref
+
+        if dataset_ref(cfg, str(d.path), "data.path") is None:
+            from dtlaunch.data.prompts import first_prompt_record
+
+            first = first_prompt_record(str(d.kind), str(d.path), str(d.split), str(d.prompt_field))
+    if first is None:  # no record to call them on here (none at all: prepare_prompts says how many it needs)
+        load_rewards(cfg.objective)
+        return
+    check_rewards(cfg.objective, first[0], str(d.prompt_field), first[1])
+
+
+def check_eval_include(cfg: Any) -> None:
+    """training.eval_include, the directory of task YAML files the evaluation after training reads (its
+    task names are checked by train and submit, which index lm-eval's tasks: seconds, not for validate)."""
+    include = str(cfg.training.eval_include)
+    if cfg.training.eval_tasks and include and not Path(include).expanduser().is_dir():
+        raise InputError(f"training.eval_include='{include}': no such directory: give a directory of task YAML files")
+
+
+def check_replay_completions(cfg: Any) -> None:
+    """debug.replay_completions, the JSONL of completions the rollout reads instead of sampling."""
+    replay = str(cfg.debug.replay_completions)
+    if replay and not Path(replay).expanduser().is_file():
+        raise InputError(
+            f"debug.replay_completions='{replay}': no such file: give the JSONL of recorded completions, or drop it"
+        )
 
 
 def check_model_weights(cfg: Any, fetch: bool = False) -> None:

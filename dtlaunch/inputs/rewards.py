@@ -90,12 +90,14 @@ def call_reward(
     try:
         out = reward.fn(prompts=list(prompts), completions=list(completions), completion_ids=completion_ids, **columns)
     except Exception as exc:
-        raise InputError(f"reward function '{reward.name}' raised{where}: {type(exc).__name__}: {exc}") from None
+        raise InputError(
+            f"objective.rewards: reward function '{reward.name}' raised{where}: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(out, (list, tuple)) or len(out) != len(completions):
         got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
         raise InputError(
-            f"reward function '{reward.name}' returned {got} for {len(completions)} completions{where}: return "
-            f"a list with one float (or None) per completion"
+            f"objective.rewards: reward function '{reward.name}' returned {got} for {len(completions)} "
+            f"completions{where}: return a list with one float (or None) per completion"
         )
     values = []
     for v in out:
@@ -104,11 +106,15 @@ def call_reward(
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
             raise InputError(
-                f"reward function '{reward.name}' returned {v!r} ({type(v).__name__}){where}: return floats (or None)"
+                f"objective.rewards: reward function '{reward.name}' returned {v!r} ({type(v).__name__}){where}: "
+                f"return floats (or None)"
             )
         f = float(v)
         if not math.isfinite(f):
-            raise InputError(f"reward function '{reward.name}' returned {f}{where}: return finite floats (or None)")
+            raise InputError(
+                f"objective.rewards: reward function '{reward.name}' returned {f}{where}: "
+                f"return finite floats (or None)"
+            )
         values.append(f)
     return values
 

@@ -97,7 +97,11 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
     spec = bad_reward_file(tmp_path, "raise ValueError('boom')")
     proc = trainer.run(tmp_path / "run", *grpo_args(toy, f"objective.rewards=[{spec}]"), expect_ok=False)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"dtlaunch: error: reward function '{spec}' raised on")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"dtlaunch: error: objective.rewards: reward function '{spec}' raised on")
+    )
     assert not (tmp_path / "run" / "logs").exists() or not list((tmp_path / "run" / "logs").iterdir())
 
 
