@@ -1,11 +1,13 @@
 """The files and functions a composed job names, checked before anything runs or is printed: the model
-directory's tensors against its config.json, the tokenizer file, the chat template, the reward functions,
-the evaluation's task directory, a replay file.
+directory's tensors against its config.json, the tokenizer file, the chat template, the checkpoint to load,
+the reward functions, the evaluation's task directory, a replay file.
 
 `check_job_inputs` is the one check every command that reads a job runs (dtlaunch.commands.common.load_job:
-validate, plan, train and submit, dry run or not), after the config rules (dtlaunch.config.validate, which
-refuse a missing data.path, data.val_path, data.tokenizer, checkpoint.load_path, objective.reference,
-model._target_) and before the plan: what `train` would refuse, `validate` refuses too."""
+validate, plan, train and submit, dry run or not), after composition (which refuses a model.family_module
+it cannot import) and the config rules (dtlaunch.config.validate: a missing data.path, data.val_path,
+data.tokenizer, checkpoint.load_path, objective.reference, model._target_), and before the plan: what
+`train` would refuse, `validate` refuses too (tests/unit/test_every_input_checked.py holds every command
+to it for every such field of the schema)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlaunch.config.weight_source import hf_name
-from dtlaunch.errors import InputError
+from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.inputs.chat_template import check_chat_template, own_chat_template
 from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 
@@ -25,9 +27,24 @@ def check_job_inputs(cfg: Any) -> None:
         check_tokenizer_json(Path(tok))
     if str(cfg.data.format) == "chat":
         check_job_chat_template(cfg)
+    check_load_path(cfg)
     check_job_rewards(cfg)
     check_eval_include(cfg)
     check_replay_completions(cfg)
+
+
+def check_load_path(cfg: Any) -> None:
+    """checkpoint.load_path (a directory, said the config rules) holds a complete checkpoint: its markers,
+    no tensor read; train verifies the contents and the model's shapes when it resumes (preflight.check_resume)."""
+    load_path = str(cfg.checkpoint.load_path)
+    if not load_path:
+        return
+    from dtlaunch.run.checkpoints import resolve_load_path
+
+    try:
+        resolve_load_path(Path(load_path))
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint.load_path: {exc}") from None
 
 
 def check_job_rewards(cfg: Any) -> None:

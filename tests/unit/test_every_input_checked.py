@@ -137,7 +137,10 @@ BROKEN: dict[str, dict[str, Callable[[Path], list[str]]]] = {
             f"data.chat_template={d / 'no.jinja'}",
         ]
     },
-    "checkpoint.load_path": {"missing": lambda d: [*TINY, f"checkpoint.load_path={d / 'no_ckpt'}"]},
+    "checkpoint.load_path": {
+        "missing": lambda d: [*TINY, f"checkpoint.load_path={d / 'no_ckpt'}"],
+        "not_a_checkpoint": lambda d: [*TINY, f"checkpoint.load_path={d}"],  # a directory without one
+    },
     "objective.reference": {
         "missing": lambda d: [
             *TINY,
