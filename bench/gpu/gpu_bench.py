@@ -333,13 +333,14 @@ def longest_context(overrides: tuple[str, ...]) -> tuple[str, ...]:
     with validation's reason); when nothing fits, the row asks for the model's longest context, so that the
     launch's plan gate refuses it with the plan's figures instead of the row running a short sequence."""
     from dtlaunch.commands.common import load_job
-    from dtlaunch.plan.maximize import maximize
+    from dtlaunch.plan.maximize import SAVERS, maximize
 
     try:
         cfg = load_job(list(overrides)).cfg
     except Exception:  # composition and validation errors alike: memory_skip_reason reports them
         return overrides
-    best = maximize(cfg, "training.seq_len")
+    # The row's savers are the ones it measures (LONGCTX): the search turns on none of its own.
+    best = maximize(cfg, "training.seq_len", pinned={s.key for s in SAVERS})
     if best.value is None:
         return shrink(overrides, (f"training.seq_len={best.largest}",))
     return shrink(overrides, (best.override, *best.savers))

@@ -133,10 +133,11 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
     from dtlaunch.plan.report import gib
 
     job = load_job(overrides, recipe_dirs)
-    found = maximize(job.cfg, key)
+    # What the command line sets stays as set; the savers it leaves open are the search's to turn on.
+    found = maximize(job.cfg, key, pinned={o.split("=", 1)[0].lstrip("+~") for o in overrides})
     if as_json:
         data = {"key": key, "value": found.value, "override": found.override if found.value else None}
-        data["savers_from_plan"] = list(found.savers)
+        data["savers"] = list(found.savers)
         if found.plan is not None:
             data["device_total_bytes"] = int(found.plan.device_total)
         print(json.dumps(data, indent=2))
@@ -160,7 +161,7 @@ def maximize_command(overrides: Sequence[str], recipe_dirs: Sequence[str], key: 
         console().print(f"(the largest value allowed: {cap} caps {key} at {found.largest})", markup=False)
     if found.savers:
         console().print(
-            f"savers the plan turned on (its own choice; pinned here): {' '.join(found.savers)}", markup=False
+            f"savers turned on (the cheapest that reach it; pinned here): {' '.join(found.savers)}", markup=False
         )
     console().print(f"override to paste: {' '.join((found.override, *found.savers))}", markup=False)
     return 0

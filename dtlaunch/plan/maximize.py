@@ -1,18 +1,20 @@
 """`plan --maximize KEY`: the largest training.seq_len or training.micro_batch that fits, the rest of the
-job fixed; for objective=grpo also objective.num_generations (the prompts per step fixed: the global
-batch grows with G) and objective.max_completion_length (the prompts' room fixed: training.seq_len grows
-with it). A binary search over the analytic planner: each probe sets the value, runs the config's rules
-(a value they refuse counts as not fitting) and plans the job; memory grows with either value, so the
-values that fit are a prefix of the candidates."""
+job fixed but for the memory savers (SAVERS) the user left open; for objective=grpo also
+objective.num_generations (the prompts per step fixed: the global batch grows with G) and
+objective.max_completion_length (the prompts' room fixed: training.seq_len grows with it). A binary search
+over the analytic planner for each combination of savers, cheapest first: each probe sets the value and
+the savers, runs the config's rules (a value they refuse counts as not fitting) and plans the job; memory
+grows with either value, so the values that fit are a prefix of the candidates."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
+from dtlaunch.config.layout import MLP_TILE_TOKENS
 from dtlaunch.errors import ConfigError
 
 MAXIMIZABLE = ("training.seq_len", "training.micro_batch")
@@ -28,7 +30,9 @@ class Maximized:
     smallest: int
     largest: int  # the last candidate (model.max_seq_len; the per-rank global batch when it is fixed)
     plan: Any  # the MemoryPlan at `value` (or at the smallest candidate when nothing fits)
-    savers: tuple[str, ...] = ()  # overrides of the savers the plan chose itself at `value` (0 = from the plan)
+    # The savers at `value` as overrides: those the search turned on (SAVERS), then those the plan chose itself
+    # (training.mlp_tiles=0, training.activation_offload unset), pinned to the plan's choice.
+    savers: tuple[str, ...] = ()
     coupled: tuple[str, ...] = ()  # the values that move with `key` (GRPO: global batch, seq_len)
 
     @property
@@ -36,27 +40,66 @@ class Maximized:
         return " ".join((f"{self.key}={self.value}", *self.coupled))
 
 
-def maximize(cfg: Any, key: str) -> Maximized:
-    """The largest value of `key` (see MAXIMIZABLE) whose plan fits, by bisection over its candidates. With
-    context parallel, both attention styles (strategy.cp_style) are searched and the larger wins; the other
-    style, when it wins, is among the savers to paste."""
-    best = _maximize(cfg, key)
-    if int(cfg.strategy.cp) == 1:
-        return best
-    from omegaconf import OmegaConf
+# training.loss_chunks as a saver: chunks of at most this many tokens of one rank's micro-batch (the tiled
+# MLP's tile size), and never fewer chunks than the job's own.
+LOSS_CHUNK_TOKENS = MLP_TILE_TOKENS
+LOSS_CHUNKS_AUTO = "auto"  # a level resolved at each probed value (the chunk count grows with the tokens)
 
+
+@dataclass(frozen=True)
+class Saver:
+    """A switch the search may turn up from the job's own value: `levels(cfg)` are the values beyond the
+    job's, least saving (and cheapest) first; none where the job already has the most."""
+
+    key: str
+    levels: Callable[[Any], tuple[Any, ...]]
+    pinnable: bool = True  # False: searched even when the command line sets it
+
+
+def _cp_style_levels(cfg: Any) -> tuple[Any, ...]:
     from dtlaunch.config.schema import CpStyle
 
-    other = CpStyle.ring if cfg.strategy.cp_style == CpStyle.ulysses else CpStyle.ulysses
-    job = copy.deepcopy(cfg)
-    OmegaConf.update(job, "strategy.cp_style", str(other))
-    alt = _maximize(job, key)
-    if alt.value is not None and (best.value is None or alt.value > best.value):
-        return dataclasses.replace(alt, savers=(f"strategy.cp_style={other}", *alt.savers))
-    return best
+    if int(cfg.strategy.cp) == 1:
+        return ()
+    return (str(CpStyle.ring if cfg.strategy.cp_style == CpStyle.ulysses else CpStyle.ulysses),)
 
 
-def _maximize(cfg: Any, key: str) -> Maximized:
+def _ac_levels(cfg: Any) -> tuple[Any, ...]:
+    order = ("none", "selective", "full")
+    return order[order.index(str(cfg.training.activation_checkpointing)) + 1 :]
+
+
+# The savers, cheapest first. The rule: every combination of levels is a candidate, compared by its most
+# expensive saver's level first (then the next most expensive, ...), and the first combination in that order
+# that reaches the largest value any of them reaches wins: a saver is on only where every cheaper way falls
+# short. Costs, per step (docs/memory.md, docs/long-context.md):
+# - the other context-parallel attention style (cp > 1): not a saver but a trade of communication; it wins
+#   only where it fits more, and is tried even when the command line names a style (as it always was);
+# - more loss chunks (only when the job chunks already: 1 is a choice, e.g. a model without the
+#   hidden-states switch): no FLOP where the chunks' gradients are taken in forward, the same one more head
+#   matmul per token as any chunk count where they are recomputed; more, smaller matmuls;
+# - activation checkpointing, selective then full: recompute in backward (full: one more block forward);
+# - activation offload: host RAM and host-link time (hidden behind compute under full checkpointing only);
+# - FSDP CPU offload: host RAM, the states' host-link traffic and the optimizer step on the CPU.
+# The tiled MLP is the plan's own default (training.mlp_tiles=0) and is not searched. Savers that change what
+# is trained are never turned on: a low-bit optimizer (optim.name=adamw8bit / adamw4bit: quantisation error,
+# and torchao), bf16 optimizer state, the step in backward (no accumulation or clipping), a bf16 residual
+# stream (precision.residual_dtype): set them by hand and maximize again.
+SAVERS = (
+    Saver("strategy.cp_style", _cp_style_levels, pinnable=False),
+    Saver("training.loss_chunks", lambda cfg: (LOSS_CHUNKS_AUTO,) if int(cfg.training.loss_chunks) > 1 else ()),
+    Saver("training.activation_checkpointing", _ac_levels),
+    Saver("training.activation_offload", lambda cfg: () if cfg.training.activation_offload else (True,)),
+    Saver("strategy.cpu_offload", lambda cfg: () if cfg.strategy.cpu_offload else (True,)),
+)
+
+
+def maximize(cfg: Any, key: str, pinned: Collection[str] = ()) -> Maximized:
+    """The largest value of `key` (see MAXIMIZABLE) whose plan fits, by bisection over its candidates, over
+    every combination of the SAVERS not in `pinned` (the keys the user set: the command line's), with the
+    cheapest combination that reaches it (see SAVERS). Memory grows with the value under every combination,
+    so each combination's values that fit are a prefix of the candidates; a combination the config's rules
+    refuse, or whose host RAM overflows, fits nothing."""
     from dtlaunch.models.registry import model_spec
 
     grpo = str(cfg.objective.name) == "grpo"
@@ -71,33 +114,75 @@ def _maximize(cfg: Any, key: str) -> Maximized:
             f"set {key} by hand and run plan"
         )
     value_at, count = _candidates(cfg, key)
-    plans: dict[int, Any] = {}
+    free = [(s, s.levels(cfg)) for s in SAVERS if not (s.pinnable and s.key in pinned)]
+    free = [(s, levels) for s, levels in free if levels]
+    # Level 0 is the job's own value; compared most expensive saver first (the tuple reversed).
+    combos = sorted(itertools.product(*(range(len(levels) + 1) for _, levels in free)), key=lambda c: c[::-1])
+    job = copy.deepcopy(cfg)  # one copy, every probe sets every searched key
+    plans: dict[tuple[tuple[int, ...], int], Any] = {}
 
-    def fits(i: int) -> bool:
-        plans[i] = _plan_with(cfg, key, value_at(i))
-        return plans[i] is not None and plans[i].fits
+    def settings(combo: tuple[int, ...]) -> dict[str, Any]:
+        return {s.key: levels[i - 1] for (s, levels), i in zip(free, combo, strict=True) if i}
 
-    lo, hi = 0, count - 1  # invariant: every index < lo fits, every index > hi does not
+    def fits(combo: tuple[int, ...], i: int) -> bool:
+        if (combo, i) not in plans:
+            plans[combo, i] = _plan_with(job, cfg, key, value_at(i), settings(combo))
+        p = plans[combo, i]
+        return p is not None and p.fits
+
+    # The largest value first, most saving combinations first (the first bisection finds it most of the
+    # time; every other combination then costs one probe, one candidate past the best), then the cheapest
+    # combination that reaches it.
     best = -1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
+    for combo in reversed(combos):
+        lo = best + 1
+        if lo >= count or not fits(combo, lo):
+            continue
+        best, hi = lo, count - 1
+        lo += 1
+        while lo <= hi:  # invariant: every index < lo fits, every index > hi does not
+            mid = (lo + hi) // 2
+            if fits(combo, mid):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
     if best < 0:
-        return Maximized(key=key, value=None, smallest=value_at(0), largest=value_at(count - 1), plan=plans.get(0))
+        fits(combos[0], 0)
+        return Maximized(
+            key=key, value=None, smallest=value_at(0), largest=value_at(count - 1), plan=plans[combos[0], 0]
+        )
+    winner = next(combo for combo in combos if fits(combo, best))
     value = value_at(best)
-    moved = _with(cfg, key, value)
+    chosen = _resolved(cfg, key, value, settings(winner))
     return Maximized(
         key=key,
         value=value,
         smallest=value_at(0),
         largest=value_at(count - 1),
-        plan=plans[best],
-        savers=planned_savers(cfg, key, value),
-        coupled=tuple(f"{k}={v}" for k, v in moved.items() if k != key),
+        plan=plans[winner, best],
+        savers=(*(f"{k}={_text(v)}" for k, v in chosen.items()), *planned_savers(cfg, key, value, chosen)),
+        coupled=tuple(f"{k}={v}" for k, v in _with(cfg, key, value).items() if k != key),
     )
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _resolved(cfg: Any, key: str, value: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """A combination's settings at `key`=`value`: the loss's chunk count from one rank's tokens there (none
+    when that is no more than the job's own count)."""
+    if settings.get("training.loss_chunks") != LOSS_CHUNKS_AUTO:
+        return settings
+    from dtlaunch.config.layout import Layout, rows_per_sample, world_size
+
+    t, moved = cfg.training, _with(cfg, key, value)
+    rows = int(moved.get("training.micro_batch", t.micro_batch)) * rows_per_sample(cfg)
+    seq = int(moved.get("training.seq_len", t.seq_len)) // Layout.resolve(cfg.strategy, world_size(cfg)).cp
+    chunks = -(-rows * seq // LOSS_CHUNK_TOKENS)
+    if chunks > int(t.loss_chunks):
+        return {**settings, "training.loss_chunks": chunks}  # (the same place: SAVERS' order)
+    return {k: v for k, v in settings.items() if k != "training.loss_chunks"}
 
 
 def _with(cfg: Any, key: str, value: int) -> dict[str, int]:
@@ -114,22 +199,22 @@ def _with(cfg: Any, key: str, value: int) -> dict[str, int]:
     return {key: value}
 
 
-def planned_savers(cfg: Any, key: str, value: int) -> tuple[str, ...]:
-    """The savers left to the plan (training.mlp_tiles=0, training.activation_offload unset) that it turns on
-    at `key`=`value`, as overrides."""
+def planned_savers(cfg: Any, key: str, value: int, settings: dict[str, Any]) -> tuple[str, ...]:
+    """The savers left to the plan (training.mlp_tiles=0, training.activation_offload unset and not among
+    `settings`) that it turns on at `key`=`value` with `settings`, as overrides."""
     from omegaconf import OmegaConf
 
     from dtlaunch.config.layout import Layout, activation_offload, mlp_tiles, world_size
 
     job = copy.deepcopy(cfg)
-    for k, v in _with(cfg, key, value).items():
+    for k, v in {**_with(cfg, key, value), **settings}.items():
         OmegaConf.update(job, k, v)
     layout = Layout.resolve(job.strategy, world_size(job))
     out = []
     if not int(cfg.training.mlp_tiles):
         tiles = mlp_tiles(job, layout)
         out += [f"training.mlp_tiles={tiles}"] if tiles > 1 else []
-    if cfg.training.activation_offload is None and activation_offload(job, layout.pp):
+    if job.training.activation_offload is None and activation_offload(job, layout.pp):
         out.append("training.activation_offload=true")
     return tuple(out)
 
@@ -160,15 +245,20 @@ def _candidates(cfg: Any, key: str) -> tuple[Callable[[int], int], int]:
     return (lambda i: values[i]), len(values)
 
 
-def _plan_with(cfg: Any, key: str, value: int) -> Any:
-    """The job's plan with `key` set to `value`, or None when the config's rules refuse that value."""
+def _plan_with(job: Any, cfg: Any, key: str, value: int, settings: dict[str, Any]) -> Any:
+    """The job's plan with `key` set to `value` and the savers' `settings`, or None when the config's rules
+    refuse that. `job` is a copy of `cfg` that every probe sets again: each searched key to its setting or
+    back to the job's own value."""
     from omegaconf import OmegaConf
 
     from dtlaunch.config.validate import validate
     from dtlaunch.plan.memory import plan_memory
 
-    job = copy.deepcopy(cfg)
-    for k, v in _with(cfg, key, value).items():
+    for k, v in {
+        **{s.key: OmegaConf.select(cfg, s.key) for s in SAVERS},
+        **_with(cfg, key, value),
+        **_resolved(cfg, key, value, settings),
+    }.items():
         OmegaConf.update(job, k, v)
     try:
         layout = validate(job).layout

@@ -77,13 +77,15 @@ def test_search_ranks_only_layouts_grpo_runs_with_both_phases_planned() -> None:
 def test_maximize_generations_and_completion_length_find_the_edge() -> None:
     """`plan --maximize objective.num_generations` keeps the prompts per step (the global batch moves
     with G); `objective.max_completion_length` keeps the prompts' room (training.seq_len moves with it)."""
-    from dtlaunch.plan.maximize import maximize
+    from dtlaunch.plan.maximize import SAVERS, maximize
 
     base = ["recipe=qwen3_8b_grpo_fsdp"]  # 8 prompts a step on 8 ranks, micro-batch 2, prompts' room 512
     cfg = load_job(base).cfg
-    g = maximize(cfg, "objective.num_generations")
+    # The recipe's savers as they are (full AC would reach the model's own context: no memory edge there).
+    pinned = {s.key for s in SAVERS}
+    g = maximize(cfg, "objective.num_generations", pinned)
     assert g.override == f"objective.num_generations={g.value} training.global_batch={8 * g.value}"
-    c = maximize(cfg, "objective.max_completion_length")
+    c = maximize(cfg, "objective.max_completion_length", pinned)
     assert c.override == f"objective.max_completion_length={c.value} training.seq_len={512 + c.value}"
     # The next candidate: G + 2 (whole micro-batches of 2 on every rank), one more completion token.
     for found, over in (

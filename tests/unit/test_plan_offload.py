@@ -102,7 +102,7 @@ def test_maximize_finds_the_edge(key: str) -> None:
     job, _ = _plan(*args)
     found = maximize(job.cfg, key)
     assert found.value and found.plan.fits
-    _, over = _plan(*args, f"{key}={found.value + 1}")
+    _, over = _plan(*args, f"{key}={found.value + 1}", *found.savers)  # the savers it turned on, as pasted
     assert not over.fits
 
 
