@@ -29,11 +29,13 @@ def _compact(layout: dict) -> str:
 def _checkpoints_dir(run: Path) -> Path:
     """A run directory (its config's checkpoint.dir) or a checkpoints directory itself."""
     from dtlaunch.run.checkpoints import checkpoint_root
+    from dtlaunch.run.run_dir import RunDir
 
-    if (run / "config.yaml").is_file():
+    config = RunDir(run).config
+    if config.is_file():
         from dtlaunch.config.compose import load_resolved
 
-        return checkpoint_root(load_resolved(run / "config.yaml"), run)
+        return checkpoint_root(load_resolved(config), run)
     return run / "checkpoints" if (run / "checkpoints").is_dir() else run
 
 

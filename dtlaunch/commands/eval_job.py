@@ -31,7 +31,7 @@ def check_finished(cfg: Any, run_dir: Path) -> None:
 def main(argv: Sequence[str]) -> int:
     from dtlaunch.commands.eval import eval_after_training
     from dtlaunch.config.compose import load_resolved
-    from dtlaunch.launch.rundir import CONFIG_NAME
+    from dtlaunch.run.run_dir import CONFIG_NAME
 
     if len(argv) != 1:
         print("usage: python -m dtlaunch.commands.eval_job RUN_DIR", file=sys.stderr)

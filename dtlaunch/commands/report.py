@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from dtlaunch.errors import InputError
+from dtlaunch.run.run_dir import CONFIG_NAME
 
 REPORT_NAME = "report.html"
 
@@ -27,7 +28,7 @@ def build_report(path: Path) -> str:
         runs = []
         for point in record.get("points") or []:
             run_dir = Path(str(point.get("run_dir") or ""))
-            runs.append(read_run(run_dir) if (run_dir / "config.yaml").is_file() else None)
+            runs.append(read_run(run_dir) if (run_dir / CONFIG_NAME).is_file() else None)
         return sweep_report(path, record, runs)
     return run_report(read_run(path))
 

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dtlaunch.errors import InputError
+from dtlaunch.run.run_dir import CONFIG_NAME, METRICS_NAME, STATE_NAME
 
 RECENT = 20
 
 
 def _last_metrics(run_dir: Path) -> dict:
     """The last complete line of metrics.jsonl, read from the end of the file (it can be large)."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_NAME
     try:
         with path.open("rb") as f:
             f.seek(0, 2)
@@ -42,7 +43,7 @@ def _total_steps(run_dir: Path, state: dict) -> Optional[int]:
     import yaml
 
     try:
-        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["training"]["steps"])
+        return int(yaml.safe_load((run_dir / CONFIG_NAME).read_text())["training"]["steps"])
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
         return None
 
@@ -51,7 +52,7 @@ def _checkpoint_root(run_dir: Path) -> Path:
     import yaml
 
     try:
-        d = Path(str(yaml.safe_load((run_dir / "config.yaml").read_text())["checkpoint"]["dir"]))
+        d = Path(str(yaml.safe_load((run_dir / CONFIG_NAME).read_text())["checkpoint"]["dir"]))
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         d = Path("checkpoints")
     return d if d.is_absolute() else run_dir / d
@@ -63,7 +64,7 @@ def local_status(run_dir: Path) -> dict[str, Any]:
     from dtlaunch.run import preemption
     from dtlaunch.run.checkpoints import newest_complete
 
-    if not (run_dir / "config.yaml").is_file():
+    if not (run_dir / CONFIG_NAME).is_file():
         raise InputError(f"'{run_dir}' is not a dtlaunch run directory (no config.yaml): give runs/<name>")
     state = read_state(run_dir)
     last = _last_metrics(run_dir)
@@ -107,7 +108,7 @@ def _fmt_loss(st: dict) -> str:
 
 
 def _last_activity(run_dir: Path) -> float:
-    files = (run_dir / f for f in ("state.json", "metrics.jsonl", "config.yaml"))
+    files = (run_dir / f for f in (STATE_NAME, METRICS_NAME, CONFIG_NAME))
     return max(f.stat().st_mtime for f in files if f.exists())
 
 
@@ -126,11 +127,12 @@ def resolve_run_dir(run: str, root: Optional[str]) -> Path:
 
 def run_status_command(run: Optional[str], root: Optional[str], as_json: bool) -> int:
     from dtlaunch.commands.common import console
+    from dtlaunch.commands.sweep import SWEEP_RECORD
 
     if run is None:
         return recent_runs_command(root, as_json)
     run_dir = resolve_run_dir(run, root)
-    if (run_dir / "sweep.json").is_file() and not (run_dir / "config.yaml").is_file():
+    if (run_dir / SWEEP_RECORD).is_file() and not (run_dir / CONFIG_NAME).is_file():
         return recent_runs_command(str(run_dir), as_json)  # a sweep directory: its points
     if (run_dir / "kubernetes.json").is_file():
         from dtlaunch.commands.submit_remote import kubernetes_status_command
@@ -170,7 +172,7 @@ def recent_runs_command(root: Optional[str], as_json: bool) -> int:
     base = Path(root)
     if not base.is_dir():
         raise InputError(f"no runs under '{base}': give a run directory, or --root DIR (run.root of your runs)")
-    runs = [p for p in base.iterdir() if (p / "config.yaml").is_file()]
+    runs = [p for p in base.iterdir() if (p / CONFIG_NAME).is_file()]
     runs.sort(key=_last_activity, reverse=True)
     statuses = [local_status(p.resolve()) for p in runs[:RECENT]]
     if as_json:

@@ -39,14 +39,14 @@ def _check_run_config(checkpoint: Path, where: str) -> None:
     """The run's config.yaml (RUN or RUN/checkpoints/step-N's run) must read back as a job: a corrupt one
     says the directory is not the run it seems to be."""
     from dtlaunch.config.compose import load_resolved
+    from dtlaunch.run.run_dir import RunDir
 
-    for run in list(checkpoint.parents)[:2]:
-        if (run / "config.yaml").is_file():
-            try:
-                load_resolved(run / "config.yaml")
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: {exc}: restore the run's config.yaml or give another run") from None
-            return
+    run = RunDir.of_checkpoint(checkpoint)
+    if run is not None and run.config.is_file():
+        try:
+            load_resolved(run.config)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}: restore the run's config.yaml or give another run") from None
 
 
 def _marker_model(info: Any, where: str) -> Any:

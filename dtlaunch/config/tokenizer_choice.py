@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from dtlaunch.config.hf_model import hf_source_dir
 from dtlaunch.config.weight_source import hf_name
+from dtlaunch.run.run_dir import TOKENIZER_FILE
 
 AUTO = "auto"
 BYTE = "byte"
@@ -32,11 +33,11 @@ def model_tokenizer_file(init_from: Any, fetch: bool = True) -> Optional[Path]:
             from dtlaunch.hub.download import ensure_model_files
 
             ensure_model_files(pin(ref, path), weights=False, tokenizer=True)
-        file = path / "tokenizer.json"
+        file = path / TOKENIZER_FILE
         # Not resolve(): the cache's snapshot entries link to content-named blobs, and the tokenizer's
         # sibling files (tokenizer_config.json) are found next to this name.
         return file.absolute() if file.is_file() else None
-    file = path / "tokenizer.json"
+    file = path / TOKENIZER_FILE
     return file.resolve() if file.is_file() else None
 
 

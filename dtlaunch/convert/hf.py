@@ -161,15 +161,13 @@ def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
     """The run's tokenizer beside the weights: its Hugging Face tokenizer (kept in <run dir>/tokenizer by the
     launcher), or the byte tokenizer's Hugging Face form for a run that trained on text with it. Runs on
     synthetic data without a model tokenizer have none (their ids are not text): nothing is written."""
-    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files
+    from dtlaunch.data.tokenizer import copy_tokenizer_files
+    from dtlaunch.run.run_dir import RunDir
 
-    parents = list(checkpoint.resolve().parents)[:3]  # run/checkpoints/step-N
-    for parent in parents:
-        kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"
-        if kept.is_file():
-            return copy_tokenizer_files(kept, Path(out))
-    run = next((p for p in parents if (p / "config.yaml").is_file()), None)
-    if run is not None and _trained_on_bytes(run / "config.yaml"):
+    run = RunDir.of_checkpoint(checkpoint.resolve())
+    if run is not None and run.tokenizer.is_file():
+        return copy_tokenizer_files(run.tokenizer, Path(out))
+    if run is not None and run.config.is_file() and _trained_on_bytes(run.config):
         from dtlaunch.data.byte_hf_tokenizer import write_byte_tokenizer
 
         return write_byte_tokenizer(Path(out))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlaunch.data.tokenizer import BYTE_BOS, BYTE_EOS
+from dtlaunch.run.run_dir import TOKENIZER_FILE
 
 BOS_TOKEN = "<bos>"
 EOS_TOKEN = "<eos>"
@@ -65,6 +66,6 @@ def byte_hf_tokenizer() -> Any:
 def write_byte_tokenizer(out: Path) -> list[Path]:
     """tokenizer.json and tokenizer_config.json in `out` (a Hugging Face model directory)."""
     out.mkdir(parents=True, exist_ok=True)
-    byte_backend().save(str(out / "tokenizer.json"))
+    byte_backend().save(str(out / TOKENIZER_FILE))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1) + "\n")
-    return [out / "tokenizer.json", out / "tokenizer_config.json"]
+    return [out / TOKENIZER_FILE, out / "tokenizer_config.json"]

@@ -20,6 +20,7 @@ from dtlaunch.data.sources import (
 )
 from dtlaunch.data.tokenizer import check_vocab, load_tokenizer
 from dtlaunch.errors import InputError
+from dtlaunch.run.run_dir import TOKENIZER_DIR, tokenizer_file
 
 
 def _text_source_id(cfg: Any, path: str) -> dict[str, Any]:
@@ -233,7 +234,7 @@ def _prepare_prompts(cfg: Any, run_dir: Path) -> None:
     prepare_prompts(
         cfg,
         run_dir,
-        spec / "tokenizer.json" if spec.is_dir() else spec,
+        tokenizer_file(spec),
         tok.eos_id,
         gb // int(cfg.objective.num_generations),
     )
@@ -256,14 +257,14 @@ def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
     """A Hugging Face tokenizer travels with the run (run_dir/tokenizer), so that `ckpt export --format hf`
     can write it beside the weights and `generate RUN_DIR` decode with it, even if the original file moves
     or changes. Synthetic runs from hf:DIR keep the model's tokenizer too (their data.tokenizer is it)."""
-    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files, resolve_tokenizer_spec
+    from dtlaunch.data.tokenizer import copy_tokenizer_files, resolve_tokenizer_spec
 
     spec = resolve_tokenizer_spec(str(cfg.data.tokenizer), str(cfg.model.init_from))
     if spec in ("", "byte"):
         return
     path = Path(spec).expanduser()
-    out = run_dir / RUN_TOKENIZER_DIR
-    copy_tokenizer_files(path / "tokenizer.json" if path.is_dir() else path, out)
+    out = run_dir / TOKENIZER_DIR
+    copy_tokenizer_files(tokenizer_file(path), out)
     if str(cfg.data.chat_template) and str(cfg.data.format) == "chat":
         from dtlaunch.data.chat_templates import load_chat_template
         from dtlaunch.data.tokenizer import set_chat_template

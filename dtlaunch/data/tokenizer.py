@@ -16,6 +16,7 @@ import numpy as np
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.inputs.chat_template import TEMPLATE_FILE
+from dtlaunch.run.run_dir import TOKENIZER_FILE, tokenizer_file
 
 BYTE_BOS = 256
 BYTE_EOS = 257
@@ -93,7 +94,7 @@ def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
     name = hf_name(init_from)
     if name is None:
         return "byte"
-    path = Path(name).expanduser() / "tokenizer.json"
+    path = Path(name).expanduser() / TOKENIZER_FILE
     if not path.is_file():
         raise ConfigError(
             f"data.tokenizer=auto: '{path}' does not exist (model.init_from={init_from}): put the model's "
@@ -107,9 +108,7 @@ def load_tokenizer(spec: str, init_from: str = "") -> Tokenizer:
     spec = resolve_tokenizer_spec(spec, init_from)
     if spec in ("", "byte"):
         return ByteTokenizer()
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(Path(spec).expanduser())
     if not path.is_file():
         raise InputError(f"tokenizer '{spec}' not found: use 'byte' or the path of a local tokenizer.json")
     return HFTokenizer(path)
@@ -126,8 +125,7 @@ def check_vocab(model_vocab: int, tokenizer_vocab: int, source: str) -> None:
 
 # Files of a Hugging Face tokenizer directory that travel with a run and its exports.
 # chat_template.jinja: where transformers' save_pretrained writes the chat template (dtlaunch.inputs.chat_template).
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-RUN_TOKENIZER_DIR = "tokenizer"
+HF_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def copy_tokenizer_files(tokenizer_json: Path, out: Path) -> list[Path]:
@@ -139,7 +137,7 @@ def copy_tokenizer_files(tokenizer_json: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in HF_TOKENIZER_FILES:
-        src = tokenizer_json.parent / name if name != "tokenizer.json" else tokenizer_json
+        src = tokenizer_json.parent / name if name != TOKENIZER_FILE else tokenizer_json
         if src.is_file():
             shutil.copyfile(src, out / name)
             copied.append(out / name)

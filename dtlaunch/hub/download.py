@@ -17,6 +17,7 @@ from dtlaunch.errors import InputError
 from dtlaunch.hub.errors import hub_module, translate
 from dtlaunch.hub.resolve import HubRef, snapshot_path
 from dtlaunch.inputs.hf_dir import INDEX_FILE, weight_files
+from dtlaunch.run.run_dir import TOKENIZER_FILE
 
 # model*.safetensors, not *.safetensors: some repositories also hold the same weights in another layout
 # (consolidated.safetensors), which would double the download for nothing dtlaunch reads.
@@ -38,9 +39,7 @@ def ensure_model_files(ref: HubRef, weights: bool, tokenizer: bool, key: str = "
     snapshot = snapshot_path(ref)
 
     def present() -> bool:
-        return (not weights or weights_complete(snapshot)) and (
-            not tokenizer or (snapshot / "tokenizer.json").is_file()
-        )
+        return (not weights or weights_complete(snapshot)) and (not tokenizer or (snapshot / TOKENIZER_FILE).is_file())
 
     if present():
         return snapshot

@@ -15,6 +15,7 @@ import torch
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import InputError
+from dtlaunch.run.run_dir import TOKENIZER_FILE
 
 
 @dataclass
@@ -56,7 +57,7 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
             from dtlaunch.convert.adapters import load_peft_dir, merge
 
             state = merge(state, load_peft_dir(Path(adapter).expanduser(), m, path), f"--adapter {adapter}")
-        tok_file = path / "tokenizer.json"
+        tok_file = path / TOKENIZER_FILE
         if not tok_file.is_file():
             raise InputError(f"generate {source}: no tokenizer.json in {path}: add the model's tokenizer.json")
         tokenizer_file = str(tok_file)
@@ -107,13 +108,12 @@ def stop_ids(model_dir: Optional[Path], *known: Optional[int]) -> tuple[int, ...
 def _run_base_dir(checkpoint: Path) -> Optional[Path]:
     """The local hf:DIR a run started from (its generation_config.json lists the end-of-turn ids), if any."""
     from dtlaunch.config.compose import load_resolved
+    from dtlaunch.run.run_dir import RunDir
 
-    for parent in checkpoint.parents:
-        if (parent / "config.yaml").is_file():
-            name = hf_name(load_resolved(parent / "config.yaml").model.init_from)
-            local = Path(name).expanduser() if name else None
-            return local if local is not None and local.is_dir() else None
-    return None
+    run = RunDir.of_checkpoint(checkpoint)
+    name = hf_name(load_resolved(run.config).model.init_from) if run and run.config.is_file() else None
+    local = Path(name).expanduser() if name else None
+    return local if local is not None and local.is_dir() else None
 
 
 def set_positions(model: torch.nn.Module, length: int) -> None:
@@ -126,15 +126,14 @@ def set_positions(model: torch.nn.Module, length: int) -> None:
 def _run_tokenizer(checkpoint: Path) -> str:
     """The tokenizer a checkpoint's run trained with (its config.yaml's data.tokenizer)."""
     from dtlaunch.config.compose import load_resolved
-    from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR
+    from dtlaunch.run.run_dir import RunDir
 
-    for parent in checkpoint.parents:
-        kept = parent / RUN_TOKENIZER_DIR / "tokenizer.json"  # the launcher's copy of the run's tokenizer
-        if kept.is_file():
-            return str(kept)
-        if (parent / "config.yaml").is_file():
-            return _configured_tokenizer(load_resolved(parent / "config.yaml"))
-    return "byte"
+    run = RunDir.of_checkpoint(checkpoint)
+    if run is None:
+        return "byte"
+    if run.tokenizer.is_file():  # the launcher's copy of the run's tokenizer
+        return str(run.tokenizer)
+    return _configured_tokenizer(load_resolved(run.config))
 
 
 def _configured_tokenizer(cfg: Any) -> str:

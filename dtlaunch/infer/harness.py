@@ -215,6 +215,7 @@ def resolve_source(source: str, out: str = "", adapter: str = "") -> Source:
             )
         return Source(source, Path(out or EVAL_DIR), None)
     from dtlaunch.run.checkpoints import resolve_load_path
+    from dtlaunch.run.run_dir import RunDir
 
     path = Path(source).expanduser()
     if not path.is_dir():
@@ -223,8 +224,8 @@ def resolve_source(source: str, out: str = "", adapter: str = "") -> Source:
         info, _ = resolve_load_path(path)
     except ConfigError as exc:
         raise InputError(f"eval {source}: not a run, checkpoint or hf:DIR ({exc})") from None
-    run = next((p for p in [info.path, *info.path.parents] if (p / "config.yaml").is_file()), path)
-    return Source(source, Path(out) if out else run / EVAL_DIR, info.step)
+    run = RunDir.of_checkpoint(info.path)
+    return Source(source, Path(out) if out else (run.path if run else path) / EVAL_DIR, info.step)
 
 
 def evaluate_source(src: Source, req: EvalRequest, manager: Any, adapter: str = "") -> tuple[dict, Path]:

@@ -15,6 +15,7 @@ from typing import Any
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.json_file import read_json_object
 from dtlaunch.inputs.safetensors_header import read_header
+from dtlaunch.run.run_dir import TOKENIZER_FILE
 
 # The directory's weight files: one file, or numbered shards named by an index.
 SINGLE_FILE = "model.safetensors"
@@ -133,7 +134,7 @@ def check_hf_dir(path: Path, c: dict) -> None:
 def check_tokenizer_files(path: Path) -> None:
     """tokenizer.json loads with the tokenizers library; tokenizer_config.json is a JSON object whose
     chat_template, when present, is text or a list of named templates."""
-    tok = path / "tokenizer.json"
+    tok = path / TOKENIZER_FILE
     if tok.is_file():
         check_tokenizer_json(tok)
     conf = path / "tokenizer_config.json"

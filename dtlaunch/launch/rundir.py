@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dtlaunch.errors import InputError
-
-CONFIG_NAME = "config.yaml"
+from dtlaunch.run.run_dir import CONFIG_NAME, LOGS_DIR, METRICS_NAME
 
 
 def run_name(cfg: Any, recipe: str) -> str:
@@ -62,7 +61,7 @@ def create_run_dir(cfg: Any, recipe: str) -> Path:
     if run_dir.exists() and not run_dir.is_dir():
         raise InputError(f"run directory '{run_dir}' exists and is not a directory: set run.dir to a directory")
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create run directory '{run_dir}': {exc.strerror}; set run.dir or run.root") from exc
     new_text = OmegaConf.to_yaml(cfg, resolve=True)
@@ -106,7 +105,7 @@ def move_checkpoints_aside(cfg: Any, run_dir: Path) -> Path | None:
         root.rename(target)
     except OSError as exc:
         raise InputError(f"cannot move the checkpoints '{root}' aside for --no-resume: {exc.strerror}") from exc
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_NAME
     if metrics.is_file():
         metrics.rename(run_dir / f"metrics.prev-{target.name.split('.prev-', 1)[1]}.jsonl")
     return target

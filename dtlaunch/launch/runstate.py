@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATE_NAME = "state.json"
+from dtlaunch.run.run_dir import STATE_NAME
 
 
 def record_state(run_dir: Path, state: str, **extra: Any) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from dtlaunch.errors import InputError
+from dtlaunch.run.run_dir import CONFIG_NAME, LOGS_DIR, METRICS_NAME, STATE_NAME
 
 # "training steps 5..6" in a rank log: a launch that started after step 4 resumed from a checkpoint.
 _STEPS_LINE = re.compile(r"training steps (\d+)\.\.(\d+)")
@@ -138,7 +139,7 @@ def read_run(run_dir: Path) -> RunData:
     import yaml
 
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.yaml"
+    config_path = run_dir / CONFIG_NAME
     if not config_path.is_file():
         raise InputError(f"'{run_dir}' is not a dtlaunch run directory (no config.yaml): give runs/<name>")
     text = config_path.read_text()
@@ -153,12 +154,12 @@ def read_run(run_dir: Path) -> RunData:
         run_dir=run_dir,
         config_text=text,
         config=config if isinstance(config, dict) else {},
-        state=_json(run_dir / "state.json"),
-        metrics=_metrics(run_dir / "metrics.jsonl"),
+        state=_json(run_dir / STATE_NAME),
+        metrics=_metrics(run_dir / METRICS_NAME),
         summary=_json(run_dir / "summary.json"),
         plan=_json(run_dir / "plan.json"),
         checkpoints=_checkpoints(run_dir, config if isinstance(config, dict) else {}),
-        launches=_launches(run_dir / "logs" / "rank0.log"),
+        launches=_launches(run_dir / LOGS_DIR / "rank0.log"),
         profile=_json(run_dir / PROFILE_DIR / SUMMARY_NAME) or profile_summary(run_dir),
         evals=[e for e in (_json(p) for p in sorted((run_dir / "eval").glob("*.json"))) if e.get("results")],
     )

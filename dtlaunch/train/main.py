@@ -33,6 +33,7 @@ from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.env import RUN_DIR_ENV
 from dtlaunch.run.phases import rank_log
+from dtlaunch.run.run_dir import CONFIG_NAME, LOGS_DIR
 from dtlaunch.train.observe.profiling import oom_snapshot
 from dtlaunch.train.parallel.process_group import init_distributed, restart_count, shutdown
 from dtlaunch.train.trainer import Trainer
@@ -41,7 +42,7 @@ from dtlaunch.train.trainer import Trainer
 def redirect_logs(run_dir: Path, rank: int) -> None:
     """Per-rank log file logs/rank<R>.log: every rank's stderr, and stdout of ranks other than 0
     (rank 0's stdout stays on the user's terminal for the progress display)."""
-    log_file = open(run_dir / "logs" / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
+    log_file = open(run_dir / LOGS_DIR / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
     log_file.write(f"--- rank {rank}, attempt {restart_count()}, pid {os.getpid()}, {time.strftime('%F %T')}\n")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -60,7 +61,7 @@ def main() -> None:
     faulthandler.enable(all_threads=True)
     # `dtlaunch debug RUN`: every thread's stack into this log on demand, while the run goes on.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    cfg = load_resolved(run_dir / "config.yaml")
+    cfg = load_resolved(run_dir / CONFIG_NAME)
     env = init_distributed(cfg)
     try:
         Trainer(cfg, run_dir, env).fit()

@@ -29,14 +29,15 @@ import torch.distributed as dist
 from dtlaunch.config.layout import decode_positions_multiple, generation_gather
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
-from dtlaunch.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
+from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
 from dtlaunch.inputs.rewards import call_reward, load_rewards
+from dtlaunch.run.run_dir import RunDir
+from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
 from dtlaunch.train.parallel.generation_gather import gathered_for_generation
 from dtlaunch.train.parallel.parallelize import compute_context
 
-IGNORE = -100
 PAD = 0
 TAG_ROLLOUT = 0x6A90  # the sampling generator's seed tag
 
@@ -119,7 +120,7 @@ class Rollout:
         self.global_prompts = rt.accum * self.micro_batch * dp_size // self.g
         self.dp_size = dp_size
         self.stop_ids = list(loader.meta["stop_ids"])
-        self.tokenizer = load_tokenizer(str(run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"))
+        self.tokenizer = load_tokenizer(str(RunDir(run_dir).tokenizer))
         self.current: Optional[RolloutBatches] = None
         replay = str(cfg.debug.replay_completions)  # test hook: completions from a file, no sampling
         self.replay = [json.loads(x) for x in Path(replay).read_text().splitlines()] if replay else None
