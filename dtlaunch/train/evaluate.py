@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.train.data import IGNORE_INDEX
 from dtlaunch.train.parallel.parallelize import compute_context
 from dtlaunch.train.runtime import Runtime
 
@@ -29,7 +30,7 @@ def evaluate(rt: Runtime, val_loader: Any, batches: int) -> dict[str, float]:
     total = torch.zeros(2, device=rt.device, dtype=torch.float64)
     for _ in range(batches * rt.accum):
         inputs, targets = (t.to(rt.device) for t in val_loader.next_batch())
-        count = (targets != -100).sum().double()
+        count = (targets != IGNORE_INDEX).sum().double()
         # nan_to_num: a micro-batch without targets has a 0/0 mean and adds nothing.
         extra = {k: v.to(rt.device) for k, v in val_loader.last_model_args.items()}
         total += torch.stack([_forward_loss(rt, inputs, targets, extra).double().nan_to_num() * count, count])

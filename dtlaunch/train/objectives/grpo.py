@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.train.data import IGNORE_INDEX
 from dtlaunch.train.loss import cross_entropy
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
@@ -184,7 +185,7 @@ class GRPOObjective:
     def __call__(
         self, output: torch.Tensor, targets: torch.Tensor, rows: dict, token_nll: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = (targets != -100).float()
+        mask = (targets != IGNORE_INDEX).float()
         logps = token_logps(output, targets, token_nll)
         # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
         # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.train.data import IGNORE_INDEX
 from dtlaunch.train.loss import cross_entropy
 
 
@@ -69,7 +70,7 @@ def completion_logps(
     if isinstance(nll, DTensor):
         nll = nll.to_local()  # replicated: the local value is the whole one (its gradient stays replicated)
     per_token = -nll.view(rows, seq)
-    logps, tokens = per_token.sum(dim=1), (targets != -100).sum(dim=1)
+    logps, tokens = per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)
     if cp_group is not None:
         logps = SumOverRanks.apply(logps, cp_group)
         dist.all_reduce(tokens, group=cp_group)
