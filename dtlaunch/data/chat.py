@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from dtlaunch.errors import ConfigError, InputError
-from dtlaunch.inputs.chat_template import has_generation_blocks, own_chat_template
+from dtlaunch.inputs.chat_template import has_generation_blocks
 
 ROLES = ("system", "user", "assistant", "tool")
 _BATCH = 256
@@ -40,12 +40,9 @@ class ChatEncoder:
             raise ConfigError(
                 "data.format=chat needs the 'transformers' package: pip install 'dtlaunch[data]'"
             ) from exc
-        from dtlaunch.data.chat_templates import BUILTIN, check_template_tokens, load_chat_template
+        from dtlaunch.data.chat_templates import BUILTIN, check_template_tokens, chosen_chat_template
 
-        if chat_template:
-            template = load_chat_template(chat_template)
-        else:
-            template = own_chat_template(tokenizer_json.parent)[0]
+        template = chosen_chat_template(chat_template, tokenizer_json)[0]
         if not template and chat:
             raise ConfigError(
                 f"data.format=chat needs a chat template, but the tokenizer '{tokenizer_json}' has none: set "

@@ -18,10 +18,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from dtlaunch.data.chat_templates import load_chat_template
+from dtlaunch.data.chat_templates import chosen_chat_template
 from dtlaunch.data.records import load_hf, source_files
 from dtlaunch.errors import InputError
-from dtlaunch.inputs.chat_template import own_chat_template
 from dtlaunch.inputs.rewards import check_rewards
 
 PROMPTS_FILE = "data/prompts.jsonl"
@@ -99,7 +98,7 @@ class PromptEncoder:
     def __init__(self, tokenizer_json: Path, chat_template: str = "") -> None:
         from transformers import PreTrainedTokenizerFast
 
-        template = load_chat_template(chat_template) if chat_template else own_chat_template(tokenizer_json.parent)[0]
+        template = chosen_chat_template(chat_template, tokenizer_json)[0]
         self.hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=template or None)
         self.backend = self.hf.backend_tokenizer
         self.has_template = bool(template)

@@ -16,8 +16,9 @@ from typing import Any
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
-from dtlaunch.inputs.chat_template import check_chat_template, own_chat_template
+from dtlaunch.inputs.chat_template import check_chat_template
 from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
+from dtlaunch.run.run_dir import tokenizer_file
 
 
 def check_job_inputs(cfg: Any) -> None:
@@ -133,19 +134,17 @@ def is_hub_model(cfg: Any) -> bool:
 
 def check_job_chat_template(cfg: Any) -> None:
     """data.chat_template (a built-in name or a Jinja file), else the tokenizer's own template."""
-    from dtlaunch.data.chat_templates import BUILTIN, load_chat_template
+    from dtlaunch.data.chat_templates import chosen_chat_template
 
     spec = str(cfg.data.chat_template)
     if spec:
-        where = f"data.chat_template={spec}" if spec in BUILTIN else f"'{Path(spec).expanduser()}'"
-        check_chat_template(load_chat_template(spec), where, "fix the template file (data.chat_template)")
+        template, where = chosen_chat_template(spec, Path())  # a set template reads no tokenizer
+        check_chat_template(template, where, "fix the template file (data.chat_template)")
         return
     from dtlaunch.config.tokenizer_choice import effective_tokenizer
 
-    tok = Path(effective_tokenizer(cfg)).expanduser()
-    tok_json = tok / "tokenizer.json" if tok.is_dir() else tok
+    tok_json = tokenizer_file(Path(effective_tokenizer(cfg)).expanduser())
     if tok_json.is_file():
-        template, source = own_chat_template(tok_json.parent)
+        template, where = chosen_chat_template("", tok_json)
         if template:
-            where = f"'{source}'" if source.suffix == ".jinja" else f"chat_template of '{source}'"
             check_chat_template(template, where, "fix it, or set data.chat_template to a built-in name or a Jinja file")

@@ -47,6 +47,19 @@ def load_chat_template(spec: str) -> str:
         raise ConfigError(f"data.chat_template='{spec}' cannot be read ({exc}): give a readable Jinja file") from exc
 
 
+def chosen_chat_template(spec: str, tokenizer_json: Path) -> tuple[str, str]:
+    """The chat template a job renders with, and where it came from (for messages): data.chat_template (a
+    built-in name or a Jinja file) when set, else the own template of the tokenizer `tokenizer_json`
+    (chat_template.jinja or tokenizer_config.json beside it); ("", that place) when it has none."""
+    if spec:
+        where = f"data.chat_template={spec}" if spec in BUILTIN else f"'{Path(spec).expanduser()}'"
+        return load_chat_template(spec), where
+    from dtlaunch.inputs.chat_template import own_chat_template
+
+    template, source = own_chat_template(Path(tokenizer_json).parent)
+    return template, f"'{source}'" if source.suffix == ".jinja" else f"chat_template of '{source}'"
+
+
 def template_identity(spec: str) -> str:
     """A hash of the template text (part of the token cache key: a changed template re-tokenizes)."""
     return hashlib.sha256(load_chat_template(spec).encode()).hexdigest()[:16] if spec else ""
