@@ -69,6 +69,21 @@ def frozen_block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, mod
 
 
+def nf4_blocks_problem(model: nn.Module, block_size: int, scaler_block_size: int, shards: int) -> str:
+    """Why a frozen block linear of `model`, cut into `shards` row shards (FSDP's), does not hold whole NF4
+    blocks: the first such weight, with the fix; "" when every one does. Checked by validate (on the meta
+    model, dtlaunch.config.rules.qlora) and again by the worker before it quantises."""
+    for name, mod in frozen_block_linears(model):
+        rows, cols = mod.weight.shape
+        if rows % shards or not nf4_fits(rows // shards * cols, block_size, scaler_block_size):
+            return (
+                f"{name}.weight {rows}x{cols} in {shards} row shard(s) does not hold whole NF4 blocks of "
+                f"peft.nf4_block_size={block_size} x peft.nf4_scaler_block_size={scaler_block_size} elements; "
+                f"choose sizes whose product divides {rows // shards * cols if rows % shards == 0 else cols}"
+            )
+    return ""
+
+
 def quantize_frozen_linears(
     model: nn.Module, block_size: int, scaler_block_size: int, dtype: torch.dtype, shards: int = 1
 ) -> list[str]:
@@ -77,15 +92,11 @@ def quantize_frozen_linears(
     into, each of which must hold whole blocks. Returns the quantised weights' names."""
     from dtlaunch.errors import ConfigError
 
+    problem = nf4_blocks_problem(model, block_size, scaler_block_size, shards)
+    if problem:
+        raise ConfigError(problem)
     names = []
     for name, mod in list(frozen_block_linears(model)):
-        rows, cols = mod.weight.shape
-        if rows % shards or not nf4_fits(rows // shards * cols, block_size, scaler_block_size):
-            raise ConfigError(
-                f"{name}.weight {rows}x{cols} cut into {shards} row shard(s) does not hold whole NF4 blocks of "
-                f"peft.nf4_block_size={block_size} x peft.nf4_scaler_block_size={scaler_block_size}: "
-                f"choose block sizes whose product divides {rows // max(shards, 1) * cols}"
-            )
         mod.weight = nn.Parameter(to_nf4(mod.weight, block_size, scaler_block_size, dtype), requires_grad=False)
         names.append(f"{name}.weight")
     return names

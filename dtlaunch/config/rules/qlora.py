@@ -50,7 +50,7 @@ def check_nf4_blocks(cfg: Any, shards: int) -> None:
     """Every frozen block linear, cut into `shards` row shards, holds whole NF4 blocks (shapes from the
     model built on the meta device with its adapters)."""
     from dtlaunch.models.lora import apply_lora
-    from dtlaunch.models.nf4 import frozen_block_linears, nf4_fits
+    from dtlaunch.models.nf4 import nf4_blocks_problem
     from dtlaunch.models.registry import model_spec
 
     p = cfg.peft
@@ -58,11 +58,6 @@ def check_nf4_blocks(cfg: Any, shards: int) -> None:
     spec = model_spec(cfg.model)
     model = spec.build(cfg.model, rope_len=1, device="meta")
     apply_lora(model, spec, p)
-    for name, mod in frozen_block_linears(model):
-        rows, cols = mod.weight.shape
-        if rows % shards or not nf4_fits(rows // shards * cols, block, scaler):
-            raise ConfigError(
-                f"peft.method=qlora: {name}.weight {rows}x{cols} in {shards} row shard(s) does not hold whole NF4 "
-                f"blocks of peft.nf4_block_size={block} x peft.nf4_scaler_block_size={scaler} elements; choose "
-                f"sizes whose product divides {rows // shards * cols if rows % shards == 0 else cols}"
-            )
+    problem = nf4_blocks_problem(model, block, scaler, shards)
+    if problem:
+        raise ConfigError(f"peft.method=qlora: {problem}")
