@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from dtlaunch.errors import InputError
+from dtlaunch.run.run_dir import LOGS_DIR
 
 STACK_SIGNAL = signal.SIGUSR2
 WORKER_MODULE = b"dtlaunch.train.main"
@@ -77,7 +78,7 @@ def _live_workers(run_dir: Path) -> dict[int, int]:
 
 def _signal_stacks(run_dir: Path, ranks: dict[int, int], wait_s: float) -> dict[int, str]:
     """SIGUSR2 to every worker; each rank's log text written since, once it stops growing."""
-    logs = {r: run_dir / "logs" / f"rank{r}.log" for r in ranks}
+    logs = {r: run_dir / LOGS_DIR / f"rank{r}.log" for r in ranks}
     sizes = {r: logs[r].stat().st_size if logs[r].is_file() else 0 for r in ranks}
     for pid in ranks.values():
         try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from dtlaunch.commands.common import Job, console, load_job, summary_table
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.run.run_dir import METRICS_NAME
 
 if TYPE_CHECKING:
     from dtlaunch.launch.slurm import JobStatus
@@ -152,7 +153,7 @@ def _last_step(run_dir: Path) -> int | None:
     """The newest step in metrics.jsonl (the run's own view of its progress)."""
     import json
 
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_NAME
     if not path.is_file():
         return None
     step = None

@@ -25,6 +25,7 @@ from dtlaunch.launch.slurm_script import (
     wants_eval_job,
     write_script,
 )
+from dtlaunch.run.run_dir import LOGS_DIR
 
 RECORD_NAME = "slurm.json"
 
@@ -221,7 +222,7 @@ def submit_array(script_text: str, sweep_dir: Path, run_dirs: Sequence[Path]) ->
     """Write and `sbatch` the array script; record task i's job id (`<array id>_<i>`) in run_dirs[i], with
     the evaluation job of a point with training.eval_tasks (held until task i succeeded)."""
     sweep_dir = Path(sweep_dir)
-    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (sweep_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     script = sweep_dir / ARRAY_SCRIPT_NAME
     script.write_text(script_text)
     script.chmod(0o755)

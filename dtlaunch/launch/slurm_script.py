@@ -34,6 +34,7 @@ from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, ConfigError
 from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 from dtlaunch.run.flight_recorder import launch_env
+from dtlaunch.run.run_dir import LOGS_DIR
 
 SCRIPT_NAME = "slurm.sbatch"
 EVAL_SCRIPT_NAME = "slurm-eval.sbatch"
@@ -100,7 +101,7 @@ def site_options(cfg: Any, run_dir: Path, time_key: str) -> list[str]:
     """The options a run's training and evaluation jobs share, quoted: CPUs per task, the site's memory,
     partition, account and qos, the time limit `cluster.<time_key>`, the logs, and requeue."""
     cl = cfg.cluster
-    logs = check_log_dir(run_dir) / "logs"
+    logs = check_log_dir(run_dir) / LOGS_DIR
     opts = [f"--cpus-per-task={int(cl.cpus_per_task)}"] if cl.cpus_per_task > 0 else []
     for option, key in (
         ("mem", "mem"),

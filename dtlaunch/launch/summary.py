@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from dtlaunch.run.run_dir import METRICS_NAME
+
 SUMMARY_NAME = "summary.json"
 
 
@@ -34,7 +36,7 @@ def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir / METRICS_NAME)
     steps = int(summary.get("final_step") or 0)
     tokens_per_step = global_batch(cfg, layout) * int(cfg.training.seq_len) * rows_per_sample(cfg)
     tps = summary.get("tokens_per_s_median")

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import NoReturn, Optional
 
 from dtlaunch.errors import EXIT_BAD_INPUT
+from dtlaunch.run.run_dir import LOGS_DIR
 
 PATTERN = "input-error-rank*.json"
 
 
 def _dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "logs"
+    return Path(run_dir) / LOGS_DIR
 
 
 def clear(run_dir: Path) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from dtlaunch.models.flops import flops_per_token, mfu
 from dtlaunch.run.metrics_file import human_bytes, write_loss_plot
+from dtlaunch.run.run_dir import METRICS_NAME
 
 TB_BATCH_S = 5.0  # seconds between hand-overs of buffered scalars to TensorBoard
 
@@ -78,7 +79,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._jsonl = (self.run_dir / METRICS_NAME).open("a", buffering=1)
         self._tb: Any = None
         self._tb_rows: list[tuple[int, float, list[tuple[str, float]]]] = []  # (step, wall time, scalars)
         self._tb_sent = 0.0  # the first step's scalars go at once (creates the event file early)
@@ -180,7 +181,7 @@ class MetricsLogger:
             self._tb.close()
         if self.cfg.training.loss_plot:
             write_loss_plot(
-                self.run_dir / "metrics.jsonl",
+                self.run_dir / METRICS_NAME,
                 self.run_dir / "loss.png",
                 title=f"{self.cfg.recipe or 'run'}: {self.cfg.model.name}",
             )
