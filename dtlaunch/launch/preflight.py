@@ -104,6 +104,8 @@ def check_model_matches(cfg: Any, info: Any) -> None:
 
     from dtlaunch.convert.base_fingerprint import check_base
     from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.checkpoint.states import saved_model_tensors
+    from dtlaunch.train.peft import apply_peft, peft_enabled
 
     check_base(cfg, info.marker, f"checkpoint {info.name} in '{info.path.parent}'")
     saved_model = info.marker.get("model", {})
@@ -118,17 +120,10 @@ def check_model_matches(cfg: Any, info: Any) -> None:
         for k, md in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    spec = model_spec(cfg.model)
-    model = spec.build(cfg.model, rope_len=1, device="meta")
-    if str(cfg.peft.method) != "none":
-        from dtlaunch.models.lora import apply_lora
-
-        apply_lora(model, spec, cfg.peft)
-    # peft: the checkpoint holds the adapters only (the frozen base is re-read from model.init_from).
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-    # Persistent buffers are saved too (an MoE router's expert bias).
-    kept = set(model.state_dict())
-    expected.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in kept})
+    model = model_spec(cfg.model).build(cfg.model, rope_len=1, device="meta")
+    apply_peft(model, cfg)  # as the workers do; then the checkpoint holds the adapters only
+    # The names the checkpoint writer saves, from the same function (a tied head included).
+    expected = {n: tuple(t.shape) for n, t in saved_model_tensors(model, trainable_only=peft_enabled(cfg)).items()}
     mismatch = next((n for n in expected if saved.get(n) != expected[n]), None)
     if mismatch is None:
         extra = sorted(set(saved) - set(expected))

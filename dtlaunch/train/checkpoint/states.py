@@ -42,9 +42,9 @@ class ModelState(Stateful):
         self._keys = []
         for part in self.model_parts:
             sd = get_model_state_dict(part, options=self._options())
-            if self.trainable_only:
-                # torch drops a frozen parameter under its first name only: a tied head stays otherwise.
-                sd = {k: v for k, v in sd.items() if k not in _frozen_names(part)}
+            # The entries saved are the names saved_model_tensors gives, the same the launcher's resume
+            # check expects (torch alone would keep a frozen tied head under its second name).
+            sd = {k: sd[k] for k in saved_model_tensors(part, self.trainable_only)}
             self._keys.append(list(sd))
             out.update(sd)
         return out
@@ -58,10 +58,24 @@ class ModelState(Stateful):
             set_model_state_dict(part, {k: state_dict[k] for k in keys}, options=self._options())
 
 
-def _frozen_names(part: Any) -> set[str]:
+def saved_model_tensors(part: Any, trainable_only: bool) -> dict[str, Any]:
+    """The model tensors a checkpoint holds for one model part, by model name (wrapper prefixes removed).
+    The one definition of that set: ModelState saves exactly these entries, and the launcher's resume
+    check (dtlaunch.launch.preflight) expects exactly these of a meta-device build of the config's model.
+
+    The part's state_dict entries: every parameter under each of its names (a tied head is one Parameter
+    as `tok_embeddings.weight` and `output.weight`, which named_parameters() lists once) and the
+    persistent buffers (an MoE router's expert bias); with `trainable_only` (peft) less the frozen
+    parameters under all their names (the frozen base is re-read from model.init_from, never saved)."""
+    from torch import nn
+
     from dtlaunch.train.parallel.init_weights import model_param_name
 
-    return {model_param_name(n) for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {
+        model_param_name(name): t
+        for name, t in part.state_dict(keep_vars=True).items()
+        if not (trainable_only and isinstance(t, nn.Parameter) and not t.requires_grad)
+    }
 
 
 class OptimizerState(Stateful):
