@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 COMMON = [
     f"training.steps={STEPS}",
