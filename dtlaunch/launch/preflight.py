@@ -104,8 +104,7 @@ def check_model_matches(cfg: Any, info: Any) -> None:
 
     from dtlaunch.convert.base_fingerprint import check_base
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.checkpoint.states import saved_model_tensors
-    from dtlaunch.train.peft import apply_peft, peft_enabled
+    from dtlaunch.models.saved_tensors import saved_model_tensors
 
     check_base(cfg, info.marker, f"checkpoint {info.name} in '{info.path.parent}'")
     saved_model = info.marker.get("model", {})
@@ -120,10 +119,15 @@ def check_model_matches(cfg: Any, info: Any) -> None:
         for k, md in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    model = model_spec(cfg.model).build(cfg.model, rope_len=1, device="meta")
-    apply_peft(model, cfg)  # as the workers do; then the checkpoint holds the adapters only
+    spec = model_spec(cfg.model)
+    model = spec.build(cfg.model, rope_len=1, device="meta")
+    peft = str(cfg.peft.method) != "none"
+    if peft:  # as the workers adapt it (dtlaunch.train.peft); then the checkpoint holds the adapters only
+        from dtlaunch.models.lora import apply_lora
+
+        apply_lora(model, spec, cfg.peft)
     # The names the checkpoint writer saves, from the same function (a tied head included).
-    expected = {n: tuple(t.shape) for n, t in saved_model_tensors(model, trainable_only=peft_enabled(cfg)).items()}
+    expected = {n: tuple(t.shape) for n, t in saved_model_tensors(model, trainable_only=peft).items()}
     mismatch = next((n for n in expected if saved.get(n) != expected[n]), None)
     if mismatch is None:
         extra = sorted(set(saved) - set(expected))

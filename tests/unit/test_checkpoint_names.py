@@ -32,7 +32,7 @@ def build(*overrides: str, device: str = "meta") -> tuple:
     ("arch", "tied"), [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", True), ("llama_moe", True)]
 )
 def test_saved_names_are_the_state_dict_tied_head_included(arch: str, tied: bool) -> None:
-    from dtlaunch.train.checkpoint.states import saved_model_tensors
+    from dtlaunch.models.saved_tensors import saved_model_tensors
 
     extra = [*MOE] if arch == "llama_moe" else [f"model.arch={arch}"]
     _, model = build(*extra, f"model.tie_embeddings={str(tied).lower()}")
@@ -48,7 +48,7 @@ def test_saved_names_are_the_state_dict_tied_head_included(arch: str, tied: bool
 
 
 def test_peft_saves_the_adapters_under_every_name_and_never_the_tied_base() -> None:
-    from dtlaunch.train.checkpoint.states import saved_model_tensors
+    from dtlaunch.models.saved_tensors import saved_model_tensors
 
     _, model = build("model.tie_embeddings=true", "peft=lora")
     names = saved_model_tensors(model, trainable_only=True)

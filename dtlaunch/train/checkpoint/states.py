@@ -19,6 +19,7 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtlaunch.errors import ConfigError
+from dtlaunch.models.saved_tensors import saved_model_tensors
 
 
 class ModelState(Stateful):
@@ -58,24 +59,6 @@ class ModelState(Stateful):
             set_model_state_dict(part, {k: state_dict[k] for k in keys}, options=self._options())
 
 
-def saved_model_tensors(part: Any, trainable_only: bool) -> dict[str, Any]:
-    """The model tensors a checkpoint holds for one model part, by model name (wrapper prefixes removed).
-    The one definition of that set: ModelState saves exactly these entries, and the launcher's resume
-    check (dtlaunch.launch.preflight) expects exactly these of a meta-device build of the config's model.
-
-    The part's state_dict entries: every parameter under each of its names (a tied head is one Parameter
-    as `tok_embeddings.weight` and `output.weight`, which named_parameters() lists once) and the
-    persistent buffers (an MoE router's expert bias); with `trainable_only` (peft) less the frozen
-    parameters under all their names (the frozen base is re-read from model.init_from, never saved)."""
-    from torch import nn
-
-    from dtlaunch.train.parallel.init_weights import model_param_name
-
-    return {
-        model_param_name(name): t
-        for name, t in part.state_dict(keep_vars=True).items()
-        if not (trainable_only and isinstance(t, nn.Parameter) and not t.requires_grad)
-    }
 
 
 class OptimizerState(Stateful):

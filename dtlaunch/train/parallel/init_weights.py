@@ -8,7 +8,6 @@ starts from the weights a single process would have: the basis of loss parity.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -18,16 +17,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dtlaunch.models.lora import is_adapter
 from dtlaunch.models.nf4 import allocate_nf4_metadata, is_nf4
+from dtlaunch.models.saved_tensors import model_param_name
 from dtlaunch.train.parallel.qlora import load_nf4_param
-
-# Prefixes added by wrappers (DDP, activation checkpointing, torch.compile) that the model's own
-# parameter names do not have.
-_WRAPPER_PARTS = re.compile(r"(^|\.)(module|_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.)")
-
-
-def model_param_name(name: str) -> str:
-    """'layers.0._checkpoint_wrapped_module.attention.wq.weight' -> 'layers.0.attention.wq.weight'."""
-    return _WRAPPER_PARTS.sub("", name).lstrip(".")
 
 
 @torch.no_grad()
