@@ -59,8 +59,6 @@ class ModelState(Stateful):
             set_model_state_dict(part, {k: state_dict[k] for k in keys}, options=self._options())
 
 
-
-
 class OptimizerState(Stateful):
     """One optimizer per model part (or none: nothing is saved)."""
 
