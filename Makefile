@@ -43,9 +43,13 @@ $(SKY_STAMP):
 UNIT_WORKERS ?= 2
 TEST_WORKERS ?= 0
 PYTEST_ENV = DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH"
+# Every test's seconds go to tests/durations.json (the layers each session ran replaced), and each session
+# prints its layers' slowest tests and the total against the 30-minute goal (tests/durations_report.py).
+DURATIONS ?= tests/durations.json
 test: install $(SKY_STAMP)  ## the whole suite: unit, multi-process, end-to-end and system tests
-	$(PYTEST_ENV) $(BIN)/pytest -q -n $(UNIT_WORKERS) --dist loadgroup --durations=10 tests/unit tests/fuzz
-	$(PYTEST_ENV) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 \
+	$(PYTEST_ENV) $(BIN)/pytest -q -n $(UNIT_WORKERS) --dist loadgroup --durations-file $(DURATIONS) \
+		tests/unit tests/fuzz
+	$(PYTEST_ENV) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations-file $(DURATIONS) \
 		tests/distributed tests/e2e tests/system
 
 test-fast: install  ## unit tests only

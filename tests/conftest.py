@@ -18,6 +18,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    from durations_report import add_options
+
+    add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`--durations-file` (make test): every test's time, stored and summarised by the session's controller
+    (pytest-xdist workers report to it; they write nothing themselves)."""
+    path = config.getoption("durations_file")
+    if path and not hasattr(config, "workerinput"):
+        from durations_report import DurationsPlugin
+
+        config.pluginmanager.register(DurationsPlugin(config, Path(path)), "dtlaunch-durations")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`make test TEST_WORKERS=N` runs N pytest-xdist workers (`--dist loadgroup`). Each test file is one
     unit of work there, so its module-scoped fixtures (a forked layout sweep, a run its tests share) are built once,
