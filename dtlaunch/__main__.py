@@ -1,3 +1,3 @@
-from dtlaunch.cli import run
+from dtlaunch.cli import console_main
 
-run()
+console_main()

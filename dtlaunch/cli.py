@@ -393,10 +393,41 @@ def run() -> None:
     sys.exit(code)
 
 
+def console_main() -> None:
+    """The console script and `python -m dtlaunch`: `run`, then, once torch is loaded (train, generate,
+    ckpt, plan --trace, ...), exit without the interpreter's teardown. Unloading torch's modules took
+    0.5-2 s after every such command, seconds that every `dtlaunch train` and every CLI test paid for
+    nothing. The exit handlers still run (logging, temporary directories, trackers); a non-daemon thread
+    still alive gets the ordinary exit, which waits for it. In-process callers use `run` (SystemExit)."""
+    code = 0
+    try:
+        run()
+    except SystemExit as stop:
+        code = stop.code
+        if "torch" not in sys.modules or not isinstance(code, int) or _other_threads():
+            raise
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more reaches it either way
+            pass
+    os._exit(code)
+
+
+def _other_threads() -> bool:
+    """Whether a non-daemon thread besides this one is alive (the ordinary exit would wait for it)."""
+    import threading
+
+    return any(t is not threading.current_thread() and not t.daemon and t.is_alive() for t in threading.enumerate())
+
+
 def exit_code(exc: BaseException) -> int:
     """errors.exit_code_of with this invocation's --debug."""
     return exit_code_of(exc, debug=_DEBUG)
 
 
 if __name__ == "__main__":
-    run()
+    console_main()

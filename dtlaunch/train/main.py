@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+# When this worker's Python began running dtlaunch (the rank's log is not open yet): its start-up phases.
+STARTED = time.time()
+
 from dtlaunch.run.known_noise import silence_known_noise
 from dtlaunch.run.parent_death import die_with_launcher
 
@@ -32,11 +35,13 @@ from dtlaunch.config.compose import load_resolved
 from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.env import RUN_DIR_ENV
-from dtlaunch.run.phases import rank_log
+from dtlaunch.run.phases import rank_log, startup_stamp
 from dtlaunch.run.run_dir import CONFIG_NAME, LOGS_DIR
 from dtlaunch.train.observe.profiling import oom_snapshot
 from dtlaunch.train.parallel.process_group import init_distributed, restart_count, shutdown
 from dtlaunch.train.trainer import Trainer
+
+IMPORTED = time.time()
 
 
 def redirect_logs(run_dir: Path, rank: int) -> None:
@@ -61,8 +66,11 @@ def main() -> None:
     faulthandler.enable(all_threads=True)
     # `dtlaunch debug RUN`: every thread's stack into this log on demand, while the run goes on.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+    startup_stamp("worker started", STARTED)
+    startup_stamp("worker imports done", IMPORTED)
     cfg = load_resolved(run_dir / CONFIG_NAME)
     env = init_distributed(cfg)
+    startup_stamp("process group joined")
     try:
         Trainer(cfg, run_dir, env).fit()
     except preemption.PreemptionStop as stop:  # checkpoint saved; a new start resumes
@@ -83,6 +91,7 @@ def main() -> None:
             raise
         first = (str(exc).strip().splitlines() or [""])[0]
         raise torch.OutOfMemoryError(f"memory snapshot {snapshot} (open at pytorch.org/memory_viz); {first}") from exc
+    startup_stamp("training finished")
     # Only after success: on an error, peers may sit in a collective, and a barrier would hang this rank
     # instead of letting it exit so that torchrun stops the others.
     shutdown()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from dtlaunch.config.layout import rows_per_sample
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.run import preemption
-from dtlaunch.run.phases import phase, rank_log
+from dtlaunch.run.phases import phase, rank_log, startup_stamp
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
@@ -125,6 +125,7 @@ class Trainer:
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")
         self.rt = rt = build_runtime(cfg, env)
+        startup_stamp("mesh and model built")
         rank_log(
             f"rank {env.rank}/{env.world} {env.backend} on {env.device}; mesh {rt.mesh}; accumulation {rt.accum}; "
             f"{sum(_local_numel(p) for m in rt.model_parts for p in m.parameters()):,} parameter elements on "
@@ -170,6 +171,7 @@ class Trainer:
         saves the step it stopped after and raises PreemptionStop (the worker exits 75)."""
         loop, rt, sync, step_fn, batches = self.loop, self.rt, self.sync, self.step_fn, self.step_loader
         rank_log(f"training steps {self.start + 1}..{loop.steps}")
+        startup_stamp("loop started")
         try:
             for step in self.steps:
                 lr = rt.schedulers[0].get_last_lr()[0]

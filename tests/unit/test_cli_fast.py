@@ -57,3 +57,23 @@ def test_recipes_table_lists_every_recipe() -> None:
     for name in list_recipes():
         assert name in res.stdout
     assert "invalid" not in res.stdout
+
+
+def test_console_exit_with_torch_loaded_keeps_code_handlers_and_threads() -> None:
+    """console_main skips the interpreter's teardown once torch is loaded (seconds per command), but the exit
+    code, the exit handlers and a non-daemon thread still alive are as with an ordinary exit."""
+    script = (
+        "import atexit, sys, threading, time, torch\n"
+        "atexit.register(lambda: print('exit handler ran', flush=True))\n"
+        "if sys.argv[1] == 'thread':\n"
+        "    threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished', flush=True))).start()\n"
+        "sys.argv = ['dtlaunch', 'validate', 'recipe=no_such_recipe']\n"
+        "from dtlaunch.cli import console_main\n"
+        "console_main()\n"
+    )
+    for mode in ("plain", "thread"):
+        res = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert "unknown recipe 'no_such_recipe'" in res.stderr
+        assert "exit handler ran" in res.stdout
+        assert ("thread finished" in res.stdout) == (mode == "thread")
