@@ -267,6 +267,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(hidden) if need_h else None
             grad_w = torch.zeros_like(w) if need_w else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            # The one-hot's -1 for every chunk's rows, made once: scatter_add_ reads only as many rows of its
+            # source as the index has (the first chunk of tensor_split is the longest).
+            minus_one = torch.full((-(-hidden.shape[0] // chunks), 1), -1.0, dtype=torch.float32, device=hidden.device)
             for h_c, t_c, gh_c in zip(
                 hidden.tensor_split(chunks),
                 targets.tensor_split(chunks),
@@ -291,7 +294,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                     continue
                 # d(loss)/d(logits) in place: softmax - one-hot on the rows that count, zero on the others.
                 z.div_(norm)
-                z.scatter_add_(1, pick, -torch.ones_like(z[:, :1]))
+                z.scatter_add_(1, pick, minus_one)
                 z.mul_(keep.unsqueeze(1))
                 dz = z.to(w.dtype)
                 del z

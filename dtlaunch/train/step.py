@@ -222,7 +222,9 @@ def _squared_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
             dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
             key = (g.device_mesh, dims) if dims else ()
             g = g.to_local()
-        locals_by_key.setdefault(key, []).append(g.detach())
+        # No detach: this runs under no_grad (clip_grad_norm) on gradients, which carry no graph; a detach
+        # per parameter was an aten op each, every step.
+        locals_by_key.setdefault(key, []).append(g)
     groups = {key: _sum_of_squares(ts) for key, ts in locals_by_key.items()}
     total = None  # no host-side zero: copying it to a GPU would synchronise the stream every step
     for key, sq in groups.items():
