@@ -10,7 +10,11 @@ machine that is not quiet, unlike wall-clock throughput.
     python bench/step_overhead.py                                   # world of 1
     torchrun --standalone --nproc-per-node 2 bench/step_overhead.py # DDP over 2 (adds the loss all-reduce)
 
-Prints a JSON object (rank 0) with µs per call for each piece.
+Prints a JSON object (rank 0) with µs per call for each piece, and (`counts`) what one iteration of
+each loop does, counted rather than timed, so the same on a quiet and a busy machine: Python function
+calls (cProfile), aten ops and autograd nodes (torch.profiler), host reads of tensor values
+(aten::_local_scalar_dense: `.item()`, `float(t)`, on a GPU each a stream sync) and collectives.
+`--counts-only` skips the timings.
 """
 
 from __future__ import annotations
@@ -50,6 +54,34 @@ def best_us(fn: Callable[[], Any], inner: int, outer: int, together: bool = True
             fn()
         best = min(best, (now() - t0) / inner)
     return best * 1e6
+
+
+def counts(fn: Callable[[], Any], n: int = 5) -> dict[str, float]:
+    """What one call of `fn` does, averaged over `n` calls: Python function calls, aten ops, autograd
+    backward nodes, host reads of tensor values and collectives. Deterministic, unlike a timing."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    calls = sum(v[1] for v in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(n):
+            fn()
+    events = {e.key: e.count for e in p.key_averages()}
+    return {
+        "python_calls": calls / n,
+        "aten_ops": sum(c for k, c in events.items() if k.startswith("aten::")) / n,
+        "autograd_nodes": sum(c for k, c in events.items() if k.startswith("autograd::engine::evaluate_function")) / n,
+        "host_reads": events.get("aten::_local_scalar_dense", 0) / n,
+        "collectives": sum(c for k, c in events.items() if k.startswith(("gloo:", "nccl:", "c10d::"))) / n,
+        "ops": {k: c / n for k, c in sorted(events.items())},
+    }
 
 
 def init() -> tuple[int, int]:
@@ -102,6 +134,8 @@ def main() -> None:
     ap.add_argument("--recipe", default="tiny_ddp")
     ap.add_argument("--outer", type=int, default=15)
     ap.add_argument("--inner", type=int, default=10)
+    ap.add_argument("--counts-only", action="store_true", help="only the per-iteration counts (no timings)")
+    ap.add_argument("--ops", action="store_true", help="print every op's count per iteration, both loops")
     ap.add_argument("overrides", nargs="*", help="extra dtlaunch overrides, e.g. model=small")
     args = ap.parse_args()
     rank, world = init()
@@ -170,54 +204,58 @@ def main() -> None:
         for _ in range(5):  # warm-up: optimizer state, the memory tracker's first steps, TensorBoard writer
             dt_iteration()
             hw_iteration()
+        per_iteration = {"dtlaunch": counts(dt_iteration), "hand-written": counts(hw_iteration)}
         results: dict[str, float] = {}
-        # Interleave the whole iterations a few times over so drift hits both.
-        dt_best, hw_best = float("inf"), float("inf")
-        for _ in range(3):
-            dt_best = min(dt_best, best_us(dt_iteration, args.inner, args.outer // 3 + 1))
-            hw_best = min(hw_best, best_us(hw_iteration, args.inner, args.outer // 3 + 1))
-        results["iteration: dtlaunch"] = dt_best
-        results["iteration: hand-written"] = hw_best
-        hw_backward()
-        params = [list(hw_model.parameters())]
-        results["data: dtlaunch TokenLoader.next_batch"] = best_us(loader.next_batch, 50, args.outer)
-        results["data: torch.randint"] = best_us(
-            lambda: torch.randint(0, vocab, (mb, seq + 1), generator=gen), 50, args.outer
-        )
-        results["clip: dtlaunch step.clip_grad_norm + float"] = best_us(
-            lambda: float(clip_grad_norm(params, 1.0, None)), 50, args.outer
-        )
-        results["clip: torch get_total_norm + clip_grads_with_norm_ (foreach)"] = best_us(
-            lambda: float(handwritten.clip_grad_norm(hw_model, 1.0)), 50, args.outer
-        )
-        scalar = torch.ones(())
-        window = WindowSync(torch.device("cpu"), 1, 10**9)
-        pushed = [0]
-
-        def push_one() -> None:
-            pushed[0] += 1
-            window.push(pushed[0], scalar, scalar, True, 0)
-
-        results["loss + flags: dtlaunch WindowSync.push (one async all-reduce per log window)"] = best_us(
-            push_one, 50, args.outer
-        )
-        results["loss: float(loss) (hand-written)"] = best_us(lambda: float(scalar), 50, args.outer)
-
-        def tracked() -> None:
-            with tracker.step(10**6):
-                pass
-
-        results["PeakTracker.step after its tracked steps"] = best_us(tracked, 50, args.outer)
-        if rank == 0:
-            n = [10**6]
-
-            def log_once() -> None:
-                n[0] += 1
-                metrics.log(n[0], {"loss": 1.0, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 1.0, "peak_mem_bytes": 0})
-
-            results["metrics: MetricsLogger.log per step (log_every=1: JSON + TensorBoard + progress line)"] = best_us(
-                log_once, 20, args.outer, together=False
+        if not args.counts_only:
+            # Interleave the whole iterations a few times over so drift hits both.
+            dt_best, hw_best = float("inf"), float("inf")
+            for _ in range(3):
+                dt_best = min(dt_best, best_us(dt_iteration, args.inner, args.outer // 3 + 1))
+                hw_best = min(hw_best, best_us(hw_iteration, args.inner, args.outer // 3 + 1))
+            results["iteration: dtlaunch"] = dt_best
+            results["iteration: hand-written"] = hw_best
+            hw_backward()
+            params = [list(hw_model.parameters())]
+            results["data: dtlaunch TokenLoader.next_batch"] = best_us(loader.next_batch, 50, args.outer)
+            results["data: torch.randint"] = best_us(
+                lambda: torch.randint(0, vocab, (mb, seq + 1), generator=gen), 50, args.outer
             )
+            results["clip: dtlaunch step.clip_grad_norm + float"] = best_us(
+                lambda: float(clip_grad_norm(params, 1.0, None)), 50, args.outer
+            )
+            results["clip: torch get_total_norm + clip_grads_with_norm_ (foreach)"] = best_us(
+                lambda: float(handwritten.clip_grad_norm(hw_model, 1.0)), 50, args.outer
+            )
+            scalar = torch.ones(())
+            window = WindowSync(torch.device("cpu"), 1, 10**9)
+            pushed = [0]
+
+            def push_one() -> None:
+                pushed[0] += 1
+                window.push(pushed[0], scalar, scalar, True, 0)
+
+            results["loss + flags: dtlaunch WindowSync.push (one async all-reduce per log window)"] = best_us(
+                push_one, 50, args.outer
+            )
+            results["loss: float(loss) (hand-written)"] = best_us(lambda: float(scalar), 50, args.outer)
+
+            def tracked() -> None:
+                with tracker.step(10**6):
+                    pass
+
+            results["PeakTracker.step after its tracked steps"] = best_us(tracked, 50, args.outer)
+            if rank == 0:
+                n = [10**6]
+
+                def log_once() -> None:
+                    n[0] += 1
+                    metrics.log(
+                        n[0], {"loss": 1.0, "lr": 1e-4, "grad_norm": 0.5, "tokens_per_s": 1.0, "peak_mem_bytes": 0}
+                    )
+
+                results["metrics: MetricsLogger.log per step (log_every=1: JSON + TensorBoard + progress line)"] = (
+                    best_us(log_once, 20, args.outer, together=False)
+                )
     metrics.close()
     if rank == 0:
         out = {
@@ -226,7 +264,15 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "clock": "thread CPU time" if world == 1 else "wall",
             "us": results,
+            "counts per iteration": {
+                side: {k: v for k, v in c.items() if k != "ops"} for side, c in per_iteration.items()
+            },
         }
+        if args.ops:
+            out["ops per iteration"] = {
+                k: [per_iteration["dtlaunch"]["ops"].get(k, 0), per_iteration["hand-written"]["ops"].get(k, 0)]
+                for k in sorted(set(per_iteration["dtlaunch"]["ops"]) | set(per_iteration["hand-written"]["ops"]))
+            }
         print(json.dumps(out, indent=2))
     dist.barrier()
     dist.destroy_process_group()

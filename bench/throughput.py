@@ -15,6 +15,14 @@ The same runs give the launch overhead: wall time from starting the command to t
 appearing in the run's metrics file (polled every 5 ms; see bench/launch_overhead.py).
 
     python bench/throughput.py [--quick] [--reps 4] [--steps 200]
+    python bench/throughput.py --race [--baseline DIR]   # DDP x2 tiny and model=small, 3 repetitions
+
+`--race` is the parity race of dtlaunch issue #49: the two DDP cases, three alternated repetitions, each
+repetition's pair giving a per-step ratio (hand-written / dtlaunch median step) and a whole-loop ratio
+(dtlaunch / hand-written steady tokens/s); printed with the medians of those paired ratios, which a
+machine others load moves less than a ratio of medians. `--baseline DIR` adds a third side in the same
+alternation: `dtlaunch train` from another checkout (e.g. `git worktree add DIR d04c4ab`), its package
+first on PYTHONPATH, so an old commit and this one race the same hand-written loop under the same noise.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,8 +42,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `bench.common` importable
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, command_line, markdown_table, min_med_max, stats, usable_cores, venv_bin
@@ -58,11 +65,12 @@ class Case:
 
 
 CASES = (Case("tiny_ddp", 1), Case("tiny_ddp", 2), Case("tiny_fsdp", 2), Case("tiny_ddp", 2, ("model=small",)))
+RACE_CASES = (CASES[1], CASES[3])  # --race: DDP over 2 processes, tiny and model=small
 
 
 @dataclass
 class RunResult:
-    side: str  # "dtlaunch" | "handwritten"
+    side: str  # "dtlaunch" | "handwritten" | "baseline" (dtlaunch from another checkout, --baseline)
     tokens_per_s: Optional[float]
     first_step_s: Optional[float]  # command start -> first metrics line on disk
     wall_s: float  # command start -> exit
@@ -186,6 +194,7 @@ def run_one(
     tokens_per_step: int,
     warmup: int,
     timeout: Optional[float] = None,
+    cwd: Path = ROOT,
 ) -> RunResult:
     """Start `cmd`, time its first metrics line and its exit, then read its steady-state throughput.
     Past `timeout` seconds the run is stopped (see `wait_or_stop`) and reported as timed out."""
@@ -194,7 +203,7 @@ def run_one(
     t0 = time.perf_counter()
     watch = FirstLine(metrics, t0)
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         timed_out = wait_or_stop(proc, timeout)
     wall = time.perf_counter() - t0
     first = watch.stop()
@@ -231,8 +240,11 @@ def wait_or_stop(proc: subprocess.Popen, timeout: Optional[float], grace: float 
         return True
 
 
-def run_case_pair(case: Case, steps: int, warmup: int, rep: int, work: Path) -> list[RunResult]:
-    """One dtlaunch run and one hand-written run of `case`, in an order that flips with `rep`."""
+def run_case_pair(
+    case: Case, steps: int, warmup: int, rep: int, work: Path, baseline: Optional[Path] = None
+) -> list[RunResult]:
+    """One dtlaunch run and one hand-written run of `case` (and one of `baseline`'s dtlaunch), in an order
+    that changes with `rep` (flips for two sides, rotates for three)."""
     threads = max(1, usable_cores() // case.nproc)
     overrides = job_overrides(case, steps, threads)
     cfg = composed(overrides)
@@ -256,20 +268,33 @@ def run_case_pair(case: Case, steps: int, warmup: int, rep: int, work: Path) -> 
         ("dtlaunch", dt_cmd, plain, dt_dir / "metrics.jsonl", work / f"dt-{tag}.log"),
         ("handwritten", hw_cmd, {"OMP_NUM_THREADS": str(threads)}, hw_dir / "metrics.jsonl", hw_dir / "out.log"),
     ]
-    if rep % 2:
-        sides.reverse()
-    return [run_one(*s, tokens_per_step=tokens_per_step, warmup=warmup) for s in sides]
+    cwds = [ROOT, ROOT]
+    if baseline is not None:
+        bl_dir = work / f"bl-{tag}"
+        bl_env = {**plain, "PYTHONPATH": os.pathsep.join(filter(None, [str(baseline), os.environ.get("PYTHONPATH")]))}
+        bl_cmd = [venv_bin("dtlaunch"), "train", *overrides, f"run.dir={bl_dir}"]
+        sides.append(("baseline", bl_cmd, bl_env, bl_dir / "metrics.jsonl", work / f"bl-{tag}.log"))
+        cwds.append(baseline)
+        order = [(i + rep) % 3 for i in range(3)]
+    else:
+        order = [1, 0] if rep % 2 else [0, 1]
+    return [run_one(*sides[i], tokens_per_step=tokens_per_step, warmup=warmup, cwd=cwds[i]) for i in order]
 
 
 def run(
-    cases: Sequence[Case] = CASES, reps: int = 4, steps: int = 200, warmup: int = 10, keep: Optional[Path] = None
+    cases: Sequence[Case] = CASES,
+    reps: int = 4,
+    steps: int = 200,
+    warmup: int = 10,
+    keep: Optional[Path] = None,
+    baseline: Optional[Path] = None,
 ) -> list[CaseResult]:
     work = Path(tempfile.mkdtemp(prefix="dtlaunch-bench-tps-")) if keep is None else keep
     results = [CaseResult(c) for c in cases]
     try:
         for rep in range(reps):
             for res in results:
-                pair = run_case_pair(res.case, steps, warmup, rep, work)
+                pair = run_case_pair(res.case, steps, warmup, rep, work, baseline)
                 res.runs.extend(pair)
                 for r in pair:
                     status = r.error or (
@@ -277,10 +302,42 @@ def run(
                         f"first step {r.first_step_s:.2f} s, load {r.load:.2f}"
                     )
                     print(f"  [{rep + 1}/{reps}] {res.case.label:40s} {r.side:12s} {status}", flush=True)
+                print(f"  [{rep + 1}/{reps}] {res.case.label:40s} paired: {_paired_line(pair)}", flush=True)
     finally:
         if keep is None:
             shutil.rmtree(work, ignore_errors=True)
     return results
+
+
+def paired_ratios(runs: Sequence[RunResult], side: str = "dtlaunch") -> dict[str, list[float]]:
+    """Per repetition (runs in the order they ran, one of each side per repetition): `side`'s per-step
+    ratio (hand-written / its median step) and whole-loop ratio (its tokens/s / hand-written's)."""
+    mine = [r for r in runs if r.side == side]
+    hand = [r for r in runs if r.side == "handwritten"]
+    out: dict[str, list[float]] = {"per_step": [], "whole_loop": []}
+    for a, h in zip(mine, hand, strict=True):  # one of each side per repetition
+        if a.error or h.error:
+            continue
+        if a.step_s and h.step_s:
+            out["per_step"].append(h.step_s / a.step_s)
+        if a.tokens_per_s and h.tokens_per_s:
+            out["whole_loop"].append(a.tokens_per_s / h.tokens_per_s)
+    return out
+
+
+def _paired_line(pair: Sequence[RunResult]) -> str:
+    parts = []
+    for side in ("dtlaunch", "baseline"):
+        p = paired_ratios(pair, side)
+        if p["per_step"] or p["whole_loop"]:
+            step = f"{p['per_step'][0]:.3f}" if p["per_step"] else "-"
+            loop = f"{p['whole_loop'][0]:.3f}" if p["whole_loop"] else "-"
+            parts.append(f"{side} per-step {step}, whole-loop {loop}")
+    return "; ".join(parts) or "-"
+
+
+def _median(xs: Sequence[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
 
 
 def summarize(results: list[CaseResult]) -> dict[str, Any]:
@@ -302,6 +359,16 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
                 "dtlaunch_step_s": dt_step,
                 "handwritten_step_s": hw_step,
                 "per_step_ratio": step_ratio,
+                "paired": {
+                    side: {
+                        **p,
+                        "median_per_step": _median(p["per_step"]),
+                        "median_whole_loop": _median(p["whole_loop"]),
+                    }
+                    for side in ("dtlaunch", "baseline")
+                    if (p := paired_ratios(res.runs, side))["per_step"] or p["whole_loop"]
+                },
+                "loads": [r.load for r in res.runs],
                 "dtlaunch_first_step_s": stats(r.first_step_s for r in res.of("dtlaunch") if r.first_step_s),
                 "handwritten_first_step_s": stats(r.first_step_s for r in res.of("handwritten") if r.first_step_s),
                 "commands": {side: next((r.command for r in res.runs if r.side == side), "") for side in _SIDES},
@@ -312,7 +379,7 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
     return {"cases": out}
 
 
-_SIDES = ("dtlaunch", "handwritten")
+_SIDES = ("dtlaunch", "handwritten", "baseline")
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -330,15 +397,39 @@ def table(summary: dict[str, Any]) -> str:
                 c["dtlaunch_tokens_per_s"]["n"],
             ]
         )
-    headers = [
-        "case",
-        "dtlaunch tok/s, median (min–max)",
-        "hand-written tok/s",
-        "whole-loop ratio",
-        "per-step ratio",
-        "≥ 0.98",
-        "reps",
-    ]
+    return markdown_table(_HEADERS, rows)
+
+
+_HEADERS = [
+    "case",
+    "dtlaunch tok/s, median (min–max)",
+    "hand-written tok/s",
+    "whole-loop ratio",
+    "per-step ratio",
+    "≥ 0.98",
+    "reps",
+]
+
+
+def paired_table(summary: dict[str, Any]) -> str:
+    """Per case and side (dtlaunch, and --baseline's): each repetition's paired per-step and whole-loop
+    ratios against the hand-written run next to it, their medians, and the load averages at the starts."""
+    rows = []
+    for c in summary["cases"]:
+        loads = [x for x in c.get("loads", []) if x is not None]
+        for side, p in c.get("paired", {}).items():
+            rows.append(
+                [
+                    c["case"],
+                    side,
+                    ", ".join(f"{x:.3f}" for x in p["per_step"]),
+                    f"{p['median_per_step']:.3f}" if p["median_per_step"] else "-",
+                    ", ".join(f"{x:.3f}" for x in p["whole_loop"]),
+                    f"{p['median_whole_loop']:.3f}" if p["median_whole_loop"] else "-",
+                    f"{min(loads):.1f}–{max(loads):.1f}" if loads else "-",
+                ]
+            )
+    headers = ["case", "side", "per-step ratios", "median", "whole-loop ratios", "median", "load"]
     return markdown_table(headers, rows)
 
 
@@ -351,12 +442,22 @@ def main() -> None:
     ap.add_argument("--keep", default="", help="keep the run directories here")
     ap.add_argument("--json", default="", help="write the summary here")
     ap.add_argument("--cases", default="", help="indices into CASES, e.g. 1,3 (default: all)")
+    ap.add_argument("--race", action="store_true", help="issue #49's race: DDP x2 tiny and model=small, 3 repetitions")
+    ap.add_argument("--baseline", default="", help="also race `dtlaunch train` from this checkout (a third side)")
     args = ap.parse_args()
     reps, steps = (2, 60) if args.quick else (args.reps, args.steps)
+    if args.race and "--reps" not in sys.argv:
+        reps = 3
     keep = Path(args.keep) if args.keep else None
-    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
-    summary = summarize(run(cases, reps=reps, steps=steps, warmup=args.warmup, keep=keep))
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(RACE_CASES if args.race else CASES)
+    baseline = Path(args.baseline).resolve() if args.baseline else None
+    if baseline is not None and not (baseline / "dtlaunch" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {baseline}: no dtlaunch package there (give a checkout's root)")
+    summary = summarize(run(cases, reps=reps, steps=steps, warmup=args.warmup, keep=keep, baseline=baseline))
+    summary["baseline"] = str(baseline) if baseline is not None else None
     print(table(summary))
+    print()
+    print(paired_table(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -255,3 +255,20 @@ def test_gpu_bench_memory_table_reads_against_the_baseline() -> None:
         in text
     )
     assert "| longctx-full | - | 131,072 | 500 | 0.500 | - | 40.00 | 40.00 | +0.0 % | - | 45.00 | 44.00 |" in text
+
+
+def test_race_pairs_each_repetition_with_its_hand_written_run() -> None:
+    def run(side: str, tps: float, step: float) -> throughput.RunResult:
+        return throughput.RunResult(side, tps, 1.0, 2.0, "cmd", step_s=step)
+
+    # Two repetitions; a baseline side (--baseline) in the same alternation, order rotated.
+    runs = [run("dtlaunch", 90.0, 0.020), run("handwritten", 100.0, 0.019), run("baseline", 95.0, 0.0195)]
+    runs += [run("handwritten", 50.0, 0.040), run("baseline", 50.0, 0.040), run("dtlaunch", 49.0, 0.041)]
+    paired = throughput.paired_ratios(runs)
+    assert paired["whole_loop"] == pytest.approx([0.90, 0.98])
+    assert paired["per_step"] == pytest.approx([0.95, 0.040 / 0.041])
+    assert throughput.paired_ratios(runs, "baseline")["whole_loop"] == pytest.approx([0.95, 1.0])
+    summary = throughput.summarize([throughput.CaseResult(throughput.RACE_CASES[0], runs)])
+    assert summary["cases"][0]["paired"]["dtlaunch"]["median_whole_loop"] == pytest.approx(0.94)
+    table = throughput.paired_table(summary).splitlines()
+    assert len(table) == 4 and "| baseline | 0.974, 1.000 | 0.987 |" in table[3]
