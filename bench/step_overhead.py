@@ -79,7 +79,8 @@ def counts(fn: Callable[[], Any], n: int = 5) -> dict[str, float]:
         "aten_ops": sum(c for k, c in events.items() if k.startswith("aten::")) / n,
         "autograd_nodes": sum(c for k, c in events.items() if k.startswith("autograd::engine::evaluate_function")) / n,
         "host_reads": events.get("aten::_local_scalar_dense", 0) / n,
-        "collectives": sum(c for k, c in events.items() if k.startswith(("gloo:", "nccl:", "c10d::"))) / n,
+        # One c10d:: op per collective call (the backend's own gloo:/nccl: event would count it twice).
+        "collectives": sum(c for k, c in events.items() if k.startswith("c10d::")) / n,
         "ops": {k: c / n for k, c in sorted(events.items())},
     }
 
