@@ -114,6 +114,8 @@ TINY_HF = {
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}),  # 4 x 24 != hidden 64
     "mistral": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    # Two layers: a NoPE layer every second one (layer 1), so both kinds of attention are exercised.
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": None, "bos_token_id": None}),
 }
 TINY_HF_WORDS = [f"w{i}" for i in range(250)]
 # The shape every tiny HF test model shares (2 layers, GQA 4/2 heads, 256-token vocabulary).

@@ -1,4 +1,4 @@
-"""Every native family (Qwen2, Qwen3, Mistral, tied Llama) in the layouts the CLI parity tests run only
+"""Every native family (Qwen2, Qwen3, Mistral, tied Llama, SmolLM3) in the layouts the CLI parity tests run only
 for Llama, plus hf_auto tensor parallel, in ONE group of 4 gloo processes against a single-process reference.
 This is where each family's layout parity lives; tests/e2e/test_hf_families_train.py launches one family
 through `dtlaunch train` to prove the CLI path from a Hugging Face directory.
@@ -48,7 +48,8 @@ LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     # strategy=3d at 4 ranks: pipeline x tensor parallel with sequence parallel (FSDP has dp=1 here).
     "3d_pp2_tp2_sp": (["strategy=3d", "training.micro_batch=4"], ("qwen2", "qwen3", "mistral")),
     # fp32 FSDP2 x TP (+SP) for the tied head, which pipeline layouts (the fp32 TP cases above) cannot hold.
-    "fsdp2_tp2_sp_tied": (["strategy=fsdp_tp", "training.micro_batch=2"], ("llama_tied",)),
+    # SmolLM3 (tied too) adds its NoPE layer to the sharded blocks.
+    "fsdp2_tp2_sp_tied": (["strategy=fsdp_tp", "training.micro_batch=2"], ("llama_tied", "smollm3")),
     "fsdp2_tp2_bf16": (
         ["strategy=fsdp_tp", "precision=bf16", "training.micro_batch=2"],
         ("qwen2", "qwen3", "mistral", "llama_tied"),

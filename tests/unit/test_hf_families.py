@@ -1,5 +1,5 @@
-"""Tiny random-weight Qwen2, Qwen3, Mistral and tied Llama directories (made by transformers): our
-model, loaded through `model.init_from=hf:DIR`, computes transformers' logits within 1e-4."""
+"""Tiny random-weight Qwen2, Qwen3, Mistral, tied Llama and SmolLM3 directories (made by transformers): our
+model, loaded through `model.init_from=hf:DIR`, computes transformers' logits within 1e-5 (fp32)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied"]
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "llama_tied": "llama"}
+FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied", "smollm3"]
+ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "llama_tied": "llama", "smollm3": "smollm3"}
 
 
 def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:
@@ -38,7 +38,60 @@ def test_logits_match_transformers(tiny_hf_dirs, family: str) -> None:
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(tokens) - ref(tokens).logits).abs().max().item()
-    assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
+    assert diff < 1e-5, f"{family}: max |logit diff| {diff}"
+
+
+def test_smollm3_round_trip_is_bit_identical_and_counted_exactly(tiny_hf_dirs, tmp_path) -> None:
+    """Import -> export (save_hf, what `ckpt export --format hf` writes) gives the original tensors bit for
+    bit and a config.json transformers builds the same model from (NoPE layer 1 included: same logits);
+    `dtlaunch plan` counts transformers' parameters exactly. (The DCP -> HF path is family-independent:
+    tests/e2e/test_hf_families_train.py runs it per family.)"""
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    src = tiny_hf_dirs["smollm3"]
+    model, m = ours(src)
+    assert list(m.no_rope_layers) == [1] and m.tie_embeddings
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["no_rope_layers"] == [1, 0] and cfg["pad_token_id"] is None  # 128004 is outside 256 ids
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        b = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        assert (a(tokens).logits - b(tokens).logits).abs().max().item() < 1e-5
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch=smollm3) from {src}: {sum(p.numel() for p in b.parameters()):,} parameters" in out, out
+
+
+def test_smollm3_config_json_variants(tiny_hf_dirs, tmp_path) -> None:
+    """transformers' defaults when config.json omits them (NoPE every no_rope_layer_interval-th layer, tied
+    head, theta 2e6); a window on the NoPE layers only is refused, one on every layer read."""
+    c = json.loads((tiny_hf_dirs["smollm3"] / "config.json").read_text())
+    spec = model_spec("smollm3")
+    for key in ("no_rope_layers", "no_rope_layer_interval", "tie_word_embeddings", "rope_parameters", "rope_theta"):
+        c.pop(key, None)
+    c.pop("layer_types")
+    fields = spec.hf.config_from_hf({**c, "no_rope_layer_interval": 1}, "here")
+    assert (fields["no_rope_layers"], fields["tie_embeddings"], fields["rope_theta"]) == ([0, 1], True, 2e6)
+    assert spec.hf.config_from_hf(c, "here")["no_rope_layers"] == []  # 2 layers, a NoPE layer every 4th
+    window = {**c, "no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 8}
+    with pytest.raises(InputError, match=r"here: sliding-window attention on some layers only .*model.arch=hf_auto"):
+        spec.hf.config_from_hf(window, "here")
+    every = {**window, "layer_types": ["sliding_attention"] * 2}
+    assert spec.hf.config_from_hf(every, "here")["sliding_window"] == 8
+    cfg = transformers.SmolLM3Config(
+        **{
+            k: v
+            for k, v in spec.hf.config_to_hf(compose(["model=smollm3_3b"]).cfg.model).items()
+            if k not in ("architectures", "model_type", "torch_dtype", "dtype")
+        }
+    )
+    assert cfg.no_rope_layers == [int((i + 1) % 4 != 0) for i in range(36)] and cfg.pad_token_id == 128004
 
 
 def test_config_json_fills_the_model_section(tiny_hf_dirs) -> None:

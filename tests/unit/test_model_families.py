@@ -16,6 +16,7 @@ PUBLISHED = {
     "qwen2.5_7b": 7_615_616_512,
     "qwen3_8b": 8_190_735_360,
     "mistral_7b": 7_248_023_552,
+    "smollm3_3b": 3_075_098_624,
 }
 FAMILY_GROUPS = [
     "qwen2.5_0.5b",
@@ -27,6 +28,7 @@ FAMILY_GROUPS = [
     "mistral_7b",
     "llama3.2_1b",
     "llama3.2_3b",
+    "smollm3_3b",
 ]
 
 
@@ -54,7 +56,7 @@ def test_family_sizes_match_transformers_and_published(name: str) -> None:
 
 
 def test_registry_has_the_native_families() -> None:
-    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(known_archs())
+    assert {"llama", "qwen2", "qwen3", "mistral", "smollm3"} <= set(known_archs())
 
 
 def test_flags_build_their_modules() -> None:
@@ -66,6 +68,9 @@ def test_flags_build_their_modules() -> None:
     model = model_spec(m).build(m, rope_len=4, device="meta")
     assert model.layers["0"].attention.wk.bias.shape == (32,) and model.layers["0"].attention.wo.bias is None
     assert model.output.weight is model.tok_embeddings.weight
+    m = compose(["model=smollm3_3b", "model.n_layers=8"]).cfg.model
+    model = model_spec(m).build(m, rope_len=4, device="meta")
+    assert [i for i, b in model.layers.items() if not b.attention.rope] == ["3", "7"]
 
 
 @pytest.mark.parametrize(
@@ -76,8 +81,13 @@ def test_flags_build_their_modules() -> None:
         (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
         (
             ["model.arch=gpt2"],
-            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, mixtral, moe, qwen2, qwen3, qwen3_moe",
+            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, mixtral, moe, qwen2, qwen3, qwen3_moe, smollm3$",
         ),
+        (
+            ["model=tiny", "model.arch=smollm3", "model.no_rope_layers=[4]"],
+            r"model.no_rope_layers=\[4\]: each entry .*0..3",
+        ),
+        (["model=tiny", "model.no_rope_layers=[3]"], r"no model.no_rope_layers: remove it, or use model.arch=smollm3"),
     ],
 )
 def test_bad_family_layouts_are_one_line_errors(overrides: list[str], message: str) -> None:

@@ -1,7 +1,8 @@
-"""The dense decoder behind the llama, qwen2, qwen3 and mistral registry entries: RMSNorm, RoPE (with
-Llama-3.1 scaling), GQA attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2),
-per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) and a head
-tied to the embedding (Llama 3.2 1B/3B, small Qwen).
+"""The dense decoder behind the llama, qwen2, qwen3, mistral and smollm3 registry entries: RMSNorm, RoPE
+(with Llama-3.1 scaling), GQA attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2),
+per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral), layers whose
+attention has no RoPE (SmolLM3's NoPE layers) and a head tied to the embedding (Llama 3.2 1B/3B, small
+Qwen, SmolLM3).
 
 This module knows nothing of torch.distributed. Parallelism is applied from outside:
 - tensor parallel reshapes with the *local* head count (`view(B, S, -1, head_dim)`), so a sharded
@@ -81,10 +82,18 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     )
 
 
+def uses_rope(m: Any, layer: Optional[int]) -> bool:
+    """Whether block `layer` rotates q and k (SmolLM3's `no_rope_layers` attend by content alone)."""
+    return layer is None or layer not in set(getattr(m, "no_rope_layers", None) or ())
+
+
 class Attention(nn.Module):
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, rope: bool = True) -> None:
         super().__init__()
         self.head_dim = head_dim(m)
+        # False: a NoPE layer. It still receives the shared cos/sin tables (the block's inputs stay the
+        # same for every layer, which tensor/sequence parallel and pipeline stages rely on) and ignores them.
+        self.rope = rope
         bias = bool(getattr(m, "qkv_bias", False))
         self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
@@ -118,13 +127,15 @@ class Attention(nn.Module):
         if cache is not None and cache.static:
             # A static cache (compiled decoding) knows the positions (the caller passes their RoPE tables)
             # and which keys each new token sees; its shapes never change.
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.rope:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             k, v, mask = cache.update(k, v, self.sliding_window)
         else:
             start = cache.length if cache is not None else 0
             if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
                 cos, sin = cos[start:], sin[start:]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.rope:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if cache is not None:
                 k, v = cache.append(k, v)
             mask = self._mask(mask, start, s, k.shape[1], x.device)
@@ -200,10 +211,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, layer: Optional[int] = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(m.dim, m.norm_eps)
-        self.attention = Attention(m)
+        self.attention = Attention(m, rope=uses_rope(m, layer))
         self.ffn_norm = RMSNorm(m.dim, m.norm_eps)
         self.feed_forward = FeedForward(m.dim, ffn_dim(m))
 
@@ -293,7 +304,7 @@ class Decoder(nn.Module):
 
     def make_block(self, m: Any, layer: int) -> nn.Module:
         """Block `layer` (a subclass swaps in its own, e.g. the MoE decoder's sparse blocks)."""
-        return TransformerBlock(m)
+        return TransformerBlock(m, layer)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

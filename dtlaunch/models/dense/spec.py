@@ -1,4 +1,4 @@
-"""The dense decoder's registry entry, parametrised per family (llama, qwen2, qwen3, mistral)."""
+"""The dense decoder's registry entry, parametrised per family (llama, qwen2, qwen3, mistral, smollm3)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ from dtlaunch.models.dense.hf import DenseHF
 from dtlaunch.models.registry import ModelSpec
 
 
-def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple[str, ...], **fixed: Any) -> ModelSpec:
+def dense_spec(
+    arch: str,
+    description: str,
+    hf: DenseHF,
+    hf_architectures: tuple[str, ...],
+    config: type = DenseModelConfig,
+    check: str = "dtlaunch.models.dense.check:check",
+    **fixed: Any,
+) -> ModelSpec:
+    """`config`: the model section's schema (a subclass of DenseModelConfig for a family's own fields);
+    `check`: its rules; `fixed`: the decoder flags the family fixes."""
     return ModelSpec(
         arch=arch,
         description=description,
@@ -31,6 +41,6 @@ def dense_spec(arch: str, description: str, hf: DenseHF, hf_architectures: tuple
         activations="dtlaunch.models.dense.activations",
         fixed=dict(fixed),
         block_linears=shapes.block_linears,
-        check="dtlaunch.models.dense.check:check",
-        config=DenseModelConfig,
+        check=check,
+        config=config,
     )

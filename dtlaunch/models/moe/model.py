@@ -41,7 +41,7 @@ def build_moe_layer(m: Any) -> MoE:
 
 class MoEDecoder(Decoder):
     def make_block(self, m: Any, layer: int) -> nn.Module:
-        block = TransformerBlock(m)
+        block = TransformerBlock(m, layer)
         if is_sparse(m, layer):
             block.feed_forward = build_moe_layer(m)
         return block
