@@ -69,7 +69,7 @@ class ActivationOffloader:
     held_bytes: int = 0  # bytes on the host now
     peak_held_bytes: int = 0
     _skip: set = field(default_factory=set)  # storages of the block's shared arguments
-    _block: dict = field(default_factory=dict)  # storage ptr -> _Storage packed inside the running block
+    _block: dict = field(default_factory=dict)  # storage key -> _Storage packed inside the running block
     _keep: list = field(default_factory=list)  # CUDA: the block's device tensors until it returns
     _stream: Optional[Any] = None
     _active: list = field(default_factory=list)  # entered hook contexts, innermost last
@@ -88,14 +88,14 @@ class ActivationOffloader:
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook: the block's extra arguments are shared, not offloaded."""
-        self._skip = {_storage_ptr(a) for a in args[1:] if isinstance(a, torch.Tensor)}
+        self._skip = {_storage_key(a) for a in args[1:] if isinstance(a, torch.Tensor)}
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self._active.append(ctx)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward hook (runs on exceptions too). The block's storages were referenced until here, so
-        no address was reused inside it (the storage table is keyed by address); on CUDA their copies
+        storage was freed and its key reused inside it (see _storage_key); on CUDA their copies
         were recorded on the side stream, so dropping the references cannot free them early."""
         if self._active:
             self._active.pop().__exit__(None, None, None)
@@ -104,7 +104,7 @@ class ActivationOffloader:
     # ---- saved-tensor hooks ---------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        if is_weight(t) or _storage_ptr(t) in self._skip:
+        if is_weight(t) or _storage_key(t) in self._skip:
             return t
         from torch.distributed.tensor import DTensor
 
@@ -113,11 +113,11 @@ class ActivationOffloader:
         if isinstance(t, DTensor):
             local = t.to_local()
             meta = (t.device_mesh, t.placements, t.shape, t.stride())
-        ptr = local.untyped_storage().data_ptr()
-        stored = self._block.get(ptr)
+        key = _storage_key(local)
+        stored = self._block.get(key)
         if stored is None:
             stored = self._offload(local)
-            self._block[ptr] = stored
+            self._block[key] = stored
         stored.views += 1
         view = (local.dtype, local.storage_offset(), tuple(local.shape), local.stride())
         return _Packed(storage=stored, tensor=None if stored.copied else local, view=view, dtensor=meta)
@@ -153,8 +153,8 @@ class ActivationOffloader:
     def _to_host(self, t: torch.Tensor, stored: _Storage) -> None:
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         stored.copied = True
-        # Referenced until the block returns, so that no later tensor of the block reuses the address
-        # (the block's storage table is keyed by it).
+        # Referenced until the block returns, so that no later storage of the block reuses its key (the
+        # block's storage table is keyed by it: _storage_key).
         self._keep.append(flat)
         if self._stream is None:  # CPU: a plain copy, already where backward reads it
             stored.host = flat.clone()
@@ -214,12 +214,15 @@ def is_weight(t: torch.Tensor) -> bool:
     return False
 
 
-def _storage_ptr(t: Any) -> int:
+def _storage_key(t: Any) -> int:
+    """The storage's identity (its StorageImpl's address), shared by every view of it. Not its data
+    address: a fake tensor (`plan --trace`) or a meta one has none (every one reads 0, so all would match
+    the block's shared arguments and none would be packed)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         t = t.to_local()
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.device.type != "meta" else -1
+    return t.untyped_storage()._cdata
 
 
 def apply_activation_offload(

@@ -133,12 +133,23 @@ def apply_compile(model: nn.Module, inside_checkpoint: bool = False, documents: 
     documents (data.document_mask): attention runs eagerly between the block's two compiled halves; it
     loops over each batch's document lengths (dtlaunch.models.dense.documents), which compiled would be a
     recompile per batch."""
+    backend = compile_backend()
     for block in model.layers.values():
         if documents:
             for mod in block.modules():
                 if hasattr(mod, "attention_fn"):
                     mod.attention_fn = torch.compiler.disable(mod.attention_fn)
-        (block._checkpoint_wrapped_module if inside_checkpoint else block).compile()
+        (block._checkpoint_wrapped_module if inside_checkpoint else block).compile(backend=backend)
+
+
+def compile_backend() -> str:
+    """Inductor, except under fake tensors (`plan --trace`): Inductor's generated kernels read the inputs'
+    raw data pointers, which a fake tensor does not have (its compiled block segfaulted the trace). There the
+    blocks compile with Inductor's decompositions and partitioner (what the compiled forward saves for
+    backward, what it recomputes) and run as ATen ops, which the fake mode executes on shapes."""
+    from torch._guards import active_fake_mode
+
+    return "inductor" if active_fake_mode() is None else "aot_eager_decomp_partition"
 
 
 def mp_policy(cfg: Any) -> Any:
