@@ -184,6 +184,11 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
     # Between stages flows the residual stream: in the compute dtype under FSDP's mixed precision,
     # fp32 otherwise (autocast's matmul outputs are added to an fp32 residual).
     hidden_dtype = torch_dtype(cfg.precision.param_dtype if fsdp else "fp32")
+    # Under sequence parallel the last block's output, what the next stage receives, is this TP rank's
+    # shard of the sequence (torch's PipelineStage infers (B, S/tp, D)); the stage's first block takes
+    # it as that shard. A full-length tensor there would be read as one tp-th of a tp-times-longer
+    # sequence (the RoPE tables then fail to broadcast).
+    hidden_seq = int(t.seq_len) // (layout.tp if layout.tp > 1 and cfg.strategy.sequence_parallel else 1)
     order = PP_ORDERS[cfg.strategy.pp_schedule](n_mb, layout.pp, stage)
     scale = 1.0 / (n_mb * accum)
     reshard = bool(cfg.strategy.pp_reshard_grads)
@@ -200,7 +205,7 @@ def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) 
                     if first:
                         x = torch.randint(0, int(m.vocab_size), (mb, int(t.seq_len)))
                     else:  # the activation received from the previous stage
-                        x = torch.randn(mb, int(t.seq_len), int(m.dim), dtype=hidden_dtype, requires_grad=True)
+                        x = torch.randn(mb, hidden_seq, int(m.dim), dtype=hidden_dtype, requires_grad=True)
                     with compute_context([part], cfg, device):
                         out = part(x)
                     # The stage keeps its output (on the last stage the logits) referenced until that
