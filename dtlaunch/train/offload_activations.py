@@ -95,7 +95,7 @@ class ActivationOffloader:
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward hook (runs on exceptions too). The block's storages were referenced until here, so
-        storage was freed and its key reused inside it (see _storage_key); on CUDA their copies
+        no storage was freed and its key reused inside it (see _storage_key); on CUDA their copies
         were recorded on the side stream, so dropping the references cannot free them early."""
         if self._active:
             self._active.pop().__exit__(None, None, None)
