@@ -33,3 +33,29 @@ def toy_args(data: list[str], *extra: str) -> list[str]:
         "launch.nproc_per_node=1",
         *extra,
     ]
+
+
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def write_byte_tokenizer(out: Path, chat_template: str) -> Path:
+    """A byte-level tokenizer (one id per byte, no merges: any text round-trips, JSON tool calls included)
+    with ChatML's special tokens after the 256 bytes, `chat_template` beside it (chat_template.jinja) and
+    <|im_end|> as its EOS: a Qwen-style chat tokenizer for tool-calling tests. Returns tokenizer.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(CHAT_SPECIALS)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(chat_template)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config) + "\n")
+    return out / "tokenizer.json"

@@ -472,6 +472,16 @@ class ObjectiveConfig:
     generation_compile: bool = False
     format_regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `format` reward's pattern
     answer_field: str = "answer"  # the `accuracy` reward compares against this dataset column
+    # Tools the model may call while it generates (TRL's `tools`): `module:function` / `path/to/file.py:function`,
+    # each with type hints and a docstring (its JSON schema, rendered into chat prompts). A call's result is
+    # appended as a `tool` message and generation continues; tool-result tokens are masked out of the loss.
+    tools: list[str] = field(default_factory=list)
+    # Tool-call rounds per completion (TRL's max_tool_calling_iterations); None: until no call is made (each
+    # completion's assistant and tool tokens together stay within max_completion_length either way).
+    max_tool_calling_iterations: Optional[int] = None
+    # Each tool call runs in a child process, killed (and the call answered with an error) after this long;
+    # 0: in the worker itself, without a timeout.
+    tool_timeout_s: float = 30.0
 
 
 @dataclass

@@ -95,16 +95,20 @@ def _json_record(line: bytes, f: Path, n: int, key: str = "data.path") -> dict:
 class PromptEncoder:
     """Prompts as token ids: text as is, chat messages through the chat template with the generation prompt."""
 
-    def __init__(self, tokenizer_json: Path, chat_template: str = "") -> None:
+    def __init__(self, tokenizer_json: Path, chat_template: str = "", tools: Optional[list] = None) -> None:
         from transformers import PreTrainedTokenizerFast
 
-        template = chosen_chat_template(chat_template, tokenizer_json)[0]
-        self.hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=template or None)
+        template, self.where = chosen_chat_template(chat_template, tokenizer_json)
+        eos = _eos_token(tokenizer_json)
+        self.hf = PreTrainedTokenizerFast(
+            tokenizer_file=str(tokenizer_json), chat_template=template or None, **({"eos_token": eos} if eos else {})
+        )
         self.backend = self.hf.backend_tokenizer
         self.has_template = bool(template)
+        self.tools = tools or None  # JSON schemas (objective.tools); None, not []: as TRL, no tool boilerplate
 
     def encode(self, prompt: Any, where: str) -> list[int]:
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and not self.tools:
             return self.backend.encode(prompt, add_special_tokens=False).ids
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
             if not self.has_template:
@@ -112,8 +116,13 @@ class PromptEncoder:
                     f"data.prompt_field at {where} holds chat messages, but the tokenizer has no chat template: set "
                     f"data.chat_template (e.g. chatml)"
                 )
-            text = self.hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(prompt, tools=self.tools, tokenize=False, add_generation_prompt=True)
             return self.backend.encode(text, add_special_tokens=False).ids
+        if isinstance(prompt, str):
+            raise InputError(
+                f"data.prompt_field at {where} is text, but objective.tools are called in chat turns: give the "
+                f"prompts as lists of chat messages"
+            )
         raise InputError(f"data.prompt_field at {where} is neither text nor a list of chat messages: fix the record")
 
     def stop_ids(self, eos_id: Any) -> list[int]:
@@ -122,12 +131,45 @@ class PromptEncoder:
         return sorted(i for i in ids if i is not None)
 
 
+def _eos_token(tokenizer_json: Path) -> str:
+    """tokenizer_config.json's eos_token beside the tokenizer, if any (the text parse_response trims)."""
+    config = Path(tokenizer_json).parent / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError):
+        return ""
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else ""
+
+
+def tool_chat(encoder: PromptEncoder, stop_ids: list[int]) -> Any:
+    """The encoder's template as a ToolChat (dtlaunch.data.tool_chat), checked for tool calling."""
+    from dtlaunch.data.tool_chat import ToolChat, check_tool_template
+
+    if not encoder.has_template:
+        raise InputError(
+            f"objective.tools are called in chat turns, and the tokenizer has no chat template ({encoder.where}): "
+            f"give it one made for tool calling (chat_template.jinja beside tokenizer.json)"
+        )
+    chat = ToolChat(encoder.hf, encoder.tools or [], stop_ids, encoder.where)
+    check_tool_template(chat)
+    return chat
+
+
 def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, groups_per_step: int) -> int:
     """Write RUN/data/prompts.jsonl (ids, prompt, columns) and its stop ids; returns the number of prompts."""
     d, o = cfg.data, cfg.objective
     field = str(d.prompt_field)
     limit = int(cfg.training.seq_len) - int(o.max_completion_length)
-    encoder = PromptEncoder(tokenizer_json, str(d.chat_template))
+    tools = None
+    if list(o.tools):
+        from dtlaunch.inputs.tools import check_tools
+
+        tools = [t.schema for t in check_tools(o)]
+    encoder = PromptEncoder(tokenizer_json, str(d.chat_template), tools)
+    if tools:
+        tool_chat(encoder, encoder.stop_ids(eos_id))
     out = run_dir / PROMPTS_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
     n = too_long = longest = 0

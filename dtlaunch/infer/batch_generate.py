@@ -135,13 +135,16 @@ def generate_batch(
     all_done: Optional[Callable[[torch.Tensor], bool]] = None,
     sequence_multiple: int = 1,
     compiled: bool = False,
+    limits: Optional[Sequence[int]] = None,
 ) -> Generated:
     """Completions of `prompts` (token ids) from `model` (a dtlaunch decoder whose RoPE tables cover the
     longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions). `all_done(done)`: whether
     decoding may stop, given this batch's finished rows; a sharded model's ranks must run the same number
     of decode steps (each forward gathers weights collectively), so they agree on it there.
     `sequence_multiple`: every forward's positions a multiple of it (sequence parallel: the TP degree).
-    `compiled`: the decode steps run compiled against static caches (`decode_step`); the prefill eagerly."""
+    `compiled`: the decode steps run compiled against static caches (`decode_step`); the prefill eagerly.
+    `limits`: each row's own cap on new tokens (<= s.max_new_tokens; a tool-calling continuation's room
+    left in max_completion_length): the row ends there, truncated, and never reaches a position past it."""
     # training.loss_chunks leaves the head to the loss (`hidden_only`); sampling needs the logits.
     hidden_only = getattr(model, "hidden_only", False)
     model.hidden_only = False
@@ -165,6 +168,7 @@ def generate_batch(
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        cap = torch.tensor(list(limits) if limits is not None else [s.max_new_tokens] * rows, device=device)
         n = 0
         entropy = torch.zeros((), device=device)
         logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
@@ -176,12 +180,14 @@ def generate_batch(
             nxt = sample_next(logits, s, generator)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             out[:, n] = nxt
-            done = done | torch.isin(nxt, stops)
+            done = done | torch.isin(nxt, stops) | (cap <= n + 1)
             finished = all_done(done) if all_done is not None else bool(done.all())
             if finished or n == s.max_new_tokens - 1:
                 break
             key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
-            step, at = nxt[:, None].expand(rows, m), (lengths + n)[:, None].expand(rows, m)
+            # A row past its cap is done: its position is held at its last one (read by nothing, in RoPE's range).
+            held = lengths + torch.minimum(cap - 1, torch.full_like(cap, n))
+            step, at = nxt[:, None].expand(rows, m), held[:, None].expand(rows, m)
             logits = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
             # The next step writes over this one's fillers (sequence parallel): one position on.
             if compiled:
@@ -191,7 +197,8 @@ def generate_batch(
                     cache.drop_last(m - 1)
         stop_set = set(stops.tolist())
         completions, truncated = [], []
-        for row in out[:, : n + 1].tolist():
+        for row, row_cap in zip(out[:, : n + 1].tolist(), cap.tolist(), strict=True):
+            row = row[:row_cap]
             end = next((j + 1 for j, t in enumerate(row) if t in stop_set), None)
             completions.append(row[:end] if end is not None else row)
             truncated.append(end is None)

@@ -1,6 +1,6 @@
 """The files and functions a composed job names, checked before anything runs or is printed: the model
 directory's tensors against its config.json, the tokenizer file, the chat template, the checkpoint to load,
-the reward functions, the evaluation's task directory, a replay file.
+the reward functions, the tools, the evaluation's task directory, a replay file.
 
 `check_job_inputs` is the one check every command that reads a job runs (dtlaunch.commands.common.load_job:
 validate, plan, train and submit, dry run or not), after composition (which refuses a model.family_module
@@ -30,6 +30,7 @@ def check_job_inputs(cfg: Any) -> None:
         check_job_chat_template(cfg)
     check_load_path(cfg)
     check_job_rewards(cfg)
+    check_job_tools(cfg)
     check_eval_include(cfg)
     check_replay_completions(cfg)
 
@@ -70,6 +71,17 @@ def check_job_rewards(cfg: Any) -> None:
         load_rewards(cfg.objective)
         return
     check_rewards(cfg.objective, first[0], str(d.prompt_field), first[1])
+
+
+def check_job_tools(cfg: Any) -> None:
+    """objective.tools: every tool imported and its JSON schema built (dtlaunch.inputs.tools.check_tools).
+    Whether the chat template can render and parse tool calls is checked with the prompts
+    (dtlaunch.data.prompts.prepare_prompts), where the tokenizer is at hand."""
+    if str(cfg.objective.name) != "grpo" or not list(cfg.objective.tools):
+        return
+    from dtlaunch.inputs.tools import check_tools
+
+    check_tools(cfg.objective)
 
 
 def check_eval_include(cfg: Any) -> None:

@@ -46,12 +46,19 @@ def load_reward(spec: str, format_regex: str = "", answer_field: str = "answer")
             f"objective.rewards: '{spec}' is no reward function: use accuracy, format, module:function or "
             f"path/to/file.py:function"
         )
+    return import_function(spec, "objective.rewards")
+
+
+def import_function(spec: str, key: str) -> Callable[..., Any]:
+    """The function `module:function` or `path/to/file.py:function` names (InputError naming `key` when it
+    cannot be imported): objective.rewards' and objective.tools' user functions."""
+    where, _, attr = spec.rpartition(":")
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
             if not path.is_file():
-                raise InputError(f"objective.rewards: '{spec}': no file {path}: point it at a Python file")
-            module_spec = importlib.util.spec_from_file_location(f"dtlaunch_reward_{path.stem}", path)
+                raise InputError(f"{key}: '{spec}': no file {path}: point it at a Python file")
+            module_spec = importlib.util.spec_from_file_location(f"dtlaunch_user_{path.stem}", path)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -60,10 +67,10 @@ def load_reward(spec: str, format_regex: str = "", answer_field: str = "answer")
     except InputError:
         raise
     except Exception as exc:  # the user's module failed to import: one line, its own error named
-        raise InputError(f"objective.rewards: '{spec}' cannot be imported ({type(exc).__name__}: {exc})") from None
+        raise InputError(f"{key}: '{spec}' cannot be imported ({type(exc).__name__}: {exc})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise InputError(f"objective.rewards: '{spec}': {where} has no function {attr}")
+        raise InputError(f"{key}: '{spec}': {where} has no function {attr}")
     return fn
 
 

@@ -5,12 +5,15 @@ One GRPOTrainer (tiny Qwen2 from transformers' config classes) scores a fixed ge
 our per-token log-probs (a leaf tensor, so both sides' gradients are taken with respect to the same
 values). TRL's own `_generate_and_score_completions` computes rewards and advantages with our reward
 functions and weights, and its `_compute_loss` the loss; dtlaunch's reward calls (inputs/rewards.py),
-advantages and grpo_loss (train/objectives/grpo.py) must give the same numbers within 1e-6.
+advantages and grpo_loss (train/objectives/grpo.py) must give the same numbers within 1e-6. Then the same
+with objective.tools: multi-turn completions with tool calls (below).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +151,265 @@ def test_grpo_matches_trl(trl_trainer, scale, mask_truncated, beta, old_policy) 
             torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6, msg=what)
             torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, rtol=0, atol=1e-6, msg=what)
             assert ours_leaf.grad.abs().sum() > 0
+
+
+# objective.tools: multi-turn completions with tool calls.
+#
+# One GRPOTrainer with tools and Qwen2.5's chat template (TRL's own copy, so TRL parses it with its Qwen
+# response template), over a byte-level tokenizer (tests/grpo_toy.py: JSON round-trips). Its
+# `_generate_single_turn` is handed the recorded turns (the first for every row, then each row's next turn
+# when it asks for one), so TRL's own `_tool_call_loop` runs the tools, renders their results and masks them.
+# dtlaunch does the same with its prompt encoding (dtlaunch.data.prompts), tool loop (dtlaunch.data.tool_chat)
+# and tool runner (in a child process: the default), fed the same turns. The prompt and completion
+# ids, the tool mask, the rewards (a function reading the tool messages), the loss mask of the training rows,
+# the advantages and the loss and gradients of each loss type must agree (within 1e-6).
+#
+# The turns: no call; a call and an answer; two calls in one turn then another; a call to a tool that does
+# not exist; a tool that raises; a malformed call (parsed as text, no call); a result that would pass
+# max_completion_length (dropped); a continuation cut at max_completion_length.
+
+TOOL_G, TOOL_MAX_LEN = 4, 360
+TOOLS_FILE = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """Repeat a text loudly, many times.
+
+    Args:
+        text: What to repeat.
+    """
+    return (text.upper() + "! ") * 60
+
+
+def broken(x: int) -> int:
+    """A tool that always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"broken on {x}")
+'''
+TOOL_PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Shout hi."}],
+]
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+END = "<|im_end|>"
+# Row -> its turns (text; each continuation follows the tool results of the turn before).
+TURNS = [
+    ["It is 5." + END],
+    [call("add", a=2, b=3) + END, "The sum is 5." + END],
+    [call("add", a=2, b=3) + "\n" + call("add", a=1, b=1) + END, call("add", a=5, b=2) + END, "7" + END],
+    [call("multiply", a=2, b=3) + END, "No such tool." + END],
+    [call("broken", x=1) + END, "It failed." + END],
+    ['<tool_call>\n{"name": "add", "arguments": \n</tool_call>' + END],
+    [call("shout", text="hi") + END, "never reached" + END],
+    [call("add", a=1, b=2) + END, "x" * 400 + END],
+]
+
+
+def tool_reward(prompts, completions, completion_ids, **kw):
+    # Reads the messages: tool results seen, errors among them, and the final turn's content.
+    out = []
+    for c in completions:
+        tools = [m for m in c if m["role"] == "tool"]
+        errors = sum("error" in m["content"] for m in tools)
+        out.append(len(tools) - 2 * errors + float("5" in c[-1].get("content", "")))
+    return out
+
+
+def length_reward(prompts, completions, completion_ids, **kw):
+    return [len(ids) / TOOL_MAX_LEN for ids in completion_ids]
+
+
+TOOL_FUNCS, TOOL_WEIGHTS = [tool_reward, length_reward], [1.0, 0.5]
+
+
+@pytest.fixture(scope="module")
+def tool_setup(tmp_path_factory):
+    from grpo_toy import write_byte_tokenizer
+
+    base = tmp_path_factory.mktemp("grpo_tools")
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    tokenizer_json = write_byte_tokenizer(base / "tok", template)
+    (base / "my_tools.py").write_text(TOOLS_FILE)
+    specs = [f"{base / 'my_tools.py'}:{n}" for n in ("add", "shout", "broken")]
+    from dtlaunch.inputs.tools import load_tools
+
+    tools = load_tools(specs)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_json), eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template
+    )
+    # The policy is never run (its log-probs are handed in): the smallest Qwen2 will do. TRL also drops tool
+    # results past the model's context; dtlaunch's prompts + completions fit seq_len by construction
+    # (dtlaunch.data.prompts), so only max_completion_length bounds them here.
+    config = transformers.Qwen2Config(
+        vocab_size=260,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=10**6,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ds = datasets.Dataset.from_list([{"prompt": TOOL_PROMPTS[0]}] * len(TURNS))
+    args = trl.GRPOConfig(
+        output_dir=str(base / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        num_generations=TOOL_G,
+        per_device_train_batch_size=len(TURNS),
+        max_completion_length=TOOL_MAX_LEN,
+        reward_weights=TOOL_WEIGHTS,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=TOOL_FUNCS,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        tools=[t.fn for t in tools],
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer, tok, tokenizer_json, tools
+
+
+def encode_turns(tok) -> list[list[list[int]]]:
+    return [[tok.backend_tokenizer.encode(t, add_special_tokens=False).ids for t in row] for row in TURNS]
+
+
+def trl_generation(trainer, turns, prompt_ids_seen):
+    """TRL's _generate_single_turn replaced: the first call answers every row's first turn, each later one
+    the rows whose sequences it is handed (found by their prompt and first turn)."""
+    state = {"calls": 0}
+
+    def fake(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if state["calls"] == 0:
+            prompt_ids_seen.extend(list(p) for p in prompt_ids)
+            out = [row[0] for row in turns]
+        else:
+            out = []
+            for seq in prompt_ids:
+                rows = [
+                    i
+                    for i, row in enumerate(turns)
+                    if seq[: len(prompt_ids_seen[i]) + len(row[0])] == prompt_ids_seen[i] + row[0]
+                ]
+                assert len(rows) == 1
+                out.append(turns[rows[0]][state["calls"]])
+        state["calls"] += 1
+        return out, None
+
+    trainer._generate_single_turn = fake
+
+
+@pytest.mark.parametrize("max_iterations", [None, 1])
+def test_tool_calling_matches_trl(tool_setup, max_iterations) -> None:
+    from dtlaunch.data.prompts import PromptEncoder, tool_chat
+    from dtlaunch.data.tool_chat import tool_loop
+    from dtlaunch.inputs.tools import ToolRunner
+    from dtlaunch.train.data import IGNORE_INDEX
+    from dtlaunch.train.objectives.rollout import training_rows
+
+    trainer, tok, tokenizer_json, tools = tool_setup
+    trainer.max_tool_calling_iterations = max_iterations if max_iterations is not None else 10**9
+    turns = encode_turns(tok)
+    rows = len(turns)
+    prompts = [TOOL_PROMPTS[i // TOOL_G] for i in range(rows)]
+    prompt_ids_seen: list[list[int]] = []
+    trl_generation(trainer, turns, prompt_ids_seen)
+    cols = TOOL_MAX_LEN
+    leaf = {"v": torch.zeros(rows, cols)}
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf["v"], torch.zeros(rows, cols), None)
+    scored = trainer._generate_and_score_completions([{"prompt": p} for p in prompts])
+
+    # dtlaunch: prompts encoded with the tools' schemas, then the tool loop on the same turns.
+    encoder = PromptEncoder(tokenizer_json, "", [t.schema for t in tools])
+    stop_ids = encoder.stop_ids(tok.convert_tokens_to_ids("<|im_end|>"))
+    prompt_ids = [encoder.encode(p, "test") for p in prompts]
+    assert prompt_ids == prompt_ids_seen
+    runner = ToolRunner(tools, timeout_s=20.0)
+    try:
+        multi = tool_loop(
+            tool_chat(encoder, stop_ids),
+            runner,
+            prompt_ids,
+            [row[0] for row in turns],
+            lambda idxs, seqs, limits, turn: [turns[i][turn] for i in idxs],
+            TOOL_MAX_LEN,
+            max_iterations,
+        )
+    finally:
+        runner.close()
+
+    mask = scored["completion_mask"].bool()
+    theirs_ids = [scored["completion_ids"][i][mask[i]].tolist() for i in range(rows)]
+    for i in range(rows):
+        if multi.completion_ids[i] != theirs_ids[i]:
+            print(
+                "ROW",
+                i,
+                repr(tok.decode(multi.completion_ids[i])),
+                "\nTRL",
+                repr(tok.decode(theirs_ids[i])),
+                multi.completions[i],
+            )
+    assert multi.completion_ids == theirs_ids
+    theirs_tool_mask = [scored["tool_mask"][i][mask[i]].tolist() for i in range(rows)]
+    assert multi.tool_mask == theirs_tool_mask
+    assert any(0 in m for m in multi.tool_mask) and multi.failures >= 2  # results masked; errors returned
+    assert len(multi.completion_ids[6]) == len(turns[6][0])  # the long result dropped
+    assert len(multi.completion_ids[7]) == TOOL_MAX_LEN or max_iterations == 1  # the continuation cut
+
+    per_func = torch.tensor(
+        [
+            call_reward(Reward(f.__name__, f, w), prompts, multi.completions, multi.completion_ids, {})
+            for f, w in zip(TOOL_FUNCS, TOOL_WEIGHTS, strict=True)
+        ]
+    ).T
+    adv = advantages(per_func, torch.tensor(TOOL_WEIGHTS), TOOL_G, "group")
+    torch.testing.assert_close(adv, scored["advantages"], rtol=0, atol=1e-6)
+
+    # The training rows' loss mask is TRL's completion_mask * tool_mask.
+    truncated = [not c or c[-1] not in stop_ids for c in multi.completion_ids]
+    _, targets = training_rows(prompt_ids, multi.completion_ids, truncated, multi.tool_mask, 2048, False)
+    ours_mask = torch.zeros(rows, cols)
+    for i, p in enumerate(prompt_ids):
+        n = len(multi.completion_ids[i])
+        ours_mask[i, :n] = (targets[i, len(p) - 1 : len(p) - 1 + n] != IGNORE_INDEX).float()
+    theirs_mask = (scored["completion_mask"] * scored["tool_mask"]).float()
+    torch.testing.assert_close(ours_mask, theirs_mask[:, :cols], rtol=0, atol=0)
+
+    g = torch.Generator().manual_seed(5)
+    logps = -torch.rand(rows, cols, generator=g) * 3
+    scored.pop("old_per_token_logps", None)
+    scored["old_per_token_logps"] = logps + torch.randn(rows, cols, generator=g) * 0.3
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+        trainer.loss_type, trainer.importance_sampling_level = loss_type, "token"
+        theirs_leaf = logps.clone().requires_grad_(True)
+        leaf["v"] = theirs_leaf
+        trl_loss = trainer._compute_loss(trainer.model, scored)
+        trl_loss.backward()
+        s = GRPOSettings(loss_type, "token", trainer.epsilon_low, trainer.epsilon_high, 0.0, TOOL_MAX_LEN)
+        ours_leaf = logps.clone().requires_grad_(True)
+        parts = grpo_loss(
+            s, ours_leaf, scored["old_per_token_logps"], None, adv, ours_mask, step_tokens_per_rank=ours_mask.sum()
+        )
+        parts.loss.backward()
+        torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6, msg=loss_type)
+        torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, rtol=0, atol=1e-6, msg=loss_type)

@@ -25,6 +25,11 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
     if name == "grpo":
         check_grpo(cfg, notes)
         return
+    if list(o.tools):
+        raise ConfigError(
+            f"objective.tools are called by the model while objective=grpo generates, not with objective={name}: "
+            f"drop objective.tools"
+        )
     if name == "sft":
         if str(d.format) == "preference":
             raise ConfigError(

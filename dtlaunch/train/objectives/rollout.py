@@ -30,8 +30,11 @@ from dtlaunch.config.layout import decode_positions_multiple, generation_gather
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import load_tokenizer
+from dtlaunch.data.tool_chat import tool_loop
+from dtlaunch.errors import InputError
 from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
 from dtlaunch.inputs.rewards import call_reward, load_rewards
+from dtlaunch.inputs.tools import ToolRunner, load_tools
 from dtlaunch.run.run_dir import RunDir
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
@@ -124,7 +127,17 @@ class Rollout:
         self.current: Optional[RolloutBatches] = None
         replay = str(cfg.debug.replay_completions)  # test hook: completions from a file, no sampling
         self.replay = [json.loads(x) for x in Path(replay).read_text().splitlines()] if replay else None
+        self.replay_turns: list[list[list[int]]] = []  # this rollout's replayed rows, turn by turn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tools = load_tools([str(x) for x in o.tools]) if list(o.tools) else []
+        self.max_tool_iterations = o.max_tool_calling_iterations
+        self.tool_runner = ToolRunner(self.tools, float(o.tool_timeout_s)) if self.tools else None
+        self.chat = None
+        if self.tools:
+            from dtlaunch.data.prompts import PromptEncoder, tool_chat
+
+            encoder = PromptEncoder(RunDir(run_dir).tokenizer, "", [t.schema for t in self.tools])
+            self.chat = tool_chat(encoder, self.stop_ids)
 
     def batches(self, step: int) -> RolloutBatches:
         """The rows of optimizer step `step` (1-based): a new rollout every num_iterations steps."""
@@ -153,10 +166,17 @@ class Rollout:
         )
         model = _unwrapped(rt.model_parts[0])
         gen = self._replayed(index, len(prompts)) if self.replay is not None else self._generate(model, prompts, g)
+        chat = not isinstance(prompts[0]["prompt"], str)
+        tool_mask, tool_stats = None, None
+        if self.chat is not None:
+            turns = self._tool_turns(model, prompts, gen, g)
+            gen = Generated(turns.completion_ids, [not c or c[-1] not in self.stop_ids for c in turns.completion_ids])
+            tool_mask, tool_stats = turns.tool_mask, (turns.calls, turns.failures)
         gen_s = time.perf_counter() - began
         texts = [self.tokenizer.decode([i for i in c if i not in self.stop_ids]) for c in gen.completions]
-        chat = not isinstance(prompts[0]["prompt"], str)
         completions: list[Any] = [[{"role": "assistant", "content": x}] for x in texts] if chat else texts
+        if self.chat is not None:
+            completions = turns.completions  # TRL's: the parsed assistant turns and the tool messages
         keys = sorted({k for p in prompts for k in p["columns"]})
         columns = {k: [p["columns"].get(k) for p in prompts] for k in keys}
         originals = [p["prompt"] for p in prompts]
@@ -168,7 +188,7 @@ class Rollout:
         adv_all = advantages(everyone, self.weights, self.g, self.scale)
         lo = self.loader.dp_rank * len(prompts)
         adv = adv_all[lo : lo + len(prompts)]
-        inputs, targets = self._rows([p["ids"] for p in prompts], gen.completions, gen.truncated)
+        inputs, targets = self._rows([p["ids"] for p in prompts], gen.completions, gen.truncated, tool_mask)
         local_tokens = (targets != IGNORE).sum().float()
         step_tokens = self._sum(local_tokens.clone()) / self.dp_size
         batches = RolloutBatches(
@@ -180,8 +200,15 @@ class Rollout:
         )
         batches.old = self._logps(model, batches) if self.mu > 1 else None
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
-        lengths = torch.tensor([len(c) for c in gen.completions], dtype=torch.float32)
+        # As TRL: a completion's length counts the model's tokens, not the tool results'.
+        model_tokens = tool_mask if tool_mask is not None else gen.completions
+        lengths = torch.tensor([sum(1 for x in m if x) if tool_mask else len(m) for m in model_tokens])
+        lengths = lengths.float()
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
+        if tool_stats is not None:
+            calls, failures = self._sum(torch.tensor([float(tool_stats[0]), float(tool_stats[1])]))
+            batches.metrics["tools/call_frequency"] = float(calls) / (len(prompts) * self.dp_size)
+            batches.metrics["tools/failure_frequency"] = float(failures / calls) if calls > 0 else 0.0
         if self.replay is None:  # replayed completions were not sampled: no distribution to measure
             batches.metrics["entropy"] = gen.entropy
         if self.rank == 0:
@@ -197,24 +224,75 @@ class Rollout:
             return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done, multiple, compiled)
 
     def _replayed(self, index: int, rows: int) -> Generated:
-        """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions."""
+        """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions. A row is a
+        list of ids, or with objective.tools a list of turns (lists of ids): the first, then each continuation
+        after tool results, which the tools' real results precede."""
         assert self.replay is not None
         lo = self.loader.dp_rank * rows
-        completions = [list(c) for c in self.replay[index][lo : lo + rows]]
+        recorded = self.replay[index][lo : lo + rows]
+        self.replay_turns = [[list(t) for t in r] if r and isinstance(r[0], list) else [list(r)] for r in recorded]
+        completions = [turns[0] for turns in self.replay_turns]
         stops = set(self.stop_ids)
         return Generated(completions, [not c or c[-1] not in stops for c in completions])
 
-    def _rows(self, prompts: list, completions: list, truncated: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training rows: prompt + completion from position 0, right-padded; targets are the completion's."""
-        n = len(prompts)
-        inputs = torch.full((n, self.seq_len), PAD, dtype=torch.long)
-        targets = torch.full((n, self.seq_len), IGNORE, dtype=torch.long)
-        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            seq = (list(p) + list(c))[: self.seq_len + 1]
-            inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
-            if not (self.mask_truncated and truncated[i]):
-                targets[i, len(p) - 1 : len(seq) - 1] = torch.tensor(seq[len(p) :])
-        return inputs, targets
+    def _tool_turns(self, model: torch.nn.Module, prompts: list[dict], gen: Generated, g: torch.Generator) -> Any:
+        """The completions' tool calls run and generation continued (dtlaunch.data.tool_chat.tool_loop)."""
+        assert self.chat is not None and self.tool_runner is not None
+
+        def replayed(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
+            missing = [i for i in rows if turn >= len(self.replay_turns[i])]
+            if missing:
+                raise InputError(
+                    f"debug.replay_completions: row {missing[0]} of this rank's rollout calls a tool but records "
+                    f"no turn {turn} to continue with: add it"
+                )
+            return [self.replay_turns[i][turn] for i in rows]
+
+        def generated(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
+            return self._continue(model, seqs, limits, g)
+
+        return tool_loop(
+            self.chat,
+            self.tool_runner,
+            [p["ids"] for p in prompts],
+            gen.completions,
+            replayed if self.replay is not None else generated,
+            self.sampling.max_new_tokens,
+            None if self.max_tool_iterations is None else int(self.max_tool_iterations),
+            any_left=self._any_rank if self.replay is None else bool,
+        )
+
+    def _continue(self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any) -> list[list[int]]:
+        """One continuation turn of the rows that called tools. Ranks generate together (see _all_done), so
+        they agree on the longest limit; a rank without such rows decodes one stand-in row, ended at once."""
+        longest = max(limits, default=0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([longest], device=self.rt.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            longest = int(t)
+        rows, caps = (seqs, limits) if seqs else ([[PAD]], [1])
+        caps = [max(c, 1) for c in caps]  # a row with no room: one token, cut away by tool_loop
+        sampling = Sampling(longest, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
+        whole = generation_gather(self.cfg, self.rt.layout) != "unit"
+        with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
+            multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
+            out = generate_batch(
+                model, rows, sampling, self.stop_ids, PAD, g, self._all_done, multiple, False, limits=caps
+            )
+        return out.completions if seqs else []
+
+    def _any_rank(self, mine: bool) -> bool:
+        """Whether any data-parallel rank still has rows calling tools (every rank then keeps generating)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        t = torch.tensor([int(mine)], device=self.rt.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(int(t))
+
+    def _rows(
+        self, prompts: list, completions: list, truncated: list, tool_mask: Optional[list] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return training_rows(prompts, completions, truncated, tool_mask, self.seq_len, self.mask_truncated)
 
     @torch.no_grad()
     def _logps(self, model: Any, b: RolloutBatches) -> torch.Tensor:
@@ -284,6 +362,27 @@ class Rollout:
                 rewards = {r.name: _finite(float(per_func[i, j])) for j, r in enumerate(self.rewards)}
                 row = {"prompt": prompts[i], "completion": texts[i], "rewards": rewards, "advantage": float(adv[i])}
                 fh.write(json.dumps(row) + "\n")
+
+
+def training_rows(
+    prompts: list, completions: list, truncated: list, tool_mask: Optional[list], seq_len: int, mask_truncated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training rows: prompt + completion from position 0, right-padded to seq_len; targets are the
+    completion's, but for the tool results' tokens (tool_mask 0: the model did not write them) and, with
+    mask_truncated, a truncated completion's."""
+    n = len(prompts)
+    inputs = torch.full((n, seq_len), PAD, dtype=torch.long)
+    targets = torch.full((n, seq_len), IGNORE, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        seq = (list(p) + list(c))[: seq_len + 1]
+        inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+        if not (mask_truncated and truncated[i]):
+            target = torch.tensor(seq[len(p) :])
+            if tool_mask is not None:
+                keep = torch.tensor(tool_mask[i][: len(target)], dtype=torch.bool)
+                target = torch.where(keep, target, torch.full_like(target, IGNORE))
+            targets[i, len(p) - 1 : len(seq) - 1] = target
+    return inputs, targets
 
 
 def _std(t: torch.Tensor) -> torch.Tensor:
