@@ -95,3 +95,18 @@ def test_compiled_decode_matches_transformers_and_compiles_once(tiny_hf_dirs) ->
 
     assert draw(compiled=True) == draw()
     assert counters["stats"]["unique_graphs"] == graphs  # nothing recompiled
+
+
+def test_per_row_limits(tiny_hf_dirs) -> None:
+    """`limits` (a tool-calling continuation's room left in max_completion_length): each row is its unlimited
+    greedy completion cut at its own limit (truncated), and a row never takes a position past its prompt +
+    its limit, so the RoPE table need only cover those."""
+    loaded = load_source(f"hf:{tiny_hf_dirs['qwen2']}", torch.device("cpu"))
+    greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
+    set_positions(loaded.model, max(len(p) for p in PROMPTS) + NEW)
+    free = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1]).completions
+    limits = [2, NEW, 5, 1]  # the longest prompt gets the smallest room but one
+    set_positions(loaded.model, max(len(p) + n for p, n in zip(PROMPTS, limits, strict=True)))
+    cut = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1], limits=limits)
+    assert cut.completions == [row[:n] for row, n in zip(free, limits, strict=True)]
+    assert cut.truncated == [len(row) > n or row[-1] != 1 for row, n in zip(free, limits, strict=True)]

@@ -116,6 +116,17 @@ def _reward(body: str, name: str = "reward") -> Callable[[Path], list[str]]:
     return args
 
 
+def _tool(source: str) -> Callable[[Path], list[str]]:
+    """objective=grpo with objective.tools naming the function `tool` of a file of the user's."""
+
+    def args(d: Path) -> list[str]:
+        f = d / f"t{len(list(d.glob('t*.py')))}.py"
+        f.write_text(source + "\n")
+        return _grpo(d, f"objective.tools=[{f}:tool]")
+
+    return args
+
+
 # Key -> {case: the overrides of a job whose `key` is broken (given a scratch directory)}.
 BROKEN: dict[str, dict[str, Callable[[Path], list[str]]]] = {
     "model.init_from": {"missing": lambda d: [*TINY, f"model.init_from=hf:{d / 'no_model'}"]},
@@ -159,6 +170,9 @@ BROKEN: dict[str, dict[str, Callable[[Path], list[str]]]] = {
         "raises": _reward("raise ValueError('boom')"),
         "nan": _reward("return [float('nan')] * len(completions)"),
         "wrong_count": _reward("return [1.0]"),
+    },
+    "objective.tools": {
+        "no_schema": _tool("def tool(x):\n    return x"),  # no type hints, no docstring
     },
     "training.eval_include": {
         "missing": lambda d: [*TINY, "training.eval_tasks=[my_task]", f"training.eval_include={d / 'no_tasks'}"]
