@@ -18,10 +18,10 @@ def write_tokenizer(path: Path) -> Path:
     return path
 
 
-def toy_args(data: list[str], *extra: str) -> list[str]:
+def toy_args(data: list[str], *extra: str, vocab: int = 16) -> list[str]:
     """`dtlaunch train` overrides of the toy task on one process, reading the prompts `data` names."""
     return [
-        "model.vocab_size=16",
+        f"model.vocab_size={vocab}",
         "objective=grpo",
         "data.format=prompt",
         *data,
@@ -59,3 +59,17 @@ def write_byte_tokenizer(out: Path, chat_template: str) -> Path:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     (out / "tokenizer_config.json").write_text(json.dumps(config) + "\n")
     return out / "tokenizer.json"
+
+
+# A compact Qwen-style tool-calling template (the tool calls as <tool_call>{json}</tool_call>, parsed with
+# Qwen's response template), short enough for a seq_len of a few hundred byte tokens.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

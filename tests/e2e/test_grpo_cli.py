@@ -290,3 +290,79 @@ def test_tensor_parallel_run_samples_as_one_process(trainer, toy: Path, tmp_path
         assert (tmp_path / "one" / sample).read_text() == (tmp_path / "tp" / sample).read_text()
     assert all(abs(x["loss"] - y["loss"]) <= 1e-5 for x, y in zip(a, b, strict=True)), (a, b)
     assert any(abs(m["loss"]) > 1e-4 for m in a), a  # a group with spread: a real gradient
+
+
+ADD_TOOL = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+'''
+TOOL_REWARD = """
+def saw_five(prompts, completions, completion_ids, **kw):
+    return [float(any(m["role"] == "tool" and m["content"] == "5" for m in c)) for c in completions]
+"""
+
+
+def test_tool_calling_run(trainer, tmp_path: Path) -> None:
+    """objective.tools on one process: replayed turns (a random tiny model writes no tool calls) make calls,
+    the real tool runs in its child process, its results are rendered by the chat template and masked out of
+    the loss, and a reward reads them. Two prompts, G = 2: a call then an answer, no call, a call to a tool
+    that does not exist then an answer, a call then an answer."""
+    import json
+
+    from grpo_toy import TOOL_TEMPLATE, write_byte_tokenizer
+
+    tokenizer = write_byte_tokenizer(tmp_path / "tok", TOOL_TEMPLATE)
+    (tmp_path / "tools.py").write_text(ADD_TOOL)
+    (tmp_path / "rewards.py").write_text(TOOL_REWARD)
+    prompts = [[{"role": "user", "content": q}] for q in ("2 + 3?", "Add 2 and 3.")]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    def call(name: str) -> list[int]:
+        return ids("<tool_call>" + json.dumps({"name": name, "arguments": {"a": 2, "b": 3}}) + "</tool_call><|im_end|>")
+
+    rows = [
+        [call("add"), ids("5<|im_end|>")],
+        ids("5<|im_end|>"),
+        [call("mul"), ids("6<|im_end|>")],
+        [call("add"), ids("It is 5.<|im_end|>")],
+    ]
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text(json.dumps(rows) + "\n")
+    data = ["data.kind=jsonl", f"data.path={tmp_path / 'prompts.jsonl'}", f"data.tokenizer={tokenizer}"]
+    args = toy_args(
+        data,
+        "training.steps=1",
+        "training.seq_len=192",
+        "objective.max_completion_length=128",
+        "objective.num_generations=2",
+        "training.micro_batch=4",
+        "training.global_batch=4",
+        f"objective.tools=[{tmp_path / 'tools.py'}:add]",
+        f"objective.rewards=[{tmp_path / 'rewards.py'}:saw_five]",
+        f"debug.replay_completions={replay}",
+        vocab=260,
+    )
+    run = tmp_path / "run"
+    trainer.run(run, *args)
+    [m] = trainer.metrics(run)
+    assert m["tools/call_frequency"] == 0.75 and m["tools/failure_frequency"] == pytest.approx(1 / 3)
+    assert m[f"rewards/{tmp_path / 'rewards.py'}:saw_five/mean"] == 0.5 and abs(m["loss"]) > 0
+    # The length counts the model's tokens: each row's turns, not the tool results between them.
+    model_tokens = [sum(len(t) for t in r) if isinstance(r[0], list) else len(r) for r in rows]
+    assert m["completions/mean_length"] == sum(model_tokens) / 4
+    sample = [json.loads(x) for x in (run / "completions" / "step-1.jsonl").read_text().splitlines()]
+    assert (
+        "{'error': 'Tool mul not found.'}" in sample[2]["completion"] and "\n5<|im_end|>" not in sample[1]["completion"]
+    )
