@@ -504,8 +504,8 @@ class DataConfig:
     # jsonl / parquet / hf: the record field (column) holding the document text.
     text_field: str = "text"
     messages_field: str = "messages"
-    # data.format=chat: a built-in template (chatml, llama3, qwen, mistral) or the path of a Jinja file;
-    # replaces the tokenizer's own chat_template. Empty: the tokenizer's (refused when it has none).
+    # data.format=chat or prompt: a built-in template (chatml, llama3, qwen, mistral) or the path of a Jinja
+    # file; replaces the tokenizer's own chat_template. Empty: the tokenizer's (refused when it has none).
     chat_template: str = ""
     prompt_field: str = "prompt"
     completion_field: str = "completion"

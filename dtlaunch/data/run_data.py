@@ -265,7 +265,7 @@ def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
     path = Path(spec).expanduser()
     out = run_dir / TOKENIZER_DIR
     copy_tokenizer_files(tokenizer_file(path), out)
-    if str(cfg.data.chat_template) and str(cfg.data.format) == "chat":
+    if str(cfg.data.chat_template) and str(cfg.data.format) in ("chat", "prompt"):
         from dtlaunch.data.chat_templates import load_chat_template
         from dtlaunch.data.tokenizer import set_chat_template
 

@@ -104,7 +104,8 @@ class ToolChat:
         if full[: len(prefix)] != prefix:
             raise InputError(
                 f"objective.tools: the chat template {self.where} renders an assistant turn differently once tool "
-                f"messages follow it: use a prefix-preserving template"
+                f"messages follow it: set data.chat_template to a prefix-preserving one (for Qwen3: TRL's "
+                f"trl/chat_templates/qwen3_training.jinja)"
             )
         return full[len(prefix) :]
 

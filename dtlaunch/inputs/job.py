@@ -26,7 +26,7 @@ def check_job_inputs(cfg: Any) -> None:
     tok = str(cfg.data.tokenizer)
     if tok not in ("auto", "byte") and Path(tok).is_file():
         check_tokenizer_json(Path(tok))
-    if str(cfg.data.format) == "chat":
+    if str(cfg.data.format) == "chat" or (str(cfg.data.format) == "prompt" and str(cfg.data.chat_template)):
         check_job_chat_template(cfg)
     check_load_path(cfg)
     check_job_rewards(cfg)

@@ -31,6 +31,8 @@ from dtlaunch.errors import InputError
 from dtlaunch.inputs.rewards import import_function
 
 KEY = "objective.tools"
+READY = b"ready"
+STARTUP_S = 120.0  # the child's start (an interpreter, the tools' imports) is not the call's time
 
 
 @dataclass(frozen=True)
@@ -109,34 +111,50 @@ class ToolRunner:
         except (TypeError, ValueError) as exc:
             return str({"error": f"arguments are not JSON: {exc}"}), True
         proc = self._process()
+        if proc is None:
+            return str({"error": f"{name}: the tool process did not start"}), True
         try:
             assert proc.stdin is not None
             proc.stdin.write(request.encode())
             proc.stdin.flush()
             line = self._read_line(proc, time.monotonic() + self.timeout_s)
-        except (BrokenPipeError, OSError):
-            line = None
-        if line is None:  # timed out, or the process ended (a crash, os._exit, a signal)
-            code = proc.poll()
+        except OSError:  # BrokenPipeError: the process is gone
+            line = b""
+        if not line:  # timed out (None), or the process ended (a crash, os._exit, a signal)
+            code = self._ended(proc) if line is not None else None
             self.close()
             why = f"timed out after {self.timeout_s:g} s" if code is None else f"the tool process exited ({code})"
             return str({"error": f"{name}: {why}"}), True
         reply = json.loads(line)
         return str(reply["result"]), bool(reply["failed"])
 
-    def _process(self) -> subprocess.Popen:
-        if self.proc is None or self.proc.poll() is not None:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtlaunch.inputs.tools", *self.specs],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-            )
-            self._buffer = b""
+    def _process(self) -> Optional[subprocess.Popen]:
+        """The child, started (and its tools imported: a READY line) before any call's time counts."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dtlaunch.inputs.tools", *self.specs],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self._buffer = b""
+        if self._read_line(self.proc, time.monotonic() + max(STARTUP_S, self.timeout_s)) != READY:
+            self.close()
+            return None
         return self.proc
 
+    @staticmethod
+    def _ended(proc: subprocess.Popen) -> Optional[int]:
+        """The exit code of a process whose stdout closed (it may take a moment to be reaped)."""
+        try:
+            return proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> Optional[bytes]:
+        """The next line; None past the deadline, b"" when the process closed its end."""
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
         while b"\n" not in self._buffer:
@@ -145,7 +163,7 @@ class ToolRunner:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                return None
+                return b""
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
@@ -171,6 +189,8 @@ def _serve(specs: list[str]) -> None:
     for spec in specs:
         fn = import_function(spec, KEY)
         tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
+    out.write(READY.decode() + "\n")
+    out.flush()
     for line in sys.stdin:
         request = json.loads(line)
         result, failed = call_in_process(tools, request["name"], request["arguments"])

@@ -117,3 +117,28 @@ def test_two_tools_of_one_name_refused(tmp_path: Path, tools) -> None:
     f.write_text(TOOLS)
     with pytest.raises(InputError, match="are both called add"):
         load_tools([tools[0].spec, f"{f}:add"])
+
+
+@pytest.mark.parametrize(
+    "template, refusal",
+    [
+        ("qwen2_5", None),
+        ("qwen3_training", None),
+        ("qwen3", "renders an assistant turn differently once tool messages follow it"),  # not prefix-preserving
+        ("llama3_1", "writes tool calls in a format dtlaunch cannot parse"),
+    ],
+)
+def test_chat_templates_for_tools(tmp_path: Path, template: str, refusal) -> None:
+    """The launcher's template check (TRL's own copies of the models' templates)."""
+    trl = pytest.importorskip("trl")
+    from grpo_toy import write_byte_tokenizer
+
+    from dtlaunch.data.prompts import PromptEncoder, tool_chat
+
+    text = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
+    encoder = PromptEncoder(write_byte_tokenizer(tmp_path, text), "", [])
+    if refusal is None:
+        tool_chat(encoder, encoder.stop_ids(None))
+        return
+    with pytest.raises(InputError, match=refusal):
+        tool_chat(encoder, encoder.stop_ids(None))

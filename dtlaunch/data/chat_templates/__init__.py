@@ -28,8 +28,8 @@ def chat_template_problem(spec: str, fmt: str) -> Optional[str]:
     """validate's rule for data.chat_template: a one-line refusal, or None."""
     if not spec:
         return None
-    if fmt != "chat":
-        return f"data.chat_template={spec} is used only with data.format=chat (it is {fmt}): drop it"
+    if fmt not in ("chat", "prompt"):
+        return f"data.chat_template={spec} is used only with data.format=chat or prompt (it is {fmt}): drop it"
     if spec not in BUILTIN and not Path(spec).expanduser().is_file():
         return (
             f"data.chat_template='{spec}' is neither a built-in template ({', '.join(BUILTIN)}) nor an existing "
