@@ -745,7 +745,9 @@ class DebugConfig:
     slow_step_s: float = 0.0
     # objective=grpo: read each rollout's completions from this JSONL instead of sampling them (tests: every
     # layout trains on the same tokens). Line k: rollout k's completions, a list of token-id lists over the
-    # whole generation batch in global order (prompt position, then its G completions).
+    # whole generation batch in global order (prompt position, then its G completions). With objective.tools
+    # a row may be a list of turns (lists of ids): the first, then each continuation after the tool results
+    # (the tools really run); a continuation a row does not record is generated.
     replay_completions: str = ""
 
 

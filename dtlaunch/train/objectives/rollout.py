@@ -31,7 +31,6 @@ from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.data.tool_chat import tool_loop
-from dtlaunch.errors import InputError
 from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
 from dtlaunch.inputs.rewards import call_reward, load_rewards
 from dtlaunch.inputs.tools import ToolRunner, load_tools
@@ -226,7 +225,7 @@ class Rollout:
     def _replayed(self, index: int, rows: int) -> Generated:
         """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions. A row is a
         list of ids, or with objective.tools a list of turns (lists of ids): the first, then each continuation
-        after tool results, which the tools' real results precede."""
+        after tool results, which the tools' real results precede; a continuation not recorded is generated."""
         assert self.replay is not None
         lo = self.loader.dp_rank * rows
         recorded = self.replay[index][lo : lo + rows]
@@ -239,27 +238,23 @@ class Rollout:
         """The completions' tool calls run and generation continued (dtlaunch.data.tool_chat.tool_loop)."""
         assert self.chat is not None and self.tool_runner is not None
 
-        def replayed(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
-            missing = [i for i in rows if turn >= len(self.replay_turns[i])]
-            if missing:
-                raise InputError(
-                    f"debug.replay_completions: row {missing[0]} of this rank's rollout calls a tool but records "
-                    f"no turn {turn} to continue with: add it"
-                )
-            return [self.replay_turns[i][turn] for i in rows]
-
         def generated(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
-            return self._continue(model, seqs, limits, g)
+            if self.replay is None:
+                return self._continue(model, seqs, limits, g)
+            # Replayed: each row's recorded turn; a turn not recorded is generated (every rank takes part).
+            live = [k for k, i in enumerate(rows) if turn >= len(self.replay_turns[i])]
+            made = iter(self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g))
+            return [next(made) if k in live else self.replay_turns[i][turn] for k, i in enumerate(rows)]
 
         return tool_loop(
             self.chat,
             self.tool_runner,
             [p["ids"] for p in prompts],
             gen.completions,
-            replayed if self.replay is not None else generated,
+            generated,
             self.sampling.max_new_tokens,
             None if self.max_tool_iterations is None else int(self.max_tool_iterations),
-            any_left=self._any_rank if self.replay is None else bool,
+            any_left=self._any_rank,
         )
 
     def _continue(self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any) -> list[list[int]]:
@@ -270,6 +265,8 @@ class Rollout:
             t = torch.tensor([longest], device=self.rt.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             longest = int(t)
+        if longest == 0:  # no rank has a row to continue with room left
+            return [[] for _ in seqs]
         rows, caps = (seqs, limits) if seqs else ([[PAD]], [1])
         caps = [max(c, 1) for c in caps]  # a row with no room: one token, cut away by tool_loop
         sampling = Sampling(longest, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
