@@ -42,7 +42,6 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
         raise ConfigError(
             "objective.rewards is empty: name at least one reward function, e.g. objective.rewards=[accuracy]"
         )
-    check_tool_settings(o)
     mu, every = int(o.num_iterations), int(cfg.checkpoint.every_steps)
     if bool(cfg.checkpoint.enabled) and every > 0 and every % mu:
         # A checkpoint inside a generation batch could not be resumed exactly: the batch's completions came
@@ -56,18 +55,6 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
         raise ConfigError(
             f"training.eval_every={t.eval_every}: validation is not computed for objective=grpo yet: set "
             f"training.eval_every=0"
-        )
-
-
-def check_tool_settings(o: Any) -> None:
-    iterations = o.max_tool_calling_iterations
-    if iterations is not None and int(iterations) < 0:
-        raise ConfigError(
-            f"objective.max_tool_calling_iterations={iterations} must be >= 0 (None: until no tool is called)"
-        )
-    if float(o.tool_timeout_s) < 0:
-        raise ConfigError(
-            f"objective.tool_timeout_s={o.tool_timeout_s} must be >= 0 (0: tool calls run in the worker, no timeout)"
         )
 
 
