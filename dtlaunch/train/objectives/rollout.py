@@ -200,9 +200,8 @@ class Rollout:
         batches.old = self._logps(model, batches) if self.mu > 1 else None
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
         # As TRL: a completion's length counts the model's tokens, not the tool results'.
-        model_tokens = tool_mask if tool_mask is not None else gen.completions
-        lengths = torch.tensor([sum(1 for x in m if x) if tool_mask else len(m) for m in model_tokens])
-        lengths = lengths.float()
+        counts = [sum(m) for m in tool_mask] if tool_mask is not None else [len(c) for c in gen.completions]
+        lengths = torch.tensor(counts, dtype=torch.float32)
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
         if tool_stats is not None:
             calls, failures = self._sum(torch.tensor([float(tool_stats[0]), float(tool_stats[1])]))
