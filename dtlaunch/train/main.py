@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 # When this worker's Python began running dtlaunch (the rank's log is not open yet): its start-up phases.
 STARTED = time.time()
@@ -97,5 +98,35 @@ def main() -> None:
     shutdown()
 
 
+def exit_failed() -> NoReturn:
+    """A worker that failed with an exception: print it as the interpreter would (into the rank's log, where
+    the launcher points the user), run the exit handlers, and end with exit 1 without the interpreter's
+    teardown of torch's modules: 1-2 s per worker on a loaded machine that a restart (launch.max_restarts)
+    or the launcher's report waited for, since torchrun restarts or stops a job only once every rank has
+    exited. A non-daemon thread still alive gets the ordinary exit, which waits for it."""
+    import atexit
+    import threading
+    import traceback
+
+    current = threading.current_thread()
+    if any(t is not current and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        raise  # noqa: PLE0704 (called from an except block: the exception being handled)
+    traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more reaches it either way
+            pass
+    os._exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    # Success, preemption and bad input end in os._exit already (shutdown, exit_with_input_error); an
+    # explicit sys.exit and Ctrl-C keep the interpreter's own exit (their codes and its SIGINT status).
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        exit_failed()
