@@ -28,6 +28,7 @@ COMMON = [
     "checkpoint.every_steps=1000",
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports: nothing here reads its files
     "training.sync_interval_s=0",
 ]
 # The signal reaches the held rank before its step HOLD; the flag rides on that step's collective, which
@@ -88,10 +89,23 @@ def assert_preempted(proc: subprocess.Popen, run_dir: Path, signame: str) -> int
     return step
 
 
+@pytest.fixture(scope="module")
+def signalled_after_the_last_step(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A tiny_ddp run whose rank 1 holds after the last step (while the final checkpoint is written) and
+    whose launcher is SIGTERMed there: a finished run, so also the uninterrupted reference that a
+    preempted and resumed run must match (one launch for both tests)."""
+    run_dir = tmp_path_factory.mktemp("last_step") / "run"
+    proc = held(run_dir, "recipe=tiny_ddp", step=STEPS + 1)  # STEPS + 1 = after the last step
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    return run_dir, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.mark.slow
-def test_sigterm_to_cli_saves_exits_75_and_resumes_identically(trainer, tmp_path: Path) -> None:
-    ref_dir = tmp_path / "ref"
-    ref = trainer.cli(["train", "recipe=tiny_ddp", *COMMON, f"run.dir={ref_dir}"])
+def test_sigterm_to_cli_saves_exits_75_and_resumes_identically(
+    trainer, signalled_after_the_last_step, tmp_path: Path
+) -> None:
+    ref_dir, ref = signalled_after_the_last_step
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     run_dir = tmp_path / "run"
@@ -139,13 +153,11 @@ def test_sigusr1_to_one_worker_stops_every_rank_without_restart(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_sigterm_after_the_last_step_is_a_finished_run(tmp_path: Path) -> None:
+def test_sigterm_after_the_last_step_is_a_finished_run(signalled_after_the_last_step) -> None:
     """The signal lands while the final checkpoint is being written: the run is complete, exit 0."""
-    run_dir = tmp_path / "run"
-    proc = held(run_dir, "recipe=tiny_ddp", "training.steps=4", step=5)  # 5 = after the last step
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    run_dir, proc = signalled_after_the_last_step
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "run finished" in out and "SIGTERM" not in out + err, out[-2000:] + err[-2000:]
-    assert (run_dir / "checkpoints" / f"step-{4:08d}" / "COMPLETE.json").is_file()
+    assert (run_dir / "checkpoints" / f"step-{STEPS:08d}" / "COMPLETE.json").is_file()
     assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
