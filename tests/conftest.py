@@ -58,6 +58,9 @@ class Trainer:
         "launch.threads_per_worker=1",
         # loss.png costs ~1 s per run (matplotlib); test_run_dir_contents turns it back on.
         "training.loss_plot=false",
+        # TensorBoard (the default tracker) costs rank 0 0.5-1 s of imports per run; metrics.jsonl, which
+        # the tests read, is always written. test_run_dir_contents turns it back on.
+        "logging.trackers=[]",
     ]
 
     @staticmethod
@@ -99,7 +102,8 @@ def reference_run(trainer: Trainer, tmp_path_factory: pytest.TempPathFactory):
     def get(*args: str) -> Path:
         if args not in cache:
             run_dir = tmp_path_factory.mktemp("reference")
-            proc = trainer.cli(["train", *args, f"run.dir={run_dir}"])
+            # No tracker (TensorBoard's imports) unless the test's own arguments, which come later, ask.
+            proc = trainer.cli(["train", "logging.trackers=[]", *args, f"run.dir={run_dir}"])
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
             cache[args] = run_dir
         return cache[args]

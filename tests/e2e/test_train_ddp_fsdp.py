@@ -52,19 +52,36 @@ LAYOUTS = {
         "training.micro_batch=2",
         f"training.global_batch={GLOBAL_BATCH}",
     ],
+    # Compiled as well: one launch for test_compile_parity and this layout's parity (accumulation is the
+    # trainer's loop around the model, the same code compiled or eager).
     "accum_zero3_2x2x2": [
         "recipe=tiny_fsdp",
         "launch.nproc_per_node=2",
         "training.micro_batch=2",
         f"training.global_batch={GLOBAL_BATCH}",
+        "training.compile=true",
     ],
 }
 
 
+@pytest.fixture(scope="module")
+def layout_run(trainer, tmp_path_factory):
+    """The run directory of a layout of LAYOUTS, run once for every test that reads it."""
+    runs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            run_dir = tmp_path_factory.mktemp(name) / "run"
+            trainer.run(run_dir, *LAYOUTS[name])
+            runs[name] = run_dir
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fp32_parity(name, trainer, reference, tmp_path: Path) -> None:
-    trainer.run(tmp_path / "run", *LAYOUTS[name])
-    assert_parity(trainer.losses(tmp_path / "run"), reference, FP32_TOL)
+def test_fp32_parity(name, trainer, reference, layout_run) -> None:
+    assert_parity(trainer.losses(layout_run(name)), reference, FP32_TOL)
 
 
 @pytest.mark.parametrize("strategy,recipe", [("ddp", "tiny_ddp"), ("zero3", "tiny_fsdp")])
@@ -83,15 +100,13 @@ def test_bf16_close(strategy, recipe, trainer, reference, tmp_path: Path) -> Non
     assert got != reference
 
 
-def test_compile_parity(trainer, reference, tmp_path: Path) -> None:
-    trainer.run(
-        tmp_path / "run",
-        "recipe=tiny_fsdp",
-        "launch.nproc_per_node=2",
-        "training.micro_batch=4",
-        "training.compile=true",
-    )
-    assert_parity(trainer.losses(tmp_path / "run"), reference, FP32_TOL)
+def test_compile_parity(trainer, reference, layout_run) -> None:
+    """training.compile=true on ZeRO-3 (2 ranks, 2 micro-batches of 2 per step) trains like one eager process."""
+    from dtlaunch.config.compose import load_resolved
+
+    run_dir = layout_run("accum_zero3_2x2x2")
+    assert load_resolved(run_dir / "config.yaml").training.compile is True
+    assert_parity(trainer.losses(run_dir), reference, FP32_TOL)
 
 
 def test_worker_failure_is_one_line(trainer, tmp_path: Path) -> None:
@@ -132,6 +147,7 @@ def test_run_dir_contents(trainer, tmp_path: Path) -> None:
         "training.steps=3",
         "debug.nan_at_steps=[2]",
         "training.loss_plot=true",
+        "logging.trackers=[tensorboard]",
     )
     # Phase lines, in order, then the end-of-run summary block.
     out = proc.stdout
