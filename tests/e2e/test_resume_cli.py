@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,26 +92,27 @@ def test_resume_with_pipeline_on_and_off(source: list[str], target: list[str], s
 
 
 @pytest.mark.slow
-def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None:
+def test_sigkill_during_async_save_resumes_from_previous(straight, tmp_path: Path) -> None:
     run = (tmp_path / "run").resolve()
-    first = dtlaunch("train", "recipe=tiny_fsdp", f"run.dir={run}", *COMMON, "training.steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
-    # Second start: resumes at 3, async-saves step 6 with rank 1 stalled inside the write; kill it there.
+    # The first start: a copy of the uninterrupted FSDP run (checkpoints at 3 and 6), launched once per
+    # session for the tests above.
+    shutil.copytree(straight(PP_OFF), run)
+    # Second start: resumes at 6, async-saves step 9 with rank 1 stalled inside the write; kill it there.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",
         "dtlaunch",
         "train",
-        "recipe=tiny_fsdp",
+        *PP_OFF,
         f"run.dir={run}",
         *COMMON,
-        "training.steps=9",
+        "training.steps=12",
         "checkpoint.async_save=true",
         "debug.slow_save_s=60",
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tmp_dir = run / "checkpoints" / ".tmp-step-00000006"
+    tmp_dir = run / "checkpoints" / ".tmp-step-00000009"
     deadline = time.time() + 300
     killed = False
     while time.time() < deadline and proc.poll() is None:
@@ -124,27 +126,28 @@ def test_sigkill_during_async_save_resumes_from_previous(tmp_path: Path) -> None
     out, _ = proc.communicate(timeout=300)
     assert killed, out[-3000:]
     assert proc.returncode != 0
-    assert tmp_dir.is_dir() and not (run / "checkpoints" / "step-00000006").exists()
+    assert tmp_dir.is_dir() and not (run / "checkpoints" / "step-00000009").exists()
     listing = dtlaunch("ckpt", "ls", str(run))
-    assert ".tmp-step-00000006: incomplete" in listing.stdout and "step-00000003" in listing.stdout
-    # Third start: reports the interrupted save by name, resumes from step 3, finishes.
-    third = dtlaunch("train", "recipe=tiny_fsdp", f"run.dir={run}", *COMMON, "training.steps=9")
+    assert ".tmp-step-00000009: incomplete" in listing.stdout and "step-00000006" in listing.stdout
+    # Third start: reports the interrupted save by name, resumes from step 6, finishes.
+    third = dtlaunch("train", *PP_OFF, f"run.dir={run}", *COMMON, "training.steps=12")
     text = third.stdout + third.stderr
     assert third.returncode == 0, text[-3000:]
-    assert "skipping checkpoint .tmp-step-00000006" in text
-    assert "resumed from step-00000003" in text
-    assert (run / "checkpoints" / "step-00000009" / "COMPLETE.json").is_file()
+    assert "skipping checkpoint .tmp-step-00000009" in text
+    assert "resumed from step-00000006" in text
+    assert (run / "checkpoints" / "step-00000012" / "COMPLETE.json").is_file()
     assert not tmp_dir.exists()  # the leftover is cleaned once a newer checkpoint is complete
 
 
 @pytest.mark.slow
-def test_no_resume_moves_checkpoints_aside_and_starts_fresh(tmp_path: Path) -> None:
+def test_no_resume_moves_checkpoints_aside_and_starts_fresh(straight, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    first = dtlaunch("train", "recipe=tiny_ddp", f"run.dir={run}", *COMMON, "training.steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
+    # The first start: a copy of the uninterrupted FSDP run (checkpoints at 3 and 6), launched once per
+    # session for the tests above.
+    shutil.copytree(straight(PP_OFF), run)
     old = {p.relative_to(run / "checkpoints"): p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
     assert any(p.name == "COMPLETE.json" for p in old)
-    again = dtlaunch("train", "--no-resume", "recipe=tiny_ddp", f"run.dir={run}", *COMMON, "training.steps=3")
+    again = dtlaunch("train", "--no-resume", *PP_OFF, f"run.dir={run}", *COMMON, "training.steps=3")
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-3000:]
     (moved,) = run.glob("checkpoints.prev-*")
