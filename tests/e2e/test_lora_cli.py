@@ -210,20 +210,21 @@ def test_changed_base_is_refused(runs: dict, exports: dict, base: Path, tmp_path
     assert "--adapter" in line and "another base" in line
 
 
-def test_peft_export_of_full_run_is_refused(tmp_path: Path) -> None:
-    run = tmp_path / "full"
-    ok(
-        dtlaunch(
-            "train",
-            "recipe=tiny_ddp",
-            "launch.nproc_per_node=1",
-            "training.steps=1",
-            "training.seq_len=16",
-            "checkpoint.every_steps=1",
-            "training.loss_plot=false",
-            "launch.threads_per_worker=1",
-            f"run.dir={run}",
-        )
-    )
+# A full (no adapters) run with checkpoints: the run test_resume_cli.py and test_input_errors_cli.py use too
+# (session cache: no extra launch in the full suite).
+FULL_RUN = [
+    "recipe=tiny_fsdp",
+    "training.micro_batch=2",
+    "training.global_batch=4",
+    "training.seq_len=32",
+    "training.steps=6",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=3",
+    "training.loss_plot=false",
+]
+
+
+def test_peft_export_of_full_run_is_refused(reference_run, tmp_path: Path) -> None:
+    run = reference_run(*FULL_RUN)  # only read here
     line = one_error_line(dtlaunch("ckpt", "export", str(run), "--format", "peft", "--out", str(tmp_path / "o")))
     assert "holds no adapters" in line and "--format hf" in line
