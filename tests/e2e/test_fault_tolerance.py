@@ -24,6 +24,7 @@ COMMON = [
     "checkpoint.keep_last=5",
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports on every attempt: nothing here reads its files
 ]
 
 
