@@ -399,29 +399,16 @@ def console_main() -> None:
     0.5-2 s after every such command, seconds that every `dtlaunch train` and every CLI test paid for
     nothing. The exit handlers still run (logging, temporary directories, trackers); a non-daemon thread
     still alive gets the ordinary exit, which waits for it. In-process callers use `run` (SystemExit)."""
+    from dtlaunch.run.fast_exit import exit_now, other_threads_alive
+
     code = 0
     try:
         run()
     except SystemExit as stop:
         code = stop.code
-        if "torch" not in sys.modules or not isinstance(code, int) or _other_threads():
+        if "torch" not in sys.modules or not isinstance(code, int) or other_threads_alive():
             raise
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more reaches it either way
-            pass
-    os._exit(code)
-
-
-def _other_threads() -> bool:
-    """Whether a non-daemon thread besides this one is alive (the ordinary exit would wait for it)."""
-    import threading
-
-    return any(t is not threading.current_thread() and not t.daemon and t.is_alive() for t in threading.enumerate())
+    exit_now(code)
 
 
 def exit_code(exc: BaseException) -> int:

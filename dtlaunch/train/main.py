@@ -104,21 +104,14 @@ def exit_failed() -> NoReturn:
     teardown of torch's modules: 1-2 s per worker on a loaded machine that a restart (launch.max_restarts)
     or the launcher's report waited for, since torchrun restarts or stops a job only once every rank has
     exited. A non-daemon thread still alive gets the ordinary exit, which waits for it."""
-    import atexit
-    import threading
     import traceback
 
-    current = threading.current_thread()
-    if any(t is not current and not t.daemon and t.is_alive() for t in threading.enumerate()):
+    from dtlaunch.run.fast_exit import exit_now, other_threads_alive
+
+    if other_threads_alive():
         raise  # noqa: PLE0704 (called from an except block: the exception being handled)
     traceback.print_exc()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more reaches it either way
-            pass
-    os._exit(1)
+    exit_now(1)
 
 
 if __name__ == "__main__":

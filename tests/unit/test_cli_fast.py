@@ -79,7 +79,7 @@ def test_a_live_thread_keeps_the_ordinary_exit() -> None:
     """A non-daemon thread still running: console_main exits the ordinary way, which waits for it."""
     import threading
 
-    from dtlaunch.cli import _other_threads
+    from dtlaunch.run.fast_exit import other_threads_alive as _other_threads
 
     assert not _other_threads()
     release = threading.Event()
