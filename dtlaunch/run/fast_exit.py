@@ -11,11 +11,15 @@ import threading
 from typing import NoReturn
 
 
-def other_threads_alive() -> bool:
-    """Whether a non-daemon thread besides this one is alive: the ordinary exit would wait for it, so the
-    caller must take that exit instead."""
+def waited_threads() -> list[threading.Thread]:
+    """The non-daemon threads besides this one that are alive: the ordinary exit would wait for them."""
     current = threading.current_thread()
-    return any(t is not current and not t.daemon and t.is_alive() for t in threading.enumerate())
+    return [t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()]
+
+
+def other_threads_alive() -> bool:
+    """Whether the ordinary exit would wait for a thread, so that the caller must take that exit instead."""
+    return bool(waited_threads())
 
 
 def exit_now(code: int) -> NoReturn:

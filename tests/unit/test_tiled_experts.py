@@ -90,7 +90,10 @@ def test_tiles_without_rows(counts: list[int]) -> None:
     torch.testing.assert_close(tiled, plain.detach(), rtol=1e-6, atol=1e-6)
     tiled.sum().backward()
     for p, g in zip(experts.parameters(), want, strict=True):
-        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6)
+        # A weight's gradient sums over rows in another order tiled (one matmul per tile): an fp32 rounding
+        # relative to the largest terms, which cancellation can leave beside a small entry (seen: 1.7e-6 on
+        # an entry of 0.065 where the gradient reaches tens); zeros stay exactly zero.
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-6 * max(1.0, g.abs().max().item()))
 
 
 def test_recompute_replays_autocast() -> None:
