@@ -27,12 +27,14 @@ class Job:
         return self.composed.choices.get("recipe", "") or "custom"
 
 
-def load_job(overrides: Sequence[str], recipe_dirs: Sequence[str] = ()) -> Job:
+def load_job(overrides: Sequence[str], recipe_dirs: Sequence[str] = (), to_run: bool = False) -> Job:
+    """Compose, apply the config rules and check the job's inputs. `to_run`: validate, train and submit
+    (dry run or not) check that it can run, not only be planned (dtlaunch.inputs.job.check_job_inputs)."""
     composed = compose(overrides, recipe_dirs)
     v = validate(composed.cfg)
     from dtlaunch.inputs.job import check_job_inputs
 
-    check_job_inputs(composed.cfg)  # the files the job names, before anything runs
+    check_job_inputs(composed.cfg, to_run)  # the files the job names, before anything runs
     return Job(composed=composed, layout=v.layout, notes=v.notes)
 
 

@@ -8,7 +8,7 @@ from dtlaunch.commands.common import console, load_job, summary_table
 
 
 def validate_command(overrides: Sequence[str], recipe_dirs: Sequence[str]) -> int:
-    job = load_job(overrides, recipe_dirs)
+    job = load_job(overrides, recipe_dirs, to_run=True)
     out = console()
     out.print(summary_table(job))
     out.print("[green]valid[/green]")

@@ -36,7 +36,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
     from dtlaunch.launch import slurm, slurm_script
     from dtlaunch.launch.rundir import run_dir_for
 
-    job = load_job(overrides, recipe_dirs)
+    job = load_job(overrides, recipe_dirs, to_run=True)
     if job.cfg.cluster.kind not in ("slurm", "kubernetes", "skypilot"):
         raise ConfigError(
             f"cluster.kind='{job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm, kubernetes or skypilot"

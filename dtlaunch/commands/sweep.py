@@ -93,7 +93,7 @@ def prepare_points(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
         swept = [ov for ov in combo if _key(ov) in swept_keys]
         label = " ".join(swept) or "(single point)"
         try:
-            job = load_job(combo, recipe_dirs)
+            job = load_job(combo, recipe_dirs, to_run=True)
         except ConfigError as exc:
             raise ConfigError(f"sweep point {i} ({label}): {exc}") from None
         plan = make_plan(job)

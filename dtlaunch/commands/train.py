@@ -65,7 +65,7 @@ def _compose_and_plan(overrides: Sequence[str], recipe_dirs: Sequence[str], forc
     from dtlaunch.run.phases import phase
 
     phase("composing the job")
-    job = load_job(overrides, recipe_dirs)
+    job = load_job(overrides, recipe_dirs, to_run=True)
     # The memory-plan gate refuses (exit 3) before anything is created, unless --force.
     from dtlaunch.commands.plan import plan_gate
 

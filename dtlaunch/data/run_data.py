@@ -186,11 +186,11 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
     train and validation data each hold a global batch, so bad data fails (exit 2) before any worker.
     Returns data.kind=text's PrepareSummary when it tokenized now, else None."""
     kind = check_kind(cfg)
-    if str(cfg.objective.name) == "grpo" and str(cfg.data.format) != "prompt":
-        raise InputError(
-            f"objective=grpo trains on generated completions of prompts, and data.kind={kind} holds none: set "
-            f"data.kind=jsonl (or parquet, hf) data.format=prompt data.path=<your prompts>"
-        )
+    from dtlaunch.config.rules.grpo import grpo_data_problem
+
+    problem = grpo_data_problem(cfg)
+    if problem:
+        raise InputError(problem)
     summary = None
     val_path = str(cfg.data.val_path)
     keep_tokenizer(cfg, Path(run_dir))

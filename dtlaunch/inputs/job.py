@@ -21,7 +21,15 @@ from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 from dtlaunch.run.run_dir import tokenizer_file
 
 
-def check_job_inputs(cfg: Any) -> None:
+def check_job_inputs(cfg: Any, to_run: bool = False) -> None:
+    """`to_run`: the job is checked to be run (validate, train, submit; dry run or not), not only planned
+    (plan, config, the recipes table): what only a run needs is refused too (GRPO's prompts)."""
+    if to_run:
+        from dtlaunch.config.rules.grpo import grpo_data_problem
+
+        problem = grpo_data_problem(cfg)
+        if problem:
+            raise InputError(problem)
     check_model_weights(cfg)
     tok = str(cfg.data.tokenizer)
     if tok not in ("auto", "byte") and Path(tok).is_file():

@@ -285,3 +285,25 @@ def test_the_unbroken_jobs_pass_all_four(scratch: Path, tmp_path: Path, no_launc
             assert code == 1 and "workers were launched" in err, err[-1500:]
         else:
             assert code == 0, f"{name}: exit {code}\n{err[-1500:]}"
+
+
+# A job the config rules accept for its plan but no run can train: GRPO on data that holds no prompts (the
+# shipped GRPO recipes before data.path names them). `plan` plans it; the four commands refuse it.
+PLANNED_ONLY = [
+    *TINY,
+    "objective=grpo",
+    "objective.max_completion_length=2",
+    "objective.num_generations=2",
+    "training.global_batch=2",
+]
+
+
+def test_grpo_without_prompts_is_planned_but_refused_to_run(tmp_path: Path, no_launch: None) -> None:
+    code, err, out = _cli(["plan", *PLANNED_ONLY])
+    assert code == 0 and "fits:" in out, err[-1500:]
+    for name, command in COMMANDS.items():
+        run = tmp_path / name.replace(" ", "_")
+        code, err, _ = _cli([*command(run), *PLANNED_ONLY])
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and "data.kind=synthetic" in lines[0], f"{name}: exit {code}\n{err}"
+        assert not run.exists(), f"{name} made its run directory"

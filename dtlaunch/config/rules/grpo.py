@@ -13,10 +13,24 @@ from dtlaunch.config.layout import Layout, generation_gather, global_batch
 from dtlaunch.errors import ConfigError
 
 
+def grpo_data_problem(cfg: Any) -> str:
+    """Why the job cannot train GRPO on its data, or "": its completions are generated from prompts, which
+    only data.format=prompt records hold. The config rules let data.kind=synthetic through (the plan of a
+    recipe before its prompts are named); the commands that check a job to run it (validate, train, submit,
+    dry run or not) and the launcher's data preparation refuse it with this."""
+    d = cfg.data
+    if str(cfg.objective.name) != "grpo" or str(d.format) == "prompt":
+        return ""
+    return (
+        f"objective=grpo trains on generated completions of prompts, and data.kind={d.kind} holds none: set "
+        f"data.kind=jsonl (or parquet, hf) data.format=prompt data.path=<your prompts>"
+    )
+
+
 def check_grpo(cfg: Any, notes: list[str]) -> None:
     o, d, t = cfg.objective, cfg.data, cfg.training
-    # data.kind=synthetic: the plan of a recipe before its prompts are named (`dtlaunch plan`); training
-    # refuses it when the launcher prepares the data (dtlaunch.data.run_data).
+    # data.kind=synthetic: the plan of a recipe before its prompts are named (`dtlaunch plan`); a job to run
+    # refuses it (grpo_data_problem).
     if str(d.format) != "prompt" and str(d.kind) != "synthetic":
         raise ConfigError(
             f"objective=grpo generates its completions from prompts, not data.format={d.format}: set "
