@@ -76,6 +76,7 @@ RANGES: dict[str, Range] = {
     "model.max_seq_len": AT_LEAST_1,
     "model.head_dim": AT_LEAST_1,
     "model.sliding_window": AT_LEAST_1,
+    "model.no_rope_layers": NON_NEGATIVE,  # block indices (smollm3; its check bounds them by n_layers)
     "model.rope_scaling.factor": POSITIVE,
     "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE,
