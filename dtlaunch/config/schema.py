@@ -482,6 +482,14 @@ class ObjectiveConfig:
     # Each tool call runs in a child process, killed (and the call answered with an error) after this long;
     # 0: in the worker itself, without a timeout.
     tool_timeout_s: float = 30.0
+    # An environment (TRL's environment_factory): `module:Class` / `path/to/file.py:Class`, one instance per
+    # rollout in the tools' process: `reset(**record)` before generation (a returned text is appended to the
+    # last prompt message), its public methods the rollout's tools, an optional `get_reward()` scoring the
+    # rollout (weight 1, logged under the class's name) beside objective.rewards.
+    environment: str = ""
+    # Several environments, name -> factory, each prompt's selected by its dataset column `environment`
+    # (TRL's dict environment_factory); instead of objective.environment.
+    environments: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -162,11 +162,15 @@ def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, 
     d, o = cfg.data, cfg.objective
     field = str(d.prompt_field)
     limit = int(cfg.training.seq_len) - int(o.max_completion_length)
-    tools = None
-    if list(o.tools):
-        from dtlaunch.inputs.tools import check_tools
+    tools, by_env = None, {}
+    if list(o.tools) or str(o.environment) or dict(o.environments):
+        from dtlaunch.inputs.tools import check_environments, check_tools, environment_keys
 
-        tools = [t.schema for t in check_tools(o)]
+        standalone = check_tools(o)
+        envs = check_environments(o, standalone)
+        # Each prompt rendered with its environment's methods beside objective.tools (TRL: per example).
+        by_env = {e.key: [t.schema for t in standalone + e.tools] for e in envs}
+        tools = [t.schema for t in standalone] + [t.schema for e in envs for t in e.tools]
     encoder = PromptEncoder(tokenizer_json, str(d.chat_template), tools)
     if tools:
         tool_chat(encoder, encoder.stop_ids(eos_id))
@@ -182,6 +186,8 @@ def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, 
             _with_prompt(record, where, field)
             if n == 0 and path != str(d.path):  # a hub dataset's first record, read now (a local one's: by load_job)
                 check_rewards(o, record, field, where)
+            if by_env:
+                encoder.tools = by_env[environment_keys(envs, [record])[0]] or None
             ids = encoder.encode(record[field], where)
             if len(ids) > limit:
                 too_long += 1

@@ -48,7 +48,7 @@ QWEN_RESPONSE_TEMPLATE = {
 
 
 class Runner(Protocol):
-    def call(self, name: str, arguments: Any) -> tuple[str, bool]: ...
+    def call(self, name: str, arguments: Any, instance: Optional[str] = None) -> tuple[str, bool]: ...
 
 
 class ToolChat:
@@ -176,9 +176,11 @@ def tool_loop(
     max_completion_length: int,
     max_iterations: Optional[int],
     any_left: Callable[[bool], bool] = bool,
+    instances: Optional[Sequence[str]] = None,
 ) -> MultiTurn:
     """TRL's _tool_call_loop on dtlaunch's generation. `any_left(this rank has rows)`: whether any rank has
-    (data-parallel ranks generate together: each calls `generate` as long as one has rows)."""
+    (data-parallel ranks generate together: each calls `generate` as long as one has rows). `instances`: each
+    row's environment instance (objective.environment), whose methods its calls may name too."""
     completion_ids = [list(c) for c in first_turns]
     completions = [[chat.parse(ids, prompt_ids[i])] for i, ids in enumerate(completion_ids)]
     tool_mask = [[1] * len(ids) for ids in completion_ids]
@@ -194,7 +196,8 @@ def tool_loop(
                 n_calls += 1
                 if call.get("type") == "function":
                     name = call["function"]["name"]
-                    content, failed = runner.call(name, call["function"]["arguments"])
+                    instance = instances[i] if instances is not None else None
+                    content, failed = runner.call(name, call["function"]["arguments"], instance=instance)
                 else:
                     name, failed = call.get("name", "unknown"), True
                     content = str({"error": f"Unsupported tool call type: {call.get('type')}"})

@@ -82,14 +82,16 @@ def check_job_rewards(cfg: Any) -> None:
 
 
 def check_job_tools(cfg: Any) -> None:
-    """objective.tools: every tool imported and its JSON schema built (dtlaunch.inputs.tools.check_tools).
-    Whether the chat template can render and parse tool calls is checked with the prompts
-    (dtlaunch.data.prompts.prepare_prompts), where the tokenizer is at hand."""
-    if str(cfg.objective.name) != "grpo" or not list(cfg.objective.tools):
+    """objective.tools: every tool imported and its JSON schema built (dtlaunch.inputs.tools.check_tools);
+    objective.environment(s): the class imported, its `reset` callable, its methods' schemas built
+    (check_environments). Whether the chat template can render and parse tool calls is checked with the
+    prompts (dtlaunch.data.prompts.prepare_prompts), where the tokenizer is at hand."""
+    o = cfg.objective
+    if str(o.name) != "grpo" or not (list(o.tools) or str(o.environment) or dict(o.environments)):
         return
-    from dtlaunch.inputs.tools import check_tools
+    from dtlaunch.inputs.tools import check_environments, check_tools
 
-    check_tools(cfg.objective)
+    check_environments(o, check_tools(o))
 
 
 def check_eval_include(cfg: Any) -> None:

@@ -13,24 +13,36 @@ objective.tool_timeout_s > 0 the calls run in one child process (`python -m dtla
 imports the tools again): a call still running after the timeout, or one that ends the process, has the
 process killed and replaced. With 0 they run in the worker itself, without a timeout.
 
+Environments (objective.environment / objective.environments, TRL's `environment_factory`): a class (or any
+factory) named like a tool; one instance per rollout, `reset(**record)` before generation, its public methods
+(all but `reset` and `get_reward`) the rollout's tools besides objective.tools, an optional `get_reward()`
+scored once per finished rollout. The instances live where their methods run: in the child process (the
+runner's create / reset / call / reward requests name an instance id), or in the worker with timeout 0. An
+instance whose process was killed (a call past the timeout) is lost: its later calls fail, its reward is None.
+
 The module imports no torch: the child process starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import select
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.rewards import import_function
 
 KEY = "objective.tools"
+ENV_KEY = "objective.environment"
+ENVS_KEY = "objective.environments"
+NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that are no tools (TRL)
 READY = b"ready"
 STARTUP_S = 120.0  # the child's start (an interpreter, the tools' imports) is not the call's time
 
@@ -47,7 +59,10 @@ def load_tool(spec: str) -> Tool:
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise InputError(f"{KEY}: '{spec}' is no tool: use module:function or path/to/file.py:function")
-    fn = import_function(spec, KEY)
+    return _tool(import_function(spec, KEY), spec, KEY)
+
+
+def _tool(fn: Callable[..., Any], spec: str, key: str) -> Tool:
     try:
         from transformers.utils import get_json_schema
     except ImportError:
@@ -57,7 +72,7 @@ def load_tool(spec: str) -> Tool:
     except Exception as exc:  # TypeHintParsingException, DocstringParsingException: the user's function's
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(
-            f"{KEY}: '{spec}' has no JSON schema ({first}): give every argument a type hint and a docstring with "
+            f"{key}: '{spec}' has no JSON schema ({first}): give every argument a type hint and a docstring with "
             f"a description and an `Args:` line per argument"
         ) from None
     return Tool(str(schema["function"]["name"]), spec, fn, schema)
@@ -81,6 +96,72 @@ def check_tools(o: Any) -> list[Tool]:
     return load_tools([str(s) for s in o.tools])
 
 
+@dataclass(frozen=True)
+class Environment:
+    key: str  # the `environment` column's value selecting it; "" for objective.environment
+    spec: str  # as the config names its factory
+    cls: type  # the instances' class (its name: the reward's)
+    tools: list[Tool]  # its public methods (bound to a stand-in: the schemas; calls go to an instance)
+    has_reward: bool
+    config_key: str = field(default=ENV_KEY)
+
+    def tool_names(self) -> list[str]:
+        return [t.name for t in self.tools]
+
+
+def _methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """TRL's tool methods: the class's functions not starting with _, but reset and get_reward (listed on the
+    class: getmembers on an instance would evaluate its properties)."""
+    return {
+        n: f for n, f in inspect.getmembers(cls, predicate=inspect.isfunction) if n not in NOT_TOOLS and n[:1] != "_"
+    }
+
+
+def load_environment(spec: str, key: str = "", config_key: str = ENV_KEY) -> Environment:
+    """The factory imported and its class's methods checked: `reset` callable, every tool method with a schema.
+    A class is read as is; another factory is called once (as TRL probes one instance) for its class."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise InputError(f"{config_key}: '{spec}' is no environment: use module:Class or path/to/file.py:Class")
+    factory = import_function(spec, config_key)
+    if isinstance(factory, type):
+        cls = factory
+    else:
+        try:
+            cls = type(factory())
+        except Exception as exc:  # noqa: BLE001 - the user's factory
+            raise InputError(f"{config_key}: '{spec}' raised when called ({type(exc).__name__}: {exc})") from None
+    if not callable(getattr(cls, "reset", None)):
+        raise InputError(
+            f"{config_key}: '{spec}' ({cls.__name__}) has no callable `reset`: define reset(self, **kwargs) "
+            f"returning the text to append to the prompt (or None)"
+        )
+    tools = [_tool(types.MethodType(fn, object()), f"{spec}.{n}", config_key) for n, fn in _methods(cls).items()]
+    return Environment(key, spec, cls, tools, callable(getattr(cls, "get_reward", None)), config_key)
+
+
+def check_environments(o: Any, tools: Sequence[Tool] = ()) -> list[Environment]:
+    """objective.environment (one, key "") or objective.environments (name -> factory, selected by the dataset's
+    `environment` column): imported and checked before any worker starts; no method named like a tool."""
+    single, named = str(getattr(o, "environment", "") or ""), dict(getattr(o, "environments", {}) or {})
+    if single and named:
+        raise InputError(
+            f"{ENV_KEY}={single} and {ENVS_KEY} are both set: use one (objective.environments selects by the "
+            f"dataset's `environment` column)"
+        )
+    envs = [load_environment(single)] if single else []
+    envs += [load_environment(str(v), str(k), f"{ENVS_KEY}.{k}") for k, v in named.items()]
+    standalone = {t.name: t.spec for t in tools}
+    for env in envs:
+        for t in env.tools:
+            if t.name in standalone:
+                raise InputError(
+                    f"{env.config_key}: '{env.spec}' has a method {t.name}, as the tool '{standalone[t.name]}' is "
+                    f"called: the model calls tools by name, so rename one"
+                )
+    return envs
+
+
 def call_in_process(tools: dict[str, Callable[..., Any]], name: str, arguments: Any) -> tuple[str, bool]:
     """(the result's text, whether the call failed): TRL's semantics for one function call."""
     try:
@@ -91,31 +172,117 @@ def call_in_process(tools: dict[str, Callable[..., Any]], name: str, arguments: 
         return str({"error": str(exc)}), True
 
 
-class ToolRunner:
-    """Runs tool calls: in a child process with a per-call timeout (timeout_s > 0), else in this process."""
+class EnvironmentFailure(RuntimeError):
+    """An environment's constructor, reset or get_reward raised, timed out or ended its process (TRL raises)."""
 
-    def __init__(self, tools: Sequence[Tool], timeout_s: float) -> None:
+
+class Host:
+    """The tools and the environment instances, where the calls run (the child process, or the worker)."""
+
+    def __init__(self, tools: dict[str, Callable[..., Any]], factories: dict[str, Callable[..., Any]]) -> None:
+        self.tools, self.factories = tools, factories
+        self.instances: dict[str, tuple[Any, dict[str, Callable[..., Any]]]] = {}
+
+    def handle(self, request: dict) -> dict:
+        op, instance = request.get("op", "call"), request.get("instance")
+        if op == "call":
+            table = self.tools
+            if instance is not None:
+                if instance not in self.instances:
+                    return {"result": str({"error": f"environment instance {instance} was lost"}), "failed": True}
+                table = {**self.tools, **self.instances[instance][1]}
+            result, failed = call_in_process(table, request["name"], request["arguments"])
+            return {"result": result, "failed": failed}
+        try:
+            if op == "create":
+                obj = self.factories[request["env"]]()
+                self.instances[instance] = (obj, {n: getattr(obj, n) for n in _methods(type(obj))})
+                return {"result": None}
+            if instance not in self.instances:
+                return {"result": None, "lost": True}
+            obj = self.instances[instance][0]
+            if op == "reset":
+                out = obj.reset(**request["record"])
+                if out is not None and not isinstance(out, str):
+                    raise TypeError(f"reset returned {type(out).__name__}: return a str or None")
+                return {"result": out}
+            if op == "reward":
+                value = obj.get_reward()
+                return {"result": None if value is None else float(value)}
+        except Exception as exc:  # noqa: BLE001 - the user's environment: the worker reports it
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"unknown request {op}"}
+
+
+class ToolRunner:
+    """Runs tool calls: in a child process with a per-call timeout (timeout_s > 0), else in this process.
+    With environments: their instances too, by id (create, reset, call, get_reward)."""
+
+    def __init__(self, tools: Sequence[Tool], timeout_s: float, environments: Sequence[Environment] = ()) -> None:
         self.tools = {t.name: t.fn for t in tools}
         self.specs = [t.spec for t in tools]
+        self.envs = {e.key: e for e in environments}
         self.timeout_s = float(timeout_s)
         self.proc: Optional[subprocess.Popen] = None
         self._buffer = b""
-
-    def call(self, name: str, arguments: Any) -> tuple[str, bool]:
+        self.live: dict[str, str] = {}  # instance id -> its environment's key, in the current process
+        self.host: Optional[Host] = None
         if self.timeout_s <= 0:
-            return call_in_process(self.tools, name, arguments)
-        if name not in self.tools:  # as TRL: no process needed to say so
+            factories = {e.key: import_function(e.spec, e.config_key) for e in environments}
+            self.host = Host(self.tools, factories)
+
+    def call(self, name: str, arguments: Any, instance: Optional[str] = None) -> tuple[str, bool]:
+        names = set(self.tools)
+        if instance is not None and instance in self.live:
+            names |= set(self.envs[self.live[instance]].tool_names())
+        if name not in names and (instance is None or instance in self.live):  # as TRL: no process needed
             return str({"error": f"Tool {name} not found."}), True
         try:
-            request = json.dumps({"name": name, "arguments": arguments}) + "\n"
+            json.dumps(arguments)
         except (TypeError, ValueError) as exc:
             return str({"error": f"arguments are not JSON: {exc}"}), True
+        reply, why = self._request({"op": "call", "name": name, "arguments": arguments, "instance": instance})
+        if reply is None:
+            return str({"error": f"{name}: {why}"}), True
+        return str(reply["result"]), bool(reply["failed"])
+
+    def create(self, instance: str, env: str) -> None:
+        self._checked("create", env, {"op": "create", "instance": instance, "env": env})
+        self.live[instance] = env
+
+    def reset(self, instance: str, env: str, record: dict) -> Optional[str]:
+        """The instance (created in this process when it is not yet) reset: the text reset returned, or None."""
+        if self.live.get(instance) != env:
+            self.create(instance, env)
+        return self._checked("reset", env, {"op": "reset", "instance": instance, "record": record}).get("result")
+
+    def get_reward(self, instance: str) -> Optional[float]:
+        """The instance's get_reward(); None when it was lost with its process."""
+        if instance not in self.live:
+            return None
+        reply = self._checked("get_reward", self.live[instance], {"op": "reward", "instance": instance})
+        return reply.get("result")
+
+    def _checked(self, what: str, key: str, request: dict) -> dict:
+        reply, why = self._request(request)
+        if reply is None or "error" in reply:
+            env = self.envs[key]
+            raise EnvironmentFailure(
+                f"{env.config_key}: {env.cls.__name__}.{what} failed ({why if reply is None else reply['error']}): "
+                f"fix the environment '{env.spec}'"
+            )
+        return reply
+
+    def _request(self, request: dict) -> tuple[Optional[dict], str]:
+        """(the reply, "") or (None, why: the process timed out, ended or did not start)."""
+        if self.host is not None:
+            return self.host.handle(request), ""
         proc = self._process()
         if proc is None:
-            return str({"error": f"{name}: the tool process did not start"}), True
+            return None, "the tool process did not start"
         try:
             assert proc.stdin is not None
-            proc.stdin.write(request.encode())
+            proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
             line = self._read_line(proc, time.monotonic() + self.timeout_s)
         except OSError:  # BrokenPipeError: the process is gone
@@ -123,10 +290,14 @@ class ToolRunner:
         if not line:  # timed out (None), or the process ended (a crash, os._exit, a signal)
             code = self._ended(proc) if line is not None else None
             self.close()
-            why = f"timed out after {self.timeout_s:g} s" if code is None else f"the tool process exited ({code})"
-            return str({"error": f"{name}: {why}"}), True
+            return (
+                None,
+                f"timed out after {self.timeout_s:g} s" if code is None else f"the tool process exited ({code})",
+            )
         reply = json.loads(line)
-        return str(reply["result"]), bool(reply["failed"])
+        if reply.get("lost"):
+            self.live.pop(request.get("instance"), None)
+        return reply, ""
 
     def _process(self) -> Optional[subprocess.Popen]:
         """The child, started (and its tools imported: a READY line) before any call's time counts."""
@@ -134,7 +305,7 @@ class ToolRunner:
             return self.proc
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dtlaunch.inputs.tools", *self.specs],
+            [sys.executable, "-m", "dtlaunch.inputs.tools", json.dumps(self._child_args())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -144,6 +315,9 @@ class ToolRunner:
             self.close()
             return None
         return self.proc
+
+    def _child_args(self) -> dict:
+        return {"tools": self.specs, "environments": {k: [e.spec, e.config_key] for k, e in self.envs.items()}}
 
     @staticmethod
     def _ended(proc: subprocess.Popen) -> Optional[int]:
@@ -177,26 +351,87 @@ class ToolRunner:
                 if f is not None:
                     f.close()
             self.proc = None
+        self.live.clear()  # the instances died with their process
 
 
-def _serve(specs: list[str]) -> None:
+def rollout_instances(keys: Sequence[str]) -> list[str]:
+    """One instance id per rollout, each environment's counted from 0 (TRL's pool: an instance is made once and
+    reset for every later rollout in its place)."""
+    cursor: dict[str, int] = {}
+    out = []
+    for key in keys:
+        cursor[key] = cursor.get(key, -1) + 1
+        out.append(f"{key}/{cursor[key]}")
+    return out
+
+
+def environment_keys(envs: Sequence[Environment], columns: Sequence[dict]) -> list[str]:
+    """Each rollout's environment: the one of objective.environment, or the record's `environment` column."""
+    if len(envs) == 1 and envs[0].key == "":
+        return [""] * len(columns)
+    known = {e.key for e in envs}
+    keys = [str(c.get("environment")) for c in columns]
+    for k in keys:
+        if k not in known:
+            raise InputError(f"{ENVS_KEY}: a prompt's environment column is '{k}', not one of {sorted(known)}")
+    return keys
+
+
+def reset_prompts(
+    runner: ToolRunner, keys: Sequence[str], instances: Sequence[str], prompts: Sequence[Any], columns: Sequence[dict]
+) -> list[Any]:
+    """TRL: each rollout's instance reset with its record (`prompt` and the other columns; with several
+    environments, not `environment`); a returned text is appended to the last message's content."""
+    out = []
+    for key, instance, prompt, cols in zip(keys, instances, prompts, columns, strict=True):
+        record = {"prompt": prompt, **cols}
+        if key:
+            record.pop("environment", None)
+        observation = runner.reset(instance, key, record)
+        if observation is None:
+            out.append(prompt)
+            continue
+        if not isinstance(prompt, list):
+            raise InputError(f"{ENV_KEY}: reset returned text to append to a prompt that is text: give chat prompts")
+        out.append(prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}])
+    return out
+
+
+def environment_reward_columns(envs: Sequence[Environment]) -> list[Environment]:
+    """The environments that own a reward, one per factory (TRL: several names for one class score once)."""
+    out: list[Environment] = []
+    for e in envs:
+        if e.has_reward and all(o.spec != e.spec for o in out):
+            out.append(e)
+    return out
+
+
+def environment_rewards(
+    runner: ToolRunner, env: Environment, envs: Sequence[Environment], keys: Sequence[str], instances: Sequence[str]
+) -> list[Optional[float]]:
+    """`env`'s class's get_reward() of each rollout of that class; None for the others (TRL: NaN, ignored)."""
+    same = {e.key for e in envs if e.spec == env.spec}
+    return [runner.get_reward(i) if k in same else None for k, i in zip(keys, instances, strict=True)]
+
+
+def _serve(args: dict) -> None:
     """The child process: one JSON request per line on stdin, one reply per line on the original stdout.
     Whatever the tools print goes to stderr, so it never garbles a reply."""
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     # The functions alone: their schemas (transformers) were built and checked by the worker.
     tools = {}
-    for spec in specs:
+    for spec in args["tools"]:
         fn = import_function(spec, KEY)
         tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
+    factories = {k: import_function(spec, key) for k, (spec, key) in args["environments"].items()}
+    host = Host(tools, factories)
     out.write(READY.decode() + "\n")
     out.flush()
     for line in sys.stdin:
-        request = json.loads(line)
-        result, failed = call_in_process(tools, request["name"], request["arguments"])
-        out.write(json.dumps({"result": result, "failed": failed}) + "\n")
+        out.write(json.dumps(host.handle(json.loads(line))) + "\n")
         out.flush()
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1:])
+    _serve(json.loads(sys.argv[1]))

@@ -413,3 +413,173 @@ def test_tool_calling_matches_trl(tool_setup, max_iterations) -> None:
         parts.loss.backward()
         torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6, msg=loss_type)
         torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, rtol=0, atol=1e-6, msg=loss_type)
+
+
+# objective.environment (TRL's environment_factory): one instance per rollout, reset with its record (the
+# text it returns appended to the prompt), its methods the tools, and get_reward() scoring the rollout beside
+# a reward function (weight 1, named after the class). The same replayed turns through TRL's GRPOTrainer and
+# dtlaunch's runner (the instances in its child process), reset, prompt encoding and tool loop: the prompt
+# ids, completion ids, tool mask, the environment's rewards and the advantages must agree (within 1e-6).
+
+ENV_FILE = '''
+class Counter:
+    def __init__(self):
+        self.total, self.target = 0, 0
+
+    def reset(self, **record):
+        self.total, self.target = 0, int(record["target"])
+        return None if self.target == 0 else f" Reach {self.target}."
+
+    def add(self, n: int) -> int:
+        """Add to the running total.
+
+        Args:
+            n: How much to add.
+        """
+        self.total += n
+        return self.total
+
+    def _hidden(self) -> None:
+        pass
+
+    def get_reward(self) -> float:
+        return -abs(self.target - self.total) + 0.25 * (self.total > 0)
+'''
+ENV_PROMPTS = [[{"role": "user", "content": "Count."}], [{"role": "user", "content": "Say hi."}]]
+ENV_TARGETS = [5, 0]
+ENV_TURNS = [
+    [call("add", n=5) + END, "Done." + END],
+    ["No." + END],
+    [call("add", n=2) + "\n" + call("add", n=2) + END, call("add", n=1) + END, "ok" + END],
+    [call("multiply", n=2) + END, "Hm." + END],
+    ["Hi." + END],
+    [call("add", n=3) + END, "x" + END],
+    ['<tool_call>\n{"name": "add", "arguments": \n</tool_call>' + END],
+    [call("add", n=-1) + END, "y" + END],
+]
+
+
+@pytest.fixture(scope="module")
+def env_setup(tmp_path_factory):
+    from grpo_toy import write_byte_tokenizer
+
+    from dtlaunch.inputs.rewards import import_function
+
+    base = tmp_path_factory.mktemp("grpo_env")
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    tokenizer_json = write_byte_tokenizer(base / "tok", template)
+    (base / "my_env.py").write_text(ENV_FILE)
+    spec = f"{base / 'my_env.py'}:Counter"
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_json), eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template
+    )
+    config = transformers.Qwen2Config(
+        vocab_size=260,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=10**6,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ds = datasets.Dataset.from_list([{"prompt": ENV_PROMPTS[0], "target": 5}] * len(ENV_TURNS))
+    args = trl.GRPOConfig(
+        output_dir=str(base / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        num_generations=TOOL_G,
+        per_device_train_batch_size=len(ENV_TURNS),
+        max_completion_length=TOOL_MAX_LEN,
+        reward_weights=[0.5],
+    )
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        environment_factory=import_function(spec, "test"),
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer, tok, tokenizer_json, spec
+
+
+@pytest.mark.parametrize("timeout_s", [20.0, 0.0])
+def test_environment_matches_trl(env_setup, timeout_s) -> None:
+    from dtlaunch.data.prompts import PromptEncoder, tool_chat
+    from dtlaunch.data.tool_chat import tool_loop
+    from dtlaunch.inputs.tools import (
+        ToolRunner,
+        environment_keys,
+        environment_reward_columns,
+        environment_rewards,
+        load_environment,
+        reset_prompts,
+        rollout_instances,
+    )
+
+    trainer, tok, tokenizer_json, spec = env_setup
+    trainer.max_tool_calling_iterations = 10**9
+    turns = [[tok.backend_tokenizer.encode(t, add_special_tokens=False).ids for t in row] for row in ENV_TURNS]
+    rows = len(turns)
+    prompts = [ENV_PROMPTS[i // TOOL_G] for i in range(rows)]
+    columns = [{"target": ENV_TARGETS[i // TOOL_G]} for i in range(rows)]
+    prompt_ids_seen: list[list[int]] = []
+    trl_generation(trainer, turns, prompt_ids_seen)
+    cols = TOOL_MAX_LEN
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
+        torch.zeros(rows, cols),
+        torch.zeros(rows, cols),
+        None,
+    )
+    scored = trainer._generate_and_score_completions(
+        [{"prompt": p, **c} for p, c in zip(prompts, columns, strict=True)]
+    )
+
+    env = load_environment(spec)
+    assert env.tool_names() == ["add"] and env.has_reward
+    runner = ToolRunner([], timeout_s, [env])
+    try:
+        keys = environment_keys([env], columns)
+        instances = rollout_instances(keys)
+        assert instances == [f"/{i}" for i in range(rows)]  # one instance per rollout
+        messages = reset_prompts(runner, keys, instances, prompts, columns)
+        assert messages[0][-1]["content"] == "Count. Reach 5." and messages[-1] == prompts[-1]
+        encoder = PromptEncoder(tokenizer_json, "", [t.schema for t in env.tools])
+        stop_ids = encoder.stop_ids(tok.convert_tokens_to_ids("<|im_end|>"))
+        prompt_ids = [encoder.encode(m, "test") for m in messages]
+        assert prompt_ids == prompt_ids_seen
+        multi = tool_loop(
+            tool_chat(encoder, stop_ids),
+            runner,
+            prompt_ids,
+            [row[0] for row in turns],
+            lambda idxs, seqs, limits, turn: [turns[i][turn] for i in idxs],
+            TOOL_MAX_LEN,
+            None,
+            instances=instances,
+        )
+        (owner,) = environment_reward_columns([env])
+        env_rewards = environment_rewards(runner, owner, [env], keys, instances)
+    finally:
+        runner.close()
+
+    mask = scored["completion_mask"].bool()
+    assert multi.completion_ids == [scored["completion_ids"][i][mask[i]].tolist() for i in range(rows)]
+    assert multi.tool_mask == [scored["tool_mask"][i][mask[i]].tolist() for i in range(rows)]
+    assert multi.calls == 7 and multi.failures == 1  # the unknown tool
+    # The instances kept their state through the calls: row 2 added 2 + 2 + 1, row 7 -1.
+    assert env_rewards == [0.25, -5.0, 0.25, -5.0, 0.0, -2.75, 0.0, -1.0]
+    torch.testing.assert_close(
+        torch.tensor(trainer._metrics["train"]["rewards/Counter/mean"][-1]),
+        torch.tensor(sum(env_rewards) / rows),
+        rtol=0,
+        atol=1e-6,
+    )
+    length = [len(ids) / TOOL_MAX_LEN for ids in multi.completion_ids]
+    per_func = torch.tensor([length, env_rewards], dtype=torch.float32).T
+    adv = advantages(per_func, torch.tensor([0.5, 1.0]), TOOL_G, "group")
+    torch.testing.assert_close(adv, scored["advantages"], rtol=0, atol=1e-6)

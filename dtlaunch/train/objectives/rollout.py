@@ -31,9 +31,19 @@ from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.data.tool_chat import tool_loop
+from dtlaunch.errors import InputError
 from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
-from dtlaunch.inputs.rewards import call_reward, load_rewards
-from dtlaunch.inputs.tools import ToolRunner, load_tools
+from dtlaunch.inputs.rewards import Reward, call_reward, load_rewards
+from dtlaunch.inputs.tools import (
+    ToolRunner,
+    check_environments,
+    environment_keys,
+    environment_reward_columns,
+    environment_rewards,
+    load_tools,
+    reset_prompts,
+    rollout_instances,
+)
 from dtlaunch.run.run_dir import RunDir
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
@@ -116,6 +126,11 @@ class Rollout:
         self.g, self.mu, self.beta = int(o.num_generations), int(o.num_iterations), float(o.beta)
         self.scale, self.mask_truncated = str(o.scale_rewards), bool(o.mask_truncated_completions)
         self.rewards = load_rewards(o)
+        self.envs = check_environments(o, load_tools([str(x) for x in o.tools]))
+        self._env_keys: list[str] = []  # this rollout's rows' environments and instances
+        self._env_instances: list[str] = []
+        for env in environment_reward_columns(self.envs):  # TRL: weight 1, named after the class
+            self.rewards.append(Reward(env.cls.__name__, self._env_reward(env), 1.0))
         self.weights = torch.tensor([r.weight for r in self.rewards])
         self.sampling = Sampling(int(o.max_completion_length), float(o.temperature), float(o.top_p), int(o.top_k))
         self.seq_len, self.micro_batch, self.seed = int(t.seq_len), int(t.micro_batch), int(t.seed)
@@ -130,13 +145,47 @@ class Rollout:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.tools = load_tools([str(x) for x in o.tools]) if list(o.tools) else []
         self.max_tool_iterations = o.max_tool_calling_iterations
-        self.tool_runner = ToolRunner(self.tools, float(o.tool_timeout_s)) if self.tools else None
+        with_tools = bool(self.tools or self.envs)
+        self.tool_runner = ToolRunner(self.tools, float(o.tool_timeout_s), self.envs) if with_tools else None
         self.chat = None
-        if self.tools:
+        if with_tools:
             from dtlaunch.data.prompts import PromptEncoder, tool_chat
 
-            encoder = PromptEncoder(RunDir(run_dir).tokenizer, "", [t.schema for t in self.tools])
-            self.chat = tool_chat(encoder, self.stop_ids)
+            schemas = [t.schema for t in self.tools] + [t.schema for e in self.envs for t in e.tools]
+            self.encoder = PromptEncoder(RunDir(run_dir).tokenizer, "", schemas)
+            self.chat = tool_chat(self.encoder, self.stop_ids)
+            self.env_schemas = {e.key: [t.schema for t in self.tools + e.tools] for e in self.envs}
+        self.prompt_limit = int(t.seq_len) - int(o.max_completion_length)
+
+    def _env_reward(self, env: Any) -> Any:
+        def reward(prompts: Any, completions: Any, completion_ids: Any, **_: Any) -> list:
+            assert self.tool_runner is not None
+            return environment_rewards(self.tool_runner, env, self.envs, self._env_keys, self._env_instances)
+
+        return reward
+
+    def _reset_environments(self, prompts: list[dict]) -> list[dict]:
+        """TRL: one instance per rollout, reset with its record; the prompt (with reset's text) encoded again
+        with its environment's tools."""
+        assert self.tool_runner is not None
+        columns = [p["columns"] for p in prompts]
+        self._env_keys = environment_keys(self.envs, columns)
+        self._env_instances = rollout_instances(self._env_keys)
+        messages = reset_prompts(
+            self.tool_runner, self._env_keys, self._env_instances, [p["prompt"] for p in prompts], columns
+        )
+        out = []
+        for key, p, m in zip(self._env_keys, prompts, messages, strict=True):
+            self.encoder.tools = self.env_schemas[key] or None
+            ids = self.encoder.encode(m, "a reset prompt")
+            if len(ids) > self.prompt_limit:
+                raise InputError(
+                    f"objective.environment: a prompt with reset's text is {len(ids)} tokens, more than "
+                    f"training.seq_len - objective.max_completion_length = {self.prompt_limit}: raise "
+                    f"training.seq_len or return less from reset"
+                )
+            out.append({**p, "prompt": m, "ids": ids})
+        return out
 
     def batches(self, step: int) -> RolloutBatches:
         """The rows of optimizer step `step` (1-based): a new rollout every num_iterations steps."""
@@ -160,6 +209,8 @@ class Rollout:
         began = time.perf_counter()
         records = self.loader.next_prompts(self.global_prompts)
         prompts = [r for r in records for _ in range(self.g)]  # each prompt's G completions side by side
+        if self.envs:
+            prompts = self._reset_environments(prompts)
         g = torch.Generator(device=rt.device).manual_seed(
             (self.seed * 1_000_003 + TAG_ROLLOUT + index * 7_919 + self.loader.dp_rank * 104_729) % (2**63)
         )
@@ -254,6 +305,7 @@ class Rollout:
             self.sampling.max_new_tokens,
             None if self.max_tool_iterations is None else int(self.max_tool_iterations),
             any_left=self._any_rank,
+            instances=self._env_instances if self.envs else None,
         )
 
     def _continue(self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any) -> list[list[int]]:
