@@ -142,3 +142,125 @@ def test_chat_templates_for_tools(tmp_path: Path, template: str, refusal) -> Non
         return
     with pytest.raises(InputError, match=refusal):
         tool_chat(encoder, encoder.stop_ids(None))
+
+
+# objective.environment: the instances live in the runner's child process, addressed by id.
+ENV = '''
+import os
+import time
+
+
+class Room:
+    def __init__(self):
+        self.pid, self.items = os.getpid(), []
+
+    def reset(self, **record):
+        self.items = [record["start"]]
+        return None if record["start"] == "quiet" else f" You hold {record['start']}."
+
+    def take(self, item: str) -> str:
+        """Take an item.
+
+        Args:
+            item: Its name.
+        """
+        self.items.append(item)
+        return ",".join(self.items)
+
+    def wait(self, s: float) -> str:
+        """Wait.
+
+        Args:
+            s: Seconds.
+        """
+        time.sleep(s)
+        return "waited"
+
+    def where(self) -> int:
+        """The process the instance lives in."""
+        return self.pid
+
+    def get_reward(self) -> float:
+        if "poison" in self.items:
+            raise RuntimeError("poisoned")
+        return float(len(self.items))
+
+
+class NoReset:
+    def look(self) -> str:
+        """Look."""
+        return ""
+
+
+class NoSchema:
+    def reset(self, **record):
+        return None
+
+    def act(self, x):
+        return x
+'''
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("env") / "my_env.py"
+    f.write_text(ENV)
+    return f
+
+
+def test_environment_instances_in_the_child_process(env_file, tools) -> None:
+    import os
+
+    from dtlaunch.inputs.tools import EnvironmentFailure, load_environment
+
+    env = load_environment(f"{env_file}:Room")
+    assert env.tool_names() == ["take", "wait", "where"] and env.has_reward  # not reset, get_reward, _private
+    runner = ToolRunner(tools[:1], timeout_s=1.0, environments=[env])
+    try:
+        assert runner.reset("/0", "", {"start": "key"}) == " You hold key."
+        assert runner.reset("/1", "", {"start": "quiet"}) is None
+        assert runner.call("take", {"item": "map"}, instance="/0") == ("key,map", False)
+        assert runner.call("take", {"item": "cup"}, instance="/1") == ("quiet,cup", False)  # its own state
+        assert runner.call("add", {"a": 1, "b": 1}, instance="/1") == ("2", False)  # objective.tools beside
+        assert runner.call("take", {"item": "x"}) == ("{'error': 'Tool take not found.'}", True)  # no instance
+        pid = int(runner.call("where", {}, instance="/0")[0])
+        assert pid == runner.proc.pid != os.getpid()  # the instance lives in the child
+        assert runner.get_reward("/0") == 2.0 and runner.get_reward("/1") == 2.0
+        assert runner.reset("/0", "", {"start": "pen"}) == " You hold pen."  # reset, not made again
+        assert runner.call("where", {}, instance="/0") == (str(pid), False)
+        # A call past the timeout kills the process and its instances: their calls fail, their reward is None.
+        text, failed = runner.call("wait", {"s": 5}, instance="/0")
+        assert failed and "timed out" in text
+        assert runner.call("take", {"item": "y"}, instance="/1") == (
+            "{'error': 'environment instance /1 was lost'}",
+            True,
+        )
+        assert runner.get_reward("/1") is None
+        assert runner.reset("/1", "", {"start": "poison"}) == " You hold poison."  # made again, new process
+        with pytest.raises(EnvironmentFailure, match=r"Room.get_reward failed \(RuntimeError: poisoned\)"):
+            runner.get_reward("/1")
+        with pytest.raises(EnvironmentFailure, match=r"Room.reset failed \(KeyError"):
+            runner.reset("/1", "", {})
+    finally:
+        runner.close()
+
+
+def test_environment_refusals(env_file, tools) -> None:
+    from omegaconf import OmegaConf
+
+    from dtlaunch.inputs.tools import check_environments, load_environment
+
+    with pytest.raises(InputError, match="has no callable `reset`"):
+        load_environment(f"{env_file}:NoReset")
+    with pytest.raises(InputError, match=r"NoSchema.act' has no JSON schema"):
+        load_environment(f"{env_file}:NoSchema")
+    with pytest.raises(InputError, match="cannot be imported|has no function"):
+        load_environment(f"{env_file}:Nowhere")
+    both = OmegaConf.create({"environment": f"{env_file}:Room", "environments": {"a": f"{env_file}:Room"}})
+    with pytest.raises(InputError, match="are both set"):
+        check_environments(both)
+    clash = OmegaConf.create({"environment": "", "environments": {"a": f"{env_file}:Room"}})
+    take = type(tools[0])(name="take", spec="t.py:take", fn=tools[0].fn, schema=tools[0].schema)
+    with pytest.raises(InputError, match="has a method take, as the tool 't.py:take' is called"):
+        check_environments(clash, [take])
+    assert [e.key for e in check_environments(clash, tools)] == ["a"]
