@@ -150,7 +150,7 @@ def check_environments(o: Any, tools: Sequence[Tool] = ()) -> list[Environment]:
             f"dataset's `environment` column)"
         )
     envs = [load_environment(single)] if single else []
-    envs += [load_environment(str(v), str(k), f"{ENVS_KEY}.{k}") for k, v in named.items()]
+    envs += [load_environment(str(v), str(k), ENVS_KEY) for k, v in named.items()]
     standalone = {t.name: t.spec for t in tools}
     for env in envs:
         for t in env.tools:

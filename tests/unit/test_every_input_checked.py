@@ -127,6 +127,18 @@ def _tool(source: str) -> Callable[[Path], list[str]]:
     return args
 
 
+def _environment(source: str, named: bool = False) -> Callable[[Path], list[str]]:
+    """objective=grpo with objective.environment (or objective.environments.e) naming the class `Env` of a
+    file of the user's."""
+
+    def args(d: Path) -> list[str]:
+        f = d / f"e{len(list(d.glob('e*.py')))}.py"
+        f.write_text(source + "\n")
+        return _grpo(d, f"+objective.environments.e={f}:Env" if named else f"objective.environment={f}:Env")
+
+    return args
+
+
 # Key -> {case: the overrides of a job whose `key` is broken (given a scratch directory)}.
 BROKEN: dict[str, dict[str, Callable[[Path], list[str]]]] = {
     "model.init_from": {"missing": lambda d: [*TINY, f"model.init_from=hf:{d / 'no_model'}"]},
@@ -173,6 +185,14 @@ BROKEN: dict[str, dict[str, Callable[[Path], list[str]]]] = {
     },
     "objective.tools": {
         "no_schema": _tool("def tool(x):\n    return x"),  # no type hints, no docstring
+    },
+    "objective.environment": {
+        "no_reset": _environment("class Env:\n    def look(self) -> str:\n        return ''"),
+    },
+    "objective.environments": {  # a method without type hints or docstring: no schema
+        "no_schema": _environment(
+            "class Env:\n    def reset(self, **kw):\n        pass\n\n    def act(self, x):\n        return x", True
+        ),
     },
     "training.eval_include": {
         "missing": lambda d: [*TINY, "training.eval_tasks=[my_task]", f"training.eval_include={d / 'no_tasks'}"]
