@@ -302,6 +302,28 @@ def add(a: int, b: int) -> int:
     """
     return a + b
 '''
+TALLY_ENV = '''
+class Tally:
+    def __init__(self):
+        self.notes = 0
+
+    def reset(self, prompt, **columns):
+        self.notes = 0
+        return " (tally)" if prompt[-1]["content"].startswith("Add") else None
+
+    def note(self, a: int, b: int) -> str:
+        """Note a sum.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        self.notes += 1
+        return "noted"
+
+    def get_reward(self) -> float:
+        return float(self.notes)
+'''
 TOOL_REWARD = """
 def saw_five(prompts, completions, completion_ids, **kw):
     return [float(any(m["role"] == "tool" and m["content"] == "5" for m in c)) for c in completions]
@@ -311,9 +333,11 @@ def saw_five(prompts, completions, completion_ids, **kw):
 def test_tool_calling_run(trainer, tmp_path: Path) -> None:
     """objective.tools on one process: replayed turns (a random tiny model writes no tool calls) make calls,
     the real tool runs in its child process, its results are rendered by the chat template and masked out of
-    the loss, and a reward reads them. Two prompts, G = 2: a call then an answer, no call, a call to a tool
-    that does not exist then an answer, a call whose continuation is not recorded: the model generates it
-    (dtlaunch.train.objectives.rollout.Rollout._continue, within the room max_completion_length leaves)."""
+    the loss, and a reward reads them. Two prompts, G = 2: a call then an answer, a call to the environment's
+    method then an answer, a call to a tool that does not exist then an answer, a call whose continuation is
+    not recorded: the model generates it (dtlaunch.train.objectives.rollout.Rollout._continue, within the room
+    max_completion_length leaves). With objective.environment: one instance per rollout in the tools' child
+    process, reset's text appended to the second prompt, its get_reward() logged under its class's name."""
     import json
 
     from grpo_toy import TOOL_TEMPLATE, write_byte_tokenizer
@@ -321,6 +345,7 @@ def test_tool_calling_run(trainer, tmp_path: Path) -> None:
     tokenizer = write_byte_tokenizer(tmp_path / "tok", TOOL_TEMPLATE)
     (tmp_path / "tools.py").write_text(ADD_TOOL)
     (tmp_path / "rewards.py").write_text(TOOL_REWARD)
+    (tmp_path / "env.py").write_text(TALLY_ENV)
     prompts = [[{"role": "user", "content": q}] for q in ("2 + 3?", "Add 2 and 3.")]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     from tokenizers import Tokenizer
@@ -335,7 +360,7 @@ def test_tool_calling_run(trainer, tmp_path: Path) -> None:
 
     rows = [
         [call("add"), ids("5<|im_end|>")],
-        ids("5<|im_end|>"),
+        [call("note"), ids("5<|im_end|>")],
         [call("mul"), ids("6<|im_end|>")],
         [call("add")],  # its continuation is generated
     ]
@@ -352,13 +377,15 @@ def test_tool_calling_run(trainer, tmp_path: Path) -> None:
         "training.global_batch=4",
         f"objective.tools=[{tmp_path / 'tools.py'}:add]",
         f"objective.rewards=[{tmp_path / 'rewards.py'}:saw_five]",
+        f"objective.environment={tmp_path / 'env.py'}:Tally",
         f"debug.replay_completions={replay}",
         vocab=260,
     )
     run = tmp_path / "run"
     trainer.run(run, *args)
     [m] = trainer.metrics(run)
-    assert m["tools/call_frequency"] == 0.75 and m["tools/failure_frequency"] == pytest.approx(1 / 3)
+    assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.25
+    assert m["rewards/Tally/mean"] == 0.25  # the one rollout that called note
     assert m[f"rewards/{tmp_path / 'rewards.py'}:saw_five/mean"] == 0.5 and abs(m["loss"]) > 0
     # The length counts the model's tokens: each row's turns, not the tool results between them; the last
     # row's generated continuation has 1 to the room left in max_completion_length (128) tokens.
@@ -368,3 +395,5 @@ def test_tool_calling_run(trainer, tmp_path: Path) -> None:
     sample = [json.loads(x) for x in (run / "completions" / "step-1.jsonl").read_text().splitlines()]
     assert "{'error': 'Tool mul not found.'}" in sample[2]["completion"], sample
     assert "tool\n5" in sample[0]["completion"] and "tool\n5" in sample[3]["completion"], sample
+    assert "tool\nnoted" in sample[1]["completion"] and sample[1]["rewards"]["Tally"] == 1.0, sample
+    assert sample[2]["prompt"][-1]["content"] == "Add 2 and 3. (tally)" and sample[0]["prompt"] == prompts[0]
