@@ -264,3 +264,37 @@ def test_environment_refusals(env_file, tools) -> None:
     with pytest.raises(InputError, match="has a method take, as the tool 't.py:take' is called"):
         check_environments(clash, [take])
     assert [e.key for e in check_environments(clash, tools)] == ["a"]
+
+
+def test_environments_by_column(env_file) -> None:
+    """objective.environments: each rollout's instance from its record's `environment` column (not passed to
+    reset), counted per environment; one reward column per factory, None for the other environments' rows."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.inputs.tools import (
+        check_environments,
+        environment_keys,
+        environment_reward_columns,
+        environment_rewards,
+        reset_prompts,
+        rollout_instances,
+    )
+
+    room = f"{env_file}:Room"
+    o = OmegaConf.create({"environment": "", "environments": {"a": room, "b": room}})
+    envs = check_environments(o)
+    columns = [{"environment": k, "start": s} for k, s in (("b", "x"), ("a", "quiet"), ("b", "environment"))]
+    keys = environment_keys(envs, columns)
+    instances = rollout_instances(keys)
+    assert keys == ["b", "a", "b"] and instances == ["b/0", "a/0", "b/1"]
+    runner = ToolRunner([], timeout_s=0, environments=envs)  # in this process
+    prompts = [[{"role": "user", "content": "Go."}]] * 3
+    out = reset_prompts(runner, keys, instances, prompts, columns)
+    assert [m[-1]["content"] for m in out] == ["Go. You hold x.", "Go.", "Go. You hold environment."]
+    assert runner.call("take", {"item": "y"}, instance="b/1") == ("environment,y", False)
+    (owner,) = environment_reward_columns(envs)  # one factory under two names: one column
+    assert environment_rewards(runner, owner, envs, keys, instances) == [1.0, 1.0, 2.0]
+    other = type(owner)("c", "other.py:Room", owner.cls, owner.tools, True)
+    assert environment_rewards(runner, other, [*envs, other], keys, instances) == [None, None, None]
+    with pytest.raises(InputError, match="environment column is 'c'"):
+        environment_keys(envs, [{"environment": "c"}])

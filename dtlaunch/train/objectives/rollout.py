@@ -126,7 +126,8 @@ class Rollout:
         self.g, self.mu, self.beta = int(o.num_generations), int(o.num_iterations), float(o.beta)
         self.scale, self.mask_truncated = str(o.scale_rewards), bool(o.mask_truncated_completions)
         self.rewards = load_rewards(o)
-        self.envs = check_environments(o, load_tools([str(x) for x in o.tools]))
+        self.tools = load_tools([str(x) for x in o.tools]) if list(o.tools) else []
+        self.envs = check_environments(o, self.tools)
         self._env_keys: list[str] = []  # this rollout's rows' environments and instances
         self._env_instances: list[str] = []
         for env in environment_reward_columns(self.envs):  # TRL: weight 1, named after the class
@@ -143,7 +144,6 @@ class Rollout:
         self.replay = [json.loads(x) for x in Path(replay).read_text().splitlines()] if replay else None
         self.replay_turns: list[list[list[int]]] = []  # this rollout's replayed rows, turn by turn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.tools = load_tools([str(x) for x in o.tools]) if list(o.tools) else []
         self.max_tool_iterations = o.max_tool_calling_iterations
         with_tools = bool(self.tools or self.envs)
         self.tool_runner = ToolRunner(self.tools, float(o.tool_timeout_s), self.envs) if with_tools else None
