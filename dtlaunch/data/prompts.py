@@ -172,7 +172,7 @@ def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, 
         by_env = {e.key: [t.schema for t in standalone + e.tools] for e in envs}
         tools = [t.schema for t in standalone] + [t.schema for e in envs for t in e.tools]
     encoder = PromptEncoder(tokenizer_json, str(d.chat_template), tools)
-    if tools:
+    if tools is not None:  # objective.tools or an environment (even one without methods: its prompts are chat)
         tool_chat(encoder, encoder.stop_ids(eos_id))
     out = run_dir / PROMPTS_FILE
     out.parent.mkdir(parents=True, exist_ok=True)

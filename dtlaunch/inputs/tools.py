@@ -151,6 +151,11 @@ def check_environments(o: Any, tools: Sequence[Tool] = ()) -> list[Environment]:
         )
     envs = [load_environment(single)] if single else []
     envs += [load_environment(str(v), str(k), ENVS_KEY) for k, v in named.items()]
+    if envs and not list(getattr(o, "rewards", [])) and not any(e.has_reward for e in envs):
+        raise InputError(
+            f"objective.rewards is empty and {envs[0].config_key}: '{envs[0].spec}' has no get_reward: name a "
+            f"reward function, or give the environment a get_reward(self) -> float"
+        )
     standalone = {t.name: t.spec for t in tools}
     for env in envs:
         for t in env.tools:
@@ -172,8 +177,9 @@ def call_in_process(tools: dict[str, Callable[..., Any]], name: str, arguments: 
         return str({"error": str(exc)}), True
 
 
-class EnvironmentFailure(RuntimeError):
-    """An environment's constructor, reset or get_reward raised, timed out or ended its process (TRL raises)."""
+class EnvironmentFailure(InputError):
+    """An environment's constructor, reset or get_reward raised, timed out or ended its process (TRL raises):
+    one line naming the class, as a reward function that raises (dtlaunch.inputs.rewards.call_reward)."""
 
 
 class Host:

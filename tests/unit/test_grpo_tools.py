@@ -198,6 +198,11 @@ class NoSchema:
 
     def act(self, x):
         return x
+
+
+class NoReward:
+    def reset(self, **record):
+        return None
 '''
 
 
@@ -298,3 +303,17 @@ def test_environments_by_column(env_file) -> None:
     assert environment_rewards(runner, other, [*envs, other], keys, instances) == [None, None, None]
     with pytest.raises(InputError, match="environment column is 'c'"):
         environment_keys(envs, [{"environment": "c"}])
+
+
+def test_environment_as_the_only_reward(env_file) -> None:
+    """TRL: no reward function is needed when the environment owns the reward; refused when none does."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.inputs.tools import check_environments
+
+    def o(cls: str) -> object:
+        return OmegaConf.create({"environment": f"{env_file}:{cls}", "environments": {}, "rewards": []})
+
+    assert check_environments(o("Room"))[0].has_reward
+    with pytest.raises(InputError, match="objective.rewards is empty and objective.environment: .*has no get_reward"):
+        check_environments(o("NoReward"))

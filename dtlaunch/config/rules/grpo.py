@@ -52,7 +52,9 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
             f"objective.reward_weights has {len(weights)} value(s) for {len(o.rewards)} objective.rewards: give "
             f"one weight per reward function (or none: 1 each)"
         )
-    if not list(o.rewards):
+    if not list(o.rewards) and not (str(o.environment) or dict(o.environments)):
+        # With an environment, its get_reward may be the only reward (TRL): checked once it is imported
+        # (dtlaunch.inputs.tools.check_environments).
         raise ConfigError(
             "objective.rewards is empty: name at least one reward function, e.g. objective.rewards=[accuracy]"
         )
