@@ -520,6 +520,8 @@ def test_environment_matches_trl(env_setup, timeout_s) -> None:
         reset_prompts,
         rollout_instances,
     )
+    from dtlaunch.train.data import IGNORE_INDEX
+    from dtlaunch.train.objectives.rollout import training_rows
 
     trainer, tok, tokenizer_json, spec = env_setup
     trainer.max_tool_calling_iterations = 10**9
@@ -530,11 +532,8 @@ def test_environment_matches_trl(env_setup, timeout_s) -> None:
     prompt_ids_seen: list[list[int]] = []
     trl_generation(trainer, turns, prompt_ids_seen)
     cols = TOOL_MAX_LEN
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (
-        torch.zeros(rows, cols),
-        torch.zeros(rows, cols),
-        None,
-    )
+    leaf = {"v": torch.zeros(rows, cols)}
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf["v"], torch.zeros(rows, cols), None)
     scored = trainer._generate_and_score_completions(
         [{"prompt": p, **c} for p, c in zip(prompts, columns, strict=True)]
     )
@@ -583,3 +582,28 @@ def test_environment_matches_trl(env_setup, timeout_s) -> None:
     per_func = torch.tensor([length, env_rewards], dtype=torch.float32).T
     adv = advantages(per_func, torch.tensor([0.5, 1.0]), TOOL_G, "group")
     torch.testing.assert_close(adv, scored["advantages"], rtol=0, atol=1e-6)
+
+    # The loss and its gradients on the training rows (the tool results masked out).
+    cols = scored["completion_mask"].shape[1]  # TRL pads to the longest completion
+    truncated = [not c or c[-1] not in stop_ids for c in multi.completion_ids]
+    _, targets = training_rows(prompt_ids, multi.completion_ids, truncated, multi.tool_mask, 2048, False)
+    ours_mask = torch.zeros(rows, cols)
+    for i, p in enumerate(prompt_ids):
+        n = len(multi.completion_ids[i])
+        ours_mask[i, :n] = (targets[i, len(p) - 1 : len(p) - 1 + n] != IGNORE_INDEX).float()
+    torch.testing.assert_close(ours_mask, (scored["completion_mask"] * scored["tool_mask"]).float())
+    g = torch.Generator().manual_seed(7)
+    logps = -torch.rand(rows, cols, generator=g) * 3
+    scored["old_per_token_logps"] = logps + torch.randn(rows, cols, generator=g) * 0.3
+    trainer.loss_type, trainer.importance_sampling_level = "dapo", "token"
+    leaf["v"] = theirs = logps.clone().requires_grad_(True)
+    trl_loss = trainer._compute_loss(trainer.model, scored)
+    trl_loss.backward()
+    s = GRPOSettings("dapo", "token", trainer.epsilon_low, trainer.epsilon_high, 0.0, TOOL_MAX_LEN)
+    ours = logps.clone().requires_grad_(True)
+    parts = grpo_loss(
+        s, ours, scored["old_per_token_logps"], None, adv, ours_mask, step_tokens_per_rank=ours_mask.sum()
+    )
+    parts.loss.backward()
+    torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-6)
