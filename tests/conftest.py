@@ -120,6 +120,11 @@ TINY_HF = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     # Two layers: a NoPE layer every second one (layer 1), so both kinds of attention are exercised.
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": None, "bos_token_id": None}),
+    # A sliding layer (window 8, shorter than the tests' sequences) then a full one; post-norm blocks.
+    "olmo3": (
+        "Olmo3Config",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }
 TINY_HF_WORDS = [f"w{i}" for i in range(250)]
 # The shape every tiny HF test model shares (2 layers, GQA 4/2 heads, 256-token vocabulary).

@@ -15,8 +15,8 @@ from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied", "smollm3"]
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "llama_tied": "llama", "smollm3": "smollm3"}
+FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied", "smollm3", "olmo3"]
+ARCH = {f: f for f in FAMILIES} | {"llama_tied": "llama"}
 
 
 def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:

@@ -87,8 +87,18 @@ def uses_rope(m: Any, layer: Optional[int]) -> bool:
     return layer is None or layer not in set(getattr(m, "no_rope_layers", None) or ())
 
 
+def layer_window(m: Any, layer: Optional[int]) -> Optional[int]:
+    """Block `layer`'s attention window: `model.sliding_window`, unless `model.layer_types` (one entry per
+    block, OLMo 3's interleaving) says this block attends fully ("full_attention")."""
+    window = getattr(m, "sliding_window", None) or None
+    kinds = getattr(m, "layer_types", None) or ()
+    if window is not None and layer is not None and kinds and kinds[layer] == "full_attention":
+        return None
+    return window
+
+
 class Attention(nn.Module):
-    def __init__(self, m: Any, rope: bool = True) -> None:
+    def __init__(self, m: Any, rope: bool = True, layer: Optional[int] = None) -> None:
         super().__init__()
         self.head_dim = head_dim(m)
         # False: a NoPE layer. It still receives the shared cos/sin tables (the block's inputs stay the
@@ -99,10 +109,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
         self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
         self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=False)
-        # Per-head norms over head_dim, shared by all heads (so tensor parallel replicates them).
-        self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, m.norm_eps) if getattr(m, "qk_norm", False) else None
-        self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, m.norm_eps) if getattr(m, "qk_norm", False) else None
-        self.sliding_window: Optional[int] = getattr(m, "sliding_window", None) or None
+        # Per-head norms over head_dim, shared by all heads (so tensor parallel replicates them); with
+        # qk_norm_whole (OLMo 2/3) one norm over the whole projection, a gain per q (k) feature, whose mean
+        # square spans every head (validate refuses tensor parallel for it: a rank holds some heads only).
+        self.qk_norm_whole = bool(getattr(m, "qk_norm_whole", False))
+        q_width, k_width = (
+            (m.n_heads * self.head_dim, kv_heads(m) * self.head_dim) if self.qk_norm_whole else (self.head_dim,) * 2
+        )
+        self.q_norm: Optional[RMSNorm] = RMSNorm(q_width, m.norm_eps) if getattr(m, "qk_norm", False) else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(k_width, m.norm_eps) if getattr(m, "qk_norm", False) else None
+        self.sliding_window: Optional[int] = layer_window(m, layer)
         # The attention kernel, (q, k, v, mask) -> out on (B, heads, S, head_dim): a seam through which
         # parallelism swaps in another (context parallel's ring attention) without this module knowing.
         self.attention_fn: Callable[..., torch.Tensor] = sdpa
@@ -119,10 +135,12 @@ class Attention(nn.Module):
         attend; `cache`: decoding only, the new tokens follow the cached positions."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None and cache.static:
             # A static cache (compiled decoding) knows the positions (the caller passes their RoPE tables)
@@ -213,8 +231,12 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, m: Any, layer: Optional[int] = None) -> None:
         super().__init__()
+        # post_norm (OLMo 2/3): the two norms act on the attention and MLP outputs before each residual add,
+        # and the sublayers read the residual stream itself (Hugging Face: post_attention_layernorm,
+        # post_feedforward_layernorm). Same modules and names either way, so shapes, counts and FSDP units agree.
+        self.post_norm = bool(getattr(m, "post_norm", False))
         self.attention_norm = RMSNorm(m.dim, m.norm_eps)
-        self.attention = Attention(m, rope=uses_rope(m, layer))
+        self.attention = Attention(m, rope=uses_rope(m, layer), layer=layer)
         self.ffn_norm = RMSNorm(m.dim, m.norm_eps)
         self.feed_forward = FeedForward(m.dim, ffn_dim(m))
 
@@ -228,6 +250,9 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         # The cache as a keyword: sequence parallel's input preparation checks the positional inputs
         # (x, cos, sin, mask) and passes keywords through.
+        if self.post_norm:
+            h = x + self.attention_norm(self.attention(x, cos, sin, mask, cache=cache))
+            return h + self.ffn_norm(self.feed_forward(h))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -32,8 +32,13 @@ def tied(m: Any) -> bool:
 
 
 def block_norm_params(m: Any) -> int:
-    """Norm gains of one block (never sharded by tensor parallel): two RMSNorms, plus q/k norms."""
-    return 2 * m.dim + (2 * head_dim(m) if getattr(m, "qk_norm", False) else 0)
+    """Norm gains of one block (never sharded by tensor parallel): two RMSNorms, plus q/k norms (per head:
+    head_dim gains each; over the whole projection, OLMo's qk_norm_whole: one per q and k feature)."""
+    if not getattr(m, "qk_norm", False):
+        return 2 * m.dim
+    if getattr(m, "qk_norm_whole", False):
+        return 2 * m.dim + (m.n_heads + kv_heads(m)) * head_dim(m)
+    return 2 * m.dim + 2 * head_dim(m)
 
 
 def block_params(m: Any) -> int:

@@ -17,10 +17,11 @@ def dense_spec(
     hf_architectures: tuple[str, ...],
     config: type = DenseModelConfig,
     check: str = "dtlaunch.models.dense.check:check",
+    hf_names: str = "dtlaunch.models.dense.hf",
     **fixed: Any,
 ) -> ModelSpec:
     """`config`: the model section's schema (a subclass of DenseModelConfig for a family's own fields);
-    `check`: its rules; `fixed`: the decoder flags the family fixes."""
+    `check`: its rules; `hf_names`: its tensor names module; `fixed`: the decoder flags the family fixes."""
     return ModelSpec(
         arch=arch,
         description=description,
@@ -29,7 +30,7 @@ def dense_spec(
         pipeline_split="dtlaunch.models.dense.model:split_stage",
         hf_architectures=hf_architectures,
         hf=hf,
-        hf_names="dtlaunch.models.dense.hf",
+        hf_names=hf_names,
         param_count=shapes.param_count,
         block_params=shapes.block_params,
         block_norm_params=shapes.block_norm_params,

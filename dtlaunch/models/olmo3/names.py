@@ -1,0 +1,66 @@
+"""OLMo 3's tensor names (Hugging Face <-> ours) and RoPE layout; the dense decoder's (models/dense/hf.py)
+except the block norms, which OLMo applies after each sublayer, and the q/k norm gains, one per feature of
+the whole projection: they are permuted like the projection's rows (per head), not once per head_dim."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from dtlaunch.errors import InputError
+from dtlaunch.models.dense import hf as dense
+from dtlaunch.models.dense.shapes import kv_heads
+
+# Ours -> HF where OLMo differs: the same two modules, applied after the attention and the MLP.
+_NORMS = {
+    "attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
+_NORMS_FROM_HF = {v: k for k, v in _NORMS.items()}
+
+
+def to_hf_name(name: str) -> str:
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _NORMS:
+        return f"model.layers.{m.group(1)}.{_NORMS[m.group(2)]}"
+    return dense.to_hf_name(name)
+
+
+def from_hf_name(name: str) -> str:
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _NORMS_FROM_HF:
+        return f"layers.{m.group(1)}.{_NORMS_FROM_HF[m.group(2)]}"
+    if m and m.group(2) == "input_layernorm.weight":  # a pre-norm tensor: not OLMo's block
+        raise InputError(f"unexpected tensor {name}: this architecture has no such parameter")
+    return dense.from_hf_name(name)
+
+
+def rope_heads(name: str, m: Any) -> Optional[int]:
+    if name.endswith("attention.q_norm.weight"):
+        return int(m.n_heads)
+    if name.endswith("attention.k_norm.weight"):
+        return kv_heads(m)
+    return dense.rope_heads(name, m)
+
+
+def to_hf_state(state: dict, m: Any) -> dict:
+    out = {}
+    for name, t in state.items():
+        if name == "output.weight" and getattr(m, "tie_embeddings", False):
+            continue
+        heads = rope_heads(name, m)
+        out[to_hf_name(name)] = (dense.interleaved_to_halves(t, heads) if heads else t).contiguous()
+    return out
+
+
+def from_hf_state(state: dict, m: Any) -> dict:
+    out = {}
+    for hf_name, t in state.items():
+        if hf_name.endswith("rotary_emb.inv_freq") or (
+            hf_name == "lm_head.weight" and getattr(m, "tie_embeddings", False)
+        ):
+            continue
+        name = from_hf_name(hf_name)
+        heads = rope_heads(name, m)
+        out[name] = (dense.halves_to_interleaved(t, heads) if heads else t).contiguous()
+    return out
