@@ -56,7 +56,7 @@ def test_family_sizes_match_transformers_and_published(name: str) -> None:
 
 
 def test_registry_has_the_native_families() -> None:
-    assert {"llama", "qwen2", "qwen3", "mistral", "smollm3"} <= set(known_archs())
+    assert {"llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo3"} <= set(known_archs())
 
 
 def test_flags_build_their_modules() -> None:
@@ -71,6 +71,19 @@ def test_flags_build_their_modules() -> None:
     m = compose(["model=smollm3_3b", "model.n_layers=8"]).cfg.model
     model = model_spec(m).build(m, rope_len=4, device="meta")
     assert [i for i, b in model.layers.items() if not b.attention.rope] == ["3", "7"]
+    m = compose(
+        [
+            "model=tiny",
+            "model.arch=olmo3",
+            "model.qk_norm=true",
+            "model.sliding_window=8",
+            "model.layer_types=[sliding_attention,full_attention,sliding_attention,full_attention]",
+        ]
+    ).cfg.model
+    model = model_spec(m).build(m, rope_len=4, device="meta")
+    assert [b.attention.sliding_window for b in model.layers.values()] == [8, None, 8, None]
+    attn = model.layers["0"].attention
+    assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,) and model.layers["0"].post_norm
 
 
 @pytest.mark.parametrize(
@@ -81,7 +94,15 @@ def test_flags_build_their_modules() -> None:
         (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
         (
             ["model.arch=gpt2"],
-            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, mixtral, moe, qwen2, qwen3, qwen3_moe, smollm3$",
+            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, mixtral, moe, olmo3, qwen2, qwen3, qwen3_moe, smollm3$",
+        ),
+        (
+            ["model=tiny", "model.arch=olmo3", "model.qk_norm=true", "model.layer_types=[full_attention]"],
+            r"model.layer_types=\['full_attention'\]: give one entry per block \(model.n_layers=4\)",
+        ),
+        (
+            ["model=tiny", "model.arch=olmo3", "model.qk_norm=true", "strategy=tp", "launch.nproc_per_node=2"],
+            r"strategy.tp=2 is not supported with model.arch=olmo3: its q/k RMSNorm spans every head .*use strategy.tp=1$",
         ),
         (
             ["model=tiny", "model.arch=smollm3", "model.no_rope_layers=[4]"],

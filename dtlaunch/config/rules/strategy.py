@@ -19,6 +19,11 @@ def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
     from dtlaunch.models.registry import model_spec
 
     m = cfg.model
+    if getattr(m, "qk_norm_whole", False):
+        raise ConfigError(
+            f"strategy.tp={layout.tp} is not supported with model.arch={m.arch}: its q/k RMSNorm spans every head "
+            f"of the projection (model.qk_norm_whole), which a rank holding some heads cannot compute alone: use strategy.tp=1"
+        )
     for key, value in model_spec(m).tp_divisors(m):
         if value % layout.tp:
             raise ConfigError(
