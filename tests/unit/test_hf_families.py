@@ -1,4 +1,4 @@
-"""Tiny random-weight Qwen2, Qwen3, Mistral, tied Llama and SmolLM3 directories (made by transformers): our
+"""Tiny random-weight Qwen2, Qwen3, Mistral, tied Llama, SmolLM3 and OLMo 3 directories (made by transformers): our
 model, loaded through `model.init_from=hf:DIR`, computes transformers' logits within 1e-5 (fp32)."""
 
 from __future__ import annotations
@@ -92,6 +92,57 @@ def test_smollm3_config_json_variants(tiny_hf_dirs, tmp_path) -> None:
         }
     )
     assert cfg.no_rope_layers == [int((i + 1) % 4 != 0) for i in range(36)] and cfg.pad_token_id == 128004
+
+
+def test_olmo3_round_trip_is_bit_identical_and_counted_exactly(tiny_hf_dirs, tmp_path) -> None:
+    """Import -> export gives the original tensors bit for bit (post-norm gains, whole-projection q/k norm
+    gains permuted per head) and a config.json transformers builds the same model from (sliding layer 0,
+    full layer 1: same logits on 20 tokens, past the window of 8); `dtlaunch plan` counts transformers'
+    parameters exactly. The window matters: without it our logits move."""
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    src = tiny_hf_dirs["olmo3"]
+    model, m = ours(src)
+    assert list(m.layer_types) == ["sliding_attention", "full_attention"] and m.sliding_window == 8
+    assert m.post_norm and m.qk_norm and m.qk_norm_whole and not m.tie_embeddings
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 8
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        b = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        assert (a(tokens).logits - b(tokens).logits).abs().max().item() < 1e-5
+        full = model(tokens)
+        model.layers["0"].attention.sliding_window = None
+        assert (model(tokens) - full).abs().max().item() > 1e-3
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch=olmo3) from {src}: {sum(p.numel() for p in b.parameters()):,} parameters" in out, out
+
+
+def test_olmo3_config_json_variants(tiny_hf_dirs) -> None:
+    """transformers' defaults when config.json omits them (three sliding layers in four, window 4096, theta
+    5e5, eps 1e-5); RoPE that differs between the layer kinds (OLMo 3's YaRN on full layers) is refused."""
+    c = json.loads((tiny_hf_dirs["olmo3"] / "config.json").read_text())
+    spec = model_spec("olmo3")
+    for key in ("layer_types", "sliding_window", "rope_parameters", "rope_theta", "rms_norm_eps"):
+        c.pop(key, None)
+    fields = spec.hf.config_from_hf({**c, "num_hidden_layers": 4}, "here")
+    assert fields["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert (fields["sliding_window"], fields["rope_theta"], fields["norm_eps"]) == (4096, 5e5, 1e-5)
+    full = spec.hf.config_from_hf({**c, "layer_types": ["full_attention"] * 2}, "here")
+    assert (full["sliding_window"], full["layer_types"]) == (None, [])
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+    mixed = {**c, "rope_parameters": {"full_attention": yarn, "sliding_attention": {"rope_type": "default"}}}
+    with pytest.raises(InputError, match=r"here: RoPE settings differ between full-attention .*model.arch=hf_auto$"):
+        spec.hf.config_from_hf(mixed, "here")
+    with pytest.raises(InputError, match=r"here: layer_types=.* needs one entry per layer"):
+        spec.hf.config_from_hf({**c, "layer_types": ["sliding_attention"]}, "here")
 
 
 def test_config_json_fills_the_model_section(tiny_hf_dirs) -> None:
