@@ -18,7 +18,14 @@ Residual adds save nothing; the residual h1 is ffn_norm's saved input (counted t
 Per block, no AC: 2·(2eh + 4) + e·(2h + 2k + 4F) + 4a (h stands for the query width
 n_heads·head_dim in the attention terms; it differs from dim when head_dim is set, as on Qwen3).
 Per-head q/k RMSNorm (Qwen3): each keeps its input (the projection's output) and one rsqrt per head;
-its output goes to RoPE, which saves no input: e·(q + k) + 4·(a + kv heads).
+its output goes to RoPE, which saves no input: e·(q + k) + 4·(a + kv heads). Over the whole projection
+(OLMo's qk_norm_whole): one rsqrt per token each, e·(q + k) + 8.
+Post-norm blocks (OLMo: the norms act on the attention and MLP outputs): wq/wk/wv save the block input
+and w1/w3 the residual h1 instead of a norm's output, and each norm keeps its input (the wo / w2 output)
+and rsqrt while its output is only added to the stream: the same 2e·h + 4 per norm. Measured with the
+runtime's StorageCounter on tiny blocks (fp32 and bf16, no AC / selective / full): exact. Under autocast
+the norms' inputs are the bf16 matmul outputs (e·h, not the fp32 stream's 4h), and wq/wk/wv, w1/w3 still
+save their own casts of the stream: measured the same way, exact.
 Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
 parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
 column-parallel linears is full: norms give (eh + 4)/t + eh each.
@@ -48,6 +55,8 @@ class BlockDims:
     q: int = 0  # query width = n_heads * head_dim (0: equal to h)
     qk_norm: bool = False
     hd: int = 0  # head_dim (0: h // a)
+    qk_norm_whole: bool = False  # the q/k norm spans the whole projection (one rsqrt per token)
+    post_norm: bool = False  # the block norms act on the sublayer outputs (OLMo)
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
@@ -60,6 +69,8 @@ class BlockDims:
             q=m.n_heads * head_dim(m),
             qk_norm=bool(getattr(m, "qk_norm", False)),
             hd=head_dim(m),
+            qk_norm_whole=bool(getattr(m, "qk_norm_whole", False)),
+            post_norm=bool(getattr(m, "post_norm", False)),
         )
 
     @property
@@ -77,8 +88,9 @@ def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, 
 
     Under autocast the residual stream stays fp32: the norm keeps its fp32 input, and each of its
     `consumers` linears saves its OWN compute-dtype cast of the fp32 output (3 for wq/wk/wv, 2 for
-    w1/w3; measured with saved-tensor hooks)."""
-    own = ((4 if autocast else e) * d.h + 4) / (tp if tp > 1 and sp else 1)
+    w1/w3; measured with saved-tensor hooks). A post-norm (OLMo) reads a matmul's output, in the compute
+    dtype under autocast too, and its readers (the same linears) save their casts of the fp32 stream."""
+    own = ((4 if autocast and not d.post_norm else e) * d.h + 4) / (tp if tp > 1 and sp else 1)
     return own + (consumers if autocast else 1) * e * d.h
 
 
@@ -87,7 +99,7 @@ def block_bytes_no_ac(
 ) -> float:
     attn = e * (2 * d.qw + 2 * d.k) + 4 * d.a
     if d.qk_norm:
-        attn += e * (d.qw + d.k) + 4 * (d.a + d.k // d.head)
+        attn += e * (d.qw + d.k) + (8 if d.qk_norm_whole else 4 * (d.a + d.k // d.head))
     mlp = 4 * e * d.f
     norms = norm_bytes(d, e, tp, sp, autocast, 3) + norm_bytes(d, e, tp, sp, autocast, 2)
     if compiled:
