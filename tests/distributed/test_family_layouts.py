@@ -1,11 +1,12 @@
-"""Every native family (Qwen2, Qwen3, Mistral, tied Llama, SmolLM3) in the layouts the CLI parity tests run only
+"""Every native family (Qwen2, Qwen3, Mistral, tied Llama, SmolLM3, OLMo 3) in the layouts the CLI parity tests run only
 for Llama, plus hf_auto tensor parallel, in ONE group of 4 gloo processes against a single-process reference.
 This is where each family's layout parity lives; tests/e2e/test_hf_families_train.py launches one family
 through `dtlaunch train` to prove the CLI path from a Hugging Face directory.
 
 What differs per family meets each layout here: q/k/v biases (Qwen2) and per-head q/k norms with an
 independent head_dim (Qwen3) under column-parallel sharding, ZeRO and HSDP; sliding-window attention
-(Mistral) split over pipeline stages; a head tied to the embedding (Llama) under vocabulary-parallel TP
+(Mistral) split over pipeline stages, and OLMo 3's post-norm blocks (sliding then full attention) under
+pipeline x FSDP2 (tensor parallel is refused for it: its q/k norm spans every head); a head tied to the embedding (Llama) under vocabulary-parallel TP
 and FSDP (pipeline stages cannot share it: refused by validate, tests/unit/test_hf_families.py). The workers run
 the runtime object (`build_runtime`: TP -> AC -> FSDP/DDP, or the stage split) and `train_step` on
 seeded batches; the pytest process trains the same steps on one process with the same code and no mesh.
@@ -32,7 +33,8 @@ LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
         ["strategy=hsdp", "strategy.zero_stage=2", "training.micro_batch=1", "training.activation_checkpointing=full"],
         ("qwen2", "qwen3", "mistral", "llama_tied"),
     ),
-    # Pipeline (1F1B, 2 micro-batches) x FSDP2, every second block checkpointed.
+    # Pipeline (1F1B, 2 micro-batches) x FSDP2, every second block checkpointed. OLMo 3: its sliding block
+    # (window 8 < seq 32) on stage 0, its full one on stage 1.
     "pp2_fsdp2_ac_layer": (
         [
             "strategy=pp",
@@ -43,7 +45,7 @@ LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "training.activation_checkpointing=selective",
             "training.ac_policy=layer",
         ],
-        ("qwen2", "qwen3", "mistral"),
+        ("qwen2", "qwen3", "mistral", "olmo3"),
     ),
     # strategy=3d at 4 ranks: pipeline x tensor parallel with sequence parallel (FSDP has dp=1 here).
     "3d_pp2_tp2_sp": (["strategy=3d", "training.micro_batch=4"], ("qwen2", "qwen3", "mistral")),
