@@ -1,8 +1,9 @@
-"""The dense decoder behind the llama, qwen2, qwen3, mistral and smollm3 registry entries: RMSNorm, RoPE
-(with Llama-3.1 scaling), GQA attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2),
-per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral), layers whose
-attention has no RoPE (SmolLM3's NoPE layers) and a head tied to the embedding (Llama 3.2 1B/3B, small
-Qwen, SmolLM3).
+"""The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3 and olmo3 registry entries: RMSNorm,
+RoPE (with Llama-3.1 scaling), GQA attention, SwiGLU; flags from the model section add q/k/v biases
+(Qwen2), per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) on every
+block or on those `layer_types` names (OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE
+layers), post-norm blocks with a q/k RMSNorm over the whole projection (OLMo 3) and a head tied to the
+embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3).
 
 This module knows nothing of torch.distributed. Parallelism is applied from outside:
 - tensor parallel reshapes with the *local* head count (`view(B, S, -1, head_dim)`), so a sharded

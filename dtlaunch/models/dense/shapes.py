@@ -1,7 +1,7 @@
 """Closed-form shapes and parameter counts of the dense decoder (pure Python: planner and validators).
 
-One decoder covers Llama, Qwen2/2.5, Qwen3 and Mistral; the flags of the model section (qkv_bias,
-qk_norm, tie_embeddings, head_dim) change the counts here exactly as they change the modules.
+One decoder covers Llama, Qwen2/2.5, Qwen3, Mistral, SmolLM3 and OLMo 3; the flags of the model section
+(qkv_bias, qk_norm, qk_norm_whole, tie_embeddings, head_dim) change the counts here exactly as they change the modules.
 """
 
 from __future__ import annotations
