@@ -141,6 +141,13 @@ def test_olmo3_config_json_variants(tiny_hf_dirs) -> None:
     mixed = {**c, "rope_parameters": {"full_attention": yarn, "sliding_attention": {"rope_type": "default"}}}
     with pytest.raises(InputError, match=r"here: RoPE settings differ between full-attention .*model.arch=hf_auto$"):
         spec.hf.config_from_hf(mixed, "here")
+    # transformers gives the top-level rope_theta to the full-attention layers only, and reads no flat dict.
+    with pytest.raises(InputError, match=r"here: RoPE settings differ"):
+        spec.hf.config_from_hf({**c, "rope_theta": 1e4}, "here")
+    flat = {"rope_type": "default", "rope_theta": 5e5}
+    assert spec.hf.config_from_hf({**c, "rope_parameters": flat}, "here")["rope_theta"] == 5e5
+    with pytest.raises(InputError, match=r"here: rope_parameters=.* is one flat dict"):
+        spec.hf.config_from_hf({**c, "rope_parameters": {**flat, "rope_theta": 1e4}}, "here")
     with pytest.raises(InputError, match=r"here: layer_types=.* needs one entry per layer"):
         spec.hf.config_from_hf({**c, "layer_types": ["sliding_attention"]}, "here")
 

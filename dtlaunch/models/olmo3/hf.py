@@ -35,15 +35,24 @@ class Olmo3HF(DenseHF):
         return out
 
     def config_from_hf(self, c: dict, where: str) -> dict:
-        rope = c.get("rope_parameters") or {}
-        if rope and not set(rope) <= set(_KINDS):  # one flat dict: the same settings for both kinds
-            rope = {kind: rope for kind in _KINDS}
-        full, sliding = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
-        for kind in (full, sliding):
-            kind.setdefault("rope_type", "default")
-            kind.setdefault("rope_theta", c.get("rope_theta", _THETA))
-        if c.get("rope_scaling"):  # Olmo3Config applies the legacy key to the full-attention layers only
+        # transformers' reading (Olmo3Config.convert_rope_params_to_dict): one entry per layer kind; a missing
+        # one is default RoPE, the top-level rope_theta fills the full-attention entry only (the sliding one
+        # gets 5e5), a legacy rope_scaling updates the full-attention entry only, and keys of an older flat
+        # rope_parameters dict are not read at all.
+        rope = dict(c.get("rope_parameters") or {})
+        full, sliding = dict(rope.pop("full_attention", None) or {}), dict(rope.pop("sliding_attention", None) or {})
+        full.setdefault("rope_type", "default")
+        full.setdefault("rope_theta", c.get("rope_theta", _THETA))
+        sliding.setdefault("rope_type", "default")
+        sliding.setdefault("rope_theta", _THETA)
+        if c.get("rope_scaling"):
             full.update(c["rope_scaling"])
+        if set(rope) - set(full) or any(rope.get(k, v) != v for k, v in full.items()):
+            raise InputError(
+                f"{where}: rope_parameters={c.get('rope_parameters')} is one flat dict, which transformers' Olmo3Config "
+                f"does not read (it uses {full} for every layer): give rope_parameters per layer kind "
+                f"(full_attention, sliding_attention)"
+            )
         if full != sliding:
             raise InputError(
                 f"{where}: RoPE settings differ between full-attention ({full}) and sliding-attention ({sliding}) "
