@@ -58,6 +58,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_ok(m: Any, tp: int, seq: int) -> bool:
+    if tp > 1 and getattr(m, "qk_norm_whole", False):
+        return False  # validate refuses it (config.rules.strategy.check_tensor_parallel)
     return seq % tp == 0 and all(v % tp == 0 for _, v in model_spec(m).tp_divisors(m))
 
 

@@ -86,6 +86,15 @@ def test_flags_build_their_modules() -> None:
     assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,) and model.layers["0"].post_norm
 
 
+def test_plan_search_offers_olmo3_no_tensor_parallel() -> None:
+    from dtlaunch.commands.common import load_job
+    from dtlaunch.plan.search import candidates
+
+    cfg = load_job(["model=tiny", "model.arch=olmo3", "model.qk_norm=true", "launch.nproc_per_node=4"]).cfg
+    layouts = [lay for lay, _, _ in candidates(cfg)]
+    assert layouts and {lay.tp for lay in layouts} == {1}
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
