@@ -33,7 +33,9 @@ model:
 launch:
   nproc_per_node: 2
 """
+# No tracker (TensorBoard's imports): nothing here reads its files.
 TRAIN = ["training.seq_len=32", "training.steps=3", "checkpoint.every_steps=3", "training.loss_plot=false"]
+TRAIN += ["logging.trackers=[]"]
 
 
 def dtlaunch(*args: str) -> subprocess.CompletedProcess:
@@ -124,6 +126,8 @@ def test_init_from_hf_starts_from_exported_weights(trained: Path, tmp_path: Path
         f"run.dir={run2}",
         f"model.init_from=hf:{out}",
         "optim.lr=1e-30",
+        "training.loss_plot=false",
+        "logging.trackers=[]",
     )
     # Said once (rank 0, although both DDP ranks load it), naming the directory.
     assert proc.stdout.count(f"model.init_from: loaded {len(state)} tensors") == 1, proc.stdout[-3000:]

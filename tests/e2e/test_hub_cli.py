@@ -33,7 +33,9 @@ configs:
     path: short/*.jsonl
 ---
 """
+# No tracker (TensorBoard's imports): nothing here reads its files.
 SHORT = ["training.steps=2", "training.seq_len=32", "checkpoint.enabled=false", "training.loss_plot=false"]
+SHORT += ["logging.trackers=[]"]
 ONE = ["recipe=tiny_fsdp", "launch.nproc_per_node=1", "launch.threads_per_worker=1"]
 
 
@@ -204,7 +206,12 @@ def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> 
     data = ["data.kind=hf", f"data.path={PROMPTS}", "data.subset=easy", "data.prompt_field=question"]
     data.append(f"data.tokenizer={write_tokenizer(tmp_path / 'tokenizer.json')}")
     args = toy_args(
-        data, "launch.threads_per_worker=1", "training.steps=1", "checkpoint.enabled=false", "training.loss_plot=false"
+        data,
+        "launch.threads_per_worker=1",
+        "training.steps=1",
+        "checkpoint.enabled=false",
+        "training.loss_plot=false",
+        "logging.trackers=[]",
     )
     ok(dtlaunch(hub, tmp_path / "hf", "train", *args, f"run.dir={run}"))
     records = [json.loads(x) for x in (run / "data" / "prompts.jsonl").read_text().splitlines()]

@@ -22,6 +22,7 @@ MODEL = "acme/tiny-llama"
 TOKEN = "hf_do_not_write_me_0123456789"
 JOB = ["recipe=tiny_ddp", "cluster.nodes=1", "launch.nproc_per_node=1", "launch.threads_per_worker=1", "data=synthetic"]
 JOB += ["training.steps=2", "training.seq_len=32", "checkpoint.enabled=false", "training.loss_plot=false"]
+JOB += ["logging.trackers=[]"]  # TensorBoard's imports: nothing here reads its files
 K8S = ["cluster=kubernetes", "cluster.k8s.image=img", "cluster.k8s.pvc=runs", "run.name=hub-pod"]
 SKY = ["cluster=skypilot", "cluster.sky.bucket=runs", "run.name=hub-node"]
 

@@ -22,6 +22,7 @@ MODEL = "acme/tiny-llama"
 DATASET = "acme/tiny-splits"
 RUN = ["recipe=tiny_fsdp", "launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.steps=2"]
 RUN += ["training.seq_len=32", "checkpoint.enabled=false", "training.loss_plot=false", "training.eval_every=2"]
+RUN += ["logging.trackers=[]"]  # TensorBoard's imports: nothing here reads its files
 RUN += ["training.eval_batches=2", f"model.init_from=hf:{MODEL}", "data.kind=hf", f"data.path={DATASET}"]
 
 
