@@ -37,6 +37,7 @@ COMMON = [
     "checkpoint.keep_last=2",  # pruning runs all along: what orphans used to break
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports on every attempt: nothing here reads its files
 ]
 LAYOUTS = {
     "ddp": ["recipe=tiny_ddp"],

@@ -184,7 +184,7 @@ def run(model_dir: Path, tasks_dir: Path, tmp_path_factory, tiny_docs) -> Path:
     run = base / "run"
     args = [f"model.init_from=hf:{model_dir}", "data.kind=jsonl", f"data.path={data}", f"data.cache_dir={base}/cache"]
     short = ["training.steps=3", "training.seq_len=32", "checkpoint.every_steps=3", "optim.lr=1e-2"]
-    one = ["launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.loss_plot=false"]
+    one = ["launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.loss_plot=false", "logging.trackers=[]"]
     ev = ["training.eval_tasks=[tiny_mc,tiny_rolling]", f"training.eval_include={tasks_dir}"]
     proc = dtlaunch("train", "recipe=tiny_fsdp", *args, *short, *one, *ev, f"run.dir={run}")
     assert "eval results:" in proc.stdout and "tiny_mc" in proc.stdout, proc.stdout[-2000:]
@@ -350,7 +350,7 @@ def byte_run(tmp_path_factory) -> Path:
     run = base / "run"
     data = ["data.kind=text", f"data.path={text}", "data.tokenizer=byte", f"data.cache_dir={base}/cache"]
     short = ["training.steps=2", "training.seq_len=32", "checkpoint.every_steps=2", "optim.lr=1e-2"]
-    one = ["launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.loss_plot=false"]
+    one = ["launch.nproc_per_node=1", "launch.threads_per_worker=1", "training.loss_plot=false", "logging.trackers=[]"]
     dtlaunch("train", "recipe=tiny_ddp", *data, *short, *one, f"run.dir={run}")
     return run
 

@@ -42,6 +42,7 @@ COMMON = [
     "launch.nproc_per_node=2",
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports: nothing here reads its files
     "training.sync_interval_s=0",
 ]
 FSDP = ["strategy=zero3", "training.micro_batch=4"]

@@ -27,6 +27,7 @@ ARGS = [
     "checkpoint.every_steps=2",
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports: nothing here reads its files
     "training.sync_interval_s=0",
 ]
 

@@ -40,7 +40,7 @@ def test_fine_tuned_model_answers_each_prompt_and_stops(world: int, trainer, tin
     args += ["training.seq_len=16", "training.micro_batch=1", "training.global_batch=8", f"training.steps={STEPS}"]
     args += ["optim.lr=1e-2", "optim.warmup_steps=5", "optim.schedule=constant", "optim.weight_decay=0"]
     args += [f"checkpoint.every_steps={STEPS}", "training.loss_plot=false", f"launch.nproc_per_node={world}"]
-    args += ["launch.threads_per_worker=1", f"run.dir={run}"]
+    args += ["launch.threads_per_worker=1", "logging.trackers=[]", f"run.dir={run}"]  # no TensorBoard imports
     proc = trainer.cli(args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "data.path: 8 prompt_completion records" in proc.stdout

@@ -57,6 +57,7 @@ RUN = [
     "data=synthetic",
     "checkpoint.enabled=false",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports: nothing here reads its files
     "launch.threads_per_worker=1",
     "launch.nproc_per_node=2",
     "training.loss_chunks=1",  # the module returns logits only (no hidden_only switch for a chunked loss)

@@ -37,6 +37,7 @@ COMMON = [
     "checkpoint.keep_last=2",
     "launch.threads_per_worker=1",
     "training.loss_plot=false",
+    "logging.trackers=[]",  # TensorBoard's imports: nothing here reads its files
 ]
 EP2 = ["launch.nproc_per_node=2", "strategy=zero3", "strategy.ep=2", "training.micro_batch=2"]
 EP2_FSDP2 = ["launch.nproc_per_node=4", "strategy=zero3", "strategy.ep=2", "training.micro_batch=1"]
