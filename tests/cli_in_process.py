@@ -17,10 +17,18 @@ def run_cli(
 ) -> tuple[int, str]:
     """(exit code, what the command wrote on stderr, and on stdout too with `stdout`), run from `cwd` with
     `extra_path` ahead of sys.path; argv, cwd and sys.path are restored afterwards."""
+    code, err, _ = run_cli_split(argv, cwd, extra_path, merged=stdout)
+    return code, err
+
+
+def run_cli_split(
+    argv: list[str], cwd: Optional[Path] = None, extra_path: Sequence[str] = (), merged: bool = False
+) -> tuple[int, str, str]:
+    """(exit code, stderr, stdout) of `dtlaunch argv`, as run_cli; `merged`: stdout goes into stderr's text."""
     from dtlaunch.cli import run
 
     err = io.StringIO()
-    out = err if stdout else io.StringIO()
+    out = err if merged else io.StringIO()
     old_argv, old_cwd, old_path = sys.argv, os.getcwd(), list(sys.path)
     sys.argv = ["dtlaunch", *argv]
     sys.path[:0] = list(extra_path)
@@ -37,4 +45,4 @@ def run_cli(
         sys.argv, sys.path[:] = old_argv, old_path
         if cwd is not None:
             os.chdir(old_cwd)
-    return code, err.getvalue()
+    return code, err.getvalue(), "" if merged else out.getvalue()

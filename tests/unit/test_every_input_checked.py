@@ -12,11 +12,8 @@ Runs the console entry point in-process (tests/cli_in_process.py): no subprocess
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
-import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable
@@ -250,21 +247,9 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
     """(exit code, stderr, stdout) of `dtlaunch argv`, in this process."""
-    from dtlaunch.cli import run
+    from cli_in_process import run_cli_split
 
-    out, err = io.StringIO(), io.StringIO()
-    old_argv = sys.argv
-    sys.argv = ["dtlaunch", *argv]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            try:
-                run()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = old_argv
-    return code, err.getvalue(), out.getvalue()
+    return run_cli_split(argv)
 
 
 @pytest.fixture
