@@ -5,11 +5,11 @@ host's RAM, none that the command line sets (issue 47). Planner only: no torch."
 from __future__ import annotations
 
 import pytest
+from cli_in_process import run_cli
 
 from dtlaunch.commands.common import load_job
 from dtlaunch.plan.maximize import SAVERS, maximize
 from dtlaunch.plan.memory import plan_memory
-from tests.cli_in_process import run_cli
 
 # The job's shape only: Llama-3.1-8B full fine-tune, one sequence a step, the search capped far away.
 SHAPE = ["training.micro_batch=1", "training.global_batch=1", "model.max_seq_len=8000000"]
