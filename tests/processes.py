@@ -1,34 +1,20 @@
-"""The training workers of a run, found in /proc: for tests that kill or watch them. A module of its own,
-not conftest.py: `from conftest import ...` resolves to whichever conftest.py pytest imported first under
-that name (tests/system/conftest.py when the layers are named on the command line)."""
+"""The training workers of a run, for tests that kill or watch them: dtlaunch.run.worker_processes (each
+worker's standard error is its run's logs/rank<R>.log, whether it was exec'd or forked from the launcher).
+A module of its own, not conftest.py: `from conftest import ...` resolves to whichever conftest.py pytest
+imported first under that name (tests/system/conftest.py when the layers are named on the command line)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-
-def _workers(run_dir: Path) -> Iterator[tuple[int, list[bytes], str]]:
-    """(pid, environment, state) of every process of this run's training workers (its environment names the
-    run); processes that vanish while being read are skipped."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            cmd = (proc / "cmdline").read_bytes()
-            state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if b"dtlaunch.train.main" in cmd and f"DTLAUNCH_RUN_DIR={run_dir}".encode() in env:
-            yield int(proc.name), env, state
+from dtlaunch.run import worker_processes
 
 
 def worker_pid(run_dir: Path, rank: int) -> int | None:
     """The pid of `rank`'s training worker of this run."""
-    return next((pid for pid, env, _ in _workers(run_dir) if f"RANK={rank}".encode() in env), None)
+    return worker_processes.worker_pid(run_dir, rank)
 
 
 def run_workers(run_dir: Path) -> list[int]:
     """The pids of every live training worker of this run (any rank, any attempt)."""
-    return [pid for pid, _, state in _workers(run_dir) if state != "Z"]
+    return sorted(worker_processes.run_workers(run_dir))

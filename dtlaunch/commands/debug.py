@@ -1,8 +1,8 @@
 """`debug RUN`: every rank's Python stacks of a live local run, on demand (a hung or slow run, looked into).
 
 Each worker registers faulthandler on SIGUSR2 (dtlaunch.train.main), so the default way needs nothing
-installed: the workers of the run (the launcher's descendants running dtlaunch.train.main) get SIGUSR2,
-write all their threads' stacks into logs/rank<R>.log, and the new part of each log is printed here.
+installed: the workers of the run (dtlaunch.run.worker_processes) get SIGUSR2, write all their threads'
+stacks into logs/rank<R>.log, and the new part of each log is printed here.
 `--py-spy` reads the stacks from outside instead (py-spy's `dump`, needs py-spy and ptrace permission),
 which also works for a rank stuck inside C++ holding the interpreter lock, where a signal handler never runs.
 """
@@ -19,46 +19,9 @@ from pathlib import Path
 from typing import Optional
 
 from dtlaunch.errors import InputError
-from dtlaunch.run.run_dir import LOGS_DIR
+from dtlaunch.run.run_dir import RunDir
 
 STACK_SIGNAL = signal.SIGUSR2
-WORKER_MODULE = b"dtlaunch.train.main"
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process under `pid`, from /proc (Linux)."""
-    parent: dict[int, int] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(fields) > 1 and fields[0] != "Z":
-            parent[int(entry.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        children = [c for c, pp in parent.items() if pp == p]
-        found += children
-        frontier += children
-    return found
-
-
-def worker_ranks(launcher_pid: int) -> dict[int, int]:
-    """rank -> pid of the launcher's training workers (their environment holds RANK)."""
-    ranks = {}
-    for pid in _descendants(launcher_pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if WORKER_MODULE not in cmd:
-            continue
-        rank = next((v[5:] for v in env if v.startswith(b"RANK=")), b"")
-        if rank.isdigit():
-            ranks[int(rank)] = pid
-    return dict(sorted(ranks.items()))
 
 
 def _live_workers(run_dir: Path) -> dict[int, int]:
@@ -70,7 +33,9 @@ def _live_workers(run_dir: Path) -> dict[int, int]:
         raise InputError(f"run '{run_dir}' is not running (dtlaunch status {run_dir}): stacks exist only in a live run")
     if host != socket.gethostname():
         raise InputError(f"run '{run_dir}' runs on {host}, not here: run `dtlaunch debug` on {host}")
-    ranks = worker_ranks(pid)
+    from dtlaunch.run.worker_processes import run_workers
+
+    ranks = {rank: p for p, rank in sorted(run_workers(run_dir).items())}
     if not ranks:
         raise InputError(f"run '{run_dir}' has no training workers yet (starting or ending): try again in a moment")
     return ranks
@@ -78,7 +43,7 @@ def _live_workers(run_dir: Path) -> dict[int, int]:
 
 def _signal_stacks(run_dir: Path, ranks: dict[int, int], wait_s: float) -> dict[int, str]:
     """SIGUSR2 to every worker; each rank's log text written since, once it stops growing."""
-    logs = {r: run_dir / LOGS_DIR / f"rank{r}.log" for r in ranks}
+    logs = {r: RunDir(run_dir).rank_log(r) for r in ranks}
     sizes = {r: logs[r].stat().st_size if logs[r].is_file() else 0 for r in ranks}
     for pid in ranks.values():
         try:

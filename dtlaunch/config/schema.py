@@ -614,6 +614,13 @@ class HardwareConfig:
     memory_gbps: float = 0.0
 
 
+class WorkerStart(Choice):
+    """How each worker process comes to exist (torchrun's agent starts, watches and stops them either way)."""
+
+    auto = "auto"  # a fork of the launcher, which has imported what a worker needs; exec where GPUs are visible
+    exec = "exec"  # a fresh `python -m dtlaunch.train.main` per worker, as plain torchrun starts them
+
+
 @dataclass
 class LaunchConfig:
     nnodes: int = 1
@@ -631,6 +638,8 @@ class LaunchConfig:
     # Entries of torch's collective flight recorder per rank (TORCH_FR_BUFFER_SIZE; 0 = off). A collective
     # that times out makes every rank dump its record to RUN/flight_recorder/ for `torchfrtrace`.
     flight_recorder_entries: int = 2000
+    # auto: CPU workers are forks of the launcher (seconds of imports saved per start and restart).
+    worker_start: WorkerStart = WorkerStart.auto
 
 
 class K8sApi(Choice):

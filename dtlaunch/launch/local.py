@@ -8,6 +8,7 @@ A failed worker becomes one `WorkerFailed` line naming the rank and its error.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -126,6 +127,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from dtlaunch.launch.forked_workers import forked_workers
     from dtlaunch.run import flight_recorder, preemption, worker_errors
 
     _cheap_rendezvous_event_names()
@@ -147,8 +149,9 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     levels = {n: logging.getLogger(n).level for n in names}
     for n in names:
         logging.getLogger(n).setLevel(logging.CRITICAL)
+    start = forked_workers(levels) if use_forks(cfg) else contextlib.nullcontext()
     try:
-        with preemption.forward_signals(grace_s=float(cfg.launch.timeout_s)):
+        with preemption.forward_signals(grace_s=float(cfg.launch.timeout_s)), start:
             run(args)
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
@@ -166,6 +169,13 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
     finally:
         for n, lvl in levels.items():
             logging.getLogger(n).setLevel(lvl)
+
+
+def use_forks(cfg: Any) -> bool:
+    """launch.worker_start=auto and a fork is safe here (dtlaunch.launch.forked_workers)."""
+    from dtlaunch.launch.forked_workers import fork_possible
+
+    return str(cfg.launch.worker_start) == "auto" and fork_possible()
 
 
 def finished_since(run_dir: Path, launched_at: float, total_steps: int) -> bool:

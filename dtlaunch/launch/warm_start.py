@@ -104,6 +104,10 @@ def prepare_aside(
         waiter.start()
         try:
             importlib.import_module("torch.distributed.run")
+            from dtlaunch.launch.forked_workers import fork_possible, preload
+
+            if fork_possible():  # and what the workers import, if they are to be forks of this process
+                preload()
         except Exception:  # the launch imports it again and reports a broken torch there, with context
             pass
         waiter.import_done()

@@ -41,6 +41,10 @@ class RunDir:
         """The run's tokenizer as the launcher kept it (absent for the byte tokenizer and older runs)."""
         return self.path / TOKENIZER_DIR / TOKENIZER_FILE
 
+    def rank_log(self, rank: int) -> Path:
+        """RUN/logs/rank<R>.log: the worker's stderr (and stdout, but rank 0's), for as long as it lives."""
+        return self.path / LOGS_DIR / f"rank{rank}.log"
+
     def is_run(self) -> bool:
         return self.config.is_file() or self.tokenizer.is_file()
 

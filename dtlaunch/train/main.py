@@ -37,7 +37,7 @@ from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.env import RUN_DIR_ENV
 from dtlaunch.run.phases import rank_log, startup_stamp
-from dtlaunch.run.run_dir import CONFIG_NAME, LOGS_DIR
+from dtlaunch.run.run_dir import CONFIG_NAME, RunDir
 from dtlaunch.train.observe.profiling import oom_snapshot
 from dtlaunch.train.parallel.process_group import init_distributed, restart_count, shutdown
 from dtlaunch.train.trainer import Trainer
@@ -48,7 +48,7 @@ IMPORTED = time.time()
 def redirect_logs(run_dir: Path, rank: int) -> None:
     """Per-rank log file logs/rank<R>.log: every rank's stderr, and stdout of ranks other than 0
     (rank 0's stdout stays on the user's terminal for the progress display)."""
-    log_file = open(run_dir / LOGS_DIR / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
+    log_file = open(RunDir(run_dir).rank_log(rank), "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
     log_file.write(f"--- rank {rank}, attempt {restart_count()}, pid {os.getpid()}, {time.strftime('%F %T')}\n")
     sys.stdout.flush()
     sys.stderr.flush()

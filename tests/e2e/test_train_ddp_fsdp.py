@@ -39,6 +39,8 @@ def assert_parity(got: list[float], want: list[float], tol: float) -> None:
 
 LAYOUTS = {
     "ddp2": ["recipe=tiny_ddp", "launch.nproc_per_node=2", "training.micro_batch=4"],
+    # Workers as fresh Pythons, as plain torchrun and GPU runs start them (CPU runs fork the launcher).
+    "ddp2_exec": ["recipe=tiny_ddp", "launch.nproc_per_node=2", "training.micro_batch=4", "launch.worker_start=exec"],
     # Gradient accumulation equals the big batch: 1 x mb4 x accum 2, and DDP(2) x mb2 x accum 2.
     "accum_1x4x2": [
         "recipe=tiny_ddp",
@@ -98,6 +100,22 @@ def test_bf16_close(strategy, recipe, trainer, reference, tmp_path: Path) -> Non
     assert_parity(got, reference, BF16_TOL)
     # Not trivially equal: bf16 compute really ran.
     assert got != reference
+
+
+def _started_forked(run_dir: Path) -> bool:
+    """A forked worker found its imports done when it started (dtlaunch.launch.forked_workers)."""
+    stamps = dict(
+        line.split("startup: ", 1)[1].rsplit(" at ", 1)
+        for line in (run_dir / "logs" / "rank1.log").read_text().splitlines()
+        if "startup: worker" in line
+    )
+    return stamps["worker started"] == stamps["worker imports done"]
+
+
+def test_forked_and_execd_workers_train_alike(trainer, layout_run) -> None:
+    forked, execd = layout_run("ddp2"), layout_run("ddp2_exec")
+    assert _started_forked(forked) and not _started_forked(execd)
+    assert trainer.losses(forked) == trainer.losses(execd)
 
 
 def test_compile_parity(trainer, reference, layout_run) -> None:
