@@ -10,9 +10,12 @@ start costs each worker 2-7 s of imports (bench/launch_time.py), paid by every `
 restart; a fork costs milliseconds.
 
 A fork is only taken where it is safe (`fork_possible`): Linux, no CUDA device visible (CUDA does not
-survive a fork of a process that touched the driver, and GPU workers are few per node), and standard
-streams that are the process's own descriptors. Elsewhere, or with `launch.worker_start=exec`, the agent
-runs the command as torchrun does.
+survive a fork of a process that touched the driver, and GPU workers are few per node), standard streams
+that are the process's own descriptors, and a launcher that has done nothing but import: its preparation
+ran in a forked child (dtlaunch.launch.warm_start), which is when `preload` runs. A process that has run
+one parallel CPU kernel holds an OpenMP thread pool that its forks inherit half of: a fork running on more
+than one thread deadlocks in its first parallel kernel. Elsewhere, or with `launch.worker_start=exec`, the
+agent runs the command as torchrun does.
 """
 
 from __future__ import annotations
@@ -35,11 +38,22 @@ from dtlaunch.run.env import WORKER_MODULE
 PRELOAD = (WORKER_MODULE, "torch._dynamo")
 
 
+_preloaded = False
+
+
 def preload() -> None:
-    """Import what the workers will need, so that their forks find it imported (the launcher calls this
-    while its preparation runs aside, dtlaunch.launch.warm_start)."""
+    """Import what the workers will need, so that their forks find it imported. Called by a launcher that
+    has computed nothing (its preparation runs aside, dtlaunch.launch.warm_start): the one kind of process
+    whose workers may be forks of it (`ready`)."""
+    global _preloaded
     for name in PRELOAD:
         importlib.import_module(name)
+    _preloaded = True
+
+
+def ready() -> bool:
+    """Whether this launcher preloaded the workers' imports, having computed nothing before."""
+    return _preloaded
 
 
 def fork_possible() -> bool:
@@ -230,7 +244,6 @@ def forked_workers(restore_log_levels: dict[str, int]) -> Iterator[None]:
     def get_handler(**kwargs: Any) -> SubprocessHandler:
         return ForkingHandler(**kwargs)
 
-    preload()
     api.get_subprocess_handler = get_handler
     try:
         yield

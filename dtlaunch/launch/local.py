@@ -172,10 +172,11 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
 
 
 def use_forks(cfg: Any) -> bool:
-    """launch.worker_start=auto and a fork is safe here (dtlaunch.launch.forked_workers)."""
-    from dtlaunch.launch.forked_workers import fork_possible
+    """launch.worker_start=auto, and this launcher preloaded the workers' imports where a fork is safe
+    (dtlaunch.launch.forked_workers)."""
+    from dtlaunch.launch.forked_workers import ready
 
-    return str(cfg.launch.worker_start) == "auto" and fork_possible()
+    return str(cfg.launch.worker_start) == "auto" and ready()
 
 
 def finished_since(run_dir: Path, launched_at: float, total_steps: int) -> bool:

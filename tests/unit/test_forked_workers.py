@@ -93,3 +93,17 @@ def test_poll_and_signals_reach_the_forked_worker(fake_worker: Path, monkeypatch
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=60) == -signal.SIGTERM
     assert worker.poll() == -signal.SIGTERM
+
+
+def test_only_a_launcher_that_preloaded_having_computed_nothing_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process has run CPU kernels (other tests): its forks could deadlock in OpenMP, so it is not
+    `ready` until a launcher's warm start preloads; `launch.worker_start=exec` always execs."""
+    from dtlaunch.config.compose import compose
+    from dtlaunch.launch.local import use_forks
+
+    cfg = compose(["recipe=tiny_ddp"]).cfg
+    assert not forked_workers.ready() and not use_forks(cfg)
+    monkeypatch.setattr(forked_workers, "_preloaded", True)  # as warm_start.prepare_aside leaves it
+    assert use_forks(cfg)
+    cfg.launch.worker_start = "exec"
+    assert not use_forks(cfg)
