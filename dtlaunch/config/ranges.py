@@ -175,6 +175,8 @@ RANGES: dict[str, Range] = {
     "objective.label_smoothing": Range(0, 0.5, max_open=True),  # 0.5: the loss divides by 1 - 2 * it
     "objective.sft_weight": NON_NEGATIVE,  # 0 = off
     "objective.gamma": NON_NEGATIVE,
+    "objective.desirable_weight": NON_NEGATIVE,
+    "objective.undesirable_weight": NON_NEGATIVE,
     "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,

@@ -327,6 +327,9 @@ class DataFormat(Choice):
     prompt_completion = "prompt_completion"  # data.prompt_field + data.completion_field; loss on the completion
     # data.prompt_field + data.chosen_field + data.rejected_field (objective=dpo / orpo / simpo)
     preference = "preference"
+    # data.prompt_field + data.completion_field + data.label_field: unpaired completions, each desirable (true)
+    # or not (false); objective=kto (TRL's unpaired preference format)
+    unpaired = "unpaired"
     # data.prompt_field only (objective=grpo: the completions are generated); every other column reaches
     # the reward functions.
     prompt = "prompt"
@@ -375,16 +378,19 @@ class ObjectiveName(Choice):
     dpo = "dpo"  # direct preference optimisation against a reference model
     orpo = "orpo"  # odds-ratio preference optimisation: NLL on chosen + odds-ratio term, no reference
     simpo = "simpo"  # length-normalised preference margin with a target gap, no reference
+    kto = "kto"  # Kahneman-Tversky optimisation: unpaired desirable / undesirable completions, a reference model
     grpo = "grpo"  # online RL: sampled completions scored by reward functions (GRPO family, TRL's names)
 
 
 class PreferenceLoss(Choice):
-    """objective=dpo: the function of the log-ratio margin, as TRL names them."""
+    """objective=dpo: the function of the log-ratio margin; objective=kto: kto or apo_zero_unpaired (TRL's names)."""
 
     sigmoid = "sigmoid"  # -log sigmoid(beta * margin)
     ipo = "ipo"  # (length-normalised margin - 1 / (2 beta))^2
     hinge = "hinge"  # relu(1 - beta * margin)
     robust = "robust"  # label-noise-robust DPO (uses objective.label_smoothing)
+    kto = "kto"  # objective=kto: 1 - sigmoid(beta * (log-ratio - KL estimate)), mirrored for undesirable ones
+    apo_zero_unpaired = "apo_zero_unpaired"  # objective=kto: APO-zero's unpaired form, no KL estimate
 
 
 class GRPOLossType(Choice):
@@ -434,6 +440,9 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0
     # DPO: weight of an NLL term on the chosen completion (RPO; TRL's loss_type=[sigmoid, sft]); 0 = off.
     sft_weight: float = 0.0
+    # KTO: the weights of the desirable and the undesirable examples' losses (TRL's; to counter an imbalance).
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     # SimPO: the target reward gap (TRL's simpo_gamma): loss -log sigmoid(beta * avg-logp margin - gamma).
     gamma: float = 0.5
     # DPO's reference: "base" (LoRA / QLoRA: the same model with the adapters switched off; full fine-tuning:
@@ -521,6 +530,8 @@ class DataConfig:
     # lists of chat messages rendered with the run's chat template).
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    # data.format=unpaired (objective=kto): the record's boolean, true for a desirable completion.
+    label_field: str = "label"
     # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
     # seq_len and padded (padding is no target). document_mask (packed): each token attends only to
     # earlier tokens of its own document, and RoPE positions restart at each document.

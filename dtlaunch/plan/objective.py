@@ -1,7 +1,8 @@
-"""Preference tuning's terms in the memory plan (objective=dpo / orpo / simpo; dtlaunch.train.objectives).
+"""Preference tuning's terms in the memory plan (objective=dpo / orpo / simpo / kto; dtlaunch.train.objectives).
 
-- Every sample is a pair: a micro-batch runs 2 x micro_batch rows (the stage's token count doubles).
-- DPO's reference, by kind (dtlaunch.train.objectives.reference):
+- Every sample is a pair: a micro-batch runs 2 x micro_batch rows (the stage's token count doubles); a KTO
+  example is its own row and its KL row (dtlaunch.train.objectives.kto), both in the policy's forward.
+- DPO's (and KTO's) reference, by kind (dtlaunch.train.objectives.reference):
   a frozen copy (full fine-tuning, or reference=hf:DIR) is held for the whole run: its linears in the
   compute dtype, embedding and norm gains fp32, sharded like the policy under FSDP;
   adapters off (LoRA / QLoRA with reference=base) holds nothing more;
@@ -37,7 +38,7 @@ def reference_kind(cfg: Any) -> str:
     """none | adapters_off | copy; precomputed references report how the pass computes them. objective=grpo
     holds one only for its KL term (objective.beta > 0): its reference forward runs in the rollout."""
     name = str(cfg.objective.name)
-    if name != "dpo" and not (name == "grpo" and float(cfg.objective.beta) > 0):
+    if name not in ("dpo", "kto") and not (name == "grpo" and float(cfg.objective.beta) > 0):
         return "none"
     if str(cfg.objective.reference) == "base" and str(cfg.peft.method) != "none":
         return "adapters_off"
@@ -45,7 +46,7 @@ def reference_kind(cfg: Any) -> str:
 
 
 def precomputed(cfg: Any) -> bool:
-    return str(cfg.objective.name) == "dpo" and bool(cfg.objective.precompute_reference)
+    return str(cfg.objective.name) in ("dpo", "kto") and bool(cfg.objective.precompute_reference)
 
 
 def copy_bytes(c: Any) -> float:

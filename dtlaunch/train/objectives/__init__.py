@@ -1,4 +1,5 @@
-"""Training objectives beside next-token cross-entropy: preference tuning (objective=dpo / orpo / simpo).
+"""Training objectives beside next-token cross-entropy: preference tuning (objective=dpo / orpo / simpo;
+objective=kto, unpaired examples stacked as pairs: kto.py).
 
 The loop's step (dtlaunch.train.step) runs the model once per micro-batch as for SFT; for a preference
 objective the micro-batch holds pairs (chosen rows, then rejected rows) and the loss comes from here: the
@@ -17,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from dtlaunch.train.objectives.dpo import dpo_losses
+from dtlaunch.train.objectives.kto import KTOObjective
 from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
 from dtlaunch.train.objectives.orpo import orpo_losses
 from dtlaunch.train.objectives.simpo import simpo_losses
@@ -46,11 +48,13 @@ class PreferenceObjective:
     cp_group: Optional[Any] = None  # context parallel: the group holding the other chunks of each row
 
     @classmethod
-    def of(cls, cfg: Any, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective]:
+    def of(cls, cfg: Any, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
         if str(o.name) in ("sft", "grpo"):  # grpo: dtlaunch.train.objectives.grpo.GRPOObjective
             return None
+        if str(o.name) == "kto":
+            return KTOObjective.of(cfg, cp_group)
         return cls(
             name=str(o.name),
             loss=str(o.loss),

@@ -79,11 +79,11 @@ def uses_adapters_off(cfg: Any) -> bool:
 def build_reference(
     cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool = False, init: bool = True
 ) -> Optional[Any]:
-    """The reference of this rank for objective=dpo (None otherwise). live=True: a model even when
+    """The reference of this rank for objective=dpo / kto (None otherwise). live=True: a model even when
     objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
     without values (the planner's trace, as build_runtime). `parts`: the policy's model, or this rank's
     pipeline stage modules in schedule order."""
-    if str(cfg.objective.name) != "dpo":
+    if str(cfg.objective.name) not in ("dpo", "kto"):
         return None
     if bool(cfg.objective.precompute_reference) and not live:
         return Precomputed()
