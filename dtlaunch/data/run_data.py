@@ -81,7 +81,7 @@ def _chat_template_id(cfg: Any) -> dict[str, str]:
     """For chat records, how they were encoded and data.chat_template's text decide the tokens too."""
     from dtlaunch.data.chat_templates import template_identity
 
-    if str(cfg.data.format) not in ("chat", "preference"):
+    if str(cfg.data.format) not in ("chat", "preference", "unpaired"):
         return {}
     # "encoding": chat records are tokenized as one rendering (earlier entries, turn by turn, are not reused).
     spec = str(cfg.data.chat_template)
@@ -97,6 +97,8 @@ def record_fields(cfg: Any) -> list[str]:
         return [str(cfg.data.prompt_field), str(cfg.data.completion_field)]
     if fmt == "preference":
         return [str(cfg.data.prompt_field), str(cfg.data.chosen_field), str(cfg.data.rejected_field)]
+    if fmt == "unpaired":
+        return [str(cfg.data.prompt_field), str(cfg.data.completion_field), str(cfg.data.label_field)]
     return [str(cfg.data.text_field)]
 
 
@@ -127,7 +129,7 @@ def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
 
     local, subset = local_source(cfg, path, key)  # a hub dataset: its pinned snapshot in the hub cache
     files = source_files(kind, local, key)
-    if str(cfg.data.format) == "preference":
+    if str(cfg.data.format) in ("preference", "unpaired"):
         return _tokenize_pairs(cfg, local, key, tok, files)
     fmt = str(cfg.data.format)
     batches = encoded_batches(cfg, tok, local, key, subset)
@@ -155,7 +157,8 @@ def _report_targets(entry: Path, cfg: Any, key: str) -> None:
 
 
 def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Path:
-    """data.format=preference: pairs into their own cache entry (dtlaunch.data.preference)."""
+    """data.format=preference: pairs into their own cache entry (dtlaunch.data.preference); unpaired: each
+    example and its KL row, as a pair (dtlaunch.data.unpaired)."""
     from dtlaunch.data.chat import ChatEncoder
     from dtlaunch.data.preference import PairEncoder, cached_pairs
     from dtlaunch.data.records import iter_records
@@ -163,6 +166,12 @@ def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Pat
     kind, split = str(cfg.data.kind), split_of(cfg, key)
     encoder = PairEncoder(ChatEncoder(Path(tok.name), tok._dtype, str(cfg.data.chat_template), chat=False), tok.eos_id)
     records = iter_records(kind, path, record_fields(cfg), split, key)
+    if str(cfg.data.format) == "unpaired":
+        from dtlaunch.data.unpaired import cached_examples
+
+        run = int(cfg.training.micro_batch)  # the KL rows' run: TRL's per_device_train_batch_size
+        options = {**record_options(cfg, key), "kl_run": run}
+        return cached_examples(files, records, encoder, tok, options, str(cfg.data.cache_dir), key, run)
     return cached_pairs(files, records, encoder, tok, record_options(cfg, key), str(cfg.data.cache_dir), key)
 
 

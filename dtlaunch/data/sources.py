@@ -164,6 +164,10 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
     on or a validation set is configured; data.val_fraction carves it out of the training windows."""
     kind = check_kind(cfg)
     seq_len, vocab, seed = int(cfg.training.seq_len), int(cfg.model.vocab_size), int(cfg.training.seed)
+    if kind == "synthetic" and str(cfg.objective.name) == "kto":
+        from dtlaunch.data.unpaired import SyntheticExamples
+
+        return SyntheticExamples(vocab, seq_len, seed, TAG_SYNTHETIC), None
     if kind == "synthetic" and str(cfg.objective.name) != "sft":
         from dtlaunch.data.preference import SyntheticPairs
 
@@ -173,6 +177,10 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
         return SyntheticSource(vocab, seq_len, seed), val
     if str(cfg.data.format) == "preference":
         return _pair_sources(cfg, run_dir)
+    if str(cfg.data.format) == "unpaired":  # objective=kto; no validation source (config/rules/objective.py)
+        from dtlaunch.data.unpaired import UnpairedSource
+
+        return UnpairedSource(shard_dir(cfg, run_dir, "train"), seq_len, "data.path"), None
     tokens = TokenSource(shard_dir(cfg, run_dir, "train"), seq_len, "data.path")
     check_vocab(vocab, tokens.shards.vocab_size, f"data.path='{cfg.data.path}'")
     train: SampleSource = _unpacked(cfg, tokens)

@@ -22,6 +22,7 @@ from typing import Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
 from dtlaunch.config.rules.grpo import grpo_layout_problem
+from dtlaunch.config.rules.objective import kto_layout_problem
 from dtlaunch.config.rules.strategy import zero_layout_problem
 from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import DTYPE_BYTES
@@ -209,6 +210,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     gb = global_batch(cfg, base)
     per_node = int(hw.gpus_per_node) or world
     grpo = str(cfg.objective.name) == "grpo"
+    kto = str(cfg.objective.name) == "kto"
     out = []
     for tp in _divisors(world // cp):
         if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp):
@@ -246,6 +248,8 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
                                 if grpo and grpo_layout_problem(cfg, lay):
                                     continue  # a layout validate refuses for objective=grpo
+                                if kto and kto_layout_problem(cfg, lay, mb):
+                                    continue  # and for objective=kto
                                 st = {
                                     "dp_replicate": rep,
                                     "dp_shard": shard,

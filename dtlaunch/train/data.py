@@ -101,6 +101,8 @@ class TokenLoader:
         self.ref_logps: Optional[np.ndarray] = None
         self.last_indices: list[int] = []  # sample indices of the batch just returned
         self.last_ref_logps: Optional[torch.Tensor] = None
+        # objective=kto: each example's label (desirable: true) of the batch just returned, from its source.
+        self.last_labels: Optional[torch.Tensor] = None
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
 
@@ -156,6 +158,8 @@ class TokenLoader:
             if self.ref_logps is not None:
                 ref = self.ref_logps[indices]
                 self.last_ref_logps = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
+            if hasattr(self.source, "labels"):
+                self.last_labels = torch.from_numpy(self.source.labels(indices))
         if rows.ndim == 3:  # masked data: targets that are not to be learnt get the ignore index
             rows, mask = rows[:, 0], rows[:, 1, 1:]
         if mask is not None and not pairs:

@@ -351,6 +351,8 @@ class RandomBatches:
         self.shape = (rows, int(t.seq_len) + 1)
         self.vocab = int(cfg.model.vocab_size)
         self.last_ref_logps = torch.zeros(rows)
+        if str(cfg.objective.name) == "kto":  # half desirable (both of KTO's loss terms run)
+            self.last_labels = torch.arange(int(t.micro_batch)) % 2 == 0
         if str(cfg.objective.name) == "grpo":
             # The training phase of objective=grpo: rows as a rollout hands them (the rollout itself, its
             # generation and no-grad passes, is analytic only: dtlaunch.plan.generation).

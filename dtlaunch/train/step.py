@@ -158,7 +158,9 @@ def micro_step(
             out = model(inputs, **extra)
             if rt.objective is not None:
                 # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).
-                loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll)
+                labels = getattr(batches, "last_labels", None)  # objective=kto: each example's label
+                more = {"labels": labels} if labels is not None else {}
+                loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll, **more)
                 loss = loss / rt.accum
                 if pair_stats is not None:
                     pair_stats.append(stats)

@@ -1,7 +1,8 @@
 """Rules of the `objective` section (preference tuning), run by `validate` before any worker starts.
 
 Ranges (beta, label_smoothing, sft_weight, gamma) are in config/ranges.py. Here: the pairs that do not go
-together. Every layout runs every objective (under pipeline parallel: dtlaunch.train.objectives.pipeline).
+together. Every layout runs every objective (under pipeline parallel: dtlaunch.train.objectives.pipeline)
+but objective=kto (check_kto_layout) and grpo (rules/grpo.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dtlaunch.config.layout import Layout
 from dtlaunch.config.rules.grpo import check_grpo
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
@@ -30,6 +32,11 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
             f"objective.tools are called by the model while objective=grpo generates, not with objective={name}: "
             f"drop objective.tools"
         )
+    if str(d.format) == "unpaired" and name != "kto":
+        raise ConfigError(
+            f"data.format=unpaired holds labelled single completions, which objective={name} cannot train on: "
+            f"use objective=kto, or another data.format"
+        )
     if name == "sft":
         if str(d.format) == "preference":
             raise ConfigError(
@@ -37,8 +44,10 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
                 "use objective=dpo (or orpo, simpo), or another data.format"
             )
         return
+    if name == "kto":
+        check_kto(cfg)
     # data.kind=synthetic draws random pairs (benchmarks, plans: dtlaunch.data.preference.SyntheticPairs).
-    if str(d.format) != "preference" and str(d.kind) != "synthetic":
+    elif str(d.format) != "preference" and str(d.kind) != "synthetic":
         raise ConfigError(
             f"objective={name} trains on preference pairs, not data.format={d.format}: set data.format=preference "
             f"(with data.prompt_field, data.chosen_field, data.rejected_field)"
@@ -50,17 +59,21 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
             f"objective.label_smoothing={o.label_smoothing} is used by objective.loss=robust only (TRL >= 0.29 "
             f"ignores it for sigmoid): set objective.loss=robust or objective.label_smoothing=0"
         )
-    if name != "dpo":
+    if name != "kto" and str(o.loss) in KTO_LOSSES:
+        raise ConfigError(f"objective.loss={o.loss} is objective=kto's: use objective=kto, or objective.loss=sigmoid")
+    if name not in ("dpo", "kto"):
         if str(o.reference) != "base" or bool(o.precompute_reference):
             raise ConfigError(
                 f"objective={name} uses no reference model: drop objective.reference / "
-                f"objective.precompute_reference (or use objective=dpo)"
+                f"objective.precompute_reference (or use objective=dpo or kto)"
             )
         if float(o.sft_weight) > 0:
             raise ConfigError(
                 f"objective.sft_weight={o.sft_weight} is DPO's NLL term (ORPO has its own): set objective.sft_weight=0"
             )
         return
+    if name == "kto" and float(o.sft_weight) > 0:
+        raise ConfigError(f"objective.sft_weight={o.sft_weight} is DPO's NLL term: set objective.sft_weight=0")
     check_reference(str(o.reference), cfg.model)
     if bool(o.precompute_reference) and str(d.kind) == "synthetic":
         raise ConfigError(
@@ -91,3 +104,47 @@ def check_reference(ref: str, model: Any) -> None:
             f"objective.reference='{ref}': '{path}' holds no config.json: point it at a Hugging Face model "
             f"directory (e.g. one written by `dtlaunch ckpt export --format hf`)"
         )
+
+
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+
+
+def check_kto(cfg: Any) -> None:
+    """objective=kto (dtlaunch.train.objectives.kto): its data, its losses and the layouts it runs on."""
+    o, d = cfg.objective, cfg.data
+    if str(d.format) != "unpaired" and str(d.kind) != "synthetic":
+        raise ConfigError(
+            f"objective=kto trains on unpaired completions, not data.format={d.format}: set data.format=unpaired "
+            f"(with data.prompt_field, data.completion_field, data.label_field)"
+        )
+    if str(o.loss) not in KTO_LOSSES:
+        raise ConfigError(f"objective.loss={o.loss} is not a KTO loss: set objective.loss=kto or apo_zero_unpaired")
+    if str(d.val_path) or float(d.val_fraction) > 0:
+        raise ConfigError(
+            "data.val_path / data.val_fraction: validation is not computed for objective=kto yet: drop them"
+        )
+
+
+def kto_layout_problem(cfg: Any, layout: Layout, micro_batch: int) -> str:
+    """Why objective=kto cannot run on `layout` with `micro_batch` ("" when it can); `validate` refuses it
+    and `plan --search` skips it."""
+    if layout.pp > 1:
+        return (
+            f"strategy.pp={layout.pp}: objective=kto does not run under pipeline parallel yet (its KL estimate is "
+            f"averaged over every rank each micro-step): set strategy.pp=1"
+        )
+    if str(cfg.objective.loss) == "kto" and micro_batch < 2:
+        # TRL refuses it too: the KL row of a one-example batch is the example itself.
+        return (
+            f"training.micro_batch={micro_batch}: objective.loss=kto estimates its KL term from the other "
+            f"examples of a micro-batch: set training.micro_batch >= 2 (or objective.loss=apo_zero_unpaired)"
+        )
+    return ""
+
+
+def check_kto_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
+    if str(cfg.objective.name) != "kto":
+        return
+    problem = kto_layout_problem(cfg, layout, int(cfg.training.micro_batch))
+    if problem:
+        raise ConfigError(problem)
