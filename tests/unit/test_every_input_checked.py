@@ -39,6 +39,7 @@ VALUES = {
     "data.completion_field",
     "data.chosen_field",
     "data.rejected_field",
+    "data.label_field",
     "data.split",
     "data.subset",
     "data.revision",
