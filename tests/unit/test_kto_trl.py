@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.unit.test_preference_trl import close, hf_grads, ours, perturb, tokenizer
+from test_preference_trl import close, hf_grads, ours, perturb, tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
