@@ -125,6 +125,21 @@ TINY_HF = {
         "Olmo3Config",
         {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     ),
+    # Gemma 3: a sliding layer (window 8, local RoPE base 1e4) then a full one (base 1e6, linear scaling 2);
+    # attention scale 1/sqrt(256) with head_dim 16. Untied, so pipeline layouts can hold it.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 TINY_HF_WORDS = [f"w{i}" for i in range(250)]
 # The shape every tiny HF test model shares (2 layers, GQA 4/2 heads, 256-token vocabulary).

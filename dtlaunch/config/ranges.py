@@ -77,6 +77,12 @@ RANGES: dict[str, Range] = {
     "model.head_dim": AT_LEAST_1,
     "model.sliding_window": AT_LEAST_1,
     "model.no_rope_layers": NON_NEGATIVE,  # block indices (smollm3; its check bounds them by n_layers)
+    # gemma3's own: the sliding layers' RoPE base, the attention scale's divisor, the full layers' linear
+    # RoPE factor, and the norm gain's offset (1.0, fixed by the family).
+    "model.rope_local_theta": POSITIVE,
+    "model.query_pre_attn_scalar": POSITIVE,
+    "model.rope_linear_factor": POSITIVE,
+    "model.norm_offset": NON_NEGATIVE,
     "model.rope_scaling.factor": POSITIVE,
     "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE,

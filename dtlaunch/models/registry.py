@@ -154,7 +154,19 @@ def traced_spec(
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
-_BUILTIN = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo3", "qwen3_moe", "mixtral", "moe", "hf_auto")
+_BUILTIN = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "smollm3",
+    "olmo3",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "moe",
+    "hf_auto",
+)
 
 
 def register(spec: ModelSpec) -> ModelSpec:

@@ -85,11 +85,11 @@ def static_lines(c: StageShape) -> dict[str, float]:
                 c.peft, c.rank_params, frozen, c.layers, c.shard_ranks if c.fsdp else 1, e, c.grad_element_bytes
             )
         )
-    rope_table = int(t.seq_len) * (d.head // 2)  # the runtime builds RoPE for training.seq_len positions
+    rope_table = int(t.seq_len) * d.rope_columns  # the runtime builds RoPE for training.seq_len positions
     lines[Line.BUFFERS] = 2 * 4 * rope_table  # RoPE cos/sin, fp32
     if c.cp > 1:
         # The tables picked at this rank's token positions (Decoder.forward), shared by every block.
-        lines[Line.ROPE_CP_POSITIONS] = 2 * (e if c.fsdp else 4) * (t.seq_len // c.cp) * (d.head // 2)
+        lines[Line.ROPE_CP_POSITIONS] = 2 * (e if c.fsdp else 4) * (t.seq_len // c.cp) * d.rope_columns
     if c.fsdp and e != 4:
         # The hidden state is in the compute dtype, so the model casts both tables to it once per forward
         # (llama.Llama.forward); every block shares that copy until backward is done.

@@ -1,4 +1,4 @@
-"""Every native family (Qwen2, Qwen3, Mistral, tied Llama, SmolLM3, OLMo 3) in the layouts the CLI parity tests run only
+"""Every native family (Qwen2, Qwen3, Mistral, tied Llama, SmolLM3, OLMo 3, Gemma 3) in the layouts the CLI parity tests run only
 for Llama, plus hf_auto tensor parallel, in ONE group of 4 gloo processes against a single-process reference.
 This is where each family's layout parity lives; tests/e2e/test_hf_families_train.py launches one family
 through `dtlaunch train` to prove the CLI path from a Hugging Face directory.
@@ -6,7 +6,8 @@ through `dtlaunch train` to prove the CLI path from a Hugging Face directory.
 What differs per family meets each layout here: q/k/v biases (Qwen2) and per-head q/k norms with an
 independent head_dim (Qwen3) under column-parallel sharding, ZeRO and HSDP; sliding-window attention
 (Mistral) split over pipeline stages, and OLMo 3's post-norm blocks (sliding then full attention) under
-pipeline x FSDP2 (tensor parallel is refused for it: its q/k norm spans every head); a head tied to the embedding (Llama) under vocabulary-parallel TP
+pipeline x FSDP2 (tensor parallel is refused for it: its q/k norm spans every head); Gemma 3's sandwich
+norms, local/global RoPE and scaled embeddings under ZeRO-1, pipeline x FSDP2 and pipeline x TP+SP; a head tied to the embedding (Llama) under vocabulary-parallel TP
 and FSDP (pipeline stages cannot share it: refused by validate, tests/unit/test_hf_families.py). The workers run
 the runtime object (`build_runtime`: TP -> AC -> FSDP/DDP, or the stage split) and `train_step` on
 seeded batches; the pytest process trains the same steps on one process with the same code and no mesh.
@@ -26,7 +27,7 @@ COMMON = ["training.seq_len=32", "training.global_batch=4", "optim.warmup_steps=
 LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "zero1_dp4_ac_op": (
         ["strategy=zero1", "training.micro_batch=1", "training.activation_checkpointing=selective"],
-        ("qwen2", "qwen3", "mistral", "llama_tied"),
+        ("qwen2", "qwen3", "mistral", "llama_tied", "gemma3"),
     ),
     # ZeRO-2 on a 2 x 2 (replicate x shard) mesh, with full activation checkpointing.
     "hsdp_zero2_ac_full": (
@@ -45,10 +46,10 @@ LAYOUTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "training.activation_checkpointing=selective",
             "training.ac_policy=layer",
         ],
-        ("qwen2", "qwen3", "mistral", "olmo3"),
+        ("qwen2", "qwen3", "mistral", "olmo3", "gemma3"),
     ),
     # strategy=3d at 4 ranks: pipeline x tensor parallel with sequence parallel (FSDP has dp=1 here).
-    "3d_pp2_tp2_sp": (["strategy=3d", "training.micro_batch=4"], ("qwen2", "qwen3", "mistral")),
+    "3d_pp2_tp2_sp": (["strategy=3d", "training.micro_batch=4"], ("qwen2", "qwen3", "mistral", "gemma3")),
     # fp32 FSDP2 x TP (+SP) for the tied head, which pipeline layouts (the fp32 TP cases above) cannot hold.
     # SmolLM3 (tied too) adds its NoPE layer to the sharded blocks.
     "fsdp2_tp2_sp_tied": (["strategy=fsdp_tp", "training.micro_batch=2"], ("llama_tied", "smollm3")),

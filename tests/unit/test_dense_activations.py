@@ -20,6 +20,8 @@ BATCH, SEQ = 2, 64
 FAMILIES = {
     "qwen3": ["model.arch=qwen3", "model.qk_norm=true"],
     "olmo3": ["model.arch=olmo3", "model.qk_norm=true"],
+    # Four (1 + w) norms per block, GELU-tanh MLP, q scaled by sqrt(head_dim / query_pre_attn_scalar).
+    "gemma3": ["model.arch=gemma3", "model.qk_norm=true", "model.query_pre_attn_scalar=64"],
 }
 
 
@@ -33,6 +35,11 @@ CASES = [
     ("olmo3", "autocast", "full"),
     ("qwen3", "fp32", "none"),
     ("qwen3", "autocast", "none"),
+    ("gemma3", "fp32", "none"),
+    ("gemma3", "bf16", "none"),
+    ("gemma3", "autocast", "none"),
+    ("gemma3", "autocast", "selective"),
+    ("gemma3", "autocast", "full"),
 ]
 
 
@@ -64,4 +71,8 @@ def test_block_bytes_match_what_the_runtime_keeps(family: str, precision: str, m
             # A post-norm block does not keep its fp32 input (its linears save their casts): the last
             # output is the final norm's alone.
             measured -= 4 * d.h * BATCH * SEQ
+        if d.sandwich and mode == "none":
+            # Gemma's q/k norms return the compute dtype, so each block's RoPE saves its own cast tables:
+            # the planner's separate rope-cast line (plan.stage.forward_lines), not a block term.
+            predicted += act.rope_cast_bytes(d, e, SEQ) * 2
     assert measured == predicted

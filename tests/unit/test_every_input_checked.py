@@ -27,6 +27,7 @@ VALUES = {
     "model.name",
     "model.arch",  # a registry name, refused at compose time when unknown
     "model.layer_types",  # sliding_attention / full_attention per block, checked by the olmo3 family
+    "model.mlp_activation",  # gelu_tanh, fixed by the gemma3 family
     "strategy.pp_schedule",
     "training.eval_tasks",  # lm-eval task names, checked by train and submit against lm-eval's index
     "peft.targets",  # module names

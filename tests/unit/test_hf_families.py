@@ -1,4 +1,4 @@
-"""Tiny random-weight Qwen2, Qwen3, Mistral, tied Llama, SmolLM3 and OLMo 3 directories (made by transformers): our
+"""Tiny random-weight Qwen2, Qwen3, Mistral, tied Llama, SmolLM3, OLMo 3 and Gemma 3 directories (made by transformers): our
 model, loaded through `model.init_from=hf:DIR`, computes transformers' logits within 1e-5 (fp32)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied", "smollm3", "olmo3"]
+FAMILIES = ["qwen2", "qwen3", "mistral", "llama_tied", "smollm3", "olmo3", "gemma3"]
 ARCH = {f: f for f in FAMILIES} | {"llama_tied": "llama"}
 
 
@@ -150,6 +150,121 @@ def test_olmo3_config_json_variants(tiny_hf_dirs) -> None:
         spec.hf.config_from_hf({**c, "rope_parameters": {**flat, "rope_theta": 1e4}}, "here")
     with pytest.raises(InputError, match=r"here: layer_types=.* needs one entry per layer"):
         spec.hf.config_from_hf({**c, "layer_types": ["sliding_attention"]}, "here")
+
+
+def test_gemma3_round_trip_is_bit_identical_and_counted_exactly(tiny_hf_dirs, tmp_path) -> None:
+    """Import -> export gives the original tensors bit for bit (four norms per block, per-head q/k norm gains
+    permuted) and a config.json transformers builds the same model from; `dtlaunch plan` counts
+    transformers' parameters exactly. Each Gemma part matters on the 20 tokens: the window of 8 on the
+    sliding layer, its local RoPE base, the attention scale 1/sqrt(256) (head_dim 16), the embedding scale."""
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    src = tiny_hf_dirs["gemma3"]
+    model, m = ours(src)
+    assert list(m.layer_types) == ["sliding_attention", "full_attention"] and m.sliding_window == 8
+    assert (m.rope_theta, m.rope_local_theta, m.rope_linear_factor, m.query_pre_attn_scalar) == (1e6, 1e4, 2.0, 256)
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "gemma3_text" and cfg["rope_parameters"]["full_attention"]["rope_type"] == "linear"
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        b = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        assert (a(tokens).logits - b(tokens).logits).abs().max().item() < 1e-5
+        full = model(tokens)
+        attn = model.layers["0"].attention
+        for part, undo in [
+            ("window", lambda: setattr(attn, "sliding_window", None)),
+            ("local RoPE base", lambda: setattr(attn, "rope_columns", slice(0, 8))),
+            ("attention scale", lambda: setattr(attn, "q_scale", 1.0)),
+            ("embedding scale", lambda: model.embed_factor.update({torch.float32: 1.0})),
+        ]:
+            undo()
+            assert (model(tokens) - full).abs().max().item() > 1e-3, part
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch=gemma3) from {src}: {sum(p.numel() for p in b.parameters()):,} parameters" in out, out
+
+
+def test_gemma3_config_json_variants(tiny_hf_dirs) -> None:
+    """Read as transformers' Gemma3TextConfig reads it: its defaults (five sliding layers in six, window
+    4096, bases 1e6 / 1e4, head_dim 256, tied head), the older top-level keys (rope_theta,
+    rope_local_base_freq, rope_scaling); what the decoder cannot run is refused naming hf_auto."""
+    c = json.loads((tiny_hf_dirs["gemma3"] / "config.json").read_text())
+    spec = model_spec("gemma3")
+    for key in ("layer_types", "sliding_window", "rope_parameters", "head_dim", "tie_word_embeddings"):
+        c.pop(key)
+    fields = spec.hf.config_from_hf({**c, "num_hidden_layers": 7}, "here")
+    assert fields["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert (fields["sliding_window"], fields["head_dim"], fields["tie_embeddings"]) == (4096, 256, True)
+    assert (fields["rope_theta"], fields["rope_local_theta"], fields["rope_linear_factor"]) == (1e6, 1e4, None)
+    legacy = {
+        **c,
+        "rope_theta": 5e5,
+        "rope_local_base_freq": 2e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    fields = spec.hf.config_from_hf(legacy, "here")
+    assert (fields["rope_theta"], fields["rope_local_theta"], fields["rope_linear_factor"]) == (5e5, 2e4, 8.0)
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in legacy.items() if k != "architectures"})
+    assert theirs.rope_parameters["full_attention"]["rope_theta"] == 5e5
+    assert theirs.rope_parameters["sliding_attention"]["rope_theta"] == 2e4
+    for bad, message in [
+        ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30.0 .*model.arch=hf_auto$"),
+        ({"hidden_activation": "gelu"}, r"hidden_activation='gelu', .*gelu_pytorch_tanh: use model.arch=hf_auto$"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"RoPE 'yarn' \(full attention\).*hf_auto$"),
+        ({"use_bidirectional_attention": True}, r"use_bidirectional_attention=true .*hf_auto$"),
+    ]:
+        with pytest.raises(InputError, match=r"here: " + message):
+            spec.hf.config_from_hf({**c, **bad}, "here")
+    cp = ["model=gemma3_1b", "strategy.cp=2", "launch.nproc_per_node=2", "training.seq_len=4096"]
+    with pytest.raises(
+        ConfigError, match=r"strategy.cp=2: model.arch=gemma3 slides .*window=512 < training.seq_len=4096"
+    ):
+        validate(compose(cp).cfg)
+
+
+def test_gemma3_lora_trains_its_adapters_only(tiny_hf_dirs) -> None:
+    """LoRA on every Gemma 3 linear (q/k/v/o, gate/up/down, found by their Hugging Face names): at init the
+    model still computes transformers' logits, five AdamW steps lower the loss through the adapters alone
+    and the imported weights stay as read; `dtlaunch plan` plans the LoRA job from the directory."""
+    from cli_in_process import run_cli
+
+    from dtlaunch.models.lora import adapter_init, apply_lora
+
+    src = tiny_hf_dirs["gemma3"]
+    model, m = ours(src)
+    cfg = compose(["model=tiny", f"model.init_from=hf:{src}", "peft=lora", LORA_TARGETS]).cfg
+    chosen = apply_lora(model, model_spec(m), cfg.peft)
+    assert len(chosen) == 2 * 7
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(adapter_init(name, tuple(p.shape), seed=0))
+    tokens = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(0))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (model(tokens[:, :-1]) - ref(tokens[:, :-1]).logits).abs().max().item() < 1e-5
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}", "peft=lora", LORA_TARGETS], stdout=True)
+    assert code == 0 and "(model.arch=gemma3)" in out, out
+
+
+LORA_TARGETS = "peft.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 
 
 def test_config_json_fills_the_model_section(tiny_hf_dirs) -> None:

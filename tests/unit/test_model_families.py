@@ -17,6 +17,7 @@ PUBLISHED = {
     "qwen3_8b": 8_190_735_360,
     "mistral_7b": 7_248_023_552,
     "smollm3_3b": 3_075_098_624,
+    "gemma3_1b": 999_885_952,
 }
 FAMILY_GROUPS = [
     "qwen2.5_0.5b",
@@ -29,6 +30,7 @@ FAMILY_GROUPS = [
     "llama3.2_1b",
     "llama3.2_3b",
     "smollm3_3b",
+    "gemma3_1b",
 ]
 
 
@@ -56,7 +58,7 @@ def test_family_sizes_match_transformers_and_published(name: str) -> None:
 
 
 def test_registry_has_the_native_families() -> None:
-    assert {"llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo3"} <= set(known_archs())
+    assert {"llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo3", "gemma3"} <= set(known_archs())
 
 
 def test_flags_build_their_modules() -> None:
@@ -84,6 +86,13 @@ def test_flags_build_their_modules() -> None:
     assert [b.attention.sliding_window for b in model.layers.values()] == [8, None, 8, None]
     attn = model.layers["0"].attention
     assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,) and model.layers["0"].post_norm
+    m = compose(["model=gemma3_1b", "model.n_layers=6"]).cfg.model
+    model = model_spec(m).build(m, rope_len=4, device="meta")
+    assert [b.attention.sliding_window for b in model.layers.values()] == [512] * 5 + [None]
+    assert [b.attention.rope_columns.start for b in model.layers.values()] == [128] * 5 + [0]
+    block = model.layers["5"]
+    assert block.post_attention_norm.offset == block.attention.q_norm.offset == model.norm.offset == 1.0
+    assert block.attention.q_scale == 1.0 and model.rope_cos.shape == (4, 256)  # both bases' tables
 
 
 def test_plan_search_offers_olmo3_no_tensor_parallel() -> None:
@@ -103,7 +112,7 @@ def test_plan_search_offers_olmo3_no_tensor_parallel() -> None:
         (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
         (
             ["model.arch=gpt2"],
-            r"model.arch='gpt2' is not a registered model: use one of hf_auto, llama, mistral, mixtral, moe, olmo3, qwen2, qwen3, qwen3_moe, smollm3$",
+            r"model.arch='gpt2' is not a registered model: use one of gemma3, hf_auto, llama, mistral, mixtral, moe, olmo3, qwen2, qwen3, qwen3_moe, smollm3$",
         ),
         (
             ["model=tiny", "model.arch=olmo3", "model.qk_norm=true", "model.layer_types=[full_attention]"],
@@ -118,6 +127,7 @@ def test_plan_search_offers_olmo3_no_tensor_parallel() -> None:
             r"model.no_rope_layers=\[4\]: each entry .*0..3",
         ),
         (["model=tiny", "model.no_rope_layers=[3]"], r"no model.no_rope_layers: remove it, or use model.arch=smollm3"),
+        (["model=gemma3_1b", "model.sandwich_norm=false"], r"model.sandwich_norm=False does not fit model.arch=gemma3"),
     ],
 )
 def test_bad_family_layouts_are_one_line_errors(overrides: list[str], message: str) -> None:

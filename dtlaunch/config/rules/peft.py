@@ -29,7 +29,7 @@ def check_peft(cfg: Any, notes: list[str]) -> None:
     if str(m.arch) == "hf_auto":
         raise ConfigError(
             f"peft.method={method} is not supported with model.arch=hf_auto: use a natively built family "
-            "(llama, qwen2, qwen3, mistral, smollm3, olmo3, qwen3_moe, mixtral) or peft.method=none"
+            "(llama, qwen2, qwen3, mistral, smollm3, olmo3, gemma3, qwen3_moe, mixtral) or peft.method=none"
         )
     if str(cfg.precision.float8) != "none":
         raise ConfigError(

@@ -57,6 +57,8 @@ class BlockDims:
     hd: int = 0  # head_dim (0: h // a)
     qk_norm_whole: bool = False  # the q/k norm spans the whole projection (one rsqrt per token)
     post_norm: bool = False  # the block norms act on the sublayer outputs (OLMo)
+    sandwich: bool = False  # two more norms, on the sublayer outputs (Gemma's sandwich_norm)
+    rope_tables: int = 1  # RoPE table sets (Gemma 3: global and local bases side by side)
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
@@ -71,6 +73,8 @@ class BlockDims:
             hd=head_dim(m),
             qk_norm_whole=bool(getattr(m, "qk_norm_whole", False)),
             post_norm=bool(getattr(m, "post_norm", False)),
+            sandwich=bool(getattr(m, "sandwich_norm", False)),
+            rope_tables=2 if getattr(m, "rope_local_theta", None) is not None else 1,
         )
 
     @property
@@ -80,6 +84,11 @@ class BlockDims:
     @property
     def head(self) -> int:
         return self.hd or self.h // self.a
+
+    @property
+    def rope_columns(self) -> int:
+        """Columns of each RoPE table: head_dim / 2 per base."""
+        return self.head // 2 * self.rope_tables
 
 
 def norm_bytes(d: BlockDims, e: int, tp: int, sp: bool, autocast: bool = False, consumers: int = 1) -> float:
@@ -102,6 +111,10 @@ def block_bytes_no_ac(
         attn += e * (d.qw + d.k) + (8 if d.qk_norm_whole else 4 * (d.a + d.k // d.head))
     mlp = 4 * e * d.f
     norms = norm_bytes(d, e, tp, sp, autocast, 3) + norm_bytes(d, e, tp, sp, autocast, 2)
+    if d.sandwich:
+        # Gemma's norms on the wo and w2 outputs keep those (compute dtype, autocast too) and rsqrt; their
+        # outputs are only added to the stream.
+        norms += 2 * (e * d.h + 4) / (tp if tp > 1 and sp else 1)
     if compiled:
         # Inductor's partitioner recomputes cheap pointwise values from what it saves anyway: SwiGLU's
         # SiLU output (e·F) is not saved. Measured with saved-tensor hooks on compiled CPU blocks (fp32
@@ -199,7 +212,8 @@ def tiled_grad_sum_elements(d: BlockDims, tp: int = 1) -> float:
 
 def rope_cast_bytes(d: BlockDims, e: int, seq: int) -> float:
     """Per block and micro-batch: RoPE casts its fp32 cos/sin tables to the compute dtype for q and
-    k (4 tables of seq x head_dim/2, saved by the rotations); nothing in fp32 (no-op cast)."""
+    k (4 tables of seq x head_dim/2, saved by the rotations; with two bases a block casts its own half);
+    nothing in fp32 (no-op cast)."""
     return 0.0 if e == 4 else 4 * seq * (d.head // 2) * e
 
 

@@ -1,9 +1,12 @@
-"""The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3 and olmo3 registry entries: RMSNorm,
+"""The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3, olmo3 and gemma3 registry entries: RMSNorm,
 RoPE (with Llama-3.1 scaling), GQA attention, SwiGLU; flags from the model section add q/k/v biases
 (Qwen2), per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) on every
 block or on those `layer_types` names (OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE
-layers), post-norm blocks with a q/k RMSNorm over the whole projection (OLMo 3) and a head tied to the
-embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3).
+layers), post-norm blocks with a q/k RMSNorm over the whole projection (OLMo 3), a head tied to the
+embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3) and Gemma 3's parts: norms before and after each sublayer
+(`sandwich_norm`) with (1 + gain) RMSNorm (`norm_offset`), embeddings scaled by sqrt(dim), a GELU-tanh
+gated MLP, `query_pre_attn_scalar` as the attention scale and a second RoPE base for the sliding layers
+(`rope_local_theta`; the global one with optional linear scaling, `rope_linear_factor`).
 
 This module knows nothing of torch.distributed. Parallelism is applied from outside:
 - tensor parallel reshapes with the *local* head count (`view(B, S, -1, head_dim)`), so a sharded
@@ -30,12 +33,22 @@ from dtlaunch.models.dense.norm import RMSNorm
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 
 
-def rope_frequencies(m: Any) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, with Llama-3.1's wavelength-dependent scaling if set."""
+def local_rope(m: Any) -> bool:
+    """Whether sliding-window blocks rotate with a base of their own (Gemma 3's rope_local_theta)."""
+    return getattr(m, "rope_local_theta", None) is not None
+
+
+def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies per rotary pair, with Llama-3.1's wavelength-dependent scaling or a linear
+    factor (Gemma 3's global layers) if set; `local`: the sliding layers' base, unscaled."""
     d = head_dim(m)
-    freqs = 1.0 / (m.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    theta = m.rope_local_theta if local else m.rope_theta
+    freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    linear = getattr(m, "rope_linear_factor", None)
+    if linear and not local:
+        freqs = freqs / linear
     rs = m.rope_scaling
-    if rs is None:
+    if rs is None or local:
         return freqs.float()
     low_wavelen = rs.original_max_seq_len / rs.low_freq_factor
     high_wavelen = rs.original_max_seq_len / rs.high_freq_factor
@@ -48,13 +61,18 @@ def rope_frequencies(m: Any) -> torch.Tensor:
 
 
 def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin per (position, rotary pair). With a local base (Gemma 3) each row holds the global
+    tables then the local ones, (seq_len, head_dim): one pair of tables still reaches every block (what
+    sequence parallel, pipeline stages and decoding pass along) and each block takes its half."""
     target = torch.device(device) if device is not None else torch.get_default_device()
     if target.type == "meta":
         # A meta build holds shapes only (buffer_values fills the tables once materialised); computing
         # them on meta runs torch's Python references, whose first call imports torch._dynamo (~1 s).
-        shape = (seq_len, head_dim(m) // 2)
+        shape = (seq_len, head_dim(m) // 2 * (2 if local_rope(m) else 1))
         return torch.empty(shape, device=target), torch.empty(shape, device=target)
     freqs = rope_frequencies(m).to(device)
+    if local_rope(m):
+        freqs = torch.cat([freqs, rope_frequencies(m, local=True).to(device)])
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -102,6 +120,10 @@ class Attention(nn.Module):
     def __init__(self, m: Any, rope: bool = True, layer: Optional[int] = None) -> None:
         super().__init__()
         self.head_dim = head_dim(m)
+        # Gemma: softmax(q·k / sqrt(query_pre_attn_scalar)). Every attention kernel here (SDPA, packed
+        # documents, ring, Ulysses) divides by sqrt(head_dim), so q is scaled by the ratio first (1: no op).
+        scalar = getattr(m, "query_pre_attn_scalar", None)
+        self.q_scale = 1.0 if not scalar or float(scalar) == self.head_dim else math.sqrt(self.head_dim / scalar)
         # False: a NoPE layer. It still receives the shared cos/sin tables (the block's inputs stay the
         # same for every layer, which tensor/sequence parallel and pipeline stages rely on) and ignores them.
         self.rope = rope
@@ -117,9 +139,22 @@ class Attention(nn.Module):
         q_width, k_width = (
             (m.n_heads * self.head_dim, kv_heads(m) * self.head_dim) if self.qk_norm_whole else (self.head_dim,) * 2
         )
-        self.q_norm: Optional[RMSNorm] = RMSNorm(q_width, m.norm_eps) if getattr(m, "qk_norm", False) else None
-        self.k_norm: Optional[RMSNorm] = RMSNorm(k_width, m.norm_eps) if getattr(m, "qk_norm", False) else None
+        offset = float(getattr(m, "norm_offset", 0.0) or 0.0)
+        qk = getattr(m, "qk_norm", False)
+        self.q_norm: Optional[RMSNorm] = RMSNorm(q_width, m.norm_eps, offset) if qk else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(k_width, m.norm_eps, offset) if qk else None
         self.sliding_window: Optional[int] = layer_window(m, layer)
+        # Which columns of the shared RoPE tables this block rotates with: all of them, or with a local
+        # base (Gemma 3) the global half, or the local half for a sliding-window block.
+        half = self.head_dim // 2
+        kinds = getattr(m, "layer_types", None) or ()
+        sliding = (
+            kinds[layer] == "sliding_attention" if kinds and layer is not None else self.sliding_window is not None
+        )
+        local = local_rope(m) and sliding
+        self.rope_columns: Optional[slice] = (
+            None if not local_rope(m) else slice(half, None) if local else slice(0, half)
+        )
         # The attention kernel, (q, k, v, mask) -> out on (B, heads, S, head_dim): a seam through which
         # parallelism swaps in another (context parallel's ring attention) without this module knowing.
         self.attention_fn: Callable[..., torch.Tensor] = sdpa
@@ -135,6 +170,8 @@ class Attention(nn.Module):
         """`mask`: packed `Documents` (causal within each), or (B, 1, S, S) boolean, True where a query may
         attend; `cache`: decoding only, the new tokens follow the cached positions."""
         b, s, _ = x.shape
+        if self.rope_columns is not None:
+            cos, sin = cos[..., self.rope_columns], sin[..., self.rope_columns]
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q, k = self.wq(x), self.wk(x)
         if self.q_norm is not None and self.qk_norm_whole:
@@ -160,6 +197,8 @@ class Attention(nn.Module):
             mask = self._mask(mask, start, s, k.shape[1], x.device)
             if cache is not None and cache.key_mask is not None:
                 mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -218,15 +257,24 @@ class KVCache:
         return self.k, self.v
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# model.mlp_activation -> the gate's activation (SwiGLU's SiLU; Gemma's GELU with the tanh approximation).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, activation: str = "silu") -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -236,10 +284,18 @@ class TransformerBlock(nn.Module):
         # and the sublayers read the residual stream itself (Hugging Face: post_attention_layernorm,
         # post_feedforward_layernorm). Same modules and names either way, so shapes, counts and FSDP units agree.
         self.post_norm = bool(getattr(m, "post_norm", False))
-        self.attention_norm = RMSNorm(m.dim, m.norm_eps)
+        offset = float(getattr(m, "norm_offset", 0.0) or 0.0)
+        self.attention_norm = RMSNorm(m.dim, m.norm_eps, offset)
         self.attention = Attention(m, rope=uses_rope(m, layer), layer=layer)
-        self.ffn_norm = RMSNorm(m.dim, m.norm_eps)
-        self.feed_forward = FeedForward(m.dim, ffn_dim(m))
+        self.ffn_norm = RMSNorm(m.dim, m.norm_eps, offset)
+        self.feed_forward = FeedForward(m.dim, ffn_dim(m), getattr(m, "mlp_activation", None) or "silu")
+        # sandwich_norm (Gemma 2/3): the pre-norms above plus a norm on each sublayer's output before its
+        # residual add (Hugging Face: post_attention_layernorm, post_feedforward_layernorm).
+        self.post_attention_norm: Optional[RMSNorm] = None
+        self.post_ffn_norm: Optional[RMSNorm] = None
+        if getattr(m, "sandwich_norm", False):
+            self.post_attention_norm = RMSNorm(m.dim, m.norm_eps, offset)
+            self.post_ffn_norm = RMSNorm(m.dim, m.norm_eps, offset)
 
     def forward(
         self,
@@ -254,6 +310,9 @@ class TransformerBlock(nn.Module):
         if self.post_norm:
             h = x + self.attention_norm(self.attention(x, cos, sin, mask, cache=cache))
             return h + self.ffn_norm(self.feed_forward(h))
+        if self.post_attention_norm is not None:
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, cache=cache))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -265,7 +324,7 @@ class Decoder(nn.Module):
         self.rope_len = rope_len or m.max_seq_len
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(m.vocab_size, m.dim)
         self.layers = nn.ModuleDict({str(i): self.make_block(m, i) for i in range(m.n_layers)})
-        self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps)
+        self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps, float(getattr(m, "norm_offset", 0.0) or 0.0))
         self.output: Optional[nn.Linear] = nn.Linear(m.dim, m.vocab_size, bias=False)
         # True: forward stops before the head and returns the final norm's output, which the trainer's
         # loss projects chunk by chunk (training.loss_chunks), so the full logits never exist.
@@ -273,6 +332,11 @@ class Decoder(nn.Module):
         if getattr(m, "tie_embeddings", False):
             # One Parameter under two names; named_parameters() (init, FSDP, optimizer) sees it once.
             self.output.weight = self.tok_embeddings.weight
+        # Gemma's embedding factor sqrt(dim) as the embedding's dtype rounds it, per floating dtype.
+        self.embed_factor = {
+            dt: float(torch.tensor(m.dim**0.5, device="cpu").to(dt))
+            for dt in (torch.float32, torch.bfloat16, torch.float16)
+        }
         # The residual stream's dtype when it is not the embedding's (keep_residual_in); None: as computed.
         self.residual_dtype: Optional[torch.dtype] = None
         # Not persistent: derived from the config, so checkpoints carry weights only.
@@ -296,6 +360,10 @@ class Decoder(nn.Module):
         inside each document (causal and same document). `caches` (one per block, decoding only): the
         new tokens follow the cached positions."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None and getattr(self.cfg, "embed_scale", False):
+            # Gemma: embeddings times sqrt(dim), that factor rounded to the embedding's dtype first (as
+            # transformers' Gemma3TextScaledWordEmbedding), so bf16 weights see the same bf16 product.
+            h = h * self.embed_factor[h.dtype]
         if self.residual_dtype is not None and h.is_floating_point():
             h = h.to(self.residual_dtype)
         # One copy of the tables in the hidden state's dtype, shared by every block. Handed the fp32
@@ -354,7 +422,8 @@ class Decoder(nn.Module):
     def init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The full (unsharded) initial value of parameter `name`, on CPU in fp32."""
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
+            # Gemma's (1 + gain) norms start at gain 0.
+            return torch.zeros(shape) if getattr(self.cfg, "norm_offset", 0.0) else torch.ones(shape)
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
         if name.startswith("tok_embeddings"):
             # A tied matrix is also the output head: unit rows would give logits of size sqrt(dim).

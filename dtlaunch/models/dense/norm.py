@@ -11,6 +11,9 @@ Forward runs the same ops as Meta's and Hugging Face's RMSNorm (normalise in fp3
 then multiply by the gain). Backward replays, op for op, the formulas autograd uses for those ops
 (torch's derivatives.yaml: mul, rsqrt, mean, pow, the dtype casts), so gradients are bit-identical to
 the plain-op version (tests/unit/test_rms_norm.py).
+
+Gemma's RMSNorm (`offset` 1.0) multiplies by (1 + gain), its gains stored zero-centred, and rounds to the
+input dtype only after the gain (transformers' Gemma3RMSNorm); its Function saves the same three tensors.
 """
 
 from __future__ import annotations
@@ -53,15 +56,48 @@ class _RMSNorm(torch.autograd.Function):
         return grad_xf.to(x.dtype), grad_w, None
 
 
+class _OffsetRMSNorm(torch.autograd.Function):
+    """y = (x·rstd·(offset + gain)).type_as(x), computed in fp32 (Gemma's order: one rounding, at the end)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.offset = offset
+        return (xf * rstd * (weight.float() + offset)).type_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        xf, gf = x.float(), grad.float()
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (gf * (xf * rstd)).sum_to_size(weight.shape).to(weight.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, grad_w, None, None
+        grad_n = gf.mul_(weight.float() + ctx.offset) if gf is not grad else gf * (weight.float() + ctx.offset)
+        grad_rstd = (grad_n * xf).sum(-1, keepdim=True)
+        grad_xf = grad_n.mul_(rstd)
+        grad_var = -0.5 * grad_rstd * rstd.pow(3)
+        grad_xf.add_(xf * (grad_var / xf.shape[-1] * 2.0))
+        return grad_xf.to(x.dtype), grad_w, None, None
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        # Gemma: the gain applied is offset + weight (offset 1.0, weights initialised to zero).
+        self.offset = float(offset)
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         # Set on the residual stream's norms when it is kept in a low precision under autocast
         # (Decoder.keep_residual_in): the fp32 gain would otherwise promote the output back to fp32.
         self.out_dtype: Optional[torch.dtype] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _RMSNorm.apply(x, self.weight, self.eps)
+        if self.offset:
+            y = _OffsetRMSNorm.apply(x, self.weight, self.eps, self.offset)
+        else:
+            y = _RMSNorm.apply(x, self.weight, self.eps)
         return y if self.out_dtype is None else y.to(self.out_dtype)

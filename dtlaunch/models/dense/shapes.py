@@ -1,7 +1,7 @@
 """Closed-form shapes and parameter counts of the dense decoder (pure Python: planner and validators).
 
-One decoder covers Llama, Qwen2/2.5, Qwen3, Mistral, SmolLM3 and OLMo 3; the flags of the model section
-(qkv_bias, qk_norm, qk_norm_whole, tie_embeddings, head_dim) change the counts here exactly as they change the modules.
+One decoder covers Llama, Qwen2/2.5, Qwen3, Mistral, SmolLM3, OLMo 3 and Gemma 3; the flags of the model section
+(qkv_bias, qk_norm, qk_norm_whole, sandwich_norm, tie_embeddings, head_dim) change the counts here exactly as they change the modules.
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ def tied(m: Any) -> bool:
 
 
 def block_norm_params(m: Any) -> int:
-    """Norm gains of one block (never sharded by tensor parallel): two RMSNorms, plus q/k norms (per head:
+    """Norm gains of one block (never sharded by tensor parallel): two RMSNorms (four with Gemma's
+    sandwich_norm), plus q/k norms (per head:
     head_dim gains each; over the whole projection, OLMo's qk_norm_whole: one per q and k feature)."""
+    block = (4 if getattr(m, "sandwich_norm", False) else 2) * m.dim  # Gemma: a norm after each sublayer too
     if not getattr(m, "qk_norm", False):
-        return 2 * m.dim
+        return block
     if getattr(m, "qk_norm_whole", False):
-        return 2 * m.dim + (m.n_heads + kv_heads(m)) * head_dim(m)
-    return 2 * m.dim + 2 * head_dim(m)
+        return block + (m.n_heads + kv_heads(m)) * head_dim(m)
+    return block + 2 * head_dim(m)
 
 
 def block_params(m: Any) -> int:

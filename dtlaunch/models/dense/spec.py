@@ -1,4 +1,4 @@
-"""The dense decoder's registry entry, parametrised per family (llama, qwen2, qwen3, mistral, smollm3)."""
+"""The dense decoder's registry entry, parametrised per family (llama, qwen2, qwen3, mistral, smollm3, olmo3, gemma3)."""
 
 from __future__ import annotations
 

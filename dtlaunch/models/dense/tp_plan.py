@@ -63,4 +63,9 @@ def block_plan(m: Any, sequence_parallel: bool) -> dict[str, Style]:
             "feed_forward.w2": Rowwise(output="shard(1)"),
         }
     )
+    if getattr(m, "sandwich_norm", False):
+        # Gemma's norms on the sublayer outputs: on the row-parallel layers' sequence shards, their result
+        # added to the (local) residual shard.
+        plan["post_attention_norm"] = SequenceShard(local_output=True)
+        plan["post_ffn_norm"] = SequenceShard(local_output=True)
     return plan

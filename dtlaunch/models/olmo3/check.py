@@ -12,7 +12,11 @@ _KINDS = ("sliding_attention", "full_attention")
 
 def check(cfg: Any) -> None:
     dense_check(cfg)
-    m = cfg.model
+    check_layer_types(cfg.model)
+
+
+def check_layer_types(m: Any) -> None:
+    """`model.layer_types`: empty, or one known kind per block (OLMo 3, Gemma 3)."""
     kinds = list(m.layer_types or ())
     if kinds and (len(kinds) != int(m.n_layers) or any(k not in _KINDS for k in kinds)):
         raise ConfigError(

@@ -1,0 +1,58 @@
+"""Gemma 3's tensor names (Hugging Face <-> ours): the dense decoder's (models/dense/hf.py, RoPE layout and
+per-head q/k norm gains included) except the block norms, four per block: ours attention_norm / ffn_norm
+before the sublayers, post_attention_norm / post_ffn_norm on their outputs."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dtlaunch.models.dense import hf as dense
+from dtlaunch.models.dense.hf import rope_heads  # noqa: F401 (the names module's RoPE rows: HFWeights reads it)
+
+# Ours -> HF where Gemma differs from the dense decoder's names.
+_NORMS = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
+_NORMS_FROM_HF = {v: k for k, v in _NORMS.items()}
+
+
+def to_hf_name(name: str) -> str:
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _NORMS:
+        return f"model.layers.{m.group(1)}.{_NORMS[m.group(2)]}"
+    return dense.to_hf_name(name)
+
+
+def from_hf_name(name: str) -> str:
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _NORMS_FROM_HF:
+        return f"layers.{m.group(1)}.{_NORMS_FROM_HF[m.group(2)]}"
+    return dense.from_hf_name(name)
+
+
+def to_hf_state(state: dict, m: Any) -> dict:
+    """Our parameter dict -> HF's names and RoPE layout; a tied head is written once, as the embedding."""
+    out = {}
+    for name, t in state.items():
+        if name == "output.weight" and getattr(m, "tie_embeddings", False):
+            continue
+        heads = rope_heads(name, m)
+        out[to_hf_name(name)] = (dense.interleaved_to_halves(t, heads) if heads else t).contiguous()
+    return out
+
+
+def from_hf_state(state: dict, m: Any) -> dict:
+    out = {}
+    for hf_name, t in state.items():
+        if hf_name.endswith("rotary_emb.inv_freq") or (
+            hf_name == "lm_head.weight" and getattr(m, "tie_embeddings", False)
+        ):
+            continue
+        name = from_hf_name(hf_name)
+        heads = rope_heads(name, m)
+        out[name] = (dense.halves_to_interleaved(t, heads) if heads else t).contiguous()
+    return out
