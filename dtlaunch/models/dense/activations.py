@@ -26,6 +26,11 @@ and rsqrt while its output is only added to the stream: the same 2e·h + 4 per n
 runtime's StorageCounter on tiny blocks (fp32 and bf16, no AC / selective / full): exact. Under autocast
 the norms' inputs are the bf16 matmul outputs (e·h, not the fp32 stream's 4h), and wq/wk/wv, w1/w3 still
 save their own casts of the stream: measured the same way, exact.
+Sandwich norms (Gemma: a norm on the wo and w2 outputs as well as the two before the sublayers): each
+extra norm keeps its input (that output, compute dtype under autocast too) and rsqrt, e·h + 4; its output
+is only added to the stream. GELU-tanh saves its input as SiLU does. Gemma's q/k norms return the compute
+dtype, so under autocast RoPE's table casts are real copies (the planner's separate rope-cast line).
+Measured like OLMo's (tests/unit/test_dense_activations.py): exact.
 Tensor parallel degree t (heads and F sharded): the attention/MLP terms divide by t. Sequence
 parallel (t > 1) also shards the norms' sequence, but the all-gathered norm output saved by the
 column-parallel linears is full: norms give (eh + 4)/t + eh each.
