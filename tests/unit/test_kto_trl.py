@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from test_preference_trl import close, hf_grads, ours, perturb, tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
