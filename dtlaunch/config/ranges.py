@@ -178,6 +178,7 @@ RANGES: dict[str, Range] = {
     "objective.reward_weights": Range(),
     "objective.max_tool_calling_iterations": NON_NEGATIVE,  # None (unset): until a turn makes no call
     "objective.tool_timeout_s": NON_NEGATIVE,  # 0: calls run in the worker, no timeout
+    "objective.tool_memory_mb": NON_NEGATIVE,  # 0: no limit
     "objective.label_smoothing": Range(0, 0.5, max_open=True),  # 0.5: the loss divides by 1 - 2 * it
     "objective.sft_weight": NON_NEGATIVE,  # 0 = off
     "objective.gamma": NON_NEGATIVE,

@@ -488,9 +488,13 @@ class ObjectiveConfig:
     # Tool-call rounds per completion (TRL's max_tool_calling_iterations); None: until no call is made (each
     # completion's assistant and tool tokens together stay within max_completion_length either way).
     max_tool_calling_iterations: Optional[int] = None
-    # Each tool call runs in a child process, killed (and the call answered with an error) after this long;
-    # 0: in the worker itself, without a timeout.
+    # Each tool call (and each call of a user reward function or environment) runs in a child process of the
+    # rank, killed (the call answered with an error; a reward's stops the run) after this long; 0: in the
+    # worker itself, without a timeout or a memory limit.
     tool_timeout_s: float = 30.0
+    # That child process's address space (MiB, RLIMIT_AS): a call that exhausts it is answered with an error
+    # and the process replaced. 0: no limit. The plan counts it as host RAM per rank.
+    tool_memory_mb: int = 4096
     # An environment (TRL's environment_factory): `module:Class` / `path/to/file.py:Class`, one instance per
     # rollout in the tools' process: `reset(**record)` before generation (a returned text is appended to the
     # last prompt message), its public methods the rollout's tools, an optional `get_reward()` scoring the

@@ -19,7 +19,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.builtin_rewards import accuracy_reward, format_reward
@@ -74,13 +74,25 @@ def import_function(spec: str, key: str) -> Callable[..., Any]:
     return fn
 
 
-def load_rewards(o: Any) -> list[Reward]:
-    """objective.rewards with their weights (objective.reward_weights, or 1 each)."""
+BUILTINS = ("accuracy", "format")
+
+
+def user_rewards(o: Any) -> list[str]:
+    """objective.rewards' user functions (not the built-ins): what runs in the user-code process."""
+    return [str(s) for s in o.rewards if str(s) not in BUILTINS]
+
+
+def load_rewards(o: Any, elsewhere: Optional[Callable[[str], RewardFn]] = None) -> list[Reward]:
+    """objective.rewards with their weights (objective.reward_weights, or 1 each). `elsewhere(spec)`: the
+    function standing in for a user function run in another process (not imported here)."""
     weights = [float(w) for w in o.reward_weights] or [1.0] * len(o.rewards)
-    return [
-        Reward(str(s), load_reward(str(s), str(o.format_regex), str(o.answer_field)), w)
-        for s, w in zip(o.rewards, weights, strict=True)
-    ]
+    out = []
+    for s, w in zip(o.rewards, weights, strict=True):
+        if elsewhere is not None and str(s) not in BUILTINS:
+            out.append(Reward(str(s), elsewhere(str(s)), w))
+        else:
+            out.append(Reward(str(s), load_reward(str(s), str(o.format_regex), str(o.answer_field)), w))
+    return out
 
 
 def call_reward(
@@ -96,6 +108,8 @@ def call_reward(
     where = f" on {record}" if record else ""
     try:
         out = reward.fn(prompts=list(prompts), completions=list(completions), completion_ids=completion_ids, **columns)
+    except InputError:  # already one line naming the function (its run in the user-code process failed)
+        raise
     except Exception as exc:
         raise InputError(
             f"objective.rewards: reward function '{reward.name}' raised{where}: {type(exc).__name__}: {exc}"

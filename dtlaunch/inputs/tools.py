@@ -7,18 +7,23 @@ schema apply_chat_template renders into the prompt): every argument needs a type
 `check_tools` imports every tool and builds its schema before any worker starts.
 
 A call runs with the arguments the model wrote (`fn(**arguments)`); its result reaches the model as the text
-`str(result)`. A call that raises, names no tool, or (in a child process) times out or kills its process,
-returns `{"error": "..."}` to the model instead, as TRL does, and counts as a failure. With
-objective.tool_timeout_s > 0 the calls run in one child process (`python -m dtlaunch.inputs.tools`, which
-imports the tools again): a call still running after the timeout, or one that ends the process, has the
-process killed and replaced. With 0 they run in the worker itself, without a timeout.
+`str(result)`. A call that raises, names no tool, or (in a child process) times out, ends the process or runs
+out of memory, returns `{"error": "..."}` to the model instead, as TRL does, and counts as a failure. With
+objective.tool_timeout_s > 0 the calls run in one child process per rank (`python -m dtlaunch.inputs.tools`,
+which imports the tools again), the user's reward functions too (objective.rewards' `module:function` and
+`file.py:function`; the built-ins are dtlaunch's and run in the worker): a call still running after the
+timeout, or one that ends the process (os._exit, a signal, a segfault) or exhausts its address space
+(objective.tool_memory_mb, RLIMIT_AS), has the process killed and replaced. The child runs in a session of
+its own, so what a tool starts dies with it (the whole process group is killed), and it asks the kernel to
+kill it when the worker dies (dtlaunch.run.parent_death). With 0 everything runs in the worker itself,
+without a timeout or a limit.
 
-Environments (objective.environment / objective.environments, TRL's `environment_factory`): a class (or any
-factory) named like a tool; one instance per rollout, `reset(**record)` before generation, its public methods
-(all but `reset` and `get_reward`) the rollout's tools besides objective.tools, an optional `get_reward()`
-scored once per finished rollout. The instances live where their methods run: in the child process (the
-runner's create / reset / call / reward requests name an instance id), or in the worker with timeout 0. An
-instance whose process was killed (a call past the timeout) is lost: its later calls fail, its reward is None.
+A reward function that raises, times out or ends its process stops the run (InputError: one line naming
+the function, exit 2), as TRL raises: a reward that is silently missing would train on wrong advantages.
+
+Between two collectives of data-parallel ranks (round_budget_s: half the collective timeout) a rank's calls
+share one budget: a call gets at most what is left of it, and a call after it is spent fails at once, so
+that no rank reaches its next collective after its peers' timeout.
 
 The module imports no torch: the child process starts in a fraction of a second.
 """
@@ -27,8 +32,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -37,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from dtlaunch.errors import InputError
-from dtlaunch.inputs.rewards import import_function
+from dtlaunch.inputs.rewards import Reward, call_reward, import_function
 
 KEY = "objective.tools"
 ENV_KEY = "objective.environment"
@@ -45,6 +52,7 @@ ENVS_KEY = "objective.environments"
 NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that are no tools (TRL)
 READY = b"ready"
 STARTUP_S = 120.0  # the child's start (an interpreter, the tools' imports) is not the call's time
+OUT_OF_MEMORY = 86  # the child's exit code after a MemoryError (its address-space limit reached)
 
 
 @dataclass(frozen=True)
@@ -167,12 +175,19 @@ def check_environments(o: Any, tools: Sequence[Tool] = ()) -> list[Environment]:
     return envs
 
 
-def call_in_process(tools: dict[str, Callable[..., Any]], name: str, arguments: Any) -> tuple[str, bool]:
-    """(the result's text, whether the call failed): TRL's semantics for one function call."""
+def call_in_process(
+    tools: dict[str, Callable[..., Any]], name: str, arguments: Any, memory_fatal: bool = False
+) -> tuple[str, bool]:
+    """(the result's text, whether the call failed): TRL's semantics for one function call. `memory_fatal` (in
+    the child): a MemoryError is not the tool's answer but the process's end (see _serve)."""
     try:
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
         return str(tools[name](**arguments)), False
+    except MemoryError:
+        if memory_fatal:
+            raise
+        return str({"error": "MemoryError"}), True
     except Exception as exc:  # noqa: BLE001 - the user's tool: whatever it raises goes back to the model
         return str({"error": str(exc)}), True
 
@@ -183,10 +198,17 @@ class EnvironmentFailure(InputError):
 
 
 class Host:
-    """The tools and the environment instances, where the calls run (the child process, or the worker)."""
+    """The tools, the environment instances and the reward functions, where the calls run (the child process,
+    or the worker)."""
 
-    def __init__(self, tools: dict[str, Callable[..., Any]], factories: dict[str, Callable[..., Any]]) -> None:
-        self.tools, self.factories = tools, factories
+    def __init__(
+        self,
+        tools: dict[str, Callable[..., Any]],
+        factories: dict[str, Callable[..., Any]],
+        rewards: Optional[dict[str, Callable[..., Any]]] = None,
+        in_child: bool = False,
+    ) -> None:
+        self.tools, self.factories, self.rewards, self.in_child = tools, factories, rewards or {}, in_child
         self.instances: dict[str, tuple[Any, dict[str, Callable[..., Any]]]] = {}
 
     def handle(self, request: dict) -> dict:
@@ -197,8 +219,21 @@ class Host:
                 if instance not in self.instances:
                     return {"result": str({"error": f"environment instance {instance} was lost"}), "failed": True}
                 table = {**self.tools, **self.instances[instance][1]}
-            result, failed = call_in_process(table, request["name"], request["arguments"])
+            result, failed = call_in_process(table, request["name"], request["arguments"], self.in_child)
             return {"result": result, "failed": failed}
+        if op == "score":  # a reward function on the rank's completions, checked as in the worker
+            name = request["reward"]
+            try:
+                values = call_reward(
+                    Reward(name, self.rewards[name], 1.0),
+                    request["prompts"],
+                    request["completions"],
+                    request["completion_ids"],
+                    request["columns"],
+                )
+            except InputError as exc:
+                return {"error": str(exc)}
+            return {"result": [None if math.isnan(v) else v for v in values]}
         try:
             if op == "create":
                 obj = self.factories[request["env"]]()
@@ -221,21 +256,40 @@ class Host:
 
 
 class ToolRunner:
-    """Runs tool calls: in a child process with a per-call timeout (timeout_s > 0), else in this process.
-    With environments: their instances too, by id (create, reset, call, get_reward)."""
+    """Runs the user's code: in a child process with a per-call timeout and an address-space limit
+    (timeout_s > 0), else in this process. With environments: their instances too, by id (create, reset,
+    call, get_reward); with `rewards` (their specs), the reward functions (`score`).
 
-    def __init__(self, tools: Sequence[Tool], timeout_s: float, environments: Sequence[Environment] = ()) -> None:
+    Counts, for the rollout's metrics, the calls that timed out and the times the process was replaced."""
+
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        timeout_s: float,
+        environments: Sequence[Environment] = (),
+        rewards: Sequence[str] = (),
+        memory_mb: int = 0,
+        round_budget_s: float = 0.0,
+    ) -> None:
         self.tools = {t.name: t.fn for t in tools}
         self.specs = [t.spec for t in tools]
         self.envs = {e.key: e for e in environments}
-        self.timeout_s = float(timeout_s)
+        self.reward_specs = list(rewards)
+        self.timeout_s, self.memory_mb, self.round_budget_s = float(timeout_s), int(memory_mb), float(round_budget_s)
         self.proc: Optional[subprocess.Popen] = None
         self._buffer = b""
+        self._round_start = time.monotonic()
         self.live: dict[str, str] = {}  # instance id -> its environment's key, in the current process
+        self.timeouts = self.restarts = 0
         self.host: Optional[Host] = None
         if self.timeout_s <= 0:
             factories = {e.key: import_function(e.spec, e.config_key) for e in environments}
-            self.host = Host(self.tools, factories)
+            rewards_here = {r: import_function(r, "objective.rewards") for r in self.reward_specs}
+            self.host = Host(self.tools, factories, rewards_here)
+
+    def new_round(self) -> None:
+        """The rank just left a collective: the calls until the next one share round_budget_s."""
+        self._round_start = time.monotonic()
 
     def call(self, name: str, arguments: Any, instance: Optional[str] = None) -> tuple[str, bool]:
         names = set(self.tools)
@@ -251,6 +305,29 @@ class ToolRunner:
         if reply is None:
             return str({"error": f"{name}: {why}"}), True
         return str(reply["result"]), bool(reply["failed"])
+
+    def score(
+        self, spec: str, prompts: Any, completions: Any, completion_ids: Any, columns: dict
+    ) -> list[Optional[float]]:
+        """The reward function `spec` on the rank's completions (None: does not apply); InputError naming it when
+        it raised, returned something else than numbers, timed out or ended its process."""
+        request = {
+            "op": "score",
+            "reward": spec,
+            "prompts": list(prompts),
+            "completions": list(completions),
+            "completion_ids": [list(c) for c in completion_ids],
+            "columns": {k: list(v) for k, v in columns.items()},
+        }
+        reply, why = self._request(request)
+        if reply is None:
+            raise InputError(
+                f"objective.rewards: reward function '{spec}' failed ({why}): fix it (a reward that is missing "
+                f"would train on wrong advantages, so the run stops as TRL's does)"
+            )
+        if "error" in reply:
+            raise InputError(reply["error"])
+        return list(reply["result"])
 
     def create(self, instance: str, env: str) -> None:
         self._checked("create", env, {"op": "create", "instance": instance, "env": env})
@@ -279,34 +356,59 @@ class ToolRunner:
             )
         return reply
 
+    def _time_left(self) -> float:
+        if self.round_budget_s <= 0:
+            return self.timeout_s
+        return min(self.timeout_s, self.round_budget_s - (time.monotonic() - self._round_start))
+
     def _request(self, request: dict) -> tuple[Optional[dict], str]:
         """(the reply, "") or (None, why: the process timed out, ended or did not start)."""
         if self.host is not None:
             return self.host.handle(request), ""
+        left = self._time_left()
+        if left <= 0:  # the rank must reach its next collective before its peers' timeout
+            self.timeouts += 1
+            return None, (
+                f"no time left: the calls between two collectives may take {self.round_budget_s:g} s "
+                f"(half of launch.timeout_s)"
+            )
         proc = self._process()
         if proc is None:
             return None, "the tool process did not start"
+        left = self._time_left()  # a restart's seconds count too
         try:
             assert proc.stdin is not None
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
-            line = self._read_line(proc, time.monotonic() + self.timeout_s)
+            line = self._read_line(proc, time.monotonic() + max(left, 0.0))
         except OSError:  # BrokenPipeError: the process is gone
             line = b""
-        if not line:  # timed out (None), or the process ended (a crash, os._exit, a signal)
+        if not line:  # timed out (None), or the process ended (a crash, os._exit, a signal, out of memory)
             code = self._ended(proc) if line is not None else None
             self.close()
-            return (
-                None,
-                f"timed out after {self.timeout_s:g} s" if code is None else f"the tool process exited ({code})",
-            )
+            self.restarts += 1
+            if line is None:
+                self.timeouts += 1
+                return None, f"timed out after {round(left, 1):g} s"
+            return None, self._why_ended(code)
         reply = json.loads(line)
         if reply.get("lost"):
             self.live.pop(request.get("instance"), None)
         return reply, ""
 
+    def _why_ended(self, code: Optional[int]) -> str:
+        if code == OUT_OF_MEMORY:
+            return f"the tool process ran out of memory (objective.tool_memory_mb={self.memory_mb})"
+        if code is not None and code < 0:
+            try:
+                return f"the tool process was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"the tool process exited ({code})"
+
     def _process(self) -> Optional[subprocess.Popen]:
-        """The child, started (and its tools imported: a READY line) before any call's time counts."""
+        """The child, started (and its tools imported: a READY line) before any call's time counts. In a
+        session of its own: close() kills its whole process group, whatever the user's code started."""
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -315,6 +417,7 @@ class ToolRunner:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            start_new_session=True,
         )
         self._buffer = b""
         if self._read_line(self.proc, time.monotonic() + max(STARTUP_S, self.timeout_s)) != READY:
@@ -323,15 +426,28 @@ class ToolRunner:
         return self.proc
 
     def _child_args(self) -> dict:
-        return {"tools": self.specs, "environments": {k: [e.spec, e.config_key] for k, e in self.envs.items()}}
+        return {
+            "tools": self.specs,
+            "environments": {k: [e.spec, e.config_key] for k, e in self.envs.items()},
+            "rewards": self.reward_specs,
+            "memory_mb": self.memory_mb,
+            "parent": os.getpid(),
+        }
 
     @staticmethod
     def _ended(proc: subprocess.Popen) -> Optional[int]:
-        """The exit code of a process whose stdout closed (it may take a moment to be reaped)."""
-        try:
-            return proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return None
+        """The exit code of a process whose stdout closed (it may take a moment to exit), read without reaping
+        it: until close() has killed its group, its pid (the group's id) must not be reused."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return proc.returncode
+            if info is not None:
+                return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            time.sleep(0.01)
+        return None
 
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> Optional[bytes]:
         """The next line; None past the deadline, b"" when the process closed its end."""
@@ -349,9 +465,13 @@ class ToolRunner:
         return line
 
     def close(self) -> None:
+        """The child and everything in its process group killed (before it is reaped: until then its pid,
+        the group's id, cannot name another group), and reaped."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             self.proc.wait()
             for f in (self.proc.stdin, self.proc.stdout):
                 if f is not None:
@@ -422,7 +542,17 @@ def environment_rewards(
 
 def _serve(args: dict) -> None:
     """The child process: one JSON request per line on stdin, one reply per line on the original stdout.
-    Whatever the tools print goes to stderr, so it never garbles a reply."""
+    Whatever the tools print goes to stderr, so it never garbles a reply. It dies with the worker, and within
+    objective.tool_memory_mb of address space: a MemoryError ends it (exit OUT_OF_MEMORY), since a process that
+    ran out may be left in any state; the worker answers the call with an error and starts another."""
+    from dtlaunch.run.parent_death import die_with_parent
+
+    die_with_parent(int(args["parent"]))
+    if int(args["memory_mb"]) > 0:
+        import resource
+
+        limit = int(args["memory_mb"]) * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     # The functions alone: their schemas (transformers) were built and checked by the worker.
@@ -431,11 +561,18 @@ def _serve(args: dict) -> None:
         fn = import_function(spec, KEY)
         tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
     factories = {k: import_function(spec, key) for k, (spec, key) in args["environments"].items()}
-    host = Host(tools, factories)
+    rewards = {spec: import_function(spec, "objective.rewards") for spec in args["rewards"]}
+    host = Host(tools, factories, rewards, in_child=True)
     out.write(READY.decode() + "\n")
     out.flush()
     for line in sys.stdin:
-        out.write(json.dumps(host.handle(json.loads(line))) + "\n")
+        try:
+            reply = host.handle(json.loads(line))
+        except MemoryError:  # the traceback (and what the call allocated) is gone after this block
+            reply = None
+        if reply is None:
+            os._exit(OUT_OF_MEMORY)
+        out.write(json.dumps(reply) + "\n")
         out.flush()
 
 

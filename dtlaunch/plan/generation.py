@@ -108,3 +108,25 @@ def generation_lines(c: Any, static: dict[str, float], gather: str = "whole") ->
 def _between_steps(static: dict[str, float]) -> dict[str, float]:
     """What the rank holds between optimizer steps: the gradients were freed by the last step."""
     return {k: v for k, v in static.items() if k != Line.ACCUMULATED_GRADIENTS}
+
+
+def tool_process_bytes(cfg: Any) -> float:
+    """Host RAM of the rank's user-code process (objective.tools, environments, user reward functions in a
+    child process, dtlaunch.inputs.tools): at most its address-space limit, objective.tool_memory_mb. 0 when
+    none runs (no user code, objective.tool_timeout_s 0: it runs in the worker) or it has no limit."""
+    o = cfg.objective
+    if str(o.name) != "grpo" or float(o.tool_timeout_s) <= 0:
+        return 0.0
+    from dtlaunch.inputs.rewards import user_rewards
+
+    if not (list(o.tools) or str(o.environment) or _entries(o.environments) or user_rewards(o)):
+        return 0.0
+    return float(int(o.tool_memory_mb) * 2**20)
+
+
+def _entries(mapping: Any) -> int:
+    """A config mapping's size: a DictConfig, or the plain namespace the layout search plans with."""
+    try:
+        return len(mapping)
+    except TypeError:
+        return len(vars(mapping))

@@ -50,6 +50,8 @@ class Line(str, Enum):
     ACCUMULATED_GRADIENTS_HOST = "accumulated gradients (host)"
     GRADIENTS_HOST = "gradients (host)"
     OPTIMIZER_TEMPORARIES_HOST = "optimizer temporaries (host)"
+    # GRPO's user-code process (dtlaunch.inputs.tools): at most its address-space limit, per rank.
+    TOOL_PROCESS_HOST = "tool process (host, objective.tool_memory_mb)"
     # Device overheads outside torch's allocator (dtlaunch.plan.memory; from the hardware profile).
     CUDA_CONTEXT = "CUDA context"
     COMMUNICATOR_BUFFERS = "communicator buffers"

@@ -50,7 +50,9 @@ class MemoryPlan:
 
     @property
     def host_fits(self) -> bool:
-        return self.host_total <= self.host_capacity or self.host_per_rank == 0
+        # Capacity 0 is unknown: offloading is refused then (config rules), and what is left on the host (a
+        # GRPO rank's tool process) is shown, not checked.
+        return self.host_total <= self.host_capacity or self.host_per_rank == 0 or self.host_capacity == 0
 
     @property
     def peak(self) -> float:

@@ -45,10 +45,11 @@ def plan_table(plan: MemoryPlan) -> Any:
 
 
 def host_table(plan: MemoryPlan) -> Any:
-    """Offloaded bytes in host RAM: one rank's lines, times the ranks of a node, against the node's RAM."""
+    """Host RAM: one rank's lines (offloaded bytes, GRPO's tool process), times the ranks of a node, against the
+    node's RAM."""
     from rich.table import Table
 
-    t = Table(title="host RAM (offloaded)", title_justify="left")
+    t = Table(title="host RAM (offloaded, tool processes)", title_justify="left")
     t.add_column("per rank")
     t.add_column("GiB", justify="right")
     for name, value in plan.worst_host.items():
@@ -56,6 +57,9 @@ def host_table(plan: MemoryPlan) -> Any:
             t.add_row(name, gib(value))
     t.add_row("[bold]per rank[/bold]", f"[bold]{gib(plan.host_per_rank)}[/bold]")
     t.add_row(f"[bold]per node ({plan.host_ranks} ranks)[/bold]", f"[bold]{gib(plan.host_total)}[/bold]")
+    if not plan.host_capacity:  # unknown: nothing offloaded (refused then), only GRPO's tool processes
+        t.add_row("host capacity (hardware.host_memory_gib)", "unknown")
+        return t
     t.add_row("host capacity (hardware.host_memory_gib)", gib(plan.host_capacity))
     color = "green" if plan.host_fits else "red"
     t.add_row(f"[{color}]host headroom[/{color}]", f"[{color}]{gib(plan.host_capacity - plan.host_total)}[/{color}]")

@@ -27,7 +27,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.backward import backward_peak
 from dtlaunch.plan.experts import all_to_all_bytes
-from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases
+from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases, tool_process_bytes
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, fused_optimizer, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import loss_chunks
@@ -260,8 +260,14 @@ def plan_stage(
         phases=phases,
         phase=phase,
         peak=phases[phase],
-        host=offload.host_peak_lines(host, host_at_step),
+        host=_with_tool_process(cfg, offload.host_peak_lines(host, host_at_step)),
     )
+
+
+def _with_tool_process(cfg: Any, host: dict[str, float]) -> dict[str, float]:
+    """The rank's host lines and, under objective=grpo with user code, its tool process (held all along)."""
+    tool = tool_process_bytes(cfg)
+    return {**host, Line.TOOL_PROCESS_HOST: tool} if tool else host
 
 
 def _likely_worst(split: list[int], pp: int) -> set[int]:

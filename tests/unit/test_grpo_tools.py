@@ -317,3 +317,188 @@ def test_environment_as_the_only_reward(env_file) -> None:
     assert check_environments(o("Room"))[0].has_reward
     with pytest.raises(InputError, match="objective.rewards is empty and objective.environment: .*has no get_reward"):
         check_environments(o("NoReward"))
+
+
+# Hostile user code (issue #51): whatever a tool, an environment or a reward function does in the runner's
+# child process becomes an error for the model (tools) or one line (rewards); the process is replaced.
+HOSTILE = '''
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def hog(n: int) -> str:
+    """Allocate without end.
+
+    Args:
+        n: Bytes per chunk.
+    """
+    chunks = []
+    while True:
+        chunks.append(bytearray(n))
+
+
+def segv(x: int) -> str:
+    """Crash in C.
+
+    Args:
+        x: Anything.
+    """
+    ctypes.string_at(0)
+
+
+def kill9(x: int) -> str:
+    """SIGKILL its own process.
+
+    Args:
+        x: Anything.
+    """
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def spawn_and_hang(marker: str) -> str:
+    """Start a grandchild that would outlive the tool, then hang.
+
+    Args:
+        marker: In the grandchild's command line.
+    """
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
+    time.sleep(600)
+
+
+def score(prompts, completions, completion_ids, **kw):
+    return [None if c == "skip" else float(len(c)) for c in completions]
+
+
+def raising(prompts, completions, completion_ids, **kw):
+    raise RuntimeError("bad reward")
+
+
+def hanging(prompts, completions, completion_ids, **kw):
+    time.sleep(600)
+'''
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("hostile") / "hostile_tools.py"
+    f.write_text(HOSTILE)
+    return f
+
+
+def _alive_with(marker: str) -> list:
+    """Processes anywhere (an orphan is re-parented) whose command line names `marker`."""
+    psutil = pytest.importorskip("psutil")
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_hostile_tools_fail_the_call_and_the_process_is_replaced(hostile, tools) -> None:
+    import time
+
+    hog, segv, kill9, spawn = load_tools([f"{hostile}:{n}" for n in ("hog", "segv", "kill9", "spawn_and_hang")])
+    runner = ToolRunner([*tools[:1], hog, segv, kill9, spawn], timeout_s=2.0, memory_mb=512)
+    marker = f"grandchild-{time.monotonic_ns()}"
+    try:
+        assert runner.call("hog", {"n": 2**24}) == (
+            "{'error': 'hog: the tool process ran out of memory (objective.tool_memory_mb=512)'}",
+            True,
+        )
+        assert runner.call("segv", {"x": 0}) == ("{'error': 'segv: the tool process was killed by SIGSEGV'}", True)
+        assert runner.call("kill9", {"x": 0}) == ("{'error': 'kill9: the tool process was killed by SIGKILL'}", True)
+        assert runner.call("spawn_and_hang", {"marker": marker}) == (
+            "{'error': 'spawn_and_hang: timed out after 2 s'}",
+            True,
+        )
+        assert runner.call("add", {"a": 1, "b": 2}) == ("3", False)  # a fresh process each time
+        assert (runner.timeouts, runner.restarts) == (1, 4)
+    finally:
+        runner.close()
+    deadline = time.monotonic() + 5
+    while _alive_with(marker) and time.monotonic() < deadline:  # the group's SIGKILL takes a moment
+        time.sleep(0.05)
+    assert not _alive_with(marker)  # what the tool started died with its process group
+
+
+def test_reward_functions_in_the_child_process(hostile) -> None:
+    """A user reward runs in the child: its values (None kept), and one line naming it when it raises or
+    outlasts the timeout (the run then stops with exit 2: TRL raises too)."""
+    import os
+
+    specs = [f"{hostile}:{n}" for n in ("score", "raising", "hanging")]
+    runner = ToolRunner([], timeout_s=1.0, rewards=specs)
+    try:
+        args = (["p", "p"], ["ab", "skip"], [[1, 2], [3]], {"answer": ["x", "y"]})
+        assert runner.score(specs[0], *args) == [2.0, None]
+        assert runner.proc is not None and runner.proc.pid != os.getpid()
+        with pytest.raises(InputError, match=rf"reward function '{specs[1]}' raised: RuntimeError: bad reward"):
+            runner.score(specs[1], *args)
+        with pytest.raises(InputError, match=rf"reward function '{specs[2]}' failed \(timed out after 1 s\)"):
+            runner.score(specs[2], *args)
+    finally:
+        runner.close()
+
+
+def test_round_budget_bounds_a_ranks_calls(tools) -> None:
+    """With data-parallel peers waiting in a collective, the calls between two collectives share a budget: a
+    call gets what is left, later ones fail at once, and a new round (after a collective) has it again."""
+    import time
+
+    runner = ToolRunner(tools, timeout_s=5.0, round_budget_s=1.5)
+    try:
+        runner.call("add", {"a": 1, "b": 1})  # the process started, the round's clock reset after
+        runner.new_round()
+        began = time.monotonic()
+        assert runner.call("sleep", {"s": 30})[0].startswith("{'error': 'sleep: timed out after 1.")
+        text, failed = runner.call("add", {"a": 1, "b": 1})
+        assert failed and "no time left" in text and time.monotonic() - began < 3
+        runner.new_round()
+        assert runner.call("add", {"a": 1, "b": 1}) == ("2", False)
+        assert runner.timeouts == 2
+    finally:
+        runner.close()
+
+
+def test_the_tool_process_dies_with_its_worker(hostile, tmp_path: Path) -> None:
+    """A worker SIGKILLed (no close(), no cleanup) while its tool process is busy in a call that hangs takes
+    that process along (PR_SET_PDEATHSIG; the closed pipe alone would not end a call that never returns)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    spec = f"{hostile}:hanging"
+    request = {"op": "score", "reward": spec, "prompts": [], "completions": [], "completion_ids": [], "columns": {}}
+    script = (
+        "import os, sys\n"
+        "from dtlaunch.inputs.tools import ToolRunner\n"
+        f"r = ToolRunner([], 30, rewards=[{spec!r}])\n"
+        "r._process()\n"
+        f"r.proc.stdin.write({(json.dumps(request) + chr(10)).encode()!r})\n"
+        "r.proc.stdin.flush()\n"
+        "print(r.proc.pid, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    child = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while _pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(child)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

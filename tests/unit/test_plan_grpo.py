@@ -139,3 +139,18 @@ def test_generation_gather_outside_zero3_is_refused() -> None:
     msg = str(err.value)
     assert "objective.generation_gather=unit" in msg and "leave objective.generation_gather=auto" in msg
     assert "\n" not in msg
+
+
+def test_the_tool_process_is_a_host_line(tmp_path) -> None:
+    """A user reward function (like tools and environments) runs in a child process per rank, limited to
+    objective.tool_memory_mb of address space: the plan counts that much host RAM per rank, and none when the
+    user code runs in the worker (tool_timeout_s=0) or only built-in rewards run."""
+    from dtlaunch.plan.lines import Line
+
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def r(prompts, completions, completion_ids, **kw):\n    return [1.0] * len(completions)\n")
+    user = [f"objective.rewards=[{reward}:r]", "objective.tool_memory_mb=3072"]
+    worst = plan(tmp_path, "recipe=qwen3_0.6b_grpo", *user)
+    assert worst.host == {Line.TOOL_PROCESS_HOST: 3072 * 2**20}
+    assert plan(tmp_path, "recipe=qwen3_0.6b_grpo", *user, "objective.tool_timeout_s=0").host == {}
+    assert plan(tmp_path, "recipe=qwen3_0.6b_grpo").host == {}

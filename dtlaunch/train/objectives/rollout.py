@@ -33,7 +33,7 @@ from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.data.tool_chat import tool_loop
 from dtlaunch.errors import InputError
 from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
-from dtlaunch.inputs.rewards import Reward, call_reward, load_rewards
+from dtlaunch.inputs.rewards import Reward, call_reward, load_rewards, user_rewards
 from dtlaunch.inputs.tools import (
     ToolRunner,
     check_environments,
@@ -125,9 +125,21 @@ class Rollout:
         self.cfg, self.rt, self.run_dir, self.loader, self.ref_model = cfg, rt, run_dir, loader, ref_model
         self.g, self.mu, self.beta = int(o.num_generations), int(o.num_iterations), float(o.beta)
         self.scale, self.mask_truncated = str(o.scale_rewards), bool(o.mask_truncated_completions)
-        self.rewards = load_rewards(o)
         self.tools = load_tools([str(x) for x in o.tools]) if list(o.tools) else []
         self.envs = check_environments(o, self.tools)
+        # The user's code (tools, environments, reward functions) runs in a child process of this rank, with a
+        # timeout and a memory limit (objective.tool_timeout_s 0: in this process, unguarded).
+        timeout = float(o.tool_timeout_s)
+        remote = user_rewards(o) if timeout > 0 else []
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.tool_runner: Optional[ToolRunner] = None
+        if self.tools or self.envs or remote:
+            # Peers wait in a collective for this rank's calls: half their timeout is the calls' share.
+            budget = float(cfg.launch.timeout_s) / 2 if world > 1 else 0.0
+            self.tool_runner = ToolRunner(
+                self.tools, timeout, self.envs, remote, int(o.tool_memory_mb), round_budget_s=budget
+            )
+        self.rewards = load_rewards(o, self._remote_reward if remote else None)
         self._env_keys: list[str] = []  # this rollout's rows' environments and instances
         self._env_instances: list[str] = []
         for env in environment_reward_columns(self.envs):  # TRL: weight 1, named after the class
@@ -146,7 +158,6 @@ class Rollout:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.max_tool_iterations = o.max_tool_calling_iterations
         with_tools = bool(self.tools or self.envs)
-        self.tool_runner = ToolRunner(self.tools, float(o.tool_timeout_s), self.envs) if with_tools else None
         self.chat = None
         if with_tools:
             from dtlaunch.data.prompts import PromptEncoder, tool_chat
@@ -156,6 +167,13 @@ class Rollout:
             self.chat = tool_chat(self.encoder, self.stop_ids)
             self.env_schemas = {e.key: [t.schema for t in self.tools + e.tools] for e in self.envs}
         self.prompt_limit = int(t.seq_len) - int(o.max_completion_length)
+
+    def _remote_reward(self, spec: str) -> Any:
+        def reward(prompts: Any, completions: Any, completion_ids: Any, **columns: Any) -> list:
+            assert self.tool_runner is not None
+            return self.tool_runner.score(spec, prompts, completions, completion_ids, columns)
+
+        return reward
 
     def _env_reward(self, env: Any) -> Any:
         def reward(prompts: Any, completions: Any, completion_ids: Any, **_: Any) -> list:
@@ -209,6 +227,10 @@ class Rollout:
         began = time.perf_counter()
         records = self.loader.next_prompts(self.global_prompts)
         prompts = [r for r in records for _ in range(self.g)]  # each prompt's G completions side by side
+        runner_counts = (0, 0)
+        if self.tool_runner is not None:
+            self.tool_runner.new_round()
+            runner_counts = (self.tool_runner.timeouts, self.tool_runner.restarts)
         if self.envs:
             prompts = self._reset_environments(prompts)
         g = torch.Generator(device=rt.device).manual_seed(
@@ -230,6 +252,8 @@ class Rollout:
         keys = sorted({k for p in prompts for k in p["columns"]})
         columns = {k: [p["columns"].get(k) for p in prompts] for k in keys}
         originals = [p["prompt"] for p in prompts]
+        if self.tool_runner is not None:  # the rewards run after the tool rounds' last collective
+            self.tool_runner.new_round()
         per_func = torch.tensor(
             [call_reward(r, originals, completions, gen.completions, columns) for r in self.rewards],
             dtype=torch.float32,
@@ -255,9 +279,17 @@ class Rollout:
         lengths = torch.tensor(counts, dtype=torch.float32)
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
         if tool_stats is not None:
-            calls, failures = self._sum(torch.tensor([float(tool_stats[0]), float(tool_stats[1])]))
-            batches.metrics["tools/call_frequency"] = float(calls) / (len(prompts) * self.dp_size)
-            batches.metrics["tools/failure_frequency"] = float(failures / calls) if calls > 0 else 0.0
+            assert self.tool_runner is not None
+            timeouts = self.tool_runner.timeouts - runner_counts[0]
+            restarts = self.tool_runner.restarts - runner_counts[1]
+            stats = [float(tool_stats[0]), float(tool_stats[1]), float(timeouts), float(restarts)]
+            calls, failures, timeouts, restarts = self._sum(torch.tensor(stats)).tolist()
+            batches.metrics["tools/call_frequency"] = calls / (len(prompts) * self.dp_size)
+            batches.metrics["tools/failure_frequency"] = failures / calls if calls > 0 else 0.0
+            # Counts over every rank: failed calls (all causes), those past their time, processes replaced.
+            batches.metrics["tools/failures"] = failures
+            batches.metrics["tools/timeouts"] = timeouts
+            batches.metrics["tools/restarts"] = restarts
         if self.replay is None:  # replayed completions were not sampled: no distribution to measure
             batches.metrics["entropy"] = gen.entropy
         if self.rank == 0:
@@ -335,6 +367,8 @@ class Rollout:
             return mine
         t = torch.tensor([int(mine)], device=self.rt.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if self.tool_runner is not None:  # the calls until the next collective share a new budget
+            self.tool_runner.new_round()
         return bool(int(t))
 
     def _rows(
