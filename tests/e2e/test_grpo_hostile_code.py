@@ -140,7 +140,7 @@ def test_hostile_tools_and_a_raising_reward(trainer, tmp_path: Path) -> None:
         "objective.tool_memory_mb=512",
         f"debug.replay_completions={replay}",
         "checkpoint.enabled=true",
-        "checkpoint.every_steps=1",
+        "checkpoint.every_steps=3",
         vocab=260,
     )
     run = tmp_path / "run"
