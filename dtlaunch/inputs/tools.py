@@ -230,6 +230,7 @@ class Host:
                     request["completions"],
                     request["completion_ids"],
                     request["columns"],
+                    request.get("record", ""),
                 )
             except InputError as exc:
                 return {"error": str(exc)}
@@ -307,10 +308,11 @@ class ToolRunner:
         return str(reply["result"]), bool(reply["failed"])
 
     def score(
-        self, spec: str, prompts: Any, completions: Any, completion_ids: Any, columns: dict
+        self, spec: str, prompts: Any, completions: Any, completion_ids: Any, columns: dict, record: str = ""
     ) -> list[Optional[float]]:
-        """The reward function `spec` on the rank's completions (None: does not apply); InputError naming it when
-        it raised, returned something else than numbers, timed out or ended its process."""
+        """The reward function `spec` on the rank's completions (None: does not apply); InputError naming it (and
+        `record`, the launcher's check) when it raised, returned something else than numbers, timed out or
+        ended its process."""
         request = {
             "op": "score",
             "reward": spec,
@@ -318,12 +320,14 @@ class ToolRunner:
             "completions": list(completions),
             "completion_ids": [list(c) for c in completion_ids],
             "columns": {k: list(v) for k, v in columns.items()},
+            "record": record,
         }
         reply, why = self._request(request)
         if reply is None:
+            where = f" on {record}" if record else ""
             raise InputError(
-                f"objective.rewards: reward function '{spec}' failed ({why}): fix it (a reward that is missing "
-                f"would train on wrong advantages, so the run stops as TRL's does)"
+                f"objective.rewards: reward function '{spec}' failed{where} ({why}): fix it (a reward that is "
+                f"missing would train on wrong advantages, so the run stops as TRL's does)"
             )
         if "error" in reply:
             raise InputError(reply["error"])

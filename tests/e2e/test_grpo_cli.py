@@ -76,6 +76,7 @@ def bad_reward_file(tmp_path: Path, body: str) -> str:
         ("return [float('nan')] * len(completions)", "returned nan on r.jsonl:1"),
         ("return ['x'] * len(completions)", "returned 'x' (str) on r.jsonl:1"),
         (None, "objective.rewards: 'nosuchmodule:f' cannot be imported (ModuleNotFoundError"),
+        ("import os; os._exit(3)", "reward function '{spec}' failed on r.jsonl:1 (the tool process exited (3))"),
     ],
 )
 def test_bad_reward_function(tmp_path: Path, body, message) -> None:
@@ -87,7 +88,9 @@ def test_bad_reward_function(tmp_path: Path, body, message) -> None:
     from dtlaunch.inputs.rewards import check_rewards
 
     spec = bad_reward_file(tmp_path, body) if body else "nosuchmodule:f"
-    o = OmegaConf.create({"rewards": [spec], "reward_weights": [], "format_regex": "", "answer_field": "answer"})
+    # Called in the child process the workers call it in (objective.tool_timeout_s > 0): the same messages.
+    fields = {"format_regex": "", "answer_field": "answer", "tool_timeout_s": 30.0, "tool_memory_mb": 4096}
+    o = OmegaConf.create({"rewards": [spec], "reward_weights": [], **fields})
     with pytest.raises(InputError) as err:
         check_rewards(o, {"prompt": "the a", "answer": "7"}, "prompt", "r.jsonl:1")
     assert message.format(spec=spec) in str(err.value) and "\n" not in str(err.value)
