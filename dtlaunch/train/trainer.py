@@ -231,6 +231,8 @@ class Trainer:
     def close(self, outcome: Outcome, final_step: int = 0) -> None:
         """The one way out. Finished and preempted runs wait for a checkpoint in flight (a collective: every
         rank is here); a failed one only closes this rank's files, since its peers may be stuck."""
+        if self.rollout is not None:
+            self.rollout.close()
         if outcome is not Outcome.FAILED:
             self.ckpt.close()
         self.metrics.close()

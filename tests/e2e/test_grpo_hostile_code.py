@@ -1,8 +1,9 @@
 """Issue #51, "your code cannot take the run down": GRPO with tools that hang (and start a process that would
-outlive them), end their process with os._exit and allocate without end, and a reward function that raises
-at step 4. The tools' failures reach the model as errors and count in the metrics while training goes on;
-the reward stops the run in one line with exit 2 after the step-3 checkpoint; no process of the run is left;
-the same command, once the reward is fixed, resumes from step 3 and finishes.
+outlive them), leave a process running, end their process with os._exit and allocate without end, and a
+reward function that raises at step 4. The tools' failures reach the model as errors and count in the
+metrics while training goes on; the reward stops the run in one line with exit 2 after the step-3
+checkpoint; no process of the run is left; the same command, once the reward is fixed, resumes from step 3
+and finishes.
 
 One process, a 4-row rollout per step, completions replayed (a random tiny model writes no tool calls): two
 `dtlaunch train` runs in all.
@@ -45,6 +46,17 @@ def hang(a: int, b: int) -> int:
     """
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", __file__])
     time.sleep(600)
+
+
+def spawn(a: int, b: int) -> int:
+    """Answer, leaving a process running in the background.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", __file__])
+    return a + b
 
 
 def die(a: int, b: int) -> int:
@@ -117,7 +129,7 @@ def test_hostile_tools_and_a_raising_reward(trainer, tmp_path: Path) -> None:
 
     rollouts = [
         rollout(["hang", "die", "hog", "add"]),  # step 1: three tools fail, one works after them
-        rollout(["add", "die", "add", "add"]),
+        rollout(["add", "die", "spawn", "add"]),  # spawn's process lives on until the run ends
         rollout(["add", "add", "add", "add"]),
         rollout(["add", "add", "add", "add"], answer="boom"),  # step 4: the reward raises on these
         rollout(["add", "add", "add", "add"]),
@@ -134,10 +146,10 @@ def test_hostile_tools_and_a_raising_reward(trainer, tmp_path: Path) -> None:
         "training.micro_batch=4",
         "training.global_batch=4",
         f"objective.tools=[{tmp_path / 'tools.py'}:add,{tmp_path / 'tools.py'}:hang,"
-        f"{tmp_path / 'tools.py'}:die,{tmp_path / 'tools.py'}:hog]",
+        f"{tmp_path / 'tools.py'}:die,{tmp_path / 'tools.py'}:hog,{tmp_path / 'tools.py'}:spawn]",
         f"objective.rewards=[{tmp_path / 'rewards.py'}:saw_five]",
-        "objective.tool_timeout_s=2",
-        "objective.tool_memory_mb=512",
+        "objective.tool_timeout_s=3",
+        "objective.tool_memory_mb=256",
         f"debug.replay_completions={replay}",
         "checkpoint.enabled=true",
         "checkpoint.every_steps=3",
@@ -157,16 +169,16 @@ def test_hostile_tools_and_a_raising_reward(trainer, tmp_path: Path) -> None:
     assert (second["tools/failures"], second["tools/timeouts"], second["tools/restarts"]) == (1, 0, 1), second
     assert metrics[2]["tools/failures"] == 0 and first["tools/failure_frequency"] == 0.75
     sample = [json.loads(x) for x in (run / "completions" / "step-1.jsonl").read_text().splitlines()]
-    assert "{'error': 'hang: timed out after 2 s'}" in sample[0]["completion"], sample[0]
+    assert "{'error': 'hang: timed out after 3 s'}" in sample[0]["completion"], sample[0]
     assert "{'error': 'die: the tool process exited (7)'}" in sample[1]["completion"], sample[1]
-    out_of_memory = "{'error': 'hog: the tool process ran out of memory (objective.tool_memory_mb=512)'}"
+    out_of_memory = "{'error': 'hog: the tool process ran out of memory (objective.tool_memory_mb=256)'}"
     assert out_of_memory in sample[2]["completion"], sample[2]
     assert "tool\n5" in sample[3]["completion"], sample[3]  # the process replaced: the next call works
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))[-1] == (
         "step-00000003"
     )
-    # Nothing of the run is left: the tool processes (their command line names tools.py) and the process the
-    # hanging tool started (it names tools.py too).
+    # Nothing of the run is left: the tool processes (their command line names tools.py) and the processes the
+    # hanging tool and `spawn` started (they name tools.py too).
     deadline = time.monotonic() + 10
     while _left_behind(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -216,6 +216,12 @@ class Rollout:
         self.current.rewind()
         return self.current
 
+    def close(self) -> None:
+        """The user-code process and whatever it started (its process group) killed: a tool that left a process
+        running in the background must not outlive the run (the process itself would die with this worker)."""
+        if self.tool_runner is not None:
+            self.tool_runner.close()
+
     def last_step_of_batch(self, step: int) -> bool:
         """Whether `step` is its generation batch's last optimizer step: the only steps a checkpoint may follow
         (checkpoint.every_steps is a multiple of num_iterations; a preemption stop waits for one), since a
