@@ -412,7 +412,9 @@ class ToolRunner:
 
     def _process(self) -> Optional[subprocess.Popen]:
         """The child, started (and its tools imported: a READY line) before any call's time counts. In a
-        session of its own: close() kills its whole process group, whatever the user's code started."""
+        session of its own: close() kills its whole process group, whatever the user's code started. The
+        kernel's parent-death signal follows the thread that forks it: the rollout's, the worker's main
+        thread, which lives as long as the worker."""
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
