@@ -9,7 +9,7 @@ are read.
 
 Checked here, exit 2: a prompt longer than training.seq_len - objective.max_completion_length (how many,
 the longest, the fix); fewer prompts than one generation batch needs; each reward function called once
-on the first record (dtlaunch.inputs.rewards.check_rewards).
+on the first record (dtlaunch.inputs.tools.check_rewards).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 from dtlaunch.data.chat_templates import chosen_chat_template
 from dtlaunch.data.records import load_hf, source_files
 from dtlaunch.errors import InputError
-from dtlaunch.inputs.rewards import check_rewards
+from dtlaunch.inputs.tools import check_rewards
 
 PROMPTS_FILE = "data/prompts.jsonl"
 META_FILE = "data/prompts_meta.json"

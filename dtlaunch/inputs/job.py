@@ -59,12 +59,13 @@ def check_load_path(cfg: Any) -> None:
 
 def check_job_rewards(cfg: Any) -> None:
     """objective=grpo: every function of objective.rewards imported and called once on the first prompt
-    record (dtlaunch.inputs.rewards.check_rewards), the call the launcher makes before any worker starts.
+    record (dtlaunch.inputs.tools.check_rewards), the call the launcher makes before any worker starts.
     A hub dataset is not fetched to check a job: its functions are imported here and called on its first
     record when the launcher prepares the prompts (dtlaunch.data.prompts.prepare_prompts)."""
     if str(cfg.objective.name) != "grpo":
         return
-    from dtlaunch.inputs.rewards import check_rewards, load_rewards
+    from dtlaunch.inputs.rewards import load_rewards
+    from dtlaunch.inputs.tools import check_rewards
 
     d = cfg.data
     first = None

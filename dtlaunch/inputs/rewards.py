@@ -7,7 +7,7 @@ TRL's GRPOTrainer works unchanged:
     f(prompts=[...], completions=[...], completion_ids=[[...], ...], **dataset_columns) -> list[float | None]
 
 None means "does not apply to this completion" (TRL: excluded from that function's mean; a completion no
-function scores gets advantage 0). `check_rewards` calls each function on a sample record and refuses,
+function scores gets advantage 0). `dtlaunch.inputs.tools.check_rewards` calls each function on a sample record and refuses,
 in one line naming the function and the record, one that cannot be imported, raises, returns the wrong
 count, NaN or a non-number.
 """
@@ -138,31 +138,3 @@ def call_reward(
             )
         values.append(f)
     return values
-
-
-def check_rewards(o: Any, record: dict[str, Any], prompt_field: str, where: str) -> list[Reward]:
-    """Import every reward function and call it once on `record`'s prompt with two stand-in completions
-    (the prompt's own text and an empty one), before any worker starts. The user's functions are called
-    where the workers will call them (objective.tool_timeout_s > 0: a child process with its timeout and
-    memory limit, dtlaunch.inputs.tools), so a function that hangs or crashes is one line here too."""
-    rewards = load_rewards(o)
-    prompt = record.get(prompt_field)
-    columns = {k: [v, v] for k, v in record.items() if k != prompt_field}
-    text = prompt if isinstance(prompt, str) else ""
-    completions: list[Any] = [text, ""] if isinstance(prompt, str) else [[{"role": "assistant", "content": ""}]] * 2
-    remote = user_rewards(o) if float(o.tool_timeout_s) > 0 else []
-    runner = None
-    if remote:
-        from dtlaunch.inputs.tools import ToolRunner  # it imports this module
-
-        runner = ToolRunner([], float(o.tool_timeout_s), rewards=remote, memory_mb=int(o.tool_memory_mb))
-    try:
-        for r in rewards:
-            if runner is not None and r.name in remote:
-                runner.score(r.name, [prompt, prompt], completions, [[], []], columns, where)
-            else:
-                call_reward(r, [prompt, prompt], completions, [[], []], columns, where)
-    finally:
-        if runner is not None:
-            runner.close()
-    return rewards

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from dtlaunch.errors import InputError
-from dtlaunch.inputs.rewards import Reward, call_reward, import_function
+from dtlaunch.inputs.rewards import Reward, call_reward, import_function, load_rewards, user_rewards
 
 KEY = "objective.tools"
 ENV_KEY = "objective.environment"
@@ -584,3 +584,29 @@ def _serve(args: dict) -> None:
 
 if __name__ == "__main__":
     _serve(json.loads(sys.argv[1]))
+
+
+def check_rewards(o: Any, record: dict[str, Any], prompt_field: str, where: str) -> list[Reward]:
+    """Import every reward function and call it once on `record`'s prompt with two stand-in completions
+    (the prompt's own text and an empty one), before any worker starts. The user's functions are called
+    where the workers will call them (objective.tool_timeout_s > 0: a child process with its timeout and
+    memory limit, dtlaunch.inputs.tools), so a function that hangs or crashes is one line here too."""
+    rewards = load_rewards(o)
+    prompt = record.get(prompt_field)
+    columns = {k: [v, v] for k, v in record.items() if k != prompt_field}
+    text = prompt if isinstance(prompt, str) else ""
+    completions: list[Any] = [text, ""] if isinstance(prompt, str) else [[{"role": "assistant", "content": ""}]] * 2
+    remote = user_rewards(o) if float(o.tool_timeout_s) > 0 else []
+    runner = None
+    if remote:
+        runner = ToolRunner([], float(o.tool_timeout_s), rewards=remote, memory_mb=int(o.tool_memory_mb))
+    try:
+        for r in rewards:
+            if runner is not None and r.name in remote:
+                runner.score(r.name, [prompt, prompt], completions, [[], []], columns, where)
+            else:
+                call_reward(r, [prompt, prompt], completions, [[], []], columns, where)
+    finally:
+        if runner is not None:
+            runner.close()
+    return rewards

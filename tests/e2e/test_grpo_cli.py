@@ -85,7 +85,7 @@ def test_bad_reward_function(tmp_path: Path, body, message) -> None:
     from omegaconf import OmegaConf
 
     from dtlaunch.errors import InputError
-    from dtlaunch.inputs.rewards import check_rewards
+    from dtlaunch.inputs.tools import check_rewards
 
     spec = bad_reward_file(tmp_path, body) if body else "nosuchmodule:f"
     # Called in the child process the workers call it in (objective.tool_timeout_s > 0): the same messages.
