@@ -107,8 +107,9 @@ def shards_with_fsdp(cfg: Any, layout: Layout) -> bool:
 
 def loss_chunks(cfg: Any) -> int:
     """Token chunks the output head and its loss run over (training.loss_chunks): the next-token loss, and
-    the preference objectives' per-token log-probs (the policy's and the reference's)."""
-    return int(cfg.training.loss_chunks)
+    the preference objectives' per-token log-probs (the policy's and the reference's). One for objective=reward:
+    its scalar head has no vocabulary to chunk (dtlaunch.train.objectives.reward)."""
+    return 1 if str(cfg.objective.name) == "reward" else int(cfg.training.loss_chunks)
 
 
 def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, tp: int) -> bool:

@@ -184,6 +184,7 @@ RANGES: dict[str, Range] = {
     "objective.gamma": NON_NEGATIVE,
     "objective.desirable_weight": NON_NEGATIVE,
     "objective.undesirable_weight": NON_NEGATIVE,
+    "objective.center_rewards_coefficient": NON_NEGATIVE,  # None (unset): off
     "plan.moe_imbalance": Range(1),  # 1 = perfectly balanced experts
     "debug.fail_at_step": STEP_OR_OFF,
     "debug.fail_rank": NON_NEGATIVE,

@@ -380,6 +380,7 @@ class ObjectiveName(Choice):
     simpo = "simpo"  # length-normalised preference margin with a target gap, no reference
     kto = "kto"  # Kahneman-Tversky optimisation: unpaired desirable / undesirable completions, a reference model
     grpo = "grpo"  # online RL: sampled completions scored by reward functions (GRPO family, TRL's names)
+    reward = "reward"  # a reward model: a scalar head trained on preference pairs (Bradley-Terry, TRL's RewardTrainer)
 
 
 class PreferenceLoss(Choice):
@@ -454,6 +455,9 @@ class ObjectiveConfig:
     # One pass before training writes every pair's reference log-probs beside the token cache; training
     # then holds no reference model and runs no reference forward.
     precompute_reference: bool = False
+    # objective=reward: weight of TRL's mean-zero term, coefficient x mean((r(y+) + r(y-))^2) (TRL's
+    # center_rewards_coefficient; its paper recommends 0.01); None: off, as TRL.
+    center_rewards_coefficient: Optional[float] = None
     # objective=grpo (online RL; dtlaunch.train.objectives.grpo), TRL's GRPOConfig names. `beta` above is the
     # KL weight to the reference (configs/objective/grpo.yaml sets 0: no reference held, none computed).
     num_generations: int = 8  # G completions sampled per prompt; training.global_batch counts completions

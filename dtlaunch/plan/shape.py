@@ -179,16 +179,21 @@ def in_flight(schedule: str, pp: int, rank: int, n_mb: int, per_rank: int = 1) -
     return float(min(pp - rank, n_mb))
 
 
-def _stage_params(m: Any, layers: int, first: bool, last: bool, tp: int) -> tuple[int, int, int]:
+def _stage_params(
+    m: Any, layers: int, first: bool, last: bool, tp: int, scalar_head: bool = False
+) -> tuple[int, int, int]:
     """(params on one TP rank of the stage, one block's params, the root unit's params: embedding,
-    final norm, output head on the stages that own them). Matrices divide by tp, norm weights not."""
+    final norm, output head on the stages that own them). Matrices divide by tp, norm weights not.
+    `scalar_head`: objective=reward's (dim x 1) score in place of the LM head (no tp, no pp)."""
     spec = model_spec(m)
     blk_norms = spec.block_norm_params(m)
     blk = (spec.block_params(m) - blk_norms) // tp + blk_norms
     root = 0
     if first:
         root += spec.embedding_params(m) // tp
-    if last:
+    if last and scalar_head:
+        root += 2 * m.dim  # the score head and the final norm
+    elif last:
         # A tied head is the embedding's matrix: counted once (tied models refuse pp > 1).
         root += spec.head_params(m) // tp + m.dim
         if spec.head_params(m) == 0 and not first:
@@ -226,7 +231,10 @@ def stage_shape(
     autocast = e != 4 and not fsdp
     # ... with an fp32 residual stream unless precision.residual_dtype keeps it in the compute dtype.
     residual32 = fp32_residual(cfg, layout)
-    p_rank, blk, root = _stage_params(m, layers, first, last, tp)
+    reward = str(cfg.objective.name) == "reward"
+    if reward:  # the scalar head's (tokens x 1) scores take the place of the logits (dtlaunch.train.objectives.reward)
+        d = dataclasses.replace(d, vocab=1)
+    p_rank, blk, root = _stage_params(m, layers, first, last, tp, scalar_head=reward)
     # Routed experts (MoE): whole on every TP rank; a gathered block holds only this rank's 1/ep of them.
     ids = layer_ids if layer_ids is not None else list(range(layers))
     routed = stage_routed_params(m, ids)

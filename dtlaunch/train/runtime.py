@@ -70,6 +70,10 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
 
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
+    if str(cfg.objective.name) == "reward":  # a scalar head in place of the LM head
+        from dtlaunch.train.objectives.reward import add_score_head
+
+        add_score_head(model)
     apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
@@ -116,6 +120,7 @@ def build_runtime(
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.objectives.grpo import GRPOObjective
     from dtlaunch.train.objectives.reference import build_reference, cp_group
+    from dtlaunch.train.objectives.reward import RewardObjective
 
     in_backward = None
     if cfg.optim.in_backward:
@@ -142,6 +147,8 @@ def build_runtime(
         objective=(
             GRPOObjective.of(cfg, accum)
             if str(cfg.objective.name) == "grpo"
+            else RewardObjective.of(cfg)
+            if str(cfg.objective.name) == "reward"
             else PreferenceObjective.of(cfg, cp_group(mesh))
         ),
         reference=build_reference(cfg, layout, mesh, parts, init=init),

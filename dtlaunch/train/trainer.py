@@ -140,6 +140,8 @@ class Trainer:
             self.rollout = Rollout(cfg, rt, run_dir, self.loader, dp_size, reference)
         else:
             self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
+        if str(cfg.objective.name) == "reward":  # its rows' padding token (dtlaunch.train.objectives.reward)
+            rt.objective.bind_loader(self.loader)
         if rt.objective is not None and bool(cfg.objective.precompute_reference):
             self.loader.ref_logps = precomputed_reference(cfg, run_dir, rt, self.loader)
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)

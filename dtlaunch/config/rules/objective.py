@@ -1,8 +1,9 @@
 """Rules of the `objective` section (preference tuning), run by `validate` before any worker starts.
 
 Ranges (beta, label_smoothing, sft_weight, gamma) are in config/ranges.py. Here: the pairs that do not go
-together. Every layout runs every objective (under pipeline parallel: dtlaunch.train.objectives.pipeline)
-but objective=kto (check_kto_layout) and grpo (rules/grpo.py).
+together. Every layout runs every preference objective (under pipeline parallel: dtlaunch.train.objectives.pipeline)
+but objective=kto (check_kto_layout) and grpo (rules/grpo.py); objective=reward's scalar head runs without tensor,
+pipeline and context parallel (check_reward).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
         if str(d.format) == "preference":
             raise ConfigError(
                 "data.format=preference holds pairs, which objective=sft cannot train on: "
-                "use objective=dpo (or orpo, simpo), or another data.format"
+                "use objective=dpo (or orpo, simpo, reward), or another data.format"
             )
         return
     if name == "kto":
@@ -51,6 +52,14 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
         raise ConfigError(
             f"objective={name} trains on preference pairs, not data.format={d.format}: set data.format=preference "
             f"(with data.prompt_field, data.chosen_field, data.rejected_field)"
+        )
+    if name == "reward":
+        check_reward(cfg)
+        return
+    if o.center_rewards_coefficient is not None:
+        raise ConfigError(
+            f"objective.center_rewards_coefficient={o.center_rewards_coefficient} is objective=reward's term: "
+            f"drop it (or use objective=reward)"
         )
     if float(o.beta) <= 0:
         raise ConfigError(f"objective.beta={o.beta} must be > 0 for objective={name}: e.g. objective.beta=0.1")
@@ -83,6 +92,38 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
     if int(cfg.training.eval_every) > 0:
         raise ConfigError(
             f"training.eval_every={cfg.training.eval_every}: validation is not computed for objective={name} yet: "
+            f"set training.eval_every=0"
+        )
+
+
+def check_reward(cfg: Any) -> None:
+    """objective=reward (dtlaunch.train.objectives.reward): its scalar head replaces the decoder's LM head,
+    which the layouts that split the head or the rows (tensor, pipeline, context parallel), the adapters
+    and transformers' own models (model.arch=hf_auto) do not know of; it holds no reference."""
+    o, s = cfg.objective, cfg.strategy
+    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp), ("strategy.cp", s.cp)):
+        if int(value) > 1:
+            raise ConfigError(
+                f"{key}={value} is not supported with objective=reward (its scalar head is not split): set {key}=1 "
+                f"and shard with FSDP (strategy.zero_stage) instead"
+            )
+    if str(cfg.peft.method) != "none":
+        raise ConfigError(
+            f"peft.method={cfg.peft.method} is not supported with objective=reward (the scalar head trains in "
+            f"full): set peft.method=none"
+        )
+    if str(cfg.model.arch) == "hf_auto":
+        raise ConfigError(
+            "model.arch=hf_auto is not supported with objective=reward (the scalar head replaces a registry "
+            "decoder's `output`): use a registry family (model=llama3_8b, qwen2_7b, ...)"
+        )
+    if str(o.reference) != "base" or bool(o.precompute_reference):
+        raise ConfigError(
+            "objective=reward uses no reference model: drop objective.reference / objective.precompute_reference"
+        )
+    if int(cfg.training.eval_every) > 0:
+        raise ConfigError(
+            f"training.eval_every={cfg.training.eval_every}: validation is not computed for objective=reward yet: "
             f"set training.eval_every=0"
         )
 
