@@ -18,7 +18,7 @@ from dtlaunch.config.rules.grpo import check_grpo_layout
 from dtlaunch.config.rules.launch import check_cluster, check_hardware, check_launch
 from dtlaunch.config.rules.long_context import check_mlp_tiles, check_residual_dtype
 from dtlaunch.config.rules.model import check_model_shape
-from dtlaunch.config.rules.objective import check_kto_layout, check_objective
+from dtlaunch.config.rules.objective import check_kto_layout, check_objective, check_reward_layout
 from dtlaunch.config.rules.offload import check_offload
 from dtlaunch.config.rules.optim import check_optim
 from dtlaunch.config.rules.peft import check_peft
@@ -71,6 +71,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_batch,
     check_grpo_layout,
     check_kto_layout,
+    check_reward_layout,
     check_float8_tensor_parallel,
     check_qlora,
     check_offload,

@@ -8,8 +8,10 @@ from pathlib import Path
 from dtlaunch.convert.adapters import export_adapters
 from dtlaunch.convert.hf import (
     DEFAULT_MAX_SHARD_BYTES,
+    SCORE_HEAD,
     export_tokenizer,
     load_checkpoint_model,
+    padding_token,
     save_hf,
     save_torch,
 )
@@ -24,5 +26,7 @@ def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEF
         return adapters
     state, m, info = load_checkpoint_model(src)
     if fmt == "hf":
-        return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)
+        # A reward model (objective=reward): its config.json names the token its rows were padded with.
+        pad = padding_token(Path(info.path)) if SCORE_HEAD in state else None
+        return save_hf(state, m, out, max_shard_bytes, pad_token_id=pad) + export_tokenizer(Path(info.path), out)
     return [save_torch(state, m, out)]

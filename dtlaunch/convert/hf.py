@@ -105,15 +105,30 @@ def _check_marker_shapes(state: dict, m: Any, path: Any) -> None:
 # Export.
 
 
-def save_hf(state: dict, m: Any, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
-    """Write config.json and model.safetensors, or numbered shards + an index when larger than the limit."""
+# objective=reward's scalar head (dtlaunch.train.objectives.reward), under transformers' own name.
+SCORE_HEAD = "score.weight"
+
+
+def save_hf(
+    state: dict, m: Any, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, pad_token_id: Optional[int] = None
+) -> list[Path]:
+    """Write config.json and model.safetensors, or numbered shards + an index when larger than the limit.
+    A reward model (its `score` head, no LM head) is written as the family's *ForSequenceClassification with
+    one label; `pad_token_id`: the token its rows were padded with (transformers reads each row's reward at
+    the last other token)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf = to_hf_state(state, m)
+    score = state.get(SCORE_HEAD)
+    hf = to_hf_state({k: v for k, v in state.items() if k != SCORE_HEAD}, m)
     dtypes = {str(t.dtype).replace("torch.", "") for t in hf.values()}
-    (out / "config.json").write_text(json.dumps(hf_config(m, dtype=sorted(dtypes)[0]), indent=2) + "\n")
+    config = hf_config(m, dtype=sorted(dtypes)[0])
+    if score is not None:
+        hf[SCORE_HEAD] = score.contiguous()
+        archs = [a.replace("ForCausalLM", "ForSequenceClassification") for a in config["architectures"]]
+        config = {**config, "architectures": archs, "num_labels": 1, "pad_token_id": pad_token_id}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards: list[dict] = [{}]
     size = 0
     for name in sorted(hf, key=_hf_order):
@@ -172,6 +187,20 @@ def export_tokenizer(checkpoint: Path, out: Path) -> list[Path]:
 
         return write_byte_tokenizer(Path(out))
     return []
+
+
+def padding_token(checkpoint: Path) -> Optional[int]:
+    """The token a run's preference rows were padded with: its tokenizer's EOS (dtlaunch.data.preference),
+    as the data pipeline finds it; None for a run on synthetic ids (never padded)."""
+    from dtlaunch.data.tokenizer import BYTE_EOS, HFTokenizer
+    from dtlaunch.run.run_dir import RunDir
+
+    run = RunDir.of_checkpoint(checkpoint.resolve())
+    if run is not None and run.tokenizer.is_file():
+        return HFTokenizer(run.tokenizer).eos_id
+    if run is not None and run.config.is_file() and _trained_on_bytes(run.config):
+        return BYTE_EOS
+    return None
 
 
 def _trained_on_bytes(config_yaml: Path) -> bool:

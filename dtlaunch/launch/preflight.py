@@ -121,6 +121,10 @@ def check_model_matches(cfg: Any, info: Any) -> None:
     }
     spec = model_spec(cfg.model)
     model = spec.build(cfg.model, rope_len=1, device="meta")
+    if str(cfg.objective.name) == "reward":  # as the workers build it: the scalar head for the LM head
+        from dtlaunch.models.score_head import add_score_head
+
+        add_score_head(model)
     peft = str(cfg.peft.method) != "none"
     if peft:  # as the workers adapt it (dtlaunch.train.peft); then the checkpoint holds the adapters only
         from dtlaunch.models.lora import apply_lora

@@ -71,7 +71,7 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     if str(cfg.objective.name) == "reward":  # a scalar head in place of the LM head
-        from dtlaunch.train.objectives.reward import add_score_head
+        from dtlaunch.models.score_head import add_score_head
 
         add_score_head(model)
     apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied

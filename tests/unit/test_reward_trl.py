@@ -18,7 +18,8 @@ import torch
 from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import from_hf_state, to_hf_state
 from dtlaunch.models.registry import model_spec
-from dtlaunch.train.objectives.reward import RewardObjective, add_score_head, reward_positions
+from dtlaunch.models.score_head import add_score_head
+from dtlaunch.train.objectives.reward import RewardObjective, reward_positions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -100,13 +100,7 @@ def check_reward(cfg: Any) -> None:
     """objective=reward (dtlaunch.train.objectives.reward): its scalar head replaces the decoder's LM head,
     which the layouts that split the head or the rows (tensor, pipeline, context parallel), the adapters
     and transformers' own models (model.arch=hf_auto) do not know of; it holds no reference."""
-    o, s = cfg.objective, cfg.strategy
-    for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp), ("strategy.cp", s.cp)):
-        if int(value) > 1:
-            raise ConfigError(
-                f"{key}={value} is not supported with objective=reward (its scalar head is not split): set {key}=1 "
-                f"and shard with FSDP (strategy.zero_stage) instead"
-            )
+    o = cfg.objective
     if str(cfg.peft.method) != "none":
         raise ConfigError(
             f"peft.method={cfg.peft.method} is not supported with objective=reward (the scalar head trains in "
@@ -126,6 +120,18 @@ def check_reward(cfg: Any) -> None:
             f"training.eval_every={cfg.training.eval_every}: validation is not computed for objective=reward yet: "
             f"set training.eval_every=0"
         )
+
+
+def check_reward_layout(cfg: Any, layout: Any, notes: list[str]) -> None:
+    """objective=reward runs on data parallel layouts only (DDP, ZeRO-1/2/3): see check_reward."""
+    if str(cfg.objective.name) != "reward":
+        return
+    for key, value in (("strategy.tp", layout.tp), ("strategy.pp", layout.pp), ("strategy.cp", layout.cp)):
+        if int(value) > 1:
+            raise ConfigError(
+                f"{key}={value} is not supported with objective=reward (its scalar head is not split): set {key}=1 "
+                f"and shard with FSDP (strategy.zero_stage) instead"
+            )
 
 
 def check_reference(ref: str, model: Any) -> None:

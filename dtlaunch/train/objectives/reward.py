@@ -1,10 +1,9 @@
 """Reward-model training (objective=reward), as TRL 1.16's RewardTrainer (trl/trainer/reward_trainer.py).
 
 The model: the decoder's LM head gives way to `score`, a Linear(dim, 1, bias=False) under the name and shape
-of transformers' *ForSequenceClassification head, so `dtlaunch ckpt export --format hf` writes a directory
-that AutoModelForSequenceClassification loads (dtlaunch.convert.hf). The head runs inside the model's
-forward (a forward hook): under FSDP the root unit's weights are gathered then, and no (tokens x vocabulary)
-logits ever exist, only (tokens x 1) scores.
+of transformers' *ForSequenceClassification head (dtlaunch.models.score_head), so `dtlaunch ckpt export
+--format hf` writes a directory that AutoModelForSequenceClassification loads (dtlaunch.convert.hf). It
+runs inside the model's forward, which returns (rows, positions, 1) scores: no vocabulary logits.
 
 A row's reward is its score at the last token that is not padding, as transformers' sequence classification
 picks it (the rightmost position whose token is not `pad_token_id`). The pairs are right-padded with EOS
@@ -25,7 +24,6 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dtlaunch.train.data import IGNORE_INDEX
 
@@ -33,21 +31,6 @@ from dtlaunch.train.data import IGNORE_INDEX
 # logging window are these means when every batch holds as many pairs), then the two sides' mean rewards.
 STAT_NAMES = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
 STATS_LEN = len(STAT_NAMES) + 1  # the sums, then the number of pairs
-
-
-def add_score_head(model: nn.Module) -> None:
-    """Replace the decoder's LM head (`output`) by the scalar `score` head, on the model's device (meta
-    before parallelize: the runtime initialises it with the other parameters, by name)."""
-    dim = int(model.cfg.dim)
-    device = model.norm.weight.device
-    model.output = None  # the forward then returns the final norm's output (a tied head: the embedding stays)
-    model.score = nn.Linear(dim, 1, bias=False, device=device)
-    model.register_forward_hook(_apply_score)
-
-
-def _apply_score(module: nn.Module, args: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The decoder's normed hidden states (R, S, dim) -> scores (R, S, 1)."""
-    return module.score(hidden)
 
 
 def reward_positions(targets: torch.Tensor, pad_id: Optional[int]) -> torch.Tensor:

@@ -1,0 +1,27 @@
+"""objective=reward's scalar head: the decoder's LM head (`output`) gives way to `score`, a Linear(dim, 1,
+bias=False) under the name and shape of transformers' *ForSequenceClassification head. One definition for the
+worker (dtlaunch.train.runtime, which trains it: dtlaunch.train.objectives.reward) and the launcher's resume
+check (dtlaunch.launch.preflight), which must list the same tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def add_score_head(model: nn.Module) -> None:
+    """Replace the decoder's LM head by the scalar `score` head, on the model's device (meta before
+    parallelize: the runtime initialises it with the other parameters, by name). The head runs inside the
+    model's forward (a forward hook), so under FSDP the root unit's weights are gathered when it runs, and
+    the forward returns (rows, positions, 1) scores: no (tokens x vocabulary) logits ever exist."""
+    device = model.norm.weight.device
+    model.output = None  # the forward then returns the final norm's output (a tied embedding stays)
+    model.score = nn.Linear(int(model.cfg.dim), 1, bias=False, device=device)
+    model.register_forward_hook(_apply_score)
+
+
+def _apply_score(module: nn.Module, args: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The decoder's normed hidden states (R, S, dim) -> scores (R, S, 1)."""
+    return module.score(hidden)
