@@ -8,7 +8,6 @@ from pathlib import Path
 from dtlaunch.convert.adapters import export_adapters
 from dtlaunch.convert.hf import (
     DEFAULT_MAX_SHARD_BYTES,
-    SCORE_HEAD,
     export_tokenizer,
     load_checkpoint_model,
     padding_token,
@@ -16,6 +15,7 @@ from dtlaunch.convert.hf import (
     save_torch,
 )
 from dtlaunch.errors import InputError
+from dtlaunch.models.score_head import SCORE_HEAD
 
 
 def export_checkpoint(src: Path, fmt: str, out: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:

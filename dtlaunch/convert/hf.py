@@ -19,6 +19,7 @@ from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, read_weight_headers, weight_files
 from dtlaunch.models.dense.hf import halves_to_interleaved
+from dtlaunch.models.score_head import SCORE_HEAD
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 TORCH_FILE = "model.pt"
@@ -103,10 +104,6 @@ def _check_marker_shapes(state: dict, m: Any, path: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Export.
-
-
-# objective=reward's scalar head (dtlaunch.train.objectives.reward), under transformers' own name.
-SCORE_HEAD = "score.weight"
 
 
 def save_hf(

@@ -10,6 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+# The head's parameter, under transformers' own name. A causal LM's weights (model.init_from=hf:DIR) do not
+# hold it: it starts from the seeded init, as transformers initialises a new `score`.
+SCORE_HEAD = "score.weight"
+
 
 def add_score_head(model: nn.Module) -> None:
     """Replace the decoder's LM head by the scalar `score` head, on the model's device (meta before

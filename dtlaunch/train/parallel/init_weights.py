@@ -18,6 +18,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dtlaunch.models.lora import is_adapter
 from dtlaunch.models.nf4 import allocate_nf4_metadata, is_nf4
 from dtlaunch.models.saved_tensors import model_param_name
+from dtlaunch.models.score_head import SCORE_HEAD
 from dtlaunch.train.parallel.qlora import load_nf4_param
 
 
@@ -41,8 +42,9 @@ def materialize_and_init(
     pretrained = weights if weights is not None else hf_weights(src.cfg)
     for name, p in model.named_parameters():
         pname = model_param_name(name)
-        # Adapters (dtlaunch.models.lora) are not in the base's files: their init comes from init_param.
-        from_base = pretrained is not None and not is_adapter(pname)
+        # Adapters (dtlaunch.models.lora) and objective=reward's scalar head (dtlaunch.models.score_head) are
+        # not in the base's files: their init comes from init_param.
+        from_base = pretrained is not None and not is_adapter(pname) and pname != SCORE_HEAD
         # QLoRA's NF4 weights: the whole weight quantised, then this rank's rows (dtlaunch.train.parallel.qlora).
         if load_nf4_param(p, pname, src, seed, pretrained if from_base else None):
             continue
