@@ -113,3 +113,19 @@ def test_text_data_is_one_line_exit_2(reward_run, tmp_path) -> None:
     code, err, _ = run_cli_split(["validate", *args, f"data.path={text}"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "objective=reward trains on preference pairs, not data.format=text" in err
+
+
+def test_resume_check_knows_the_score_head(reward_run) -> None:
+    """The launcher's resume check builds the model as the workers do: the run's checkpoint (score head, no LM
+    head) matches its own config, and not the same config as a language model's."""
+    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.errors import ConfigError
+    from dtlaunch.launch.preflight import check_model_matches
+    from dtlaunch.run.checkpoints import resolve_load_path
+
+    cfg = load_resolved(reward_run["run"] / "config.yaml")
+    info, _ = resolve_load_path(reward_run["run"])
+    check_model_matches(cfg, info)
+    cfg.objective.name = "sft"
+    with pytest.raises(ConfigError, match="tensor output.weight"):
+        check_model_matches(cfg, info)
