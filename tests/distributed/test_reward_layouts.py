@@ -12,6 +12,8 @@ import pytest
 from forked_training import run_forked, train
 from test_dpo_layouts import pairs
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5
 STEPS = 3
 COMMON = [

@@ -23,6 +23,8 @@ from tests.cli_in_process import run_cli_split
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow
+
 SEQ = 16  # some pairs are cut (their rows fill it), the others padded
 EOS = 1  # the tiny tokenizer's (tests/conftest.py)
 
