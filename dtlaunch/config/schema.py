@@ -540,6 +540,9 @@ class DataConfig:
     rejected_field: str = "rejected"
     # data.format=unpaired (objective=kto): the record's boolean, true for a desirable completion.
     label_field: str = "label"
+    # objective=reward: the record field holding each pair's margin, a number (TRL's `margin` column: the loss
+    # becomes -log sigmoid(r(chosen) - r(rejected) - margin)); empty: no margin.
+    margin_field: str = ""
     # pack: documents are joined by EOS into full seq_len windows; false: one document per sample, cut at
     # seq_len and padded (padding is no target). document_mask (packed): each token attends only to
     # earlier tokens of its own document, and RoPE positions restart at each document.

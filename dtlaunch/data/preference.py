@@ -9,7 +9,8 @@ Cache entry (content-addressed like dtlaunch.data.cache): token shards holding, 
 then the rejected row (prompt + completion each), and rows.npy, (2 * pairs, 2) int64: each row's prompt
 length and total length. The worker's PairSource cuts rows to seq_len + 1 tokens, keeping the end of the
 prompt (its start is dropped first), and returns each pair as one sample, so a chosen row and its rejected
-row are always in the same micro-batch.
+row are always in the same micro-batch. With data.margin_field (objective=reward) the entry also holds
+margins.npy, (pairs,) float64: each pair's margin, which the loader hands the step beside its micro-batch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dtlaunch.data.tokenizer import token_dtype
 from dtlaunch.errors import InputError
 
 ROWS_FILE = "rows.npy"
+MARGINS_FILE = "margins.npy"
 
 
 class PairEncoder:
@@ -34,6 +36,7 @@ class PairEncoder:
 
     def __init__(self, encoder: Any, eos_id: Optional[int]) -> None:
         self.enc, self.eos = encoder, eos_id  # a dtlaunch.data.chat.ChatEncoder
+        self.margins: list[float] = []  # each pair's margin, in order, when the records carry one
 
     def _row(self, prompt_text: str, completion_text: str, eos: bool) -> tuple[list[int], int]:
         p = self.enc._ids(prompt_text)
@@ -42,6 +45,15 @@ class PairEncoder:
         return full + ([self.eos] if eos and self.eos is not None else []), shared
 
     def pair(self, values: tuple, where: str, key: str) -> list[tuple[list[int], int]]:
+        if len(values) == 4:  # data.margin_field
+            margin = values[3]
+            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
+                raise InputError(
+                    f"{key}: the margin of the record at {where} is {margin!r}, not a number: fix the record "
+                    f"(or set data.margin_field to the field that holds the margins)"
+                )
+            self.margins.append(float(margin))
+            values = values[:3]
         prompt, chosen, rejected = values
         if all(isinstance(v, str) for v in values):
             rows = [self._row(prompt, c, eos=True) for c in (chosen, rejected)]
@@ -114,6 +126,8 @@ def cached_pairs(
     rows = (row for values, where in records for row in encoder.pair(values, where, key))
     try:
         write_pairs(tmp, rows, tok.vocab_size, tok.eos_id, {"tokenizer": tok.name, "source": options})
+        if encoder.margins:
+            np.save(tmp / MARGINS_FILE, np.asarray(encoder.margins, dtype=np.float64))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -147,6 +161,13 @@ class PairSource:
         self.length = seq_len + 1
         self.pad = int(self.shards.meta.get("eos_id") or 0)
         self.num_samples: Optional[int] = len(lengths) // 2
+        margins = Path(path) / MARGINS_FILE
+        self.margins: Optional[np.ndarray] = np.load(margins) if margins.is_file() else None
+
+    def margin(self, index: int) -> float:
+        """Pair `index`'s margin (data.margin_field; entries without margins.npy have none)."""
+        assert self.margins is not None
+        return float(self.margins[index])
 
     def cut_pairs(self) -> int:
         """Pairs with at least one row longer than seq_len + 1 tokens (reported by the launcher)."""

@@ -96,7 +96,8 @@ def record_fields(cfg: Any) -> list[str]:
     if fmt == "prompt_completion":
         return [str(cfg.data.prompt_field), str(cfg.data.completion_field)]
     if fmt == "preference":
-        return [str(cfg.data.prompt_field), str(cfg.data.chosen_field), str(cfg.data.rejected_field)]
+        margin = [str(cfg.data.margin_field)] if str(cfg.data.margin_field) else []  # objective=reward
+        return [str(cfg.data.prompt_field), str(cfg.data.chosen_field), str(cfg.data.rejected_field), *margin]
     if fmt == "unpaired":
         return [str(cfg.data.prompt_field), str(cfg.data.completion_field), str(cfg.data.label_field)]
     return [str(cfg.data.text_field)]

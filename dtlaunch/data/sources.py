@@ -115,6 +115,13 @@ class SubsetSource:
     def sample(self, index: int) -> np.ndarray:
         return self.base.sample(int(self.indices[index]))
 
+    @property
+    def margins(self) -> Optional[np.ndarray]:
+        return getattr(self.base, "margins", None)
+
+    def margin(self, index: int) -> float:
+        return self.base.margin(int(self.indices[index]))
+
 
 def held_out_split(num_samples: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) sample indices: a fixed pseudo-random `fraction` of the windows is held out. Seeded by

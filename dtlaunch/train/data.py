@@ -155,6 +155,8 @@ class TokenLoader:
         pairs = rows.ndim == 4
         if pairs:  # preference pairs (mb, 2, 2, S+1): the chosen rows, then the rejected rows, as TRL stacks them
             rows = np.concatenate([rows[:, 0], rows[:, 1]])
+            if getattr(self.source, "margins", None) is not None:  # data.margin_field: objective=reward's margins
+                self.last_rows = torch.tensor([self.source.margin(i) for i in indices], dtype=torch.float32)
             if self.ref_logps is not None:
                 ref = self.ref_logps[indices]
                 self.last_ref_logps = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))

@@ -1,5 +1,6 @@
 """objective=reward as a user runs it: `dtlaunch train objective=reward data.format=preference` from a tiny
-Hugging Face Llama on ZeRO-3 (2 workers), then `dtlaunch ckpt export --format hf`. One run, shared:
+Hugging Face Llama on ZeRO-3 (2 workers; TRL's centring term and per-pair margins on), then `dtlaunch ckpt
+export --format hf`. One run, shared:
 
 - the metrics lines carry TRL's reward metrics (accuracy, margin, mean_reward) and the loss moves;
 - the export is a LlamaForSequenceClassification (num_labels 1, pad_token_id the rows' padding, EOS) that
@@ -33,10 +34,14 @@ EOS = 1  # the tiny tokenizer's (tests/conftest.py)
 def reward_run(trainer, tiny_hf_dirs, write_pairs, tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("reward")
     pairs = write_pairs(base / "pairs.jsonl", 48, seed=0)
+    # TRL's per-pair margin column, through data.margin_field into the workers' loss
+    records = [json.loads(line) for line in pairs.read_text().splitlines()]
+    pairs.write_text("".join(json.dumps({**r, "margin": (i % 5) / 4}) + "\n" for i, r in enumerate(records)))
     run_dir, cache = base / "run", base / "cache"
     args = [
         "objective=reward",
         "objective.center_rewards_coefficient=0.01",
+        "data.margin_field=margin",
         "strategy=zero3",
         "launch.nproc_per_node=2",
         "data.kind=jsonl",

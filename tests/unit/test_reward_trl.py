@@ -128,3 +128,53 @@ def test_reward_matches_trl(hf_dir, tmp_path, pad_token: str, margin: bool, cent
     metrics = objective.summarize(stats.tolist())
     for key in ("accuracy", "margin", "mean_reward"):
         assert abs(metrics[key] - trl_metrics[key]) <= 1e-6, (key, metrics[key], trl_metrics[key])
+
+
+def test_margin_field_reaches_the_step(tiny_tokenizer, tmp_path) -> None:
+    """data.margin_field: each pair's margin is cached beside its rows, and the loader hands the step the
+    margins of its micro-batch's pairs (in pair order) as the rows beside the batch; a record whose margin is
+    no number is one error naming its line; another objective refuses the field."""
+    import json
+
+    from dtlaunch.config.validate import validate
+    from dtlaunch.data.preference import PairSource
+    from dtlaunch.data.run_data import tokenize_records
+    from dtlaunch.errors import ConfigError, InputError
+    from dtlaunch.train.data import TokenLoader
+
+    def cfg_of(records: list, *extra: str):
+        data = tmp_path / "p.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        overrides = [
+            "objective=reward",
+            "data.kind=jsonl",
+            "data.format=preference",
+            f"data.path={data}",
+            f"data.tokenizer={tiny_tokenizer / 'tokenizer.json'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.margin_field=m",
+            "model.vocab_size=512",
+            "training.seq_len=12",
+            *extra,
+        ]
+        cfg = compose(overrides).cfg
+        validate(cfg)
+        return cfg
+
+    records = [{"prompt": "kaka", "chosen": "lolo", "rejected": "mimi", "m": m} for m in (0.5, -1, 2.25, 0)]
+    cfg = cfg_of(records)
+    source = PairSource(str(tokenize_records(cfg, str(cfg.data.path), "data.path")), 12, "data.path")
+    assert source.margins.tolist() == [0.5, -1.0, 2.25, 0.0]
+    loader = TokenLoader(source, 2, 12, 0, 0, 1, 512, shuffle=False)
+    loader.next_batch()
+    assert loader.last_rows.tolist() == [0.5, -1.0]
+    loader.next_batch()
+    assert loader.last_rows.tolist() == [2.25, 0.0]
+
+    bad = [*records[:2], {**records[0], "m": "high"}]
+    with pytest.raises(InputError, match=r"p\.jsonl:3 is 'high', not a number") as err:
+        cfg = cfg_of(bad)
+        tokenize_records(cfg, str(cfg.data.path), "data.path")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="data.margin_field=m holds objective=reward's per-pair margins"):
+        cfg_of(records, "objective=dpo")

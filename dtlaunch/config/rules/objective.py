@@ -25,6 +25,11 @@ def check_objective(cfg: Any, notes: list[str]) -> None:
             f"data.format=prompt holds prompts without completions, which objective={name} cannot train on: use "
             f"objective=grpo (completions generated and scored by objective.rewards)"
         )
+    if str(d.margin_field) and name != "reward":
+        raise ConfigError(
+            f"data.margin_field={d.margin_field} holds objective=reward's per-pair margins: drop it (or use "
+            f"objective=reward)"
+        )
     if name == "grpo":
         check_grpo(cfg, notes)
         return
