@@ -41,6 +41,7 @@ VALUES = {
     "data.chosen_field",
     "data.rejected_field",
     "data.label_field",
+    "data.margin_field",
     "data.split",
     "data.subset",
     "data.revision",
