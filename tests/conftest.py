@@ -1,11 +1,10 @@
-"""Shared fixtures: run `dtlaunch` as a user does (a subprocess) into a temporary run directory."""
+"""Shared fixtures: run `dtlaunch` as a user does (a process of its own: tests/cli_server.py) into a temporary run directory."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +64,11 @@ class Trainer:
 
     @staticmethod
     def cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+        """`python -m dtlaunch ARGS`, started as a fork of a process that has imported torch (cli_server.py)."""
+        from cli_server import run_dtlaunch
+
         env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
-        return subprocess.run(
-            [sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, timeout=timeout, env=env
-        )
+        return run_dtlaunch(args, env=env, timeout=timeout)
 
     def run(self, run_dir: Path, *overrides: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
         proc = self.cli(["train", *self.FAST, *overrides, f"run.dir={run_dir}"])

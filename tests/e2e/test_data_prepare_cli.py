@@ -14,11 +14,12 @@ from dtlaunch.config.model_schema import typed_job
 from dtlaunch.train.data import build_loader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from cli_server import run_dtlaunch
 from test_tokenizer import build_hf_tokenizer  # noqa: E402
 
 
 def dtlaunch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, timeout=120)
+    return run_dtlaunch([*args], timeout=120)
 
 
 @pytest.fixture

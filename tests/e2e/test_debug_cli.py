@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 
 HOLD = 3
 
 
 def dtlaunch(*args: str, **kw) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, env=env, **kw)
+    return run_dtlaunch([*args], env=env, **kw)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_in_process import run_cli  # noqa: E402
+from cli_server import run_dtlaunch
 from docs_commands import DocCommand, all_commands  # noqa: E402
 
 COMMANDS = all_commands()
@@ -190,14 +191,7 @@ def train_tiny(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
         DTLAUNCH_PROGRESS="plain",
         DTLAUNCH_DATA_CACHE=str(cwd / "token-cache"),
     )
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", "train", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return run_dtlaunch(["train", *args], cwd=cwd, env=env, timeout=300)
 
 
 def newest_run(cwd: Path, args: list[str]) -> Path:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_server import run_dtlaunch
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -32,9 +33,7 @@ TASKS = ["tiny_mc", "tiny_rolling", "tiny_gen"]
 
 def dtlaunch(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_dtlaunch([*args], env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_server import run_dtlaunch
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,9 +40,7 @@ TRAIN += ["logging.trackers=[]"]
 
 def dtlaunch(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_dtlaunch([*args], env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 from hub_server import Hub, Repo
 
 pytestmark = pytest.mark.slow
@@ -48,9 +48,7 @@ def hub(tiny_hf_dirs, splits: Path):
 def train(hub: Hub, home: Path, *args: str, offline: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(OMP_NUM_THREADS="1", HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_OFFLINE="1" if offline else "0")
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", "train", *RUN, *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_dtlaunch(["train", *RUN, *args], env=env, timeout=300)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

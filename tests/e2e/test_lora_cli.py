@@ -16,12 +16,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from cli_server import run_dtlaunch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -51,9 +51,7 @@ TP = ["strategy=tp", "strategy.tp=2", "training.micro_batch=4"]
 
 def dtlaunch(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", HF_HUB_OFFLINE="1")
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    return run_dtlaunch([*args], env=env, timeout=600)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:

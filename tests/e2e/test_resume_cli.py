@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 from processes import worker_pid
 
 COMMON = [
@@ -32,9 +33,7 @@ COMMON = [
 
 def dtlaunch(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_dtlaunch([*args], env=env, timeout=timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -18,8 +18,7 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from tests.cli_in_process import run_cli_split
+from cli_in_process import run_cli_split
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 
 
 @pytest.mark.slow
@@ -31,9 +30,7 @@ def test_two_by_two_sweep(tmp_path: Path) -> None:
         f"run.dir={sweep}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="100")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, timeout=600, env=env
-    )
+    proc = run_dtlaunch([*args], timeout=600, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-4000:]  # two points failed
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 
 USER_MODULE = """
 import torch
@@ -73,9 +73,7 @@ def user_path(tmp_path_factory) -> Path:
 
 def _dtlaunch(user_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(user_path))
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, env=env, timeout=600
-    )
+    return run_dtlaunch([*args], env=env, timeout=600)
 
 
 def test_user_module_trains_in_every_data_parallel_layout(user_path: Path, tmp_path: Path) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 
 pytestmark = pytest.mark.system
 
@@ -24,9 +24,7 @@ TINY = [
 
 
 def dtlaunch(env: dict, cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+    return run_dtlaunch([*args], env=env, cwd=cwd, timeout=timeout)
 
 
 def submit(cluster, tmp_path: Path, run_dir: Path, *overrides: str) -> str:

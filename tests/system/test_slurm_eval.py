@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 
 pytestmark = [pytest.mark.system, pytest.mark.slow]
 pytest.importorskip("lm_eval")
@@ -24,9 +24,7 @@ STEPS = 3
 
 def dtlaunch(env: dict, cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+    return run_dtlaunch([*args], env=env, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
