@@ -16,10 +16,13 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from dtlaunch.config.assets import asset_dir
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 CONFIGS_DIR = asset_dir("configs")
 BUILTIN_RECIPES_DIR = asset_dir("recipes")
@@ -30,7 +33,7 @@ RECIPE_PATH_ENV = "DTLAUNCH_RECIPE_PATH"
 class Composed:
     """A composed, type-checked job and where it came from."""
 
-    cfg: Any  # omegaconf.DictConfig typed by JobConfig
+    cfg: JobConfig  # omegaconf.DictConfig typed by JobConfig
     choices: dict[str, str]  # group -> chosen option, e.g. {"model": "llama3_8b", "recipe": ...}
     overrides: list[str]
     unresolved_yaml: str = ""  # as composed, interpolations (e.g. ${stdlib:}) not yet resolved
@@ -282,7 +285,7 @@ def compose(
     return Composed(cfg=typed, choices=choices, overrides=list(overrides), unresolved_yaml=unresolved)
 
 
-def load_resolved(path: str | Path) -> Any:
+def load_resolved(path: str | Path) -> JobConfig:
     """Read a resolved config.yaml (as written into a run directory) back into the typed schema."""
     from omegaconf import OmegaConf
 
@@ -300,7 +303,7 @@ def load_resolved(path: str | Path) -> Any:
         raise ConfigError(f"config file '{path}' is not a valid job: {_first_line(exc)}") from exc
 
 
-def typed_resolved(job: Any) -> Any:
+def typed_resolved(job: Any) -> JobConfig:
     """A resolved job (a config node or the plain container of one) typed by the schema, its model
     section by its family's, with no keys to add."""
     from omegaconf import OmegaConf

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def hf_source_dir(init_from: Any) -> Optional[Path]:
@@ -189,7 +192,7 @@ def _differs(a: Any, b: Any) -> bool:
     return a != b
 
 
-def describe_hf_source(cfg: Any) -> Optional[str]:
+def describe_hf_source(cfg: JobConfig) -> Optional[str]:
     """One line saying what model.init_from=hf:DIR loads (architecture, parameters, dtype, source)."""
     path = hf_source_dir(cfg.model.init_from)
     if path is None:

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 
 
-def nproc_per_node(cfg: Any, detected_gpus: int | None = None) -> int:
+def nproc_per_node(cfg: JobConfig, detected_gpus: int | None = None) -> int:
     """Workers per node: the configured number, else one per GPU, else 2 on a CPU host."""
     if cfg.launch.nproc_per_node > 0:
         return int(cfg.launch.nproc_per_node)
@@ -25,7 +28,7 @@ def nproc_per_node(cfg: Any, detected_gpus: int | None = None) -> int:
     return 2
 
 
-def world_size(cfg: Any, detected_gpus: int | None = None) -> int:
+def world_size(cfg: JobConfig, detected_gpus: int | None = None) -> int:
     # A scheduler's node count (Slurm, Kubernetes, SkyPilot) says how many nodes the job gets.
     nodes = cfg.cluster.nodes if cfg.cluster.kind != "local" else cfg.launch.nnodes
     return int(nodes) * nproc_per_node(cfg, detected_gpus)
@@ -96,7 +99,7 @@ def expert_fsdp_degree(layout: Layout) -> int:
     return layout.dp_shard // layout.ep
 
 
-def shards_with_fsdp(cfg: Any, layout: Layout) -> bool:
+def shards_with_fsdp(cfg: JobConfig, layout: Layout) -> bool:
     """Whether the runtime wraps the model in FSDP2 (ZeRO-2/3). Over one data-parallel rank there is
     nothing to shard, except under strategy.cpu_offload: FSDP over a 1-rank mesh is what keeps the
     parameters, gradients and optimizer state on the host (ZeRO-Offload on one GPU)."""
@@ -105,7 +108,7 @@ def shards_with_fsdp(cfg: Any, layout: Layout) -> bool:
     return layout.dp * layout.cp > 1 or bool(cfg.strategy.cpu_offload)
 
 
-def loss_chunks(cfg: Any) -> int:
+def loss_chunks(cfg: JobConfig) -> int:
     """Token chunks the output head and its loss run over (training.loss_chunks): the next-token loss, and
     the preference objectives' per-token log-probs (the policy's and the reference's). One for objective=reward:
     its scalar head has no vocabulary to chunk (dtlaunch.train.objectives.reward)."""
@@ -127,7 +130,7 @@ def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, 
     return loss_chunks == 1 or tp == 1
 
 
-def rows_per_sample(cfg: Any) -> int:
+def rows_per_sample(cfg: JobConfig) -> int:
     """2 for preference pairs (a chosen and a rejected row per sample), else 1 (a GRPO sample is one
     completion): the planner's tokens, the runtime's throughput and the MLP's tiles all count rows."""
     return 1 if str(cfg.objective.name) in ("sft", "grpo") else 2
@@ -146,7 +149,7 @@ def ulysses_kv_heads(kv_heads: int, cp: int) -> int:
 MLP_TILE_TOKENS = 8192
 
 
-def mlp_tiles(cfg: Any, layout: Layout) -> int:
+def mlp_tiles(cfg: JobConfig, layout: Layout) -> int:
     """Sequence tiles each block's MLP runs over (training.mlp_tiles; 0 = ceil(tokens / MLP_TILE_TOKENS) of
     one rank's micro-batch, at most one per position). Sequence parallel hands the MLP a sequence-sharded
     DTensor, which the tiles do not split: untiled there (an explicit value is refused by validate)."""
@@ -160,14 +163,14 @@ def mlp_tiles(cfg: Any, layout: Layout) -> int:
     return max(1, min(seq, -(-rows * seq // MLP_TILE_TOKENS)))
 
 
-def decode_positions_multiple(cfg: Any, tp: int) -> int:
+def decode_positions_multiple(cfg: JobConfig, tp: int) -> int:
     """objective=grpo's rollout: every forward carries a multiple of this many positions (sequence parallel
     shards each forward's positions over the TP ranks; dtlaunch.infer.batch_generate pads to it). The
     runtime passes it to the generator, the planner sizes the KV cache with it."""
     return tp if tp > 1 and cfg.strategy.sequence_parallel else 1
 
 
-def generation_gather(cfg: Any, layout: Layout) -> str:
+def generation_gather(cfg: JobConfig, layout: Layout) -> str:
     """How objective=grpo's rollout holds FSDP ZeRO-3 weights while it generates: "whole" or "unit"; "" where
     the choice does not arise (another objective, no ZeRO-3 sharding: the weights stay as they are). `auto`
     reads as "whole" here: the plan (dtlaunch.plan.memory.plan_memory) turns it into "unit" when only that
@@ -178,7 +181,7 @@ def generation_gather(cfg: Any, layout: Layout) -> str:
     return "whole" if mode == "auto" else mode
 
 
-def activation_offload(cfg: Any, pp: int) -> bool:
+def activation_offload(cfg: JobConfig, pp: int) -> bool:
     """training.activation_offload as the job runs it (the planner, the layout search and the runtime ask
     here). true / false: as set. null, the default: on where it costs no step time by the plan's
     step-time model (plan.search.step_time hides host copies behind compute) and changes no numerics:
@@ -206,41 +209,41 @@ def offload_composes_with_compile(activation_checkpointing: Any) -> bool:
     return str(activation_checkpointing) == "full"
 
 
-def autocast_compute(cfg: Any, layout: Layout) -> bool:
+def autocast_compute(cfg: JobConfig, layout: Layout) -> bool:
     """Low-precision compute by autocast (fp32 master weights, DDP or one process) rather than by FSDP's
     mixed-precision policy (train.parallel.parallelize.compute_context; the planner's `autocast`)."""
     return str(cfg.precision.param_dtype) != "fp32" and not shards_with_fsdp(cfg, layout)
 
 
-def residual_in_compute_dtype(cfg: Any, layout: Layout) -> bool:
+def residual_in_compute_dtype(cfg: JobConfig, layout: Layout) -> bool:
     """precision.residual_dtype asks autocast's fp32 residual stream to be kept in the compute dtype instead:
     the runtime casts the embedding's output (the decoder's `residual_dtype`) and the planner counts the
     blocks' residual terms as the compute dtype's (as under FSDP's mixed precision)."""
     return autocast_compute(cfg, layout) and str(cfg.precision.residual_dtype) not in ("auto", "fp32")
 
 
-def fp32_residual(cfg: Any, layout: Layout) -> bool:
+def fp32_residual(cfg: JobConfig, layout: Layout) -> bool:
     """The residual stream is fp32 while the blocks compute in a lower precision (autocast, the default)."""
     return autocast_compute(cfg, layout) and not residual_in_compute_dtype(cfg, layout)
 
 
-def grad_accum_steps(cfg: Any, layout: Layout) -> int:
+def grad_accum_steps(cfg: JobConfig, layout: Layout) -> int:
     """Micro-steps per optimizer step; global_batch = micro_batch * dp * accumulation."""
     gb = global_batch(cfg, layout)
     return gb // (cfg.training.micro_batch * layout.dp)
 
 
-def global_batch(cfg: Any, layout: Layout) -> int:
+def global_batch(cfg: JobConfig, layout: Layout) -> int:
     return global_batch_size(cfg, layout.dp)
 
 
-def global_batch_size(cfg: Any, dp_size: int) -> int:
+def global_batch_size(cfg: JobConfig, dp_size: int) -> int:
     """Samples per optimizer step: training.global_batch, or one micro-batch per data-parallel rank (0)."""
     gb = int(cfg.training.global_batch)
     return gb if gb > 0 else int(cfg.training.micro_batch) * dp_size
 
 
-def pp_microbatches(cfg: Any, layout: Layout) -> int:
+def pp_microbatches(cfg: JobConfig, layout: Layout) -> int:
     """Pipeline micro-batches per micro-step (0 in the config = one per pipeline rank)."""
     n = int(cfg.strategy.pp_microbatches)
     return n if n > 0 else layout.pp

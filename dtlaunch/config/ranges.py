@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,7 @@ def _schema_default(key: str) -> Any:
     return OmegaConf.select(OmegaConf.structured(job_schema()), key, default=None)
 
 
-def check_ranges(cfg: Any, notes: list[str]) -> None:
+def check_ranges(cfg: JobConfig, notes: list[str]) -> None:
     """Every numeric field inside its range, and finite."""
     from omegaconf import OmegaConf
 

@@ -846,7 +846,7 @@ def section_type(hint: Any) -> Optional[type]:
     return next((c for c in (hint, *getattr(hint, "__args__", ())) if is_dataclass(c)), None)
 
 
-def to_dict(cfg: Any) -> dict:
+def to_dict(cfg: JobConfig) -> dict:
     """Plain-dict view of a composed config (for hashing, JSON and workers)."""
     from omegaconf import OmegaConf
 

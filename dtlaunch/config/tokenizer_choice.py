@@ -9,11 +9,14 @@ workers never guess. Without an hf: source `auto` is the built-in byte tokenizer
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.config.hf_model import hf_source_dir
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.run.run_dir import TOKENIZER_FILE
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 AUTO = "auto"
 BYTE = "byte"
@@ -41,7 +44,7 @@ def model_tokenizer_file(init_from: Any, fetch: bool = True) -> Optional[Path]:
     return file.resolve() if file.is_file() else None
 
 
-def resolve_auto_tokenizer(cfg: Any) -> None:
+def resolve_auto_tokenizer(cfg: JobConfig) -> None:
     """Replace data.tokenizer=auto by what it means for this model, in place. Left as `auto` (validate
     refuses it, naming the fix) only when the hf: directory has no tokenizer.json and the data needs one."""
     if str(cfg.data.tokenizer) != AUTO:
@@ -54,7 +57,7 @@ def resolve_auto_tokenizer(cfg: Any) -> None:
         cfg.data.tokenizer = BYTE
 
 
-def tokenizer_problem(cfg: Any) -> Optional[str]:
+def tokenizer_problem(cfg: JobConfig) -> Optional[str]:
     """The one-line refusal for a tokenizer that contradicts the model, or None (validate's data rule)."""
     d = cfg.data
     source = hf_source_dir(cfg.model.init_from)
@@ -79,7 +82,7 @@ def tokenizer_problem(cfg: Any) -> Optional[str]:
     return None
 
 
-def effective_tokenizer(cfg: Any) -> str:
+def effective_tokenizer(cfg: JobConfig) -> str:
     """data.tokenizer as the run will use it (`auto` read as resolve_auto_tokenizer would)."""
     spec = str(cfg.data.tokenizer)
     if spec != AUTO:
@@ -88,7 +91,7 @@ def effective_tokenizer(cfg: Any) -> str:
     return str(own) if own is not None else BYTE
 
 
-def shards_tokenizer_problem(cfg: Any, shards_tokenizer: str) -> Optional[str]:
+def shards_tokenizer_problem(cfg: JobConfig, shards_tokenizer: str) -> Optional[str]:
     """data.kind=tokens: shards prepared with the byte tokenizer for a model with its own are refused
     like data.tokenizer=byte is (their meta.json names the tokenizer they were made with)."""
     own = model_tokenizer_file(cfg.model.init_from)

@@ -8,7 +8,7 @@ raising a ConfigError that names key, value and fix) after the numeric ranges (d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.config.ranges import check_ranges
@@ -35,6 +35,9 @@ from dtlaunch.config.rules.strategy import (
     check_zero,
 )
 from dtlaunch.config.rules.training import check_batch, check_training
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 @dataclass
@@ -81,7 +84,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
 ]
 
 
-def validate(cfg: Any) -> Validated:
+def validate(cfg: JobConfig) -> Validated:
     """Run every rule; the first violation raises ConfigError (exit 2)."""
     notes: list[str] = []
     for rule in SIMPLE_RULES:

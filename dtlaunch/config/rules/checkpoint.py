@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_checkpoint(cfg: Any, notes: list[str]) -> None:
+
+def check_checkpoint(cfg: JobConfig, notes: list[str]) -> None:
     c = cfg.checkpoint
     if c.every_steps <= 0:
         raise ConfigError(

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.rules import need_package
 from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def _hub_dataset(d: Any, field: str = "path") -> bool:
@@ -25,7 +28,7 @@ def _hub_dataset(d: Any, field: str = "path") -> bool:
     return ref is not None
 
 
-def check_data(cfg: Any, notes: list[str]) -> None:
+def check_data(cfg: JobConfig, notes: list[str]) -> None:
     d = cfg.data
     if d.kind != "synthetic":
         if not d.path:
@@ -68,7 +71,7 @@ def check_data(cfg: Any, notes: list[str]) -> None:
         )
 
 
-def check_format(cfg: Any) -> None:
+def check_format(cfg: JobConfig) -> None:
     from dtlaunch.data.chat_templates import chat_template_problem
 
     d = cfg.data
@@ -93,7 +96,7 @@ def check_format(cfg: Any) -> None:
     need_package("transformers", f"data.format={d.format}", "data")
 
 
-def check_validation(cfg: Any) -> None:
+def check_validation(cfg: JobConfig) -> None:
     d, t = cfg.data, cfg.training
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1): e.g. data.val_fraction=0.05")

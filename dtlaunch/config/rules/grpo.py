@@ -7,13 +7,16 @@ leave no room for the completion) is checked when the launcher reads the prompts
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, generation_gather, global_batch
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def grpo_data_problem(cfg: Any) -> str:
+
+def grpo_data_problem(cfg: JobConfig) -> str:
     """Why the job cannot train GRPO on its data, or "": its completions are generated from prompts, which
     only data.format=prompt records hold. The config rules let data.kind=synthetic through (the plan of a
     recipe before its prompts are named); the commands that check a job to run it (validate, train, submit,
@@ -27,7 +30,7 @@ def grpo_data_problem(cfg: Any) -> str:
     )
 
 
-def check_grpo(cfg: Any, notes: list[str]) -> None:
+def check_grpo(cfg: JobConfig, notes: list[str]) -> None:
     o, d, t = cfg.objective, cfg.data, cfg.training
     # data.kind=synthetic: the plan of a recipe before its prompts are named (`dtlaunch plan`); a job to run
     # refuses it (grpo_data_problem).
@@ -74,7 +77,7 @@ def check_grpo(cfg: Any, notes: list[str]) -> None:
         )
 
 
-def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_grpo_layout(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     if str(cfg.objective.name) != "grpo":
         return
     problem = grpo_layout_problem(cfg, layout)
@@ -89,7 +92,7 @@ def check_grpo_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def grpo_layout_problem(cfg: Any, layout: Layout) -> str:
+def grpo_layout_problem(cfg: JobConfig, layout: Layout) -> str:
     """Why objective=grpo cannot run on `layout` ("" when it can); `validate` refuses it and `plan --search`
     skips it. The generation batch is whole groups: every prompt's G completions in the same optimizer step,
     on the same data-parallel rank (the group's mean and std are taken there)."""

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_hardware(cfg: Any, notes: list[str]) -> None:
+
+def check_hardware(cfg: JobConfig, notes: list[str]) -> None:
     if cfg.hardware.memory_gib <= 0:
         raise ConfigError(
             f"hardware.memory_gib={cfg.hardware.memory_gib} must be > 0: pick a profile, e.g. hardware=h100_80gb"
         )
 
 
-def check_launch(cfg: Any, notes: list[str]) -> None:
+def check_launch(cfg: JobConfig, notes: list[str]) -> None:
     la = cfg.launch
     if la.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"launch.backend='{la.backend}' is unknown: use auto, gloo or nccl")
@@ -37,7 +40,7 @@ def check_launch(cfg: Any, notes: list[str]) -> None:
 SLURM_TIME = re.compile(r"(\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|UNLIMITED|INFINITE)", re.IGNORECASE)
 
 
-def check_cluster(cfg: Any, notes: list[str]) -> None:
+def check_cluster(cfg: JobConfig, notes: list[str]) -> None:
     # sbatch would refuse a malformed limit only after the run directory exists, and for the evaluation
     # job only after the training job was already submitted: refuse it here.
     if cfg.cluster.kind != "slurm":

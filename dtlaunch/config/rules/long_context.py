@@ -3,14 +3,17 @@ refused in one line before anything starts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, autocast_compute, residual_in_compute_dtype
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.registry import model_spec
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_mlp_tiles(cfg: Any, layout: Layout, notes: list[str]) -> None:
+
+def check_mlp_tiles(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     n = int(cfg.training.mlp_tiles)
     if n <= 1:
         return
@@ -26,7 +29,7 @@ def check_mlp_tiles(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_residual_dtype(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_residual_dtype(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     p = cfg.precision
     want = str(p.residual_dtype)
     if want == "auto":

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_model_shape(cfg: Any, notes: list[str]) -> None:
+
+def check_model_shape(cfg: JobConfig, notes: list[str]) -> None:
     """The fields the model's family fixes, then the family's own rules (its registry entry's `check`)."""
     from omegaconf import OmegaConf
 

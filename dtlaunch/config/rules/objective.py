@@ -9,15 +9,18 @@ pipeline and context parallel (check_reward).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.config.rules.grpo import check_grpo
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_objective(cfg: Any, notes: list[str]) -> None:
+
+def check_objective(cfg: JobConfig, notes: list[str]) -> None:
     o, d = cfg.objective, cfg.data
     name = str(o.name)
     if str(d.format) == "prompt" and name != "grpo":
@@ -161,7 +164,7 @@ def check_reference(ref: str, model: Any) -> None:
 KTO_LOSSES = ("kto", "apo_zero_unpaired")
 
 
-def check_kto(cfg: Any) -> None:
+def check_kto(cfg: JobConfig) -> None:
     """objective=kto (dtlaunch.train.objectives.kto): its data, its losses and the layouts it runs on."""
     o, d = cfg.objective, cfg.data
     if str(d.format) != "unpaired" and str(d.kind) != "synthetic":
@@ -177,7 +180,7 @@ def check_kto(cfg: Any) -> None:
         )
 
 
-def kto_layout_problem(cfg: Any, layout: Layout, micro_batch: int) -> str:
+def kto_layout_problem(cfg: JobConfig, layout: Layout, micro_batch: int) -> str:
     """Why objective=kto cannot run on `layout` with `micro_batch` ("" when it can); `validate` refuses it
     and `plan --search` skips it."""
     if layout.pp > 1:
@@ -194,7 +197,7 @@ def kto_layout_problem(cfg: Any, layout: Layout, micro_batch: int) -> str:
     return ""
 
 
-def check_kto_layout(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_kto_layout(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     if str(cfg.objective.name) != "kto":
         return
     problem = kto_layout_problem(cfg, layout, int(cfg.training.micro_batch))

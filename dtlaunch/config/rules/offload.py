@@ -3,13 +3,16 @@ combinations the runtime does not support are refused in one line before anythin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, offload_composes_with_compile
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_offload(cfg: Any, layout: Layout, notes: list[str]) -> None:
+
+def check_offload(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     t, s = cfg.training, cfg.strategy
     # Only an explicit true is checked: the default (null) turns offload on only where these rules allow it.
     if (t.activation_offload or s.cpu_offload) and float(cfg.hardware.host_memory_gib) == 0:
@@ -24,7 +27,7 @@ def check_offload(cfg: Any, layout: Layout, notes: list[str]) -> None:
         _check_cpu_offload(cfg, layout)
 
 
-def _check_activation_offload(cfg: Any, layout: Layout) -> None:
+def _check_activation_offload(cfg: JobConfig, layout: Layout) -> None:
     t = cfg.training
     if t.compile and not offload_composes_with_compile(t.activation_checkpointing):
         # Each block is compiled inside its checkpoint wrapper, the hooks outside it: every block must be
@@ -42,7 +45,7 @@ def _check_activation_offload(cfg: Any, layout: Layout) -> None:
         )
 
 
-def _check_cpu_offload(cfg: Any, layout: Layout) -> None:
+def _check_cpu_offload(cfg: JobConfig, layout: Layout) -> None:
     """FSDP2's CPUOffloadPolicy, on any number of data-parallel ranks: on one, FSDP shards nothing and only
     keeps the parameters, gradients and optimizer state on the host (config.layout.shards_with_fsdp)."""
     s = cfg.strategy

@@ -15,15 +15,18 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, grad_accum_steps
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 LOWBIT = ("adamw8bit", "adamw4bit")
 
 
-def check_optim(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_optim(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     o = cfg.optim
     name, state = str(o.name), str(o.state_dtype)
     if name in LOWBIT:
@@ -34,7 +37,7 @@ def check_optim(cfg: Any, layout: Layout, notes: list[str]) -> None:
         check_in_backward(cfg, layout)
 
 
-def check_lowbit(cfg: Any, layout: Layout, name: str) -> None:
+def check_lowbit(cfg: JobConfig, layout: Layout, name: str) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"optim.name={name} needs the 'torchao' package: pip install 'dtlaunch[lowbit-optim]'")
     zero = int(cfg.strategy.zero_stage)
@@ -51,7 +54,7 @@ def check_lowbit(cfg: Any, layout: Layout, name: str) -> None:
             )
 
 
-def check_bf16_state(cfg: Any, name: str) -> None:
+def check_bf16_state(cfg: JobConfig, name: str) -> None:
     if name != "adamw":
         raise ConfigError(
             f"optim.state_dtype=bf16 with optim.name={name}: its moments are already quantised; "
@@ -69,7 +72,7 @@ def check_bf16_state(cfg: Any, name: str) -> None:
         )
 
 
-def check_in_backward(cfg: Any, layout: Layout) -> None:
+def check_in_backward(cfg: JobConfig, layout: Layout) -> None:
     accum = grad_accum_steps(cfg, layout)
     if accum > 1:
         raise ConfigError(

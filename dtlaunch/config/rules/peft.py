@@ -8,14 +8,17 @@ through the family's Hugging Face mapping, so the error lists exactly the names 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 QLORA_DTYPES = ("bf16", "fp32")
 
 
-def check_peft(cfg: Any, notes: list[str]) -> None:
+def check_peft(cfg: JobConfig, notes: list[str]) -> None:
     peft = cfg.peft
     method = str(peft.method)
     if method == "none":
@@ -46,7 +49,7 @@ def check_peft(cfg: Any, notes: list[str]) -> None:
         notes.append(f"peft.method={method} on a randomly initialised base (model.init_from=random)")
 
 
-def check_targets(cfg: Any) -> None:
+def check_targets(cfg: JobConfig) -> None:
     """Every name in peft.targets matches a linear of this model (the error lists the valid ones)."""
     from dtlaunch.models.lora import select_targets
     from dtlaunch.models.registry import model_spec

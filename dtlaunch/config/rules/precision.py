@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_precision(cfg: Any, notes: list[str]) -> None:
+
+def check_precision(cfg: JobConfig, notes: list[str]) -> None:
     p = cfg.precision
     if p.param_dtype == "fp16" and not p.loss_scaling:
         raise ConfigError(
@@ -19,7 +22,7 @@ def check_precision(cfg: Any, notes: list[str]) -> None:
         notes.append("fp16 on CPU is slow and poorly supported; bf16 is the better choice there")
 
 
-def check_float8(cfg: Any) -> None:
+def check_float8(cfg: JobConfig) -> None:
     p, hw = cfg.precision, cfg.hardware
     emulate = bool(p.float8_emulate)
     if p.float8 == "none":
@@ -44,7 +47,7 @@ def check_float8(cfg: Any) -> None:
         raise ConfigError("precision.float8_emulate=true runs eagerly only: set training.compile=false")
 
 
-def check_float8_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_float8_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     hw, la = cfg.hardware, cfg.launch
     gloo = la.backend == "gloo" or (la.backend == "auto" and int(hw.gpus_per_node) == 0)
     if cfg.precision.float8 == "tensorwise" and layout.tp > 1 and cfg.strategy.sequence_parallel and gloo:

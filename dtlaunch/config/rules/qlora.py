@@ -8,13 +8,16 @@ whole NF4 blocks: each FSDP row shard holds `nf4_block_size x nf4_scaler_block_s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def fsdp_shards(cfg: Any, layout: Layout) -> int:
+
+def fsdp_shards(cfg: JobConfig, layout: Layout) -> int:
     """Ranks one FSDP2 unit's parameters are cut into (1 without FSDP): the shard dim of the data mesh,
     or its one dim when only replicas or only shards exist (dtlaunch.train.parallel.mesh.dp_mesh)."""
     if int(cfg.strategy.zero_stage) < 2:
@@ -24,7 +27,7 @@ def fsdp_shards(cfg: Any, layout: Layout) -> int:
     return layout.dp_replicate * layout.shard
 
 
-def check_qlora(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_qlora(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     if str(cfg.peft.method) != "qlora":
         return
     import importlib.util
@@ -46,7 +49,7 @@ def check_qlora(cfg: Any, layout: Layout, notes: list[str]) -> None:
     check_nf4_blocks(cfg, fsdp_shards(cfg, layout))
 
 
-def check_nf4_blocks(cfg: Any, shards: int) -> None:
+def check_nf4_blocks(cfg: JobConfig, shards: int) -> None:
     """Every frozen block linear, cut into `shards` row shards, holds whole NF4 blocks (shapes from the
     model built on the meta device with its adapters)."""
     from dtlaunch.models.lora import apply_lora

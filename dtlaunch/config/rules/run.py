@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.rules import need_package
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_logging(cfg: Any, notes: list[str]) -> None:
+
+def check_logging(cfg: JobConfig, notes: list[str]) -> None:
     for tracker in cfg.logging.trackers:
         name = str(tracker)
         need_package(
@@ -21,7 +24,7 @@ def check_logging(cfg: Any, notes: list[str]) -> None:
         raise ConfigError(f"logging.wandb.mode='{cfg.logging.wandb.mode}' is unknown: use offline, online or disabled")
 
 
-def check_profiling(cfg: Any, notes: list[str]) -> None:
+def check_profiling(cfg: JobConfig, notes: list[str]) -> None:
     pr, steps = cfg.profiling, int(cfg.training.steps)
     if not pr.enabled:
         return
@@ -32,7 +35,7 @@ def check_profiling(cfg: Any, notes: list[str]) -> None:
         )
 
 
-def check_run_name(cfg: Any, notes: list[str]) -> None:
+def check_run_name(cfg: JobConfig, notes: list[str]) -> None:
     # run.name names a directory under run.root ('group/name' is fine): an absolute name or a '..' part
     # would put the run, and every file it writes, outside run.root.
     name = str(cfg.run.name)

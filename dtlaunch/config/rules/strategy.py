@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers, ulysses_kv_heads, world_size
 from dtlaunch.config.schema import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, SPLIT_BACKWARD, CpStyle
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_layout(cfg: Any, notes: list[str]) -> Layout:
+
+def check_layout(cfg: JobConfig, notes: list[str]) -> Layout:
     return Layout.resolve(cfg.strategy, world_size(cfg))
 
 
-def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     if layout.tp == 1:
         return
     from dtlaunch.models.registry import model_spec
@@ -36,7 +39,7 @@ def check_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_context_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     """strategy.cp: 2·cp equal chunks per sequence (load balancing), plain causal attention of a
     registry decoder, and the layouts the ring attention composes with."""
     cp = layout.cp
@@ -87,7 +90,7 @@ def check_context_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_ulysses(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_ulysses(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     """strategy.cp_style=ulysses: every rank attends over the whole sequence for (heads / tp) / cp of the
     query heads, so cp must divide them; K/V heads that cp does not divide are repeated (grouped-query
     attention: config.layout.ulysses_kv_heads). The model's attention must be swappable: a registry
@@ -116,7 +119,7 @@ def check_ulysses(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_pipeline(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     s = cfg.strategy
     name = s.pp_schedule
     if name not in PP_SCHEDULES and not name.startswith("Schedule"):
@@ -193,7 +196,7 @@ def check_pipeline(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_moe_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     """Tensor parallel splits an MoE model's attention only; its routers and experts stay whole, plain
     tensors beside the DTensors, which only FSDP (turning every parameter into a DTensor) lets the
     optimizer's multi-tensor kernels take together."""
@@ -208,7 +211,7 @@ def check_moe_tensor_parallel(cfg: Any, layout: Layout, notes: list[str]) -> Non
         )
 
 
-def check_expert_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_expert_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     """strategy.ep: a MoE model, FSDP, and a degree dividing both the experts and the shard ranks."""
     ep = layout.ep
     if ep == 1:
@@ -243,7 +246,7 @@ def check_expert_parallel(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_zero(cfg: Any, layout: Layout, notes: list[str]) -> None:
+def check_zero(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     z = cfg.strategy.zero_stage
     if z not in (0, 1, 2, 3):
         raise ConfigError(f"strategy.zero_stage={z} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3 (FSDP full shard)")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import Layout, global_batch
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_batch(cfg: Any, layout: Layout, notes: list[str]) -> None:
+
+def check_batch(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     gb = global_batch(cfg, layout)
     per_step = cfg.training.micro_batch * layout.dp
     if gb % per_step:
@@ -18,7 +21,7 @@ def check_batch(cfg: Any, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_training(cfg: Any, notes: list[str]) -> None:
+def check_training(cfg: JobConfig, notes: list[str]) -> None:
     t = cfg.training
     check_ac_options(t)
     if t.seq_len > cfg.model.max_seq_len:
