@@ -3,10 +3,13 @@ terminal and the results in RUN/eval/<time>.json (or --out)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.commands.common import console
 from dtlaunch.infer.harness import EvalRequest, check_request, evaluate_source, metric_rows, resolve_source
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def eval_command(
@@ -56,7 +59,7 @@ def results_table(record: dict) -> Any:
 TRAINING_KEYS = ("training.eval_tasks", "training.eval_include")  # the names an error shows
 
 
-def request_of(cfg: Any) -> EvalRequest:
+def request_of(cfg: JobConfig) -> EvalRequest:
     """training.eval_* as an eval request."""
     t = cfg.training
     return EvalRequest(
@@ -69,7 +72,7 @@ def request_of(cfg: Any) -> EvalRequest:
     )
 
 
-def check_eval_tasks(cfg: Any, datasets_here: bool = True) -> None:
+def check_eval_tasks(cfg: JobConfig, datasets_here: bool = True) -> None:
     """Before any worker starts: lm_eval installed, the include directory there, every task name known, and
     a chat template to apply if one is asked for. `datasets_here`: the evaluation runs in this environment
     (`train`), so offline its hub datasets must be cached here; a submitted job evaluates on the cluster."""
@@ -84,7 +87,7 @@ def check_eval_tasks(cfg: Any, datasets_here: bool = True) -> None:
     check_request(request_of(cfg), *TRAINING_KEYS, datasets_here=datasets_here)
 
 
-def eval_after_training(cfg: Any, run_dir: Any) -> None:
+def eval_after_training(cfg: JobConfig, run_dir: Any) -> None:
     """training.eval_tasks on the run's final checkpoint, in the launcher once the workers have exited:
     the checkpoint holds the full model whatever layout trained it, so one process on one device loads
     it as `dtlaunch eval RUN` does (no gathering of shards, no process group for lm_eval to meet, and

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dtlaunch.errors import exit_code_of
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_finished(cfg: Any, run_dir: Path) -> None:
+
+def check_finished(cfg: JobConfig, run_dir: Path) -> None:
     """The run's newest complete checkpoint is its final one (step >= training.steps)."""
     from dtlaunch.errors import InputError
     from dtlaunch.infer.harness import resolve_source

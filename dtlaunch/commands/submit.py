@@ -8,13 +8,14 @@ training succeeded). The job ids are kept in run_dir/slurm.json so `status RUN` 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dtlaunch.commands.common import Job, console, load_job, summary_table
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.run.run_dir import METRICS_NAME
 
 if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
     from dtlaunch.launch.slurm import JobStatus
 
 
@@ -92,7 +93,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
     return 0
 
 
-def _print_eval_script(cfg: Any, run_dir: Path) -> None:
+def _print_eval_script(cfg: JobConfig, run_dir: Path) -> None:
     """A dry run with training.eval_tasks: the evaluation job's script on stderr (stdout keeps the training
     script alone)."""
     import sys

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.commands.common import Job, console, summary_table
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def _fix_run_name(job: Job) -> str:
@@ -69,7 +72,7 @@ def submit_remote(job: Job, dry_run: bool) -> int:
     return 0
 
 
-def _node_run_dir(cfg: Any, name: str) -> str:
+def _node_run_dir(cfg: JobConfig, name: str) -> str:
     from dtlaunch.launch.remote import node_run_dir
 
     section = cfg.cluster.k8s if cfg.cluster.kind == "kubernetes" else cfg.cluster.sky

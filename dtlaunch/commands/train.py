@@ -6,11 +6,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from dtlaunch.commands.common import console, load_job, summary_table
 from dtlaunch.errors import EXIT_PLAN_DOES_NOT_FIT
 from dtlaunch.launch.warm_start import Prepared
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def train_command(
@@ -128,7 +131,7 @@ def _prepare_run_dir(job: Any, plan: Any, no_resume: bool, run_dir: Path) -> Non
     check_resume(job.cfg, run_dir, say=lambda msg: out.print(msg, markup=False))
 
 
-def _lock_run_dir(cfg: Any, run_dir: Path) -> int:
+def _lock_run_dir(cfg: JobConfig, run_dir: Path) -> int:
     """The run directory's lock (-1: not this launcher's to take). Of a multi-node run only node 0 takes
     it: the others share its directory, and its rendezvous refuses a second job under the same id."""
     from dtlaunch.launch.local import node_rank_of
@@ -174,14 +177,14 @@ def launch_prepared(prepared: Prepared) -> int:
     return 0
 
 
-def check_hf_weights(cfg: Any) -> None:
+def check_hf_weights(cfg: JobConfig) -> None:
     """The weights training starts from, before a run directory is created (dtlaunch.inputs.job)."""
     from dtlaunch.inputs.job import check_training_weights
 
     check_training_weights(cfg, fetch=True)
 
 
-def _launch_recording_state(cfg: Any, run_dir: Path) -> None:
+def _launch_recording_state(cfg: JobConfig, run_dir: Path) -> None:
     """launch_local, with RUN/state.json saying what happened (read by `dtlaunch status`)."""
     from dtlaunch.errors import Preempted
     from dtlaunch.launch.local import launch_local, node_rank_of
