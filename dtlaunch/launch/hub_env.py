@@ -11,16 +11,19 @@ Variables set explicitly in cluster.k8s.env / cluster.sky.env win over the forwa
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 CACHE_VARS = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
 TOKEN_VAR = "HF_TOKEN"
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 
 
-def uses_hub(cfg: Any) -> bool:
+def uses_hub(cfg: JobConfig) -> bool:
     """The job names a hub model (model.init_from=hf:ORG/NAME) or a hub dataset (data.kind=hf)."""
     from dtlaunch.hub.dataset import hub_dataset_refs
     from dtlaunch.inputs.job import is_hub_model
@@ -28,7 +31,7 @@ def uses_hub(cfg: Any) -> bool:
     return is_hub_model(cfg) or bool(hub_dataset_refs(cfg))
 
 
-def forwarded_env(cfg: Any, explicit: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
+def forwarded_env(cfg: JobConfig, explicit: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
     """The launcher's hub cache variables that are set, for a job that reads hub names; none otherwise
     (a local job's manifest does not change with the submitting shell)."""
     if not uses_hub(cfg):
@@ -36,7 +39,7 @@ def forwarded_env(cfg: Any, explicit: Mapping[str, Any], environ: Mapping[str, s
     return {k: environ[k] for k in CACHE_VARS if environ.get(k) and k not in explicit}
 
 
-def token_to_forward(cfg: Any, explicit: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+def token_to_forward(cfg: JobConfig, explicit: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
     """The launcher holds HF_TOKEN for a job that reads hub names, and the nodes' env does not set it."""
     return bool(environ.get(TOKEN_VAR)) and TOKEN_VAR not in explicit and uses_hub(cfg)
 

@@ -16,10 +16,13 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
 from dtlaunch.launch import hub_env, remote
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 TRAINJOB = ("trainer.kubeflow.org", "v1alpha1", "TrainJob", "trainjobs")
 PYTORCHJOB = ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs")
@@ -32,11 +35,11 @@ PATCH_MANAGER = "dtlaunch"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "dtlaunch"}
 
 
-def _api(cfg: Any) -> tuple[str, str, str, str]:
+def _api(cfg: JobConfig) -> tuple[str, str, str, str]:
     return PYTORCHJOB if str(cfg.cluster.k8s.api) == "pytorchjob" else TRAINJOB
 
 
-def _check(cfg: Any) -> None:
+def _check(cfg: JobConfig) -> None:
     k = cfg.cluster.k8s
     if cfg.cluster.nodes < 1:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} must be >= 1")
@@ -60,7 +63,7 @@ def _check(cfg: Any) -> None:
         raise ConfigError(f"cluster.signal_before_s={cfg.cluster.signal_before_s} must be >= 0")
 
 
-def _env(cfg: Any, environ: Mapping[str, str]) -> list[dict[str, Any]]:
+def _env(cfg: JobConfig, environ: Mapping[str, str]) -> list[dict[str, Any]]:
     """PYTHONUNBUFFERED, the launcher's hub cache variables (hub_env.py), HF_TOKEN from the Secret
     cluster.k8s.hf_token_secret names (a reference: the value never enters the manifest), then
     cluster.k8s.env, which wins."""
@@ -75,7 +78,7 @@ def _env(cfg: Any, environ: Mapping[str, str]) -> list[dict[str, Any]]:
     return env
 
 
-def _resources(cfg: Any, gpus: int) -> dict[str, Any]:
+def _resources(cfg: JobConfig, gpus: int) -> dict[str, Any]:
     k = cfg.cluster.k8s
     amounts = {}
     if k.cpu:
@@ -87,7 +90,7 @@ def _resources(cfg: Any, gpus: int) -> dict[str, Any]:
     return {"limits": dict(amounts), "requests": dict(amounts)} if amounts else {}
 
 
-def _volumes(cfg: Any, config_map: str) -> tuple[list[dict], list[dict]]:
+def _volumes(cfg: JobConfig, config_map: str) -> tuple[list[dict], list[dict]]:
     k = cfg.cluster.k8s
     volumes = [
         {"name": "runs", "persistentVolumeClaim": {"claimName": k.pvc}},
@@ -103,7 +106,7 @@ def _volumes(cfg: Any, config_map: str) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _pod_fields(cfg: Any) -> dict[str, Any]:
+def _pod_fields(cfg: JobConfig) -> dict[str, Any]:
     k = cfg.cluster.k8s
     fields: dict[str, Any] = {"terminationGracePeriodSeconds": int(cfg.cluster.signal_before_s)}
     if k.service_account:
@@ -119,7 +122,7 @@ def _pod_fields(cfg: Any) -> dict[str, Any]:
     return fields
 
 
-def node_script(cfg: Any, config_file: str, nodes: int) -> str:
+def node_script(cfg: JobConfig, config_file: str, nodes: int) -> str:
     """The shell each pod runs. TrainJob: Kubeflow Trainer's torch variables. PyTorchJob: the Training
     Operator sets MASTER_ADDR/MASTER_PORT and the node's index as PET_NODE_RANK (RANK in older versions)."""
     if str(cfg.cluster.k8s.api) == "pytorchjob":
@@ -131,7 +134,7 @@ def node_script(cfg: Any, config_file: str, nodes: int) -> str:
     return "\n".join(["set -eu", *check, remote.train_command(shlex.quote(config_file), rank, endpoint)]) + "\n"
 
 
-def render(cfg: Any, run_name: str, environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+def render(cfg: JobConfig, run_name: str, environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """[ConfigMap, TrainJob | PyTorchJob] as plain dicts (what the API server receives); `environ`: the
     launcher's environment (default os.environ), read for the hub variables the pods get."""
     _check(cfg)

@@ -16,14 +16,17 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, InputError, Preempted, WorkerFailed
 from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def _detected_gpus(cfg: Any) -> int:
+
+def _detected_gpus(cfg: JobConfig) -> int:
     """GPUs on this host; only asked (importing torch) when launch.nproc_per_node leaves it open."""
     if cfg.launch.nproc_per_node > 0:
         return 0
@@ -32,7 +35,7 @@ def _detected_gpus(cfg: Any) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def torchrun_args(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> list[str]:
+def torchrun_args(cfg: JobConfig, run_dir: Path, detected_gpus: int | None = None) -> list[str]:
     """The torchrun argument list (without the leading `torchrun`)."""
     la = cfg.launch
     nproc = nproc_per_node(cfg, detected_gpus)
@@ -66,7 +69,7 @@ def node_rank_of(la: Any) -> int:
     return -1
 
 
-def worker_env(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> dict[str, str]:
+def worker_env(cfg: JobConfig, run_dir: Path, detected_gpus: int | None = None) -> dict[str, str]:
     """Variables the workers inherit: the run directory and a thread count that does not oversubscribe."""
     threads = int(cfg.launch.threads_per_worker)
     if threads <= 0:
@@ -77,7 +80,7 @@ def worker_env(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> dic
     return {RUN_DIR_ENV: str(run_dir), "OMP_NUM_THREADS": str(threads), **recorder}
 
 
-def launch_command(cfg: Any, run_dir: Path, detected_gpus: int | None = None) -> str:
+def launch_command(cfg: JobConfig, run_dir: Path, detected_gpus: int | None = None) -> str:
     """The exact shell command equivalent to what `launch_local` runs (printed by --dry-run)."""
     if detected_gpus is None:
         detected_gpus = _detected_gpus(cfg)
@@ -121,7 +124,7 @@ def _cheap_rendezvous_event_names() -> None:
     dynamic_rendezvous.get_method_name = get_method_name
 
 
-def launch_local(cfg: Any, run_dir: Path) -> None:
+def launch_local(cfg: JobConfig, run_dir: Path) -> None:
     """Run the workers to completion; raise WorkerFailed (exit 1) naming the first rank that failed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -171,7 +174,7 @@ def launch_local(cfg: Any, run_dir: Path) -> None:
             logging.getLogger(n).setLevel(lvl)
 
 
-def use_forks(cfg: Any) -> bool:
+def use_forks(cfg: JobConfig) -> bool:
     """launch.worker_start=auto, and this launcher preloaded the workers' imports where a fork is safe
     (dtlaunch.launch.forked_workers)."""
     from dtlaunch.launch.forked_workers import ready
@@ -193,7 +196,7 @@ def finished_since(run_dir: Path, launched_at: float, total_steps: int) -> bool:
         return False
 
 
-def preempted_message(run_dir: Path, signame: str, cfg: Any = None) -> str:
+def preempted_message(run_dir: Path, signame: str, cfg: JobConfig | None = None) -> str:
     """The one line for a stopped run: where it was saved (exit 75), or that nothing was (exit 1)."""
     from dtlaunch.run import preemption
 
@@ -215,7 +218,7 @@ def preempted_message(run_dir: Path, signame: str, cfg: Any = None) -> str:
     )
 
 
-def _newest_checkpoint(cfg: Any, run_dir: Path) -> Any:
+def _newest_checkpoint(cfg: JobConfig, run_dir: Path) -> Any:
     from dtlaunch.run.checkpoints import checkpoint_root, newest_complete
 
     return newest_complete(checkpoint_root(cfg, run_dir))[0] if cfg.checkpoint.enabled else None

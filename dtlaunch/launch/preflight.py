@@ -8,12 +8,15 @@ resume that is corrupt or was written for a different model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Token ids scanned for the vocabulary check: whole corpora up to this size (a memory-mapped max runs
 # at several GB/s), evenly spaced windows of a larger one.
@@ -21,7 +24,7 @@ SCAN_TOKENS = 64 << 20
 WINDOW = 1 << 20
 
 
-def check_data(cfg: Any, run_dir: Path, layout: Layout) -> None:
+def check_data(cfg: JobConfig, run_dir: Path, layout: Layout) -> None:
     """A scan of the prepared token shards (training and validation): every id < model.vocab_size.
     (That each holds one global batch is checked by prepare_run_data, which runs just before.)"""
     from dtlaunch.data.shards import open_shards
@@ -64,7 +67,7 @@ def _max_id(arr: np.ndarray) -> tuple[int, int]:
     return top, where
 
 
-def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optional[Any]:
+def check_resume(cfg: JobConfig, run_dir: Path, say: Callable[[str], None]) -> Optional[Any]:
     """The checkpoint the workers will resume from (contents verified, newest intact first), checked
     against the config: same parameter names and shapes. Returns its CheckpointInfo, or None."""
     import os
@@ -97,7 +100,7 @@ def check_resume(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> Optiona
     return info
 
 
-def check_model_matches(cfg: Any, info: Any) -> None:
+def check_model_matches(cfg: JobConfig, info: Any) -> None:
     """The checkpoint's model tensors (names and shapes, from its .metadata) against the config's model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -148,7 +151,7 @@ def check_model_matches(cfg: Any, info: Any) -> None:
     )
 
 
-def _model_fields(cfg: Any) -> dict:
+def _model_fields(cfg: JobConfig) -> dict:
     from dtlaunch.config.schema import to_dict
 
     return dict(to_dict(cfg)["model"])

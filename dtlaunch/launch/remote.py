@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # RFC 1123 label (namespaces, most object names) and subdomain (ConfigMaps, PVCs), as Kubernetes checks them.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -60,7 +63,7 @@ def job_name(run_name: str, explicit: str = "", key: str = "cluster.k8s.job_name
     return name[:JOB_NAME_MAX].rstrip("-")
 
 
-def gpus_per_node(cfg: Any) -> int:
+def gpus_per_node(cfg: JobConfig) -> int:
     """GPUs each node requests: cluster.gpus_per_node on a GPU profile, 0 on the CPU profile. One worker per
     GPU: a launch.nproc_per_node that says otherwise, or more GPUs than the profile's node has, is refused."""
     if cfg.hardware.name == "cpu" or cfg.hardware.gpus_per_node <= 0:
@@ -84,7 +87,7 @@ def gpus_per_node(cfg: Any) -> int:
     return gpus
 
 
-def workers_per_node(cfg: Any) -> int:
+def workers_per_node(cfg: JobConfig) -> int:
     return nproc_per_node(cfg, gpus_per_node(cfg) or None)
 
 
@@ -105,7 +108,7 @@ def recipe_file_name(recipe: str) -> str:
     return f"{recipe}.yaml" if re.fullmatch(r"[A-Za-z0-9][-_.A-Za-z0-9]*", recipe or "") else "job.yaml"
 
 
-def shipped_config(cfg: Any, run_dir: str, rdzv_id: str, nodes: int, nproc: int) -> str:
+def shipped_config(cfg: JobConfig, run_dir: str, rdzv_id: str, nodes: int, nproc: int) -> str:
     """The resolved job as a recipe file, with what the nodes need fixed in it: the run directory on the
     shared storage, the node and worker counts the job was planned for, and one rendezvous id."""
     from omegaconf import OmegaConf

@@ -10,22 +10,25 @@ import contextlib
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from dtlaunch.errors import InputError
 from dtlaunch.run.run_dir import CONFIG_NAME, LOGS_DIR, METRICS_NAME
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def run_name(cfg: Any, recipe: str) -> str:
+
+def run_name(cfg: JobConfig, recipe: str) -> str:
     """run.name, else "<recipe>-<YYYYmmdd-HHMMSS>" (resolved once here, never in the workers)."""
     return cfg.run.name or f"{recipe or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_dir_for(cfg: Any, recipe: str) -> Path:
+def run_dir_for(cfg: JobConfig, recipe: str) -> Path:
     return Path(cfg.run.dir) if cfg.run.dir else Path(cfg.run.root) / run_name(cfg, recipe)
 
 
-def pin_run_dir(cfg: Any, recipe: str) -> Path:
+def pin_run_dir(cfg: JobConfig, recipe: str) -> Path:
     """The run directory, its name fixed in the config first: the default name holds the time, and the
     lock, the directory, the scripts and config.yaml must all name the same one (computed twice, two
     calls a second apart would give two directories)."""
@@ -53,7 +56,7 @@ def removed_if_failed(run_dir: Path) -> Iterator[None]:
         raise
 
 
-def create_run_dir(cfg: Any, recipe: str) -> Path:
+def create_run_dir(cfg: JobConfig, recipe: str) -> Path:
     """Create the run directory and write the resolved config.yaml; return the absolute path."""
     from omegaconf import OmegaConf
 
@@ -85,7 +88,7 @@ def _free_prev_name(run_dir: Path) -> Path:
     return run_dir / f"config.prev-{n}.yaml"
 
 
-def move_checkpoints_aside(cfg: Any, run_dir: Path) -> Path | None:
+def move_checkpoints_aside(cfg: JobConfig, run_dir: Path) -> Path | None:
     """`--no-resume` on a run directory with checkpoints: rename its checkpoint directory to
     `<dir>.prev-<time>` (never delete: they may be the only copy of days of training) and its
     metrics.jsonl to `metrics.prev-<time>.jsonl` (the fresh run's step 1.. must not mix with the old

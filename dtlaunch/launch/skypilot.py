@@ -17,10 +17,13 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from dtlaunch.errors import EXIT_PREEMPTED, ConfigError, DtlaunchError
 from dtlaunch.launch import hub_env, remote
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 TASK_NAME = "skypilot.yaml"
 RECORD_NAME = "skypilot.json"
@@ -35,7 +38,7 @@ ACCELERATORS = {
 }
 
 
-def accelerator(cfg: Any) -> str:
+def accelerator(cfg: JobConfig) -> str:
     """`NAME:COUNT` per node, or "" on the CPU profile."""
     gpus = remote.gpus_per_node(cfg)
     if not gpus:
@@ -51,7 +54,7 @@ def accelerator(cfg: Any) -> str:
     return f"{name}:{gpus}"
 
 
-def _check(cfg: Any) -> None:
+def _check(cfg: JobConfig) -> None:
     s = cfg.cluster.sky
     if cfg.cluster.nodes < 1:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} must be >= 1")
@@ -79,7 +82,7 @@ def check_bucket_name(key: str, value: str) -> str:
     return value
 
 
-def run_script(cfg: Any, run_dir: str, config_text: str, file_name: str, nodes: int) -> str:
+def run_script(cfg: JobConfig, run_dir: str, config_text: str, file_name: str, nodes: int) -> str:
     """`run:`: write the shipped config, then `dtlaunch train` as node SKYPILOT_NODE_RANK, meeting at the
     first node's address."""
     port = int(cfg.cluster.sky.rdzv_port)
@@ -103,7 +106,7 @@ def run_script(cfg: Any, run_dir: str, config_text: str, file_name: str, nodes: 
     )
 
 
-def render(cfg: Any, run_name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def render(cfg: JobConfig, run_name: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The task as a dict (what `sky launch TASK.yaml` reads); `environ`: the launcher's environment
     (default os.environ), read for the hub variables the nodes get."""
     _check(cfg)
@@ -151,7 +154,7 @@ def to_yaml(task: dict[str, Any]) -> str:
     return remote.to_yaml([task])
 
 
-def launch_command(cfg: Any, task_file: Path, name: str, secrets: Sequence[str] = ()) -> list[str]:
+def launch_command(cfg: JobConfig, task_file: Path, name: str, secrets: Sequence[str] = ()) -> list[str]:
     """`secrets`: names whose values `sky` takes from its own environment (`--secret NAME`, no value)."""
     given = [w for n in secrets for w in ("--secret", str(n))]
     if cfg.cluster.sky.managed:
@@ -167,7 +170,7 @@ def require_cli() -> None:
         )
 
 
-def submit(cfg: Any, run_dir: Path, task: dict[str, Any]) -> str:
+def submit(cfg: JobConfig, run_dir: Path, task: dict[str, Any]) -> str:
     """Write the task into the run directory and launch it with SkyPilot's CLI; the job's name."""
     require_cli()
     path = Path(run_dir) / TASK_NAME

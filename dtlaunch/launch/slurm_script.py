@@ -28,13 +28,16 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from dtlaunch.config.layout import nproc_per_node
 from dtlaunch.errors import EXIT_PREEMPTED, ConfigError
 from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 from dtlaunch.run.flight_recorder import launch_env
 from dtlaunch.run.run_dir import LOGS_DIR
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 SCRIPT_NAME = "slurm.sbatch"
 EVAL_SCRIPT_NAME = "slurm-eval.sbatch"
@@ -53,14 +56,14 @@ def quote(key: str, value: Any) -> str:
     return shlex.quote(text)
 
 
-def gpus_per_node(cfg: Any) -> int:
+def gpus_per_node(cfg: JobConfig) -> int:
     """GPUs requested per node: only when the target hardware has GPUs (a CPU profile asks for none)."""
     if cfg.hardware.name == "cpu" or cfg.hardware.gpus_per_node <= 0:
         return 0
     return max(0, int(cfg.cluster.gpus_per_node))
 
 
-def workers_per_node(cfg: Any) -> int:
+def workers_per_node(cfg: JobConfig) -> int:
     return nproc_per_node(cfg, gpus_per_node(cfg) or None)
 
 
@@ -71,7 +74,7 @@ def check_log_dir(run_dir: Path) -> Path:
     return Path(run_dir)
 
 
-def user_sbatch_args(cfg: Any) -> list[str]:
+def user_sbatch_args(cfg: JobConfig) -> list[str]:
     """cluster.sbatch_args, quoted: the site's extra options, for the training and the evaluation job."""
     opts = []
     for i, arg in enumerate(cfg.cluster.sbatch_args):
@@ -81,7 +84,7 @@ def user_sbatch_args(cfg: Any) -> list[str]:
     return opts
 
 
-def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
+def sbatch_options(cfg: JobConfig, run_dir: Path, job_name: str) -> list[str]:
     """The `#SBATCH` options, already quoted."""
     cl = cfg.cluster
     opts = [
@@ -97,7 +100,7 @@ def sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
     return opts + user_sbatch_args(cfg)
 
 
-def site_options(cfg: Any, run_dir: Path, time_key: str) -> list[str]:
+def site_options(cfg: JobConfig, run_dir: Path, time_key: str) -> list[str]:
     """The options a run's training and evaluation jobs share, quoted: CPUs per task, the site's memory,
     partition, account and qos, the time limit `cluster.<time_key>`, the logs, and requeue."""
     cl = cfg.cluster
@@ -122,7 +125,7 @@ def site_options(cfg: Any, run_dir: Path, time_key: str) -> list[str]:
     ]
 
 
-def check_cluster(cfg: Any) -> None:
+def check_cluster(cfg: JobConfig) -> None:
     cl = cfg.cluster
     if cl.nodes < 1:
         raise ConfigError(f"cluster.nodes={cl.nodes} must be >= 1")
@@ -132,7 +135,7 @@ def check_cluster(cfg: Any) -> None:
         raise ConfigError(f"cluster.cpus_per_task={cl.cpus_per_task} must be >= 0 (0 = Slurm's default)")
 
 
-def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "") -> str:
+def render_script(cfg: JobConfig, run_dir: Path, job_name: str = "", python: str = "") -> str:
     """The complete sbatch script for this job (bash)."""
     check_cluster(cfg)
     run_dir = Path(run_dir)
@@ -223,7 +226,7 @@ def render_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "")
     return "\n".join(lines) + "\n"
 
 
-def write_script(cfg: Any, run_dir: Path, job_name: str = "") -> Path:
+def write_script(cfg: JobConfig, run_dir: Path, job_name: str = "") -> Path:
     """The training job's script, and with training.eval_tasks the evaluation job's beside it (a stale
     one from an earlier submission without them is removed: its presence means "submit it too")."""
     path = Path(run_dir) / SCRIPT_NAME
@@ -238,7 +241,7 @@ def write_script(cfg: Any, run_dir: Path, job_name: str = "") -> Path:
     return path
 
 
-def wants_eval_job(cfg: Any) -> bool:
+def wants_eval_job(cfg: JobConfig) -> bool:
     return bool(cfg.training.eval_tasks)
 
 
@@ -247,7 +250,7 @@ def dependency_option(train_job_id: str) -> str:
     return f"--dependency=afterok:{train_job_id}"
 
 
-def eval_sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
+def eval_sbatch_options(cfg: JobConfig, run_dir: Path, job_name: str) -> list[str]:
     """The evaluation job's `#SBATCH` options, already quoted: the training job's site options
     (partition, account, qos, mem, sbatch_args) on one node with one task and one GPU, its own time
     limit (cluster.eval_time). Requeued when preempted or its node is lost: it evaluates again from the
@@ -261,7 +264,7 @@ def eval_sbatch_options(cfg: Any, run_dir: Path, job_name: str) -> list[str]:
     return opts + user_sbatch_args(cfg)
 
 
-def render_eval_script(cfg: Any, run_dir: Path, job_name: str = "", python: str = "") -> str:
+def render_eval_script(cfg: JobConfig, run_dir: Path, job_name: str = "", python: str = "") -> str:
     """The evaluation job's sbatch script (bash); submitted with dependency_option(<training job id>)."""
     run_dir = Path(run_dir)
     job_name = job_name or run_dir.name

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.run.run_dir import METRICS_NAME
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 SUMMARY_NAME = "summary.json"
 
@@ -24,7 +27,7 @@ def _last_value(rows: list[dict], key: str) -> Optional[float]:
     return None
 
 
-def complete_summary(cfg: Any, layout: Any, run_dir: Path, wall_time_s: float) -> dict[str, Any]:
+def complete_summary(cfg: JobConfig, layout: Any, run_dir: Path, wall_time_s: float) -> dict[str, Any]:
     """Read the workers' summary.json, add the launcher's view, write it back, return it ({} if absent)."""
     from dtlaunch.config.layout import global_batch, rows_per_sample
     from dtlaunch.models.flops import flops_per_token, mfu

@@ -23,9 +23,12 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dtlaunch.run.parent_death import die_with_parent
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # The exit status of a child stopped by a signal, as a shell reports it.
 _SIGNAL_BASE = 128
@@ -40,7 +43,7 @@ class Prepared:
     run_dir: str
     layout: Any
     recipe: str
-    cfg: Any = None
+    cfg: Any = None  # the job (a JobConfig node) from prepare(), its plain container across the fork
     env: dict[str, Optional[str]] = field(default_factory=dict)  # set (or removed: None) by the preparation
     # The run directory's lock (dtlaunch.launch.runlock), held for the job's life; -1: none taken.
     lock_fd: int = -1
@@ -192,7 +195,7 @@ def _receive(sock: socket.socket) -> tuple[Optional[Prepared], list[int]]:
     return pickle.loads(b"".join(chunks)), fds
 
 
-def _container(cfg: Any) -> Any:
+def _container(cfg: Optional[JobConfig]) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else cfg

@@ -14,10 +14,13 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.run.env import VERIFIED_ENV
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
@@ -30,7 +33,7 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
-def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
+def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
     d = Path(cfg.checkpoint.dir)
     return d if d.is_absolute() else Path(run_dir) / d
 
@@ -164,7 +167,7 @@ def resolve_load_path(path: Path, verify: bool = False) -> tuple[CheckpointInfo,
     raise ConfigError(f"no complete checkpoint in '{path}': see `dtlaunch ckpt ls {path}`")
 
 
-def refuse_if_checkpoints(cfg: Any, run_dir: Path) -> None:
+def refuse_if_checkpoints(cfg: JobConfig, run_dir: Path) -> None:
     """`--no-resume`: a run directory that already holds checkpoints is an error (exit 2)."""
     found = scan_checkpoints(checkpoint_root(cfg, run_dir))
     if found:
@@ -174,7 +177,7 @@ def refuse_if_checkpoints(cfg: Any, run_dir: Path) -> None:
         )
 
 
-def config_hash(cfg: Any, section: Optional[str] = None) -> str:
+def config_hash(cfg: JobConfig, section: Optional[str] = None) -> str:
     """Stable short hash of the resolved config (or one section, e.g. 'model')."""
     from dtlaunch.config.schema import to_dict
 
@@ -185,7 +188,7 @@ def config_hash(cfg: Any, section: Optional[str] = None) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def layout_description(cfg: Any, world: int) -> dict:
+def layout_description(cfg: JobConfig, world: int) -> dict:
     from dtlaunch.config.layout import Layout
 
     lay = Layout.resolve(cfg.strategy, world)
