@@ -10,9 +10,12 @@ all-to-all buffers: the busiest rank receives more than its balanced share of ro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.models.registry import routed_experts
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def stage_routed_params(m: Any, layer_ids: list[int]) -> int:
@@ -24,13 +27,13 @@ def stage_routed_params(m: Any, layer_ids: list[int]) -> int:
     return sum(layer_params(m, i)["routed"] for i in layer_ids)
 
 
-def imbalance(cfg: Any) -> float:
+def imbalance(cfg: JobConfig) -> float:
     """plan.moe_imbalance: the busiest expert's routed copies over the mean (what training logs)."""
     plan = getattr(cfg, "plan", None)
     return float(getattr(plan, "moe_imbalance", 1.0)) if plan is not None else 1.0
 
 
-def rank_imbalance(cfg: Any, ep: int) -> float:
+def rank_imbalance(cfg: JobConfig, ep: int) -> float:
     """The busiest EP rank's routed copies over the mean. Exact at the two ends: 1 when one rank holds
     every expert, plan.moe_imbalance when each rank holds one; in between a rank's load sums E / ep
     experts' and evens out, interpolated linearly in the rank count. (The bench's EP rows, 4 experts a
@@ -41,7 +44,7 @@ def rank_imbalance(cfg: Any, ep: int) -> float:
     return 1.0 + (imbalance(cfg) - 1.0) * (ep - 1) / (experts - 1)
 
 
-def all_to_all_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
+def all_to_all_bytes(cfg: JobConfig, ep: int, tokens: int, e: int) -> float:
     """Dispatch/combine buffers of the MoE layer in flight: the received token copies (busiest rank) and
     their expert-major copy; on the way back the outputs and their rank-major copy, the same size."""
     m = cfg.model
@@ -51,7 +54,7 @@ def all_to_all_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
     return 2.0 * e * copies * int(m.dim)
 
 
-def a2a_volume_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
+def a2a_volume_bytes(cfg: JobConfig, ep: int, tokens: int, e: int) -> float:
     """Bytes one rank sends per MoE layer and micro-batch, forward + backward (4 all-to-alls): the
     (ep - 1) / ep of its routed copies that leave for other ranks."""
     m = cfg.model
@@ -60,7 +63,7 @@ def a2a_volume_bytes(cfg: Any, ep: int, tokens: int, e: int) -> float:
     return 4.0 * (ep - 1) / ep * tokens * int(m.moe.top_k) * int(m.dim) * e
 
 
-def grouped_gemm(cfg: Any) -> bool:
+def grouped_gemm(cfg: JobConfig) -> bool:
     """Whether the runtime computes the routed experts with torch's grouped GEMM rather than one matmul
     per expert (dtlaunch.models.moe.experts.grouped_mm_supported), which changes what the op-level
     selective AC saves. Rows must be multiples of 16 bytes. GPU: Hopper profiles in bf16 (torch's fast

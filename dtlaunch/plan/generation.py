@@ -24,12 +24,15 @@ micro-batch: the same moment as a reference forward (dtlaunch.plan.objective.ref
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import decode_positions_multiple
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 PHASE_GENERATION = "generation"
 # One unit's all-gather: the flat output and the unsharded storage it is copied into exist together.
@@ -110,7 +113,7 @@ def _between_steps(static: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in static.items() if k != Line.ACCUMULATED_GRADIENTS}
 
 
-def tool_process_bytes(cfg: Any) -> float:
+def tool_process_bytes(cfg: JobConfig) -> float:
     """Host RAM of the rank's user-code process (objective.tools, environments, user reward functions in a
     child process, dtlaunch.inputs.tools): at most its address-space limit, objective.tool_memory_mb. 0 when
     none runs (no user code, objective.tool_timeout_s 0: it runs in the worker) or it has no limit."""

@@ -18,7 +18,7 @@ costs 1/num_iterations of:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, generation_gather, global_batch
 from dtlaunch.models.dense.shapes import head_dim, kv_heads
@@ -26,12 +26,15 @@ from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import hardware
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 # Seconds one small collective of a decode step costs on the critical path, whatever its size: the order of
 # NCCL's published small-message all-reduce latency inside an NVLink node (nccl-tests, tens of microseconds).
 TP_COLLECTIVE_LATENCY_S = 20e-6
 
 
-def generation_seconds(cfg: Any, lay: Layout, efficiency: float) -> float:
+def generation_seconds(cfg: JobConfig, lay: Layout, efficiency: float) -> float:
     """Seconds per optimizer step that objective=grpo's rollout adds (0 for the other objectives)."""
     o, m, t, hw = cfg.objective, cfg.model, cfg.training, cfg.hardware
     if str(o.name) != "grpo":

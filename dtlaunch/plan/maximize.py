@@ -12,10 +12,13 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
 
 from dtlaunch.config.layout import MLP_TILE_TOKENS
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 MAXIMIZABLE = ("training.seq_len", "training.micro_batch")
 GRPO_MAXIMIZABLE = ("objective.num_generations", "objective.max_completion_length")
@@ -56,7 +59,7 @@ class Saver:
     pinnable: bool = True  # False: searched even when the command line sets it
 
 
-def _cp_style_levels(cfg: Any) -> tuple[Any, ...]:
+def _cp_style_levels(cfg: JobConfig) -> tuple[Any, ...]:
     from dtlaunch.config.schema import CpStyle
 
     if int(cfg.strategy.cp) == 1:
@@ -64,7 +67,7 @@ def _cp_style_levels(cfg: Any) -> tuple[Any, ...]:
     return (str(CpStyle.ring if cfg.strategy.cp_style == CpStyle.ulysses else CpStyle.ulysses),)
 
 
-def _ac_levels(cfg: Any) -> tuple[Any, ...]:
+def _ac_levels(cfg: JobConfig) -> tuple[Any, ...]:
     order = ("none", "selective", "full")
     return order[order.index(str(cfg.training.activation_checkpointing)) + 1 :]
 
@@ -94,7 +97,7 @@ SAVERS = (
 )
 
 
-def maximize(cfg: Any, key: str, pinned: Collection[str] = ()) -> Maximized:
+def maximize(cfg: JobConfig, key: str, pinned: Collection[str] = ()) -> Maximized:
     """The largest value of `key` (see MAXIMIZABLE) whose plan fits, by bisection over its candidates, over
     every combination of the SAVERS not in `pinned` (the keys the user set: the command line's), with the
     cheapest combination that reaches it (see SAVERS). Memory grows with the value under every combination,
@@ -169,7 +172,7 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _resolved(cfg: Any, key: str, value: int, settings: dict[str, Any]) -> dict[str, Any]:
+def _resolved(cfg: JobConfig, key: str, value: int, settings: dict[str, Any]) -> dict[str, Any]:
     """A combination's settings at `key`=`value`: the loss's chunk count from one rank's tokens there (none
     when that is no more than the job's own count)."""
     if settings.get("training.loss_chunks") != LOSS_CHUNKS_AUTO:
@@ -185,7 +188,7 @@ def _resolved(cfg: Any, key: str, value: int, settings: dict[str, Any]) -> dict[
     return {k: v for k, v in settings.items() if k != "training.loss_chunks"}
 
 
-def _with(cfg: Any, key: str, value: int) -> dict[str, int]:
+def _with(cfg: JobConfig, key: str, value: int) -> dict[str, int]:
     """The overrides that set `key` to `value`: for GRPO the prompts per step, or the prompts' room in
     training.seq_len, stay as they are."""
     from dtlaunch.config.layout import Layout, global_batch, world_size
@@ -199,7 +202,7 @@ def _with(cfg: Any, key: str, value: int) -> dict[str, int]:
     return {key: value}
 
 
-def planned_savers(cfg: Any, key: str, value: int, settings: dict[str, Any]) -> tuple[str, ...]:
+def planned_savers(cfg: JobConfig, key: str, value: int, settings: dict[str, Any]) -> tuple[str, ...]:
     """The savers left to the plan (training.mlp_tiles=0, training.activation_offload unset and not among
     `settings`) that it turns on at `key`=`value` with `settings`, as overrides."""
     from omegaconf import OmegaConf
@@ -219,7 +222,7 @@ def planned_savers(cfg: Any, key: str, value: int, settings: dict[str, Any]) -> 
     return tuple(out)
 
 
-def _candidates(cfg: Any, key: str) -> tuple[Callable[[int], int], int]:
+def _candidates(cfg: JobConfig, key: str) -> tuple[Callable[[int], int], int]:
     """(index -> value, number of candidates), ascending."""
     from dtlaunch.config.layout import Layout, global_batch, world_size
 
@@ -245,7 +248,7 @@ def _candidates(cfg: Any, key: str) -> tuple[Callable[[int], int], int]:
     return (lambda i: values[i]), len(values)
 
 
-def _plan_with(job: Any, cfg: Any, key: str, value: int, settings: dict[str, Any]) -> Any:
+def _plan_with(job: JobConfig, cfg: JobConfig, key: str, value: int, settings: dict[str, Any]) -> Any:
     """The job's plan with `key` set to `value` and the savers' `settings`, or None when the config's rules
     refuse that. `job` is a copy of `cfg` that every probe sets again: each searched key to its setting or
     back to the job's own value."""

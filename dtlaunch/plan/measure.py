@@ -8,12 +8,15 @@ runs: equal to 0.01 %). Pipeline layouts need real peers and are measured by rea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def measure_peak(cfg: Any, world: int, steps: int = 3) -> int:
+
+def measure_peak(cfg: JobConfig, world: int, steps: int = 3) -> int:
     """Peak tracked bytes on rank 0 of `cfg`'s layout over a world of `world` ranks."""
     from dtlaunch.plan.trace import trace_peak
 

@@ -10,7 +10,7 @@ of the real runtime (dtlaunch.plan.trace).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, generation_gather, pp_microbatches
 from dtlaunch.models.registry import model_spec
@@ -19,6 +19,9 @@ from dtlaunch.plan.offload import offload_notes, ranks_per_node
 from dtlaunch.plan.peft import peft_notes
 from dtlaunch.plan.stage import StagePlan, plan_stages
 from dtlaunch.plan.trace import trace_peak, traced_with_fake_tensors
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 GIB = 1024**3
 PHASES = ("forward", "backward", "optimizer")
@@ -121,7 +124,7 @@ class MemoryPlan:
         return max(self.stages, key=lambda s: s.host_peak).host
 
 
-def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan:
+def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> MemoryPlan:
     """Plan every pipeline rank (or, for the search, only those that can hold the peak). objective=grpo
     under ZeRO-3 with objective.generation_gather=auto: the rollout gathers the whole model unless only one
     unit at a time fits; the plan says which (`generation_gather`, and a note)."""
@@ -138,7 +141,7 @@ def plan_memory(cfg: Any, layout: Layout, all_stages: bool = True) -> MemoryPlan
     return plan
 
 
-def _plan_memory(cfg: Any, layout: Layout, all_stages: bool, gather: str) -> MemoryPlan:
+def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) -> MemoryPlan:
     s = cfg.strategy
     if model_spec(cfg.model).analytic:
         stages = plan_stages(cfg, layout, all_stages, gather or "whole")
@@ -193,7 +196,7 @@ def _plan_memory(cfg: Any, layout: Layout, all_stages: bool, gather: str) -> Mem
 TRACED_NOTE = "no closed-form memory model for this model (model._target_ or model.arch=hf_auto): planned by tracing one training step"
 
 
-def _traced_stage(cfg: Any, layout: Layout) -> StagePlan:
+def _traced_stage(cfg: JobConfig, layout: Layout) -> StagePlan:
     """The plan of a model without a closed-form memory model: one traced step of the real runtime
     on rank 0."""
     traced = trace_peak(cfg, layout, rank=0, fake=traced_with_fake_tensors(cfg, layout))

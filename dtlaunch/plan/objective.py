@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import head_unit
 from dtlaunch.plan.cp_terms import forward_exchange_bytes
@@ -28,13 +28,16 @@ from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import loss_chunks
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 PHASE_REFERENCE = "reference forward"
 PHASE_PRECOMPUTE = "reference pass (before training)"
 # What exists before the first step (no optimizer state, gradients or buckets yet).
 _HELD_BEFORE_TRAINING = (Line.PARAMETERS, Line.ADAPTER_PARAMETERS, Line.NF4_BASE_WEIGHTS, Line.BUFFERS)
 
 
-def reference_kind(cfg: Any) -> str:
+def reference_kind(cfg: JobConfig) -> str:
     """none | adapters_off | copy; precomputed references report how the pass computes them. objective=grpo
     holds one only for its KL term (objective.beta > 0): its reference forward runs in the rollout."""
     name = str(cfg.objective.name)
@@ -45,7 +48,7 @@ def reference_kind(cfg: Any) -> str:
     return "copy"
 
 
-def precomputed(cfg: Any) -> bool:
+def precomputed(cfg: JobConfig) -> bool:
     return str(cfg.objective.name) in ("dpo", "kto") and bool(cfg.objective.precompute_reference)
 
 

@@ -16,11 +16,14 @@ every rank's host lines (`host_per_node`). Pure Python, no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import activation_offload as offload_on
 from dtlaunch.config.layout import offload_composes_with_compile
 from dtlaunch.plan.lines import ON_HOST, Line
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Static lines FSDP's CPU offload keeps on the host (each reported as its dtlaunch.plan.lines.ON_HOST line).
 CPU_OFFLOADED = (Line.PARAMETERS, Line.ADAPTER_PARAMETERS, Line.OPTIMIZER_STATE, Line.ACCUMULATED_GRADIENTS)
@@ -170,12 +173,12 @@ def _largest_block_param(c: Any) -> float:
     return float(max(out_f * in_f for out_f, in_f, _ in linears(c.model).values()))
 
 
-def ranks_per_node(cfg: Any, world: int) -> int:
+def ranks_per_node(cfg: JobConfig, world: int) -> int:
     per_node = int(cfg.hardware.gpus_per_node) or int(cfg.launch.nproc_per_node) or world
     return max(1, min(per_node, world))
 
 
-def offload_seconds(cfg: Any, lay: Any, stage_moved: float, params_local: float, accum: int) -> dict[str, float]:
+def offload_seconds(cfg: JobConfig, lay: Any, stage_moved: float, params_local: float, accum: int) -> dict[str, float]:
     """Seconds per optimizer step the host link and the CPU optimizer take.
 
     `stage_moved`: activation bytes one micro-step moves (device to host in forward, back in backward);
@@ -195,13 +198,13 @@ def offload_seconds(cfg: Any, lay: Any, stage_moved: float, params_local: float,
     return out
 
 
-def offload_notes(cfg: Any) -> list[str]:
+def offload_notes(cfg: JobConfig) -> list[str]:
     if not (cfg.training.activation_offload or cfg.strategy.cpu_offload) or int(cfg.hardware.gpus_per_node):
         return []
     return ["offloading on a CPU profile: host and device are the same RAM, so nothing really moves"]
 
 
-def offload_variants(cfg: Any, lay: Any, st: dict, tr: dict) -> list[tuple[bool, bool]]:
+def offload_variants(cfg: JobConfig, lay: Any, st: dict, tr: dict) -> list[tuple[bool, bool]]:
     """(strategy.cpu_offload, training.activation_offload) pairs the layout search tries for one
     candidate, in order: none, activations, CPU offload, both; only those config.rules.offload allows,
     and none but the first on a profile without host_memory_gib. FSDP over one rank exists only to offload

@@ -39,9 +39,12 @@ None: whole on every TP rank)); a family without them is planned as full trainin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.plan.lines import Line
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 ALL_LINEAR = "all-linear"
 # Linears that read the same norm output (autocast: each saves its own cast of it); wq/wk/wv: model.arch=moe's
@@ -90,7 +93,7 @@ class PeftTerms:
         return self.method == "qlora"
 
 
-def linears(cfg: Any) -> dict[str, tuple[int, int, bool]] | None:
+def linears(cfg: JobConfig) -> dict[str, tuple[int, int, bool]] | None:
     """One block's linears from the model family; None when the family does not give them."""
     from dtlaunch.models.registry import model_spec
 
@@ -98,7 +101,7 @@ def linears(cfg: Any) -> dict[str, tuple[int, int, bool]] | None:
     return None if spec.block_linears is None else dict(spec.block_linears(cfg.model))
 
 
-def peft_notes(cfg: Any) -> list[str]:
+def peft_notes(cfg: JobConfig) -> list[str]:
     """The plan's note for a fine-tuning run of a family without closed-form fine-tuning terms."""
     method = str(cfg.peft.method)
     if method == "none" or linears(cfg) is not None:
@@ -109,7 +112,7 @@ def peft_notes(cfg: Any) -> list[str]:
     ]
 
 
-def adapted(cfg: Any, names: list[str]) -> list[str]:
+def adapted(cfg: JobConfig, names: list[str]) -> list[str]:
     targets = [str(t) for t in cfg.peft.targets]
     return list(names) if ALL_LINEAR in targets else [n for n in names if n in targets]
 
@@ -123,7 +126,7 @@ def adapter_params(out: int, inp: int, colwise: bool | None, rank: int, tp: int)
 
 
 def peft_terms(
-    cfg: Any, layers: int, tp: int, sp: bool, shards: int, e: int, autocast: bool, routed_scale: float = 1.0
+    cfg: JobConfig, layers: int, tp: int, sp: bool, shards: int, e: int, autocast: bool, routed_scale: float = 1.0
 ) -> PeftTerms | None:
     """The fine-tuning terms of a stage; None for full training. `shards`: FSDP shard count (1 without);
     `routed_scale`: an MoE rank's routed token copies over the balanced share (expert parallel)."""
@@ -174,7 +177,12 @@ def peft_terms(
 
 
 def frozen_experts_act(
-    cfg: Any, shapes: dict[str, tuple[int, int, bool | None]], chosen: list[str], e: int, autocast: bool, scale: float
+    cfg: JobConfig,
+    shapes: dict[str, tuple[int, int, bool | None]],
+    chosen: list[str],
+    e: int,
+    autocast: bool,
+    scale: float,
 ) -> float:
     """Saved bytes per token of a stage's mean block that an MoE block's frozen FFN no longer keeps (<= 0;
     0 for a model without routed experts): see the module docstring. `shapes` lists the FFN linears after
@@ -239,7 +247,7 @@ def gathered_block(ft: PeftTerms, blk: float, e: int) -> float:
     return e * (blk + ft.adapters_block)
 
 
-def qlora_layout_ok(cfg: Any, tp: int, pp: int, dp: int, replicas: int) -> bool:
+def qlora_layout_ok(cfg: JobConfig, tp: int, pp: int, dp: int, replicas: int) -> bool:
     """Whether a searched layout can run QLoRA (dtlaunch.config.rules.qlora): no tensor or pipeline
     parallel, and every block linear's FSDP row shard holds whole NF4 blocks. Other methods: always."""
     if str(cfg.peft.method) != "qlora":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from itertools import product
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
 from dtlaunch.config.rules.grpo import grpo_layout_problem
@@ -36,6 +36,9 @@ from dtlaunch.plan.offload import offload_seconds, offload_variants
 from dtlaunch.plan.peft import qlora_layout_ok
 from dtlaunch.plan.ulysses_terms import qkv_width
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
 HIDDEN_FRACTION = 0.8  # share of overlappable communication that compute can hide at best
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1))
@@ -48,7 +51,7 @@ def _ns(x: Any) -> Any:
     return x
 
 
-def _plain(cfg: Any) -> Any:
+def _plain(cfg: JobConfig) -> Any:
     from omegaconf import DictConfig, OmegaConf
 
     return _ns(OmegaConf.to_container(cfg, resolve=True)) if isinstance(cfg, DictConfig) else copy.deepcopy(cfg)
@@ -64,7 +67,7 @@ def _tp_ok(m: Any, tp: int, seq: int) -> bool:
     return seq % tp == 0 and all(v % tp == 0 for _, v in model_spec(m).tp_divisors(m))
 
 
-def step_time(cfg: Any, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) -> dict[str, float]:
+def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) -> dict[str, float]:
     """Seconds per optimizer step by component. `offloaded`: activation bytes one micro-step moves to the
     host (training.activation_offload; the plan's pinned host line)."""
     m, t, hw = cfg.model, cfg.training, cfg.hardware
@@ -185,7 +188,7 @@ def _ep_degrees(m: Any, shard: int, zero: int, cp: int) -> list[int]:
     return [d for d in _divisors(shard) if experts % d == 0]
 
 
-def cp_degrees(cfg: Any) -> list[int]:
+def cp_degrees(cfg: JobConfig) -> list[int]:
     """Context-parallel degrees worth searching: those that split the sequence into 2·cp chunks on a
     registry decoder; CP inside a node (its K/V exchange runs every block)."""
     m, t = cfg.model, cfg.training
@@ -201,7 +204,7 @@ def cp_degrees(cfg: Any) -> list[int]:
     ]
 
 
-def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
+def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     """(layout, strategy values, training values) for every combination worth planning, with `cp`
     context-parallel ranks (the other degrees fill world / cp)."""
     m, t, hw = cfg.model, cfg.training, cfg.hardware
@@ -269,7 +272,7 @@ def candidates(cfg: Any, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     return out
 
 
-def loss_chunk_options(cfg: Any) -> tuple[int, ...]:
+def loss_chunk_options(cfg: JobConfig) -> tuple[int, ...]:
     """The full-vocabulary loss first (no recompute), then the chunked one (the config's count, or 8):
     a layout that fits with the cheaper option is not planned again with the costlier. One pass only
     for the preference objectives (config.layout.loss_chunks)."""
@@ -279,13 +282,13 @@ def loss_chunk_options(cfg: Any) -> tuple[int, ...]:
     return (1, chunks if chunks > 1 else 8)
 
 
-def _world(cfg: Any) -> int:
+def _world(cfg: JobConfig) -> int:
     from dtlaunch.config.layout import world_size
 
     return world_size(cfg)
 
 
-def search(cfg: Any, top: int = 10) -> list[dict]:
+def search(cfg: JobConfig, top: int = 10) -> list[dict]:
     """The `top` fastest layouts that fit, each with why it loses to the first."""
     plain = _plain(cfg)
     rows = []

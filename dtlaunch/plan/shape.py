@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import (
     Layout,
@@ -33,6 +33,9 @@ from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, peft_terms
 from dtlaunch.plan.tiled_terms import mlp_saved_bytes, tiled
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
 # that the test exists and sees the term).
 # Selective AC under FSDP x sequence parallel keeps this many gathered (full-sequence) hidden states per
@@ -49,7 +52,7 @@ LORA_SELECTIVE_COUNTED_WITHOUT_SP = True
 class StageShape:
     """What every phase of one stage's plan reads: the most loaded rank of pipeline rank `stage`."""
 
-    cfg: Any  # the whole job config (for the few sections a term reads itself)
+    cfg: JobConfig  # the whole job config (for the few sections a term reads itself)
     model: Any  # the model section (cfg.model)
     training: Any  # the training section (cfg.training)
     activation_model: Any  # the model family's activation model (dtlaunch.models.*.activations)
@@ -209,7 +212,7 @@ def _block_tok(act: Any, kind: str, d: Any, e: int, t: Any, tp: int, sp: bool, a
 
 
 def stage_shape(
-    cfg: Any, layout: Layout, stage: int, layers: int, first: bool, last: bool, layer_ids: list[int] | None = None
+    cfg: JobConfig, layout: Layout, stage: int, layers: int, first: bool, last: bool, layer_ids: list[int] | None = None
 ) -> StageShape:
     m, s, t = cfg.model, cfg.strategy, cfg.training
     spec = model_spec(m)

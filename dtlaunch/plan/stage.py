@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, pp_stage_layers
 from dtlaunch.models.registry import model_spec
@@ -34,6 +34,9 @@ from dtlaunch.plan.loss_terms import loss_chunks
 from dtlaunch.plan.objective import reference_phases, reference_static_lines
 from dtlaunch.plan.peft import gathered_block, param_lines
 from dtlaunch.plan.shape import StageShape, blocks_saved_per_token, loss_saved_per_token, stage_shape
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Lines that do not exist at the optimizer step (freed after backward).
 _GONE_AT_OPTIMIZER = (
@@ -219,7 +222,7 @@ def optimizer_lines(c: StageShape, lines: dict[str, float]) -> dict[str, float]:
 
 
 def plan_stage(
-    cfg: Any,
+    cfg: JobConfig,
     layout: Layout,
     stage: int,
     layers: int,
@@ -264,7 +267,7 @@ def plan_stage(
     )
 
 
-def _with_tool_process(cfg: Any, host: dict[str, float]) -> dict[str, float]:
+def _with_tool_process(cfg: JobConfig, host: dict[str, float]) -> dict[str, float]:
     """The rank's host lines and, under objective=grpo with user code, its tool process (held all along)."""
     tool = tool_process_bytes(cfg)
     return {**host, Line.TOOL_PROCESS_HOST: tool} if tool else host
@@ -277,7 +280,9 @@ def _likely_worst(split: list[int], pp: int) -> set[int]:
     return {0, min(1, pp - 1), pp - 1, most}
 
 
-def plan_stages(cfg: Any, layout: Layout, all_stages: bool = True, rollout_gather: str = "whole") -> list[StagePlan]:
+def plan_stages(
+    cfg: JobConfig, layout: Layout, all_stages: bool = True, rollout_gather: str = "whole"
+) -> list[StagePlan]:
     """Every pipeline rank's plan (or, for the search, only those that can hold the peak)."""
     s = cfg.strategy
     per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dtlaunch.config.layout import activation_offload, offload_composes_with_compile
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.plan.memory import MemoryPlan, plan_memory
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 # A change: (description, cost, overrides). Lower cost = less disruptive (speed, code, hardware).
 Change = tuple[str, int, list[str]]
 
 
-def _changes(cfg: Any, layout: Any) -> list[Change]:
+def _changes(cfg: JobConfig, layout: Any) -> list[Change]:
     s, t = cfg.strategy, cfg.training
     out: list[Change] = []
     zero_ok = layout.tp == 1 and layout.dp_replicate == 1
@@ -97,7 +100,7 @@ def _changes(cfg: Any, layout: Any) -> list[Change]:
     return out
 
 
-def _apply(cfg: Any, overrides: list[str]) -> Any:
+def _apply(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     from omegaconf import OmegaConf
 
     new = copy.deepcopy(cfg)
@@ -120,7 +123,7 @@ def _parse(value: str) -> Any:
     return {"true": True, "false": False}.get(value, value)
 
 
-def _try(cfg: Any, overrides: list[str]) -> Optional[MemoryPlan]:
+def _try(cfg: JobConfig, overrides: list[str]) -> Optional[MemoryPlan]:
     from dtlaunch.config.validate import validate
 
     try:
@@ -130,7 +133,9 @@ def _try(cfg: Any, overrides: list[str]) -> Optional[MemoryPlan]:
         return None
 
 
-def suggest(cfg: Any, layout: Any, limit: int = 5, planner: Callable[..., Optional[MemoryPlan]] = _try) -> list[dict]:
+def suggest(
+    cfg: JobConfig, layout: Any, limit: int = 5, planner: Callable[..., Optional[MemoryPlan]] = _try
+) -> list[dict]:
     """Up to `limit` single changes (then pairs) that fit, cheapest first; each passes validate()."""
     changes = _changes(cfg, layout)
     found: list[tuple[int, float, dict]] = []

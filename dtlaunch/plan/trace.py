@@ -8,12 +8,15 @@ Real CPU tensors when the run is small enough, else fake tensors (shapes and dty
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan.stage import plan_stages
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Above this analytic per-rank peak the trace uses fake tensors instead of real CPU ones.
 REAL_TENSOR_LIMIT = 4 * 1024**3
@@ -21,7 +24,7 @@ REAL_TENSOR_LIMIT = 4 * 1024**3
 TRACEABLE_SCHEDULES = ("1f1b", "gpipe")
 
 
-def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bool | None = None) -> dict:
+def trace_peak(cfg: JobConfig, layout: Layout, rank: int = 0, steps: int = 2, fake: bool | None = None) -> dict:
     """{"peak_bytes", "categories" (bytes at the peak), "rank", "stage", "tensors": "real"|"fake"}.
 
     fake=None: real CPU tensors when the analytic peak is under REAL_TENSOR_LIMIT (this emulation
@@ -40,7 +43,7 @@ def trace_peak(cfg: Any, layout: Layout, rank: int = 0, steps: int = 2, fake: bo
     return trace_rank(cfg, layout, rank, steps, fake)
 
 
-def skip_reason(cfg: Any, layout: Layout, fake: bool | None = None) -> str | None:
+def skip_reason(cfg: JobConfig, layout: Layout, fake: bool | None = None) -> str | None:
     """Why this job's trace cannot run in this process (None when it can): a pipeline schedule the
     trace does not replay, or real tensors needed (see real_tensors_needed) beyond this machine's
     free memory. `plan --trace` prints it in one line next to the analytic plan."""
@@ -64,7 +67,7 @@ def skip_reason(cfg: Any, layout: Layout, fake: bool | None = None) -> str | Non
     return None
 
 
-def real_tensors_needed(cfg: Any, layout: Layout) -> str | None:
+def real_tensors_needed(cfg: JobConfig, layout: Layout) -> str | None:
     """Why fake tensors cannot trace this job (None when they can)."""
     if int(cfg.strategy.zero_stage) <= 1 and layout.dp > 1:
         return "DDP's reducer allocates its buckets outside the dispatcher"
@@ -85,7 +88,7 @@ def free_host_bytes() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def _analytic_bytes(cfg: Any, layout: Layout) -> float | None:
+def _analytic_bytes(cfg: JobConfig, layout: Layout) -> float | None:
     """The traced rank's analytic bytes, device and host (the trace holds both in one memory); None for a
     model without a closed-form plan."""
     if not model_spec(cfg.model).analytic:
@@ -93,7 +96,7 @@ def _analytic_bytes(cfg: Any, layout: Layout) -> float | None:
     return max(s.peak + s.host_peak for s in plan_stages(cfg, layout, all_stages=False))
 
 
-def traced_with_fake_tensors(cfg: Any, layout: Layout) -> bool:
+def traced_with_fake_tensors(cfg: JobConfig, layout: Layout) -> bool:
     """Fake tensors when the analytic peak is over REAL_TENSOR_LIMIT. A model without a closed-form plan:
     fake tensors (no storage) where the runtime's path supports them (FSDP); DDP and single-process
     layouts of such a model are traced on real tensors."""
