@@ -18,11 +18,14 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, weight_files
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 SAMPLES = 16
 SAMPLE_BYTES = 4096
@@ -61,7 +64,7 @@ def _fingerprint(path: str, stamp: tuple) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
-def peft_record(cfg: Any) -> Optional[dict]:
+def peft_record(cfg: JobConfig) -> Optional[dict]:
     """What a checkpoint's marker records about its adapters and their base; None without peft."""
     peft = getattr(cfg, "peft", None)
     if peft is None or str(peft.method) == "none":
@@ -88,7 +91,7 @@ def _weights_dir(src: str) -> Path:
     return Path(str(hf_weights_dir(src)))  # a hub name: its pinned snapshot in the cache
 
 
-def check_base(cfg: Any, marker: dict, where: str) -> None:
+def check_base(cfg: JobConfig, marker: dict, where: str) -> None:
     """Refuse to continue adapters on another base than the one they were trained on (or to mix a full
     training checkpoint with a peft run): a ConfigError naming both and the fix."""
     saved, now = marker.get("peft"), peft_record(cfg)

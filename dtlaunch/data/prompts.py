@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from dtlaunch.data.chat_templates import chosen_chat_template
 from dtlaunch.data.records import load_hf, source_files
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.tools import check_rewards
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 PROMPTS_FILE = "data/prompts.jsonl"
 META_FILE = "data/prompts_meta.json"
@@ -157,7 +160,7 @@ def tool_chat(encoder: PromptEncoder, stop_ids: list[int]) -> Any:
     return chat
 
 
-def prepare_prompts(cfg: Any, run_dir: Path, tokenizer_json: Path, eos_id: Any, groups_per_step: int) -> int:
+def prepare_prompts(cfg: JobConfig, run_dir: Path, tokenizer_json: Path, eos_id: Any, groups_per_step: int) -> int:
     """Write RUN/data/prompts.jsonl (ids, prompt, columns) and its stop ids; returns the number of prompts."""
     d, o = cfg.data, cfg.objective
     field = str(d.prompt_field)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.data.sources import (
     RECORD_KINDS,
@@ -22,8 +22,11 @@ from dtlaunch.data.tokenizer import check_vocab, load_tokenizer
 from dtlaunch.errors import InputError
 from dtlaunch.run.run_dir import TOKENIZER_DIR, tokenizer_file
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def _text_source_id(cfg: Any, path: str) -> dict[str, Any]:
+
+def _text_source_id(cfg: JobConfig, path: str) -> dict[str, Any]:
     return {
         "path": path,
         "pattern": str(cfg.data.pattern),
@@ -32,7 +35,7 @@ def _text_source_id(cfg: Any, path: str) -> dict[str, Any]:
     }
 
 
-def _prepare_text(cfg: Any, path: str, out: Path) -> Optional[Any]:
+def _prepare_text(cfg: JobConfig, path: str, out: Path) -> Optional[Any]:
     """data.kind=text: tokenize into the run directory (skipped when already there from the same source)."""
     from dtlaunch.data.prepare import prepare_corpus
 
@@ -53,14 +56,14 @@ def _prepare_text(cfg: Any, path: str, out: Path) -> Optional[Any]:
     )
 
 
-def split_of(cfg: Any, key: str = "data.path") -> str:
+def split_of(cfg: JobConfig, key: str = "data.path") -> str:
     """The split an hf source reads: data.split, or for data.val_path data.val_split when set."""
     if key == "data.val_path" and str(getattr(cfg.data, "val_split", "")):
         return str(cfg.data.val_split)
     return str(cfg.data.split)
 
 
-def record_options(cfg: Any, key: str = "data.path") -> dict[str, Any]:
+def record_options(cfg: JobConfig, key: str = "data.path") -> dict[str, Any]:
     """What, besides the files and the tokenizer, decides a record source's tokens (part of the cache key)."""
     kind = str(cfg.data.kind)
     return {
@@ -77,7 +80,7 @@ def record_options(cfg: Any, key: str = "data.path") -> dict[str, Any]:
     }
 
 
-def _chat_template_id(cfg: Any) -> dict[str, str]:
+def _chat_template_id(cfg: JobConfig) -> dict[str, str]:
     """For chat records, how they were encoded and data.chat_template's text decide the tokens too."""
     from dtlaunch.data.chat_templates import template_identity
 
@@ -88,7 +91,7 @@ def _chat_template_id(cfg: Any) -> dict[str, str]:
     return {"encoding": "whole", **({"chat_template": template_identity(spec)} if spec else {})}
 
 
-def record_fields(cfg: Any) -> list[str]:
+def record_fields(cfg: JobConfig) -> list[str]:
     """The record fields data.format reads."""
     fmt = str(cfg.data.format)
     if fmt == "chat":
@@ -103,7 +106,7 @@ def record_fields(cfg: Any) -> list[str]:
     return [str(cfg.data.text_field)]
 
 
-def encoded_batches(cfg: Any, tok: Any, path: str, key: str, subset: Optional[str] = None) -> Any:
+def encoded_batches(cfg: JobConfig, tok: Any, path: str, key: str, subset: Optional[str] = None) -> Any:
     """The source's documents, encoded lazily in batches (see dtlaunch.data.cache.write_tokens)."""
     from dtlaunch.data.cache import encode_batches
     from dtlaunch.data.records import iter_documents, iter_records
@@ -117,7 +120,7 @@ def encoded_batches(cfg: Any, tok: Any, path: str, key: str, subset: Optional[st
     return encode_records(encoder, fmt, iter_records(kind, path, record_fields(cfg), split, key, subset), key)
 
 
-def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
+def tokenize_records(cfg: JobConfig, path: str, key: str, tok: Any = None) -> Path:
     """A jsonl / parquet / hf source tokenized into the content-addressed cache; returns the entry."""
     from dtlaunch.data.cache import cache_root, cached_tokens
     from dtlaunch.data.records import source_files
@@ -141,7 +144,7 @@ def tokenize_records(cfg: Any, path: str, key: str, tok: Any = None) -> Path:
     return entry
 
 
-def _report_targets(entry: Path, cfg: Any, key: str) -> None:
+def _report_targets(entry: Path, cfg: JobConfig, key: str) -> None:
     """The run's first lines say what is trained: records, target tokens, records without any."""
     from dtlaunch.run.phases import phase
 
@@ -157,7 +160,7 @@ def _report_targets(entry: Path, cfg: Any, key: str) -> None:
     )
 
 
-def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Path:
+def _tokenize_pairs(cfg: JobConfig, path: str, key: str, tok: Any, files: list) -> Path:
     """data.format=preference: pairs into their own cache entry (dtlaunch.data.preference); unpaired: each
     example and its KL row, as a pair (dtlaunch.data.unpaired)."""
     from dtlaunch.data.chat import ChatEncoder
@@ -176,7 +179,7 @@ def _tokenize_pairs(cfg: Any, path: str, key: str, tok: Any, files: list) -> Pat
     return cached_pairs(files, records, encoder, tok, record_options(cfg, key), str(cfg.data.cache_dir), key)
 
 
-def _report_cut_pairs(source: Any, cfg: Any) -> None:
+def _report_cut_pairs(source: Any, cfg: JobConfig) -> None:
     """How many pairs training sees cut to training.seq_len + 1 tokens (the prompt's start goes first)."""
     from dtlaunch.data.preference import PairSource
     from dtlaunch.run.phases import phase
@@ -190,7 +193,7 @@ def _report_cut_pairs(source: Any, cfg: Any) -> None:
             )
 
 
-def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
+def prepare_run_data(cfg: JobConfig, run_dir: Path) -> Optional[Any]:
     """Called once by the launcher before workers start: tokenizes data.kind=text into run_dir/data and
     record kinds (jsonl / parquet / hf) into the token cache, checks data.kind=tokens shards and that
     train and validation data each hold a global batch, so bad data fails (exit 2) before any worker.
@@ -232,7 +235,7 @@ def prepare_run_data(cfg: Any, run_dir: Path) -> Optional[Any]:
     return summary
 
 
-def _prepare_prompts(cfg: Any, run_dir: Path) -> None:
+def _prepare_prompts(cfg: JobConfig, run_dir: Path) -> None:
     from dtlaunch.config.layout import Layout, global_batch, world_size
     from dtlaunch.data.prompts import prepare_prompts
     from dtlaunch.data.tokenizer import resolve_tokenizer_spec
@@ -250,7 +253,7 @@ def _prepare_prompts(cfg: Any, run_dir: Path) -> None:
     )
 
 
-def _check_shards_tokenizer(cfg: Any, run_dir: Path) -> None:
+def _check_shards_tokenizer(cfg: JobConfig, run_dir: Path) -> None:
     """data.kind=tokens shards made with the byte tokenizer, for a model with its own, are refused."""
     from dtlaunch.config.tokenizer_choice import shards_tokenizer_problem
     from dtlaunch.data.shards import open_shards
@@ -263,7 +266,7 @@ def _check_shards_tokenizer(cfg: Any, run_dir: Path) -> None:
         raise ConfigError(problem)
 
 
-def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
+def keep_tokenizer(cfg: JobConfig, run_dir: Path) -> None:
     """A Hugging Face tokenizer travels with the run (run_dir/tokenizer), so that `ckpt export --format hf`
     can write it beside the weights and `generate RUN_DIR` decode with it, even if the original file moves
     or changes. Synthetic runs from hf:DIR keep the model's tokenizer too (their data.tokenizer is it)."""
@@ -283,7 +286,7 @@ def keep_tokenizer(cfg: Any, run_dir: Path) -> None:
         set_chat_template(out, load_chat_template(str(cfg.data.chat_template)))
 
 
-def _check_enough(source: SampleSource, gb: int, key: str, cfg: Any) -> None:
+def _check_enough(source: SampleSource, gb: int, key: str, cfg: JobConfig) -> None:
     n = source.num_samples
     if n is not None and n < gb:
         value = (

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 
 from dtlaunch.data.shards import open_masks, open_shards
 from dtlaunch.data.tokenizer import check_vocab
 from dtlaunch.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 RECORD_KINDS = ("jsonl", "parquet", "hf")
 RUN_DATA_DIR = "data"
@@ -132,18 +135,18 @@ def held_out_split(num_samples: int, fraction: float) -> tuple[np.ndarray, np.nd
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
-def check_kind(cfg: Any) -> str:
+def check_kind(cfg: JobConfig) -> str:
     kind = str(cfg.data.kind)
     if kind != "synthetic" and not str(cfg.data.path):
         raise ConfigError(f"data.kind={kind} needs data.path: set data.path=<directory, file or glob>")
     return kind
 
 
-def eval_enabled(cfg: Any) -> bool:
+def eval_enabled(cfg: JobConfig) -> bool:
     return int(cfg.training.eval_every) > 0
 
 
-def shard_dir(cfg: Any, run_dir: Path, role: str) -> str:
+def shard_dir(cfg: JobConfig, run_dir: Path, role: str) -> str:
     """Where this role's token shards are: the user's shards, the run's text data, or a cache entry."""
     kind = str(cfg.data.kind)
     if kind == "tokens":
@@ -166,7 +169,7 @@ def shard_dir(cfg: Any, run_dir: Path, role: str) -> str:
     return str(path)
 
 
-def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[SampleSource]]:
+def data_sources(cfg: JobConfig, run_dir: Path) -> tuple[SampleSource, Optional[SampleSource]]:
     """(training source, validation source or None). The validation source exists when evaluation is
     on or a validation set is configured; data.val_fraction carves it out of the training windows."""
     kind = check_kind(cfg)
@@ -202,7 +205,7 @@ def data_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sample
     return train, val
 
 
-def _pair_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[SampleSource]]:
+def _pair_sources(cfg: JobConfig, run_dir: Path) -> tuple[SampleSource, Optional[SampleSource]]:
     """data.format=preference: one sample per pair (dtlaunch.data.preference.PairSource)."""
     from dtlaunch.data.preference import PairSource
 
@@ -217,7 +220,7 @@ def _pair_sources(cfg: Any, run_dir: Path) -> tuple[SampleSource, Optional[Sampl
     return train, val
 
 
-def _unpacked(cfg: Any, source: TokenSource) -> Any:
+def _unpacked(cfg: JobConfig, source: TokenSource) -> Any:
     """data.pack=false: one document per sample (see DocumentSource); packed windows otherwise."""
     if bool(cfg.data.pack):
         return source

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import InputError
 from dtlaunch.run.run_dir import TOKENIZER_FILE
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 @dataclass
@@ -136,7 +139,7 @@ def _run_tokenizer(checkpoint: Path) -> str:
     return _configured_tokenizer(load_resolved(run.config))
 
 
-def _configured_tokenizer(cfg: Any) -> str:
+def _configured_tokenizer(cfg: JobConfig) -> str:
     """data.tokenizer of a run without a kept tokenizer (runs from before the launcher kept one). Its ids
     on synthetic data are the model's own, so such a run from hf:DIR decodes with DIR's tokenizer."""
     from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file

@@ -12,7 +12,7 @@ to it for every such field of the schema)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
@@ -20,8 +20,11 @@ from dtlaunch.inputs.chat_template import check_chat_template
 from dtlaunch.inputs.hf_dir import check_tokenizer_json, weight_files
 from dtlaunch.run.run_dir import tokenizer_file
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check_job_inputs(cfg: Any, to_run: bool = False) -> None:
+
+def check_job_inputs(cfg: JobConfig, to_run: bool = False) -> None:
     """`to_run`: the job is checked to be run (validate, train, submit; dry run or not), not only planned
     (plan, config, the recipes table): what only a run needs is refused too (GRPO's prompts)."""
     if to_run:
@@ -43,7 +46,7 @@ def check_job_inputs(cfg: Any, to_run: bool = False) -> None:
     check_replay_completions(cfg)
 
 
-def check_load_path(cfg: Any) -> None:
+def check_load_path(cfg: JobConfig) -> None:
     """checkpoint.load_path (a directory, said the config rules) holds a complete checkpoint: its markers,
     no tensor read; train verifies the contents and the model's shapes when it resumes (preflight.check_resume)."""
     load_path = str(cfg.checkpoint.load_path)
@@ -57,7 +60,7 @@ def check_load_path(cfg: Any) -> None:
         raise ConfigError(f"checkpoint.load_path: {exc}") from None
 
 
-def check_job_rewards(cfg: Any) -> None:
+def check_job_rewards(cfg: JobConfig) -> None:
     """objective=grpo: every function of objective.rewards imported and called once on the first prompt
     record (dtlaunch.inputs.tools.check_rewards), the call the launcher makes before any worker starts.
     A hub dataset is not fetched to check a job: its functions are imported here and called on its first
@@ -82,7 +85,7 @@ def check_job_rewards(cfg: Any) -> None:
     check_rewards(cfg.objective, first[0], str(d.prompt_field), first[1])
 
 
-def check_job_tools(cfg: Any) -> None:
+def check_job_tools(cfg: JobConfig) -> None:
     """objective.tools: every tool imported and its JSON schema built (dtlaunch.inputs.tools.check_tools);
     objective.environment(s): the class imported, its `reset` callable, its methods' schemas built
     (check_environments). Whether the chat template can render and parse tool calls is checked with the
@@ -95,7 +98,7 @@ def check_job_tools(cfg: Any) -> None:
     check_environments(o, check_tools(o))
 
 
-def check_eval_include(cfg: Any) -> None:
+def check_eval_include(cfg: JobConfig) -> None:
     """training.eval_include, the directory of task YAML files the evaluation after training reads (its
     task names are checked by train and submit, which index lm-eval's tasks: seconds, not for validate)."""
     include = str(cfg.training.eval_include)
@@ -103,7 +106,7 @@ def check_eval_include(cfg: Any) -> None:
         raise InputError(f"training.eval_include='{include}': no such directory: give a directory of task YAML files")
 
 
-def check_replay_completions(cfg: Any) -> None:
+def check_replay_completions(cfg: JobConfig) -> None:
     """debug.replay_completions, the JSONL of completions the rollout reads instead of sampling."""
     replay = str(cfg.debug.replay_completions)
     if replay and not Path(replay).expanduser().is_file():
@@ -112,7 +115,7 @@ def check_replay_completions(cfg: Any) -> None:
         )
 
 
-def check_model_weights(cfg: Any, fetch: bool = False) -> None:
+def check_model_weights(cfg: JobConfig, fetch: bool = False) -> None:
     """model.init_from=hf:DIR: every tensor present and of the shape config.json implies (headers only).
 
     Planning and validating read config.json only: a hub name is checked only with fetch=True (train,
@@ -131,7 +134,7 @@ def check_model_weights(cfg: Any, fetch: bool = False) -> None:
         HFWeights(path, cfg.model)
 
 
-def check_training_weights(cfg: Any, fetch: bool) -> None:
+def check_training_weights(cfg: JobConfig, fetch: bool) -> None:
     """Before a job that trains (train, submit) creates anything: the weights it starts from are there. A
     hub model's are fetched and checked with fetch=True (`submit` checks its cache instead); a local
     hf:DIR holding config.json only, enough to plan, is refused here."""
@@ -146,7 +149,7 @@ def check_training_weights(cfg: Any, fetch: bool) -> None:
         check_model_weights(cfg, fetch=True)
 
 
-def is_hub_model(cfg: Any) -> bool:
+def is_hub_model(cfg: JobConfig) -> bool:
     """model.init_from names a hub repository (hf:ORG/NAME), not a local directory."""
     from dtlaunch.hub.resolve import model_ref
 
@@ -155,7 +158,7 @@ def is_hub_model(cfg: Any) -> bool:
     return name is not None and model_ref(name) is not None
 
 
-def check_job_chat_template(cfg: Any) -> None:
+def check_job_chat_template(cfg: JobConfig) -> None:
     """data.chat_template (a built-in name or a Jinja file), else the tokenizer's own template."""
     from dtlaunch.data.chat_templates import chosen_chat_template
 

@@ -28,10 +28,13 @@ from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dtlaunch.config.schema import ModelConfig
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def _no_experts(m: Any) -> int:
@@ -85,7 +88,7 @@ class ModelSpec:
     # Routed experts per MoE layer of a model section (0: no expert layers; expert parallel needs some).
     routed_experts: Callable[[Any], int] = _no_experts
 
-    def check_config(self, cfg: Any) -> None:
+    def check_config(self, cfg: JobConfig) -> None:
         if self.check:
             _resolve(self.check)(cfg)
 

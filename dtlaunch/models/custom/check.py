@@ -3,12 +3,15 @@ a layout it can run: no tensor-parallel plan, no pipeline split, no Hugging Face
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check(cfg: Any) -> None:
+
+def check(cfg: JobConfig) -> None:
     m, s = cfg.model, cfg.strategy
     for key, value in (("strategy.tp", s.tp), ("strategy.pp", s.pp)):
         if value != 1:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def check_attention(m: Any) -> None:
@@ -25,7 +28,7 @@ def check_attention(m: Any) -> None:
         raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads} (grouped-query attention)")
 
 
-def check_window(cfg: Any) -> None:
+def check_window(cfg: JobConfig) -> None:
     """Context parallel's attention (ring or Ulysses) is plain causal: no window shorter than the sequence."""
     m, cp = cfg.model, int(cfg.strategy.cp)
     if cp > 1 and m.sliding_window is not None and m.sliding_window < int(cfg.training.seq_len):
@@ -35,6 +38,6 @@ def check_window(cfg: Any) -> None:
         )
 
 
-def check(cfg: Any) -> None:
+def check(cfg: JobConfig) -> None:
     check_attention(cfg.model)
     check_window(cfg)

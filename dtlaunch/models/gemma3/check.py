@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.dense.check import check as dense_check
 from dtlaunch.models.olmo3.check import check_layer_types
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check(cfg: Any) -> None:
+
+def check(cfg: JobConfig) -> None:
     m, cp = cfg.model, int(cfg.strategy.cp)
     window, seq = m.sliding_window, int(cfg.training.seq_len)
     if cp > 1 and window is not None and window < seq:

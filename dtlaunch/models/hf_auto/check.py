@@ -3,14 +3,17 @@ architecture's own plan, no pipeline split; context parallel as Ulysses, over pl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.hf_model import hf_source_dir, read_hf_config
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check(cfg: Any) -> None:
+
+def check(cfg: JobConfig) -> None:
     s = cfg.strategy
     if not WeightSource.parse(cfg.model.init_from).is_hf:
         raise ConfigError("model.arch=hf_auto needs model.init_from=hf:DIR: the architecture and weights come from DIR")
@@ -33,7 +36,7 @@ _NOT_PLAIN_CAUSAL = (
 )
 
 
-def check_ulysses_attention(cfg: Any) -> None:
+def check_ulysses_attention(cfg: JobConfig) -> None:
     """Ulysses (the context parallel transformers' models run) computes plain causal attention over the
     whole sequence: a sliding window shorter than the sequence, soft-capping or dropout are refused here,
     before any worker starts (the attention function refuses them again if a model passes them anyway)."""

@@ -3,13 +3,16 @@ within them and dense layers inside the model."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.dense.check import check_attention, check_window
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check(cfg: Any) -> None:
+
+def check(cfg: JobConfig) -> None:
     m = cfg.model
     check_attention(m)
     check_window(cfg)

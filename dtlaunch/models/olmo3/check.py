@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.dense.check import check as dense_check
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 _KINDS = ("sliding_attention", "full_attention")
 
 
-def check(cfg: Any) -> None:
+def check(cfg: JobConfig) -> None:
     dense_check(cfg)
     check_layer_types(cfg.model)
 

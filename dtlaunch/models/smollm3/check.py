@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.dense.check import check as dense_check
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def check(cfg: Any) -> None:
+
+def check(cfg: JobConfig) -> None:
     dense_check(cfg)
     m = cfg.model
     layers = list(m.no_rope_layers or ())
