@@ -9,7 +9,7 @@ worker started); the loader's state is that one global position, restorable into
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from dtlaunch.data.sources import (
     eval_enabled,
 )
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 IGNORE_INDEX = -100  # cross_entropy's default: a target that does not count
 
@@ -200,13 +203,13 @@ class TokenLoader:
         self.consumed = int(state["consumed_samples"])
 
 
-def build_loader(cfg: Any, run_dir: Path, dp_rank: int, dp_size: int) -> TokenLoader:
+def build_loader(cfg: JobConfig, run_dir: Path, dp_rank: int, dp_size: int) -> TokenLoader:
     """This dp rank's loader. TP/PP peers pass the same dp_rank and so get identical batches."""
     return build_loaders(cfg, run_dir, dp_rank, dp_size)[0]
 
 
 def build_loaders(
-    cfg: Any, run_dir: Path, dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1
+    cfg: JobConfig, run_dir: Path, dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1
 ) -> tuple[TokenLoader, Optional[TokenLoader]]:
     """(training loader, validation loader or None when evaluation is off) for this dp rank (and its
     chunks of each sequence under context parallel)."""
@@ -233,7 +236,7 @@ def build_loaders(
     return loader, val_loader
 
 
-def _document_eos(cfg: Any, source: Any) -> Optional[int]:
+def _document_eos(cfg: JobConfig, source: Any) -> Optional[int]:
     if not bool(cfg.data.document_mask):
         return None
     base = source.base if isinstance(source, SubsetSource) else source

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -23,6 +23,9 @@ from dtlaunch.errors import InputError
 from dtlaunch.run import preemption
 from dtlaunch.run.phases import rank_log
 from dtlaunch.train.parallel.process_group import restart_count
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Faults:
     nan_at_steps: frozenset[int]  # every rank's loss is NaN at these steps
 
     @classmethod
-    def of(cls, cfg: Any, rank: int) -> Faults:
+    def of(cls, cfg: JobConfig, rank: int) -> Faults:
         d = cfg.debug
         injects = rank == int(d.fail_rank) and restart_count() == 0
         return cls(

@@ -57,7 +57,7 @@ exactly as the non-pipelined step does with 1 / grad_accum.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,9 @@ from dtlaunch.config.layout import loss_chunks
 from dtlaunch.errors import ConfigError
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE  # masked (chat) targets: see TokenLoader.next_batch
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Mean token cross-entropy of (B, S, V) logits against (B, S) targets, in fp32. Under TP the logits
@@ -78,14 +81,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction=reduction)
 
 
-def loss_context(cfg: Any, layout: Any) -> contextlib.AbstractContextManager:
+def loss_context(cfg: JobConfig, layout: Any) -> contextlib.AbstractContextManager:
     """Wrap forward *and* backward of the loss: vocabulary-sharded logits need loss_parallel for both.
 
     A new context per use: loss_parallel() is a one-shot generator context manager."""
     return loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
 
 
-def head_loss(cfg: Any, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:
+def head_loss(cfg: JobConfig, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:
     """The loss for these model parts (this rank's), switching the part with the head to return hidden
     states when training.loss_chunks > 1. A model without the switch is refused, not run unchunked.
     `pipeline`: the last stage of a pipeline, whose schedule may run other micro-batches between a loss's

@@ -26,7 +26,7 @@ definition (the same order torch's Schedule1F1B / ScheduleGPipe run).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,11 @@ from dtlaunch.train.peft import apply_peft
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step import clip_grad_norm, train_step
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def trace_rank(cfg: Any, layout: Layout, rank: int, steps: int, fake: bool) -> dict:
+
+def trace_rank(cfg: JobConfig, layout: Layout, rank: int, steps: int, fake: bool) -> dict:
     """Rank `rank` of the job's world in this process, on a fake process group: {"peak_bytes",
     "categories" (bytes at the peak), "rank", "stage", "tensors": "real"|"fake"}."""
 
@@ -100,7 +103,7 @@ def _real_meshes(fake: bool) -> Any:
         DeviceMesh.__init__ = real  # type: ignore[method-assign]
 
 
-def _trace(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
+def _trace(cfg: JobConfig, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     if layout.pp > 1:
         return _trace_pipeline(cfg, layout, mesh, rank, steps)
 
@@ -163,7 +166,7 @@ PP_ORDERS = {
 }
 
 
-def _trace_pipeline(cfg: Any, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
+def _trace_pipeline(cfg: JobConfig, layout: Layout, mesh: Any, rank: int, steps: int) -> dict:
     """Rank `rank`'s pipeline stage, its micro-batches in the schedule's order (see the module doc)."""
 
     device = torch.device("cpu")
@@ -344,7 +347,7 @@ def traced_micro_steps(accum: int, warmup: bool = False) -> list[int]:
 class RandomBatches:
     """Random token micro-batches of the configured shape: what the trace feeds `train_step`."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: JobConfig) -> None:
         t = cfg.training
         # Preference objectives: a sample is a pair, two rows (and precomputed reference log-probs).
         rows = int(t.micro_batch) * (1 if str(cfg.objective.name) in ("sft", "grpo") else 2)

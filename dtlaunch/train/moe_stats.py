@@ -8,7 +8,7 @@ counters are then zeroed. Nothing here runs for dense models.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,10 +18,13 @@ from dtlaunch.models.moe import balance
 from dtlaunch.models.moe.shapes import sparse_layers
 from dtlaunch.models.registry import routed_experts
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 
 class RouterTracker:
     def __init__(
-        self, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool
+        self, cfg: JobConfig, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool
     ) -> None:
         m = cfg.model
         self.n_layers, self.num_experts = int(m.n_layers), int(m.moe.num_experts)
@@ -35,7 +38,13 @@ class RouterTracker:
 
     @classmethod
     def maybe(
-        cls, cfg: Any, parts: list[nn.Module], dp_group: Any, tp: int, aux_grad_scale: float, pipeline: bool = False
+        cls,
+        cfg: JobConfig,
+        parts: list[nn.Module],
+        dp_group: Any,
+        tp: int,
+        aux_grad_scale: float,
+        pipeline: bool = False,
     ) -> Optional[Any]:
         """A tracker when the model has MoE layers, else None."""
         if routed_experts(cfg.model) == 0:

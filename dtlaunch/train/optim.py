@@ -8,10 +8,13 @@ step (or constant).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -31,7 +34,7 @@ def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float
     return [g for g in groups if g["params"]] or groups[:1]
 
 
-def adamw_kwargs(cfg: Any, device: torch.device, fused: Optional[bool] = None) -> dict:
+def adamw_kwargs(cfg: JobConfig, device: torch.device, fused: Optional[bool] = None) -> dict:
     """fused (one kernel, no temporaries) on CUDA; foreach elsewhere: on CPU it is the path the planner's
     CPU measurements were taken with. `fused` overrides the choice (the trace replays a GPU run on CPU)."""
     o = cfg.optim
@@ -44,7 +47,7 @@ def adamw_kwargs(cfg: Any, device: torch.device, fused: Optional[bool] = None) -
 
 def build_optimizer(
     model: nn.Module,
-    cfg: Any,
+    cfg: JobConfig,
     device: torch.device,
     zero1_group: Optional[Any] = None,
     fused: Optional[bool] = None,
@@ -74,7 +77,7 @@ def build_optimizer(
     return opt
 
 
-def lr_lambda(cfg: Any) -> Callable[[int], float]:
+def lr_lambda(cfg: JobConfig) -> Callable[[int], float]:
     """Multiplier of optim.lr at a 0-based optimizer step."""
     # Plain values, read once: LambdaLR calls this for every parameter group at every step, and an
     # OmegaConf attribute read costs tens of microseconds.
@@ -93,7 +96,7 @@ def lr_lambda(cfg: Any) -> Callable[[int], float]:
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> torch.optim.lr_scheduler.LambdaLR:
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     # An optimizer that keeps lr as a tensor (torchao's) hands the scheduler tensor base lrs: plain
     # numbers instead, so the schedule computes the same values before and after a resume (its state is
@@ -102,7 +105,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.l
     return sched
 
 
-def build_grad_scaler(cfg: Any, device: torch.device, group: Optional[Any] = None) -> Optional[Any]:
+def build_grad_scaler(cfg: JobConfig, device: torch.device, group: Optional[Any] = None) -> Optional[Any]:
     """Dynamic loss scaling for fp16 (precision.loss_scaling); the sharded scaler agrees on inf/NaN
     across ranks so every rank skips the same steps."""
     if not cfg.precision.loss_scaling:

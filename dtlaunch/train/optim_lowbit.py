@@ -13,17 +13,20 @@ update function runs eagerly then.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # optim.name -> torchao class name; the block sizes are torchao's defaults (the planner reads the same).
 CLASSES = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
 BLOCK_SIZES = {"adamw8bit": 256, "adamw4bit": 128}
 
 
-def lowbit_adamw(groups: list[dict], cfg: Any) -> torch.optim.Optimizer:
+def lowbit_adamw(groups: list[dict], cfg: JobConfig) -> torch.optim.Optimizer:
     import torchao.optim
 
     o = cfg.optim

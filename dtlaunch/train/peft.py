@@ -7,20 +7,23 @@ and checkpoints save only them (dtlaunch.train.checkpoint).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from dtlaunch.models.lora import apply_lora
 from dtlaunch.models.registry import model_spec
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def peft_enabled(cfg: Any) -> bool:
+
+def peft_enabled(cfg: JobConfig) -> bool:
     peft = getattr(cfg, "peft", None)
     return peft is not None and str(peft.method) != "none"
 
 
-def apply_peft(model: nn.Module, cfg: Any) -> list[str]:
+def apply_peft(model: nn.Module, cfg: JobConfig) -> list[str]:
     """Adapt and freeze `model` in place as cfg.peft says; returns the adapted linears' names."""
     if not peft_enabled(cfg):
         return []

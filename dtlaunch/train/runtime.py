@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -21,10 +21,13 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.train.loss import head_loss, loss_context, pipeline_loss_fn
 from dtlaunch.train.parallel.process_group import DistEnv
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 
 @dataclass
 class Runtime:
-    cfg: Any
+    cfg: JobConfig
     layout: Layout
     mesh: Any  # None for the single-process reference in the tests
     device: torch.device
@@ -62,7 +65,7 @@ class Runtime:
         self.loss_fn = head_loss(self.cfg, self.model_parts)
 
 
-def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:
+def build_model_parts(cfg: JobConfig, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:
     """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
     init=False)."""
     from dtlaunch.train.parallel.parallelize import parallelize
@@ -94,7 +97,7 @@ def build_model_parts(cfg: Any, layout: Layout, mesh: Any, env: DistEnv, accum: 
 
 
 def build_runtime(
-    cfg: Any,
+    cfg: JobConfig,
     env: DistEnv,
     layout: Optional[Layout] = None,
     mesh: Any = None,
@@ -156,7 +159,7 @@ def build_runtime(
     )
 
 
-def _router_tracker(cfg: Any, parts: list, mesh: Any, layout: Layout, accum: int) -> Any:
+def _router_tracker(cfg: JobConfig, parts: list, mesh: Any, layout: Layout, accum: int) -> Any:
     """Balancing and router statistics of an MoE model (None for dense ones). The aux loss's gradient
     is scaled like the loss: by 1 / the micro-batches (pipeline ones included) summed into a step."""
     from dtlaunch.train.moe_stats import RouterTracker

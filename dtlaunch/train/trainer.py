@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step import train_step
 from dtlaunch.train.step_sync import StepOutcome, WindowSync
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 
 class TrainingDiverged(DtlaunchError):
     exit_code = 1
@@ -69,7 +72,7 @@ class LoopSettings:
     max_bad_steps: int
 
     @classmethod
-    def of(cls, cfg: Any) -> LoopSettings:
+    def of(cls, cfg: JobConfig) -> LoopSettings:
         t = cfg.training
         every = int(cfg.checkpoint.every_steps)
         return cls(
@@ -120,7 +123,7 @@ class _Totals:
 
 
 class Trainer:
-    def __init__(self, cfg: Any, run_dir: Path, env: DistEnv) -> None:
+    def __init__(self, cfg: JobConfig, run_dir: Path, env: DistEnv) -> None:
         torch.manual_seed(int(cfg.training.seed))
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         phase(f"building the model ({cfg.model.name}) on {env.world} worker(s)")

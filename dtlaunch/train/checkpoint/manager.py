@@ -21,7 +21,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.convert.dcp_planner import safe_load_planner
 from dtlaunch.errors import EXIT_WORKER_FAILED, ConfigError, DtlaunchError
@@ -43,6 +43,9 @@ from dtlaunch.run.checkpoints import (
 )
 from dtlaunch.run.env import NO_RESUME_ENV
 from dtlaunch.run.phases import phase
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # States kept in the JSON trainer state (plain numbers, never pickle) rather than in DCP's files.
 JSON_STATES = ("schedulers",)
@@ -67,7 +70,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: JobConfig,
         run_dir: Path,
         model_parts: list,
         optimizers: list,
@@ -492,7 +495,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _model_dict(cfg: Any) -> dict:
+def _model_dict(cfg: JobConfig) -> dict:
     from dtlaunch.config.schema import to_dict
 
     return dict(to_dict(cfg)["model"])

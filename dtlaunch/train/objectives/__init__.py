@@ -13,7 +13,7 @@ the mean over the global batch. Under context parallel every CP rank computes th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -22,6 +22,9 @@ from dtlaunch.train.objectives.kto import KTOObjective
 from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
 from dtlaunch.train.objectives.orpo import orpo_losses
 from dtlaunch.train.objectives.simpo import simpo_losses
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Logged per step: means over the step's pairs (all ranks), TRL's names.
 STAT_NAMES = (
@@ -48,7 +51,7 @@ class PreferenceObjective:
     cp_group: Optional[Any] = None  # context parallel: the group holding the other chunks of each row
 
     @classmethod
-    def of(cls, cfg: Any, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
+    def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
         if str(o.name) in ("sft", "grpo"):  # grpo: dtlaunch.train.objectives.grpo.GRPOObjective

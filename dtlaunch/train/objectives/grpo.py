@@ -16,13 +16,16 @@ dp (TRL's num_items_in_batch / processes), which GRPOObjective multiplies by acc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from dtlaunch.train.data import IGNORE_INDEX
 from dtlaunch.train.loss import cross_entropy
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
@@ -177,7 +180,7 @@ class GRPOObjective:
     stats_len: int = len(STAT_NAMES) + 1  # the sums, then the number of loss tokens
 
     @classmethod
-    def of(cls, cfg: Any, accum: int) -> GRPOObjective:
+    def of(cls, cfg: JobConfig, accum: int) -> GRPOObjective:
         return cls(GRPOSettings.of(cfg.objective), accum)
 
     needs_reference = False

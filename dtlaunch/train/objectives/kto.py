@@ -21,12 +21,15 @@ over all of them leaves unchanged); pipeline parallel is refused (config/rules/o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # The step's summed statistics: per side the reward and log-prob sums and the example count, then the
 # micro-steps' KL estimates and their number (summed over micro-steps and ranks alike).
@@ -70,7 +73,7 @@ class KTOObjective:
     needs_reference = True
 
     @classmethod
-    def of(cls, cfg: Any, cp_group: Optional[Any] = None) -> KTOObjective:
+    def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> KTOObjective:
         o = cfg.objective
         return cls(str(o.loss), float(o.beta), float(o.desirable_weight), float(o.undesirable_weight), cp_group)
 

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,8 +28,11 @@ from dtlaunch.train.objectives.reference import build_reference
 from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
 from dtlaunch.train.parallel.parallelize import compute_context
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def reference_key(cfg: Any) -> str:
+
+def reference_key(cfg: JobConfig) -> str:
     from omegaconf import OmegaConf
 
     ident = {
@@ -51,11 +54,11 @@ def reference_key(cfg: Any) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def reference_file(cfg: Any, run_dir: Path) -> Path:
+def reference_file(cfg: JobConfig, run_dir: Path) -> Path:
     return Path(shard_dir(cfg, run_dir, "train")) / f"ref_logps-{reference_key(cfg)}.npy"
 
 
-def precomputed_reference(cfg: Any, run_dir: Path, rt: Any, loader: TokenLoader) -> np.ndarray:
+def precomputed_reference(cfg: JobConfig, run_dir: Path, rt: Any, loader: TokenLoader) -> np.ndarray:
     """(pairs, 2) reference log-probs [chosen, rejected] of every pair of the training source."""
     path = reference_file(cfg, run_dir)
     if path.is_file():
@@ -71,7 +74,7 @@ def precomputed_reference(cfg: Any, run_dir: Path, rt: Any, loader: TokenLoader)
     return table
 
 
-def score_pairs(cfg: Any, rt: Any, loader: TokenLoader, n: int) -> np.ndarray:
+def score_pairs(cfg: JobConfig, rt: Any, loader: TokenLoader, n: int) -> np.ndarray:
     reference = build_reference(cfg, rt.layout, rt.mesh, rt.model_parts, live=True)
     dp_rank, dp_size = dp_rank_size(rt.mesh) if rt.mesh is not None else (0, 1)
     cp_rank, cp_size = cp_rank_size(rt.mesh) if rt.mesh is not None else (0, 1)

@@ -18,7 +18,7 @@ base and the frozen copy are split into the pipeline's stages, and the forward r
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import adapters_disabled
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.objectives.logps import completion_logps
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def _model_args(batches: Any, device: torch.device) -> dict[str, torch.Tensor]:
@@ -72,12 +75,12 @@ class Precomputed:
         return batches.last_ref_logps.to(inputs.device)
 
 
-def uses_adapters_off(cfg: Any) -> bool:
+def uses_adapters_off(cfg: JobConfig) -> bool:
     return str(cfg.objective.reference) == "base" and str(cfg.peft.method) != "none"
 
 
 def build_reference(
-    cfg: Any, layout: Layout, mesh: Any, parts: list, live: bool = False, init: bool = True
+    cfg: JobConfig, layout: Layout, mesh: Any, parts: list, live: bool = False, init: bool = True
 ) -> Optional[Any]:
     """The reference of this rank for objective=dpo / kto (None otherwise). live=True: a model even when
     objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
@@ -98,7 +101,7 @@ def build_reference(
     return FrozenCopy(copy, group, head_loss(cfg, [copy]))
 
 
-def _pipeline_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: bool) -> Any:
+def _pipeline_reference(cfg: JobConfig, layout: Layout, mesh: Any, parts: list, init: bool) -> Any:
     """Under pipeline parallel: the policy's own stages with their adapters off, or a frozen copy split into
     this rank's stages (dtlaunch.train.objectives.pipeline_reference)."""
     from dtlaunch.config.layout import pp_microbatches
@@ -135,7 +138,7 @@ def _device(parts: list) -> torch.device:
     return next(p.device for m in parts for p in m.parameters())
 
 
-def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
+def frozen_copy(cfg: JobConfig, layout: Layout, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
     """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
     (reference=base: the policy's initial weights, model.init_from included), from reference=hf:DIR or from
     the checkpoint of reference=RUN_DIR."""
@@ -149,14 +152,14 @@ def frozen_copy(cfg: Any, layout: Layout, mesh: Any, device: torch.device, init:
 
 
 def _parallelize_frozen(
-    model: nn.Module, mesh: Any, ref_cfg: Any, layout: Layout, init: bool, weights: Any
+    model: nn.Module, mesh: Any, ref_cfg: JobConfig, layout: Layout, init: bool, weights: Any
 ) -> nn.Module:
     from dtlaunch.train.parallel.parallelize import parallelize
 
     return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True, weights=weights).eval()
 
 
-def _frozen_model(cfg: Any, init: bool) -> tuple[nn.Module, Any, Any]:
+def _frozen_model(cfg: JobConfig, init: bool) -> tuple[nn.Module, JobConfig, Any]:
     """(the reference model on the meta device, its config, the weights to load instead of its init)."""
     from omegaconf import OmegaConf
 
@@ -210,7 +213,9 @@ class TokenReference:
         return -nll.view(targets.shape).float()
 
 
-def grpo_reference(cfg: Any, layout: Layout, mesh: Any, parts: list, init: bool = True) -> Optional[TokenReference]:
+def grpo_reference(
+    cfg: JobConfig, layout: Layout, mesh: Any, parts: list, init: bool = True
+) -> Optional[TokenReference]:
     """The reference of objective=grpo (None when objective.beta is 0: none is held)."""
     if str(cfg.objective.name) != "grpo" or float(cfg.objective.beta) == 0.0:
         return None

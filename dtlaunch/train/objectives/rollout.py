@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
 from dtlaunch.train.parallel.generation_gather import gathered_for_generation
 from dtlaunch.train.parallel.parallelize import compute_context
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 PAD = 0
 TAG_ROLLOUT = 0x6A90  # the sampling generator's seed tag
@@ -120,7 +123,9 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class Rollout:
-    def __init__(self, cfg: Any, rt: Any, run_dir: Path, loader: PromptLoader, dp_size: int, ref_model: Any = None):
+    def __init__(
+        self, cfg: JobConfig, rt: Any, run_dir: Path, loader: PromptLoader, dp_size: int, ref_model: Any = None
+    ):
         o, t = cfg.objective, cfg.training
         self.cfg, self.rt, self.run_dir, self.loader, self.ref_model = cfg, rt, run_dir, loader, ref_model
         self.g, self.mu, self.beta = int(o.num_generations), int(o.num_iterations), float(o.beta)

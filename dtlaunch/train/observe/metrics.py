@@ -17,11 +17,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.models.flops import flops_per_token, mfu
 from dtlaunch.run.metrics_file import human_bytes, write_loss_plot
 from dtlaunch.run.run_dir import METRICS_NAME
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 TB_BATCH_S = 5.0  # seconds between hand-overs of buffered scalars to TensorBoard
 
@@ -68,7 +71,7 @@ def _peak_mem_bytes() -> int:
 class MetricsLogger:
     """`log(step, values)` every step; `close()` at the end. A no-op unless `enabled` (rank 0)."""
 
-    def __init__(self, run_dir: Path, cfg: Any, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, cfg: JobConfig, enabled: bool) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.cfg = cfg
@@ -187,7 +190,7 @@ class MetricsLogger:
             )
 
 
-def _world_and_tokens(cfg: Any) -> tuple[int, Optional[int]]:
+def _world_and_tokens(cfg: JobConfig) -> tuple[int, Optional[int]]:
     """(devices in the job, tokens per optimizer step) for tokens/s and MFU when the loop does not say."""
     from dtlaunch.config.layout import Layout, global_batch, world_size
 

@@ -22,12 +22,15 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
 from dtlaunch.run.profile_files import DATA_ANNOTATION, PROFILE_DIR, STEP_ANNOTATION
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 MEMORY_HISTORY_ENTRIES = 100_000
 
@@ -42,7 +45,7 @@ def profiled_steps(pr: Any, total_steps: int) -> list[int]:
 
 
 def profiled(
-    step_fn: Callable, loader: Any, cfg: Any, run_dir: Path, rank: int, device: torch.device
+    step_fn: Callable, loader: Any, cfg: JobConfig, run_dir: Path, rank: int, device: torch.device
 ) -> tuple[Callable, Any]:
     """`(step_fn, loader)` themselves when profiling is off. Else a function with step_fn's signature (the
     step number its last argument) that profiles the chosen steps, and the loader with its loading labelled

@@ -14,7 +14,10 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 IDS_FILE = "trackers.json"
 _SKIPPED = {"step", "time"}
@@ -54,7 +57,7 @@ class _Ids:
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, cfg: Any, config: dict[str, Any], ids: _Ids) -> None:
+    def __init__(self, run_dir: Path, cfg: JobConfig, config: dict[str, Any], ids: _Ids) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or str(cfg.logging.wandb.mode)
@@ -82,7 +85,7 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    def __init__(self, run_dir: Path, cfg: Any, config: dict[str, Any], ids: _Ids) -> None:
+    def __init__(self, run_dir: Path, cfg: JobConfig, config: dict[str, Any], ids: _Ids) -> None:
         from mlflow.tracking import MlflowClient
 
         local = (run_dir / "mlruns").resolve()
@@ -130,7 +133,7 @@ class MlflowTracker:
 class Trackers:
     """The configured trackers other than TensorBoard (which MetricsLogger writes itself)."""
 
-    def __init__(self, run_dir: Path, cfg: Any) -> None:
+    def __init__(self, run_dir: Path, cfg: JobConfig) -> None:
         from omegaconf import OmegaConf
 
         names = [str(t) for t in cfg.logging.trackers]

@@ -14,13 +14,16 @@ the CPU. What this needs from the rest of the runtime:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def offload_policy(cfg: Any, device: torch.device) -> dict:
+
+def offload_policy(cfg: JobConfig, device: torch.device) -> dict:
     """fully_shard's keyword for the job: CPU offload (pinned host memory when the device is a GPU)."""
     if not cfg.strategy.cpu_offload:
         return {}
@@ -29,7 +32,7 @@ def offload_policy(cfg: Any, device: torch.device) -> dict:
     return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
 
 
-def init_device(cfg: Any, device: torch.device) -> torch.device:
+def init_device(cfg: JobConfig, device: torch.device) -> torch.device:
     """Where the parameters are materialised: the host under CPU offload, else the device."""
     return torch.device("cpu") if cfg.strategy.cpu_offload else device
 

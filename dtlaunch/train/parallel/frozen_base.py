@@ -15,7 +15,7 @@ optim.state_dtype=bf16 the adapters are bf16 too (so their gradients and AdamW m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import is_adapter
 from dtlaunch.models.moe.experts import GroupedExperts
 from dtlaunch.train.parallel.qlora import quantize_base
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 def compute_dtype_weights(mod: nn.Module) -> tuple[str, ...]:
@@ -34,7 +37,7 @@ def compute_dtype_weights(mod: nn.Module) -> tuple[str, ...]:
     return ("weight", "bias") if isinstance(mod, (nn.Linear, nn.Embedding)) else ()
 
 
-def convert_frozen_base(model: nn.Module, cfg: Any, shards: int, fsdp: bool = False) -> None:
+def convert_frozen_base(model: nn.Module, cfg: JobConfig, shards: int, fsdp: bool = False) -> None:
     """peft.method=lora/qlora: frozen linear, embedding and routed-expert weights (and biases) to the compute
     dtype, then (qlora) the block linears to NF4. `shards`: the FSDP shard count (1 without FSDP); `fsdp`: FSDP2
     casts the compute (no autocast). Nothing under peft=none."""

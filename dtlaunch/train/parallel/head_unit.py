@@ -13,15 +13,18 @@ stays in the root: the model's forward applies it outside the head.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtlaunch.config.layout import head_unit, loss_chunks
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def own_head_unit(model: nn.Module, cfg: Any, tp: int) -> list[nn.Module]:
+
+def own_head_unit(model: nn.Module, cfg: JobConfig, tp: int) -> list[nn.Module]:
     """[the output head] when it is an FSDP2 unit of its own on this stage, else []. `tp`: the layout's
     tensor-parallel degree."""
     head = getattr(model, "output", None)

@@ -13,7 +13,7 @@ Activation checkpointing ("none", "full", and the "selective" policies): dtlaunc
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
@@ -39,11 +39,14 @@ from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, s
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
 from dtlaunch.train.tiled_mlp import apply_tiled_mlp
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
 
 def parallelize(
     model: nn.Module,
     world_mesh: DeviceMesh,
-    cfg: Any,
+    cfg: JobConfig,
     layout: Layout,
     init: bool = True,
     frozen: bool = False,
@@ -152,7 +155,7 @@ def compile_backend() -> str:
     return "inductor" if active_fake_mode() is None else "aot_eager_decomp_partition"
 
 
-def mp_policy(cfg: Any) -> Any:
+def mp_policy(cfg: JobConfig) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
@@ -163,7 +166,7 @@ def mp_policy(cfg: Any) -> Any:
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
-    cfg: Any,
+    cfg: JobConfig,
     reshard_after_forward: bool,
     experts: ExpertMeshes | None = None,
     dp: int = 1,
@@ -210,7 +213,7 @@ def shard_experts(block: nn.Module, meshes: ExpertMeshes, policy: Any, reshard_a
             experts.set_force_sum_reduction_for_comms(True)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any, device: torch.device) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
@@ -244,7 +247,7 @@ def uses_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def compute_context(model_parts: Iterable[nn.Module], cfg: Any, device: torch.device) -> Any:
+def compute_context(model_parts: Iterable[nn.Module], cfg: JobConfig, device: torch.device) -> Any:
     """Low-precision compute where FSDP's MixedPrecisionPolicy does not already cast (DDP, single
     process): autocast keeps fp32 master weights and casts matmul inputs."""
     dtype = torch_dtype(cfg.precision.param_dtype)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from torch.distributed.tensor import DTensor
 from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
 from dtlaunch.config.schema import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Schedules whose two stages per rank form a "V": rank r holds stages r and (n_stages - 1 - r).
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -131,7 +134,7 @@ def stage_layer_ranges(n_layers: int, n_stages: int, explicit: list[int]) -> lis
     return [range(s, s + c) for s, c in zip(starts, counts, strict=True)]
 
 
-def build_stage_modules(model: nn.Module, cfg: Any, layout: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
+def build_stage_modules(model: nn.Module, cfg: JobConfig, layout: Layout, pp_rank: int) -> list[tuple[int, nn.Module]]:
     """(stage index, stage module) for each stage this pipeline rank runs, in schedule order."""
     s = cfg.strategy
     n_stages = layout.pp * int(s.pp_stages_per_rank)
@@ -146,7 +149,7 @@ def build_stage_modules(model: nn.Module, cfg: Any, layout: Layout, pp_rank: int
 def build_schedule(
     stage_modules: list[tuple[int, nn.Module]],
     pp_mesh: DeviceMesh,
-    cfg: Any,
+    cfg: JobConfig,
     layout: Layout,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,

@@ -11,10 +11,13 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def init_distributed(cfg: Any) -> DistEnv:
+def init_distributed(cfg: JobConfig) -> DistEnv:
     """Join the process group (torchrun env vars; a lone `python -m` run becomes a world of one)."""
     backend = cfg.launch.backend
     if backend == "auto":

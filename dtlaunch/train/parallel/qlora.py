@@ -16,7 +16,7 @@ materialise + init, where `load_nf4_param` gives each NF4 weight its value -> DD
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,12 +26,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.nf4 import is_nf4, load_nf4_rows, quantize_frozen_linears, to_nf4
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
-def uses_qlora(cfg: Any) -> bool:
+
+def uses_qlora(cfg: JobConfig) -> bool:
     return str(cfg.peft.method) == "qlora"
 
 
-def quantize_base(model: nn.Module, cfg: Any, shards: int) -> list[str]:
+def quantize_base(model: nn.Module, cfg: JobConfig, shards: int) -> list[str]:
     """Under peft.method=qlora, the frozen block linears of `model` (on meta) become NF4 weights in the
     compute dtype (precision.param_dtype), so they dequantise straight to what the matmul uses.
     `shards`: the FSDP shard count (1 without FSDP)."""

@@ -23,7 +23,7 @@ a 2 GiB bf16 transient per GPU at the end of backward, and the dense V x h scatt
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtlaunch.models import tp_styles as styles
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 
 class VocabParallel(ParallelStyle):
@@ -139,7 +142,7 @@ def torch_plan(plan: dict[str, styles.Style]) -> dict[str, ParallelStyle]:
     return {name: parallel_style(style) for name, style in plan.items()}
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: Any) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     """Shard `model` (a full model or a pipeline stage of one) over `tp_mesh` in place, with the
     plan of its registry entry."""
     from dtlaunch.models.registry import model_spec
