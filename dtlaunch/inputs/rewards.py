@@ -19,10 +19,13 @@ import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.builtin_rewards import accuracy_reward, format_reward
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ObjectiveConfig
 
 RewardFn = Callable[..., list]
 
@@ -77,12 +80,12 @@ def import_function(spec: str, key: str) -> Callable[..., Any]:
 BUILTINS = ("accuracy", "format")
 
 
-def user_rewards(o: Any) -> list[str]:
+def user_rewards(o: ObjectiveConfig) -> list[str]:
     """objective.rewards' user functions (not the built-ins): what runs in the user-code process."""
     return [str(s) for s in o.rewards if str(s) not in BUILTINS]
 
 
-def load_rewards(o: Any, elsewhere: Optional[Callable[[str], RewardFn]] = None) -> list[Reward]:
+def load_rewards(o: ObjectiveConfig, elsewhere: Optional[Callable[[str], RewardFn]] = None) -> list[Reward]:
     """objective.rewards with their weights (objective.reward_weights, or 1 each). `elsewhere(spec)`: the
     function standing in for a user function run in another process (not imported here)."""
     weights = [float(w) for w in o.reward_weights] or [1.0] * len(o.rewards)

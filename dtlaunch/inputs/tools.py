@@ -41,10 +41,13 @@ import sys
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.rewards import Reward, call_reward, import_function, load_rewards, user_rewards
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ObjectiveConfig
 
 KEY = "objective.tools"
 ENV_KEY = "objective.environment"
@@ -99,7 +102,7 @@ def load_tools(specs: Sequence[str]) -> list[Tool]:
     return tools
 
 
-def check_tools(o: Any) -> list[Tool]:
+def check_tools(o: ObjectiveConfig) -> list[Tool]:
     """objective.tools imported and their schemas built (before any worker starts)."""
     return load_tools([str(s) for s in o.tools])
 
@@ -148,7 +151,7 @@ def load_environment(spec: str, key: str = "", config_key: str = ENV_KEY) -> Env
     return Environment(key, spec, cls, tools, callable(getattr(cls, "get_reward", None)), config_key)
 
 
-def check_environments(o: Any, tools: Sequence[Tool] = ()) -> list[Environment]:
+def check_environments(o: ObjectiveConfig, tools: Sequence[Tool] = ()) -> list[Environment]:
     """objective.environment (one, key "") or objective.environments (name -> factory, selected by the dataset's
     `environment` column): imported and checked before any worker starts; no method named like a tool."""
     single, named = str(getattr(o, "environment", "") or ""), dict(getattr(o, "environments", {}) or {})
@@ -586,7 +589,7 @@ if __name__ == "__main__":
     _serve(json.loads(sys.argv[1]))
 
 
-def check_rewards(o: Any, record: dict[str, Any], prompt_field: str, where: str) -> list[Reward]:
+def check_rewards(o: ObjectiveConfig, record: dict[str, Any], prompt_field: str, where: str) -> list[Reward]:
     """Import every reward function and call it once on `record`'s prompt with two stand-in completions
     (the prompt's own text and an empty one), before any worker starts. The user's functions are called
     where the workers will call them (objective.tool_timeout_s > 0: a child process with its timeout and

@@ -23,7 +23,7 @@ from dtlaunch.errors import EXIT_PREEMPTED, InputError, Preempted, WorkerFailed
 from dtlaunch.run.env import RUN_DIR_ENV, WORKER_MODULE
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import JobConfig, LaunchConfig
 
 
 def _detected_gpus(cfg: JobConfig) -> int:
@@ -59,7 +59,7 @@ def torchrun_args(cfg: JobConfig, run_dir: Path, detected_gpus: int | None = Non
     return args
 
 
-def node_rank_of(la: Any) -> int:
+def node_rank_of(la: LaunchConfig) -> int:
     """launch.node_rank, else the scheduler's node index (SLURM_NODEID) or $NODE_RANK; -1 if unknown."""
     if la.node_rank >= 0:
         return int(la.node_rank)

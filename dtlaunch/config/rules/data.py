@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.rules import need_package
 from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import DataConfig, JobConfig
 
 
-def _hub_dataset(d: Any, field: str = "path") -> bool:
+def _hub_dataset(d: DataConfig, field: str = "path") -> bool:
     """data.kind=hf data.path=ORG/NAME (or data.val_path=ORG/NAME): a hub dataset, fetched by the launcher
     (dtlaunch.hub.dataset); its revision has a key of its own (data.revision, data.val_revision)."""
     from dtlaunch.hub.resolve import parse_hub_name

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, global_batch
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import JobConfig, TrainingConfig
 
 
 def check_batch(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
@@ -31,7 +31,7 @@ def check_training(cfg: JobConfig, notes: list[str]) -> None:
         )
 
 
-def check_ac_options(t: Any) -> None:
+def check_ac_options(t: TrainingConfig) -> None:
     """The selective-AC knobs: a budget that needs compile and selective mode (the policy is a schema choice)."""
     budget = float(t.ac_memory_budget)  # its range [0, 1] and ac_every_n_layers >= 1: config.ranges
     if budget > 0 and not t.compile:

@@ -25,7 +25,7 @@ from dtlaunch.train.data import IGNORE_INDEX
 from dtlaunch.train.loss import cross_entropy
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import JobConfig, ObjectiveConfig
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
@@ -75,7 +75,7 @@ class GRPOSettings:
     max_completion_length: int
 
     @classmethod
-    def of(cls, o: Any) -> GRPOSettings:
+    def of(cls, o: ObjectiveConfig) -> GRPOSettings:
         return cls(
             loss_type=str(o.loss_type),
             importance_level=str(o.importance_sampling_level),

@@ -17,13 +17,16 @@ The planner (dtlaunch.models.dense.activations) models each mode from the same r
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import TrainingConfig
 
-def apply_ac(model: nn.Module, t: Any) -> None:
+
+def apply_ac(model: nn.Module, t: TrainingConfig) -> None:
     """Wrap `model.layers`' blocks for `t` (the training section)."""
     mode = t.activation_checkpointing
     if mode == "none":
