@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import HardwareConfig
 
 GIB = 1024**3
 # gloo's all-gather and reduce-scatter (a CPU profile) copy their whole buffer this many times more than
@@ -12,18 +15,18 @@ GIB = 1024**3
 GLOO_EXTRA_BUFFER_COPIES = 1
 
 
-def capacity_bytes(hw: Any) -> float:
+def capacity_bytes(hw: HardwareConfig) -> float:
     return float(hw.memory_gib) * GIB
 
 
-def peak_flops(hw: Any, dtype: str) -> float:
+def peak_flops(hw: HardwareConfig, dtype: str) -> float:
     """Dense peak FLOP/s for the compute dtype; a CPU profile without numbers gets a nominal 1 TFLOP/s
     so that the search can still rank layouts."""
     tf = hw.peak_tflops_bf16 if dtype in ("bf16", "fp16") else hw.peak_tflops_fp32
     return (tf or hw.peak_tflops_bf16 or 1.0) * 1e12
 
 
-def link_bandwidth(hw: Any, group_size: int, contiguous_ranks: int) -> float:
+def link_bandwidth(hw: HardwareConfig, group_size: int, contiguous_ranks: int) -> float:
     """Bytes/s per device for a collective over `group_size` ranks spaced `contiguous_ranks` apart:
     inside a node it runs on NVLink, otherwise the inter-node link is the bottleneck."""
     per_node = int(hw.gpus_per_node) or 1
@@ -32,13 +35,13 @@ def link_bandwidth(hw: Any, group_size: int, contiguous_ranks: int) -> float:
     return intra if group_size * contiguous_ranks <= per_node else inter
 
 
-def gloo_collectives(hw: Any) -> bool:
+def gloo_collectives(hw: HardwareConfig) -> bool:
     """Whether a run on this profile communicates over gloo (the CPU profile), whose all-gather and
     reduce-scatter copy their whole buffer once more; NCCL's do not."""
     return not int(hw.gpus_per_node)  # GLOO_EXTRA_BUFFER_COPIES
 
 
-def fused_optimizer(hw: Any) -> bool:
+def fused_optimizer(hw: HardwareConfig) -> bool:
     """Whether a run on this profile steps AdamW with the fused kernel: GPU profiles do (the runtime picks
     fused on CUDA, dtlaunch.train.optim), the CPU profile runs foreach, which allocates temporaries."""
     return int(hw.gpus_per_node) > 0

@@ -37,7 +37,7 @@ from dtlaunch.plan.peft import qlora_layout_ok
 from dtlaunch.plan.ulysses_terms import qkv_width
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import JobConfig, ModelConfig, TrainingConfig
 
 EFFICIENCY = 0.55  # sustained fraction of peak for large matmuls
 HIDDEN_FRACTION = 0.8  # share of overlappable communication that compute can hide at best
@@ -169,7 +169,7 @@ def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float =
     }
 
 
-def _routed_per_sparse_block(m: Any) -> int:
+def _routed_per_sparse_block(m: ModelConfig) -> int:
     return 3 * routed_experts(m) * int(m.dim) * _expert_width(m) if routed_experts(m) else 0
 
 
@@ -382,14 +382,14 @@ def _why(row: dict, best: dict) -> str:
     return f"+{slower:.1f}%: {label[worst]}"
 
 
-def kv_width(m: Any) -> int:
+def kv_width(m: ModelConfig) -> int:
     """Width of K (= of V) per token as the ring exchanges it: K/V heads repeated to the query heads."""
     from dtlaunch.models.dense.shapes import head_dim
 
     return int(m.n_heads) * head_dim(m)
 
 
-def recompute_fraction(t: Any) -> float:
+def recompute_fraction(t: TrainingConfig) -> float:
     """Extra compute of activation checkpointing, as a fraction of forward + backward (3 forwards).
     Full: one forward more (1/3). Op policy: the recomputed matmuls (wk, wo, w3) are about a third of a
     Llama block's forward flops (Llama-3.1-8B: 36 %), so ~0.12. Layer policy: full on 1 block in n.

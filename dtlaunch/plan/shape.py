@@ -34,7 +34,7 @@ from dtlaunch.plan.peft import PeftTerms, peft_terms
 from dtlaunch.plan.tiled_terms import mlp_saved_bytes, tiled
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import JobConfig, ModelConfig, TrainingConfig
 
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
 # that the test exists and sees the term).
@@ -163,7 +163,7 @@ class StageShape:
         return self.vocab_params * (int(self.first_stage) + int(self.frozen_head_unit))
 
 
-def vocab_params(m: Any, tp: int) -> int:
+def vocab_params(m: ModelConfig, tp: int) -> int:
     """Parameters of the embedding (or of the output head) on one TP rank."""
     return m.vocab_size * m.dim // tp
 
@@ -183,7 +183,7 @@ def in_flight(schedule: str, pp: int, rank: int, n_mb: int, per_rank: int = 1) -
 
 
 def _stage_params(
-    m: Any, layers: int, first: bool, last: bool, tp: int, scalar_head: bool = False
+    m: ModelConfig, layers: int, first: bool, last: bool, tp: int, scalar_head: bool = False
 ) -> tuple[int, int, int]:
     """(params on one TP rank of the stage, one block's params, the root unit's params: embedding,
     final norm, output head on the stages that own them). Matrices divide by tp, norm weights not.
@@ -204,7 +204,9 @@ def _stage_params(
     return layers * blk + root, blk, root
 
 
-def _block_tok(act: Any, kind: str, d: Any, e: int, t: Any, tp: int, sp: bool, autocast: bool, compiled: bool) -> float:
+def _block_tok(
+    act: Any, kind: str, d: Any, e: int, t: TrainingConfig, tp: int, sp: bool, autocast: bool, compiled: bool
+) -> float:
     """Saved bytes per token of one block under a checkpointing kind of `act.ac_mix`."""
     if kind == "budget":
         return act.block_bytes_budget(d, e, float(t.ac_memory_budget), tp, sp, autocast)
