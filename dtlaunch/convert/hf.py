@@ -12,7 +12,7 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.config.model_schema import model_config_from_marker
 from dtlaunch.config.weight_source import WeightSource
@@ -20,6 +20,9 @@ from dtlaunch.errors import InputError
 from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, read_weight_headers, weight_files
 from dtlaunch.models.dense.hf import halves_to_interleaved
 from dtlaunch.models.score_head import SCORE_HEAD
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 TORCH_FILE = "model.pt"
@@ -42,7 +45,7 @@ def from_hf_state(state: dict, m: Any) -> dict:
     return _spec(m).names().from_hf_state(state, m)
 
 
-def hf_config(m: Any, dtype: str = "float32") -> dict:
+def hf_config(m: ModelConfig, dtype: str = "float32") -> dict:
     """config.json for the model's Hugging Face architecture."""
     if _spec(m).hf is None:  # model.arch=hf_auto: the source directory's own config.json
         from dtlaunch.config.hf_model import hf_source_dir, read_hf_config

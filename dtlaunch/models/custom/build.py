@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib
 import types
 import zlib
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from dtlaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 
 def resolve_target(path: str) -> Any:
@@ -36,7 +39,7 @@ def resolve_target(path: str) -> Any:
     return fn
 
 
-def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") -> nn.Module:
+def build_model(m: ModelConfig, rope_len: Optional[int] = None, device: Any = "meta") -> nn.Module:
     fn = resolve_target(str(m._target_))
     with torch.device(device):
         module = fn(m)

@@ -44,10 +44,13 @@ Full AC: the block input only; during backward one block's no-AC set is live aga
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES  # noqa: F401 (planner code reads it here too)
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class BlockDims:
     rope_tables: int = 1  # RoPE table sets (Gemma 3: global and local bases side by side)
 
     @classmethod
-    def of(cls, m: Any) -> BlockDims:
+    def of(cls, m: ModelConfig) -> BlockDims:
         return cls(
             h=m.dim,
             k=kv_heads(m) * head_dim(m),
@@ -145,7 +148,7 @@ def block_bytes_selective(
     return block_input_bytes(d, e, tp, sp, autocast) + sharded / tp + residual_mm
 
 
-def ac_mix(t: Any, layer_ids: Sequence[int]) -> dict[str, int]:
+def ac_mix(t: TrainingConfig, layer_ids: Sequence[int]) -> dict[str, int]:
     """How many of a stage's blocks run under each checkpointing kind ("none", "full", "selective",
     "budget"). The layer policy checkpoints the every-th, 2·every-th, ... block by global index, the
     rule of dtlaunch.train.parallel.ac.checkpointed_layer (not imported: the planner does not import torch)."""

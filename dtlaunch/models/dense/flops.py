@@ -11,18 +11,21 @@ real work, so MFU stays comparable across implementations).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dtlaunch.models.dense.shapes import head_dim, param_count
 
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
-def matmul_params(m: Any) -> int:
+
+def matmul_params(m: ModelConfig) -> int:
     """Parameters used in matmuls: everything except the input embedding table (a tied head is one)."""
     tied = m.vocab_size * m.dim if getattr(m, "tie_embeddings", False) else 0
     return param_count(m) - m.vocab_size * m.dim + tied
 
 
-def flops_per_token(m: Any, seq_len: int) -> float:
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training (fwd + bwd) FLOPs per token at sequence length seq_len."""
     attention = 12 * m.n_layers * m.n_heads * head_dim(m) * seq_len
     return 6.0 * matmul_params(m) + attention

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.errors import InputError
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 # Ours -> HF, per block.
 _BLOCK_NAMES = {
@@ -72,7 +75,7 @@ def halves_to_interleaved(w: Any, n_heads: int) -> Any:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def rope_heads(name: str, m: Any) -> Optional[int]:
+def rope_heads(name: str, m: ModelConfig) -> Optional[int]:
     """Heads to permute within for a RoPE-rotated tensor (HF keeps each head's rotary halves, we interleave
     them); None for the others. Part of a family's names module: the importer reads slices by it."""
     if re.search(r"attention\.wq\.(weight|bias)$", name):
@@ -125,7 +128,7 @@ class DenseHF:
     # Keys this family's config.json always carries (e.g. Llama's attention_bias / mlp_bias).
     extra_config: tuple[tuple[str, Any], ...] = ()
 
-    def config_to_hf(self, m: Any, dtype: str = "float32") -> dict:
+    def config_to_hf(self, m: ModelConfig, dtype: str = "float32") -> dict:
         rs = m.rope_scaling
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
         if rs is not None:

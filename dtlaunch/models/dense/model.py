@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import zlib
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from torch import nn
 from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.norm import RMSNorm
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 
 def local_rope(m: Any) -> bool:
@@ -117,7 +120,7 @@ def layer_window(m: Any, layer: Optional[int]) -> Optional[int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, m: Any, rope: bool = True, layer: Optional[int] = None) -> None:
+    def __init__(self, m: ModelConfig, rope: bool = True, layer: Optional[int] = None) -> None:
         super().__init__()
         self.head_dim = head_dim(m)
         # Gemma: softmax(q·k / sqrt(query_pre_attn_scalar)). Every attention kernel here (SDPA, packed
@@ -278,7 +281,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, m: Any, layer: Optional[int] = None) -> None:
+    def __init__(self, m: ModelConfig, layer: Optional[int] = None) -> None:
         super().__init__()
         # post_norm (OLMo 2/3): the two norms act on the attention and MLP outputs before each residual add,
         # and the sublayers read the residual stream itself (Hugging Face: post_attention_layernorm,
@@ -318,7 +321,7 @@ class TransformerBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, m: Any, rope_len: Optional[int] = None) -> None:
+    def __init__(self, m: ModelConfig, rope_len: Optional[int] = None) -> None:
         super().__init__()
         self.cfg = m
         self.rope_len = rope_len or m.max_seq_len

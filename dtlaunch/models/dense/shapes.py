@@ -7,10 +7,13 @@ One decoder covers Llama, Qwen2/2.5, Qwen3, Mistral, SmolLM3, OLMo 3 and Gemma 3
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 
-def ffn_dim(m: Any) -> int:
+def ffn_dim(m: ModelConfig) -> int:
     """SwiGLU hidden width, Meta's rule: multiple_of * ceil(int(mult * floor(8*dim/3)) / multiple_of)."""
     if m.ffn_dim:
         return int(m.ffn_dim)
@@ -19,11 +22,11 @@ def ffn_dim(m: Any) -> int:
     return m.multiple_of * math.ceil(hidden / m.multiple_of)
 
 
-def head_dim(m: Any) -> int:
+def head_dim(m: ModelConfig) -> int:
     return int(getattr(m, "head_dim", None) or m.dim // m.n_heads)
 
 
-def kv_heads(m: Any) -> int:
+def kv_heads(m: ModelConfig) -> int:
     return m.n_kv_heads or m.n_heads
 
 
@@ -31,7 +34,7 @@ def tied(m: Any) -> bool:
     return bool(getattr(m, "tie_embeddings", False))
 
 
-def block_norm_params(m: Any) -> int:
+def block_norm_params(m: ModelConfig) -> int:
     """Norm gains of one block (never sharded by tensor parallel): two RMSNorms (four with Gemma's
     sandwich_norm), plus q/k norms (per head:
     head_dim gains each; over the whole projection, OLMo's qk_norm_whole: one per q and k feature)."""
@@ -43,7 +46,7 @@ def block_norm_params(m: Any) -> int:
     return block + 2 * head_dim(m)
 
 
-def block_params(m: Any) -> int:
+def block_params(m: ModelConfig) -> int:
     """One block: q,k,v,o projections (+ q/k/v biases), SwiGLU (3 matrices), norm gains."""
     h, d = m.dim, head_dim(m)
     q, k = m.n_heads * d, kv_heads(m) * d
@@ -53,21 +56,21 @@ def block_params(m: Any) -> int:
     return attn + 3 * h * ffn_dim(m) + block_norm_params(m)
 
 
-def embedding_params(m: Any) -> int:
+def embedding_params(m: ModelConfig) -> int:
     return m.vocab_size * m.dim
 
 
-def head_params(m: Any) -> int:
+def head_params(m: ModelConfig) -> int:
     """The output head's own parameters: none when it shares the embedding matrix."""
     return 0 if tied(m) else m.vocab_size * m.dim
 
 
-def param_count(m: Any) -> int:
+def param_count(m: ModelConfig) -> int:
     """P = V*h (embedding) + V*h (output head, unless tied) + h (final norm) + L * block."""
     return embedding_params(m) + head_params(m) + m.dim + m.n_layers * block_params(m)
 
 
-def tp_divisors(m: Any) -> list[tuple[str, int]]:
+def tp_divisors(m: ModelConfig) -> list[tuple[str, int]]:
     """(key, value) pairs a tensor-parallel degree must divide: whole heads per rank, even shards."""
     return [
         ("model.n_heads", m.n_heads),
@@ -78,7 +81,7 @@ def tp_divisors(m: Any) -> list[tuple[str, int]]:
     ]
 
 
-def block_linears(m: Any) -> dict[str, tuple[int, int, bool]]:
+def block_linears(m: ModelConfig) -> dict[str, tuple[int, int, bool]]:
     """The linears of one block by Hugging Face module name: (out features, in features, column-parallel
     under tensor parallel). What LoRA adapts and QLoRA quantises (the planner's fine-tuning lines)."""
     h, d = m.dim, head_dim(m)

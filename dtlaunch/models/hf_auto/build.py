@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 
 class LayerDict(nn.ModuleDict):
@@ -41,7 +44,7 @@ def _transformers() -> Any:
     return transformers
 
 
-def _source(m: Any) -> Path:
+def _source(m: ModelConfig) -> Path:
     if not WeightSource.parse(m.init_from).is_hf:
         raise ConfigError(
             "model.arch=hf_auto needs model.init_from=hf:DIR (the architecture and weights come from DIR)"

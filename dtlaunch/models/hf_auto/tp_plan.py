@@ -22,10 +22,13 @@ sequence parallel: the residual stream between the plan's modules is replicated.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.models.tp_styles import Colwise, Rowwise, SequenceShard, Style
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 LAYER_PREFIX = "layers.*."
 # Projections whose output carries attention heads: sharding them column-wise splits the heads.
@@ -44,7 +47,7 @@ def _hf_config(init_from: str) -> Any:
     return _transformers().AutoConfig.from_pretrained(str(hf_source_dir(init_from)), local_files_only=True)
 
 
-def hf_plan(m: Any) -> dict[str, str]:
+def hf_plan(m: ModelConfig) -> dict[str, str]:
     """The decoder's plan transformers keeps for DIR's architecture ({} when it has none)."""
     return dict(getattr(_hf_config(str(m.init_from)), "base_model_tp_plan", None) or {})
 
@@ -53,7 +56,7 @@ def shards_heads(plan: dict[str, str]) -> bool:
     return any(k.rsplit(".", 1)[-1] in HEAD_PROJECTIONS and v == "colwise" for k, v in plan.items())
 
 
-def check(m: Any, tp: int, sequence_parallel: bool) -> str | None:
+def check(m: ModelConfig, tp: int, sequence_parallel: bool) -> str | None:
     """Why `strategy.tp=tp` cannot run DIR's architecture (one line naming the fix), or None."""
     config = _hf_config(str(m.init_from))
     arch = ", ".join(getattr(config, "architectures", None) or [f"model_type={config.model_type}"])
@@ -93,7 +96,7 @@ def _style(name: str) -> Style:
     }[name]
 
 
-def model_plan(m: Any, sequence_parallel: bool) -> dict[str, Any]:
+def model_plan(m: ModelConfig, sequence_parallel: bool) -> dict[str, Any]:
     """The head: vocabulary-sharded logits (a DTensor for loss_parallel) unless it is the embedding's matrix."""
     if getattr(_hf_config(str(m.init_from)), "tie_word_embeddings", False):
         return {}

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.errors import InputError
 from dtlaunch.models.dense import hf as dense
 from dtlaunch.models.dense.hf import DenseHF
 from dtlaunch.models.moe.shapes import expert_dim
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 _EXPERT = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 
@@ -62,7 +65,7 @@ class MoENames:
             return slot[0]
         return dense.from_hf_name(name)
 
-    def to_hf_state(self, state: dict, m: Any) -> dict:
+    def to_hf_state(self, state: dict, m: ModelConfig) -> dict:
         """Ours -> HF: stacked experts split per expert, attention in HF's RoPE layout."""
         out, plain = {}, {}
         for name, t in state.items():

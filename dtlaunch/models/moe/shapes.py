@@ -7,10 +7,13 @@ Counts are split into routed-expert parameters (what expert parallelism shards) 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.models.dense import shapes as dense
 from dtlaunch.models.dense.shapes import ffn_dim
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 
 def is_sparse(m: Any, layer: int) -> bool:
@@ -19,7 +22,7 @@ def is_sparse(m: Any, layer: int) -> bool:
     return int(moe.num_experts) > 0 and layer not in set(moe.dense_layers) and (layer + 1) % int(moe.sparse_step) == 0
 
 
-def sparse_layers(m: Any) -> list[int]:
+def sparse_layers(m: ModelConfig) -> list[int]:
     return [i for i in range(int(m.n_layers)) if is_sparse(m, i)]
 
 
@@ -33,7 +36,7 @@ def shared_dim(m: Any) -> int:
     return 0 if n == 0 else int(m.moe.shared_expert_dim or n * expert_dim(m))
 
 
-def attention_params(m: Any) -> int:
+def attention_params(m: ModelConfig) -> int:
     """A block without its FFN: attention projections (+ biases) and norm gains."""
     return dense.block_params(m) - 3 * m.dim * ffn_dim(m)
 
@@ -59,20 +62,20 @@ def active_layer_params(m: Any, layer: int) -> int:
     return p["other"] + 3 * int(m.moe.top_k) * m.dim * expert_dim(m)
 
 
-def blocks_params(m: Any) -> int:
+def blocks_params(m: ModelConfig) -> int:
     return sum(sum(layer_params(m, i).values()) for i in range(int(m.n_layers)))
 
 
-def block_params(m: Any) -> int:
+def block_params(m: ModelConfig) -> int:
     """The mean block (the planner sizes a stage as layers x block; exact when every block is sparse)."""
     return round(blocks_params(m) / int(m.n_layers))
 
 
-def param_count(m: Any) -> int:
+def param_count(m: ModelConfig) -> int:
     return dense.embedding_params(m) + dense.head_params(m) + m.dim + blocks_params(m)
 
 
-def tp_divisors(m: Any) -> list[tuple[str, int]]:
+def tp_divisors(m: ModelConfig) -> list[tuple[str, int]]:
     """Tensor parallel shards attention (and the dense blocks' FFN); routed and shared experts stay whole
     on every tensor-parallel rank (expert parallelism is how experts are split)."""
     out = [d for d in dense.tp_divisors(m) if d[0] != "model FFN width"]

@@ -5,11 +5,14 @@ the whole projection: they are permuted like the projection's rows (per head), n
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from dtlaunch.errors import InputError
 from dtlaunch.models.dense import hf as dense
 from dtlaunch.models.dense.shapes import kv_heads
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import ModelConfig
 
 # Ours -> HF where OLMo differs: the same two modules, applied after the attention and the MLP.
 _NORMS = {
@@ -35,7 +38,7 @@ def from_hf_name(name: str) -> str:
     return dense.from_hf_name(name)
 
 
-def rope_heads(name: str, m: Any) -> Optional[int]:
+def rope_heads(name: str, m: ModelConfig) -> Optional[int]:
     if name.endswith("attention.q_norm.weight"):
         return int(m.n_heads)
     if name.endswith("attention.k_norm.weight"):
