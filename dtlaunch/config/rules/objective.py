@@ -104,7 +104,7 @@ def check_objective(cfg: JobConfig, notes: list[str]) -> None:
         )
 
 
-def check_reward(cfg: Any) -> None:
+def check_reward(cfg: JobConfig) -> None:
     """objective=reward (dtlaunch.train.objectives.reward): its scalar head replaces the decoder's LM head,
     which the layouts that split the head or the rows (tensor, pipeline, context parallel), the adapters
     and transformers' own models (model.arch=hf_auto) do not know of; it holds no reference."""
@@ -130,7 +130,7 @@ def check_reward(cfg: Any) -> None:
         )
 
 
-def check_reward_layout(cfg: Any, layout: Any, notes: list[str]) -> None:
+def check_reward_layout(cfg: JobConfig, layout: Any, notes: list[str]) -> None:
     """objective=reward runs on data parallel layouts only (DDP, ZeRO-1/2/3): see check_reward."""
     if str(cfg.objective.name) != "reward":
         return

@@ -20,12 +20,15 @@ center_rewards_coefficient x mean((r+ + r-)^2) when set.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from dtlaunch.train.data import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 # Logged per step: means over the step's pairs (all ranks). TRL's names (its per-batch means averaged over a
 # logging window are these means when every batch holds as many pairs), then the two sides' mean rewards.
@@ -65,7 +68,7 @@ class RewardObjective:
     stats_len = STATS_LEN
 
     @classmethod
-    def of(cls, cfg: Any) -> RewardObjective:
+    def of(cls, cfg: JobConfig) -> RewardObjective:
         c = cfg.objective.center_rewards_coefficient
         return cls(center_rewards_coefficient=None if c is None else float(c))
 
