@@ -78,6 +78,11 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
             state, m, info = merged_run_state(Path(source))
         else:
             state, m, info = load_checkpoint_model(Path(source))
+        if str(m.arch) == "hf_auto":  # decoding runs the native modules' KV cache, which transformers' lack
+            raise InputError(
+                f"generate {source}: a model.arch=hf_auto run is not decoded by dtlaunch generate: export it "
+                f"(dtlaunch ckpt export {source} --format hf --out DIR) and generate with transformers"
+            )
         tokenizer_file = _run_tokenizer(Path(info.path))
         tokenizer = load_tokenizer(tokenizer_file)
         eos_id = getattr(tokenizer, "eos_id", None)
