@@ -254,6 +254,7 @@ def launched(dirs, tmp_path_factory) -> dict:
     return run_forked(2, run_all, tmp_path_factory.mktemp("family_lifecycle") / "results.json")
 
 
+@pytest.mark.slow_reason("its first case's setup runs every family's layouts: one forked group of 2, ~30 runs")
 @pytest.mark.parametrize("name", NAMES)
 def test_layouts_match_one_process(name: str, dirs, launched) -> None:
     family = BY_NAME[name]
