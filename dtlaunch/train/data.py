@@ -24,6 +24,7 @@ from dtlaunch.data.sources import (
     eval_enabled,
 )
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
+from dtlaunch.train.batch import MicroBatch
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -60,7 +61,7 @@ def check_ids(rows: np.ndarray, vocab_size: int, key: str) -> None:
 
 
 class TokenLoader:
-    """Yields this dp rank's micro-batches in order: (inputs, targets), int64, (micro_batch, seq_len)."""
+    """Yields this dp rank's micro-batches in order: MicroBatch, inputs and targets int64 (micro_batch, seq_len)."""
 
     def __init__(
         self,
@@ -91,21 +92,13 @@ class TokenLoader:
         self.dp_rank, self.dp_size, self.vocab_size, self.key = dp_rank, dp_size, vocab_size, key
         self.shuffle = shuffle  # validation reads its samples in order
         self.global_batch = global_batch or micro_batch * dp_size
-        # Masked data: the factor that turns this micro-batch's summed target loss into its share of the
-        # global batch's mean (see loss_weight); None for unmasked data (a plain mean is exact there).
-        self.last_weight: Optional[float] = None
         self._targets_cache: tuple[int, int] = (-1, 0)
-        # data.document_mask: the EOS id that ends each document, and the model's extra inputs for the
-        # last batch (per-document positions and document ids), else empty.
+        # data.document_mask: the EOS id that ends each document (the batch's model_args then hold per-document
+        # positions and document ids).
         self.document_eos: Optional[int] = None
-        self.last_model_args: dict[str, torch.Tensor] = {}
-        # Preference pairs with precomputed reference log-probs: (pairs, 2) [chosen, rejected] per sample,
-        # and the (2 * micro_batch,) values of the batch just returned (DPO's Precomputed reference).
+        # Preference pairs with precomputed reference log-probs: (pairs, 2) [chosen, rejected] per sample (each
+        # batch's MicroBatch.ref_logps, DPO's Precomputed reference).
         self.ref_logps: Optional[np.ndarray] = None
-        self.last_indices: list[int] = []  # sample indices of the batch just returned
-        self.last_ref_logps: Optional[torch.Tensor] = None
-        # objective=kto: each example's label (desirable: true) of the batch just returned, from its source.
-        self.last_labels: Optional[torch.Tensor] = None
         self.consumed = 0  # global stream position: samples consumed by all dp ranks together
         self._perms: dict[int, np.ndarray] = {}
 
@@ -150,21 +143,24 @@ class TokenLoader:
             self._targets_cache = (step_start, n)
         return self._targets_cache[1]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> MicroBatch:
         step_start = (self.consumed // self.global_batch) * self.global_batch
-        indices = self.last_indices = self.next_indices()
+        indices = self.next_indices()
         rows = np.stack([self.source.sample(i) for i in indices])
         mask = None
         pairs = rows.ndim == 4
+        weight: Optional[float] = None
+        model_args: dict[str, torch.Tensor] = {}
+        ref_logps = labels = margins = None
         if pairs:  # preference pairs (mb, 2, 2, S+1): the chosen rows, then the rejected rows, as TRL stacks them
             rows = np.concatenate([rows[:, 0], rows[:, 1]])
             if getattr(self.source, "margins", None) is not None:  # data.margin_field: objective=reward's margins
-                self.last_rows = torch.tensor([self.source.margin(i) for i in indices], dtype=torch.float32)
+                margins = torch.tensor([self.source.margin(i) for i in indices], dtype=torch.float32)
             if self.ref_logps is not None:
                 ref = self.ref_logps[indices]
-                self.last_ref_logps = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
+                ref_logps = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
             if hasattr(self.source, "labels"):
-                self.last_labels = torch.from_numpy(self.source.labels(indices))
+                labels = torch.from_numpy(self.source.labels(indices))
         if rows.ndim == 3:  # masked data: targets that are not to be learnt get the ignore index
             rows, mask = rows[:, 0], rows[:, 1, 1:]
         if mask is not None and not pairs:
@@ -174,11 +170,11 @@ class TokenLoader:
             total = self._global_targets(step_start)
             # Under CP each rank sums over its share of the tokens and gradients are averaged over the CP
             # ranks too: cp_size makes that average the sum again.
-            self.last_weight = self.global_batch * self.cp_size / (self.micro_batch * total) if total else 0.0
+            weight = self.global_batch * self.cp_size / (self.micro_batch * total) if total else 0.0
         check_ids(rows, self.vocab_size, self.key)
         batch = torch.from_numpy(rows)
         if self.document_eos is not None:
-            self.last_model_args = document_inputs(rows[:, :-1], self.document_eos)
+            model_args = document_inputs(rows[:, :-1], self.document_eos)
         # Inputs and targets never share storage: for a one-row batch `batch[:, 1:].contiguous()` is a view of
         # the inputs, and writing the ignore index into it would write -100 into the inputs.
         inputs, targets = batch[:, :-1].clone(), batch[:, 1:].clone()
@@ -187,8 +183,17 @@ class TokenLoader:
         if self.cp_positions is not None:
             keep = torch.from_numpy(self.cp_positions)
             inputs, targets = inputs[:, keep], targets[:, keep]
-            self.last_model_args = {"positions": keep}
-        return inputs.contiguous(), targets.contiguous()
+            model_args = {"positions": keep}
+        return MicroBatch(
+            inputs.contiguous(),
+            targets.contiguous(),
+            loss_weight=weight,
+            model_args=model_args,
+            indices=tuple(indices),
+            ref_logps=ref_logps,
+            labels=labels,
+            margins=margins,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         # Global, not per rank: identical on every rank, and valid for any dp size on resume.

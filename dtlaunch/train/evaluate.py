@@ -29,10 +29,11 @@ def evaluate(rt: Runtime, val_loader: Any, batches: int) -> dict[str, float]:
     # [summed target loss, targets]: masked (chat) data has a different number of targets per micro-batch.
     total = torch.zeros(2, device=rt.device, dtype=torch.float64)
     for _ in range(batches * rt.accum):
-        inputs, targets = (t.to(rt.device) for t in val_loader.next_batch())
+        batch = val_loader.next_batch()
+        inputs, targets = (t.to(rt.device) for t in (batch.inputs, batch.targets))
         count = (targets != IGNORE_INDEX).sum().double()
         # nan_to_num: a micro-batch without targets has a 0/0 mean and adds nothing.
-        extra = {k: v.to(rt.device) for k, v in val_loader.last_model_args.items()}
+        extra = batch.model_inputs(rt.device)
         total += torch.stack([_forward_loss(rt, inputs, targets, extra).double().nan_to_num() * count, count])
     if dist.is_initialized() and dist.get_world_size() > 1:
         # TP and PP peers hold equal copies of their replica's sums; they cancel in the ratio.

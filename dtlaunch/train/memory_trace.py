@@ -43,6 +43,7 @@ from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
+from dtlaunch.train.batch import MicroBatch, RolloutRows
 from dtlaunch.train.loss import cross_entropy
 from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 from dtlaunch.train.optim import build_optimizer
@@ -353,19 +354,22 @@ class RandomBatches:
         rows = int(t.micro_batch) * (1 if str(cfg.objective.name) in ("sft", "grpo") else 2)
         self.shape = (rows, int(t.seq_len) + 1)
         self.vocab = int(cfg.model.vocab_size)
-        self.last_ref_logps = torch.zeros(rows)
+        self.ref_logps = torch.zeros(rows)
+        self.labels: Optional[torch.Tensor] = None
+        self.rollout: Optional[RolloutRows] = None
         if str(cfg.objective.name) == "kto":  # half desirable (both of KTO's loss terms run)
-            self.last_labels = torch.arange(int(t.micro_batch)) % 2 == 0
+            self.labels = torch.arange(int(t.micro_batch)) % 2 == 0
         if str(cfg.objective.name) == "grpo":
             # The training phase of objective=grpo: rows as a rollout hands them (the rollout itself, its
             # generation and no-grad passes, is analytic only: dtlaunch.plan.generation).
             ref = torch.zeros(rows, int(t.seq_len)) if float(cfg.objective.beta) > 0 else None
-            self.last_rows = {"adv": torch.ones(rows), "old": None, "ref": ref, "step_tokens": torch.tensor(1.0)}
+            self.rollout = RolloutRows(adv=torch.ones(rows), step_tokens=torch.tensor(1.0), ref=ref)
 
-    def next_batch(self) -> tuple[Any, Any]:
-
+    def next_batch(self) -> MicroBatch:
         tokens = torch.randint(0, self.vocab, self.shape)
-        return tokens[:, :-1], tokens[:, 1:]
+        return MicroBatch(
+            tokens[:, :-1], tokens[:, 1:], ref_logps=self.ref_logps, labels=self.labels, rollout=self.rollout
+        )
 
 
 def _one_step(rt: Any, batches: RandomBatches, tracker: Optional[Any], warmup: bool = False) -> None:

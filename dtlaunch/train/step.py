@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from dtlaunch.config.layout import pp_microbatches
+from dtlaunch.train.batch import MicroBatch
 from dtlaunch.train.objectives.pipeline import pipeline_batch
 from dtlaunch.train.optim import step_unless_nonfinite
 from dtlaunch.train.parallel.parallelize import compute_context, uses_fsdp
@@ -47,11 +48,10 @@ class StepResult:
 
 
 class Batches(Protocol):
-    """Where a step's micro-batches come from: the worker's TokenLoader, seeded batches in tests, random
-    tokens in the planner's trace. A loader may also expose `last_weight` (masked data) and
-    `last_model_args` (document masks) for the batch it just returned."""
+    """Where a step's micro-batches come from: the worker's TokenLoader, a GRPO rollout, seeded batches in
+    tests, random tokens in the planner's trace. Each batch carries its own per-row values (MicroBatch)."""
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def next_batch(self) -> MicroBatch: ...
 
 
 def train_step(
@@ -75,9 +75,10 @@ def train_step(
     for n, micro in enumerate(range(rt.accum) if micro_steps is None else micro_steps):
         if before_micro is not None:
             before_micro(n)
-        inputs, targets = (to_device(t, rt.device) for t in batches.next_batch())
+        batch = batches.next_batch()
+        inputs, targets = (to_device(t, rt.device) for t in (batch.inputs, batch.targets))
         with grad_sync(rt.model_parts, enabled=micro == rt.accum - 1):
-            local_loss += micro_step(rt, batches, inputs, targets, pair_stats)
+            local_loss += micro_step(rt, batch, inputs, targets, pair_stats)
     if rt.scaler is not None:
         for opt in rt.optimizers:
             rt.scaler.unscale_(opt)
@@ -128,16 +129,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def micro_step(
     rt: Runtime,
-    batches: Batches,
+    batch: MicroBatch,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     pair_stats: Optional[list] = None,
 ) -> torch.Tensor:
-    """One micro-step's forward + backward; returns its loss already divided by `accum`. A preference
-    objective appends its pair statistics to `pair_stats`."""
+    """One micro-step's forward + backward of `batch` (`inputs`, `targets`: its rows on the device); returns
+    its loss already divided by `accum`. A preference objective appends its pair statistics to `pair_stats`."""
     if rt.pipeline is not None:
         if rt.objective is not None:  # pairs kept whole in each pipeline micro-batch, the reference in the targets
-            inputs, targets = pipeline_batch(rt, batches, inputs, targets)
+            inputs, targets = pipeline_batch(rt, batch, inputs, targets)
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             loss = rt.pipeline.forward_backward(rt.pipeline_loss, inputs, targets, rt.pp_mesh, rt.loss_context())
         if rt.objective is not None and pair_stats is not None:
@@ -145,20 +146,21 @@ def micro_step(
             pair_stats.append(rt.pipeline_loss.take_stats(n, rt.device))
         return loss.detach() / rt.accum
     (model,) = rt.model_parts
-    weight = getattr(batches, "last_weight", None)  # masked (chat) data: see TokenLoader.next_batch
+    weight = batch.loss_weight  # masked (chat) data: see TokenLoader.next_batch
     with rt.loss_context():
-        extra = {k: v.to(rt.device) for k, v in getattr(batches, "last_model_args", {}).items()}
+        extra = batch.model_inputs(rt.device)
         # The loss inside the compute context too: a chunked loss (training.loss_chunks) runs the head.
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             # DPO's reference first (no grad): none of its activations live through the policy's forward.
-            # objective=grpo reads its rollout's rows instead (advantages, old / reference log-probs).
-            ref = rt.reference(inputs, targets, batches) if rt.reference is not None else None
+            # objective=grpo reads its rollout's rows instead (advantages, old / reference log-probs), and
+            # objective=reward its pairs' margins.
+            ref = rt.reference(inputs, targets, batch) if rt.reference is not None else None
             if ref is None:
-                ref = getattr(batches, "last_rows", None)
+                ref = batch.rollout if batch.rollout is not None else batch.margins
             out = model(inputs, **extra)
             if rt.objective is not None:
                 # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).
-                labels = getattr(batches, "last_labels", None)  # objective=kto: each example's label
+                labels = batch.labels  # objective=kto: each example's label
                 more = {"labels": labels} if labels is not None else {}
                 loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll, **more)
                 loss = loss / rt.accum

@@ -43,14 +43,16 @@ class SeededBatches:
         self.global_batch, self.seq_len = global_batch, seq_len
         self.micro_batch, self.dp_rank, self.dp_size, self.vocab = micro_batch, dp_rank, dp_size, vocab
         self.pending: list = []
-        self.last_model_args: dict = {}
+        self.model_args: dict = {}
         if cp_size > 1:
             from dtlaunch.train.parallel.context_parallel import local_positions
 
-            self.last_model_args = {"positions": torch.from_numpy(local_positions(seq_len, cp_rank, cp_size))}
+            self.model_args = {"positions": torch.from_numpy(local_positions(seq_len, cp_rank, cp_size))}
 
-    def next_batch(self) -> tuple:
+    def next_batch(self) -> Any:
         import torch
+
+        from dtlaunch.train.batch import MicroBatch
 
         if not self.pending:
             shape = (self.global_batch, self.seq_len + 1)
@@ -60,10 +62,10 @@ class SeededBatches:
             self.pending = list(chunks[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
         t = self.pending.pop(0)
         inputs, targets = t[:, :-1], t[:, 1:]
-        if self.last_model_args:
-            keep = self.last_model_args["positions"]
+        if self.model_args:
+            keep = self.model_args["positions"]
             inputs, targets = inputs[:, keep], targets[:, keep]
-        return inputs, targets
+        return MicroBatch(inputs, targets, model_args=self.model_args)
 
 
 def one_process_runtime(cfg: object, device: object, prepare: Callable | None = None) -> object:

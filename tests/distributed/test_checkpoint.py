@@ -259,7 +259,8 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
             # Which global samples this micro-step holds (all dp ranks), before the loader advances.
             base = loader.consumed
             step_samples += [loader.sample_index(base + i) for i in range(loader.micro_batch * dp_size)]
-            x, y = loader.next_batch()
+            batch = loader.next_batch()
+            x, y = batch.inputs, batch.targets
             with loss_context(cfg, layout):
                 loss = cross_entropy(model(x), y) / accum
                 loss.backward()

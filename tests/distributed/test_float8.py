@@ -60,8 +60,10 @@ class _Batches:
         self.micro_batch, self.dp_rank, self.dp_size, self.vocab = micro_batch, dp_rank, dp_size, vocab
         self.pending: list = []
 
-    def next_batch(self) -> tuple:
+    def next_batch(self) -> object:
         import torch
+
+        from dtlaunch.train.batch import MicroBatch
 
         if not self.pending:
             gen = torch.Generator().manual_seed(7)
@@ -70,7 +72,7 @@ class _Batches:
             per_rank = chunks.shape[0] // self.dp_size
             self.pending = list(chunks[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
         t = self.pending.pop(0)
-        return t[:, :-1], t[:, 1:]
+        return MicroBatch(t[:, :-1], t[:, 1:])
 
 
 def train(overrides: list[str], world: int) -> dict:

@@ -96,7 +96,8 @@ def _torchao_reference(cfg, steps: int) -> list[float]:
     batches = SeededBatches(4, int(t.seq_len), 4, 0, 1, int(cfg.model.vocab_size))
     losses = []
     for _ in range(steps):
-        x, y = batches.next_batch()
+        batch = batches.next_batch()
+        x, y = batch.inputs, batch.targets
         loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
         opt.step()

@@ -50,11 +50,12 @@ def test_prepare_then_tokens_run_reads_it(text_dir: Path, tmp_path: Path) -> Non
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokens"] == nbytes + 2 and meta["dtype"] == "uint16" and len(meta["shards"]) == 4
     ld = build_loader(tokens_cfg(out, 512), tmp_path, 0, 1)
-    x, y = ld.next_batch()
+    batch = ld.next_batch()
+    x, y = batch.inputs, batch.targets
     assert x.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 258
     # A glob over the shards works too, and reads the same samples.
     ld2 = build_loader(tokens_cfg(Path(f"{out}/shard-*.bin"), 512), tmp_path, 0, 1)
-    assert torch.equal(ld2.next_batch()[0], x)
+    assert torch.equal(ld2.next_batch().inputs, x)
 
 
 def test_prepare_with_hf_tokenizer(text_dir: Path, tmp_path: Path) -> None:
@@ -64,7 +65,7 @@ def test_prepare_with_hf_tokenizer(text_dir: Path, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokenizer"] == str(tok) and meta["vocab_size"] <= 300 and meta["files"] == 2
-    x, _ = build_loader(tokens_cfg(out, 300), tmp_path, 0, 1).next_batch()
+    x = build_loader(tokens_cfg(out, 300), tmp_path, 0, 1).next_batch().inputs
     assert int(x.max()) < meta["vocab_size"]
 
 

@@ -54,7 +54,8 @@ def _reference(run: Path) -> list[dict]:
     for _ in range(STEPS):
         losses = []
         for loader in loaders:
-            x, y = loader.next_batch()
+            batch = loader.next_batch()
+            x, y = batch.inputs, batch.targets
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             (loss / 2).backward()
             losses.append(loss.item())

@@ -76,13 +76,13 @@ def test_ring_attention_equals_full_causal_attention(cp: int, kv_heads: int) -> 
 def test_loader_hands_each_cp_rank_its_chunks_and_positions() -> None:
     src = SyntheticSource(vocab_size=100, seq_len=16, seed=3)
     whole = TokenLoader(src, 2, 16, 3, 0, 1, 100)
-    inputs, targets = whole.next_batch()
+    full = whole.next_batch()
     for r in range(2):
         part = TokenLoader(src, 2, 16, 3, 0, 1, 100, cp_rank=r, cp_size=2)
-        x, y = part.next_batch()
-        pos = part.last_model_args["positions"]
+        batch = part.next_batch()
+        pos = batch.model_args["positions"]
         assert pos.tolist() == local_positions(16, r, 2).tolist()
-        assert torch.equal(x, inputs[:, pos]) and torch.equal(y, targets[:, pos])
+        assert torch.equal(batch.inputs, full.inputs[:, pos]) and torch.equal(batch.targets, full.targets[:, pos])
 
 
 class _MaskedSource:
@@ -99,12 +99,14 @@ def test_masked_loss_weight_counts_the_cp_ranks() -> None:
     """Each CP rank sums its chunk's target losses and gradients are averaged over the CP ranks too: the
     weight carries the cp factor, so the mean over ranks of (chunk sums x weight) is the batch mean."""
     whole = TokenLoader(_MaskedSource(), 2, 16, 3, 0, 1, 100)
-    _, targets = whole.next_batch()
+    full = whole.next_batch()
+    targets = full.targets
     chunks = []
     for r in range(2):
         part = TokenLoader(_MaskedSource(), 2, 16, 3, 0, 1, 100, cp_rank=r, cp_size=2)
-        chunks.append(part.next_batch()[1])
-        assert part.last_weight == pytest.approx(2 * whole.last_weight)
+        batch = part.next_batch()
+        chunks.append(batch.targets)
+        assert batch.loss_weight == pytest.approx(2 * full.loss_weight)
     # The ranks' targets (ignored ones included) are exactly the whole batch's, cut into the chunks.
     assert sorted(torch.cat(chunks, 1).flatten().tolist()) == sorted(targets.flatten().tolist())
 

@@ -83,8 +83,8 @@ def test_tp_pp_peers_get_identical_batches(corpus: Path, tmp_path: Path) -> None
     peers = [build_loader(cfg, tmp_path, 1, 2) for _ in range(3)]  # e.g. tp ranks of dp rank 1
     for _ in range(5):
         batches = [p.next_batch() for p in peers]
-        for x, y in batches[1:]:
-            assert torch.equal(x, batches[0][0]) and torch.equal(y, batches[0][1])
+        for b in batches[1:]:
+            assert torch.equal(b.inputs, batches[0].inputs) and torch.equal(b.targets, batches[0].targets)
 
 
 @pytest.mark.parametrize("kind", ["tokens", "synthetic"])
@@ -103,19 +103,22 @@ def test_dp2_concat_equals_one_process_and_accumulation(corpus: Path, tmp_path: 
         2,
     )
     for _ in range(8):  # crosses into the second epoch for tokens (48 samples, 8 per step)
-        x, y = one.next_batch()
-        x2, y2 = (torch.cat(t) for t in zip(*[ld.next_batch() for ld in dp2], strict=True))
+        first = one.next_batch()
+        x, y = first.inputs, first.targets
+        halves = [ld.next_batch() for ld in dp2]
+        x2, y2 = torch.cat([b.inputs for b in halves]), torch.cat([b.targets for b in halves])
         assert torch.equal(x, x2) and torch.equal(y, y2)
-        xa = torch.cat([acc.next_batch()[0] for _ in range(2)])
+        xa = torch.cat([acc.next_batch().inputs for _ in range(2)])
         assert torch.equal(x, xa)
-        xda = torch.cat([ld.next_batch()[0] for _ in range(2) for ld in dp2acc])
+        xda = torch.cat([ld.next_batch().inputs for _ in range(2) for ld in dp2acc])
         assert torch.equal(x, xda)
 
 
 def test_targets_are_inputs_shifted(corpus: Path, tmp_path: Path) -> None:
     ld = build_loader(make_cfg(data__kind="tokens", data__path=str(corpus)), tmp_path, 0, 1)
     idx = ld.sample_index(0), ld.sample_index(1)
-    x, y = ld.next_batch()
+    batch = ld.next_batch()
+    x, y = batch.inputs, batch.targets
     assert x.shape == y.shape == (2, SEQ) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     for row, i in enumerate(idx):  # sample i = tokens [i*SEQ, i*SEQ+SEQ], across shard boundaries
@@ -129,7 +132,7 @@ def test_seed_changes_order_and_synthetic_content(corpus: Path, tmp_path: Path) 
     assert [a.sample_index(i) for i in range(48)] != [b.sample_index(i) for i in range(48)]
     sa = build_loader(make_cfg(), tmp_path, 0, 1)
     sb = build_loader(make_cfg(training__seed=7), tmp_path, 0, 1)
-    xa, xb = sa.next_batch()[0], sb.next_batch()[0]
+    xa, xb = sa.next_batch().inputs, sb.next_batch().inputs
     assert not torch.equal(xa, xb)
     assert int(xa.min()) >= 0 and int(xa.max()) < 512
 
@@ -152,8 +155,8 @@ def test_state_restore_continues_also_on_other_dp(
     for ld in restored:
         ld.load_state_dict(state)
     for _ in range(6):
-        want = torch.cat([ld.next_batch()[0] for ld in ref])
-        got = torch.cat([ld.next_batch()[0] for ld in restored])
+        want = torch.cat([ld.next_batch().inputs for ld in ref])
+        got = torch.cat([ld.next_batch().inputs for ld in restored])
         assert torch.equal(want, got)
 
 
@@ -171,7 +174,7 @@ def test_text_kind_prepares_once_and_reads(tmp_path: Path) -> None:
     summary = prepare_run_data(cfg, run)
     assert summary.files == 2 and summary.tokens == 15 * 20 + 6 * 30 + 2  # bytes + one EOS per file
     assert prepare_run_data(cfg, run) is None, "same source: not tokenized again"
-    x, _ = build_loader(cfg, run, 0, 1).next_batch()
+    x = build_loader(cfg, run, 0, 1).next_batch().inputs
     assert x.shape == (2, SEQ)
     cfg.data.max_bytes = 100
     assert prepare_run_data(cfg, run).tokens == 100 + 1, "a changed source re-tokenizes, capped"

@@ -257,14 +257,13 @@ def test_masked_batches_weight_targets_by_the_global_batch(tmp_path: Path, tiny_
     prepare_run_data(cfg, run)
     (one, _), (half, _) = build_loaders(cfg, run, 0, 1), build_loaders(cfg, run, 1, 2)
     one.global_batch = half.global_batch = 4
-    _, t1 = one.next_batch()
-    w1 = one.last_weight
-    _, t2 = one.next_batch()
+    b1, b2 = one.next_batch(), one.next_batch()
+    t1, t2, w1 = b1.targets, b2.targets, b1.loss_weight
     total = int((t1 != -100).sum() + (t2 != -100).sum())
     assert 0 < total < t1.numel() * 2 and (t1 == -100).any()
-    assert w1 == one.last_weight == pytest.approx(4 / (2 * total))
-    _, t_half = half.next_batch()
-    assert torch_equal(t_half, t2) and half.last_weight == w1
+    assert w1 == b2.loss_weight == pytest.approx(4 / (2 * total))
+    b_half = half.next_batch()
+    assert torch_equal(b_half.targets, t2) and b_half.loss_weight == w1
 
 
 def torch_equal(a, b) -> bool:

@@ -64,7 +64,8 @@ def test_unpacked_samples_are_single_documents_padded_and_masked(tmp_path, tiny_
     loader, _ = build_loaders(cfg, tmp_path, 0, 1)
     assert loader.source.num_samples == 30
     tok = load_tokenizer(str(tiny_tokenizer / "tokenizer.json"))
-    inputs, targets = loader.next_batch()
+    batch = loader.next_batch()
+    inputs, targets = batch.inputs, batch.targets
     for i, k in enumerate(loader._order(0)[:30]):  # the shuffled order of epoch 0
         ids = [*tok.encode(docs[int(k)].encode()).tolist(), tok.eos_id][:25]
         n = len(ids)

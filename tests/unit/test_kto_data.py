@@ -104,9 +104,9 @@ def test_cached_rows_labels_and_the_loader(tiny_tokenizer: Path, tmp_path: Path)
     assert source.sample(3)[1, 0, :3].tolist() == ids("pepe toto") + [eos]  # runs restart: 3 takes 4's
 
     loader = TokenLoader(source, 2, 12, 0, 0, 1, 512, global_batch=2)
-    inputs, _ = loader.next_batch()
-    assert inputs.shape == (4, 12)  # 2 own rows, then their 2 KL rows
-    assert loader.last_labels.tolist() == source.labels(loader.last_indices).tolist()
+    batch = loader.next_batch()
+    assert batch.inputs.shape == (4, 12)  # 2 own rows, then their 2 KL rows
+    assert batch.labels.tolist() == source.labels(list(batch.indices)).tolist()
 
 
 def test_a_bad_record_is_named_by_file_and_line(tiny_tokenizer: Path, tmp_path: Path) -> None:

@@ -178,7 +178,7 @@ def test_the_loader_stacks_chosen_rows_then_rejected_rows() -> None:
 
     loader = TokenLoader(Pairs(), 2, 4, 0, 0, 1, 64, shuffle=False)
     loader.ref_logps = np.array([[1.0, -1.0], [2.0, -2.0], [3.0, -3.0], [4.0, -4.0]])
-    inputs, targets = loader.next_batch()
-    assert inputs[:, 0].tolist() == [10, 11, 20, 21]
-    assert targets[0].tolist() == [-100, 10, 10, 10]  # prompt positions are no targets
-    assert loader.last_ref_logps.tolist() == [1.0, 2.0, -1.0, -2.0]
+    batch = loader.next_batch()
+    assert batch.inputs[:, 0].tolist() == [10, 11, 20, 21]
+    assert batch.targets[0].tolist() == [-100, 10, 10, 10]  # prompt positions are no targets
+    assert batch.ref_logps.tolist() == [1.0, 2.0, -1.0, -2.0]

@@ -193,6 +193,7 @@ def set_adapters(peft_model, model, m, a_scale: float, b_scale: float, which: st
 @pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("b_scale", [0.0, 0.2])
 def test_lora_dpo_matches_trl_with_adapters_off_reference(hf_dir, tmp_path, b_scale: float, chunks: int) -> None:
+    from dtlaunch.train.batch import MicroBatch
     from dtlaunch.train.objectives.reference import AdaptersOff
 
     peft_model, model, m = lora_pair(hf_dir)
@@ -205,7 +206,7 @@ def test_lora_dpo_matches_trl_with_adapters_off_reference(hf_dir, tmp_path, b_sc
     trl_loss.backward()
     inputs, targets = ours_targets(b)
     head_loss = head(model, chunks)
-    ref = AdaptersOff(model, None, head_loss)(inputs, targets, None)
+    ref = AdaptersOff(model, None, head_loss)(inputs, targets, MicroBatch(inputs, targets))
     objective = PreferenceObjective("dpo", "sigmoid", 0.1, 0.0, 0.0, 0.0)
     our_loss, _ = objective(model(inputs), targets, ref, head_loss.token_nll)
     our_loss.backward()

@@ -166,10 +166,8 @@ def test_margin_field_reaches_the_step(tiny_tokenizer, tmp_path) -> None:
     source = PairSource(str(tokenize_records(cfg, str(cfg.data.path), "data.path")), 12, "data.path")
     assert source.margins.tolist() == [0.5, -1.0, 2.25, 0.0]
     loader = TokenLoader(source, 2, 12, 0, 0, 1, 512, shuffle=False)
-    loader.next_batch()
-    assert loader.last_rows.tolist() == [0.5, -1.0]
-    loader.next_batch()
-    assert loader.last_rows.tolist() == [2.25, 0.0]
+    assert loader.next_batch().margins.tolist() == [0.5, -1.0]
+    assert loader.next_batch().margins.tolist() == [2.25, 0.0]
 
     bad = [*records[:2], {**records[0], "m": "high"}]
     with pytest.raises(InputError, match=r"p\.jsonl:3 is 'high', not a number") as err:

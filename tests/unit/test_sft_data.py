@@ -83,7 +83,8 @@ def test_masked_data_at_micro_batch_1_keeps_its_inputs(tmp_path: Path, tiny_toke
         cfg = job(tmp_path, tiny_tokenizer / "tokenizer.json", data, data__format="prompt_completion", data__pack=pack)
         loader, _ = build_loaders(cfg, prepared(tmp_path, cfg), 0, 1)
         for _ in range(4):
-            inputs, targets = loader.next_batch()
+            batch = loader.next_batch()
+            inputs, targets = batch.inputs, batch.targets
             assert inputs.shape == (1, 16) and int(inputs.min()) >= 0, inputs
             assert (targets == IGNORE_INDEX).any() and (targets != IGNORE_INDEX).any()
             assert inputs.untyped_storage().data_ptr() != targets.untyped_storage().data_ptr()

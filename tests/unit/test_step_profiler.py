@@ -12,22 +12,23 @@ import torch
 from omegaconf import OmegaConf
 
 from dtlaunch.report.breakdown import breakdown, load_events
+from dtlaunch.train.batch import MicroBatch
 from dtlaunch.train.observe.profiling import profiled
 
 
 class _Loader:
     def __init__(self) -> None:
         self.batches = 0
-        self.last_weight = None
+        self.consumed = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> MicroBatch:
         self.batches += 1
-        return torch.randn(64, 64), torch.randn(64, 64)
+        return MicroBatch(torch.randn(64, 64), torch.randn(64, 64))
 
 
 def _step(ctx, step: int) -> torch.Tensor:
-    a, b = ctx.loader.next_batch()
-    return (a @ b).relu().sum()
+    batch = ctx.loader.next_batch()
+    return (batch.inputs @ batch.targets).relu().sum()
 
 
 def _cfg(enabled: bool) -> object:
@@ -48,7 +49,7 @@ def test_the_chosen_steps_get_one_trace_each(tmp_path: Path) -> None:
     ctx = SimpleNamespace(loader=labelled)
     results = [fn(ctx, s) for s in range(1, 8)]
     assert all(isinstance(r, torch.Tensor) for r in results)
-    assert loader.batches == 7 and labelled.last_weight is None  # the loader's own attributes
+    assert loader.batches == 7 and labelled.consumed == 0  # the loader's own attributes
     # steps=[2] plus every 3rd of 7 steps; warm-up steps (1, 5) keep nothing.
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step-2", "step-3", "step-6"]
     for n in (2, 3, 6):

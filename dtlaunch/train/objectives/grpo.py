@@ -26,6 +26,7 @@ from dtlaunch.train.loss import cross_entropy
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig, ObjectiveConfig
+    from dtlaunch.train.batch import RolloutRows
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
@@ -173,7 +174,7 @@ STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl")
 @dataclass
 class GRPOObjective:
     """objective=grpo in the step: the micro-batch's loss from the policy's output and the rollout's rows
-    (RolloutBatches.last_rows: advantages, old / reference log-probs, the step's token count)."""
+    (MicroBatch.rollout: advantages, old / reference log-probs, the step's token count)."""
 
     settings: GRPOSettings
     accum: int
@@ -186,13 +187,13 @@ class GRPOObjective:
     needs_reference = False
 
     def __call__(
-        self, output: torch.Tensor, targets: torch.Tensor, rows: dict, token_nll: Any = None
+        self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = (targets != IGNORE_INDEX).float()
         logps = token_logps(output, targets, token_nll)
         # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
         # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
-        parts = grpo_loss(self.settings, logps, rows["old"], rows["ref"], rows["adv"], mask, 1, rows["step_tokens"])
+        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens)
         loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
         with torch.no_grad():
             tokens = mask.sum()

@@ -15,11 +15,14 @@ gradient is that of the mean over the global batch, as without a pipeline (dtlau
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from dtlaunch.train.objectives import STATS_LEN
+
+if TYPE_CHECKING:
+    from dtlaunch.train.batch import MicroBatch
 
 
 def pair_rows(pairs: int, n_microbatches: int) -> torch.Tensor:
@@ -73,10 +76,10 @@ class PreferencePipelineLoss:
 
 
 def pipeline_batch(
-    rt: Any, batches: Any, inputs: torch.Tensor, targets: torch.Tensor
+    rt: Any, batch: MicroBatch, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of one preference micro-step for the schedule: rows regrouped per pipeline
-    micro-batch, the targets carrying the reference's log-probs (DPO)."""
+    """(inputs, targets) of one preference micro-step for the schedule (`batch`'s rows, on the device): rows
+    regrouped per pipeline micro-batch, the targets carrying the reference's log-probs (DPO)."""
     from dtlaunch.config.layout import pp_microbatches
     from dtlaunch.train.parallel.parallelize import compute_context
 
@@ -84,5 +87,5 @@ def pipeline_batch(
     ref = None
     if rt.reference is not None:  # in the contexts the policy's forward and loss run in
         with rt.loss_context(), compute_context(rt.model_parts, rt.cfg, rt.device):
-            ref = rt.reference(inputs, targets, batches)
+            ref = rt.reference(inputs, targets, batch)
     return inputs[order], with_reference(targets[order], ref[order] if ref is not None else None)

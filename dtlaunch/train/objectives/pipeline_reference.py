@@ -63,7 +63,7 @@ class PipelineReference:
         self.modules = [] if adapters_off else list(self.stages.values())
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: Any) -> torch.Tensor:
         """(rows,) fp32 completion log-probs of the rows of `inputs`, the same on every pipeline rank."""
         with self._switched():
             last = self.owners[-1]

@@ -86,10 +86,11 @@ def score_pairs(cfg: JobConfig, rt: Any, loader: TokenLoader, n: int) -> np.ndar
     rounds = -(-n // (mb * dp_size))
     indices, values = [], []
     for _ in range(rounds):
-        inputs, targets = (t.to(rt.device) for t in order.next_batch())
+        batch = order.next_batch()
+        inputs, targets = (t.to(rt.device) for t in (batch.inputs, batch.targets))
         with rt.loss_context(), compute_context(rt.model_parts, cfg, rt.device):
-            logps = reference(inputs, targets, order).float().cpu()
-        indices += order.last_indices
+            logps = reference(inputs, targets, batch).float().cpu()
+        indices += batch.indices
         values.append(torch.stack(logps.chunk(2), dim=1))  # (mb, 2): chosen, rejected
     mine = (indices, torch.cat(values).tolist())
     gathered: list = [mine]

@@ -10,7 +10,7 @@
   (dtlaunch.train.objectives.precompute); no reference model is held.
 
 Every reference forward runs under no_grad, before the policy's forward, so its activations are never
-kept; with training.loss_chunks its head runs chunk by chunk, as the policy's (no full logits). It reads the loader's model inputs beside the tokens (context parallel: the chunks' positions) and
+kept; with training.loss_chunks its head runs chunk by chunk, as the policy's (no full logits). It reads the batch's model inputs beside the tokens (context parallel: the chunks' positions) and
 sums its log-probs over the CP group as the policy's are (logps.py). Under pipeline parallel the adapters-off
 base and the frozen copy are split into the pipeline's stages, and the forward runs through them
 (pipeline_reference.py).
@@ -32,11 +32,7 @@ from dtlaunch.train.objectives.logps import completion_logps
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
-
-
-def _model_args(batches: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """The loader's extra model inputs for the batch it just returned (positions under CP), as the step's."""
-    return {k: v.to(device) for k, v in getattr(batches, "last_model_args", {}).items()}
+    from dtlaunch.train.batch import MicroBatch
 
 
 class AdaptersOff:
@@ -48,9 +44,9 @@ class AdaptersOff:
         self.cp_group, self.head = cp_group, head
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         with adapters_disabled(self.model):
-            out = self.model(inputs, **_model_args(batches, inputs.device))
+            out = self.model(inputs, **batch.model_inputs(inputs.device))
             return completion_logps(out, targets, self.cp_group, self.head.token_nll).logps
 
 
@@ -61,18 +57,19 @@ class FrozenCopy:
         self.cp_group, self.head = cp_group, head
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
-        out = self.model(inputs, **_model_args(batches, inputs.device))
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        out = self.model(inputs, **batch.model_inputs(inputs.device))
         return completion_logps(out, targets, self.cp_group, self.head.token_nll).logps
 
 
 class Precomputed:
-    """The loader's `last_ref_logps`: the (2B,) values of the pairs it just returned."""
+    """The batch's `ref_logps`: the (2B,) values of its pairs, read from the precomputed table."""
 
     modules: list = []
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batches: Any) -> torch.Tensor:
-        return batches.last_ref_logps.to(inputs.device)
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        assert batch.ref_logps is not None, "a precomputed reference reads the loader's table"
+        return batch.ref_logps.to(inputs.device)
 
 
 def uses_adapters_off(cfg: JobConfig) -> bool:

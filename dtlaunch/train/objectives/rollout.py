@@ -45,6 +45,7 @@ from dtlaunch.inputs.tools import (
     rollout_instances,
 )
 from dtlaunch.run.run_dir import RunDir
+from dtlaunch.train.batch import MicroBatch, RolloutRows
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
 from dtlaunch.train.parallel.generation_gather import gathered_for_generation
@@ -88,8 +89,8 @@ class PromptLoader:
 
 @dataclass
 class RolloutBatches:
-    """One rollout's rows, handed to train_step as its micro-batches (`next_batch`), with the per-row values
-    the GRPO objective reads for the batch just returned (`last_rows`)."""
+    """One rollout's rows, handed to train_step as its micro-batches (`next_batch`), each with the per-row
+    values the GRPO objective reads (MicroBatch.rollout)."""
 
     inputs: torch.Tensor  # (rows, seq)
     targets: torch.Tensor  # (rows, seq): completion tokens, -100 elsewhere (and on masked truncated rows)
@@ -100,21 +101,20 @@ class RolloutBatches:
     ref: Optional[torch.Tensor] = None  # (rows, seq) reference log-probs (beta > 0)
     metrics: dict[str, float] = field(default_factory=dict)
     cursor: int = 0
-    last_rows: dict[str, Any] = field(default_factory=dict)
 
     def rewind(self) -> None:
         self.cursor = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> MicroBatch:
         sl = slice(self.cursor, self.cursor + self.micro_batch)
         self.cursor += self.micro_batch
-        self.last_rows = {
-            "adv": self.adv[sl],
-            "old": self.old[sl] if self.old is not None else None,
-            "ref": self.ref[sl] if self.ref is not None else None,
-            "step_tokens": self.step_tokens_per_rank,
-        }
-        return self.inputs[sl], self.targets[sl]
+        rows = RolloutRows(
+            adv=self.adv[sl],
+            step_tokens=self.step_tokens_per_rank,
+            old=self.old[sl] if self.old is not None else None,
+            ref=self.ref[sl] if self.ref is not None else None,
+        )
+        return MicroBatch(self.inputs[sl], self.targets[sl], rollout=rows)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
