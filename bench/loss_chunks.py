@@ -53,8 +53,10 @@ class FixedPairs:
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:].clone()
         self.targets[:, : seq_len // 2] = -100
 
-    def next_batch(self) -> tuple:
-        return self.inputs, self.targets
+    def next_batch(self) -> Any:
+        from dtlaunch.train.batch import MicroBatch
+
+        return MicroBatch(self.inputs, self.targets)
 
 
 class FixedBatches:
@@ -64,8 +66,10 @@ class FixedBatches:
         g = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g)
 
-    def next_batch(self) -> tuple:
-        return self.tokens[:, :-1], self.tokens[:, 1:]
+    def next_batch(self) -> Any:
+        from dtlaunch.train.batch import MicroBatch
+
+        return MicroBatch(self.tokens[:, :-1], self.tokens[:, 1:])
 
 
 def runtime(overrides: list[str]) -> Any:

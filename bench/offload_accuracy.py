@@ -60,6 +60,7 @@ def _measure(overrides: list[str]) -> dict:
     from dtlaunch.config.validate import validate
     from dtlaunch.plan import offload
     from dtlaunch.plan.memory import plan_memory
+    from dtlaunch.train.batch import MicroBatch
     from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
     from dtlaunch.train.parallel.mesh import dp_rank_size
     from dtlaunch.train.parallel.process_group import DistEnv
@@ -89,9 +90,9 @@ def _measure(overrides: list[str]) -> dict:
     class Batches:
         gen = torch.Generator().manual_seed(dp_rank)
 
-        def next_batch(self) -> tuple:
+        def next_batch(self) -> MicroBatch:
             t = torch.randint(0, int(cfg.model.vocab_size), (int(cfg.training.micro_batch), 129), generator=self.gen)
-            return t[:, :-1], t[:, 1:]
+            return MicroBatch(t[:, :-1], t[:, 1:])
 
     def nbytes(ts) -> int:
         seen, total = set(), 0
