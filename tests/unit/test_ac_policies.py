@@ -55,27 +55,38 @@ def _run(model: torch.nn.Module, batch: torch.Tensor) -> tuple[float, dict, int]
     return float(loss.detach()), grads, counter.peak
 
 
+@pytest.fixture(scope="module")
+def runs(reference):
+    """Per mode: (blocks wrapped, loss, grads, peak bytes) of one forward + backward with that policy,
+    run once for the module: the numerics test and the full-vs-op comparison read the same run."""
+    model, batch, *_ = reference
+    cache = {}
+
+    def run(mode: str):
+        if mode not in cache:
+            wrapped = copy.deepcopy(model)
+            apply_ac(wrapped, MODES[mode])
+            n_wrapped = sum(type(b).__name__ == "CheckpointWrapper" for b in wrapped.layers.values())
+            cache[mode] = (n_wrapped, len(wrapped.layers), *_run(wrapped, batch))
+        return cache[mode]
+
+    return run
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_policy_matches_no_checkpointing(reference, mode: str) -> None:
-    model, batch, ref_loss, ref_grads, ref_peak = reference
-    wrapped = copy.deepcopy(model)
-    apply_ac(wrapped, MODES[mode])
-    n_wrapped = sum(type(b).__name__ == "CheckpointWrapper" for b in wrapped.layers.values())
-    assert n_wrapped == (len(wrapped.layers) // 2 if mode == "layer" else len(wrapped.layers))
-    loss, grads, peak = _run(wrapped, batch)
+def test_policy_matches_no_checkpointing(reference, runs, mode: str) -> None:
+    _, _, ref_loss, ref_grads, ref_peak = reference
+    n_wrapped, n_layers, loss, grads, peak = runs(mode)
+    assert n_wrapped == (n_layers // 2 if mode == "layer" else n_layers)
     assert abs(loss - ref_loss) <= 1e-6
     assert grads.keys() == ref_grads.keys()
     assert max((grads[k] - ref_grads[k]).abs().max().item() for k in grads) <= 1e-6
     assert peak < ref_peak, (mode, peak, ref_peak)
 
 
-def test_full_keeps_less_than_op_policy(reference) -> None:
-    model, batch, *_ = reference
-    peaks = {}
-    for mode in ("op", "full"):
-        wrapped = copy.deepcopy(model)
-        apply_ac(wrapped, MODES[mode])
-        peaks[mode] = _run(wrapped, batch)[2]
+def test_full_keeps_less_than_op_policy(runs) -> None:
+    """The peaks of the same runs test_policy_matches_no_checkpointing[op] / [full] check (shared, issue #49)."""
+    peaks = {mode: runs(mode)[-1] for mode in ("op", "full")}
     assert peaks["full"] < peaks["op"], peaks
 
 
@@ -87,6 +98,9 @@ def test_layer_rule_is_the_planners() -> None:
     assert mix["none"] == 4
 
 
+@pytest.mark.slow_reason(
+    "two real-tensor training steps of model=small at seq 256 per mode: the measure the 3 % must hold against"
+)
 @pytest.mark.parametrize(
     "extra",
     [
