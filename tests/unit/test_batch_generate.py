@@ -72,6 +72,7 @@ def test_seeded_sampling_repeats(tiny_hf_dirs) -> None:
     assert draw(3) == draw(3) and draw(3) != draw(4)
 
 
+@pytest.mark.slow_reason("torch.compile of the decode step (inductor on CPU), the only test that compiles it")
 def test_compiled_decode_matches_transformers_and_compiles_once(tiny_hf_dirs) -> None:
     """objective.generation_compile: the decode steps compiled against static caches give transformers'
     greedy completions (per-row stops included) and eager's seeded samples; a second batch of the same

@@ -97,6 +97,9 @@ def test_gpu_bench_dry_run_plans_every_run(capsys: pytest.CaptureFixture[str]) -
     assert gpu_bench.hardware_option("NVIDIA H200") == "h200_141gb"
 
 
+@pytest.mark.slow_reason(
+    "the GPU benchmark end to end on CPU: dtlaunch train and the hand-written loop under torchrun, one run each"
+)
 def test_gpu_bench_rehearsal_runs_the_whole_pipeline_on_cpu(tmp_path: Path) -> None:
     """`gpu_bench.py --rehearse`: the GPU benchmark's own code end to end on CPU at a tiny shape: both
     sides of a run (dtlaunch train, the hand-written loop under torchrun), the plan-vs-measured read-out,
