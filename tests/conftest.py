@@ -25,7 +25,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """`--durations-file` (make test): every test's time, stored and summarised by the session's controller
-    (pytest-xdist workers report to it; they write nothing themselves)."""
+    (pytest-xdist workers report to it; they write nothing themselves).
+
+    An xdist worker gets its share of the cores for torch's intra-op threads: by default each of the
+    `make test` unit layer's 2 workers ran 2 threads on 2 cores, and the spinning, oversubscribed threads
+    cost the real-tensor traces 2-3x their CPU seconds (test_plan_peft's head-unit trace: 14.2 CPU s with
+    2 threads, 5.4 with 1, same result; issue #49). Processes the tests start inherit the variable."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if hasattr(config, "workerinput") and workers > 0 and "OMP_NUM_THREADS" not in os.environ:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ["OMP_NUM_THREADS"] = threads
+        import sys
+
+        if "torch" in sys.modules:  # imported before this hook (a plugin): the variable is read at import
+            sys.modules["torch"].set_num_threads(int(threads))
     path = config.getoption("durations_file")
     if path and not hasattr(config, "workerinput"):
         from durations_report import DurationsPlugin
