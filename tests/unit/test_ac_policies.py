@@ -98,9 +98,6 @@ def test_layer_rule_is_the_planners() -> None:
     assert mix["none"] == 4
 
 
-@pytest.mark.slow_reason(
-    "two real-tensor training steps of model=small at seq 256 per mode: the measure the 3 % must hold against"
-)
 @pytest.mark.parametrize(
     "extra",
     [
