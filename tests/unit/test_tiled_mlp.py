@@ -145,12 +145,16 @@ def test_maximize_turns_tiles_on_and_fits_more() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model, seq, ac",
+    "model, seq, ac, extra",
+    # Dense with full AC at 2 blocks instead of 8: the peak is one recomputed block's tiled MLP either way,
+    # and with less of the rest the tiled term is a larger share of the peak (plan -1.6 % against -1.3 % at
+    # 8 blocks; 95 MiB planned tiled, 147 MiB untiled), at 19 s instead of 46 s at load 3 (issue #49).
     # MoE without AC: the routed experts' saved intermediates and tiles are what change (plan +0.4 %;
     # untiled 558 MiB planned, tiled 439 MiB).
-    [("planner7m", 4096, "full"), ("planner_moe", 2048, "none")],
+    [("planner7m", 4096, "full", ["model.n_layers=2"]), ("planner_moe", 2048, "none", [])],
+    ids=["planner7m-2l-4096-full", "planner_moe-2048-none"],
 )
-def test_plan_within_8_percent_of_trace_tiled(model: str, seq: int, ac: str) -> None:
+def test_plan_within_8_percent_of_trace_tiled(model: str, seq: int, ac: str, extra: list[str]) -> None:
     """The plan's tiled terms (dtlaunch.plan.tiled_terms) against the traced step on real CPU tensors."""
     from dtlaunch.plan.trace import trace_peak
 
@@ -163,6 +167,7 @@ def test_plan_within_8_percent_of_trace_tiled(model: str, seq: int, ac: str) -> 
             f"training.seq_len={seq}",
             f"training.activation_checkpointing={ac}",
             "training.mlp_tiles=8",
+            *extra,
         ]
     )
     from dtlaunch.plan.memory import plan_memory
