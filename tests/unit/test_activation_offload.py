@@ -132,6 +132,7 @@ def _compiled_step(offload: bool) -> tuple[torch.Tensor, list, int, float]:
     )
 
 
+@pytest.mark.slow_reason("two torch.compile builds (inductor on CPU) of a model step: with and without offload")
 def test_offload_with_compile_matches_compile_without_offload() -> None:
     """training.activation_offload with training.compile: the checkpointed block inputs go through the hooks
     outside the compiled blocks (copied, as on CUDA) and the loss and every gradient are bit-identical to the
