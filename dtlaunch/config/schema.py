@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from typing import Any, Optional
 
+from dtlaunch.models.lora_targets import DEFAULT_TARGETS
+
 
 @dataclass
 class RopeScalingConfig:
@@ -362,10 +364,9 @@ class PeftConfig:
     dropout: float = 0.0
     # Hugging Face module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
     # all-linear. Default: attention's q, v, output and the MLP, torchtune's shipped Llama-3 LoRA choice
-    # (k adds little, the MLP adapters most of the quality; the output head stays frozen).
-    targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    # (k adds little, the MLP adapters most of the quality; the output head stays frozen). Where the MLP is
+    # routed experts only (Mixtral), the default adapts the attention (experts take no adapters).
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # qlora: elements per NF4 quantization block, and blocks per scaler block (torchao's / torchtune's).
     nf4_block_size: int = 64
     nf4_scaler_block_size: int = 256

@@ -110,3 +110,13 @@ def test_peft_names_permute_q_lora_b_like_the_weight() -> None:
     assert torch.equal(out[key + "B.weight"], interleaved_to_halves(b, int(cfg.model.n_heads)))
     back = from_peft_state(out, cfg.model, "test")
     assert torch.equal(back["layers.0.attention.wq.lora_b"], b) and torch.equal(back["layers.0.attention.wq.lora_a"], a)
+
+
+def test_the_default_targets_adapt_attention_where_the_mlp_is_routed_experts() -> None:
+    """peft=lora's default names gate/up/down_proj; on an expert-only MLP (Mixtral) they are routed experts,
+    which take no adapters: the default adapts the attention and says so, an explicit list is refused."""
+    job = ["recipe=tiny_ddp", "model=mixtral_8x7b", "peft=lora", "launch.nproc_per_node=1"]
+    notes = validate(compose(job).cfg).notes
+    assert any("routed experts, which take no adapters: gate_proj, up_proj, down_proj skipped" in n for n in notes)
+    with pytest.raises(ConfigError, match="'gate_proj' is not a linear module of model.arch=mixtral"):
+        validate(compose([*job, "peft.targets=[q_proj,gate_proj]"]).cfg)

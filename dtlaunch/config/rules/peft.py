@@ -44,16 +44,28 @@ def check_peft(cfg: JobConfig, notes: list[str]) -> None:
             f"peft.method=qlora with precision.param_dtype={cfg.precision.param_dtype}: the NF4 base "
             f"dequantizes to {' or '.join(QLORA_DTYPES)}; set precision=bf16"
         )
-    check_targets(cfg)
+    skipped = check_targets(cfg)
+    if skipped:
+        notes.append(
+            f"peft.targets (the default): this model's MLP is routed experts, which take no adapters: "
+            f"{', '.join(skipped)} skipped, the attention's linears adapted"
+        )
     if str(m.init_from) == "random":
         notes.append(f"peft.method={method} on a randomly initialised base (model.init_from=random)")
 
 
-def check_targets(cfg: JobConfig) -> None:
-    """Every name in peft.targets matches a linear of this model (the error lists the valid ones)."""
-    from dtlaunch.models.lora import select_targets
+def check_targets(cfg: JobConfig) -> list[str]:
+    """Every name in peft.targets matches a linear of this model (the error lists the valid ones). Returns
+    the default's names that are routed experts here (skipped: dtlaunch.models.lora.select_targets)."""
+    from dtlaunch.models.lora import expert_names, select_targets
+    from dtlaunch.models.lora_targets import DEFAULT_TARGETS
     from dtlaunch.models.registry import model_spec
 
     spec = model_spec(cfg.model)
     model = spec.build(cfg.model, rope_len=1, device="meta")
-    select_targets(model, spec, list(cfg.peft.targets), str(cfg.model.arch))
+    targets = list(cfg.peft.targets)
+    chosen = select_targets(model, spec, targets, str(cfg.model.arch))
+    if tuple(targets) != DEFAULT_TARGETS:
+        return []
+    adapted = {hf.rsplit(".", 1)[-1] for hf in chosen.values()}
+    return [t for t in targets if t not in adapted] if expert_names(model, spec) else []
