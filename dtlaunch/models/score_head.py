@@ -5,10 +5,11 @@ check (dtlaunch.launch.preflight), which must list the same tensors."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch-free at import: the exporter and the planner's paths read SCORE_HEAD only
+    import torch
+    from torch import nn
 
 # The head's parameter, under transformers' own name. A causal LM's weights (model.init_from=hf:DIR) do not
 # hold it: it starts from the seeded init, as transformers initialises a new `score`.
@@ -20,6 +21,8 @@ def add_score_head(model: nn.Module) -> None:
     parallelize: the runtime initialises it with the other parameters, by name). The head runs inside the
     model's forward (a forward hook), so under FSDP the root unit's weights are gathered when it runs, and
     the forward returns (rows, positions, 1) scores: no (tokens x vocabulary) logits ever exist."""
+    from torch import nn
+
     device = model.norm.weight.device
     model.output = None  # the forward then returns the final norm's output (a tied embedding stays)
     model.score = nn.Linear(int(model.cfg.dim), 1, bias=False, device=device)
