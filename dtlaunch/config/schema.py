@@ -13,8 +13,6 @@ from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from typing import Any, Optional
 
-from dtlaunch.models.lora_targets import DEFAULT_TARGETS
-
 
 @dataclass
 class RopeScalingConfig:
@@ -350,6 +348,11 @@ class PeftMethod(Choice):
 ALL_LINEAR = "all-linear"
 
 
+# peft.targets' default, also read by dtlaunch.models.lora.select_targets: the default, and only the default,
+# leaves out MLP names a model with routed experts does not have (experts take no adapters).
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass
 class PeftConfig:
     """Parameter-efficient fine-tuning: the base weights are frozen, only the adapters train.
@@ -366,7 +369,7 @@ class PeftConfig:
     # all-linear. Default: attention's q, v, output and the MLP, torchtune's shipped Llama-3 LoRA choice
     # (k adds little, the MLP adapters most of the quality; the output head stays frozen). Where the MLP is
     # routed experts only (Mixtral), the default adapts the attention (experts take no adapters).
-    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
     # qlora: elements per NF4 quantization block, and blocks per scaler block (torchao's / torchtune's).
     nf4_block_size: int = 64
     nf4_scaler_block_size: int = 256

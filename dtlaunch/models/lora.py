@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlaunch.config.schema import LORA_DEFAULT_TARGETS
 from dtlaunch.errors import ConfigError
-from dtlaunch.models.lora_targets import DEFAULT_TARGETS
 
 ALL_LINEAR = "all-linear"
 ADAPTER_NAMES = ("lora_a", "lora_b")
@@ -155,7 +155,7 @@ def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: st
         return linears
     where = f" of model.arch={arch}" if arch else ""
     experts = expert_names(model, spec)
-    if tuple(wanted) == DEFAULT_TARGETS and experts:  # the default names the MLP: routed experts here
+    if tuple(wanted) == LORA_DEFAULT_TARGETS and experts:  # the default names the MLP: routed experts here
         wanted = [t for t in wanted if t in valid]
     for t in wanted:
         if t in valid:

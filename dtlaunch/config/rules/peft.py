@@ -57,15 +57,15 @@ def check_peft(cfg: JobConfig, notes: list[str]) -> None:
 def check_targets(cfg: JobConfig) -> list[str]:
     """Every name in peft.targets matches a linear of this model (the error lists the valid ones). Returns
     the default's names that are routed experts here (skipped: dtlaunch.models.lora.select_targets)."""
+    from dtlaunch.config.schema import LORA_DEFAULT_TARGETS
     from dtlaunch.models.lora import expert_names, select_targets
-    from dtlaunch.models.lora_targets import DEFAULT_TARGETS
     from dtlaunch.models.registry import model_spec
 
     spec = model_spec(cfg.model)
     model = spec.build(cfg.model, rope_len=1, device="meta")
     targets = list(cfg.peft.targets)
     chosen = select_targets(model, spec, targets, str(cfg.model.arch))
-    if tuple(targets) != DEFAULT_TARGETS:
+    if tuple(targets) != LORA_DEFAULT_TARGETS:
         return []
     adapted = {hf.rsplit(".", 1)[-1] for hf in chosen.values()}
     return [t for t in targets if t not in adapted] if expert_names(model, spec) else []
