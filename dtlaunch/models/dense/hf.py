@@ -87,28 +87,32 @@ def rope_heads(name: str, m: ModelConfig) -> Optional[int]:
     return None
 
 
-def to_hf_state(state: dict, m: Any) -> dict:
+def to_hf_state(state: dict, m: Any, hf_name: Any = None, heads_of: Any = None) -> dict:
     """Our parameter dict -> HF's names and RoPE layout (contiguous tensors, ready for safetensors).
-    A tied head is written once, as the embedding (transformers re-ties it from config.json)."""
+    A tied head is written once, as the embedding (transformers re-ties it from config.json). A family
+    with names or RoPE rows of its own passes its `to_hf_name` and `rope_heads` (gemma3, olmo3)."""
+    hf_name, heads_of = hf_name or to_hf_name, heads_of or rope_heads
     out = {}
     for name, t in state.items():
         if name == "output.weight" and getattr(m, "tie_embeddings", False):
             continue
-        heads = rope_heads(name, m)
+        heads = heads_of(name, m)
         t = interleaved_to_halves(t, heads) if heads else t
-        out[to_hf_name(name)] = t.contiguous()
+        out[hf_name(name)] = t.contiguous()
     return out
 
 
-def from_hf_state(state: dict, m: Any) -> dict:
+def from_hf_state(state: dict, m: Any, our_name: Any = None, heads_of: Any = None) -> dict:
+    """HF's tensors -> our names and RoPE layout; `our_name`, `heads_of`: a family's own (see to_hf_state)."""
+    our_name, heads_of = our_name or from_hf_name, heads_of or rope_heads
     out = {}
     for hf_name, t in state.items():
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # derived from the config; some exports carry it
         if hf_name == "lm_head.weight" and getattr(m, "tie_embeddings", False):
             continue  # some tied exports also write the head; the embedding is the one parameter
-        name = from_hf_name(hf_name)
-        heads = rope_heads(name, m)
+        name = our_name(hf_name)
+        heads = heads_of(name, m)
         out[name] = (halves_to_interleaved(t, heads) if heads else t).contiguous()
     return out
 

@@ -47,23 +47,9 @@ def rope_heads(name: str, m: ModelConfig) -> Optional[int]:
 
 
 def to_hf_state(state: dict, m: Any) -> dict:
-    out = {}
-    for name, t in state.items():
-        if name == "output.weight" and getattr(m, "tie_embeddings", False):
-            continue
-        heads = rope_heads(name, m)
-        out[to_hf_name(name)] = (dense.interleaved_to_halves(t, heads) if heads else t).contiguous()
-    return out
+    """Our parameter dict -> HF's names and RoPE layout; a tied head is written once, as the embedding."""
+    return dense.to_hf_state(state, m, to_hf_name, rope_heads)
 
 
 def from_hf_state(state: dict, m: Any) -> dict:
-    out = {}
-    for hf_name, t in state.items():
-        if hf_name.endswith("rotary_emb.inv_freq") or (
-            hf_name == "lm_head.weight" and getattr(m, "tie_embeddings", False)
-        ):
-            continue
-        name = from_hf_name(hf_name)
-        heads = rope_heads(name, m)
-        out[name] = (dense.halves_to_interleaved(t, heads) if heads else t).contiguous()
-    return out
+    return dense.from_hf_state(state, m, from_hf_name, rope_heads)
