@@ -87,6 +87,23 @@ def rope_heads(name: str, m: ModelConfig) -> Optional[int]:
     return None
 
 
+def renamed_to_hf(name: str, renames: dict[str, str]) -> str:
+    """to_hf_name for a family whose block tensors `renames` maps (ours -> HF, under layers.N.) and whose
+    other names are the dense decoder's (gemma3, olmo3: their norms)."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in renames:
+        return f"model.layers.{m.group(1)}.{renames[m.group(2)]}"
+    return to_hf_name(name)
+
+
+def renamed_from_hf(name: str, renames: dict[str, str]) -> str:
+    """from_hf_name for such a family; `renames` maps HF -> ours."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in renames:
+        return f"layers.{m.group(1)}.{renames[m.group(2)]}"
+    return from_hf_name(name)
+
+
 def to_hf_state(state: dict, m: Any, hf_name: Any = None, heads_of: Any = None) -> dict:
     """Our parameter dict -> HF's names and RoPE layout (contiguous tensors, ready for safetensors).
     A tied head is written once, as the embedding (transformers re-ties it from config.json). A family

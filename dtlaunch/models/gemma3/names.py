@@ -4,7 +4,6 @@ before the sublayers, post_attention_norm / post_ffn_norm on their outputs."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from dtlaunch.models.dense import hf as dense
@@ -21,17 +20,11 @@ _NORMS_FROM_HF = {v: k for k, v in _NORMS.items()}
 
 
 def to_hf_name(name: str) -> str:
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _NORMS:
-        return f"model.layers.{m.group(1)}.{_NORMS[m.group(2)]}"
-    return dense.to_hf_name(name)
+    return dense.renamed_to_hf(name, _NORMS)
 
 
 def from_hf_name(name: str) -> str:
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _NORMS_FROM_HF:
-        return f"layers.{m.group(1)}.{_NORMS_FROM_HF[m.group(2)]}"
-    return dense.from_hf_name(name)
+    return dense.renamed_from_hf(name, _NORMS_FROM_HF)
 
 
 def to_hf_state(state: dict, m: Any) -> dict:

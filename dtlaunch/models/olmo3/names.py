@@ -23,19 +23,13 @@ _NORMS_FROM_HF = {v: k for k, v in _NORMS.items()}
 
 
 def to_hf_name(name: str) -> str:
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _NORMS:
-        return f"model.layers.{m.group(1)}.{_NORMS[m.group(2)]}"
-    return dense.to_hf_name(name)
+    return dense.renamed_to_hf(name, _NORMS)
 
 
 def from_hf_name(name: str) -> str:
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _NORMS_FROM_HF:
-        return f"layers.{m.group(1)}.{_NORMS_FROM_HF[m.group(2)]}"
-    if m and m.group(2) == "input_layernorm.weight":  # a pre-norm tensor: not OLMo's block
+    if re.fullmatch(r"model\.layers\.\d+\.input_layernorm\.weight", name):  # a pre-norm: not OLMo's block
         raise InputError(f"unexpected tensor {name}: this architecture has no such parameter")
-    return dense.from_hf_name(name)
+    return dense.renamed_from_hf(name, _NORMS_FROM_HF)
 
 
 def rope_heads(name: str, m: ModelConfig) -> Optional[int]:
