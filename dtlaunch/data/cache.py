@@ -272,6 +272,34 @@ def publish_entry(tmp: Path, entry: Path, complete: Optional[Callable[[Path], bo
     shutil.rmtree(stale, ignore_errors=True)
 
 
+def built_entry(
+    cache_dir: str,
+    files: Sequence[Path],
+    tok: Any,
+    options: dict,
+    build: Callable[[Path], None],
+    complete: Callable[[Path], bool],
+) -> Path:
+    """The cache entry keyed by these files, tokenizer and options: `build` fills a fresh temporary directory
+    (unless a `complete` entry exists), which is then published (`publish_entry`); a failed build leaves
+    nothing behind. For the record caches beside the token cache (preference pairs, unpaired examples)."""
+    root = cache_root(cache_dir)
+    check_writable(root)
+    entry = root / cache_key(files, tok, options)
+    if complete(entry):
+        return entry
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_entry(tmp, entry, complete=complete)
+    return entry
+
+
 def cached_tokens(
     root: Path,
     files: Sequence[Path],

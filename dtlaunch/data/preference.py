@@ -15,14 +15,12 @@ margins.npy, (pairs,) float64: each pair's margin, which the loader hands the st
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from dtlaunch.data.cache import _crc32, cache_key, cache_root, check_writable, publish_entry, verify_entry
+from dtlaunch.data.cache import _crc32, built_entry, verify_entry
 from dtlaunch.data.shards import ShardWriter, open_shards
 from dtlaunch.data.tokenizer import token_dtype
 from dtlaunch.errors import InputError
@@ -115,24 +113,14 @@ def cached_pairs(
     key: str,
 ) -> Path:
     """The cache entry of these records (built now unless a complete one exists)."""
-    root = cache_root(cache_dir)
-    check_writable(root)
-    entry = root / cache_key(files, tok, options)
-    if _complete(entry):
-        return entry
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    rows = (row for values, where in records for row in encoder.pair(values, where, key))
-    try:
+
+    def build(tmp: Path) -> None:
+        rows = (row for values, where in records for row in encoder.pair(values, where, key))
         write_pairs(tmp, rows, tok.vocab_size, tok.eos_id, {"tokenizer": tok.name, "source": options})
         if encoder.margins:
             np.save(tmp / MARGINS_FILE, np.asarray(encoder.margins, dtype=np.float64))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_entry(tmp, entry, complete=_complete)
-    return entry
+
+    return built_entry(cache_dir, files, tok, options, build, _complete)
 
 
 def _complete(entry: Path) -> bool:

@@ -13,14 +13,12 @@ holds the labels. The worker's UnpairedSource is a PairSource (rows cut as a pai
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from dtlaunch.data.cache import cache_key, cache_root, check_writable, publish_entry, verify_entry
+from dtlaunch.data.cache import built_entry, verify_entry
 from dtlaunch.data.preference import ROWS_FILE, PairEncoder, PairSource, SyntheticPairs, write_pairs
 from dtlaunch.errors import InputError
 
@@ -81,24 +79,14 @@ def cached_examples(
 ) -> Path:
     """The cache entry of these records (built now unless a complete one exists); `run`: training.micro_batch,
     the KL rows' run length (part of `options`, so of the key)."""
-    root = cache_root(cache_dir)
-    check_writable(root)
-    entry = root / cache_key(files, tok, options)
-    if _complete(entry):
-        return entry
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    labels: list[bool] = []
-    examples = (encode_example(encoder, values, where, key) for values, where in records)
-    try:
+
+    def build(tmp: Path) -> None:
+        labels: list[bool] = []
+        examples = (encode_example(encoder, values, where, key) for values, where in records)
         write_pairs(tmp, example_rows(examples, run, labels), tok.vocab_size, tok.eos_id, {"source": options})
         np.save(tmp / LABELS_FILE, np.asarray(labels, dtype=bool))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_entry(tmp, entry, complete=_complete)
-    return entry
+
+    return built_entry(cache_dir, files, tok, options, build, _complete)
 
 
 def _complete(entry: Path) -> bool:
