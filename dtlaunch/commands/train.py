@@ -111,11 +111,21 @@ def _prepare_run_dir(job: Any, plan: Any, no_resume: bool, run_dir: Path) -> Non
     """The run directory with its config, plan and data, checked: the data sample and the checkpoint to
     resume (exit 2 here, not 1 in the workers)."""
     from dtlaunch.data.run_data import prepare_run_data
+    from dtlaunch.launch.local import follows_node_0
     from dtlaunch.launch.preflight import check_data, check_resume
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
     from dtlaunch.run.env import NO_RESUME_ENV
 
     out = console()
+    if follows_node_0(job.cfg.launch):
+        # Node 0's launcher writes, checks and (--no-resume) clears the shared run directory; were this one
+        # to write its config too, the two launchers would displace each other's config.yaml.
+        if no_resume:
+            os.environ[NO_RESUME_ENV] = "1"
+        create_run_dir(job.cfg, job.recipe)
+        out.print(f"run directory: {run_dir} (node 0 prepares it)", markup=False)
+        prepare_run_data(job.cfg, run_dir)
+        return
     if no_resume:
         # Start fresh, keeping the old checkpoints under a new name. Workers inherit the variable and
         # CheckpointManager.resume() refuses a directory that gains checkpoints meanwhile.

@@ -69,6 +69,12 @@ def node_rank_of(la: LaunchConfig) -> int:
     return -1
 
 
+def follows_node_0(la: LaunchConfig) -> bool:
+    """A node after the first of a multi-node job: node 0's launcher writes the shared run directory's config,
+    plan and state (each node's own config differs from it in launch.node_rank, so theirs would displace it)."""
+    return int(la.nnodes) > 1 and node_rank_of(la) > 0
+
+
 def worker_env(cfg: JobConfig, run_dir: Path, detected_gpus: int | None = None) -> dict[str, str]:
     """Variables the workers inherit: the run directory and a thread count that does not oversubscribe."""
     threads = int(cfg.launch.threads_per_worker)

@@ -7,6 +7,7 @@ A run directory may already exist (a resume, possibly on another layout): its pr
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from pathlib import Path
@@ -67,6 +68,10 @@ def create_run_dir(cfg: JobConfig, recipe: str) -> Path:
         (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create run directory '{run_dir}': {exc.strerror}; set run.dir or run.root") from exc
+    from dtlaunch.launch.local import follows_node_0
+
+    if follows_node_0(cfg.launch):
+        return run_dir  # node 0 writes the shared directory's config.yaml (this node's differs in node_rank)
     new_text = OmegaConf.to_yaml(cfg, resolve=True)
     path = run_dir / CONFIG_NAME
     if path.is_file():
@@ -74,8 +79,9 @@ def create_run_dir(cfg: JobConfig, recipe: str) -> Path:
         if old_text == new_text:
             return run_dir
         path.rename(_free_prev_name(run_dir))
-    # Write then rename: a worker (or a crash) never sees half a config.
-    tmp = run_dir / f".{CONFIG_NAME}.tmp"
+    # Write then rename: a worker (or a crash) never sees half a config. The name is this process's own:
+    # launchers sharing the directory (the nodes of a job whose rank is unknown) never rename each other's file.
+    tmp = run_dir / f".{CONFIG_NAME}.{os.getpid()}.tmp"
     tmp.write_text(new_text)
     tmp.replace(path)
     return run_dir
