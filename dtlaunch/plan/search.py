@@ -329,17 +329,53 @@ def search(cfg: JobConfig, top: int = 10) -> list[dict]:
                 "tokens_per_s": tokens / times["total"],
                 "mfu": times["flops"] / times["total"] / (lay.world * peak),
                 "times": times,
-                "overrides": _overrides(st, tr),
+                "overrides": _overrides(st, tr, moe=bool(routed_experts(plain.model))),
             }
         )
     rows.sort(key=lambda r: (r["step_s"], r["device_total_bytes"]))
-    rows = rows[:top]
+    rows = _accepted_by_the_rules(cfg, rows, top)
     for r in rows:
         r["why"] = _why(r, rows[0])
     return rows
 
 
-def _overrides(st: dict, tr: dict) -> list[str]:
+def _accepted_by_the_rules(cfg: JobConfig, rows: list[dict], top: int) -> list[dict]:
+    """The first `top` rows whose overrides, applied to the job, pass every config rule. The candidate loop
+    prunes with cheap copies of a few rules (it plans thousands of layouts); validate is the judge of what
+    the search prints, so a row the user pastes is never refused (a rule added later is obeyed here too)."""
+    from omegaconf import DictConfig
+
+    if not isinstance(cfg, DictConfig):  # a plain namespace (planner tests): nothing to validate against
+        return rows[:top]
+    accepted: list[dict] = []
+    for row in rows:
+        if len(accepted) == top:
+            break
+        if not _refusal(cfg, row["overrides"]):
+            accepted.append(row)
+    return accepted
+
+
+def _refusal(cfg: JobConfig, overrides: list[str]) -> str:
+    """validate's one-line refusal of the job with `overrides` applied ('' when it passes)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    job = copy.deepcopy(cfg)
+    for ov in overrides:
+        key, value = ov.split("=", 1)
+        OmegaConf.update(job, key, yaml.safe_load(value), merge=False)
+    try:
+        validate(job)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def _overrides(st: dict, tr: dict, moe: bool = False) -> list[str]:
     keys = (
         "dp_replicate",
         "dp_shard",
@@ -352,7 +388,7 @@ def _overrides(st: dict, tr: dict) -> list[str]:
         "pp_microbatches",
         "pp_reshard_grads",
     )
-    if st.get("ep", 1) > 1:
+    if moe or st.get("ep", 1) > 1:  # a MoE recipe may set strategy.ep: the row says its own degree
         keys += ("ep",)
     if st.get("cpu_offload"):
         keys += ("cpu_offload",)
