@@ -49,6 +49,12 @@ def _spec(m: Any) -> Any:
     return model_spec(m)
 
 
+def _meta_model(m: Any) -> Any:
+    from dtlaunch.models.registry import meta_model
+
+    return meta_model(m)
+
+
 def base_dir(record: dict, where: str) -> Path:
     """The directory of the base the adapters were trained on; refused when it is gone or has changed."""
     from dtlaunch.convert.base_fingerprint import fingerprint
@@ -131,7 +137,7 @@ def peft_config(adapters: Adapters) -> dict:
 
     spec = _spec(adapters.m)
     targets = sorted({hf_module_name(spec, fqn).rsplit(".", 1)[-1] for fqn in adapters.linears()})
-    shared = sorted(set(targets) & expert_names(spec.build(adapters.m, rope_len=1, device="meta"), spec))
+    shared = sorted(set(targets) & expert_names(_meta_model(adapters.m), spec))
     if shared:
         # transformers fuses a MoE model's experts, and peft adapts every module of a target's name, experts too.
         raise InputError(
@@ -242,7 +248,7 @@ def _dequantized(base: dict, adapters: Adapters) -> dict:
     dtype = torch_dtype(rec.get("base_dtype", "bf16"))
     spec = _spec(adapters.m)
     out = dict(base)
-    for fqn in candidate_linears(spec.build(adapters.m, rope_len=1, device="meta"), spec):
+    for fqn in candidate_linears(_meta_model(adapters.m), spec):
         w = base[f"{fqn}.weight"]
         q = to_nf4(w.to(dtype).contiguous(), int(rec["nf4_block_size"]), int(rec["nf4_scaler_block_size"]))
         out[f"{fqn}.weight"] = q.get_original_weight().to(w.dtype)

@@ -95,12 +95,10 @@ class LoraRunWeights:
         if self.adapters.record.get("method") != "qlora":
             return set()
         from dtlaunch.models.lora import candidate_linears
-        from dtlaunch.models.registry import model_spec
+        from dtlaunch.models.registry import meta_model, model_spec
 
         spec = model_spec(self.adapters.m)
-        return {
-            f"{fqn}.weight" for fqn in candidate_linears(spec.build(self.adapters.m, rope_len=1, device="meta"), spec)
-        }
+        return {f"{fqn}.weight" for fqn in candidate_linears(meta_model(self.adapters.m), spec)}
 
     def _nf4_round(self, w: Any) -> Any:
         """adapters._dequantized for one weight: NF4 from the training dtype, as the run quantised it, and back."""

@@ -208,6 +208,17 @@ def model_spec(m: Any) -> ModelSpec:
     return _by_arch(str(get("arch") or "llama"))
 
 
+def meta_model(m: Any) -> Any:
+    """The model of section `m` on the meta device, for its parameter names and shapes only (rules, converters).
+    A config node is read as its plain dataclass first: a block reads its fields many times, and OmegaConf's
+    attribute access made a 70B build 0.39 s instead of 0.12 (a QLoRA job's validate built it twice)."""
+    if type(m).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        m = OmegaConf.to_object(m)
+    return model_spec(m).build(m, rope_len=1, device="meta")
+
+
 def routed_experts(m: Any) -> int:
     """Routed experts per MoE layer of a model section, as its family counts them (0: none)."""
     return model_spec(m).routed_experts(m)

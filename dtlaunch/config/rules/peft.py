@@ -59,10 +59,10 @@ def check_targets(cfg: JobConfig) -> list[str]:
     the default's names that are routed experts here (skipped: dtlaunch.models.lora.select_targets)."""
     from dtlaunch.config.schema import LORA_DEFAULT_TARGETS
     from dtlaunch.models.lora import expert_names, select_targets
-    from dtlaunch.models.registry import model_spec
+    from dtlaunch.models.registry import meta_model, model_spec
 
     spec = model_spec(cfg.model)
-    model = spec.build(cfg.model, rope_len=1, device="meta")
+    model = meta_model(cfg.model)
     targets = list(cfg.peft.targets)
     chosen = select_targets(model, spec, targets, str(cfg.model.arch))
     if tuple(targets) != LORA_DEFAULT_TARGETS:

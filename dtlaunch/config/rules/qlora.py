@@ -54,12 +54,12 @@ def check_nf4_blocks(cfg: JobConfig, shards: int) -> None:
     model built on the meta device with its adapters)."""
     from dtlaunch.models.lora import apply_lora
     from dtlaunch.models.nf4 import nf4_blocks_problem
-    from dtlaunch.models.registry import model_spec
+    from dtlaunch.models.registry import meta_model, model_spec
 
     p = cfg.peft
     block, scaler = int(p.nf4_block_size), int(p.nf4_scaler_block_size)
     spec = model_spec(cfg.model)
-    model = spec.build(cfg.model, rope_len=1, device="meta")
+    model = meta_model(cfg.model)
     apply_lora(model, spec, p)
     problem = nf4_blocks_problem(model, block, scaler, shards)
     if problem:
