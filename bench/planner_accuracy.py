@@ -389,23 +389,18 @@ def single() -> list[dict]:
     return rows
 
 
-def run_real(overrides: list[str], steps: int = 3, base: list[str] = REAL_BASE) -> dict:
-    """One real `dtlaunch train` run; returns names, predicted/measured peaks and per-stage pairs."""
+def _dtlaunch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, env=env)
+
+
+def run_real(overrides: list[str], steps: int = 3, base: list[str] = REAL_BASE, dtlaunch=_dtlaunch) -> dict:
+    """One real `dtlaunch train` run; returns names, predicted/measured peaks and per-stage pairs.
+    `dtlaunch(args, env)` runs the command (the tests pass one that forks a process that has imported torch)."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = [
-            sys.executable,
-            "-m",
-            "dtlaunch",
-            "train",
-            *base,
-            *overrides,
-            f"training.steps={steps}",
-            "checkpoint=none",
-            f"run.dir={run}",
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        args = ["train", *base, *overrides, f"training.steps={steps}", "checkpoint=none", f"run.dir={run}"]
+        cmd = ["dtlaunch", *args]
+        res = dtlaunch(args, dict(os.environ, OMP_NUM_THREADS="1"))
         if res.returncode != 0:
             logs = (
                 "".join(p.read_text()[-2000:] for p in sorted((run / "logs").glob("rank*.log"))) if run.exists() else ""

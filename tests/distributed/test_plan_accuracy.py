@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from cli_server import run_dtlaunch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "planner_accuracy.py"
 SUBSET = [
@@ -38,10 +39,14 @@ def _bench():
     return mod
 
 
+def _run(bench, overrides: list[str], **kw) -> dict:
+    return bench.run_real(overrides, dtlaunch=lambda args, env: run_dtlaunch(args, env=env), **kw)
+
+
 @pytest.mark.slow
 def test_predicted_peak_matches_real_runs():
     bench = _bench()
-    rows = [bench.run_real(ov) for ov in SUBSET]
+    rows = [_run(bench, ov) for ov in SUBSET]
     table = "\n".join(bench._fmt(r) for r in rows)
     assert all(r["measured"] > 0 for r in rows), table
     errs = [abs(bench._err(r)) for r in rows]
@@ -62,7 +67,7 @@ def test_predicted_peak_matches_real_moe_runs():
     """The MoE block's saved-activation model (dtlaunch/models/moe/activations.py) on real runs; the
     whole MoE matrix is `python bench/planner_accuracy.py --moe`."""
     bench = _bench()
-    rows = [bench.run_real(ov) for ov in MOE_SUBSET]
+    rows = [_run(bench, ov) for ov in MOE_SUBSET]
     table = "\n".join(bench._fmt(r) for r in rows)
     assert all(r["measured"] > 0 for r in rows), table
     errs = [abs(bench._err(r)) for r in rows] + [abs(bench._err(s)) for r in rows for s in r["stages"]]
@@ -87,7 +92,7 @@ def test_predicted_peak_matches_real_optimizer_option_runs():
     head as FSDP2 units of their own (dtlaunch/plan/optim_terms.py); the whole matrix is
     `python bench/planner_accuracy.py --optim`."""
     bench = _bench()
-    rows = [bench.run_real(ov) for ov in OPTIM_SUBSET]
+    rows = [_run(bench, ov) for ov in OPTIM_SUBSET]
     table = "\n".join(bench._fmt(r) for r in rows)
     assert all(r["measured"] > 0 for r in rows), table
     assert max(abs(bench._err(r)) for r in rows) <= 8.0, table
@@ -106,7 +111,7 @@ def test_predicted_peak_matches_real_grpo_runs(tmp_path):
     `python bench/planner_accuracy.py --grpo`."""
     bench = _bench()
     base = [*bench.REAL_BASE, *bench.grpo_data(tmp_path)]
-    rows = [bench.run_real(bench.GRPO_RUNS[i], base=base) for i in (5, 7, 11)]
+    rows = [_run(bench, bench.GRPO_RUNS[i], base=base) for i in (5, 7, 11)]
     assert "objective.generation_gather=unit" in bench.GRPO_RUNS[11]
     table = "\n".join(bench._fmt(r) for r in rows)
     assert all(r["measured"] > 0 for r in rows), table

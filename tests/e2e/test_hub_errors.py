@@ -124,6 +124,10 @@ def test_no_network_outside_offline_mode(hub: Hub, monkeypatch) -> None:
     from huggingface_hub import constants
 
     point_hub_lib_at(monkeypatch, closed, constants.HF_HUB_CACHE)
+    # huggingface_hub retries a refused connection 5 times with 1-8 s back-off (23 s): the same retries, unslept.
+    import huggingface_hub.utils._http as hub_http
+
+    monkeypatch.setattr(hub_http.time, "sleep", lambda seconds: None)
     with pytest.raises(InputError, match=r"cannot reach the hub at .* and it is not in the cache: check the network"):
         resolve("acme/tiny-llama")
 
