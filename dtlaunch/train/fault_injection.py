@@ -4,7 +4,8 @@ holds or runs slow at a chosen step, and steps whose loss is NaN.
 The Trainer applies the wrappers once, at setup: `wrap_steps` around the step numbers the loop runs over
 (a fault at step N strikes before that step starts, before the rank records that it reached it, as a rank
 that never got there), `wrap_step` around the step function (NaN outputs), `wrap_final_save` around the
-run's last checkpoint (a fault "after the last step", at training.steps + 1). A real run has none of them
+run's last checkpoint (a fault "after the last step", at training.steps + 1), and the checkpoint manager
+applies `wrap_writer` to its storage writer (a slow save). A real run has none of them
 (every field at its default), and then each wrapper returns what it was given: its loop holds no fault
 call.
 """
@@ -38,6 +39,7 @@ class Faults:
     hold_at_step: int
     slow_step_s: float  # this rank sleeps this long in every step (0: not this rank)
     nan_at_steps: frozenset[int]  # every rank's loss is NaN at these steps
+    slow_save_s: float = 0.0  # rank 1's checkpoint writes start this late (kill-during-save tests)
 
     @classmethod
     def of(cls, cfg: JobConfig, rank: int) -> Faults:
@@ -50,6 +52,7 @@ class Faults:
             hold_at_step=int(d.hold_at_step) if injects else -1,
             slow_step_s=float(d.slow_step_s) if rank == int(d.fail_rank) else 0.0,
             nan_at_steps=frozenset(int(s) for s in d.nan_at_steps),
+            slow_save_s=float(d.slow_save_s) if rank == 1 else 0.0,
         )
 
     def wrap_steps(self, steps: Iterable[int]) -> Iterable[int]:
@@ -106,6 +109,26 @@ class Faults:
         """A slow rank (debug.slow_step_s): its peers wait for it."""
         if self.slow_step_s:
             time.sleep(self.slow_step_s)
+
+    def wrap_writer(self, make_writer: Callable[[str], Any]) -> Callable[[str], Any]:
+        """`make_writer(path)`, the checkpoint's storage writer, whose writes this rank starts
+        debug.slow_save_s late (a kill that must land during a save)."""
+        if not self.slow_save_s:
+            return make_writer
+        delay = self.slow_save_s
+
+        def slow_writer(path: str) -> Any:
+            writer = make_writer(path)
+            write_data = writer.write_data
+
+            def write_data_late(plan: Any, planner: Any) -> Any:
+                time.sleep(delay)
+                return write_data(plan, planner)
+
+            writer.write_data = write_data_late
+            return writer
+
+        return slow_writer
 
     def wrap_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
         """`step_fn(rt, batches, step)`, its model parts' outputs NaN at debug.nan_at_steps: the loss and

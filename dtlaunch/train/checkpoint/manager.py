@@ -110,7 +110,10 @@ class CheckpointManager:
             for opt in self.optimizers:
                 opt.register_step_pre_hook(lambda *_: self.wait_staged())
         self.last_saved_step = -1
-        self.slow_save_s = float(cfg.debug.slow_save_s) if rank == 1 else 0.0
+        from dtlaunch.train.fault_injection import Faults
+
+        # debug.slow_save_s (kill-during-save tests): rank 1's writes start late; otherwise the writer as is.
+        self._writer = Faults.of(cfg, rank).wrap_writer(_ChecksummedWriter)
         from dtlaunch.convert.base_fingerprint import peft_record
         from dtlaunch.train.checkpoint.states import train_states
 
@@ -173,7 +176,7 @@ class CheckpointManager:
         self._barrier()
         state: dict[str, Any] = {**self._tensor_states(), "rng": self._rng_state()}
         trainer_state = self._trainer_state(step)
-        writer = _SlowWriter(str(tmp), self.slow_save_s)
+        writer = self._writer(str(tmp))
         started = time.perf_counter()
         try:
             if self.async_save and not final:
@@ -392,25 +395,21 @@ class CheckpointManager:
 # DCP plumbing.
 
 
-def _make_slow_writer_class() -> type:
+def _make_checksummed_writer_class() -> type:
     import torch.distributed.checkpoint as dcp
 
     from dtlaunch.run.checksums import default_algorithm
     from dtlaunch.train.checkpoint.integrity import hashing_filesystem, write_sidecar
 
-    class SlowWriter(dcp.FileSystemWriter):
+    class ChecksummedWriter(dcp.FileSystemWriter):
         """FileSystemWriter whose streams checksum what they write (the digests go into a sidecar file per
-        writer for rank 0's marker), and that can sleep before writing (debug.slow_save_s: kill-during-save
-        tests)."""
+        writer for rank 0's marker)."""
 
-        def __init__(self, path: str, sleep_s: float) -> None:
+        def __init__(self, path: str) -> None:
             super().__init__(path)
-            self.sleep_s = sleep_s
             self.fs = hashing_filesystem(default_algorithm())
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            if self.sleep_s > 0:
-                time.sleep(self.sleep_s)
             fut = super().write_data(plan, planner)
             fut.wait()  # FileSystemWriter writes synchronously: its future is already done
             tag = str(plan.storage_data.prefix).strip("_") or "0"
@@ -422,17 +421,17 @@ def _make_slow_writer_class() -> type:
             digests = {k: v for k, v in self.fs.digests.items() if k == ".metadata"}
             write_sidecar(Path(self.path), "metadata", self.fs.algorithm, digests)
 
-    return SlowWriter
+    return ChecksummedWriter
 
 
-def _SlowWriter(path: str, sleep_s: float) -> Any:  # noqa: N802 (factory standing in for the class)
-    global _SLOW_WRITER
-    if _SLOW_WRITER is None:
-        _SLOW_WRITER = _make_slow_writer_class()
-    return _SLOW_WRITER(path, sleep_s)
+def _ChecksummedWriter(path: str) -> Any:  # noqa: N802 (factory standing in for the class: dcp imported late)
+    global _CHECKSUMMED_WRITER
+    if _CHECKSUMMED_WRITER is None:
+        _CHECKSUMMED_WRITER = _make_checksummed_writer_class()
+    return _CHECKSUMMED_WRITER(path)
 
 
-_SLOW_WRITER: Any = None
+_CHECKSUMMED_WRITER: Any = None
 
 
 def _make_stager() -> Any:
