@@ -197,6 +197,9 @@ def _save_tiny_hf_dirs(base: Path, families: dict, seed: int, **common: Any) -> 
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # GLM-4.5's router bias: chooses other experts
+                    b.add_(torch.randn_like(b) * 0.2)
         path = base / family
         model.save_pretrained(path)
         _tiny_tokenizer(path)
@@ -210,7 +213,7 @@ def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 # Tiny mixture-of-experts directories: Qwen3-MoE with one dense (mlp_only) block and top-k weights left
-# unnormalised, Mixtral with its renormalised top-2 of 4 experts.
+# unnormalised, Mixtral with its renormalised top-2 of 4 experts, GLM-4.5 with every routing part.
 TINY_HF_MOE = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -223,6 +226,24 @@ TINY_HF_MOE = {
         },
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # GLM-4.5: a dense first block, 8 experts in 2 groups (1 kept), a shared expert, scaled weights, q/k/v
+    # biases, q/k norm, and RoPE over 12 of 24 dims per head.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {
+            "head_dim": 24,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+        },
+    ),
 }
 
 

@@ -99,6 +99,11 @@ RANGES: dict[str, Range] = {
     "model.moe.bias_update_rate": NON_NEGATIVE,
     "model.moe.sparse_step": AT_LEAST_1,
     "model.moe.dense_layers": NON_NEGATIVE,  # lists: every element
+    "model.moe.n_group": AT_LEAST_1,
+    "model.moe.topk_group": AT_LEAST_1,
+    "model.moe.routed_scaling": POSITIVE,
+    # glm4_moe's own: the share of each head's dims RoPE rotates.
+    "model.partial_rotary_factor": Range(0, 1, min_open=True),
     "strategy.dp_replicate": DEGREE,
     "strategy.dp_shard": DEGREE,
     "strategy.tp": DEGREE,

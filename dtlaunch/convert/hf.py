@@ -246,10 +246,14 @@ class HFWeights:
 
         tied = bool(getattr(m, "tie_embeddings", False))
         expert_slot = getattr(self.names, "expert_slot", None)
+        # Tensors a family's directory carries that its model has not (GLM-4.5's multi-token-prediction layer).
+        skip = getattr(self.names, "skip_hf", None)
         for f in self.files:
             with safe_open(str(path / f), framework="pt") as fh:
                 for hf_name in fh.keys():
                     if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+                        continue
+                    if skip and skip(hf_name, m):
                         continue
                     try:
                         slot = expert_slot(hf_name) if expert_slot else None
@@ -270,7 +274,12 @@ class HFWeights:
                     f"model.init_from=hf:{path}: expert {missing_e} of {self.names.to_hf_name(ours)} is missing: "
                     f"the directory does not hold this model"
                 )
-        expected = {n: tuple(p.shape) for n, p in self.spec.build(m, rope_len=1, device="meta").named_parameters()}
+        meta = self.spec.build(m, rope_len=1, device="meta")
+        expected = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+        # Persistent buffers the directory holds (names.hf_buffers: GLM-4.5's router correction bias).
+        loaded = tuple(getattr(self.names, "hf_buffers", ()))
+        self.buffers = {n for n, _ in meta.named_buffers() if loaded and n.endswith(loaded)}
+        expected.update({n: tuple(b.shape) for n, b in meta.named_buffers() if n in self.buffers})
         missing = sorted(set(expected) - set(shapes))
         if missing:
             raise InputError(

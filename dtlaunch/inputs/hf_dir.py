@@ -116,7 +116,9 @@ def check_hf_dir(path: Path, c: dict) -> None:
     if headers:
         layers = {int(m.group(1)) for name in headers if (m := _LAYER.search(name))}
         n = c.get("num_hidden_layers")
-        if layers and n is not None and len(layers) != n:
+        # GLM-4.5 / DeepSeek-V3 checkpoints add their multi-token-prediction layers after the last block.
+        mtp = int(c.get("num_nextn_predict_layers") or 0)
+        if layers and n is not None and len(layers) not in (n, n + mtp):
             raise InputError(
                 f"{path}/config.json: num_hidden_layers={n} but the weights hold {len(layers)} layers: restore the "
                 "config.json that came with these weights"

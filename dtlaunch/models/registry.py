@@ -167,6 +167,7 @@ _BUILTIN = (
     "gemma3",
     "qwen3_moe",
     "mixtral",
+    "glm4_moe",
     "moe",
     "hf_auto",
 )

@@ -30,7 +30,7 @@ from torch import nn
 
 from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.norm import RMSNorm
-from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
+from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads, rotary_dim
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import ModelConfig
@@ -44,7 +44,7 @@ def local_rope(m: Any) -> bool:
 def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
     """Inverse frequencies per rotary pair, with Llama-3.1's wavelength-dependent scaling or a linear
     factor (Gemma 3's global layers) if set; `local`: the sliding layers' base, unscaled."""
-    d = head_dim(m)
+    d = rotary_dim(m)
     theta = m.rope_local_theta if local else m.rope_theta
     freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     linear = getattr(m, "rope_linear_factor", None)
@@ -71,7 +71,7 @@ def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> t
     if target.type == "meta":
         # A meta build holds shapes only (buffer_values fills the tables once materialised); computing
         # them on meta runs torch's Python references, whose first call imports torch._dynamo (~1 s).
-        shape = (seq_len, head_dim(m) // 2 * (2 if local_rope(m) else 1))
+        shape = (seq_len, rotary_dim(m) // 2 * (2 if local_rope(m) else 1))
         return torch.empty(shape, device=target), torch.empty(shape, device=target)
     freqs = rope_frequencies(m).to(device)
     if local_rope(m):
@@ -80,18 +80,31 @@ def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> t
     return angles.cos(), angles.sin()
 
 
+def _tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin broadcast to x (B, S, H, D) in x's dtype: (S, D/2) shared tables, or (B, S, D/2) per sequence."""
+    # Buffers stay fp32 (FSDP mixed precision does not cast them): compute in x's dtype.
+    if cos.dim() == 3:
+        return cos.type_as(x)[:, :, None, :], sin.type_as(x)[:, :, None, :]
+    return cos[: x.shape[1]].type_as(x)[None, :, None, :], sin[: x.shape[1]].type_as(x)[None, :, None, :]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (Meta's layout). x: (B, S, H, D); cos/sin: (S, D/2), or (B, S, D/2) when
     every sequence has its own positions (packed documents)."""
-    # Buffers stay fp32 (FSDP mixed precision does not cast them): compute in x's dtype.
-    if cos.dim() == 3:
-        cos, sin = cos.type_as(x)[:, :, None, :], sin.type_as(x)[:, :, None, :]
-    else:
-        cos = cos[: x.shape[1]].type_as(x)[None, :, None, :]
-        sin = sin[: x.shape[1]].type_as(x)[None, :, None, :]
+    cos, sin = _tables(x, cos, sin)
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial RoPE (GLM-4.5): the first 2 x cos.shape[-1] dims of each head rotate, pairs (i, i + r/2) as
+    Hugging Face lays them out, the others pass through. Rotating in Hugging Face's layout leaves the
+    checkpoint's rows unpermuted (a permutation of the rotated part only would be one more layout)."""
+    half = cos.shape[-1]
+    cos, sin = _tables(x, cos, sin)
+    x0, x1, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x0 * cos - x1 * sin, x1 * cos + x0 * sin, rest), dim=-1)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor | Documents]) -> torch.Tensor:
@@ -130,6 +143,8 @@ class Attention(nn.Module):
         # False: a NoPE layer. It still receives the shared cos/sin tables (the block's inputs stay the
         # same for every layer, which tensor/sequence parallel and pipeline stages rely on) and ignores them.
         self.rope = rope
+        # Partial RoPE (rotary_dim < head_dim) rotates in Hugging Face's layout (apply_partial_rope).
+        self.rotate = apply_rope if rotary_dim(m) == self.head_dim else apply_partial_rope
         bias = bool(getattr(m, "qkv_bias", False))
         self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
@@ -149,7 +164,7 @@ class Attention(nn.Module):
         self.sliding_window: Optional[int] = layer_window(m, layer)
         # Which columns of the shared RoPE tables this block rotates with: all of them, or with a local
         # base (Gemma 3) the global half, or the local half for a sliding-window block.
-        half = self.head_dim // 2
+        half = rotary_dim(m) // 2
         kinds = getattr(m, "layer_types", None) or ()
         sliding = (
             kinds[layer] == "sliding_attention" if kinds and layer is not None else self.sliding_window is not None
@@ -187,14 +202,14 @@ class Attention(nn.Module):
             # A static cache (compiled decoding) knows the positions (the caller passes their RoPE tables)
             # and which keys each new token sees; its shapes never change.
             if self.rope:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             k, v, mask = cache.update(k, v, self.sliding_window)
         else:
             start = cache.length if cache is not None else 0
             if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
                 cos, sin = cos[start:], sin[start:]
             if self.rope:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             if cache is not None:
                 k, v = cache.append(k, v)
             mask = self._mask(mask, start, s, k.shape[1], x.device)

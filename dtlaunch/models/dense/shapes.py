@@ -26,6 +26,11 @@ def head_dim(m: ModelConfig) -> int:
     return int(getattr(m, "head_dim", None) or m.dim // m.n_heads)
 
 
+def rotary_dim(m: Any) -> int:
+    """Dims of each head RoPE rotates: all of them, or the first head_dim x partial_rotary_factor (GLM-4.5)."""
+    return int(head_dim(m) * float(getattr(m, "partial_rotary_factor", None) or 1.0))
+
+
 def kv_heads(m: ModelConfig) -> int:
     return m.n_kv_heads or m.n_heads
 

@@ -3,7 +3,7 @@ within them and dense layers inside the model."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.dense.check import check_attention, check_window
@@ -28,4 +28,24 @@ def check(cfg: JobConfig) -> None:
         raise ConfigError(
             f"model.moe.dense_layers has {bad[0]}, past the last block (model.n_layers={m.n_layers}): "
             f"list block indices below {m.n_layers}"
+        )
+    check_groups(m)
+
+
+def check_groups(m: Any) -> None:
+    """Group-limited routing (model.moe.n_group > 1): equal groups of at least two experts (a group is
+    scored by its two best), topk_group of them, holding at least top_k experts."""
+    moe, n = m.moe, int(m.moe.num_experts)
+    groups, keep = int(moe.n_group), int(moe.topk_group)
+    if groups == 1:
+        return
+    if n % groups or n // groups < 2:
+        raise ConfigError(
+            f"model.moe.n_group={groups} does not split model.moe.num_experts={n} into equal groups of >= 2 "
+            f"experts: pick a divisor of {n} up to {n // 2}"
+        )
+    if keep > groups or keep * (n // groups) < int(moe.top_k):
+        raise ConfigError(
+            f"model.moe.topk_group={keep}: keep at most model.moe.n_group={groups} groups, enough for "
+            f"model.moe.top_k={moe.top_k} experts ({n // groups} per group)"
         )

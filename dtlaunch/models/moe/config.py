@@ -14,6 +14,10 @@ class MoeScoreFunc(Choice):
 
     softmax = "softmax"  # Mixtral, Qwen3-MoE
     sigmoid = "sigmoid"  # DeepSeek-V3
+    # Sigmoid scores plus a per-expert correction bias (`router.expert_bias`, a buffer carried by the
+    # checkpoint: Hugging Face's e_score_correction_bias) added to choose experts, never to weight them:
+    # DeepSeek-V3, GLM-4.5. The bias only changes in training with model.moe.bias_update_rate > 0.
+    sigmoid_bias = "sigmoid_bias"
 
 
 @dataclass
@@ -35,6 +39,12 @@ class MoeConfig:
     aux_loss_coef: float = field(default=0.0, metadata=TRAINING_CHOICE)
     # DeepSeek-V3's auxiliary-loss-free balancing: per-step nudge of each expert's routing bias (0 = off).
     bias_update_rate: float = field(default=0.0, metadata=TRAINING_CHOICE)
+    # Group-limited routing (DeepSeek-V3, GLM-4.5): the experts in n_group equal groups, a group scored by
+    # the sum of its two best choice scores, each token choosing top_k among the topk_group best groups.
+    n_group: int = 1
+    topk_group: int = 1
+    # The chosen experts' weights (after norm_topk) times this factor (routed_scaling_factor).
+    routed_scaling: float = 1.0
     # Block i is sparse when (i + 1) % sparse_step == 0 and i is not in dense_layers (Qwen's rule).
     sparse_step: int = 1
     dense_layers: list[int] = field(default_factory=list)

@@ -31,12 +31,25 @@ from dtlaunch.models.moe.experts import GroupedExperts
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, norm_topk: bool, bias: bool) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str,
+        norm_topk: bool,
+        bias: bool,
+        n_group: int = 1,
+        topk_group: int = 1,
+        scale: float = 1.0,
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk = score_func, norm_topk
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
         self.gate = nn.Linear(dim, num_experts, bias=False)
-        # Only with the bias update: a model without it has no such tensor (as in the HF checkpoints).
+        # Only with the bias update or a checkpoint's correction bias (score_func=sigmoid_bias): a model
+        # without either has no such tensor (as in the HF checkpoints of the other families).
         self.expert_bias: Optional[torch.Tensor]
         if bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -48,11 +61,23 @@ class Router(nn.Module):
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choose = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:
+            choose = self._best_groups(choose)
         _, ids = torch.topk(choose, self.top_k, dim=-1)
         weights = scores.gather(-1, ids)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return weights, ids, scores
+
+    def _best_groups(self, choose: torch.Tensor) -> torch.Tensor:
+        """`choose` with every expert outside the token's topk_group best groups at -inf (a group's
+        score: the sum of its two best choice scores, as DeepSeek-V3 and transformers' GLM-4.5 rank them)."""
+        groups = choose.view(choose.shape[0], self.n_group, -1)
+        best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choose)
 
 
 class _AddAuxGrad(torch.autograd.Function):
@@ -81,10 +106,15 @@ class MoE(nn.Module):
         norm_topk: bool = True,
         aux_loss_coef: float = 0.0,
         expert_bias: bool = False,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling: float = 1.0,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.router = Router(dim, num_experts, top_k, score_func, norm_topk, expert_bias)
+        self.router = Router(
+            dim, num_experts, top_k, score_func, norm_topk, expert_bias, n_group, topk_group, routed_scaling
+        )
         self.experts = GroupedExperts(num_experts, dim, hidden)
         self.shared_experts: Optional[FeedForward] = (
             FeedForward(dim, shared_hidden or num_shared * hidden) if num_shared else None

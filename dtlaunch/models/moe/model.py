@@ -35,7 +35,10 @@ def build_moe_layer(m: Any) -> MoE:
         norm_topk=bool(moe.norm_topk),
         # The total aux loss is the mean over the sparse blocks, times the coefficient.
         aux_loss_coef=float(moe.aux_loss_coef) / n_sparse,
-        expert_bias=float(moe.bias_update_rate) > 0,
+        expert_bias=float(moe.bias_update_rate) > 0 or str(moe.score_func) == "sigmoid_bias",
+        n_group=int(moe.n_group),
+        topk_group=int(moe.topk_group),
+        routed_scaling=float(moe.routed_scaling),
     )
 
 

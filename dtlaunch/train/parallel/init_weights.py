@@ -66,6 +66,17 @@ def materialize_and_init(
             full = pretrained.read(pname) if from_base else src.init_param(pname, tuple(p.shape), seed)
             p.copy_(full.to(device=device, dtype=p.dtype))
     _init_rope_buffers(model, src, device)
+    if pretrained is not None:
+        _load_buffers(model, pretrained, device)
+
+
+def _load_buffers(model: nn.Module, pretrained: Any, device: torch.device) -> None:
+    """Buffers the weight source holds (`buffers`: GLM-4.5's router correction bias), whole on every rank."""
+    held = getattr(pretrained, "buffers", set())
+    for name, buf in model.named_buffers():
+        pname = model_param_name(name)
+        if pname in held:
+            buf.copy_(pretrained.read(pname).to(device=device, dtype=buf.dtype))
 
 
 def allocate_without_values(model: nn.Module, device: torch.device) -> None:

@@ -1,0 +1,125 @@
+"""GLM-4.5 (model.arch=glm4_moe) against transformers' Glm4MoeForCausalLM on a tiny random directory
+(tests/conftest.py: a dense first block, 8 experts in 2 groups, a shared expert, routed_scaling_factor
+2.5, q/k/v biases, q/k norm, RoPE over half of each head, a non-zero correction bias): logits within
+1e-5 in fp32, a bit-identical round trip, the planner's exact count, and the routing parts each mattering."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dtlaunch.config.compose import compose
+from dtlaunch.config.validate import validate
+from dtlaunch.convert.hf import load_hf_weights, save_hf
+from dtlaunch.errors import ConfigError
+from dtlaunch.models.registry import model_spec
+
+transformers = pytest.importorskip("transformers")
+TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def ours(path) -> tuple[torch.nn.Module, object]:
+    m = compose(["model=tiny", f"model.init_from=hf:{path}"]).cfg.model
+    model = model_spec(m).build(m, rope_len=32, device="cpu")
+    model.init_weights(0)  # buffers; the weights (and the router's correction bias) come next
+    result = model.load_state_dict(load_hf_weights(path, m), strict=False)
+    assert not result.unexpected_keys and not result.missing_keys, result
+    return model.eval(), m
+
+
+def theirs(path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_logits_match_transformers_and_every_part_matters(tiny_moe_hf_dirs) -> None:
+    path = tiny_moe_hf_dirs["glm4_moe"]
+    model, m = ours(path)
+    assert m.arch == "glm4_moe" and m.qkv_bias and m.qk_norm and m.partial_rotary_factor == 0.5
+    assert (m.moe.num_experts, m.moe.n_group, m.moe.topk_group, m.moe.routed_scaling) == (8, 2, 1, 2.5)
+    assert list(m.moe.dense_layers) == [0] and str(m.moe.score_func) == "sigmoid_bias"
+    router = model.layers["1"].feed_forward.router
+    assert router.expert_bias.abs().max() > 0.1  # the directory's correction bias was loaded
+    with torch.no_grad():
+        full = model(TOKENS)
+        diff = (full - theirs(path)(TOKENS).logits).abs().max().item()
+        assert diff < 1e-5, f"max |logit diff| {diff}"
+        bias = router.expert_bias.clone()
+        for part, undo, redo in [
+            ("correction bias", lambda: router.expert_bias.zero_(), lambda: router.expert_bias.copy_(bias)),
+            ("groups", lambda: setattr(router, "n_group", 1), lambda: setattr(router, "n_group", 2)),
+            ("scaling", lambda: setattr(router, "scale", 1.0), lambda: setattr(router, "scale", 2.5)),
+        ]:
+            undo()
+            assert (model(TOKENS) - full).abs().max().item() > 1e-4, part
+            redo()
+
+
+def test_round_trip_is_bit_identical_and_counted_exactly(tiny_moe_hf_dirs, tmp_path) -> None:
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    src = tiny_moe_hf_dirs["glm4_moe"]
+    model, m = ours(src)
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["first_k_dense_replace"] == 1 and cfg["rope_parameters"]["partial_rotary_factor"] == 0.5
+    b = theirs(src)
+    with torch.no_grad():
+        assert (theirs(tmp_path)(TOKENS).logits - b(TOKENS).logits).abs().max().item() < 1e-5
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch=glm4_moe) from {src}: {b.num_parameters():,} parameters" in out, out
+
+
+def test_multi_token_prediction_layer_is_skipped(tiny_moe_hf_dirs, tmp_path) -> None:
+    """GLM-4.5 checkpoints carry layer n_layers (the MTP layer): skipped, as transformers skips it."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_moe_hf_dirs["glm4_moe"]
+    state = load_file(str(src / "model.safetensors"))
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    state["model.layers.2.self_attn.q_proj.weight"] = torch.zeros(96, 64)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    model, _ = ours(tmp_path)
+    with torch.no_grad():
+        assert (model(TOKENS) - ours(src)[0](TOKENS)).abs().max().item() == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["model.moe.n_group=3"], "model.moe.n_group=3 does not split"),
+        (["model.moe.n_group=2", "model.moe.topk_group=3"], "model.moe.topk_group=3"),
+        (["model.partial_rotary_factor=0.04"], "model.partial_rotary_factor=0.04"),
+        (["model.moe.dense_layers=[1]"], "its dense blocks first"),
+        (["model.moe.score_func=softmax"], "model.arch=glm4_moe"),
+    ],
+)
+def test_refusals_name_the_family(overrides: list[str], fragment: str) -> None:
+    small = ["model=glm4_5_air", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2"]
+    validate(compose([*small, "model.moe.n_group=2"]).cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*small, *overrides]).cfg)
+    assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_other_routers_are_unchanged() -> None:
+    """Defaults (n_group=1, routed_scaling=1, softmax) take the router's old path: no bias, no groups."""
+    from dtlaunch.models.moe.layer import Router
+
+    torch.manual_seed(0)
+    r = Router(16, 8, 2, "softmax", True, False)
+    x = torch.randn(5, 16)
+    w, ids, scores = r(x)
+    ref_scores = r.gate(x).float().softmax(-1)
+    ref_w, ref_ids = ref_scores.topk(2, dim=-1)
+    assert torch.equal(ids, ref_ids) and torch.equal(scores, ref_scores)
+    assert torch.equal(w, ref_w / ref_w.sum(-1, keepdim=True).clamp_min(1e-20)) and r.expert_bias is None
