@@ -123,3 +123,34 @@ def test_other_routers_are_unchanged() -> None:
     ref_w, ref_ids = ref_scores.topk(2, dim=-1)
     assert torch.equal(ids, ref_ids) and torch.equal(scores, ref_scores)
     assert torch.equal(w, ref_w / ref_w.sum(-1, keepdim=True).clamp_min(1e-20)) and r.expert_bias is None
+
+
+def test_glm4_5_air_counts_exactly() -> None:
+    """model=glm4_5_air: the planner's count, the meta-built model's and transformers' from the published
+    config.json agree (106.85B parameters; 12.8B in the matmuls a token runs, head included)."""
+    from dtlaunch.models.moe.flops import matmul_params
+
+    config = transformers.Glm4MoeConfig(
+        hidden_size=4096,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151552,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        n_routed_experts=128,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=False,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
+    m = compose(["model=glm4_5_air"]).cfg.model
+    built = sum(p.numel() for p in model_spec(m).build(m, rope_len=8, device="meta").parameters())
+    assert model_spec(m).param_count(m) == built == theirs == 106_852_245_504
+    assert matmul_params(m) == 12_803_366_912
