@@ -378,7 +378,8 @@ def hf_weights(m: Any) -> Optional[HFWeights]:
         from dtlaunch.run.phases import phase
 
         # Once per process, on rank 0: which weights the run starts from, so a wrong DIR shows at once.
-        n = sum(math.prod(s) for s in _CACHE[key].shapes.values())
+        w = _CACHE[key]
+        n = sum(math.prod(s) for name, s in w.shapes.items() if name not in w.buffers)  # parameters only
         phase(
             f"model.init_from: loaded {len(_CACHE[key].shapes)} tensors ({n:,} parameters) from {path}, slice by slice"
         )

@@ -52,9 +52,13 @@ class FullRunWeights:
 
     def __init__(self, path: Any, m: Any, where: str) -> None:
         from dtlaunch.convert.dcp_blocks import DcpBlocks
+        from dtlaunch.models.registry import model_spec
 
         self.blocks, self.where = DcpBlocks(path), where
         self.keys = _model_tensors(self.blocks, m, path)
+        # The persistent buffers the checkpoint holds (the MoE router's expert bias): loaded with the weights.
+        meta = model_spec(m).build(m, rope_len=1, device="meta")
+        self.buffers = {n for n, _ in meta.named_buffers()} & set(self.keys)
 
     def read(self, name: str, shape: Optional[tuple] = None, offset: Optional[tuple] = None) -> Any:
         if name not in self.keys:
@@ -76,6 +80,7 @@ class LoraRunWeights:
         tensors = {n: blocks.read(k) for n, k in keys.items() if n.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
         self.adapters = Adapters(tensors, float(record["alpha"]) / int(record["rank"]), dict(record), m)
         self.base = HFWeights(base_dir(record, f"checkpoint '{path}'"), m)
+        self.buffers = self.base.buffers  # adapters never touch them
         self.where = where
         self._check_shapes(f"checkpoint '{path}'")
         self.nf4_rounded = self._nf4_rounded_weights()

@@ -154,3 +154,26 @@ def test_glm4_5_air_counts_exactly() -> None:
     built = sum(p.numel() for p in model_spec(m).build(m, rope_len=8, device="meta").parameters())
     assert model_spec(m).param_count(m) == built == theirs == 106_852_245_504
     assert matmul_params(m) == 12_803_366_912
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_planner_activation_terms_hold(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE planner's saved bytes per block hold with every GLM-4.5 part on (partial RoPE, q/k/v biases,
+    q/k norm, a shared expert, the biased sigmoid router with groups and scaling): exact without
+    checkpointing, within 2 % under selective (which depends on the router's split)."""
+    from test_moe_activations import _kept_by_blocks
+
+    from dtlaunch.models.moe import experts
+
+    monkeypatch.setattr(experts, "cpu_grouped_mm_dtypes", lambda: frozenset())
+    glm = [
+        "model.arch=glm4_moe",
+        "model.moe.score_func=sigmoid_bias",
+        "model.moe.n_group=2",
+        "model.moe.routed_scaling=2.5",
+        "model.moe.num_shared_experts=1",
+        "model.qkv_bias=true",
+        "model.qk_norm=true",
+    ]
+    measured, predicted = _kept_by_blocks(glm, mode)
+    assert predicted == pytest.approx(measured, rel=0.02 if mode == "selective" else 1e-9)
