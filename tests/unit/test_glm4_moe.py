@@ -177,3 +177,45 @@ def test_planner_activation_terms_hold(mode: str, monkeypatch: pytest.MonkeyPatc
     ]
     measured, predicted = _kept_by_blocks(glm, mode)
     assert predicted == pytest.approx(measured, rel=0.02 if mode == "selective" else 1e-9)
+
+
+def test_published_config_json_reads_as_glm4_5_air() -> None:
+    """GLM-4.5-Air's config.json as published (top-level rope_theta and partial_rotary_factor, the MTP layer
+    count) reads as model=glm4_5_air's fields."""
+    published = {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "attention_bias": True,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "partial_rotary_factor": 0.5,
+        "intermediate_size": 10944,
+        "max_position_embeddings": 131072,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": True,
+        "num_attention_heads": 96,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 46,
+        "num_key_value_heads": 8,
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": False,
+        "use_qk_norm": False,
+        "vocab_size": 151552,
+    }
+    spec = model_spec("glm4_moe")
+    got = spec.hf.config_from_hf(published, "here")
+    m = compose(["model=glm4_5_air"]).cfg.model
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "ffn_dim", "qkv_bias", "qk_norm"):
+        assert got[key] == getattr(m, key), key
+    assert (got["rope_theta"], got["partial_rotary_factor"], got["norm_eps"]) == (1e6, 0.5, 1e-5)
+    for key, value in got["moe"].items():
+        assert value == getattr(m.moe, key) or str(value) == str(getattr(m.moe, key)), key

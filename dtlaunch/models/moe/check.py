@@ -42,10 +42,10 @@ def check_groups(m: Any) -> None:
     if n % groups or n // groups < 2:
         raise ConfigError(
             f"model.moe.n_group={groups} does not split model.moe.num_experts={n} into equal groups of >= 2 "
-            f"experts: pick a divisor of {n} up to {n // 2}"
+            f"experts (model.arch={m.arch} scores a group by its best two): pick a divisor of {n} up to {n // 2}"
         )
     if keep > groups or keep * (n // groups) < int(moe.top_k):
         raise ConfigError(
-            f"model.moe.topk_group={keep}: keep at most model.moe.n_group={groups} groups, enough for "
-            f"model.moe.top_k={moe.top_k} experts ({n // groups} per group)"
+            f"model.moe.topk_group={keep} does not fit model.arch={m.arch}'s routing: keep at most "
+            f"model.moe.n_group={groups} groups, enough for model.moe.top_k={moe.top_k} experts ({n // groups} per group)"
         )
