@@ -1,4 +1,4 @@
-"""The MoE decoder behind the qwen3_moe, mixtral and moe registry entries: the dense decoder
+"""The MoE decoder behind the qwen3_moe, mixtral, glm4_moe and moe registry entries: the dense decoder
 (dtlaunch/models/dense/model.py: embedding, RoPE, attention, norms, head) whose sparse blocks have a
 mixture of experts (dtlaunch/models/moe/layer.py) in place of the SwiGLU, under the same name
 `feed_forward`, so the block's forward and the pipeline split are the dense ones.

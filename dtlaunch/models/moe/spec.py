@@ -1,4 +1,4 @@
-"""The MoE decoder's registry entry, parametrised per family (qwen3_moe, mixtral, moe)."""
+"""The MoE decoder's registry entry, parametrised per family (qwen3_moe, mixtral, glm4_moe, moe)."""
 
 from __future__ import annotations
 
