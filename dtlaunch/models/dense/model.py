@@ -1,9 +1,10 @@
 """The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3, olmo3 and gemma3 registry entries: RMSNorm,
 RoPE (with Llama-3.1 scaling; partial, over the first dims of each head, for GLM-4.5's MoE decoder), GQA
-attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2), per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) on every
-block or on those `layer_types` names (OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE
-layers), post-norm blocks with a q/k RMSNorm over the whole projection (OLMo 3), a head tied to the
-embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3) and Gemma 3's parts: norms before and after each sublayer
+attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2), per-head q/k RMSNorm and a free
+head_dim (Qwen3), a sliding attention window (Mistral) on every block or on those `layer_types` names
+(OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE layers), post-norm blocks with a q/k RMSNorm
+over the whole projection (OLMo 3), a head tied to the embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3)
+and Gemma 3's parts: norms before and after each sublayer
 (`sandwich_norm`) with (1 + gain) RMSNorm (`norm_offset`), embeddings scaled by sqrt(dim), a GELU-tanh
 gated MLP, `query_pre_attn_scalar` as the attention scale and a second RoPE base for the sliding layers
 (`rope_local_theta`; the global one with optional linear scaling, `rope_linear_factor`).
