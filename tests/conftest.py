@@ -213,7 +213,8 @@ def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 # Tiny mixture-of-experts directories: Qwen3-MoE with one dense (mlp_only) block and top-k weights left
-# unnormalised, Mixtral with its renormalised top-2 of 4 experts, GLM-4.5 with every routing part.
+# unnormalised, Mixtral with its renormalised top-2 of 4 experts, GLM-4.5 with every routing part, gpt-oss
+# with its sinks and biases.
 TINY_HF_MOE = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -242,6 +243,27 @@ TINY_HF_MOE = {
             "routed_scaling_factor": 2.5,
             "attention_bias": True,
             "use_qk_norm": True,
+        },
+    ),
+    # gpt-oss: a sliding layer (window 8) then a full one, YaRN over an original context of 16, and a SwiGLU
+    # clamp of 0.5 that the tiny activations reach (the published 7.0 would never clip here).
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "swiglu_limit": 0.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
         },
     ),
 }

@@ -241,13 +241,17 @@ class HFWeights:
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
         # Our 3-D expert tensors, stored by HF as one tensor per expert: name -> {expert: (file, HF name)}.
         self.stacked: dict[str, dict[int, tuple[str, str]]] = {}
+        # Ours held inside one fused HF tensor (gpt-oss's experts): name -> (file, HF name, HF -> ours).
+        self.parts: dict[str, tuple[str, str, Any]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
+        import torch
         from safetensors import safe_open
 
         tied = bool(getattr(m, "tie_embeddings", False))
         expert_slot = getattr(self.names, "expert_slot", None)
         # Tensors a family's directory carries that its model has not (GLM-4.5's multi-token-prediction layer).
         skip = getattr(self.names, "skip_hf", None)
+        hf_parts = getattr(self.names, "hf_parts", None)
         for f in self.files:
             with safe_open(str(path / f), framework="pt") as fh:
                 for hf_name in fh.keys():
@@ -255,12 +259,18 @@ class HFWeights:
                         continue
                     if skip and skip(hf_name, m):
                         continue
+                    shape = tuple(fh.get_slice(hf_name).get_shape())
+                    parts = hf_parts(hf_name) if hf_parts else None
+                    if parts:
+                        for ours, take in parts.items():
+                            self.parts[ours] = (f, hf_name, take)
+                            shapes[ours] = tuple(take(torch.empty(shape, device="meta")).shape)
+                        continue
                     try:
                         slot = expert_slot(hf_name) if expert_slot else None
                         ours = slot[0] if slot else self.names.from_hf_name(hf_name)
                     except InputError as exc:
                         raise InputError(f"model.init_from=hf:{path}: {exc}") from None
-                    shape = tuple(fh.get_slice(hf_name).get_shape())
                     if slot:
                         self.stacked.setdefault(ours, {})[slot[1]] = (f, hf_name)
                         shapes[ours] = (len(self.stacked[ours]), *shape)
@@ -308,6 +318,8 @@ class HFWeights:
         offset = tuple(offset) if offset is not None else (0,) * len(full)
         if name in self.stacked:
             return self._read_experts(name, shape, offset)
+        if name in self.parts:
+            return self._read_part(name, shape, offset)
         rope_heads = getattr(self.names, "rope_heads", None)
         heads = rope_heads(name, self.m) if rope_heads else None
         f, hf_name = self.where[name]
@@ -325,6 +337,17 @@ class HFWeights:
             n = (rows_read[1] - rows_read[0]) // (full[0] // heads)
             t = halves_to_interleaved(t, n) if n else t
             t = t[rows[0] - rows_read[0] : rows[1] - rows_read[0]]
+        return t.float().contiguous()
+
+    def _read_part(self, name: str, shape: tuple, offset: tuple) -> Any:
+        """A block of a tensor held inside a fused HF tensor: the leading (expert) rows it spans, taken to
+        our layout, then cut down (the trailing dims are whole in the file's row, permuted in ours)."""
+        from safetensors import safe_open
+
+        f, hf_name, take = self.parts[name]
+        with safe_open(str(self.path / f), framework="pt") as fh:
+            t = take(fh.get_slice(hf_name)[offset[0] : offset[0] + shape[0]])
+        t = t[(slice(None),) + tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))]
         return t.float().contiguous()
 
     def _read_experts(self, name: str, shape: tuple, offset: tuple) -> Any:

@@ -168,6 +168,7 @@ _BUILTIN = (
     "qwen3_moe",
     "mixtral",
     "glm4_moe",
+    "gpt_oss",
     "moe",
     "hf_auto",
 )

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3-MoE and Mixtral directories (made by transformers): loaded through
+"""Tiny random Qwen3-MoE, Mixtral and gpt-oss directories (made by transformers): loaded through
 `model.init_from=hf:DIR`, our MoE decoder computes transformers' logits within 1e-4 and decodes its
 greedy tokens; the published sizes count exactly the parameters of transformers' own meta models."""
 
@@ -15,7 +15,7 @@ from dtlaunch.models.registry import model_spec
 from dtlaunch.models.shapes import param_count
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:
@@ -44,6 +44,43 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_moe_hf_dirs, family: s
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert got == want[0, len(prompt) :].tolist()
+
+
+def test_gpt_oss_parity_round_trip_and_parts(tiny_moe_hf_dirs, tmp_path) -> None:
+    """gpt-oss: transformers' fp32 logits within 1e-5; import -> export gives the original tensors bit for bit
+    (the fused, interleaved gate_up_proj included) and a config.json transformers builds the same model from;
+    each gpt-oss part changes the logits on these 20 tokens (so the parity checks it)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    src = tiny_moe_hf_dirs["gpt_oss"]
+    model, m = ours(src)
+    assert list(m.layer_types) == ["sliding_attention", "full_attention"] and m.sliding_window == 8
+    assert (m.rope_yarn.factor, m.rope_yarn.original_max_seq_len, m.swiglu_limit) == (8.0, 16, 0.5)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(tokens).logits
+        assert (model(tokens) - want).abs().max().item() < 1e-5
+        assert torch.equal(back(tokens).logits, want)
+        full = model(tokens)
+        attn, experts = model.layers["0"].attention, model.layers["0"].feed_forward.experts
+        for part, undo in [
+            ("window", lambda: setattr(attn, "sliding_window", None)),
+            ("sinks", lambda: attn.sinks.fill_(-torch.inf)),
+            ("SwiGLU clamp", lambda: setattr(experts, "act", lambda g, u: (u + 1) * g * torch.sigmoid(1.702 * g))),
+            ("YaRN", lambda: (model.rope_cos.copy_(model.rope_cos / 1.2079), model.rope_sin.div_(1.2079))),
+        ]:
+            undo()
+            assert (model(tokens) - full).abs().max().item() > 1e-4, part
+            full = model(tokens)
 
 
 def test_config_json_fills_the_moe_section(tiny_moe_hf_dirs) -> None:

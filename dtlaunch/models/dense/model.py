@@ -43,10 +43,13 @@ def local_rope(m: Any) -> bool:
 
 
 def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies per rotary pair, with Llama-3.1's wavelength-dependent scaling or a linear
-    factor (Gemma 3's global layers) if set; `local`: the sliding layers' base, unscaled."""
+    """Inverse frequencies per rotary pair, with Llama-3.1's wavelength-dependent scaling, YaRN (gpt-oss,
+    `rope_yarn`) or a linear factor (Gemma 3's global layers) if set; `local`: the sliding layers' base, unscaled."""
     d = rotary_dim(m)
     theta = m.rope_local_theta if local else m.rope_theta
+    yarn = getattr(m, "rope_yarn", None)
+    if yarn is not None:
+        return yarn_frequencies(theta, d, yarn)
     freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     linear = getattr(m, "rope_linear_factor", None)
     if linear and not local:
@@ -64,6 +67,37 @@ def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
     return scaled.float()
 
 
+def yarn_frequencies(theta: float, d: int, yarn: Any) -> torch.Tensor:
+    """YaRN's inverse frequencies (Peng et al. 2023), as transformers computes them (fp32, its ramp and
+    correction range): high-frequency pairs kept, low-frequency ones divided by the factor, a linear ramp
+    between the dims that turn beta_fast and beta_slow times over the original context."""
+    base = theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    extrapolation, interpolation = 1.0 / base, 1.0 / (yarn.factor * base)
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(m: Any) -> float:
+    """YaRN's scale on cos and sin (so on q·k twice): attention_factor, or 0.1 ln(factor) + 1; 1 without YaRN."""
+    yarn = getattr(m, "rope_yarn", None)
+    if yarn is None:
+        return 1.0
+    if yarn.attention_factor is not None:
+        return float(yarn.attention_factor)
+    return 1.0 if yarn.factor <= 1 else 0.1 * math.log(yarn.factor) + 1.0
+
+
 def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin per (position, rotary pair). With a local base (Gemma 3) each row holds the global
     tables then the local ones, (seq_len, head_dim): one pair of tables still reaches every block (what
@@ -78,6 +112,9 @@ def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> t
     if local_rope(m):
         freqs = torch.cat([freqs, rope_frequencies(m, local=True).to(device)])
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    scale = rope_attention_factor(m)
+    if scale != 1.0:
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 
@@ -118,6 +155,30 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     )
 
 
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor | Documents], sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax denominator also holds exp(sink) per head (gpt-oss; transformers' eager
+    gpt_oss attention): the sink takes weight from the keys and adds no value. q (B, H, S, D), k and v
+    (B, KV, T, D); `mask` as `sdpa`'s. The scores are materialised (B, H, S, T): SDPA has no such term."""
+    if isinstance(mask, Documents):
+        raise ValueError("sink_attention takes a dense mask: the decoder builds one for packed documents")
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    if mask is None:
+        s, t = q.shape[2], k.shape[2]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    # Less the row maximum first, as transformers does (its bf16 numerics).
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = logits.softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 def uses_rope(m: Any, layer: Optional[int]) -> bool:
     """Whether block `layer` rotates q and k (SmolLM3's `no_rope_layers` attend by content alone)."""
     return layer is None or layer not in set(getattr(m, "no_rope_layers", None) or ())
@@ -150,7 +211,11 @@ class Attention(nn.Module):
         self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
         self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
-        self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=False)
+        self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=bool(getattr(m, "attention_out_bias", False)))
+        # gpt-oss: a learned logit per head in every softmax denominator (sink_attention), in place of attention_fn.
+        self.sinks: Optional[nn.Parameter] = (
+            nn.Parameter(torch.empty(m.n_heads)) if getattr(m, "attention_sinks", False) else None
+        )
         # Per-head norms over head_dim, shared by all heads (so tensor parallel replicates them); with
         # qk_norm_whole (OLMo 2/3) one norm over the whole projection, a gain per q (k) feature, whose mean
         # square spans every head (validate refuses tensor parallel for it: a rank holds some heads only).
@@ -218,7 +283,10 @@ class Attention(nn.Module):
                 mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        if self.sinks is not None:
+            out = sink_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.sinks)
+        else:
+            out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _mask(
@@ -355,6 +423,7 @@ class Decoder(nn.Module):
         # exception, on every forward, kept the forward's tensors alive until the next garbage collection
         # (GRPO's generation peak grew 21 %: tests/e2e/test_grpo_cli.py::test_plan_of_the_generation_phase).
         self.embed_scale = bool(getattr(m, "embed_scale", False))
+        self.attention_sinks = bool(getattr(m, "attention_sinks", False))
         # Gemma's embedding factor sqrt(dim) as the embedding's dtype rounds it, per floating dtype.
         self.embed_factor = {
             dt: float(torch.tensor(m.dim**0.5, device="cpu").to(dt))
@@ -399,8 +468,10 @@ class Decoder(nn.Module):
         mask = None
         if doc_ids is not None:  # packed documents: their lengths, not an [S x S] mask (models.dense.documents)
             window = getattr(self.cfg, "sliding_window", None)
-            # A sliding window shorter than the sequence needs a dense mask anyway: built once, for every block.
-            mask = dense_mask(doc_ids) if window and window < doc_ids.shape[1] else Documents.of(doc_ids)
+            # A sliding window shorter than the sequence, or attention sinks, need a dense mask anyway:
+            # built once, for every block.
+            dense = (window and window < doc_ids.shape[1]) or self.attention_sinks
+            mask = dense_mask(doc_ids) if dense else Documents.of(doc_ids)
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, cos, sin, mask) if caches is None else layer(h, cos, sin, mask, caches[i])
         h = self.norm(h) if self.norm is not None else h

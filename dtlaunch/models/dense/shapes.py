@@ -52,12 +52,16 @@ def block_norm_params(m: ModelConfig) -> int:
 
 
 def block_params(m: ModelConfig) -> int:
-    """One block: q,k,v,o projections (+ q/k/v biases), SwiGLU (3 matrices), norm gains."""
+    """One block: q,k,v,o projections (+ q/k/v biases, gpt-oss's o bias and sinks), SwiGLU (3 matrices), norm gains."""
     h, d = m.dim, head_dim(m)
     q, k = m.n_heads * d, kv_heads(m) * d
     attn = 2 * h * q + 2 * h * k
     if getattr(m, "qkv_bias", False):
         attn += q + 2 * k
+    if getattr(m, "attention_out_bias", False):  # gpt-oss: o_proj's bias
+        attn += h
+    if getattr(m, "attention_sinks", False):  # gpt-oss: one sink logit per head
+        attn += m.n_heads
     return attn + 3 * h * ffn_dim(m) + block_norm_params(m)
 
 

@@ -19,6 +19,8 @@ autocast rule for the grouped op), so both kernels compute in the same dtype.
 from __future__ import annotations
 
 import functools
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,47 +82,105 @@ def cpu_grouped_mm_dtypes() -> frozenset:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+    """`bias`: each projection adds a per-expert bias (`b1`, `b3`: [experts, hidden], `b2`: [experts, dim];
+    gpt-oss). `swiglu_clamp` (alpha, limit): gpt-oss's clamped SwiGLU, (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)
+    with g = min(gate, limit), in place of silu(gate) * up."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        bias: bool = False,
+        swiglu_clamp: Optional[tuple[float, float]] = None,
+    ) -> None:
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.b1: Optional[nn.Parameter] = None
+        self.b2: Optional[nn.Parameter] = None
+        self.b3: Optional[nn.Parameter] = None
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden))
+        self.act = partial(clamped_swiglu, alpha=swiglu_clamp[0], limit=swiglu_clamp[1]) if swiglu_clamp else swiglu
         cpu_grouped_mm_dtypes()
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        biases = None if self.b1 is None else tuple(local_tensor(b) for b in (self.b1, self.b2, self.b3))
         device = x.device.type
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         if grouped_mm_supported(x, w1, dtype, cast=autocast):
-            return _grouped(*(t.to(dtype) for t in (x, w1, w2, w3)), num_tokens_per_expert)
-        return _looped(x, w1, w2, w3, num_tokens_per_expert)
+            cast = None if biases is None else tuple(b.to(dtype) for b in biases)
+            return _grouped(*(t.to(dtype) for t in (x, w1, w2, w3)), num_tokens_per_expert, self.act, cast)
+        return _looped(x, w1, w2, w3, num_tokens_per_expert, self.act, biases)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation, as transformers' GptOssExperts computes it."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Biases = Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _looped(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    counts: torch.Tensor,
+    act: Act = swiglu,
+    biases: Biases = None,
 ) -> torch.Tensor:
     sizes = [int(c) for c in counts.tolist()]
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"GroupedExperts: {sum(sizes)} tokens counted for {x.shape[0]} rows")
     outs = []
+    none = [None] * len(sizes)
+    b1s, b2s, b3s = (none, none, none) if biases is None else tuple(b.unbind(0) for b in biases)
     # unbind, not w1[e]: indexing's backward allocates a zero tensor of the whole stack per expert
     # (E x the parameter size per block); unbind's stacks the experts' gradients once.
-    for rows, a, b, c in zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
+    experts = zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0), b1s, b2s, b3s, strict=True)
+    for rows, a, b, c, ba, bb, bc in experts:
         if rows.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
+            outs.append(F.linear(act(F.linear(rows, a, ba), F.linear(rows, c, bc)), b, bb))
     # No token at all: an empty result still depends on the weights (their gradient is zero, not None).
     if not outs:
-        return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+        touch = w1.sum() + w2.sum() + w3.sum() + (0 if biases is None else sum(b.sum() for b in biases))
+        return x.new_zeros(0, w2.shape[1]) + 0 * touch
     return torch.cat(outs)
 
 
 def _grouped(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    counts: torch.Tensor,
+    act: Act = swiglu,
+    biases: Biases = None,
 ) -> torch.Tensor:
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
     up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    if biases is None:
+        return torch._grouped_mm(act(gate, up), w2.transpose(-2, -1), offs=offs)
+    # Each row's expert, without reading the counts on the host (output_size: no sync).
+    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=x.shape[0])
+    b1, b2, b3 = biases
+    out = torch._grouped_mm(act(gate + b1[expert], up + b3[expert]), w2.transpose(-2, -1), offs=offs)
+    return out + b2[expert]

@@ -42,12 +42,14 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         scale: float = 1.0,
+        gate_bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk = score_func, norm_topk
         self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        # gate_bias: a learned bias on the router logits (gpt-oss), part of the scores (unlike expert_bias).
+        self.gate = nn.Linear(dim, num_experts, bias=gate_bias)
         # Only with the bias update or a checkpoint's correction bias (score_func=sigmoid_bias): a model
         # without either has no such tensor (as in the HF checkpoints of the other families).
         self.expert_bias: Optional[torch.Tensor]
@@ -109,13 +111,16 @@ class MoE(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling: float = 1.0,
+        gate_bias: bool = False,
+        expert_linear_bias: bool = False,
+        swiglu_clamp: Optional[tuple[float, float]] = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.router = Router(
-            dim, num_experts, top_k, score_func, norm_topk, expert_bias, n_group, topk_group, routed_scaling
+            dim, num_experts, top_k, score_func, norm_topk, expert_bias, n_group, topk_group, routed_scaling, gate_bias
         )
-        self.experts = GroupedExperts(num_experts, dim, hidden)
+        self.experts = GroupedExperts(num_experts, dim, hidden, bias=expert_linear_bias, swiglu_clamp=swiglu_clamp)
         self.shared_experts: Optional[FeedForward] = (
             FeedForward(dim, shared_hidden or num_shared * hidden) if num_shared else None
         )

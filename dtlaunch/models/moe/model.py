@@ -39,7 +39,17 @@ def build_moe_layer(m: Any) -> MoE:
         n_group=int(moe.n_group),
         topk_group=int(moe.topk_group),
         routed_scaling=float(moe.routed_scaling),
+        # gpt-oss (dtlaunch/models/gpt_oss/config.py): router logit bias, expert biases, clamped SwiGLU.
+        gate_bias=bool(getattr(m, "router_bias", False)),
+        expert_linear_bias=bool(getattr(m, "expert_biases", False)),
+        swiglu_clamp=swiglu_clamp(m),
     )
+
+
+def swiglu_clamp(m: Any) -> Optional[tuple[float, float]]:
+    """(alpha, limit) of gpt-oss's clamped SwiGLU when the model section sets swiglu_limit; None: SwiGLU."""
+    limit = getattr(m, "swiglu_limit", None)
+    return None if limit is None else (float(m.swiglu_alpha), float(limit))
 
 
 class MoEDecoder(Decoder):
@@ -70,6 +80,8 @@ class MoEDecoder(Decoder):
 
     def init_param(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """As the dense decoder; the routed experts' down projections are residual outputs (scaled by depth)."""
+        if name.endswith(("experts.b1", "experts.b2", "experts.b3")):
+            return torch.zeros(shape)  # gpt-oss's expert biases start at zero, as every bias here
         if name.endswith("experts.w2"):
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
             return torch.randn(shape, generator=g).mul_(0.02 / math.sqrt(2 * self.cfg.n_layers))

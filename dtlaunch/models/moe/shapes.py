@@ -42,15 +42,19 @@ def attention_params(m: ModelConfig) -> int:
 
 
 def routed_params(m: Any) -> int:
-    """One sparse block's routed experts (w1, w2, w3 of every expert): what expert parallel shards."""
-    return 3 * int(m.moe.num_experts) * m.dim * expert_dim(m)
+    """One sparse block's routed experts (w1, w2, w3 of every expert, gpt-oss's biases b1, b2, b3): what
+    expert parallel shards."""
+    n, f = int(m.moe.num_experts), expert_dim(m)
+    biases = n * (2 * f + m.dim) if getattr(m, "expert_biases", False) else 0
+    return 3 * n * m.dim * f + biases
 
 
 def layer_params(m: Any, layer: int) -> dict[str, int]:
     """One block's parameters: {"routed": routed experts, "other": attention, norms, router, shared / dense FFN}."""
     if not is_sparse(m, layer):
         return {"routed": 0, "other": dense.block_params(m)}
-    other = attention_params(m) + int(m.moe.num_experts) * m.dim + 3 * m.dim * shared_dim(m)
+    router = int(m.moe.num_experts) * (m.dim + (1 if getattr(m, "router_bias", False) else 0))
+    other = attention_params(m) + router + 3 * m.dim * shared_dim(m)
     return {"routed": routed_params(m), "other": other}
 
 
@@ -59,7 +63,7 @@ def active_layer_params(m: Any, layer: int) -> int:
     p = layer_params(m, layer)
     if not is_sparse(m, layer):
         return p["other"]
-    return p["other"] + 3 * int(m.moe.top_k) * m.dim * expert_dim(m)
+    return p["other"] + p["routed"] * int(m.moe.top_k) // int(m.moe.num_experts)
 
 
 def blocks_params(m: ModelConfig) -> int:

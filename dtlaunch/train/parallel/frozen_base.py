@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 def compute_dtype_weights(mod: nn.Module) -> tuple[str, ...]:
     """The weights of `mod` that a frozen model stores in the compute dtype: a linear's or an embedding's
-    weight and bias, the routed experts' three (DPO's frozen reference copy too)."""
+    weight and bias, the routed experts' three and their biases (DPO's frozen reference copy too)."""
     if isinstance(mod, GroupedExperts):
-        return ("w1", "w2", "w3")
+        return ("w1", "w2", "w3", "b1", "b2", "b3")  # the biases: gpt-oss's
     return ("weight", "bias") if isinstance(mod, (nn.Linear, nn.Embedding)) else ()
 
 
