@@ -86,6 +86,10 @@ FAMILIES: list[Family] = [
         "mixtral", "mixtral", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}, lora=_ALL_LINEAR
     ),
     Family("glm4_moe", "glm4_moe", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}),
+    # gpt-oss's experts are 3-D parameters and its router a gate: like Mixtral, no gate/up/down_proj linears.
+    Family(
+        "gpt_oss", "gpt_oss", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}, lora=_ALL_LINEAR
+    ),
     Family(
         "hf_auto_tied",
         "llama_tied",

@@ -21,6 +21,11 @@ def check(cfg: JobConfig) -> None:
             f"strategy.cp={cp}: model.arch=gpt_oss adds attention sinks to every softmax, which context parallel's "
             f"ring / Ulysses attention does not: set strategy.cp=1"
         )
+    if bool(m.qkv_bias) != bool(m.attention_out_bias):
+        raise ConfigError(
+            f"model.attention_out_bias={m.attention_out_bias} with model.qkv_bias={m.qkv_bias}: gpt-oss's one "
+            f"attention_bias covers q, k, v and o: set both to the same value"
+        )
     moe_check(cfg)
     check_layer_types(m)
     if m.rope_scaling is not None:

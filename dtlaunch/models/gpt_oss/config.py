@@ -26,15 +26,13 @@ class YarnConfig:
 
 @dataclass
 class GptOssModelConfig(MoeModelConfig):
-    qkv_bias: bool = True
-    # A bias on the attention output projection (o_proj).
+    # A bias on the attention output projection (o_proj); config.json's attention_bias sets it with model.qkv_bias.
     attention_out_bias: bool = True
     # A learned logit per head in each softmax denominator (weight taken from the keys, no value added).
     attention_sinks: bool = True
     # One entry per block, sliding_attention (within model.sliding_window) or full_attention; gpt-oss
     # alternates, sliding first. Empty: every block uses model.sliding_window (or attends fully).
     layer_types: list[str] = field(default_factory=list)
-    rope_theta: float = 150000.0
     rope_yarn: Optional[YarnConfig] = None
     # The router's logits have a learned bias (part of the scores, unlike moe.bias_update_rate's).
     router_bias: bool = True
