@@ -74,13 +74,41 @@ def test_gpt_oss_parity_round_trip_and_parts(tiny_moe_hf_dirs, tmp_path) -> None
         attn, experts = model.layers["0"].attention, model.layers["0"].feed_forward.experts
         for part, undo in [
             ("window", lambda: setattr(attn, "sliding_window", None)),
-            ("sinks", lambda: attn.sinks.fill_(-torch.inf)),
+            ("sinks", lambda: attn.sinks.fill_(-1e4)),  # exp(-1e4) = 0: no sink
             ("SwiGLU clamp", lambda: setattr(experts, "act", lambda g, u: (u + 1) * g * torch.sigmoid(1.702 * g))),
             ("YaRN", lambda: (model.rope_cos.copy_(model.rope_cos / 1.2079), model.rope_sin.div_(1.2079))),
         ]:
             undo()
             assert (model(tokens) - full).abs().max().item() > 1e-4, part
             full = model(tokens)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "decoding"])
+def test_sink_attention_is_the_eager_softmax_with_sinks(case: str) -> None:
+    """gpt-oss's sinks through SDPA (an extra key and query dim) give transformers' eager formula, softmax over
+    [scores, sink] with the sink dropped, forward and gradients (sinks included), under GQA and masks."""
+    from dtlaunch.models.dense.model import sink_attention
+
+    def eager(q, k, v, mask, sinks):
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = (q @ k.transpose(2, 3) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+        logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+        return logits.softmax(-1)[..., :-1] @ v
+
+    g = torch.Generator().manual_seed(0)
+    t = 9 if case == "decoding" else 6
+    q, k, v = torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 2, t, 16, generator=g), torch.randn(2, 2, t, 16)
+    sinks = torch.randn(4, generator=g)
+    qpos, kpos = torch.arange(t - 6, t)[:, None], torch.arange(t)[None]
+    mask = kpos <= qpos
+    given = {"causal": None, "window": mask & (kpos > qpos - 3), "decoding": mask[None, None].expand(2, 1, 6, t)}[case]
+    inputs = [x.requires_grad_() for x in (q, k, v, sinks)]
+    ours = sink_attention(*inputs[:3], given, inputs[3])
+    ref = eager(*inputs[:3], mask if given is None else given, inputs[3])
+    assert (ours - ref).abs().max().item() < 1e-6
+    grads = torch.autograd.grad(ours.square().sum(), inputs), torch.autograd.grad(ref.square().sum(), inputs)
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
 
 
 def test_config_json_fills_the_moe_section(tiny_moe_hf_dirs) -> None:

@@ -155,28 +155,42 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     )
 
 
+# Extra head dims of sink_attention's operands: one carries the sink, the rest pad to a multiple of 8 (SDPA's
+# fused kernels want one).
+SINK_DIMS = 8
+
+
 def sink_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor | Documents], sinks: torch.Tensor
 ) -> torch.Tensor:
     """Attention whose softmax denominator also holds exp(sink) per head (gpt-oss; transformers' eager
-    gpt_oss attention): the sink takes weight from the keys and adds no value. q (B, H, S, D), k and v
-    (B, KV, T, D); `mask` as `sdpa`'s. The scores are materialised (B, H, S, T): SDPA has no such term."""
+    gpt_oss attention), through SDPA's fused kernels (no (S x T) matrix): one key is prepended whose score
+    is the head's sink and whose value is zero. A key cannot carry a per-query-head score under GQA, so
+    the sink rides in an extra query dim (q' = [q, sink, 0...], every real key 0 there, the sink key
+    sqrt(head_dim) there: q'·k_sink / sqrt(head_dim) = sink). A dummy query row is prepended too, so plain
+    causal attention (query i+1 sees keys 0..i+1: the sink and real keys 0..i) needs no mask; a given mask
+    gains a row and a column that may attend. q (B, H, S, D), k and v (B, KV, T, D); `mask` as `sdpa`'s."""
     if isinstance(mask, Documents):
         raise ValueError("sink_attention takes a dense mask: the decoder builds one for packed documents")
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
-    if mask is None:
-        s, t = q.shape[2], k.shape[2]
-        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    # Less the row maximum first, as transformers does (its bf16 numerics).
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = logits.softmax(dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    b, h, s, d = q.shape
+    kv, t = k.shape[1], k.shape[2]
+    pad = SINK_DIMS
+    sink_col = sinks.to(q.dtype).reshape(1, h, 1, 1).expand(b, h, s, 1)
+    q2 = torch.cat([q, sink_col, q.new_zeros(b, h, s, pad - 1)], dim=-1)
+    q2 = torch.cat([q2.new_zeros(b, h, 1, d + pad), q2], dim=2)
+    sink_key = k.new_zeros(b, kv, 1, d + pad)
+    sink_key[..., d] = d**0.5
+    k2 = torch.cat([sink_key, torch.cat([k, k.new_zeros(b, kv, t, pad)], dim=-1)], dim=2)
+    v2 = torch.cat([v.new_zeros(b, kv, 1, d + pad), torch.cat([v, v.new_zeros(b, kv, t, pad)], dim=-1)], dim=2)
+    if mask is not None:
+        mask = mask.expand(*mask.shape[:-2], s, t) if mask.dim() > 2 else mask
+        lead = mask.shape[:-2]
+        mask = torch.cat([mask.new_ones(*lead, s, 1), mask], dim=-1)
+        mask = torch.cat([mask.new_ones(*lead, 1, t + 1), mask], dim=-2)
+    out = F.scaled_dot_product_attention(
+        q2, k2, v2, attn_mask=mask, is_causal=mask is None, scale=d**-0.5, enable_gqa=h != kv
+    )
+    return out[:, :, 1:, :d]
 
 
 def uses_rope(m: Any, layer: Optional[int]) -> bool:
