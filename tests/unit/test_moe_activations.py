@@ -61,3 +61,29 @@ def test_block_bytes_match_what_the_runtime_keeps(
     # Selective: the experts' saved outputs alternate by expert, so the exact figure depends on how the
     # router splits the tokens; the planner assumes a balanced split.
     assert predicted == pytest.approx(measured, rel=0.02 if mode == "selective" else 1e-6)
+
+
+# gpt-oss's parts on the planner_moe shape: sinks, biased q/k/v/o, router and experts, the clamped SwiGLU.
+GPT_OSS = ["model.arch=gpt_oss", "model.moe.expert_dim=null", "model.ffn_dim=256", "model.qkv_bias=true"]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_gpt_oss_block_bytes_match_what_the_runtime_keeps(
+    mode: str, grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sink kernel's widened SDPA operands and wo's copy of its output, the clamped SwiGLU's seven F-wide
+    tensors per copy and the grouped kernel's expert index: the planner's terms, bar the sink kernel's one
+    extra row (the dummy query and the sink key: 1/seq of its operands, which the planner leaves out)."""
+    if grouped and torch.float32 not in experts.cpu_grouped_mm_dtypes():
+        pytest.skip("torch._grouped_mm has no CPU kernel here")
+    if not grouped:
+        monkeypatch.setattr(experts, "cpu_grouped_mm_dtypes", lambda: frozenset())
+    measured, predicted = _kept_by_blocks(GPT_OSS, mode, grouped)
+    a, kv, w, e, blocks = 8, 4, 32 + 8, 4, 2  # heads, kv heads, widened head dim, fp32, blocks
+    row = e * (2 * a * w + 2 * kv * w) + 4 * a if mode == "none" else e * a * w + 4 * a
+    extra = row * BATCH * blocks
+    if grouped and mode == "none":
+        assert measured - predicted - extra == 4 * 8 * 2  # the grouped GEMM's int32 group offsets
+        return
+    assert predicted + extra == pytest.approx(measured, rel=0.02 if mode == "selective" else 1e-6)

@@ -12,6 +12,10 @@ Attention: wq/wk/wv share the norm output (counted above); RoPE multiplies by co
     (e·k), its output (e·h; laid out so that transpose+reshape into wo is a view) and a logsumexp
     (4a). On CPU torch runs `_scaled_dot_product_flash_attention_for_cpu` for fp32 and bf16 (also
     with GQA), which saves no (s x s) matrix; the math fallback would add 4·a·s per token (noted).
+Attention sinks (gpt-oss, sink_attention): SDPA runs on q, k, v widened by `sink_dims` head dims (and one
+    more row each), so it keeps those copies and its widened output; wo saves the output cut back to
+    head_dim (a copy, e·h). Measured like the rest (tests/unit/test_moe_activations.py), exact but for the
+    extra row's 1/seq share.
 SwiGLU: w1 out, silu out, w3 out, their product (w2's input): 4·e·F.
 Residual adds save nothing; the residual h1 is ffn_norm's saved input (counted there).
 
@@ -46,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
+from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads, sink_dims
 from dtlaunch.models.dtypes import DTYPE_BYTES  # noqa: F401 (planner code reads it here too)
 
 if TYPE_CHECKING:
@@ -67,6 +71,7 @@ class BlockDims:
     post_norm: bool = False  # the block norms act on the sublayer outputs (OLMo)
     sandwich: bool = False  # two more norms, on the sublayer outputs (Gemma's sandwich_norm)
     rope_tables: int = 1  # RoPE table sets (Gemma 3: global and local bases side by side)
+    sink_dims: int = 0  # head dims the attention-sink kernel adds (gpt-oss; 0: no sinks)
 
     @classmethod
     def of(cls, m: ModelConfig) -> BlockDims:
@@ -83,6 +88,7 @@ class BlockDims:
             post_norm=bool(getattr(m, "post_norm", False)),
             sandwich=bool(getattr(m, "sandwich_norm", False)),
             rope_tables=2 if getattr(m, "rope_local_theta", None) is not None else 1,
+            sink_dims=sink_dims(m),
         )
 
     @property
@@ -115,6 +121,12 @@ def block_bytes_no_ac(
     d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
 ) -> float:
     attn = e * (2 * d.qw + 2 * d.k) + 4 * d.a
+    if d.sink_dims:
+        # Attention sinks (sink_attention): SDPA keeps its widened q, k, v and output, and wo its input, the
+        # output cut back to head_dim (a copy). Each operand also has one more row (the dummy query, the
+        # sink key): a 1/seq share the planner leaves out.
+        w = d.head + d.sink_dims
+        attn = e * (2 * d.a * w + 2 * (d.k // d.head) * w + d.qw) + 4 * d.a
     if d.qk_norm:
         attn += e * (d.qw + d.k) + (8 if d.qk_norm_whole else 4 * (d.a + d.k // d.head))
     mlp = 4 * e * d.f
@@ -144,6 +156,8 @@ def block_bytes_selective(
     # SAC stores every must-save output, the compiled graph only those backward reads (the residual
     # add's backward reads none). Measured on compiled CPU blocks.
     sharded = e * (2 * d.qw + d.k + d.f) + 4 * d.a
+    if d.sink_dims:  # attention sinks: SDPA's output is widened (sink_attention; its extra row left out)
+        sharded += e * d.a * d.sink_dims
     residual_mm = 0.0 if compiled else e * d.h / (tp if tp > 1 and sp else 1)
     return block_input_bytes(d, e, tp, sp, autocast) + sharded / tp + residual_mm
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.norm import RMSNorm
-from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads, rotary_dim
+from dtlaunch.models.dense.shapes import SINK_DIMS, ffn_dim, head_dim, kv_heads, rotary_dim
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import ModelConfig
@@ -153,11 +153,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
-
-
-# Extra head dims of sink_attention's operands: one carries the sink, the rest pad to a multiple of 8 (SDPA's
-# fused kernels want one).
-SINK_DIMS = 8
 
 
 def sink_attention(

@@ -13,6 +13,16 @@ if TYPE_CHECKING:
     from dtlaunch.config.schema import ModelConfig
 
 
+# Extra head dims of the attention-sink kernel's operands (models/dense/model.py sink_attention): one carries
+# the sink, the rest pad to a multiple of 8 (SDPA's fused kernels want one).
+SINK_DIMS = 8
+
+
+def sink_dims(m: Any) -> int:
+    """Extra head dims the attention kernel adds (gpt-oss's sinks), 0 without sinks."""
+    return SINK_DIMS if getattr(m, "attention_sinks", False) else 0
+
+
 def ffn_dim(m: ModelConfig) -> int:
     """SwiGLU hidden width, Meta's rule: multiple_of * ceil(int(mult * floor(8*dim/3)) / multiple_of)."""
     if m.ffn_dim:

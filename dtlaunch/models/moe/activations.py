@@ -7,7 +7,8 @@ router computes in fp32), measured with saved-tensor hooks on CPU in fp32 and bf
   values and the sum (4k + 8), and the weights the combine multiplies by (4k in fp32, e·k cast);
 - dispatch: the stable-sort order and the token index of every copy (8k each), the grouped copies
   (k·e·h), saved by the experts' first matmuls;
-- experts: per routed copy the gate and up outputs, SiLU output and their product (4·e·F each);
+- experts: per routed copy the gate and up outputs, SiLU output and their product (4·e·F each; gpt-oss's
+  clamped SwiGLU 7·e·F, its expert biases 8 bytes of expert index per copy under the grouped kernel);
 - combine: the expert outputs back in token order (k·e·h), saved by the multiply by the weights;
 - shared experts: one SwiGLU (4·e·F_shared); its input is the norm output, counted with the norm.
 The routed terms (dispatch copies, experts, combine) are what one rank holds for its tokens; under
@@ -50,6 +51,8 @@ class BlockDims(dense.BlockDims):
     routed_scale: float = 1.0  # routed copies on this rank over the balanced share (expert parallel)
     ep: int = 1  # expert-parallel degree: a rank runs experts / ep of them
     grouped: bool = False  # the experts run as torch's grouped GEMM (three calls), not a loop per expert
+    clamped: bool = False  # gpt-oss's clamped SwiGLU (7 F-wide tensors kept per copy, not 4)
+    expert_bias: bool = False  # gpt-oss's expert biases (the grouped kernel keeps each copy's expert index)
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
@@ -62,11 +65,15 @@ class BlockDims(dense.BlockDims):
             fs=shared_dim(m),
             norm_topk=bool(m.moe.norm_topk),
             sparse=len(sparse_layers(m)) / int(m.n_layers),
+            clamped=getattr(m, "swiglu_limit", None) is not None,
+            expert_bias=bool(getattr(m, "expert_biases", False)),
         )
 
 
 def _attention_only(d: BlockDims) -> dense.BlockDims:
-    return dense.BlockDims(h=d.h, k=d.k, f=0, a=d.a, vocab=d.vocab, q=d.q, qk_norm=d.qk_norm, hd=d.hd)
+    return dense.BlockDims(
+        h=d.h, k=d.k, f=0, a=d.a, vocab=d.vocab, q=d.q, qk_norm=d.qk_norm, hd=d.hd, sink_dims=d.sink_dims
+    )
 
 
 def router_bytes(d: BlockDims, e: int) -> float:
@@ -77,7 +84,14 @@ def router_bytes(d: BlockDims, e: int) -> float:
 def routed_bytes(d: BlockDims, e: int) -> float:
     """Per token, the bytes that scale with the routed copies a rank holds (dispatch, experts, combine)."""
     k = d.top_k
-    return 16 * k + 2 * k * e * d.h + 4 * k * e * d.fe
+    index = 8 * k if d.expert_bias and d.grouped else 0
+    return 16 * k + 2 * k * e * d.h + glu_saves(d) * k * e * d.fe + index
+
+
+def glu_saves(d: BlockDims) -> int:
+    """F-wide tensors one routed copy keeps: SwiGLU's gate, SiLU, up and product (4); gpt-oss's clamped form
+    also its clamped gate, sigmoid, up + 1 and gated value, the raw gate and up kept by the clamps (7)."""
+    return 7 if d.clamped else 4
 
 
 def moe_ffn_bytes(d: BlockDims, e: int) -> float:
@@ -149,7 +163,7 @@ def tiled_saved_bytes(d: BlockDims, e: int, tp: int, compiled: bool) -> float:
     """Per token: what the tiled MLPs do not save: the routed experts' four F-wide intermediates per
     copy, the shared SwiGLU's, and the dense blocks' (the dense model's count). Their inputs, the grouped
     copies and the norm output, stay saved (by the tiled function instead of the first matmuls)."""
-    moe = d.routed_scale * 4 * d.top_k * e * d.fe + 4 * e * d.fs
+    moe = d.routed_scale * glu_saves(d) * d.top_k * e * d.fe + 4 * e * d.fs
     return d.sparse * moe + (1 - d.sparse) * dense.tiled_saved_bytes(d, e, tp, compiled)
 
 
