@@ -241,8 +241,11 @@ class HFWeights:
         self.where: dict[str, tuple[str, str]] = {}  # our name -> (file, HF name)
         # Our 3-D expert tensors, stored by HF as one tensor per expert: name -> {expert: (file, HF name)}.
         self.stacked: dict[str, dict[int, tuple[str, str]]] = {}
-        # Ours held inside one fused HF tensor (gpt-oss's experts): name -> (file, HF name, HF -> ours).
-        self.parts: dict[str, tuple[str, str, Any]] = {}
+        # Ours held inside one fused HF tensor (gpt-oss's experts): name -> (HF name, HF -> ours, the other
+        # HF tensors that function reads (MXFP4 scales)).
+        self.parts: dict[str, tuple[str, Any, tuple[str, ...]]] = {}
+        self.hf_files: dict[str, str] = {}  # HF name -> its file
+        hf_shapes: dict[str, tuple[int, ...]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         import torch
         from safetensors import safe_open
@@ -252,6 +255,7 @@ class HFWeights:
         # Tensors a family's directory carries that its model has not (GLM-4.5's multi-token-prediction layer).
         skip = getattr(self.names, "skip_hf", None)
         hf_parts = getattr(self.names, "hf_parts", None)
+        companions = getattr(self.names, "hf_companions", lambda name: ())
         for f in self.files:
             with safe_open(str(path / f), framework="pt") as fh:
                 for hf_name in fh.keys():
@@ -260,11 +264,11 @@ class HFWeights:
                     if skip and skip(hf_name, m):
                         continue
                     shape = tuple(fh.get_slice(hf_name).get_shape())
+                    self.hf_files[hf_name], hf_shapes[hf_name] = f, shape
                     parts = hf_parts(hf_name) if hf_parts else None
-                    if parts:
+                    if parts is not None:
                         for ours, take in parts.items():
-                            self.parts[ours] = (f, hf_name, take)
-                            shapes[ours] = tuple(take(torch.empty(shape, device="meta")).shape)
+                            self.parts[ours] = (hf_name, take, companions(hf_name))
                         continue
                     try:
                         slot = expert_slot(hf_name) if expert_slot else None
@@ -277,6 +281,14 @@ class HFWeights:
                         continue
                     self.where[ours] = (f, hf_name)
                     shapes[ours] = shape
+        for ours, (hf_name, take, others) in self.parts.items():
+            lost = [c for c in others if c not in hf_shapes]
+            if lost:
+                raise InputError(
+                    f"model.init_from=hf:{path}: tensor {lost[0]} is missing (read with {hf_name}): the directory "
+                    f"does not hold this model"
+                )
+            shapes[ours] = tuple(take(*(torch.empty(hf_shapes[n], device="meta") for n in (hf_name, *others))).shape)
         for ours, per in self.stacked.items():
             if sorted(per) != list(range(len(per))):
                 missing_e = min(set(range(max(per) + 1)) - set(per))
@@ -344,9 +356,12 @@ class HFWeights:
         our layout, then cut down (the trailing dims are whole in the file's row, permuted in ours)."""
         from safetensors import safe_open
 
-        f, hf_name, take = self.parts[name]
-        with safe_open(str(self.path / f), framework="pt") as fh:
-            t = take(fh.get_slice(hf_name)[offset[0] : offset[0] + shape[0]])
+        hf_name, take, others = self.parts[name]
+        rows = []
+        for n in (hf_name, *others):
+            with safe_open(str(self.path / self.hf_files[n]), framework="pt") as fh:
+                rows.append(fh.get_slice(n)[offset[0] : offset[0] + shape[0]])
+        t = take(*rows)
         t = t[(slice(None),) + tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))]
         return t.float().contiguous()
 

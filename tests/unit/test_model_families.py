@@ -18,6 +18,7 @@ PUBLISHED = {
     "mistral_7b": 7_248_023_552,
     "smollm3_3b": 3_075_098_624,
     "gemma3_1b": 999_885_952,
+    "gpt_oss_20b": 20_914_757_184,
 }
 FAMILY_GROUPS = [
     "qwen2.5_0.5b",
@@ -31,6 +32,7 @@ FAMILY_GROUPS = [
     "llama3.2_3b",
     "smollm3_3b",
     "gemma3_1b",
+    "gpt_oss_20b",
 ]
 
 

@@ -83,6 +83,44 @@ def test_gpt_oss_parity_round_trip_and_parts(tiny_moe_hf_dirs, tmp_path) -> None
             full = model(tokens)
 
 
+def test_gpt_oss_mxfp4_experts_are_dequantized_on_import(tiny_moe_hf_dirs, tmp_path) -> None:
+    """A directory with MXFP4 experts (as openai/gpt-oss-* publish them: `*_blocks` / `*_scales`, here random
+    codes): our model loaded from it computes transformers' logits (its dequantize=True load) within 1e-5,
+    and a rank's slice of a dequantized tensor equals the full read's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, path = tiny_moe_hf_dirs["gpt_oss"], tmp_path / "mxfp4"
+    shutil.copytree(src, path)
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, rows, cols = t.shape  # [experts, in, out]: 32 inputs per block of 16 bytes
+            state[f"{name}_blocks"] = torch.randint(0, 256, (e, cols, rows // 32, 16), generator=g, dtype=torch.uint8)
+            state[f"{name}_scales"] = torch.randint(120, 128, (e, cols, rows // 32), generator=g, dtype=torch.uint8)
+        else:
+            state[name] = t
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    model, m = ours(path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(tokens) - ref(tokens).logits).abs().max().item() < 1e-5
+    w = HFWeights(path, m)
+    full = w.read("layers.1.feed_forward.experts.w3")
+    assert torch.equal(w.read("layers.1.feed_forward.experts.w3", (2, 40, 64), (1, 8, 0)), full[1:3, 8:48])
+    config["quantization_config"] = {"quant_method": "gptq"}
+    with pytest.raises(InputError, match=r"quant_method='gptq' is not read natively \(MXFP4 is\)"):
+        model_spec("gpt_oss").hf.config_from_hf(config, "here")
+
+
 @pytest.mark.parametrize("case", ["causal", "window", "decoding"])
 def test_sink_attention_is_the_eager_softmax_with_sinks(case: str) -> None:
     """gpt-oss's sinks through SDPA (an extra key and query dim) give transformers' eager formula, softmax over

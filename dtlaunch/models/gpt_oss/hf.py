@@ -49,6 +49,12 @@ class GptOssHF(MoEHF):
         return out
 
     def config_from_hf(self, c: dict, where: str) -> dict:
+        quant = (c.get("quantization_config") or {}).get("quant_method")
+        if quant not in (None, "mxfp4"):
+            raise InputError(
+                f"{where}: quantization_config.quant_method={quant!r} is not read natively (MXFP4 is): use a bf16 "
+                f"copy or model.arch=hf_auto"
+            )
         rope = dict(c.get("rope_parameters") or {})
         kind = rope.get("rope_type", "default")
         if kind not in ("default", "yarn"):

@@ -5,7 +5,8 @@ bias). HF keeps each layer's experts fused, as transformers' GptOssExperts holds
 `mlp.experts.down_proj` [E, F, dim], each with a bias ([E, 2F], [E, dim]). Ours are the MoE decoder's
 `experts.w1` / `w3` [E, F, dim], `w2` [E, dim, F] and biases `b1` / `b3` [E, F], `b2` [E, dim]: one HF
 tensor gives two of ours (`hf_parts`, which the importer also uses to read a rank's experts only), and
-both directions are exact copies (a permutation of entries)."""
+both directions are exact copies (a permutation of entries). Published MXFP4 experts are dequantized on
+import (models/gpt_oss/mxfp4.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from dtlaunch.models.dense import hf as dense
 from dtlaunch.models.dense.hf import rope_heads  # noqa: F401 (the names module's RoPE rows: HFWeights reads it)
+from dtlaunch.models.gpt_oss import mxfp4
 
 # Ours -> HF under layers.N., where gpt-oss differs from (or adds to) the dense decoder's names.
 _BLOCK = {
@@ -30,7 +32,7 @@ _BLOCK = {
 }
 _FROM_HF = {v: k for k, v in _BLOCK.items() if not k.endswith(("w1", "w3", "b1", "b3"))}
 _EXPERT_HF = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)"
+    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)(_blocks|_scales)?"
 )
 
 
@@ -58,13 +60,22 @@ def _same(t: Any) -> Any:
     return t
 
 
-def hf_parts(hf_name: str) -> Optional[dict[str, Callable[[Any], Any]]]:
+def hf_parts(hf_name: str) -> Optional[dict[str, Callable[..., Any]]]:
     """Our tensors held in one fused HF expert tensor, each with the function taking that tensor (or a
-    block of its leading expert rows) to ours; None for a tensor that is not an expert tensor."""
+    block of its leading expert rows) to ours; None for a tensor that is not an expert tensor. MXFP4
+    weights (published checkpoints): the function of `..._blocks` also takes its `hf_companions`, the
+    scales (read with the same expert rows), and dequantizes; the scales themselves give none of ours ({})."""
     m = _EXPERT_HF.fullmatch(hf_name)
     if not m:
         return None
-    layer, kind = f"layers.{m.group(1)}.feed_forward.experts", m.group(2)
+    layer, kind, packed = f"layers.{m.group(1)}.feed_forward.experts", m.group(2), m.group(3)
+    if packed and kind not in ("gate_up_proj", "down_proj"):
+        return None  # biases are never packed
+    if packed == mxfp4.SCALES:
+        return {}
+    if packed == mxfp4.BLOCKS:
+        plain = hf_parts(hf_name.removesuffix(mxfp4.BLOCKS)) or {}
+        return {ours: _after_dequantizing(take) for ours, take in plain.items()}
     if kind == "gate_up_proj":
         return {f"{layer}.w1": lambda t: _transposed(_gate(t)), f"{layer}.w3": lambda t: _transposed(_up(t))}
     if kind == "gate_up_proj_bias":
@@ -72,6 +83,18 @@ def hf_parts(hf_name: str) -> Optional[dict[str, Callable[[Any], Any]]]:
     if kind == "down_proj":
         return {f"{layer}.w2": _transposed}
     return {f"{layer}.b2": _same}
+
+
+def _after_dequantizing(take: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    return lambda blocks, scales: take(mxfp4.dequantized(blocks, scales))
+
+
+def hf_companions(hf_name: str) -> tuple[str, ...]:
+    """The other HF tensors `hf_parts(hf_name)`'s functions read (an MXFP4 tensor's scales)."""
+    m = _EXPERT_HF.fullmatch(hf_name)
+    if m and m.group(3) == mxfp4.BLOCKS:
+        return (hf_name.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES,)
+    return ()
 
 
 def _interleave(gate: Any, up: Any) -> Any:
@@ -109,7 +132,8 @@ def from_hf_state(state: dict, m: Any) -> dict:
         if parts is None:
             rest[hf_name] = t
             continue
+        companions = [state[c] for c in hf_companions(hf_name)]
         for ours, take in parts.items():
-            out[ours] = take(t).contiguous()
+            out[ours] = take(t, *companions).contiguous()
     out.update(dense.from_hf_state(rest, m, from_hf_name, rope_heads))
     return out
