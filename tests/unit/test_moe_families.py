@@ -233,3 +233,20 @@ def test_balancing_overrides_are_free_shape_overrides_contradict(tiny_moe_hf_dir
     assert m.moe.aux_loss_coef == 0.01 and m.moe.num_experts == 4
     with pytest.raises(ConfigError, match=r"model.moe.top_k=3 contradicts .*config.json \(top_k=2\)"):
         compose([f"model.init_from=hf:{path}", "model.moe.top_k=3"])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["strategy.cp=2", "launch.nproc_per_node=2"], r"strategy.cp=2: model.arch=gpt_oss adds attention sinks"),
+        (["model.attention_out_bias=false"], r"model.attention_out_bias=False with model.qkv_bias=True"),
+        (["+model.rope_scaling.factor=8"], r"model.rope_scaling is Llama 3.1's, not gpt-oss's"),
+    ],
+)
+def test_gpt_oss_refusals_are_one_line(overrides: list[str], message: str) -> None:
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(compose(["model=gpt_oss_20b", "training.seq_len=16", *overrides]).cfg)
+    assert "\n" not in str(err.value)
