@@ -1,13 +1,14 @@
-"""The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3, olmo3 and gemma3 registry entries: RMSNorm,
-RoPE (with Llama-3.1 scaling; partial, over the first dims of each head, for GLM-4.5's MoE decoder), GQA
-attention, SwiGLU; flags from the model section add q/k/v biases (Qwen2), per-head q/k RMSNorm and a free
-head_dim (Qwen3), a sliding attention window (Mistral) on every block or on those `layer_types` names
-(OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE layers), post-norm blocks with a q/k RMSNorm
-over the whole projection (OLMo 3), a head tied to the embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3)
-and Gemma 3's parts: norms before and after each sublayer
+"""The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3, olmo3 and gemma3 registry entries (and
+the MoE entries' attention): RMSNorm, RoPE (with Llama-3.1 scaling; partial, over the first dims of each head, for GLM-4.5), GQA attention, SwiGLU; flags from the model section add q/k/v biases
+(Qwen2), per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) on every
+block or on those `layer_types` names (OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE
+layers), post-norm blocks with a q/k RMSNorm over the whole projection (OLMo 3), a head tied to the
+embedding (Llama 3.2 1B/3B, small Qwen, SmolLM3) and Gemma 3's parts: norms before and after each sublayer
 (`sandwich_norm`) with (1 + gain) RMSNorm (`norm_offset`), embeddings scaled by sqrt(dim), a GELU-tanh
 gated MLP, `query_pre_attn_scalar` as the attention scale and a second RoPE base for the sliding layers
-(`rope_local_theta`; the global one with optional linear scaling, `rope_linear_factor`).
+(`rope_local_theta`; the global one with optional linear scaling, `rope_linear_factor`), and gpt-oss's
+attention (through the MoE decoder): a learned sink logit per head in each softmax (`attention_sinks`,
+`sink_attention`), a bias on the output projection (`attention_out_bias`) and YaRN RoPE (`rope_yarn`).
 
 This module knows nothing of torch.distributed. Parallelism is applied from outside:
 - tensor parallel reshapes with the *local* head count (`view(B, S, -1, head_dim)`), so a sharded

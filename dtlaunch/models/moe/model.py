@@ -1,10 +1,11 @@
-"""The MoE decoder behind the qwen3_moe, mixtral, glm4_moe and moe registry entries: the dense decoder
+"""The MoE decoder behind the qwen3_moe, mixtral, glm4_moe, gpt_oss and moe registry entries: the dense decoder
 (dtlaunch/models/dense/model.py: embedding, RoPE, attention, norms, head) whose sparse blocks have a
 mixture of experts (dtlaunch/models/moe/layer.py) in place of the SwiGLU, under the same name
 `feed_forward`, so the block's forward and the pipeline split are the dense ones.
 
-Parameter names: layers.N.feed_forward.router.gate.weight, layers.N.feed_forward.experts.{w1,w2,w3}
-(3-D, expert first) and layers.N.feed_forward.shared_experts.{w1,w2,w3}.weight.
+Parameter names: layers.N.feed_forward.router.gate.weight (and .bias: gpt-oss),
+layers.N.feed_forward.experts.{w1,w2,w3} (3-D, expert first; biases b1, b2, b3: gpt-oss) and
+layers.N.feed_forward.shared_experts.{w1,w2,w3}.weight.
 """
 
 from __future__ import annotations
