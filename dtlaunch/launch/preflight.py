@@ -124,15 +124,16 @@ def check_model_matches(cfg: JobConfig, info: Any) -> None:
     }
     spec = model_spec(cfg.model)
     model = spec.build(cfg.model, rope_len=1, device="meta")
+    trained_in_full: tuple[str, ...] = ()
     if str(cfg.objective.name) == "reward":  # as the workers build it: the scalar head for the LM head
         from dtlaunch.models.score_head import add_score_head
 
-        add_score_head(model)
+        trained_in_full = add_score_head(model)
     peft = str(cfg.peft.method) != "none"
-    if peft:  # as the workers adapt it (dtlaunch.train.peft); then the checkpoint holds the adapters only
+    if peft:  # as the workers adapt it (dtlaunch.train.peft); then the checkpoint holds the trained tensors only
         from dtlaunch.models.lora import apply_lora
 
-        apply_lora(model, spec, cfg.peft)
+        apply_lora(model, spec, cfg.peft, trained_in_full)
     # The names the checkpoint writer saves, from the same function (a tied head included).
     expected = {n: tuple(t.shape) for n, t in saved_model_tensors(model, trainable_only=peft).items()}
     mismatch = next((n for n in expected if saved.get(n) != expected[n]), None)

@@ -15,6 +15,10 @@ Targets are Hugging Face module names (q_proj, v_proj, gate_proj, ...): each lin
 named through its family's HF name mapping (`ModelSpec.names().to_hf_name`), so the same
 `peft.targets` work for every family. The output head never takes an adapter.
 
+An objective may name modules that train in full beside the adapters (`modules_to_save`, peft's name: a
+reward model's `score` head, dtlaunch.models.score_head); their parameters stay trainable, everything else
+is frozen.
+
 No torch.distributed here: tensor parallel styles for these linears live in dtlaunch.train.parallel.lora_tp.
 """
 
@@ -167,13 +171,16 @@ def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: st
     return {fqn: hf for fqn, hf in linears.items() if hf.rsplit(".", 1)[-1] in wanted}
 
 
-def apply_lora(model: nn.Module, spec: Any, peft: Any) -> list[str]:
+def apply_lora(model: nn.Module, spec: Any, peft: Any, modules_to_save: tuple[str, ...] = ()) -> list[str]:
     """Adapt the linears `peft.targets` names (peft.rank, peft.alpha, peft.dropout), freeze every other
-    parameter, and route the adapters' initial values through the model's `init_param`. Returns the
-    adapted fqns. Works on a meta model, before any parallelisation or pipeline split."""
+    parameter but those of `modules_to_save` (module fqns that train in full), and route the adapters'
+    initial values through the model's `init_param`. Returns the adapted fqns. Works on a meta model,
+    before any parallelisation or pipeline split."""
     chosen = select_targets(model, spec, peft.targets, str(getattr(getattr(model, "cfg", None), "arch", "")))
     for fqn in chosen:
         adapt_linear(model.get_submodule(fqn), int(peft.rank), float(peft.alpha), float(peft.dropout))
+    # Kept on the model: tensor parallel freezes again (freeze_base) after its styles re-create parameters.
+    model.modules_to_save = tuple(modules_to_save)
     freeze_base(model)
     base_init = model.init_param
 
@@ -187,7 +194,14 @@ def apply_lora(model: nn.Module, spec: Any, peft: Any) -> list[str]:
 
 
 def freeze_base(model: nn.Module) -> None:
-    """Only adapters train. Also after tensor parallel: torch's SequenceParallel (and the replication of
-    parameters a style leaves alone) registers new Parameters without their requires_grad."""
+    """Only adapters (and the modules apply_lora was told to save) train. Also after tensor parallel: torch's
+    SequenceParallel (and the replication of parameters a style leaves alone) registers new Parameters
+    without their requires_grad."""
+    saved = getattr(model, "modules_to_save", ())
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(is_adapter(name) or trains_in_full(name, saved))
+
+
+def trains_in_full(name: str, modules_to_save: Iterable[str]) -> bool:
+    """Whether parameter `name` belongs to one of `modules_to_save` (module fqns)."""
+    return any(name.startswith(f"{m}.") for m in modules_to_save)

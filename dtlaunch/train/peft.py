@@ -23,8 +23,9 @@ def peft_enabled(cfg: JobConfig) -> bool:
     return peft is not None and str(peft.method) != "none"
 
 
-def apply_peft(model: nn.Module, cfg: JobConfig) -> list[str]:
-    """Adapt and freeze `model` in place as cfg.peft says; returns the adapted linears' names."""
+def apply_peft(model: nn.Module, cfg: JobConfig, modules_to_save: tuple[str, ...] = ()) -> list[str]:
+    """Adapt and freeze `model` in place as cfg.peft says (`modules_to_save`: the objective's modules that
+    train in full, a reward model's score head); returns the adapted linears' names."""
     if not peft_enabled(cfg):
         return []
-    return apply_lora(model, model_spec(cfg.model), cfg.peft)
+    return apply_lora(model, model_spec(cfg.model), cfg.peft, modules_to_save)

@@ -73,11 +73,13 @@ def build_model_parts(cfg: JobConfig, layout: Layout, mesh: Any, env: DistEnv, a
 
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
-    if str(cfg.objective.name) == "reward":  # a scalar head in place of the LM head
+    trained_in_full: tuple[str, ...] = ()
+    if str(cfg.objective.name) == "reward":  # a scalar head in place of the LM head, trained in full under LoRA
         from dtlaunch.models.score_head import add_score_head
 
-        add_score_head(model)
-    apply_peft(model, cfg)  # adapters + frozen base (peft.method != none), before any layout is applied
+        trained_in_full = add_score_head(model)
+    # Adapters + frozen base (peft.method != none), before any layout is applied.
+    apply_peft(model, cfg, trained_in_full)
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
     from dtlaunch.train.objectives import PreferenceObjective

@@ -57,13 +57,15 @@ def ours_targets(b: dict) -> torch.Tensor:
     return targets
 
 
-def reward_trainer(path, tmp_path, model, pad_token: str, **args) -> object:
+def reward_trainer(path, tmp_path, model, pad_token: str, peft_config=None, **args) -> object:
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(path / "tokenizer.json"), eos_token="<eos>", pad_token=pad_token
     )
     ds = datasets.Dataset.from_list([{"prompt": "w1 w2", "chosen": "w3", "rejected": "w4"}] * 2)
     config = trl.RewardConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, **args)
-    return trl.RewardTrainer(model=model, args=config, train_dataset=ds, processing_class=tok)
+    return trl.RewardTrainer(
+        model=model, args=config, train_dataset=ds, processing_class=tok, peft_config=peft_config
+    )
 
 
 def ours(path, hf_model: torch.nn.Module) -> tuple[torch.nn.Module, object]:
@@ -176,3 +178,72 @@ def test_margin_field_reaches_the_step(tiny_tokenizer, tmp_path) -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="data.margin_field=m holds objective=reward's per-pair margins"):
         cfg_of(records, "objective=dpo")
+
+
+LORA = {"targets": ["q_proj", "v_proj", "down_proj"], "rank": 4, "alpha": 8.0, "dropout": 0.0}
+
+
+@pytest.mark.parametrize("pad_token, center", [("<eos>", None), ("<unk>", 0.01)])
+def test_lora_reward_matches_trl_peft(hf_dir, tmp_path, pad_token: str, center) -> None:
+    """peft=lora: TRL's RewardTrainer with a peft LoraConfig (task_type SEQ_CLS, modules_to_save=["score"]) and
+    dtlaunch's decoder with the same adapters and the score head trained in full (dtlaunch.models.lora's
+    modules_to_save): the same trained tensors, loss within 1e-6 and gradients. The adapters reach peft
+    through the export's own name mapping (dtlaunch.convert.adapters.to_peft_state: lora_B of q_proj in HF's
+    RoPE row order)."""
+    from omegaconf import OmegaConf
+
+    from dtlaunch.convert.adapters import Adapters, to_peft_state
+    from dtlaunch.models.lora import apply_lora
+
+    peft = pytest.importorskip("peft")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, num_labels=1, dtype=torch.float32)
+    hf.eval()
+    with torch.no_grad():
+        hf.score.weight.copy_(torch.randn(hf.score.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    model, m = ours(hf_dir, hf)  # before peft wraps `hf` (the score head's value is the same)
+    config = peft.LoraConfig(
+        task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=LORA["targets"], lora_dropout=0.0, modules_to_save=["score"]
+    )
+    tr = reward_trainer(hf_dir, tmp_path, hf, pad_token, center_rewards_coefficient=center, peft_config=config)
+    apply_lora(model, model_spec(m), OmegaConf.create(LORA), modules_to_save=("score",))
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # nonzero A and B (B = 0 would leave A without a gradient)
+        for name, p in trained.items():
+            if name != "score.weight":
+                p.copy_(torch.randn(p.shape, generator=g) * (0.2 if name.endswith("lora_b") else 0.3))
+        adapters = {n: p.detach() for n, p in trained.items() if n != "score.weight"}
+        peft_values = to_peft_state(Adapters(adapters, 2.0, {}, m))
+        theirs = {n: p for n, p in tr.model.named_parameters() if p.requires_grad}
+        ours_by_peft = {}
+        for name, p in theirs.items():
+            key = name.replace(".default.", ".").replace(".modules_to_save.", ".")
+            if key in peft_values:
+                p.copy_(peft_values[key])
+            ours_by_peft[name] = key
+    assert sorted(ours_by_peft.values()) == sorted([*peft_values, "base_model.model.score.weight"])
+    assert len(trained) == len(theirs) == 2 * 3 * int(m.n_layers) + 1  # A and B per adapted linear + the head
+
+    pad = EOS if pad_token == "<eos>" else UNK
+    b = batch(pad)
+    trl_loss = tr.compute_loss(tr.model, {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})
+    trl_loss.backward()
+    objective = RewardObjective(center_rewards_coefficient=center, pad_id=pad)
+    our_loss, _ = objective(model(b["input_ids"]), ours_targets(b))
+    our_loss.backward()
+
+    assert abs(our_loss.item() - trl_loss.item()) <= 1e-6, (our_loss.item(), trl_loss.item())
+    assert not any(p.grad is not None for p in model.parameters() if not p.requires_grad)
+    grads = {n: p.grad for n, p in trained.items()}
+    torch.testing.assert_close(grads.pop("score.weight"), theirs[_score(theirs)].grad, rtol=1e-5, atol=1e-6)
+    ours_peft = to_peft_state(Adapters(grads, 2.0, {}, m))
+    for name, p in theirs.items():
+        if ours_by_peft[name] in ours_peft:
+            want = p.grad
+            got = ours_peft[ours_by_peft[name]]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+
+
+def _score(params: dict) -> str:
+    (name,) = [n for n in params if ".score." in n]
+    return name

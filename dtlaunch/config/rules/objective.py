@@ -106,14 +106,10 @@ def check_objective(cfg: JobConfig, notes: list[str]) -> None:
 
 def check_reward(cfg: JobConfig) -> None:
     """objective=reward (dtlaunch.train.objectives.reward): its scalar head replaces the decoder's LM head,
-    which the layouts that split the head or the rows (tensor, pipeline, context parallel), the adapters
-    and transformers' own models (model.arch=hf_auto) do not know of; it holds no reference."""
+    which the layouts that split the head or the rows (tensor, pipeline, context parallel) and transformers'
+    own models (model.arch=hf_auto) do not know of; it holds no reference. Under LoRA / QLoRA the head trains
+    in full beside the adapters (dtlaunch.models.lora's modules_to_save)."""
     o = cfg.objective
-    if str(cfg.peft.method) != "none":
-        raise ConfigError(
-            f"peft.method={cfg.peft.method} is not supported with objective=reward (the scalar head trains in "
-            f"full): set peft.method=none"
-        )
     if str(cfg.model.arch) == "hf_auto":
         raise ConfigError(
             "model.arch=hf_auto is not supported with objective=reward (the scalar head replaces a registry "

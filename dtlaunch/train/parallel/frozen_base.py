@@ -10,7 +10,8 @@ the routed experts stay in the compute dtype. Norm gains stay fp32.
 
 Without FSDP (autocast) the residual stream stays fp32: the compute-dtype embedding's output is cast back
 to fp32 (its values are the compute-dtype embedding's, as an FSDP run reads them). With
-optim.state_dtype=bf16 the adapters are bf16 too (so their gradients and AdamW moments are).
+optim.state_dtype=bf16 the trained parameters (the adapters, and a reward model's score head) are bf16 too
+(so their gradients and AdamW moments are).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from torch import nn
 
 from dtlaunch.models.dtypes import torch_dtype
-from dtlaunch.models.lora import is_adapter
 from dtlaunch.models.moe.experts import GroupedExperts
 from dtlaunch.train.parallel.qlora import quantize_base
 
@@ -56,7 +56,7 @@ def convert_frozen_base(model: nn.Module, cfg: JobConfig, shards: int, fsdp: boo
     if str(cfg.optim.state_dtype) == "bf16":
         for mod in model.modules():
             for name, p in list(mod.named_parameters(recurse=False)):
-                if is_adapter(name) and p.dtype != torch.bfloat16:
+                if p.requires_grad and p.dtype != torch.bfloat16:  # the adapters and modules_to_save
                     setattr(mod, name, nn.Parameter(p.detach().to(torch.bfloat16)))
     quantize_base(model, cfg, shards)
 
