@@ -7,9 +7,13 @@ tensors on one process whatever layout wrote them, and the base is read from its
 
 - PEFT export: `adapter_model.safetensors` (keys `base_model.model.<HF module>.lora_A.weight` / `lora_B`)
   + `adapter_config.json`, for `peft.PeftModel.from_pretrained(<the base's transformers model>, DIR)`.
+  A reward model's (objective=reward) `score` head trains in full beside the adapters: it is written as
+  peft writes a module of `modules_to_save` (`base_model.model.score.weight`, task_type SEQ_CLS), for
+  the base loaded as AutoModelForSequenceClassification with num_labels=1.
   Names come from the family's HF mapping; lora_B of q/k is permuted into HF's RoPE layout exactly as
   the base weight's rows are (lora_A acts on the input and is not).
-- Merged export: W + (alpha / rank) B A for every adapted linear, written as a plain HF model.
+- Merged export: W + (alpha / rank) B A for every adapted linear, written as a plain HF model (a reward
+  model's: the *ForSequenceClassification with its score head, as a full reward run's export).
 - The reverse (`generate hf:DIR --adapter ADIR`): a peft adapter directory read into our names, merged.
 """
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +30,7 @@ from dtlaunch.errors import InputError
 from dtlaunch.inputs.adapter_dir import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, check_adapter_dir
 from dtlaunch.inputs.hf_dir import read_weight_headers
 from dtlaunch.models.dtypes import torch_dtype
+from dtlaunch.models.score_head import SCORE_HEAD, SCORE_MODULE
 
 _PEFT_KEY = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
@@ -38,6 +43,8 @@ class Adapters:
     scaling: float
     record: dict  # the peft record (method, rank, alpha, dropout, targets, base, base_fingerprint)
     m: Any  # the model section
+    # Tensors trained in full beside the adapters, our names (a reward model's score head): peft's modules_to_save.
+    full: dict = field(default_factory=dict)
 
     def linears(self) -> list[str]:
         return sorted({k.rsplit(".", 1)[0] for k in self.tensors})
@@ -91,7 +98,8 @@ def load_run_adapters(src: Path) -> tuple[Adapters, Any]:
             f"checkpoint '{info.path}' holds no adapters (a full training run): export it with --format hf or torch"
         )
     tensors = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] in _PEFT_KEY}
-    return Adapters(tensors, float(record["alpha"]) / int(record["rank"]), dict(record), m), info
+    full = {k: v for k, v in state.items() if k == SCORE_HEAD}
+    return Adapters(tensors, float(record["alpha"]) / int(record["rank"]), dict(record), m, full), info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +116,8 @@ def to_peft_state(adapters: Adapters) -> dict:
         else:
             hf_weight = names.to_hf_name(f"{fqn}.weight")
         out[f"{PEFT_PREFIX}{hf_weight.rsplit('.', 1)[0]}.{_PEFT_KEY[leaf]}.weight"] = t.contiguous()
+    for key, t in adapters.full.items():  # the score head: transformers' own name, as peft saves modules_to_save
+        out[f"{PEFT_PREFIX}{key}"] = t.contiguous()
     return out
 
 
@@ -132,7 +142,8 @@ def from_peft_state(state: dict, m: Any, where: str) -> dict:
 
 
 def peft_config(adapters: Adapters) -> dict:
-    """adapter_config.json: the keys peft reads (LoraConfig), for a causal LM."""
+    """adapter_config.json: the keys peft reads (LoraConfig), for a causal LM (a reward model: sequence
+    classification, its score head in modules_to_save)."""
     from dtlaunch.models.lora import expert_names, hf_module_name
 
     spec = _spec(adapters.m)
@@ -146,9 +157,10 @@ def peft_config(adapters: Adapters) -> dict:
             "peft.targets=[q_proj,k_proj,v_proj,o_proj]"
         )
     rec = adapters.record
+    reward = SCORE_HEAD in adapters.full
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if reward else "CAUSAL_LM",
         "base_model_name_or_path": hf_name(rec.get("base")) or None,
         "r": int(rec["rank"]),
         "lora_alpha": float(rec["alpha"]),
@@ -160,7 +172,7 @@ def peft_config(adapters: Adapters) -> dict:
         "use_dora": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": [SCORE_MODULE] if reward else None,
     }
 
 
@@ -232,7 +244,10 @@ def merged_run_state(src: Path) -> tuple[dict, Any, Any]:
     adapters, info = load_run_adapters(src)
     where = f"checkpoint '{info.path}'"
     base = load_hf_weights(base_dir(adapters.record, where), adapters.m)
-    return merge(_dequantized(base, adapters), adapters, where), adapters.m, info
+    merged = merge(_dequantized(base, adapters), adapters, where)
+    if adapters.full:  # a reward model: the trained score head in place of the base's LM head
+        merged = {k: v for k, v in merged.items() if k not in ("output.weight", "output.bias")} | adapters.full
+    return merged, adapters.m, info
 
 
 def _dequantized(base: dict, adapters: Adapters) -> dict:
@@ -258,7 +273,7 @@ def _dequantized(base: dict, adapters: Adapters) -> dict:
 def export_adapters(src: Path, fmt: str, out: Path, max_shard_bytes: int) -> Optional[list[Path]]:
     """`ckpt export`: peft (the adapters) or hf (the merged model) for a LoRA run; None when `src` holds
     no adapters and `fmt` is not peft (the caller exports the full model)."""
-    from dtlaunch.convert.hf import export_tokenizer, save_hf
+    from dtlaunch.convert.hf import export_tokenizer, padding_token, save_hf
     from dtlaunch.run.checkpoints import resolve_load_path
 
     info, _ = resolve_load_path(Path(src))
@@ -273,4 +288,6 @@ def export_adapters(src: Path, fmt: str, out: Path, max_shard_bytes: int) -> Opt
             "(the adapters) or --format hf (the base with the adapters merged)"
         )
     state, m, info = merged_run_state(src)
-    return save_hf(state, m, out, max_shard_bytes) + export_tokenizer(Path(info.path), out)
+    # A reward model: its config.json names the token its rows were padded with (as a full run's export).
+    pad = padding_token(Path(info.path)) if SCORE_HEAD in state else None
+    return save_hf(state, m, out, max_shard_bytes, pad_token_id=pad) + export_tokenizer(Path(info.path), out)

@@ -92,6 +92,13 @@ class StageShape:
     peft: PeftTerms | None = None  # fine-tuning (peft.method=lora/qlora) terms, dtlaunch.plan.peft
     mlp_tiles: int = 1  # training.mlp_tiles as resolved (config.layout.mlp_tiles): dtlaunch.plan.tiled_terms
     optim: OptimTerms | None = None  # the optimizer's state, temporaries and gradient dtype (plan.optim_terms)
+    scalar_head: bool = False  # objective=reward: the (dim x 1) score head in place of the LM head
+
+    @property
+    def full_trained_params(self) -> int:
+        """Parameters trained in full beside the adapters (LoRA / QLoRA): a reward model's score head (peft's
+        modules_to_save, dtlaunch.models.score_head) on the stage that owns it."""
+        return int(self.model.dim) if self.peft and self.scalar_head and self.last_stage else 0
 
     @property
     def vocab_params(self) -> int:
@@ -100,8 +107,9 @@ class StageShape:
 
     @property
     def trained_params(self) -> int:
-        """Parameters that train (have gradients and optimizer state): the adapters under LoRA / QLoRA."""
-        return self.peft.adapters if self.peft else self.rank_params
+        """Parameters that train (have gradients and optimizer state): the adapters under LoRA / QLoRA (and
+        the modules trained in full beside them)."""
+        return self.peft.adapters + self.full_trained_params if self.peft else self.rank_params
 
     @property
     def trained_block_params(self) -> int:
@@ -317,6 +325,7 @@ def stage_shape(
         block_saved_per_token=by_kind,
         peft=ft,
         mlp_tiles=tiles,
+        scalar_head=reward,
     )
     return dataclasses.replace(shape, optim=optim_terms(shape, fused_optimizer(cfg.hardware)))
 

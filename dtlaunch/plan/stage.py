@@ -80,7 +80,8 @@ def static_lines(c: StageShape) -> dict[str, float]:
     lines: dict[str, float] = {}
     lines[Line.PARAMETERS] = 4 * c.rank_params / (c.shard_ranks if c.fsdp else 1)
     if c.peft:
-        head = model_spec(c.model).head_params(c.model) // tp if c.last_stage else 0
+        # A reward model's LM head is gone; its score head trains (fp32, with the norms).
+        head = model_spec(c.model).head_params(c.model) // tp if c.last_stage and not c.scalar_head else 0
         embedding = c.vocab_params if c.first_stage and not c.tied_head else 0  # stored in the compute dtype too
         frozen = c.layers * (c.block_params - c.block_norm_params) + head + embedding
         lines.update(

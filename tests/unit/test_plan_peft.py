@@ -133,3 +133,30 @@ def test_head_unit_plan_within_5_percent_of_trace(overrides: list[str]) -> None:
     traced = trace_peak(job.cfg, job.layout, rank=0)
     predicted = plan_memory(job.cfg, job.layout).peak
     assert abs(predicted - traced["peak_bytes"]) / traced["peak_bytes"] <= 0.05, (predicted, traced)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_reward_model_plan_trains_the_score_head_beside_the_adapters(method: str) -> None:
+    """objective=reward with LoRA / QLoRA: the score head trains in full (dtlaunch.models.score_head), so the
+    planner's trained parameters (gradients, AdamW state) are the model's adapters plus the head, and its
+    parameter lines hold what the converted model stores (no LM head; the head and norms in fp32)."""
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.models.score_head import add_score_head
+    from dtlaunch.plan.stage import stage_shape, static_lines
+    from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+    from dtlaunch.train.peft import apply_peft
+
+    job = load_job([*TINY, "objective=reward", f"peft={method}", *SMALL_NF4, "strategy=ddp", "launch.nproc_per_node=1"])
+    cfg = job.cfg
+    model = model_spec(cfg.model).build(cfg.model, rope_len=32, device="meta")
+    apply_peft(model, cfg, add_score_head(model))
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert trained.pop("score.weight") == int(cfg.model.dim) and trained
+    shape = stage_shape(cfg, job.layout, 0, int(cfg.model.n_layers), True, True)
+    assert shape.trained_params == sum(trained.values()) + int(cfg.model.dim)
+    lines = static_lines(shape)
+    assert lines["optimizer state"] == 8 * shape.trained_params  # fp32 AdamW moments
+    if method == "lora":
+        convert_frozen_base(model, cfg, shards=1)
+        real = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert lines["parameters"] + lines["adapter parameters"] == real
