@@ -180,7 +180,7 @@ def apply_lora(model: nn.Module, spec: Any, peft: Any, modules_to_save: tuple[st
     for fqn in chosen:
         adapt_linear(model.get_submodule(fqn), int(peft.rank), float(peft.alpha), float(peft.dropout))
     # Kept on the model: tensor parallel freezes again (freeze_base) after its styles re-create parameters.
-    model.modules_to_save = tuple(modules_to_save)
+    model.lora_modules_to_save = tuple(modules_to_save)
     freeze_base(model)
     base_init = model.init_param
 
@@ -197,7 +197,7 @@ def freeze_base(model: nn.Module) -> None:
     """Only adapters (and the modules apply_lora was told to save) train. Also after tensor parallel: torch's
     SequenceParallel (and the replication of parameters a style leaves alone) registers new Parameters
     without their requires_grad."""
-    saved = getattr(model, "modules_to_save", ())
+    saved = getattr(model, "lora_modules_to_save", ())
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or trains_in_full(name, saved))
 

@@ -54,6 +54,22 @@ def test_targets_by_hf_name_and_freezing() -> None:
     assert trainable == {f"{f}.{leaf}" for f in chosen for leaf in ("lora_a", "lora_b")}
 
 
+def test_modules_to_save_train_in_full_also_after_refreezing() -> None:
+    """A reward model's score head (modules_to_save) trains beside the adapters; freeze_base, which tensor
+    parallel calls again after its styles re-create parameters as trainable ones, keeps it so."""
+    from dtlaunch.models.lora import freeze_base
+    from dtlaunch.models.score_head import add_score_head
+
+    cfg, spec, model = _meta(["peft=lora", "peft.targets=[q_proj]"])
+    chosen = apply_lora(model, spec, cfg.peft, modules_to_save=add_score_head(model))
+    adapters = {f"{f}.{leaf}" for f in chosen for leaf in ("lora_a", "lora_b")}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapters | {"score.weight"}
+    model.norm.weight = nn.Parameter(model.norm.weight.detach())  # re-created trainable, as SequenceParallel does
+    model.score.weight = nn.Parameter(model.score.weight.detach(), requires_grad=False)
+    freeze_base(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapters | {"score.weight"}
+
+
 def test_unknown_target_lists_the_valid_ones() -> None:
     _, spec, model = _meta([])
     with pytest.raises(ConfigError, match=r"'qproj' is not a linear module.*down_proj, gate_proj, k_proj, o_proj"):

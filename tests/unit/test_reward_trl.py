@@ -63,9 +63,7 @@ def reward_trainer(path, tmp_path, model, pad_token: str, peft_config=None, **ar
     )
     ds = datasets.Dataset.from_list([{"prompt": "w1 w2", "chosen": "w3", "rejected": "w4"}] * 2)
     config = trl.RewardConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, **args)
-    return trl.RewardTrainer(
-        model=model, args=config, train_dataset=ds, processing_class=tok, peft_config=peft_config
-    )
+    return trl.RewardTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, peft_config=peft_config)
 
 
 def ours(path, hf_model: torch.nn.Module) -> tuple[torch.nn.Module, object]:
@@ -202,7 +200,12 @@ def test_lora_reward_matches_trl_peft(hf_dir, tmp_path, pad_token: str, center) 
         hf.score.weight.copy_(torch.randn(hf.score.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
     model, m = ours(hf_dir, hf)  # before peft wraps `hf` (the score head's value is the same)
     config = peft.LoraConfig(
-        task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=LORA["targets"], lora_dropout=0.0, modules_to_save=["score"]
+        task_type="SEQ_CLS",
+        r=4,
+        lora_alpha=8,
+        target_modules=LORA["targets"],
+        lora_dropout=0.0,
+        modules_to_save=["score"],
     )
     tr = reward_trainer(hf_dir, tmp_path, hf, pad_token, center_rewards_coefficient=center, peft_config=config)
     apply_lora(model, model_spec(m), OmegaConf.create(LORA), modules_to_save=("score",))
