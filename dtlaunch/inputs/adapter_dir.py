@@ -81,6 +81,11 @@ def check_adapter_dir(path: Path, base: dict[str, tuple[str, tuple[int, ...]]]) 
     where = f"--adapter {path}"
     c = read_adapter_config(path)
     r, targets = c["r"], c["target_modules"]
+    if c.get("task_type") == "SEQ_CLS":  # a reward model's adapters and score head (objective=reward)
+        raise InputError(
+            f"{where}: a sequence-classification adapter (task_type SEQ_CLS, a reward model's) scores text and "
+            "generates none: give a causal LM's adapter, or load it with peft onto AutoModelForSequenceClassification"
+        )
     if isinstance(targets, str) and targets != "all-linear":
         try:
             re.compile(targets)

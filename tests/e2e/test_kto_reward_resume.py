@@ -7,7 +7,7 @@ SIGKILLed at step 3 whose restart resumes from step 2 and gives the uninterrupte
 The LoRA reward run's checkpoint is then exported both ways (`ckpt export --format peft` and `--format hf`):
 peft loads the adapter directory onto AutoModelForSequenceClassification(num_labels=1) with the score head
 from modules_to_save, transformers loads the merged export, and both give the rewards dtlaunch's own model
-computes from the checkpoint (fp32, 1e-5)."""
+computes from the checkpoint (fp32, 1e-5); `generate --adapter` refuses the reward model's adapter in one line."""
 
 from __future__ import annotations
 
@@ -97,6 +97,9 @@ def _check_exports(run_dir: Path, base: Path, tmp_path: Path) -> None:
         assert code == 0, err
     config = json.loads((exports["peft"] / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    # A reward model's adapter scores text: `generate --adapter` refuses it in one line.
+    code, err, _ = run_cli_split(["generate", f"hf:{base}", "--adapter", str(exports["peft"]), "--prompt", "w1"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "task_type SEQ_CLS" in err, err
     eos = 1  # the tiny tokenizer's, the rows' padding (tests/conftest.py)
     seq = 16
     ids = torch.randint(2, 250, (6, seq), generator=torch.Generator().manual_seed(0))
