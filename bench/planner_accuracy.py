@@ -305,7 +305,58 @@ QWEN2 = ["model.arch=qwen2", "model.qkv_bias=true"]
 QWEN3 = ["model.arch=qwen3", "model.qk_norm=true", "model.head_dim=48"]
 TIED = ["model.tie_embeddings=true"]
 MISTRAL = ["model.arch=mistral", "model.sliding_window=64"]
+# The published families' groups at the planner7m shape (dim 256, 8 blocks, 8 heads over 4 kv heads, 2k
+# vocabulary), each keeping what makes it that family (issue #50: the planner per family).
+SHAPE7M = ["model.dim=256", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=2048"]
+SLIDE, FULLA = "sliding_attention", "full_attention"
+SMOLLM3 = ["model=smollm3_3b", *SHAPE7M, "model.ffn_dim=688", "model.no_rope_layers=[3,7]"]
+OLMO3 = [
+    "model=planner7m",
+    "model.arch=olmo3",
+    "model.qk_norm=true",
+    "model.sliding_window=64",
+    f"model.layer_types=[{SLIDE},{SLIDE},{SLIDE},{FULLA},{SLIDE},{SLIDE},{SLIDE},{FULLA}]",
+]
+GEMMA3 = [
+    "model=gemma3_1b",
+    *SHAPE7M[:-3],
+    "model.n_layers=6",
+    "model.n_heads=4",
+    "model.n_kv_heads=1",
+    "model.head_dim=64",
+    "model.vocab_size=2048",
+    "model.ffn_dim=768",
+    "model.query_pre_attn_scalar=64",
+    "model.sliding_window=64",
+    f"model.layer_types=[{SLIDE},{SLIDE},{SLIDE},{SLIDE},{SLIDE},{FULLA}]",
+    "model.max_seq_len=2048",
+]
+MOE7M = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.expert_dim=256"]
+QWEN3_MOE = ["model=qwen3_30b_a3b", *SHAPE7M, "model.head_dim=32", "model.ffn_dim=688", *MOE7M]
+MIXTRAL = ["model=mixtral_8x7b", *SHAPE7M, "model.ffn_dim=256", *MOE7M[:2]]
+GLM4_MOE = [
+    "model=glm4_5_air",
+    *SHAPE7M,
+    "model.head_dim=32",
+    "model.ffn_dim=688",
+    *MOE7M,
+    "model.moe.n_group=2",
+    "model.moe.topk_group=1",
+    "model.moe.routed_scaling=2.5",
+]
+GPT_OSS = [
+    "model=gpt_oss_20b",
+    *SHAPE7M,
+    "model.head_dim=32",
+    "model.ffn_dim=256",
+    *MOE7M[:2],
+    "model.sliding_window=64",
+    "model.rope_yarn.original_max_seq_len=128",
+    f"model.layer_types=[{SLIDE},{FULLA},{SLIDE},{FULLA},{SLIDE},{FULLA},{SLIDE},{FULLA}]",
+]
 FAMILIES = [
+    *([*fam, "strategy=zero3", N2] for fam in (SMOLLM3, OLMO3, GEMMA3, QWEN3_MOE, MIXTRAL, GLM4_MOE, GPT_OSS)),
+    *([*fam, "strategy=ddp", N2, BF16] for fam in (SMOLLM3, OLMO3, GEMMA3, QWEN3_MOE, MIXTRAL, GLM4_MOE, GPT_OSS)),
     [*QWEN2, "strategy=ddp", N2],
     [*QWEN2, "strategy=tp", N2, BF16, SEL],
     [*QWEN3, "strategy=zero3", N2],
@@ -585,6 +636,11 @@ if __name__ == "__main__":
             print(f"[{i:2d}] " + _fmt(rows[-1]), flush=True)
         errs = [abs(_err(r)) for r in _scored(rows)]
         print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
+        if only is None and table is FAMILIES:
+            name = "planner_accuracy_families_cpu.md"
+            notes = ("Each family at the planner7m shape (its published group's flags kept, sizes overridden).",)
+            print("wrote", write_markdown(rows, "python bench/planner_accuracy.py --families", name, notes=notes))
+            (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     is_real = "--real" in sys.argv
     rows = real(only) if is_real else single()
