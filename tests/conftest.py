@@ -191,7 +191,9 @@ def _save_tiny_hf_dirs(base: Path, families: dict, seed: int, **common: Any) -> 
 
     out = {}
     for i, (family, (cls_name, extra)) in enumerate(families.items()):
-        config = getattr(transformers, cls_name)(**TINY_HF_SHAPE, rms_norm_eps=1e-6, eos_token_id=1, **common, **extra)
+        config = getattr(transformers, cls_name)(
+            **{**TINY_HF_SHAPE, **extra}, rms_norm_eps=1e-6, eos_token_id=1, **common
+        )
         torch.manual_seed(seed + i)
         model = transformers.AutoModelForCausalLM.from_config(config).float()
         with torch.no_grad():
@@ -214,7 +216,7 @@ def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 # Tiny mixture-of-experts directories: Qwen3-MoE with one dense (mlp_only) block and top-k weights left
 # unnormalised, Mixtral with its renormalised top-2 of 4 experts, GLM-4.5 with every routing part, gpt-oss
-# with its sinks and biases.
+# with its sinks and biases, DeepSeek-V3 with GLM-4.5's routing and its latent attention.
 TINY_HF_MOE = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -264,6 +266,28 @@ TINY_HF_MOE = {
                 "truncate": False,
                 "original_max_position_embeddings": 16,
             },
+            },
+        },
+    ),
+    # DeepSeek-V3: GLM-4.5's routing and latent attention (low-rank q, a 16-wide kv latent, 8 rotated dims
+    # per head, interleaved as DeepSeek's checkpoints) with widths that all differ, 4 kv heads as MLA has.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 12,
+            "v_head_dim": 10,
         },
     ),
 }

@@ -169,6 +169,7 @@ _BUILTIN = (
     "mixtral",
     "glm4_moe",
     "gpt_oss",
+    "deepseek_v3",
     "moe",
     "hf_auto",
 )

@@ -1,5 +1,5 @@
 """The dense decoder behind the llama, qwen2, qwen3, mistral, smollm3, olmo3 and gemma3 registry entries (and
-the MoE entries' attention): RMSNorm, RoPE (with Llama-3.1 scaling; partial, over the first dims of each head, for GLM-4.5), GQA attention, SwiGLU; flags from the model section add q/k/v biases
+the MoE entries' attention): RMSNorm, RoPE (with Llama-3.1 or YaRN scaling; partial, over the first dims of each head, for GLM-4.5), GQA attention, SwiGLU; flags from the model section add q/k/v biases
 (Qwen2), per-head q/k RMSNorm and a free head_dim (Qwen3), a sliding attention window (Mistral) on every
 block or on those `layer_types` names (OLMo 3), layers whose attention has no RoPE (SmolLM3's NoPE
 layers), post-norm blocks with a q/k RMSNorm over the whole projection (OLMo 3), a head tied to the
@@ -33,6 +33,8 @@ from torch import nn
 from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.norm import RMSNorm
 from dtlaunch.models.dense.shapes import SINK_DIMS, ffn_dim, head_dim, kv_heads, rotary_dim
+from dtlaunch.models.dense.yarn import attention_factor
+from dtlaunch.models.dense.yarn import yarn_frequencies as deepseek_yarn_frequencies
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import ModelConfig
@@ -50,7 +52,10 @@ def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
     theta = m.rope_local_theta if local else m.rope_theta
     yarn = getattr(m, "rope_yarn", None)
     if yarn is not None:
-        return yarn_frequencies(theta, d, yarn)
+        return yarn_frequencies(theta, d, yarn)  # gpt-oss
+    yarn = getattr(m, "yarn", None)
+    if yarn is not None:  # DeepSeek-V3
+        return deepseek_yarn_frequencies(d, float(theta), yarn)
     freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     linear = getattr(m, "rope_linear_factor", None)
     if linear and not local:
@@ -93,7 +98,8 @@ def rope_attention_factor(m: Any) -> float:
     """YaRN's scale on cos and sin (so on q·k twice): attention_factor, or 0.1 ln(factor) + 1; 1 without YaRN."""
     yarn = getattr(m, "rope_yarn", None)
     if yarn is None:
-        return 1.0
+        deepseek = getattr(m, "yarn", None)  # DeepSeek-V3's (1 where mscale = mscale_all_dim)
+        return 1.0 if deepseek is None else attention_factor(deepseek)
     if yarn.attention_factor is not None:
         return float(yarn.attention_factor)
     return 1.0 if yarn.factor <= 1 else 0.1 * math.log(yarn.factor) + 1.0
@@ -497,7 +503,7 @@ class Decoder(nn.Module):
         the norms that read the stream return it (per-head q/k norms are not on the stream)."""
         self.residual_dtype = dtype
         for name, mod in self.named_modules():
-            if isinstance(mod, RMSNorm) and not name.endswith(("q_norm", "k_norm")):
+            if isinstance(mod, RMSNorm) and not name.endswith(("q_norm", "k_norm", "kv_norm")):
                 mod.out_dtype = dtype
 
     def make_block(self, m: Any, layer: int) -> nn.Module:

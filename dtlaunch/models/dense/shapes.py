@@ -37,7 +37,10 @@ def head_dim(m: ModelConfig) -> int:
 
 
 def rotary_dim(m: Any) -> int:
-    """Dims of each head RoPE rotates: all of them, or the first head_dim x partial_rotary_factor (GLM-4.5)."""
+    """Dims of each head RoPE rotates: all of them, the first head_dim x partial_rotary_factor (GLM-4.5), or
+    DeepSeek-V3's qk_rope_head_dim (its latent attention's rotated part)."""
+    if getattr(m, "qk_rope_head_dim", None):
+        return int(m.qk_rope_head_dim)
     return int(head_dim(m) * float(getattr(m, "partial_rotary_factor", None) or 1.0))
 
 

@@ -1,0 +1,229 @@
+"""DeepSeek-V3 (model.arch=deepseek_v3) against transformers' DeepseekV3ForCausalLM on tiny random
+directories (tests/conftest.py: GLM-4.5's routing parts, low-rank q, a 16-wide kv latent, 8 interleaved
+rotated dims per head, no-RoPE / value widths 12 / 10): logits within 1e-5 in fp32, with the attention's
+variants (a plain q projection, RoPE over halves, attention biases, YaRN), a bit-identical round trip,
+the planner's exact count, the multi-token-prediction layer skipped, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dtlaunch.config.compose import compose
+from dtlaunch.config.validate import validate
+from dtlaunch.convert.hf import load_hf_weights, save_hf
+from dtlaunch.errors import ConfigError
+from dtlaunch.models.registry import model_spec
+
+transformers = pytest.importorskip("transformers")
+TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def ours(path) -> tuple[torch.nn.Module, object]:
+    m = compose(["model=tiny", f"model.init_from=hf:{path}"]).cfg.model
+    model = model_spec(m).build(m, rope_len=32, device="cpu")
+    model.init_weights(0)  # buffers; the weights (and the router's correction bias) come next
+    result = model.load_state_dict(load_hf_weights(path, m), strict=False)
+    assert not result.unexpected_keys and not result.missing_keys, result
+    return model.eval(), m
+
+
+def theirs(path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def variant(src, tmp_path, **changes):
+    """A random directory like `src` with some of config.json changed."""
+    config = transformers.DeepseekV3Config.from_pretrained(src)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.2)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    return tmp_path
+
+
+def test_logits_match_transformers(tiny_moe_hf_dirs) -> None:
+    path = tiny_moe_hf_dirs["deepseek_v3"]
+    model, m = ours(path)
+    assert m.arch == "deepseek_v3" and (m.q_lora_rank, m.kv_lora_rank) == (24, 16) and m.rope_interleave
+    assert (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (12, 8, 10) and m.yarn is None
+    assert (m.moe.num_experts, m.moe.n_group, m.moe.topk_group, m.moe.routed_scaling) == (8, 2, 1, 2.5)
+    assert list(m.moe.dense_layers) == [0] and str(m.moe.score_func) == "sigmoid_bias"
+    assert model.layers["1"].feed_forward.router.expert_bias.abs().max() > 0.1
+    with torch.no_grad():
+        diff = (model(TOKENS) - theirs(path)(TOKENS).logits).abs().max().item()
+    assert diff < 1e-5, f"max |logit diff| {diff}"
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"q_lora_rank": None, "attention_bias": True},
+        {"rope_interleave": False},
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.8,
+                "mscale_all_dim": 0.7,
+            }
+        },
+    ],
+    ids=["plain_q_and_biases", "rope_halves", "yarn"],
+)
+def test_attention_variants_match_transformers(tiny_moe_hf_dirs, tmp_path, changes) -> None:
+    path = variant(tiny_moe_hf_dirs["deepseek_v3"], tmp_path, **changes)
+    model, m = ours(path)
+    with torch.no_grad():
+        diff = (model(TOKENS) - theirs(path)(TOKENS).logits).abs().max().item()
+    assert diff < 1e-5, f"{changes}: max |logit diff| {diff}"
+
+
+def test_round_trip_is_bit_identical_and_counted_exactly(tiny_moe_hf_dirs, tmp_path) -> None:
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    src = tiny_moe_hf_dirs["deepseek_v3"]
+    model, m = ours(src)
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["first_k_dense_replace"] == 1 and cfg["kv_lora_rank"] == 16 and cfg["num_nextn_predict_layers"] == 0
+    b = theirs(src)
+    with torch.no_grad():
+        assert (theirs(tmp_path)(TOKENS).logits - b(TOKENS).logits).abs().max().item() < 1e-5
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch=deepseek_v3) from {src}: {b.num_parameters():,} parameters" in out, out
+    assert model_spec(m).param_count(m) == sum(p.numel() for p in model.parameters()) == b.num_parameters()
+
+
+def test_multi_token_prediction_layer_is_skipped(tiny_moe_hf_dirs, tmp_path) -> None:
+    """DeepSeek-V3 checkpoints carry layer n_layers (the MTP layer): skipped, as transformers skips it."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_moe_hf_dirs["deepseek_v3"]
+    state = load_file(str(src / "model.safetensors"))
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    state["model.layers.2.self_attn.q_a_proj.weight"] = torch.zeros(24, 64)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    model, _ = ours(tmp_path)
+    with torch.no_grad():
+        assert (model(TOKENS) - ours(src)[0](TOKENS)).abs().max().item() == 0
+
+
+def test_decoding_with_the_cache_equals_the_full_forward(tiny_moe_hf_dirs) -> None:
+    """The KV cache (full per-head keys and values) gives the logits of the whole sequence, token by token."""
+    from dtlaunch.models.dense.model import KVCache
+
+    model, m = ours(tiny_moe_hf_dirs["deepseek_v3"])
+    with torch.no_grad():
+        full = model(TOKENS)
+        caches = [KVCache() for _ in range(int(m.n_layers))]
+        steps = [model(TOKENS[:, :12], caches=caches)]
+        steps += [model(TOKENS[:, i : i + 1], caches=caches) for i in range(12, TOKENS.shape[1])]
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["model.qk_rope_head_dim=7"], "model.qk_rope_head_dim=7"),
+        (["model.moe.dense_layers=[1]"], "its dense blocks first"),
+        (["model.moe.score_func=softmax"], "model.arch=deepseek_v3"),
+        (["strategy.cp=2"], "strategy.cp=2: model.arch=deepseek_v3"),
+    ],
+)
+def test_refusals_name_the_family(overrides: list[str], fragment: str) -> None:
+    small = ["model=deepseek_v3_671b", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2"]
+    small += ["model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.dense_layers=[0]"]
+    validate(compose(small).cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*small, *overrides]).cfg)
+    assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# DeepSeek-V3's config.json as published (the keys that shape the model).
+PUBLISHED = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_published_config_reads_as_deepseek_v3_671b_and_counts_exactly() -> None:
+    """The published config.json reads as model=deepseek_v3_671b's fields, and the planner's count, the
+    meta-built model's and transformers' agree (671.0B parameters without the MTP layer; 36.6B in the matmuls a token runs, head included)."""
+    from dtlaunch.models.deepseek_v3.flops import matmul_params
+
+    got = model_spec("deepseek_v3").hf.config_from_hf(PUBLISHED, "here")
+    m = compose(["model=deepseek_v3_671b"]).cfg.model
+    for key, value in got.items():
+        if key in ("arch", "moe", "yarn"):
+            continue
+        assert value == getattr(m, key) or (value is None and key == "sliding_window"), key
+    for key, value in got["moe"].items():
+        assert value == getattr(m.moe, key) or str(value) == str(getattr(m.moe, key)), key
+    assert got["yarn"] == {k: getattr(m.yarn, k) for k in got["yarn"]}
+    config = transformers.DeepseekV3Config(**{k: v for k, v in PUBLISHED.items() if k != "rope_scaling"})
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
+    built = sum(p.numel() for p in model_spec(m).build(m, rope_len=8, device="meta").parameters())
+    assert model_spec(m).param_count(m) == built == theirs
+    assert (theirs, matmul_params(m)) == (671_026_404_352, 36_625_603_584)
