@@ -46,9 +46,9 @@ class PreallocatedKVCache(KVCache):
         self.filled -= n
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None:
-            shape = (k.shape[0], self.capacity, *k.shape[2:])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        if self.k is None:  # values may be narrower than keys (DeepSeek-V3's v_head_dim)
+            self.k = k.new_empty((k.shape[0], self.capacity, *k.shape[2:]))
+            self.v = v.new_empty((v.shape[0], self.capacity, *v.shape[2:]))
         assert self.v is not None
         end = self.filled + k.shape[1]
         self.k[:, self.filled : end] = k
@@ -73,9 +73,9 @@ class StaticKVCache(KVCache):
     def update(
         self, k: torch.Tensor, v: torch.Tensor, window: Optional[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.k is None:  # at the prefill (eager), before any compiled step
-            shape = (k.shape[0], self.capacity, *k.shape[2:])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        if self.k is None:  # at the prefill (eager), before any compiled step; values may be narrower than keys
+            self.k = k.new_zeros((k.shape[0], self.capacity, *k.shape[2:]))
+            self.v = v.new_zeros((v.shape[0], self.capacity, *v.shape[2:]))
         assert self.v is not None
         written = self.pos + torch.arange(k.shape[1], device=k.device)
         self.k.index_copy_(1, written, k)

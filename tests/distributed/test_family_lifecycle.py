@@ -90,6 +90,7 @@ FAMILIES: list[Family] = [
     Family(
         "gpt_oss", "gpt_oss", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}, lora=_ALL_LINEAR
     ),
+    Family("deepseek_v3", "deepseek_v3", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}),
     Family(
         "hf_auto_tied",
         "llama_tied",
