@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dtlaunch.models.deepseek_v3.shapes import softmax_mscale
@@ -94,8 +95,14 @@ class MLAttention(nn.Module):
                 mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        width = q.shape[-1]
+        if self.v_dim != width:
+            # Values padded with zeros to the q/k width, the output cut back: the fused kernels (CPU's
+            # flash, CUDA's flash) take one head width; with two, SDPA falls back to the math kernel,
+            # which keeps the (S x S) probabilities for backward.
+            v = F.pad(v, (0, width - self.v_dim))
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(out.transpose(1, 2)[..., : self.v_dim].reshape(b, s, -1))
 
     def _heads(
         self,
