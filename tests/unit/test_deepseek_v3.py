@@ -226,16 +226,26 @@ def test_published_config_reads_as_deepseek_v3_671b_and_counts_exactly() -> None
         theirs = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
     built = sum(p.numel() for p in model_spec(m).build(m, rope_len=8, device="meta").parameters())
     assert model_spec(m).param_count(m) == built == theirs
+    # The config.json an export writes builds the same model in transformers (its YaRN parameters included).
+    exported = model_spec(m).hf.config_to_hf(m)
+    keep = {k: v for k, v in exported.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    again = transformers.DeepseekV3Config(**keep)
+    assert again.rope_parameters["rope_type"] == "yarn" and again.rope_parameters["factor"] == 40.0
+    with torch.device("meta"):
+        assert transformers.AutoModelForCausalLM.from_config(again).num_parameters() == theirs
     assert (theirs, matmul_params(m)) == (671_026_404_352, 36_625_603_584)
 
 
-@pytest.mark.parametrize("q_rank", [24, None], ids=["low_rank_q", "plain_q"])
+@pytest.mark.parametrize(
+    "q_rank, v_dim", [(24, 10), (None, 10), (24, 20)], ids=["low_rank_q", "plain_q", "v_as_wide_as_qk"]
+)
 @pytest.mark.parametrize("mode", ["none", "selective"])
-def test_planner_activation_terms_hold(mode: str, q_rank, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planner_activation_terms_hold(mode: str, q_rank, v_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's saved bytes per block against what the runtime keeps (its StorageCounter from the first
     block's input to the last block's output, the runtime's AC), a dense block and a sparse one with every
     DeepSeek-V3 part on, fp32: exact without checkpointing, within 2 % selective (the experts' saved
-    outputs depend on the router's split; the planner assumes a balanced one)."""
+    outputs depend on the router's split; the planner assumes a balanced one). Values narrower than q/k are
+    padded for the fused kernel; as wide, they are not."""
     from types import SimpleNamespace
 
     from dtlaunch.models.deepseek_v3 import activations as act
@@ -249,7 +259,7 @@ def test_planner_activation_terms_hold(mode: str, q_rank, monkeypatch: pytest.Mo
     small += ["model.vocab_size=256", "model.ffn_dim=96", "model.moe.num_experts=8", "model.moe.top_k=2"]
     small += ["model.moe.expert_dim=32", "model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.dense_layers=[0]"]
     small += [f"model.q_lora_rank={q_rank or 'null'}", "model.kv_lora_rank=16", "model.qk_rope_head_dim=8"]
-    small += ["model.qk_nope_head_dim=12", "model.v_head_dim=10", "model.max_seq_len=128"]
+    small += ["model.qk_nope_head_dim=12", f"model.v_head_dim={v_dim}", "model.max_seq_len=128"]
     m = compose(small).cfg.model
     torch.manual_seed(0)
     model = model_spec(m).build(m, rope_len=seq, device="cpu")
