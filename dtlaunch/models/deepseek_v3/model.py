@@ -14,10 +14,8 @@ from dtlaunch.models.moe.model import MoEDecoder
 
 
 class DeepseekV3Decoder(MoEDecoder):
-    def make_block(self, m: Any, layer: int) -> nn.Module:
-        block = super().make_block(m, layer)
-        block.attention = MLAttention(m)
-        return block
+    def make_attention(self, m: Any, layer: int) -> nn.Module:
+        return MLAttention(m)
 
 
 def build_model(m: Any, rope_len: Optional[int] = None, device: str | torch.device = "meta") -> DeepseekV3Decoder:

@@ -381,7 +381,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, m: ModelConfig, layer: Optional[int] = None) -> None:
+    def __init__(self, m: ModelConfig, layer: Optional[int] = None, attention: Optional[nn.Module] = None) -> None:
         super().__init__()
         # post_norm (OLMo 2/3): the two norms act on the attention and MLP outputs before each residual add,
         # and the sublayers read the residual stream itself (Hugging Face: post_attention_layernorm,
@@ -389,7 +389,8 @@ class TransformerBlock(nn.Module):
         self.post_norm = bool(getattr(m, "post_norm", False))
         offset = float(getattr(m, "norm_offset", 0.0) or 0.0)
         self.attention_norm = RMSNorm(m.dim, m.norm_eps, offset)
-        self.attention = Attention(m, rope=uses_rope(m, layer), layer=layer)
+        # `attention`: a family's own (DeepSeek-V3's latent attention), with this module's forward signature.
+        self.attention = attention if attention is not None else Attention(m, rope=uses_rope(m, layer), layer=layer)
         self.ffn_norm = RMSNorm(m.dim, m.norm_eps, offset)
         self.feed_forward = FeedForward(m.dim, ffn_dim(m), getattr(m, "mlp_activation", None) or "silu")
         # sandwich_norm (Gemma 2/3): the pre-norms above plus a norm on each sublayer's output before its
