@@ -266,7 +266,6 @@ TINY_HF_MOE = {
                 "truncate": False,
                 "original_max_position_embeddings": 16,
             },
-            },
         },
     ),
     # DeepSeek-V3: GLM-4.5's routing and latent attention (low-rank q, a 16-wide kv latent, 8 rotated dims
