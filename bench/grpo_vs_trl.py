@@ -1,0 +1,289 @@
+"""GRPO step speed against TRL's GRPOTrainer on the same job, one process on CPU.
+
+  python bench/grpo_vs_trl.py            # writes bench/results/grpo-vs-trl-cpu.{md,json}
+  python bench/grpo_vs_trl.py --steps 12 --warmup 3 --repeats 1 --no-write   # a quick look
+
+The job, alike on both sides: a tiny random Qwen2 (transformers' config classes, the test models' shape:
+2 layers, hidden 64, 256-word vocabulary) in an HF directory both load; 64 prompts of 3 to 8 words;
+G = 8 completions per prompt, 4 prompts per step (32 completions, one micro-batch), at most 8 new tokens,
+temperature 1; one reward function (the share of completion words that are the prompt's first word);
+beta 0, one optimizer step per generation batch, AdamW at the same learning rate.
+
+TRL runs in this process (GRPOTrainer.train, use_cpu); dtlaunch as `dtlaunch train objective=grpo` on one
+process. Both measure the same thing: the steady state, steps after the first W. A step's seconds: TRL's
+between two steps' ends (a callback's clock), dtlaunch's from its metrics.jsonl (`elapsed_s`, when each
+step ended). Rollout seconds: TRL's `_generate_and_score_completions` (generation, rewards, advantages) and
+within it `_generate` (sampling alone); dtlaunch's `time/rollout_s` and `time/generation_s`. Generated
+tokens/s: completion tokens (EOS included) over the sampling seconds. Each figure is the first quartile
+of the steps' (the CPU is shared: a quiet step is one no neighbour's burst slowed), then the median over the
+repeats; the ratios are the medians of each repeat's own (its two runs back to back). The mean steps/s is
+kept in the JSON too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(254)]
+G, PROMPTS_PER_STEP, MAX_NEW, LR = 8, 4, 8, 1e-3
+
+REWARD = '''
+def first_word_share(prompts, completions, completion_ids, **kwargs):
+    """The share of the completion's words that are the prompt's first word."""
+    out = []
+    for p, c in zip(prompts, completions):
+        words = c.split()
+        out.append(sum(w == p.split()[0] for w in words) / max(len(words), 1))
+    return out
+'''
+
+
+def write_task(out: Path, n_prompts: int = 64, seed: int = 0) -> dict[str, Path]:
+    """The HF model directory (weights, config, tokenizer), the prompts and the reward file under `out`."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(model_dir / "tokenizer.json"))
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(model_dir)
+    rng = random.Random(seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(n_prompts)]
+    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    (out / "reward.py").write_text(REWARD)
+    return {"model": model_dir, "prompts": out / "prompts.jsonl", "reward": out / "reward.py"}
+
+
+def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
+    """TRL's GRPOTrainer on the job in this process: steady-state steps/s, rollout and sampling seconds."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    sys.path.insert(0, str(task["reward"].parent))
+    from reward import first_word_share  # the same file dtlaunch imports
+
+    torch.set_num_threads(1)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(task["model"] / "tokenizer.json"), eos_token="<eos>", pad_token="<unk>"
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
+    rows = [json.loads(x) for x in task["prompts"].read_text().splitlines()]
+    args = trl.GRPOConfig(
+        output_dir=str(out / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        num_generations=G,
+        per_device_train_batch_size=G * PROMPTS_PER_STEP,
+        gradient_accumulation_steps=1,
+        max_completion_length=MAX_NEW,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=LR,
+        max_steps=steps,
+        logging_steps=10**6,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=[first_word_share],
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok,
+    )
+    clock: dict[str, list[float]] = {"step_end": [], "rollout": [], "generate": [], "tokens": []}
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, *a, **k):
+            clock["step_end"].append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    generate, score = trainer._generate, trainer._generate_and_score_completions
+
+    def timed_generate(prompts):
+        t = time.perf_counter()
+        result = generate(prompts)
+        clock["generate"].append(time.perf_counter() - t)
+        clock["tokens"].append(sum(len(c) for c in result[1]))  # completion_ids, EOS included
+        return result
+
+    def timed_score(inputs):
+        t = time.perf_counter()
+        result = score(inputs)
+        clock["rollout"].append(time.perf_counter() - t)
+        return result
+
+    trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_score
+    trainer.train()
+    ends = clock["step_end"]
+    steady = slice(warmup, steps)
+    return steady_state(
+        [b - a for a, b in zip(ends[warmup - 1 : steps - 1], ends[warmup:steps])],
+        clock["rollout"][steady],
+        clock["generate"][steady],
+        clock["tokens"][steady],
+    )
+
+
+def steady_state(step_s: list[float], rollout_s: list[float], gen_s: list[float], tokens: list[float]) -> dict:
+    """Per-step figures at their first quartile: the CPU is shared, and a quiet step is one no neighbour's
+    burst slowed (the same statistic on both sides; the mean steps/s is kept too)."""
+
+    def quiet(values: list[float]) -> float:
+        return sorted(values)[len(values) // 4]
+
+    return {
+        "steps_per_s": 1 / quiet(step_s),
+        "rollout_s": quiet(rollout_s),
+        "generation_s": quiet(gen_s),
+        "tokens_per_s": 1 / quiet([s / n for n, s in zip(tokens, gen_s)]),
+        "mean_length": sum(tokens) / (len(tokens) * G * PROMPTS_PER_STEP),
+        "mean_steps_per_s": len(step_s) / sum(step_s),
+    }
+
+
+def dtlaunch_args(task: dict[str, Path], steps: int, run: Path) -> list[str]:
+    return [
+        "objective=grpo",
+        f"model.init_from=hf:{task['model']}",
+        "data.kind=jsonl",
+        "data.format=prompt",
+        f"data.path={task['prompts']}",
+        f"data.tokenizer={task['model'] / 'tokenizer.json'}",
+        f"objective.rewards=[{task['reward']}:first_word_share]",
+        "objective.tool_timeout_s=0",  # TRL calls the reward in its own process too
+        f"objective.num_generations={G}",
+        f"objective.max_completion_length={MAX_NEW}",
+        "objective.temperature=1.0",
+        "objective.beta=0.0",
+        "training.seq_len=24",
+        f"training.micro_batch={G * PROMPTS_PER_STEP}",
+        f"training.global_batch={G * PROMPTS_PER_STEP}",
+        f"training.steps={steps}",
+        f"optim.lr={LR}",
+        "optim.warmup_steps=1",
+        "launch.nproc_per_node=1",
+        "launch.threads_per_worker=1",
+        "checkpoint.enabled=false",
+        "training.loss_plot=false",
+        "logging.trackers=[]",
+        f"run.dir={run}",
+    ]
+
+
+def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
+    """`dtlaunch train objective=grpo` on the job: steady-state steps/s and rollout numbers, from its metrics."""
+    run = out / "dtlaunch"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(common.ROOT))
+    cmd = [sys.executable, "-m", "dtlaunch", "train", *dtlaunch_args(task, steps, run)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=common.ROOT)
+    if proc.returncode:
+        sys.exit(f"dtlaunch train failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steady = m[warmup:steps]
+    return steady_state(
+        [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m[warmup - 1 : steps - 1], steady)],
+        [x["time/rollout_s"] for x in steady],
+        [x["time/generation_s"] for x in steady],
+        [x["completions/mean_length"] * G * PROMPTS_PER_STEP for x in steady],
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (start-up, first calls)")
+    p.add_argument("--repeats", type=int, default=5, help="each side run this many times, alternating; medians")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    a = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
+    task = write_task(out)
+    runs: dict[str, list[dict]] = {"trl": [], "dtlaunch": []}
+    for r in range(a.repeats):
+        runs["trl"].append(run_trl(task, a.steps, a.warmup, out / f"r{r}"))
+        runs["dtlaunch"].append(run_dtlaunch(task, a.steps, a.warmup, out / f"r{r}"))
+        last = {k: v[-1]["steps_per_s"] for k, v in runs.items()}
+        print(f"repeat {r}: TRL {last['trl']:.2f} steps/s, dtlaunch {last['dtlaunch']:.2f} ({last['dtlaunch'] / last['trl']:.2f}x)")
+    med = {k: {f: common.stats(x[f] for x in v)["median"] for f in v[0]} for k, v in runs.items()}
+    # Each repeat's two runs are back to back (the machine's load alike): the ratio is the median of theirs.
+    pairs = list(zip(runs["dtlaunch"], runs["trl"], strict=True))
+    ratios = {
+        "steps_per_s": statistics.median(d["steps_per_s"] / t["steps_per_s"] for d, t in pairs),
+        "rollout_s": statistics.median(t["rollout_s"] / d["rollout_s"] for d, t in pairs),
+        "tokens_per_s": statistics.median(d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs),
+    }
+    import trl
+
+    info = common.machine_info()
+    data = {"machine": info, "command": common.this_command(), "trl": trl.__version__, "args": vars(a)}
+    data |= {"median": med, "ratio_dtlaunch_over_trl": ratios, "runs": runs}
+    rows = [
+        [name, f"{m['steps_per_s']:.2f}", f"{m['rollout_s'] * 1e3:.1f}", f"{m['generation_s'] * 1e3:.1f}"]
+        + [f"{m['tokens_per_s']:.0f}", f"{m['mean_length']:.2f}"]
+        for name, m in (("TRL GRPOTrainer", med["trl"]), ("dtlaunch", med["dtlaunch"]))
+    ]
+    rows.append(
+        ["dtlaunch / TRL", f"{ratios['steps_per_s']:.2f}x", f"{ratios['rollout_s']:.2f}x faster", "", ""]
+        + [f"{ratios['tokens_per_s']:.2f}x", ""]
+    )
+    headers = ["", "steps/s", "rollout ms/step", "sampling ms/step", "generated tokens/s", "mean completion"]
+    md = [
+        "# GRPO steps against TRL's GRPOTrainer (CPU, one process)",
+        "",
+        f"`{data['command']}` on {common.describe_machine(info)}; TRL {trl.__version__}.",
+        "",
+        f"A tiny random Qwen2 (2 layers, hidden 64, vocabulary 256); {PROMPTS_PER_STEP} prompts x G = {G} = "
+        f"{G * PROMPTS_PER_STEP} completions of at most {MAX_NEW} tokens per step, temperature 1, beta 0, one "
+        f"reward function; {a.steps} steps, the first {a.warmup} left out; each figure the first quartile of "
+        f"the steps', then the median of {a.repeats} runs of each. "
+        "Rollout: generation + rewards + advantages; sampling: generation alone. The ratios are the medians of "
+        "each repeat's own (its two runs back to back, under the same load of the shared machine).",
+        "",
+        common.markdown_table(headers, rows),
+        "",
+    ]
+    print("\n".join(md))
+    if not a.no_write:
+        common.write_json(common.RESULTS / "grpo-vs-trl-cpu.json", data)
+        (common.RESULTS / "grpo-vs-trl-cpu.md").write_text("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
