@@ -154,7 +154,7 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
     ends = clock["step_end"]
     steady = slice(warmup, steps)
     return steady_state(
-        [b - a for a, b in zip(ends[warmup - 1 : steps - 1], ends[warmup:steps])],
+        [b - a for a, b in zip(ends[warmup - 1 : steps - 1], ends[warmup:steps], strict=True)],
         clock["rollout"][steady],
         clock["generate"][steady],
         clock["tokens"][steady],
@@ -172,7 +172,7 @@ def steady_state(step_s: list[float], rollout_s: list[float], gen_s: list[float]
         "steps_per_s": 1 / quiet(step_s),
         "rollout_s": quiet(rollout_s),
         "generation_s": quiet(gen_s),
-        "tokens_per_s": 1 / quiet([s / n for n, s in zip(tokens, gen_s)]),
+        "tokens_per_s": 1 / quiet([s / n for n, s in zip(tokens, gen_s, strict=True)]),
         "mean_length": sum(tokens) / (len(tokens) * G * PROMPTS_PER_STEP),
         "mean_steps_per_s": len(step_s) / sum(step_s),
     }
@@ -218,7 +218,7 @@ def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path) -> d
     m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = m[warmup:steps]
     return steady_state(
-        [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m[warmup - 1 : steps - 1], steady)],
+        [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m[warmup - 1 : steps - 1], steady, strict=True)],
         [x["time/rollout_s"] for x in steady],
         [x["time/generation_s"] for x in steady],
         [x["completions/mean_length"] * G * PROMPTS_PER_STEP for x in steady],
@@ -240,7 +240,9 @@ def main() -> None:
         runs["trl"].append(run_trl(task, a.steps, a.warmup, out / f"r{r}"))
         runs["dtlaunch"].append(run_dtlaunch(task, a.steps, a.warmup, out / f"r{r}"))
         last = {k: v[-1]["steps_per_s"] for k, v in runs.items()}
-        print(f"repeat {r}: TRL {last['trl']:.2f} steps/s, dtlaunch {last['dtlaunch']:.2f} ({last['dtlaunch'] / last['trl']:.2f}x)")
+        print(
+            f"repeat {r}: TRL {last['trl']:.2f} steps/s, dtlaunch {last['dtlaunch']:.2f} ({last['dtlaunch'] / last['trl']:.2f}x)"
+        )
     med = {k: {f: common.stats(x[f] for x in v)["median"] for f in v[0]} for k, v in runs.items()}
     # Each repeat's two runs are back to back (the machine's load alike): the ratio is the median of theirs.
     pairs = list(zip(runs["dtlaunch"], runs["trl"], strict=True))
