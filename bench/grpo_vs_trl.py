@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -85,8 +86,8 @@ def write_task(out: Path, n_prompts: int = 64, seed: int = 0) -> dict[str, Path]
     return {"model": model_dir, "prompts": out / "prompts.jsonl", "reward": out / "reward.py"}
 
 
-def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
-    """TRL's GRPOTrainer on the job in this process: steady-state steps/s, rollout and sampling seconds."""
+def trl_trainer(task: dict[str, Path], steps: int, out: Path) -> Any:
+    """TRL's GRPOTrainer on the job (use_cpu, one thread, as dtlaunch's worker)."""
     import datasets
     import torch
     import transformers
@@ -100,7 +101,6 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
         tokenizer_file=str(task["model"] / "tokenizer.json"), eos_token="<eos>", pad_token="<unk>"
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
-    rows = [json.loads(x) for x in task["prompts"].read_text().splitlines()]
     args = trl.GRPOConfig(
         output_dir=str(out / "trl"),
         report_to=[],
@@ -120,13 +120,24 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = trl.GRPOTrainer(
+    return trl.GRPOTrainer(
         model=model,
         reward_funcs=[first_word_share],
         args=args,
-        train_dataset=datasets.Dataset.from_list(rows),
+        train_dataset=datasets.Dataset.from_list(prompt_rows(task)),
         processing_class=tok,
     )
+
+
+def prompt_rows(task: dict[str, Path]) -> list[dict]:
+    return [json.loads(x) for x in task["prompts"].read_text().splitlines()]
+
+
+def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
+    """TRL's GRPOTrainer on the job in this process: steady-state steps/s, rollout and sampling seconds."""
+    import transformers
+
+    trainer = trl_trainer(task, steps, out)
     clock: dict[str, list[float]] = {"step_end": [], "rollout": [], "generate": [], "tokens": []}
 
     class Clock(transformers.TrainerCallback):
@@ -171,6 +182,7 @@ def steady_state(step_s: list[float], rollout_s: list[float], gen_s: list[float]
     return {
         "steps_per_s": 1 / quiet(step_s),
         "rollout_s": quiet(rollout_s),
+        "training_s": quiet([a - b for a, b in zip(step_s, rollout_s, strict=True)]),  # the rest of the step
         "generation_s": quiet(gen_s),
         "tokens_per_s": 1 / quiet([s / n for n, s in zip(tokens, gen_s, strict=True)]),
         "mean_length": sum(tokens) / (len(tokens) * G * PROMPTS_PER_STEP),
@@ -225,11 +237,48 @@ def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path) -> d
     )
 
 
+def sampler_alone(task: dict[str, Path], reps: int, out: Path) -> dict:
+    """TRL's sampler and dtlaunch's on the same generation batch (the first 4 prompts x G), from the same
+    initial weights, alternated call by call in this thread: CPU seconds (time.thread_time), which the
+    neighbours' load moves far less than wall seconds. TRL's: GRPOTrainer._generate (tokenize, transformers'
+    generate, decode); dtlaunch's: generate_batch on the prompts' ids, what its rollout calls."""
+    import torch
+
+    from dtlaunch.infer.batch_generate import Sampling, generate_batch
+    from dtlaunch.infer.generate import load_source, set_positions
+
+    trainer = trl_trainer(task, 1, out)
+    trainer.model.train()  # as in its training loop
+    prompts = [r["prompt"] for r in prompt_rows(task)[:PROMPTS_PER_STEP] for _ in range(G)]
+    ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+    loaded = load_source(f"hf:{task['model']}", torch.device("cpu"))
+    set_positions(loaded.model, max(len(i) for i in ids) + MAX_NEW)
+    cpu: dict[str, list[float]] = {"trl": [], "dtlaunch": []}
+    tokens: dict[str, list[int]] = {"trl": [], "dtlaunch": []}
+    for r in range(reps + 3):  # the first 3 calls of each warm up
+        t = time.thread_time()
+        completions = trainer._generate(prompts)[1]
+        cpu["trl"].append(time.thread_time() - t)
+        tokens["trl"].append(sum(len(c) for c in completions))
+        t = time.thread_time()
+        gen = generate_batch(loaded.model, ids, Sampling(MAX_NEW, 1.0), [1], 0, torch.Generator().manual_seed(r))
+        cpu["dtlaunch"].append(time.thread_time() - t)
+        tokens["dtlaunch"].append(sum(len(c) for c in gen.completions))
+    result: dict[str, Any] = {}
+    for k in cpu:
+        per_token = sorted(s / n for s, n in zip(cpu[k][3:], tokens[k][3:], strict=True))
+        result[k] = {"cpu_ms": sorted(cpu[k][3:])[reps // 4] * 1e3, "tokens_per_cpu_s": 1 / per_token[reps // 4]}
+    pairs = zip(cpu["trl"][3:], cpu["dtlaunch"][3:], strict=True)
+    result["ratio"] = statistics.median(t / d for t, d in pairs)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (start-up, first calls)")
     p.add_argument("--repeats", type=int, default=5, help="each side run this many times, alternating; medians")
+    p.add_argument("--sampler-calls", type=int, default=40, help="calls of each sampler alone, alternated")
     p.add_argument("--no-write", action="store_true", help="print only")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -239,33 +288,39 @@ def main() -> None:
     for r in range(a.repeats):
         runs["trl"].append(run_trl(task, a.steps, a.warmup, out / f"r{r}"))
         runs["dtlaunch"].append(run_dtlaunch(task, a.steps, a.warmup, out / f"r{r}"))
-        last = {k: v[-1]["steps_per_s"] for k, v in runs.items()}
-        print(
-            f"repeat {r}: TRL {last['trl']:.2f} steps/s, dtlaunch {last['dtlaunch']:.2f} ({last['dtlaunch'] / last['trl']:.2f}x)"
-        )
+        t, d = (runs[k][-1]["steps_per_s"] for k in ("trl", "dtlaunch"))
+        print(f"repeat {r}: TRL {t:.2f} steps/s, dtlaunch {d:.2f} ({d / t:.2f}x)")
+    alone = sampler_alone(task, a.sampler_calls, out)
     med = {k: {f: common.stats(x[f] for x in v)["median"] for f in v[0]} for k, v in runs.items()}
     # Each repeat's two runs are back to back (the machine's load alike): the ratio is the median of theirs.
     pairs = list(zip(runs["dtlaunch"], runs["trl"], strict=True))
     ratios = {
         "steps_per_s": statistics.median(d["steps_per_s"] / t["steps_per_s"] for d, t in pairs),
         "rollout_s": statistics.median(t["rollout_s"] / d["rollout_s"] for d, t in pairs),
+        "training_s": statistics.median(t["training_s"] / d["training_s"] for d, t in pairs),
         "tokens_per_s": statistics.median(d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs),
+        "sampler_alone_cpu": alone["ratio"],
     }
     import trl
 
     info = common.machine_info()
     data = {"machine": info, "command": common.this_command(), "trl": trl.__version__, "args": vars(a)}
-    data |= {"median": med, "ratio_dtlaunch_over_trl": ratios, "runs": runs}
+    data |= {"median": med, "ratio_dtlaunch_over_trl": ratios, "sampler_alone": alone, "runs": runs}
     rows = [
         [name, f"{m['steps_per_s']:.2f}", f"{m['rollout_s'] * 1e3:.1f}", f"{m['generation_s'] * 1e3:.1f}"]
-        + [f"{m['tokens_per_s']:.0f}", f"{m['mean_length']:.2f}"]
+        + [f"{m['training_s'] * 1e3:.1f}", f"{m['tokens_per_s']:.0f}", f"{m['mean_length']:.2f}"]
         for name, m in (("TRL GRPOTrainer", med["trl"]), ("dtlaunch", med["dtlaunch"]))
     ]
     rows.append(
-        ["dtlaunch / TRL", f"{ratios['steps_per_s']:.2f}x", f"{ratios['rollout_s']:.2f}x faster", "", ""]
-        + [f"{ratios['tokens_per_s']:.2f}x", ""]
+        ["dtlaunch / TRL", f"{ratios['steps_per_s']:.2f}x", f"{ratios['rollout_s']:.2f}x faster", ""]
+        + [f"{ratios['training_s']:.2f}x faster", f"{ratios['tokens_per_s']:.2f}x", ""]
     )
-    headers = ["", "steps/s", "rollout ms/step", "sampling ms/step", "generated tokens/s", "mean completion"]
+    headers = ["", "steps/s", "rollout ms", "sampling ms", "rest of step ms", "generated tokens/s", "mean length"]
+    alone_rows = [
+        [name, f"{alone[k]['cpu_ms']:.1f}", f"{alone[k]['tokens_per_cpu_s']:.0f}"]
+        for name, k in (("TRL GRPOTrainer._generate", "trl"), ("dtlaunch generate_batch", "dtlaunch"))
+    ]
+    alone_rows.append(["dtlaunch / TRL", f"{alone['ratio']:.2f}x faster", ""])
     md = [
         "# GRPO steps against TRL's GRPOTrainer (CPU, one process)",
         "",
@@ -273,12 +328,24 @@ def main() -> None:
         "",
         f"A tiny random Qwen2 (2 layers, hidden 64, vocabulary 256); {PROMPTS_PER_STEP} prompts x G = {G} = "
         f"{G * PROMPTS_PER_STEP} completions of at most {MAX_NEW} tokens per step, temperature 1, beta 0, one "
-        f"reward function; {a.steps} steps, the first {a.warmup} left out; each figure the first quartile of "
-        f"the steps', then the median of {a.repeats} runs of each. "
-        "Rollout: generation + rewards + advantages; sampling: generation alone. The ratios are the medians of "
-        "each repeat's own (its two runs back to back, under the same load of the shared machine).",
+        f"reward function; {a.steps} steps, the first {a.warmup} left out.",
+        "",
+        "## Training runs (wall clock)",
+        "",
+        "Per step: rollout = generation + rewards + advantages; sampling = generation alone; rest = the step "
+        "less its rollout (forward, backward, optimizer, logging). Each figure is the first quartile of the "
+        f"steps' (a quiet step), then the median of {a.repeats} runs of each; each ratio the median of the "
+        "repeats' own (a repeat's two runs back to back, under the same load of the shared machine).",
         "",
         common.markdown_table(headers, rows),
+        "",
+        "## The samplers alone (CPU time, interleaved)",
+        "",
+        f"One generation batch ({G * PROMPTS_PER_STEP} rows) from the initial weights, the two samplers called "
+        f"alternately {a.sampler_calls} times each in one thread; CPU milliseconds per call (first quartile), "
+        "generated tokens per CPU second, and the median of the calls' pairwise ratios.",
+        "",
+        common.markdown_table(["", "CPU ms per batch", "tokens per CPU s"], alone_rows),
         "",
     ]
     print("\n".join(md))

@@ -32,10 +32,20 @@ class PreallocatedKVCache(KVCache):
     """A block's keys and values for `capacity` positions, allocated at the first append (its head count
     is the module's: under tensor parallel, this rank's heads) and filled in place."""
 
-    def __init__(self, capacity: int, key_mask: torch.Tensor) -> None:
+    def __init__(self, capacity: int, key_mask: torch.Tensor, masks: dict[Optional[int], torch.Tensor]) -> None:
         super().__init__()
         self.capacity, self.filled = capacity, 0
         self.key_mask = key_mask  # (rows, capacity), shared by every block's cache, updated by the decoder
+        # This forward's attention masks by sliding window, shared by every block's cache: the blocks see
+        # the same positions, so the first block builds the mask and the others reuse it (the decoder
+        # empties it before each forward).
+        self.masks = masks
+
+    def step_mask(self, window: Optional[int], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        mask = self.masks.get(window)
+        if mask is None:
+            mask = self.masks[window] = build()
+        return mask
 
     @property
     def length(self) -> int:
@@ -136,6 +146,7 @@ def generate_batch(
     sequence_multiple: int = 1,
     compiled: bool = False,
     limits: Optional[Sequence[int]] = None,
+    plain: bool = False,
 ) -> Generated:
     """Completions of `prompts` (token ids) from `model` (a dtlaunch decoder whose RoPE tables cover the
     longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions). `all_done(done)`: whether
@@ -144,7 +155,14 @@ def generate_batch(
     `sequence_multiple`: every forward's positions a multiple of it (sequence parallel: the TP degree).
     `compiled`: the decode steps run compiled against static caches (`decode_step`); the prefill eagerly.
     `limits`: each row's own cap on new tokens (<= s.max_new_tokens; a tool-calling continuation's room
-    left in max_completion_length): the row ends there, truncated, and never reaches a position past it."""
+    left in max_completion_length): the row ends there, truncated, and never reaches a position past it.
+
+    Rows with the same prompt (GRPO's G completions of a prompt) share its prefill: each distinct prompt
+    runs through the model once and its keys and values are copied to its rows. Rows that finished leave
+    the decode batch (their caches' rows dropped) once a quarter of it has, eager decoding only (compiled
+    steps keep their shapes). The sampler still draws for every row, finished or not, from logits of the
+    same values: the generator's stream, and so every row's tokens, are those of `plain=True` (every row
+    prefilled and decoded to the end), which the tests compare against."""
     # training.loss_chunks leaves the head to the loss (`hidden_only`); sampling needs the logits.
     hidden_only = getattr(model, "hidden_only", False)
     model.hidden_only = False
@@ -153,15 +171,19 @@ def generate_batch(
         m = sequence_multiple
         rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
         capacity = longest + s.max_new_tokens + m - 1
-        tokens = torch.full((rows, longest), pad_id, dtype=torch.long, device=device)
-        key_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
-        for i, p in enumerate(prompts):
+        firsts: dict[tuple[int, ...], int] = {}
+        source = list(range(rows)) if plain else [firsts.setdefault(tuple(p), len(firsts)) for p in prompts]
+        distinct = prompts if plain else [list(p) for p in firsts]
+        tokens = torch.full((len(distinct), longest), pad_id, dtype=torch.long, device=device)
+        key_mask = torch.zeros(len(distinct), capacity, dtype=torch.bool, device=device)
+        for i, p in enumerate(distinct):
             tokens[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             key_mask[i, longest - len(p) : longest] = True
         lengths = key_mask[:, :longest].sum(dim=1)
         positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
         pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
-        preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask) for _ in model.layers]
+        masks: dict[Optional[int], torch.Tensor] = {}
+        preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask, masks) for _ in model.layers]
         static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
         caches: list[KVCache] = [*preallocated, *static]
         step_fn = decode_step(model) if compiled else model
@@ -172,13 +194,20 @@ def generate_batch(
         n = 0
         entropy = torch.zeros((), device=device)
         logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
+        if len(distinct) < rows:  # each row's copy of its prompt's prefill
+            index = torch.tensor(source, device=device)
+            key_mask, lengths, logits = key_mask[index], lengths[index], logits[index]
+            for cache in caches:
+                _select_rows(cache, index, key_mask)
+        live: Optional[torch.Tensor] = None  # the rows still in the decode batch, once some left it; None: all
         if compiled:
             pos += longest
         for n in range(s.max_new_tokens):
-            lp = torch.log_softmax(logits / s.temperature if s.temperature > 0 else logits, dim=-1)
-            entropy += (-(lp.exp() * lp).sum(-1) * ~done).sum()  # the rows still generating
+            going, batch = (~done, logits) if live is None else ((~done)[live], logits[live])
+            lp = torch.log_softmax(batch / s.temperature if s.temperature > 0 else batch, dim=-1)
+            entropy += (-(lp.exp() * lp).sum(-1) * going).sum()  # the rows still generating
             nxt = sample_next(logits, s, generator)
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            nxt = nxt.masked_fill(done, pad_id)
             out[:, n] = nxt
             done = done | torch.isin(nxt, stops) | (cap <= n + 1)
             finished = all_done(done) if all_done is not None else bool(done.all())
@@ -186,9 +215,15 @@ def generate_batch(
                 break
             key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
             # A row past its cap is done: its position is held at its last one (read by nothing, in RoPE's range).
-            held = lengths + torch.minimum(cap - 1, torch.full_like(cap, n))
-            step, at = nxt[:, None].expand(rows, m), held[:, None].expand(rows, m)
-            logits = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
+            held = lengths + (cap - 1).clamp(max=n)
+            if not (compiled or plain):
+                live, key_mask = _drop_finished(live, done, key_mask, caches)
+            fed, at = (nxt, held) if live is None else (nxt[live], held[live])
+            step, at = fed[:, None].expand(-1, m), at[:, None].expand(-1, m)
+            masks.clear()
+            new = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
+            # The finished rows keep their last logits: drawn from and discarded, as in the plain path.
+            logits = new if live is None else logits.index_copy(0, live, new)
             # The next step writes over this one's fillers (sequence parallel): one position on.
             if compiled:
                 pos += 1
@@ -206,6 +241,29 @@ def generate_batch(
         return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
     finally:
         model.hidden_only = hidden_only
+
+
+def _select_rows(cache: KVCache, index: torch.Tensor, key_mask: torch.Tensor) -> None:
+    """The cache's rows `index` (repeated: a shared prompt's copies; a subset: the rows still generating)."""
+    assert cache.k is not None and cache.v is not None
+    cache.k, cache.v = cache.k.index_select(0, index), cache.v.index_select(0, index)
+    cache.key_mask = key_mask
+
+
+def _drop_finished(
+    live: Optional[torch.Tensor], done: torch.Tensor, key_mask: torch.Tensor, caches: list[KVCache]
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """The decode batch without its finished rows, once they are a quarter of it (each drop copies the
+    caches); one row stays when all finished (a rank whose peers still decode keeps taking part)."""
+    going = ~done if live is None else ~done[live]
+    left = int(going.sum())
+    if left * 4 > len(going) * 3 or len(going) == 1:
+        return live, key_mask
+    keep = going.nonzero().squeeze(1) if left else going.new_zeros(1, dtype=torch.long)  # places in the batch
+    key_mask = key_mask.index_select(0, keep)
+    for cache in caches:
+        _select_rows(cache, keep, key_mask)
+    return (keep if live is None else live[keep]), key_mask
 
 
 def _whole(logits: torch.Tensor) -> torch.Tensor:

@@ -111,3 +111,33 @@ def test_per_row_limits(tiny_hf_dirs) -> None:
     cut = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1], limits=limits)
     assert cut.completions == [row[:n] for row, n in zip(free, limits, strict=True)]
     assert cut.truncated == [len(row) > n or row[-1] != 1 for row, n in zip(free, limits, strict=True)]
+
+
+def test_shared_prefill_and_dropped_rows_match_plain_path(tiny_hf_dirs) -> None:
+    """GRPO's batch, each prompt's G rows side by side: one prefill per distinct prompt (its keys and values
+    copied to its rows) and the finished rows dropped from the decode batch give the plain path's tokens
+    (every row prefilled and decoded to the end) row for row, greedy and sampled from the same seed."""
+    loaded = load_source(f"hf:{tiny_hf_dirs['qwen2']}", torch.device("cpu"))
+    set_positions(loaded.model, max(len(p) for p in PROMPTS) + NEW)
+    rows = [p for p in PROMPTS for _ in range(4)]
+    limits = [NEW - (i % 5) * 2 for i in range(len(rows))]  # rows end at different steps: several drops
+    greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
+    stop = generate_batch(loaded.model, PROMPTS[:1], greedy, stop_ids=[1]).completions[0][3]  # ends a group early
+    batch_rows: list[int] = []
+    hook = loaded.model.register_forward_pre_hook(lambda _, args: batch_rows.append(args[0].shape[0]))
+    try:
+        for s, seed in ((greedy, 0), (Sampling(max_new_tokens=NEW, temperature=1.0, top_p=0.9, top_k=50), 7)):
+            batch_rows.clear()
+            g = torch.Generator().manual_seed(seed)
+            fast = generate_batch(loaded.model, rows, s, [1, stop], 0, g, limits=limits)
+            assert batch_rows[0] == len(PROMPTS) and min(batch_rows[1:]) < len(rows), batch_rows
+            assert sorted(batch_rows[1:], reverse=True) == batch_rows[1:]  # rows leave, none come back
+            batch_rows.clear()
+            g = torch.Generator().manual_seed(seed)
+            plain = generate_batch(loaded.model, rows, s, [1, stop], 0, g, limits=limits, plain=True)
+            assert set(batch_rows) == {len(rows)}, batch_rows  # every row in every forward
+            assert fast.completions == plain.completions and fast.truncated == plain.truncated
+            assert fast.entropy == pytest.approx(plain.entropy, rel=1e-6) and fast.entropy > 0
+            assert len({len(c) for c in fast.completions}) > 2  # rows of many lengths
+    finally:
+        hook.remove()

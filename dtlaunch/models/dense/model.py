@@ -290,13 +290,17 @@ class Attention(nn.Module):
             start = cache.length if cache is not None else 0
             if cos.dim() == 2 and start:  # shared tables: the new tokens' positions follow the cache
                 cos, sin = cos[start:], sin[start:]
-            if self.rope:
+            if self.rope and cache is not None:  # decoding: q and k rotated in one pass (half the op calls)
+                qk = self.rotate(torch.cat((q, k), dim=2), cos, sin)
+                q, k = qk[:, :, : q.shape[2]], qk[:, :, q.shape[2] :]
+            elif self.rope:
                 q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             if cache is not None:
                 k, v = cache.append(k, v)
-            mask = self._mask(mask, start, s, k.shape[1], x.device)
             if cache is not None and cache.key_mask is not None:
-                mask = padded_keys(mask, cache.key_mask[:, : k.shape[1]], start, s)
+                mask = cache.step_mask(self.sliding_window, lambda: self._padded_mask(mask, start, s, k, cache))
+            else:
+                mask = self._mask(mask, start, s, k.shape[1], x.device)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if self.sinks is not None:
@@ -304,6 +308,11 @@ class Attention(nn.Module):
         else:
             out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _padded_mask(self, doc_mask: Any, start: int, s: int, k: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        assert cache.key_mask is not None
+        total = k.shape[1]
+        return padded_keys(self._mask(doc_mask, start, s, total, k.device), cache.key_mask[:, :total], start, s)
 
     def _mask(
         self, doc_mask: Optional[torch.Tensor | Documents], start: int, s: int, total: int, device: torch.device
@@ -353,6 +362,11 @@ class KVCache:
     @property
     def length(self) -> int:
         return 0 if self.k is None else int(self.k.shape[1])
+
+    def step_mask(self, window: Optional[int], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """This forward's attention mask for a block with sliding `window` (`build` makes it). A decoder
+        whose blocks' caches share one memo (dtlaunch.infer.batch_generate) builds it once per forward."""
+        return build()
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=1)

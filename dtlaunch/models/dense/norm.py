@@ -24,11 +24,25 @@ import torch
 from torch import nn
 
 
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * _rstd(xf, eps)).type_as(x) * weight
+
+
+def _offset_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * _rstd(xf, eps) * (weight.float() + offset)).type_as(x)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        rstd = _rstd(xf, eps)
         ctx.save_for_backward(x, rstd, weight)
         return (xf * rstd).type_as(x) * weight
 
@@ -62,7 +76,7 @@ class _OffsetRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        rstd = _rstd(xf, eps)
         ctx.save_for_backward(x, rstd, weight)
         ctx.offset = offset
         return (xf * rstd * (weight.float() + offset)).type_as(x)
@@ -96,7 +110,9 @@ class RMSNorm(nn.Module):
         self.out_dtype: Optional[torch.dtype] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:
+        if not torch.is_grad_enabled():  # decoding, log-probs: the Functions' forward ops, without their call
+            y = _offset_norm(x, self.weight, self.eps, self.offset) if self.offset else _norm(x, self.weight, self.eps)
+        elif self.offset:
             y = _OffsetRMSNorm.apply(x, self.weight, self.eps, self.offset)
         else:
             y = _RMSNorm.apply(x, self.weight, self.eps)
