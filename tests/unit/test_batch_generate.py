@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtlaunch.infer.batch_generate import Sampling, generate_batch
+from dtlaunch.infer.batch_generate import Sampling, generate_batch, sample_next
 from dtlaunch.infer.generate import load_source, set_positions
 
 transformers = pytest.importorskip("transformers")
@@ -141,3 +141,17 @@ def test_shared_prefill_and_dropped_rows_match_plain_path(tiny_hf_dirs) -> None:
             assert len({len(c) for c in fast.completions}) > 2  # rows of many lengths
     finally:
         hook.remove()
+
+
+def test_draws_follow_the_distribution() -> None:
+    """sample_next's draw (inverse CDF, one uniform per row): each id's frequency is its probability after
+    temperature and top-k, within 5 standard errors, and an id top-k removed is never drawn."""
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(0)) * 2
+    s = Sampling(max_new_tokens=1, temperature=0.7, top_k=30)
+    g, n = torch.Generator().manual_seed(1), 200_000
+    ids = torch.cat([sample_next(logits.expand(1000, -1), s, g) for _ in range(n // 1000)])
+    freq = torch.bincount(ids, minlength=40).double() / n
+    scaled = logits[0] / 0.7
+    p = scaled.masked_fill(scaled < scaled.topk(30).values[-1], float("-inf")).softmax(-1).double()
+    assert (p == 0).sum() == 10 and freq[p == 0].sum() == 0
+    assert torch.all((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt()), (freq - p).abs().max()
