@@ -463,19 +463,21 @@ def training_rows(
     """Training rows: prompt + completion from position 0, right-padded to seq_len; targets are the
     completion's, but for the tool results' tokens (tool_mask 0: the model did not write them) and, with
     mask_truncated, a truncated completion's."""
-    n = len(prompts)
-    inputs = torch.full((n, seq_len), PAD, dtype=torch.long)
-    targets = torch.full((n, seq_len), IGNORE, dtype=torch.long)
+    # Built as lists and made tensors once: a tensor per row cost a few operator calls each (~1 ms a step
+    # for 32 rows on CPU).
+    inputs, targets = [], []
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         seq = (list(p) + list(c))[: seq_len + 1]
-        inputs[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+        inputs.append(seq[:-1] + [PAD] * (seq_len - len(seq) + 1))
+        row = [IGNORE] * seq_len
         if not (mask_truncated and truncated[i]):
-            target = torch.tensor(seq[len(p) :])
+            target = seq[len(p) :]
             if tool_mask is not None:
-                keep = torch.tensor(tool_mask[i][: len(target)], dtype=torch.bool)
-                target = torch.where(keep, target, torch.full_like(target, IGNORE))
-            targets[i, len(p) - 1 : len(seq) - 1] = target
-    return inputs, targets
+                keep = tool_mask[i][: len(target)]
+                target = [t if k else IGNORE for t, k in zip(target, keep, strict=True)]
+            row[len(p) - 1 : len(seq) - 1] = target
+        targets.append(row)
+    return torch.tensor(inputs, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
 
 
 def _std(t: torch.Tensor) -> torch.Tensor:
