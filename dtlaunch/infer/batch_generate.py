@@ -51,6 +51,15 @@ class PreallocatedKVCache(KVCache):
     def length(self) -> int:
         return self.filled
 
+    def keep_rows(self, keep: torch.Tensor, key_mask: torch.Tensor) -> None:
+        """Only the rows `keep` (ascending) stay, moved to the front of the same storage (their filled
+        positions): dropping rows allocates no second cache, so generation's peak memory stays the plan's."""
+        assert self.k is not None and self.v is not None
+        n, f = len(keep), self.filled
+        self.k[:n, :f] = self.k[keep, :f]
+        self.v[:n, :f] = self.v[keep, :f]
+        self.k, self.v, self.key_mask = self.k[:n], self.v[:n], key_mask
+
     def drop_last(self, n: int) -> None:
         """Forget the last `n` positions written (a decode step's filler positions)."""
         self.filled -= n
@@ -231,7 +240,7 @@ def generate_batch(
                 break
             key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
             if not (compiled or plain):
-                live, key_mask = _drop_finished(live, done, key_mask, caches)
+                live, key_mask = _drop_finished(live, done, key_mask, preallocated)
             fed, at = (nxt, held_at[n]) if live is None else (nxt[live], held_at[n][live])
             step, at = fed.unsqueeze(1), at.unsqueeze(1)
             if m > 1:
@@ -260,14 +269,15 @@ def generate_batch(
 
 
 def _select_rows(cache: KVCache, index: torch.Tensor, key_mask: torch.Tensor) -> None:
-    """The cache's rows `index` (repeated: a shared prompt's copies; a subset: the rows still generating)."""
+    """The cache's rows `index`: each prompt's prefill copied to its rows (the prefill's own cache, a row
+    per distinct prompt, is freed once copied)."""
     assert cache.k is not None and cache.v is not None
     cache.k, cache.v = cache.k.index_select(0, index), cache.v.index_select(0, index)
     cache.key_mask = key_mask
 
 
 def _drop_finished(
-    live: Optional[torch.Tensor], done: torch.Tensor, key_mask: torch.Tensor, caches: list[KVCache]
+    live: Optional[torch.Tensor], done: torch.Tensor, key_mask: torch.Tensor, caches: list[PreallocatedKVCache]
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """The decode batch without its finished rows, once they are a quarter of it (each drop copies the
     caches); one row stays when all finished (a rank whose peers still decode keeps taking part)."""
@@ -278,7 +288,7 @@ def _drop_finished(
     keep = going.nonzero().squeeze(1) if left else going.new_zeros(1, dtype=torch.long)  # places in the batch
     key_mask = key_mask.index_select(0, keep)
     for cache in caches:
-        _select_rows(cache, keep, key_mask)
+        cache.keep_rows(keep, key_mask)
     return (keep if live is None else live[keep]), key_mask
 
 
