@@ -17,22 +17,29 @@ if TYPE_CHECKING:
 def check(cfg: JobConfig) -> None:
     moe_check(cfg)
     m = cfg.model
-    moe = m.moe
     r = rotary_dim(m)
     if r < 2 or r % 2:
         raise ConfigError(
             f"model.partial_rotary_factor={m.partial_rotary_factor} rotates {r} of head_dim={head_dim(m)} dims: "
             f"model.arch=glm4_moe needs an even number >= 2, pick a factor giving one"
         )
+    check_config_json_moe(cfg, "glm4_moe")
+
+
+def check_config_json_moe(cfg: JobConfig, arch: str) -> None:
+    """What a GLM-4.5 / DeepSeek-V3 config.json can say of its experts: dense blocks first
+    (first_k_dense_replace) and shared experts num_shared_experts x expert_dim wide."""
+    m = cfg.model
+    moe = m.moe
     dense = sorted(int(i) for i in moe.dense_layers)
     if dense != list(range(len(dense))) or int(moe.sparse_step) != 1:
         raise ConfigError(
-            f"model.moe.dense_layers={dense} with model.moe.sparse_step={moe.sparse_step}: model.arch=glm4_moe has "
+            f"model.moe.dense_layers={dense} with model.moe.sparse_step={moe.sparse_step}: model.arch={arch} has "
             f"its dense blocks first (first_k_dense_replace): list 0..k-1 and keep sparse_step=1"
         )
     shared = moe.shared_expert_dim
     if shared is not None and int(shared) != int(moe.num_shared_experts) * expert_dim(m):
         raise ConfigError(
-            f"model.moe.shared_expert_dim={shared}: model.arch=glm4_moe's shared experts are "
+            f"model.moe.shared_expert_dim={shared}: model.arch={arch}'s shared experts are "
             f"num_shared_experts x expert_dim wide: drop it (null)"
         )
