@@ -33,8 +33,7 @@ from torch import nn
 from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.norm import RMSNorm
 from dtlaunch.models.dense.shapes import SINK_DIMS, ffn_dim, head_dim, kv_heads, rotary_dim
-from dtlaunch.models.dense.yarn import attention_factor
-from dtlaunch.models.dense.yarn import yarn_frequencies as deepseek_yarn_frequencies
+from dtlaunch.models.dense.yarn import attention_factor, yarn_frequencies
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import ModelConfig
@@ -50,12 +49,9 @@ def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
     `rope_yarn`) or a linear factor (Gemma 3's global layers) if set; `local`: the sliding layers' base, unscaled."""
     d = rotary_dim(m)
     theta = m.rope_local_theta if local else m.rope_theta
-    yarn = getattr(m, "rope_yarn", None)
+    yarn = _yarn(m)
     if yarn is not None:
-        return yarn_frequencies(theta, d, yarn)  # gpt-oss
-    yarn = getattr(m, "yarn", None)
-    if yarn is not None:  # DeepSeek-V3
-        return deepseek_yarn_frequencies(d, float(theta), yarn)
+        return yarn_frequencies(d, float(theta), yarn)
     freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     linear = getattr(m, "rope_linear_factor", None)
     if linear and not local:
@@ -73,36 +69,16 @@ def rope_frequencies(m: Any, local: bool = False) -> torch.Tensor:
     return scaled.float()
 
 
-def yarn_frequencies(theta: float, d: int, yarn: Any) -> torch.Tensor:
-    """YaRN's inverse frequencies (Peng et al. 2023), as transformers computes them (fp32, its ramp and
-    correction range): high-frequency pairs kept, low-frequency ones divided by the factor, a linear ramp
-    between the dims that turn beta_fast and beta_slow times over the original context."""
-    base = theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    extrapolation, interpolation = 1.0 / base, 1.0 / (yarn.factor * base)
-
-    def correction_dim(rotations: float) -> float:
-        return d * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp
-    return interpolation * (1 - keep) + extrapolation * keep
+def _yarn(m: Any) -> Any:
+    """The model section's YaRN fields: gpt-oss's `rope_yarn`, DeepSeek-V3's `yarn`; None without YaRN."""
+    yarn = getattr(m, "rope_yarn", None)
+    return yarn if yarn is not None else getattr(m, "yarn", None)
 
 
 def rope_attention_factor(m: Any) -> float:
-    """YaRN's scale on cos and sin (so on q·k twice): attention_factor, or 0.1 ln(factor) + 1; 1 without YaRN."""
-    yarn = getattr(m, "rope_yarn", None)
-    if yarn is None:
-        deepseek = getattr(m, "yarn", None)  # DeepSeek-V3's (1 where mscale = mscale_all_dim)
-        return 1.0 if deepseek is None else attention_factor(deepseek)
-    if yarn.attention_factor is not None:
-        return float(yarn.attention_factor)
-    return 1.0 if yarn.factor <= 1 else 0.1 * math.log(yarn.factor) + 1.0
+    """YaRN's scale on cos and sin (so on q·k twice); 1 without YaRN (dtlaunch.models.dense.yarn)."""
+    yarn = _yarn(m)
+    return 1.0 if yarn is None else attention_factor(yarn)
 
 
 def rope_cache(m: Any, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
