@@ -112,6 +112,18 @@ RANGES: dict[str, Range] = {
     "model.moe.routed_scaling": POSITIVE,
     # glm4_moe's own: the share of each head's dims RoPE rotates.
     "model.partial_rotary_factor": Range(0, 1, min_open=True),
+    # deepseek_v3's own: the latent attention's widths (null q_lora_rank: one q projection), its YaRN.
+    "model.q_lora_rank": AT_LEAST_1,
+    "model.kv_lora_rank": AT_LEAST_1,
+    "model.qk_nope_head_dim": NON_NEGATIVE,
+    "model.qk_rope_head_dim": AT_LEAST_1,  # and even (its check)
+    "model.v_head_dim": AT_LEAST_1,
+    "model.yarn.factor": POSITIVE,
+    "model.yarn.original_max_seq_len": AT_LEAST_1,
+    "model.yarn.beta_fast": POSITIVE,
+    "model.yarn.beta_slow": POSITIVE,
+    "model.yarn.mscale": NON_NEGATIVE,  # 0: absent
+    "model.yarn.mscale_all_dim": NON_NEGATIVE,
     "strategy.dp_replicate": DEGREE,
     "strategy.dp_shard": DEGREE,
     "strategy.tp": DEGREE,
