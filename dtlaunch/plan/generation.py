@@ -61,12 +61,20 @@ def kv_cache_bytes(c: Any) -> float:
     return c.layers * 2 * (c.block_dims.k / c.tp) * generation_rows(c) * positions * c.compute_bytes
 
 
+def prefill_rows(c: Any) -> int:
+    """The rows the prefill runs: each distinct prompt once (its G completions copy its cache;
+    dtlaunch.infer.batch_generate). A rank's rows may start and end inside a group: one prompt more."""
+    rows, g = generation_rows(c), max(1, int(c.cfg.objective.num_generations))
+    return min(rows, -(-rows // g) + (1 if rows % g else 0))
+
+
 def decode_bytes(c: Any) -> float:
-    """The larger of the prefill's block working set and one step's logits with its sampling buffers (the
-    prefill projects its last position only; under tensor parallel the logits are gathered whole first)."""
+    """The larger of the prefill's block working set (a row per distinct prompt) and one step's logits with
+    its sampling buffers (the prefill projects its last position only; under tensor parallel the logits are
+    gathered whole first)."""
     rows, d, prompt = generation_rows(c), c.block_dims, prompt_positions(c)
     # The heads and the FFN width are split over TP; the block's input and output are not.
-    block = rows * prompt * ((d.qw + 2 * d.k + 3 * d.f) / c.tp + d.h) * c.compute_bytes
+    block = prefill_rows(c) * prompt * ((d.qw + 2 * d.k + 3 * d.f) / c.tp + d.h) * c.compute_bytes
     gathered = rows * d.vocab * c.compute_bytes if c.tp > 1 else 0.0
     sampling = 4 * rows * d.vocab * 4 + gathered
     # A step's positions (sequence parallel: one per TP rank) through the head's vocab / tp columns.

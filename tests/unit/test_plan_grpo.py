@@ -29,15 +29,19 @@ def plan(tmp_path, *overrides: str):
 
 def test_qwen3_0_6b_recipe_plans_the_generation_phase(tmp_path) -> None:
     """The recipe peaks in backward; under full AC the generation phase is the peak, and its lines are the
-    KV cache and the prefill's block working set: the prefill projects its last position only, so no
-    rows x prompt x vocabulary logits (64 x 256 x 151,936 in bf16, 4.6 GiB) are counted."""
+    KV cache and the larger of the prefill's block working set and a decode step's logits: the prefill runs
+    each distinct prompt once (8 of the 64 rows) and projects its last position only, so no rows x prompt x
+    vocabulary logits (64 x 256 x 151,936 in bf16, 4.6 GiB) are counted."""
     assert plan(tmp_path, "recipe=qwen3_0.6b_grpo").phase == "backward"
     worst = plan(tmp_path, "recipe=qwen3_0.6b_grpo", "training.activation_checkpointing=full")
     assert worst.phase == PHASE_GENERATION
     # Qwen3-0.6B (its config.json): 28 layers, 8 KV heads of 128; 64 rows of 1,280 positions in bf16.
     assert worst.lines["KV cache"] == 28 * 2 * 8 * 128 * 64 * 1280 * 2
-    # 64 rows x 256 prompt positions x (q 2,048 + k, v 1,024 each + SwiGLU 3 x 3,072 + the 1,024-wide input).
-    assert worst.lines["prefill / sampling buffers"] == 64 * 256 * (2048 + 2 * 1024 + 3 * 3072 + 1024) * 2
+    # The prefill: 8 distinct prompts x 256 positions x (q 2,048 + k, v 1,024 each + SwiGLU 3 x 3,072 + the
+    # 1,024-wide input), 59 MB; below a decode step's 64 rows of bf16 logits and four fp32 sampling buffers.
+    prefill = 8 * 256 * (2048 + 2 * 1024 + 3 * 3072 + 1024) * 2
+    step = 64 * 151_936 * 2 + 4 * 64 * 151_936 * 4
+    assert prefill < step and worst.lines["prefill / sampling buffers"] == step
     assert "accumulated gradients" not in worst.lines  # freed by the previous step
     assert worst.peak < 79 * GIB
 
@@ -99,8 +103,8 @@ def test_maximize_generations_and_completion_length_find_the_edge() -> None:
 
 
 def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit() -> None:
-    """qwen3_8b_grpo_fsdp with 200 rows a rank: gathered whole for generation it needs 83 GiB of the H100's
-    79; one unit at a time fits (71 GiB), and `auto` (the default) chooses it, says so, and the step-time model
+    """qwen3_8b_grpo_fsdp with 256 rows a rank: gathered whole for generation it needs 82 GiB of the H100's
+    79; one unit at a time fits (70 GiB), and `auto` (the default) chooses it, says so, and the step-time model
     charges an all-gather per decode step. At the recipe's own 8 rows `auto` stays whole."""
     from dtlaunch.config.layout import generation_gather
     from dtlaunch.plan.generation_time import generation_seconds
@@ -109,8 +113,8 @@ def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit
         job = load_job(["recipe=qwen3_8b_grpo_fsdp", *extra])
         return job, plan_memory(job.cfg, job.layout)
 
-    _, whole = planned("training.global_batch=1600", "objective.generation_gather=whole")
-    job, auto = planned("training.global_batch=1600")
+    _, whole = planned("training.global_batch=2048", "objective.generation_gather=whole")
+    job, auto = planned("training.global_batch=2048")
     assert not whole.fits and auto.fits and auto.generation_gather == "unit"
     assert any("one FSDP unit at a time" in n for n in auto.notes)
     assert auto.to_dict()["generation_gather"] == "unit"
@@ -123,7 +127,7 @@ def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit
     assert "note: generation gathers the weights one FSDP unit at a time" in shown.export_text()
     gen = whole.worst.phases[PHASE_GENERATION] - auto.worst.phases[PHASE_GENERATION]
     assert 10 * GIB < gen < 15.3 * GIB  # the whole bf16 model (15.3 GiB), less the embedding and one block's gather
-    unit_job, _ = planned("training.global_batch=1600", "objective.generation_gather=unit")
+    unit_job, _ = planned("training.global_batch=2048", "objective.generation_gather=unit")
     assert generation_gather(unit_job.cfg, unit_job.layout) == "unit"
     slow = generation_seconds(unit_job.cfg, unit_job.layout, 0.5)
     assert slow > generation_seconds(job.cfg, job.layout, 0.5)  # job: auto reads as whole before the plan
