@@ -124,6 +124,10 @@ def references(family_dirs) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason(
+    "the first layout carries the module's one group of 4 gloo processes, which trains every family in every "
+    "layout of this file at once (and the single-process references): the file's whole cost, shared"
+)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_families_match_one_process(layout: str, launched, references) -> None:
     for family in LAYOUTS[layout][1]:
