@@ -9,28 +9,16 @@ import json
 
 import pytest
 import torch
+from hf_loaded import ours, theirs
 
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
-from dtlaunch.convert.hf import load_hf_weights, save_hf
+from dtlaunch.convert.hf import save_hf
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
-
-
-def ours(path) -> tuple[torch.nn.Module, object]:
-    m = compose(["model=tiny", f"model.init_from=hf:{path}"]).cfg.model
-    model = model_spec(m).build(m, rope_len=32, device="cpu")
-    model.init_weights(0)  # buffers; the weights (and the router's correction bias) come next
-    result = model.load_state_dict(load_hf_weights(path, m), strict=False)
-    assert not result.unexpected_keys and not result.missing_keys, result
-    return model.eval(), m
-
-
-def theirs(path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def test_logits_match_transformers_and_every_part_matters(tiny_moe_hf_dirs) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_loaded import ours
 
 from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import HFWeights, load_hf_weights, save_hf
@@ -16,14 +17,6 @@ from dtlaunch.models.shapes import param_count
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
-
-
-def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:
-    m = compose(["model=tiny", f"model.init_from=hf:{path}"]).cfg.model
-    model = model_spec(m).build(m, rope_len=seq, device="cpu")
-    model.init_weights(0)
-    model.load_state_dict(load_hf_weights(path, m), strict=True)
-    return model.eval(), m
 
 
 @pytest.mark.parametrize("family", FAMILIES)
