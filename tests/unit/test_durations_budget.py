@@ -157,3 +157,25 @@ def test_plugin_stores_layers_and_summarises(tmp_path: Path) -> None:
     assert "OVER the 30.0 min goal" in out
     # the e2e test over budget is not this session's: the summary names only the tests it ran
     assert "test_e.py" not in out
+
+
+def test_two_sessions_at_once_split_a_layer_and_count_their_wall_once(tmp_path: Path) -> None:
+    """`make test` runs the single-process and multi-process sessions side by side, both holding e2e files:
+    each replaces only its own files' tests, and the stored wall time is the union of their spans."""
+    from durations_report import merge, sessions_wall
+
+    for f in ("a", "b"):
+        (tmp_path / "tests" / "e2e").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / "e2e" / f"test_{f}.py").write_text("")
+    data: dict = {
+        "layers": {"e2e": {"durations": {"tests/e2e/test_a.py::t": 9.0, "tests/e2e/test_gone.py::t": 5.0}}},
+        "sessions": {"distributed+e2e": {"wall_s": 100.0}},
+    }
+    merge(data, {"e2e": {"tests/e2e/test_a.py::t": 1.0}}, "multi", 1000.0, 600.0, 0, 0, tmp_path)
+    merge(data, {"e2e": {"tests/e2e/test_b.py::t": 2.0}, "unit": {"x": 1.0}}, "single", 1010.0, 400.0, 0, 0, tmp_path)
+    e2e = data["layers"]["e2e"]
+    assert e2e["durations"] == {"tests/e2e/test_a.py::t": 1.0, "tests/e2e/test_b.py::t": 2.0} and e2e["sum_s"] == 3.0
+    assert set(data["sessions"]) == {"multi", "single"}  # the older e2e session went, the concurrent one stayed
+    assert sessions_wall(data["sessions"]) == 600.0
+    data["sessions"]["later"] = {"began_epoch": 2000.0, "ended_epoch": 2050.0, "wall_s": 50.0}
+    assert sessions_wall(data["sessions"]) == 650.0
