@@ -221,7 +221,11 @@ def merge(
             if k.split("::")[0] not in files and (root / k.split("::")[0]).is_file()
         }
         kept.update(durations)
-        layers[layer] = {"tests": len(kept), "sum_s": round(sum(kept.values()), 1), "durations": dict(sorted(kept.items()))}
+        layers[layer] = {
+            "tests": len(kept),
+            "sum_s": round(sum(kept.values()), 1),
+            "durations": dict(sorted(kept.items())),
+        }
     sessions = data.setdefault("sessions", {})
     for other in list(sessions):
         ended = float(sessions[other].get("ended_epoch", 0))
