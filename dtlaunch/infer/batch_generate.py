@@ -184,88 +184,84 @@ def generate_batch(
     steps keep their shapes). The sampler still draws for every row, finished or not, from logits of the
     same values: the generator's stream, and so every row's tokens, are those of `plain=True` (every row
     prefilled and decoded to the end), which the tests compare against."""
-    # training.loss_chunks leaves the head to the loss (`hidden_only`); sampling needs the logits.
-    hidden_only = getattr(model, "hidden_only", False)
-    model.hidden_only = False
-    try:
-        device = next(model.parameters()).device
-        m = sequence_multiple
-        rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
-        capacity = longest + s.max_new_tokens + m - 1
-        firsts: dict[tuple[int, ...], int] = {}
-        source = list(range(rows)) if plain else [firsts.setdefault(tuple(p), len(firsts)) for p in prompts]
-        distinct = prompts if plain else [list(p) for p in firsts]
-        tokens = torch.full((len(distinct), longest), pad_id, dtype=torch.long, device=device)
-        key_mask = torch.zeros(len(distinct), capacity, dtype=torch.bool, device=device)
-        for i, p in enumerate(distinct):
-            tokens[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-            key_mask[i, longest - len(p) : longest] = True
-        lengths = key_mask[:, :longest].sum(dim=1)
-        positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
-        pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
-        masks: dict[Optional[int], torch.Tensor] = {}
-        preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask, masks) for _ in model.layers]
-        static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
-        caches: list[KVCache] = [*preallocated, *static]
-        step_fn = decode_step(model) if compiled else model
-        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
-        cap = torch.tensor(list(limits) if limits is not None else [s.max_new_tokens] * rows, device=device)
-        n = 0
-        entropy = torch.zeros((), device=device)
-        logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
-        if len(distinct) < rows:  # each row's copy of its prompt's prefill
-            index = torch.tensor(source, device=device)
-            key_mask, lengths, logits = key_mask[index], lengths[index], logits[index]
-            for cache in caches:
-                _select_rows(cache, index, key_mask)
-        live: Optional[torch.Tensor] = None  # the rows still in the decode batch, once some left it; None: all
+    # Every forward here passes `caches`, which makes the decoder return logits even where training.loss_chunks
+    # leaves the head to the loss (`hidden_only`): nothing on the model is switched for the rollout.
+    device = next(model.parameters()).device
+    m = sequence_multiple
+    rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
+    capacity = longest + s.max_new_tokens + m - 1
+    firsts: dict[tuple[int, ...], int] = {}
+    source = list(range(rows)) if plain else [firsts.setdefault(tuple(p), len(firsts)) for p in prompts]
+    distinct = prompts if plain else [list(p) for p in firsts]
+    tokens = torch.full((len(distinct), longest), pad_id, dtype=torch.long, device=device)
+    key_mask = torch.zeros(len(distinct), capacity, dtype=torch.bool, device=device)
+    for i, p in enumerate(distinct):
+        tokens[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        key_mask[i, longest - len(p) : longest] = True
+    lengths = key_mask[:, :longest].sum(dim=1)
+    positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
+    pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
+    masks: dict[Optional[int], torch.Tensor] = {}
+    preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask, masks) for _ in model.layers]
+    static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
+    caches: list[KVCache] = [*preallocated, *static]
+    step_fn = decode_step(model) if compiled else model
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    out = torch.full((rows, s.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    cap = torch.tensor(list(limits) if limits is not None else [s.max_new_tokens] * rows, device=device)
+    n = 0
+    entropy = torch.zeros((), device=device)
+    logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
+    if len(distinct) < rows:  # each row's copy of its prompt's prefill
+        index = torch.tensor(source, device=device)
+        key_mask, lengths, logits = key_mask[index], lengths[index], logits[index]
+        for cache in caches:
+            _select_rows(cache, index, key_mask)
+    live: Optional[torch.Tensor] = None  # the rows still in the decode batch, once some left it; None: all
+    if compiled:
+        pos += longest
+    # Each step's positions, a row past its cap held at its last one (read by nothing, in RoPE's range).
+    steps = torch.arange(s.max_new_tokens, device=device)[:, None]
+    held_at = lengths + torch.minimum(cap - 1, steps)  # (max_new_tokens, rows)
+    for n in range(s.max_new_tokens):
+        scaled = logits / s.temperature if s.temperature > 0 else logits
+        going, lp = (~done, scaled) if live is None else ((~done)[live], scaled[live])
+        lp = torch.log_softmax(lp, dim=-1)
+        entropy -= ((lp.exp() * lp).sum(-1) * going).sum()  # the rows still generating
+        nxt = _draw(scaled, s, generator) if s.temperature > 0 else logits.argmax(dim=-1)
+        nxt = nxt.masked_fill(done, pad_id)
+        out[:, n] = nxt
+        done = done | torch.isin(nxt, stops) | (cap <= n + 1)
+        finished = all_done(done) if all_done is not None else bool(done.all())
+        if finished or n == s.max_new_tokens - 1:
+            break
+        key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
+        if not (compiled or plain):
+            live, key_mask = _drop_finished(live, done, key_mask, preallocated)
+        fed, at = (nxt, held_at[n]) if live is None else (nxt[live], held_at[n][live])
+        step, at = fed.unsqueeze(1), at.unsqueeze(1)
+        if m > 1:
+            step, at = step.expand(-1, m), at.expand(-1, m)
+        masks.clear()
+        new = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
+        # The finished rows keep their last logits: drawn from and discarded, as in the plain path.
+        logits = new if live is None else logits.index_copy(0, live, new)
+        # The next step writes over this one's fillers (sequence parallel): one position on.
         if compiled:
-            pos += longest
-        # Each step's positions, a row past its cap held at its last one (read by nothing, in RoPE's range).
-        steps = torch.arange(s.max_new_tokens, device=device)[:, None]
-        held_at = lengths + torch.minimum(cap - 1, steps)  # (max_new_tokens, rows)
-        for n in range(s.max_new_tokens):
-            scaled = logits / s.temperature if s.temperature > 0 else logits
-            going, lp = (~done, scaled) if live is None else ((~done)[live], scaled[live])
-            lp = torch.log_softmax(lp, dim=-1)
-            entropy -= ((lp.exp() * lp).sum(-1) * going).sum()  # the rows still generating
-            nxt = _draw(scaled, s, generator) if s.temperature > 0 else logits.argmax(dim=-1)
-            nxt = nxt.masked_fill(done, pad_id)
-            out[:, n] = nxt
-            done = done | torch.isin(nxt, stops) | (cap <= n + 1)
-            finished = all_done(done) if all_done is not None else bool(done.all())
-            if finished or n == s.max_new_tokens - 1:
-                break
-            key_mask[:, longest + n] = True  # a finished row's later tokens are never read back
-            if not (compiled or plain):
-                live, key_mask = _drop_finished(live, done, key_mask, preallocated)
-            fed, at = (nxt, held_at[n]) if live is None else (nxt[live], held_at[n][live])
-            step, at = fed.unsqueeze(1), at.unsqueeze(1)
-            if m > 1:
-                step, at = step.expand(-1, m), at.expand(-1, m)
-            masks.clear()
-            new = _whole(step_fn(step, positions=at, caches=caches)[:, 0]).float()
-            # The finished rows keep their last logits: drawn from and discarded, as in the plain path.
-            logits = new if live is None else logits.index_copy(0, live, new)
-            # The next step writes over this one's fillers (sequence parallel): one position on.
-            if compiled:
-                pos += 1
-            elif m > 1:
-                for cache in preallocated:
-                    cache.drop_last(m - 1)
-        stop_set = set(stops.tolist())
-        completions, truncated = [], []
-        for row, row_cap in zip(out[:, : n + 1].tolist(), cap.tolist(), strict=True):
-            row = row[:row_cap]
-            end = next((j + 1 for j, t in enumerate(row) if t in stop_set), None)
-            completions.append(row[:end] if end is not None else row)
-            truncated.append(end is None)
-        tokens_out = sum(len(c) for c in completions)
-        return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
-    finally:
-        model.hidden_only = hidden_only
+            pos += 1
+        elif m > 1:
+            for cache in preallocated:
+                cache.drop_last(m - 1)
+    stop_set = set(stops.tolist())
+    completions, truncated = [], []
+    for row, row_cap in zip(out[:, : n + 1].tolist(), cap.tolist(), strict=True):
+        row = row[:row_cap]
+        end = next((j + 1 for j, t in enumerate(row) if t in stop_set), None)
+        completions.append(row[:end] if end is not None else row)
+        truncated.append(end is None)
+    tokens_out = sum(len(c) for c in completions)
+    return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
 
 
 def _select_rows(cache: KVCache, index: torch.Tensor, key_mask: torch.Tensor) -> None:

@@ -60,6 +60,20 @@ def test_greedy_batch_matches_transformers(tiny_hf_dirs, family: str) -> None:
         assert generate_batch(loaded.model, [prompt], greedy, stop_ids=[1, stop]).completions[0] == batched
 
 
+def test_a_model_training_with_a_chunked_loss_still_decodes_logits(tiny_hf_dirs) -> None:
+    """GRPO's rollout runs the model the step trains, whose head training.loss_chunks > 1 leaves to the loss
+    (`hidden_only`, set once by the trainer): decoding passes caches, which get logits, and nothing on the
+    model is switched and switched back around the rollout."""
+    loaded = load_source(f"hf:{tiny_hf_dirs['llama_tied']}", torch.device("cpu"))
+    set_positions(loaded.model, max(len(p) for p in PROMPTS) + NEW)
+    greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
+    plain = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1]).completions
+    loaded.model.hidden_only = True
+    assert loaded.model(torch.tensor([PROMPTS[0]])).shape[-1] == loaded.model.cfg.dim  # training: hidden states
+    assert generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1]).completions == plain
+    assert loaded.model.hidden_only
+
+
 def test_seeded_sampling_repeats(tiny_hf_dirs) -> None:
     loaded = load_source(f"hf:{tiny_hf_dirs['qwen2']}", torch.device("cpu"))
     set_positions(loaded.model, max(len(p) for p in PROMPTS) + NEW)

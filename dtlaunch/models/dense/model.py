@@ -451,8 +451,9 @@ class Decoder(nn.Module):
         caches: Optional[list[KVCache]] = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V) (the normed hidden states (B, S, h) when `hidden_only`);
-        a pipeline middle stage maps hidden -> hidden. `last_only`: the logits of the last position only
+        """tokens (B, S) int64 -> logits (B, S, V) (the normed hidden states (B, S, h) when `hidden_only`,
+        set once by the trainer's chunked loss; decoding, with `caches`, always gets logits: it samples from
+        them); a pipeline middle stage maps hidden -> hidden. `last_only`: the logits of the last position only
         (decoding's prefill samples from it alone), so the (B, S, V) logits never exist.
 
         Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
@@ -486,7 +487,8 @@ class Decoder(nn.Module):
             # Under sequence parallel `h` is this rank's slice of the positions; the head gathers the slices
             # of every rank, the last of which is the last position.
             h = h[:, -1:]
-        return self.output(h) if self.output is not None and not self.hidden_only else h
+        head = self.output is not None and (caches is not None or not self.hidden_only)
+        return self.output(h) if head else h
 
     def keep_residual_in(self, dtype: torch.dtype) -> None:
         """Keep the residual stream in `dtype` (precision.residual_dtype under autocast): the embedding's
