@@ -315,6 +315,8 @@ def paired_ratios(runs: Sequence[RunResult], side: str = "dtlaunch") -> dict[str
     mine = [r for r in runs if r.side == side]
     hand = [r for r in runs if r.side == "handwritten"]
     out: dict[str, list[float]] = {"per_step": [], "whole_loop": []}
+    if not mine:  # a side this run did not have (no --baseline)
+        return out
     for a, h in zip(mine, hand, strict=True):  # one of each side per repetition
         if a.error or h.error:
             continue
