@@ -84,6 +84,7 @@ def _states_equal(a: Path, b: Path) -> None:
 # DDP, FSDP, TP and PP resume bit-identically through the CLI in tests/e2e/test_resume_cli.py and
 # tests/e2e/test_fault_tolerance.py; ZeRO-1's optimizer is saved by a path of its own, tested here.
 @pytest.mark.parametrize("layout", ["zero1_2"])
+@pytest.mark.slow_reason("three runs: uninterrupted, stopped at step 3, resumed")
 def test_interrupted_equals_uninterrupted(layout: str, tmp_path: Path) -> None:
     straight = run_worker(layout, tmp_path / "a", tmp_path / "a.json")
     first = run_worker(layout, tmp_path / "b", tmp_path / "b1.json", stop_at=3)
@@ -109,6 +110,7 @@ def fsdp2_stopped_at_3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason("the first target pays the module's FSDP2 run stopped at step 3 and its uninterrupted twin")
 @pytest.mark.parametrize("target", ["fsdp4", "single", "tp2", "ddp2"])
 def test_cross_layout_resume(target: str, fsdp2_stopped_at_3: tuple[Path, dict, dict], tmp_path: Path) -> None:
     saved, first, straight = fsdp2_stopped_at_3
@@ -127,6 +129,7 @@ def test_cross_layout_resume(target: str, fsdp2_stopped_at_3: tuple[Path, dict, 
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason("a run saving asynchronously every step, then its checkpoints read back")
 def test_async_save_snapshot_and_keep_last(tmp_path: Path) -> None:
     run = tmp_path / "run"
     res = run_worker(

@@ -15,7 +15,12 @@ from __future__ import annotations
 import pytest
 from forked_training import run_forked, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slow_reason(
+        "one forked group trains every chunked-loss layout once; the first test pays it, the others read it"
+    ),
+]
 
 TOL = 1e-5
 # peft.alpha=256 scales the adapters' gradients 32-fold: against one process, the 2-rank reduction's fp32

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 from forked_training import run_forked, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slow_reason("every data format x micro-batch x packing x objective trained in one forked group"),
+]
 pytest.importorskip("transformers")
 
 # Roles as words of the tiny tokenizer; each turn ends with its EOS, the end-of-turn token.

@@ -27,7 +27,12 @@ import pytest
 from forked_training import run_forked, train
 from test_qlora import LAYOUT_TOL as QLORA_LAYOUT_TOL
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slow_reason(
+        "two forked groups (2 and 4 ranks) train all 35 DPO/ORPO/SimPO layouts once; the first test of each pays its group, the others read it"
+    ),
+]
 
 TOL = 1e-5
 STEPS = 3

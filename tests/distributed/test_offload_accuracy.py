@@ -20,6 +20,7 @@ SUBSET = [
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason("real runs with CPU offload, their measured peaks against the plan")
 def test_offloaded_plan_matches_real_runs() -> None:
     spec = importlib.util.spec_from_file_location("offload_accuracy", BENCH)
     bench = importlib.util.module_from_spec(spec)

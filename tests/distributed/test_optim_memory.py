@@ -188,6 +188,9 @@ def _resume(ckpt: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason(
+    "torchao's 8-bit update compiled (inductor) in two forked ranks, then a run resumed from its checkpoint"
+)
 def test_fsdp2_adamw8bit_in_backward_matches_torchao_and_resumes_bit_exactly(tmp_path: Path) -> None:
     """FSDP2 over 2 ranks (quantised state per shard: torchao's block boundaries fall on the same elements
     when a shard divides by the block), the update inside backward, and a resume from DCP."""

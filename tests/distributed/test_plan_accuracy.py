@@ -44,6 +44,7 @@ def _run(bench, overrides: list[str], **kw) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason("seven real 2-4 process runs, one per layout the planner models (DDP to CP): measured peaks")
 def test_predicted_peak_matches_real_runs():
     bench = _bench()
     rows = [_run(bench, ov) for ov in SUBSET]

@@ -23,7 +23,12 @@ from pathlib import Path
 import pytest
 from forked_training import run_forked, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slow_reason(
+        "TRL's SFTTrainer (transformers' training stack) is the reference, run once per setting the tests share"
+    ),
+]
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

@@ -196,6 +196,7 @@ def chaos(
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason("CI_KILLS kills of one job, each followed by a real restart, plus the uninterrupted reference")
 def test_sigkilled_launchers_restart_to_identical_losses(tmp_path: Path) -> None:
     kills = int(os.environ.get("DTLAUNCH_CHAOS_KILLS", CI_KILLS))
     seed = int(os.environ.get("DTLAUNCH_CHAOS_SEED", "0"))

@@ -20,7 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from ports import listen_port  # noqa: E402
 from test_skypilot_task import parse_with_skypilot  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slow_reason(
+        "two launchers as two nodes of one job (rendezvous, training, resume, evaluation): nothing shorter shows it"
+    ),
+]
 
 STEPS = 4
 TINY = [

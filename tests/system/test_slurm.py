@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from cli_server import run_dtlaunch
 
-pytestmark = pytest.mark.system
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.slow_reason("a real Slurm cluster: each job is queued, started and (requeue) interrupted for real"),
+]
 
 TINY = [
     "recipe=tiny_ddp",

@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 from cli_server import run_dtlaunch
 
-pytestmark = [pytest.mark.system, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.slow,
+    pytest.mark.slow_reason("real Slurm jobs: training, then an lm-eval job started by a dependency"),
+]
 pytest.importorskip("lm_eval")
 
 STEPS = 3

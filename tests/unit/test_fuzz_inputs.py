@@ -375,6 +375,9 @@ def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow_reason(
+    "a few hundred generated hostile inputs through the CLI in-process, each checked for files touched"
+)
 def test_fuzz_hostile_inputs(
     base_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

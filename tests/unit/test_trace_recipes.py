@@ -53,6 +53,9 @@ def _plan_trace(argv: list[str], fake: bool, conn) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow_reason(
+    "a real --trace of each shipped recipe's step (the 3D and LoRA ones the slowest): the segfault it guards"
+)
 @pytest.mark.parametrize("name", RECIPES)
 def test_plan_trace_runs_on_every_recipe(name):
     from dtlaunch.plan.trace import real_tensors_needed, skip_reason, traced_with_fake_tensors
