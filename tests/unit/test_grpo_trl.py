@@ -62,16 +62,15 @@ def generation_batch() -> tuple[list[str], list[list[int]], list[list[int]]]:
     return [prompts[i // G] for i in range(PROMPTS * G)], prompt_ids, completion_ids
 
 
-@pytest.fixture(scope="module")
-def trl_trainer(tiny_hf_dirs, tmp_path_factory):
-    path = tiny_hf_dirs["qwen2"]
+def grpo_trainer(path: Path, output_dir: Path, **config: object):
+    """A GRPOTrainer on the tiny HF directory `path` (TRL's own defaults but for `config`) and its tokenizer."""
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(path / "tokenizer.json"), eos_token="<eos>", pad_token="<unk>"
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ds = datasets.Dataset.from_list([{"prompt": "w1 w2", "answer": "w7"}] * PROMPTS * G)
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("trl_grpo")),
+        output_dir=str(output_dir),
         report_to=[],
         use_cpu=True,
         bf16=False,
@@ -79,10 +78,17 @@ def trl_trainer(tiny_hf_dirs, tmp_path_factory):
         per_device_train_batch_size=PROMPTS * G,
         max_completion_length=MAX_LEN,
         reward_weights=WEIGHTS,
+        **config,
     )
     trainer = trl.GRPOTrainer(model=model, reward_funcs=FUNCS, args=args, train_dataset=ds, processing_class=tok)
     trainer.current_gradient_accumulation_steps = 1
-    trainer.ref_model = model  # beta > 0: the reference's log-probs are ours, handed in below
+    return trainer, tok
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tiny_hf_dirs, tmp_path_factory):
+    trainer, tok = grpo_trainer(tiny_hf_dirs["qwen2"], tmp_path_factory.mktemp("trl_grpo"))
+    trainer.ref_model = trainer.model  # beta > 0: the reference's log-probs are ours, handed in below
     return trainer, tok
 
 
@@ -151,6 +157,36 @@ def test_grpo_matches_trl(trl_trainer, scale, mask_truncated, beta, old_policy) 
             torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6, msg=what)
             torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, rtol=0, atol=1e-6, msg=what)
             assert ours_leaf.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_log_probs_at_a_temperature_are_trls(tiny_hf_dirs, tmp_path, chunks) -> None:
+    """TRL scores every log-prob of the loss (policy, old policy, reference) on logits / temperature, the
+    distribution the rollout sampled from (_get_per_token_logps_and_entropies, run here for real on its
+    model); dtlaunch's token_logps on the same weights, from the logits and through the chunked head."""
+    from dtlaunch.infer.generate import load_source, set_positions
+    from dtlaunch.train.data import IGNORE_INDEX
+    from dtlaunch.train.loss import HeadLoss
+    from dtlaunch.train.objectives.grpo import token_logps
+
+    temperature, rows, length, keep = 0.7, 5, 12, 7
+    trainer, _ = grpo_trainer(tiny_hf_dirs["qwen2"], tmp_path, temperature=temperature)
+    ids = torch.randint(2, 40, (rows, length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), keep)
+    model = load_source(f"hf:{tiny_hf_dirs['qwen2']}", torch.device("cpu")).model
+    set_positions(model, length)
+    targets = ids[:, 1:].clone()
+    targets[:, : length - 1 - keep] = IGNORE_INDEX  # the prompt's positions: not scored
+    head = None
+    if chunks > 1:
+        model.hidden_only = True
+        head = HeadLoss(model, chunks, fused=False).token_nll
+    with torch.no_grad():
+        ours = token_logps(model(ids[:, :-1]), targets, head, temperature)[:, -keep:]
+        plain = token_logps(model(ids[:, :-1]), targets, head)[:, -keep:]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
+    assert (ours - plain).abs().max() > 1e-2  # the temperature matters at these values
 
 
 # objective.tools: multi-turn completions with tool calls.

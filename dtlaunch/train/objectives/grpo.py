@@ -74,6 +74,7 @@ class GRPOSettings:
     epsilon_high: float
     beta: float
     max_completion_length: int
+    temperature: float = 1.0  # the sampler's: every log-prob of the loss is of the logits / temperature (TRL)
 
     @classmethod
     def of(cls, o: ObjectiveConfig) -> GRPOSettings:
@@ -84,6 +85,7 @@ class GRPOSettings:
             epsilon_high=float(o.epsilon_high),
             beta=float(o.beta),
             max_completion_length=int(o.max_completion_length),
+            temperature=float(o.temperature),
         )
 
 
@@ -156,10 +158,17 @@ def grpo_loss(
     )
 
 
-def token_logps(output: torch.Tensor, targets: torch.Tensor, token_nll: Any = None) -> torch.Tensor:
+def token_logps(
+    output: torch.Tensor, targets: torch.Tensor, token_nll: Any = None, temperature: float = 1.0
+) -> torch.Tensor:
     """(rows, seq) log-probs of the targets (0 where the target is -100), from logits or through the chunked
-    head (`token_nll`, as the preference objectives' completion_logps)."""
+    head (`token_nll`, as the preference objectives' completion_logps), of the distribution the rollout
+    sampled from: logits / temperature, as TRL's _get_per_token_logps_and_entropies (policy, old policy and
+    reference alike). The chunked head's output is the hidden states: dividing them divides the logits (its
+    head has no bias, dtlaunch.train.loss.head_loss)."""
     rows, seq = targets.shape
+    if temperature > 0 and temperature != 1.0:  # 0: greedy sampling, whose logits TRL leaves as they are
+        output = output / temperature
     nll = token_nll(output, targets) if token_nll is not None else cross_entropy(output, targets, reduction="none")
     if isinstance(nll, DTensor):
         nll = nll.to_local()
@@ -190,7 +199,7 @@ class GRPOObjective:
         self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = (targets != IGNORE_INDEX).float()
-        logps = token_logps(output, targets, token_nll)
+        logps = token_logps(output, targets, token_nll, self.settings.temperature)
         # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
         # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
         parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens)

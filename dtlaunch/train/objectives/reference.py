@@ -194,9 +194,9 @@ class TokenReference:
     """objective=grpo with objective.beta > 0: the reference's per-token log-probs of a rollout's rows, from
     the policy with its adapters off (LoRA / QLoRA) or from a frozen copy of the initial weights."""
 
-    def __init__(self, model: nn.Module, head: Any, adapters_off: bool) -> None:
+    def __init__(self, model: nn.Module, head: Any, adapters_off: bool, temperature: float = 1.0) -> None:
         self.model = getattr(model, "module", model)
-        self.head, self.adapters_off = head, adapters_off
+        self.head, self.adapters_off, self.temperature = head, adapters_off, temperature
         self.modules = [] if adapters_off else [model]
 
     @torch.no_grad()
@@ -206,8 +206,9 @@ class TokenReference:
                 out = self.model(inputs)
         else:
             out = self.model(inputs)
-        nll = self.head.token_nll(out, targets)
-        return -nll.view(targets.shape).float()
+        from dtlaunch.train.objectives.grpo import token_logps
+
+        return token_logps(out, targets, self.head.token_nll, self.temperature)
 
 
 def grpo_reference(
@@ -218,7 +219,8 @@ def grpo_reference(
         return None
     from dtlaunch.train.loss import head_loss
 
+    temperature = float(cfg.objective.temperature)  # the reference's log-probs are of logits / T too (TRL)
     if str(cfg.peft.method) != "none":
-        return TokenReference(parts[0], head_loss(cfg, parts), adapters_off=True)
+        return TokenReference(parts[0], head_loss(cfg, parts), adapters_off=True, temperature=temperature)
     copy = frozen_copy(cfg, layout, mesh, _device(parts), init)
-    return TokenReference(copy, head_loss(cfg, [copy]), adapters_off=False)
+    return TokenReference(copy, head_loss(cfg, [copy]), adapters_off=False, temperature=temperature)

@@ -398,7 +398,7 @@ class Rollout:
                 if model is None:  # the reference (objective.beta > 0)
                     out.append(self.ref_model(x, y))
                 else:
-                    out.append(token_logps(model(x), y, rt.loss_fn.token_nll))
+                    out.append(token_logps(model(x), y, rt.loss_fn.token_nll, self.sampling.temperature))
         return torch.cat(out)
 
     def _all_done(self, done: torch.Tensor) -> bool:
