@@ -643,3 +643,33 @@ def test_environment_matches_trl(env_setup, timeout_s) -> None:
     parts.loss.backward()
     torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-6)
+
+
+def test_the_step_scores_at_the_sampling_temperature() -> None:
+    """GRPOObjective (the step's loss) takes objective.temperature from the config and scores logits / T."""
+    from dtlaunch.config.compose import compose
+    from dtlaunch.train.batch import RolloutRows
+    from dtlaunch.train.objectives.grpo import GRPOObjective
+
+    cfg = compose(["model=tiny", "objective=grpo", "objective.temperature=0.6", "objective.beta=0.0"]).cfg
+    objective = GRPOObjective.of(cfg, accum=1)
+    assert objective.settings.temperature == 0.6
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 11, generator=g)
+    targets = torch.randint(0, 11, (3, 5), generator=g)
+    targets[:, :2] = -100
+    rows = RolloutRows(adv=torch.tensor([0.5, -1.0, 2.0]), step_tokens=torch.tensor(9.0))
+    ours = logits.clone().requires_grad_(True)
+    loss, _ = objective(ours, targets, rows)
+    loss.backward()
+    # With one iteration the ratio is 1 and the loss's value is the advantages', whatever the log-probs: the
+    # temperature shows in the gradient.
+    leaf = logits.clone().requires_grad_(True)
+    logps = torch.log_softmax(leaf / 0.6, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    logps = logps * (targets != -100)
+    mask = (targets != -100).float()
+    want = grpo_loss(objective.settings, logps, None, None, rows.adv, mask, 1, rows.step_tokens).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.grad, leaf.grad, rtol=0, atol=1e-6)
+    assert ours.grad.abs().sum() > 0
