@@ -130,6 +130,15 @@ def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, 
     return loss_chunks == 1 or tp == 1
 
 
+def keeps_old_logps(cfg: JobConfig) -> bool:
+    """objective=grpo: whether a rollout runs the old policy's no-grad pass over its rows (their log-probs kept
+    for the loss's ratio): with num_iterations > 1 (later steps train on weights that moved), and for the
+    sampler correction (objective.importance_sampling_correction compares the sampler with them, as TRL).
+    The planner's phase and time and the rollout both ask here."""
+    o = cfg.objective
+    return int(o.num_iterations) > 1 or bool(o.importance_sampling_correction)
+
+
 def rows_per_sample(cfg: JobConfig) -> int:
     """2 for preference pairs (a chosen and a rejected row per sample), else 1 (a GRPO sample is one
     completion): the planner's tokens, the runtime's throughput and the MLP's tiles all count rows."""

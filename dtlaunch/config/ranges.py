@@ -203,6 +203,8 @@ RANGES: dict[str, Range] = {
     "objective.temperature": POSITIVE,
     "objective.top_p": Range(0, 1, min_open=True),
     "objective.top_k": NON_NEGATIVE,
+    "objective.importance_sampling_clip_max": POSITIVE,
+    "objective.importance_sampling_clip_min": NON_NEGATIVE,  # 0: no lower bound
     "objective.reward_weights": Range(),
     "objective.max_tool_calling_iterations": NON_NEGATIVE,  # None (unset): until a turn makes no call
     "objective.tool_timeout_s": NON_NEGATIVE,  # 0: calls run in the worker, no timeout

@@ -423,6 +423,17 @@ class GenerationGather(Choice):
     unit = "unit"  # one unit at a time, gathered again for every decode step (the whole model never held)
 
 
+class ImportanceSamplingMode(Choice):
+    """objective=grpo's correction for the sampler's numerics (TRL's vllm_importance_sampling_mode): the ratio
+    of the training policy's probability to the sampler's, per token or per completion (the tokens' log-ratios
+    summed), clipped to [clip_min, clip_max] (truncate) or zeroed outside it (mask)."""
+
+    token_truncate = "token_truncate"
+    token_mask = "token_mask"
+    sequence_truncate = "sequence_truncate"
+    sequence_mask = "sequence_mask"
+
+
 class ScaleRewards(Choice):
     """objective=grpo: divide the group-centred reward by the group's std, the batch's std, or nothing."""
 
@@ -487,6 +498,14 @@ class ObjectiveConfig:
     # The decode steps compiled (torch.compile against a static KV cache; CUDA graphs on CUDA): one compile
     # per run, then each step replays it. Off by default: the compile costs its seconds even on short runs.
     generation_compile: bool = False
+    # The sampler's own log-probs kept with each completion and the loss weighted by the training policy's
+    # probability over the sampler's (TRL's vllm_importance_sampling_correction, there for vLLM): where they
+    # differ (compiled or low-precision decoding) the tokens are reweighted, clipped or masked. Off by default:
+    # the sampler here is the training model, and the correction costs a no-grad pass of the rollout's rows.
+    importance_sampling_correction: bool = False
+    importance_sampling_mode: ImportanceSamplingMode = ImportanceSamplingMode.sequence_mask
+    importance_sampling_clip_max: float = 3.0
+    importance_sampling_clip_min: float = 0.0  # 0: no lower bound (TRL's None)
     format_regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `format` reward's pattern
     answer_field: str = "answer"  # the `accuracy` reward compares against this dataset column
     # Tools the model may call while it generates (TRL's `tools`): `module:function` / `path/to/file.py:function`,

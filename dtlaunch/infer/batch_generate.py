@@ -123,6 +123,10 @@ class Generated:
     # Mean entropy (nats) of the distribution each new token was sampled from, before top-k / top-p, at the
     # temperature (TRL's GRPO "entropy": logits / temperature over the completion tokens).
     entropy: float = 0.0
+    # generate_batch(sampler_logps=True): each new token's log-prob under the distribution it was drawn from
+    # (logits / temperature, after top-k and top-p: vLLM's processed log-probs, what TRL's importance-sampling
+    # correction compares the training policy with), one list per row, as long as its completion.
+    logps: Optional[list[list[float]]] = None
 
 
 def sample_next(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -134,6 +138,11 @@ def sample_next(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Gen
 
 def _draw(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator]) -> torch.Tensor:
     """Ids drawn from logits already divided by the temperature: top-k, top-p, then the draw."""
+    return _sample(_processed(logits, s), generator)
+
+
+def _processed(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Logits (already divided by the temperature) with top-k's and top-p's excluded ids at -inf."""
     if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -143,6 +152,11 @@ def _draw(logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator
         drop = cum <= 1 - s.top_p
         drop[:, -1] = False  # the most likely token always stays
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def _sample(logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One id per row drawn from softmax(logits)."""
     probs = logits.softmax(dim=-1)
     # Inverse CDF: one uniform per row against the cumulative probabilities (in float64: a long vocabulary's
     # sums stay exact to ~1e-16), the categorical distribution itself, drawn with `rows` random numbers where
@@ -168,6 +182,7 @@ def generate_batch(
     compiled: bool = False,
     limits: Optional[Sequence[int]] = None,
     plain: bool = False,
+    sampler_logps: bool = False,
 ) -> Generated:
     """Completions of `prompts` (token ids) from `model` (a dtlaunch decoder whose RoPE tables cover the
     longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions). `all_done(done)`: whether
@@ -212,6 +227,7 @@ def generate_batch(
     cap = torch.tensor(list(limits) if limits is not None else [s.max_new_tokens] * rows, device=device)
     n = 0
     entropy = torch.zeros((), device=device)
+    taken = torch.zeros(rows, s.max_new_tokens, device=device) if sampler_logps else None
     logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
     if len(distinct) < rows:  # each row's copy of its prompt's prefill
         index = torch.tensor(source, device=device)
@@ -229,7 +245,12 @@ def generate_batch(
         going, lp = (~done, scaled) if live is None else ((~done)[live], scaled[live])
         lp = torch.log_softmax(lp, dim=-1)
         entropy -= ((lp.exp() * lp).sum(-1) * going).sum()  # the rows still generating
-        nxt = _draw(scaled, s, generator) if s.temperature > 0 else logits.argmax(dim=-1)
+        if taken is not None:  # the same draw as _draw's, its log-prob kept
+            processed = _processed(scaled, s)
+            nxt = _sample(processed, generator) if s.temperature > 0 else logits.argmax(dim=-1)
+            taken[:, n] = torch.log_softmax(processed, dim=-1).gather(1, nxt[:, None])[:, 0]
+        else:
+            nxt = _draw(scaled, s, generator) if s.temperature > 0 else logits.argmax(dim=-1)
         nxt = nxt.masked_fill(done, pad_id)
         out[:, n] = nxt
         done = done | torch.isin(nxt, stops) | (cap <= n + 1)
@@ -261,7 +282,10 @@ def generate_batch(
         completions.append(row[:end] if end is not None else row)
         truncated.append(end is None)
     tokens_out = sum(len(c) for c in completions)
-    return Generated(completions=completions, truncated=truncated, entropy=float(entropy) / max(tokens_out, 1))
+    logps = None
+    if taken is not None:
+        logps = [values[: len(c)] for values, c in zip(taken[:, : n + 1].tolist(), completions, strict=True)]
+    return Generated(completions, truncated, float(entropy) / max(tokens_out, 1), logps)
 
 
 def _select_rows(cache: KVCache, index: torch.Tensor, key_mask: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ static lines: parameters, optimizer state, a reference copy) but no gradients an
   norm a static line already, its embedding on top) and, at the largest other unit's all-gather (a
   block, or a head of its own), that unit's flat all-gather output and the storage it is copied into
   (gloo, a CPU profile, holds one more copy).
-The old policy's pass (objective.num_iterations > 1) is a no-grad forward over the rows, micro-batch by
+The old policy's pass (dtlaunch.config.layout.keeps_old_logps) is a no-grad forward over the rows, micro-batch by
 micro-batch: the same moment as a reference forward (dtlaunch.plan.objective.reference_forward_bytes).
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.layout import decode_positions_multiple
+from dtlaunch.config.layout import decode_positions_multiple, keeps_old_logps
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
@@ -76,7 +76,9 @@ def decode_bytes(c: Any) -> float:
     # The heads and the FFN width are split over TP; the block's input and output are not.
     block = prefill_rows(c) * prompt * ((d.qw + 2 * d.k + 3 * d.f) / c.tp + d.h) * c.compute_bytes
     gathered = rows * d.vocab * c.compute_bytes if c.tp > 1 else 0.0
-    sampling = 4 * rows * d.vocab * 4 + gathered
+    # The sampler correction keeps each drawn token's log-prob: one more fp32 (rows, vocab) log-softmax.
+    buffers = 4 + bool(c.cfg.objective.importance_sampling_correction)
+    sampling = buffers * rows * d.vocab * 4 + gathered
     # A step's positions (sequence parallel: one per TP rank) through the head's vocab / tp columns.
     kept = decode_positions_multiple(c.cfg, c.tp)
     logits = rows * kept * (d.vocab / c.tp) * c.compute_bytes + sampling if c.last_stage else 0.0
@@ -102,7 +104,7 @@ def generation_phases(c: Any, static: dict[str, float], gather: str = "whole") -
         return {}
     held = sum(_between_steps(static).values())
     phases = {PHASE_GENERATION: held + kv_cache_bytes(c) + decode_bytes(c) + gathered_bytes(c, gather)}
-    if int(c.cfg.objective.num_iterations) > 1:
+    if keeps_old_logps(c.cfg):
         phases[PHASE_OLD_POLICY] = held + reference_forward_bytes(c)
     return phases
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, generation_gather, global_batch
+from dtlaunch.config.layout import Layout, generation_gather, global_batch, keeps_old_logps
 from dtlaunch.models.dense.shapes import head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
@@ -66,6 +66,6 @@ def generation_seconds(cfg: JobConfig, lay: Layout, efficiency: float) -> float:
         gather = (lay.shard - 1) / lay.shard * params * e / bw
         if generation_gather(cfg, lay) == "unit":
             gather *= 1 + completion  # the prefill and every decode step gather the model again
-    passes = (int(o.num_iterations) > 1) + (float(o.beta) > 0)
+    passes = keeps_old_logps(cfg) + (float(o.beta) > 0)
     no_grad = passes * 2 * params * rows * int(t.seq_len) / flops_per_s
     return (prefill + decode + gather + no_grad) / int(o.num_iterations)

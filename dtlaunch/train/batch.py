@@ -23,6 +23,8 @@ class RolloutRows:
     step_tokens: torch.Tensor  # the generation batch's loss tokens over all ranks / dp
     old: Optional[torch.Tensor] = None  # (rows, seq) old-policy log-probs (num_iterations > 1)
     ref: Optional[torch.Tensor] = None  # (rows, seq) reference log-probs (beta > 0)
+    # (rows, seq | 1) the sampler correction's weights (objective.importance_sampling_correction)
+    is_ratio: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,14 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
             ["objective.num_iterations=2", "checkpoint.every_steps=3"],
             "checkpoint.every_steps=3 is not a multiple of objective.num_iterations=2",
         ),
+        (
+            ["objective.importance_sampling_correction=true", "objective.importance_sampling_clip_min=3"],
+            "objective.importance_sampling_clip_min=3.0 is not below objective.importance_sampling_clip_max=3.0",
+        ),
+        (
+            ["objective.importance_sampling_correction=true", "objective.tools=[tools.py:add]"],
+            "objective.importance_sampling_correction=true with tools or an environment is not supported yet",
+        ),
     ],
 )
 def test_grpo_config_rules(toy: Path, extra: list, message: str) -> None:
@@ -158,6 +166,9 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
       flag rides the step's collectives), mid-batch: it finishes the batch, saves step 3, exits 75, and the
       same command resumes it. It generates with one FSDP unit gathered at a time
       (objective.generation_gather=unit), the others with the whole model (auto, as the plan chose).
+    All three with the sampler correction on (objective.importance_sampling_correction, per token): the
+    sampler is the training model, so its log-probs are the training policy's to float rounding and every
+    ratio is ~1, and the resumed rollouts' sampler log-probs are regenerated alike.
     (DDP trains alike within 1e-5: the replayed-completions test.)"""
     import signal
     import subprocess
@@ -172,6 +183,8 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
         "optim.lr=1e-2",
         "objective.num_iterations=3",
         "strategy=fsdp",
+        "objective.importance_sampling_correction=true",
+        "objective.importance_sampling_mode=token_truncate",
     )
     straight, killed, preempted = tmp_path / "straight", tmp_path / "killed", tmp_path / "preempted"
     trainer.run(straight, *common)
@@ -207,6 +220,10 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
 
     assert steps(killed) == steps(straight) and len(steps(straight)) == 6
     assert steps(preempted) == steps(straight)
+    for m in trainer.metrics(straight)[::3]:  # the steps that generated
+        assert 0 <= m["sampling/sampling_logp_difference/mean"] <= m["sampling/sampling_logp_difference/max"] < 1e-4
+        ratios = [m[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
+        assert 0.9999 < ratios[0] <= ratios[1] <= ratios[2] < 1.0001, m
     from dtlaunch.config.compose import load_resolved
 
     assert str(load_resolved(straight / "config.yaml").objective.generation_gather) == "whole"  # the plan's choice

@@ -673,3 +673,52 @@ def test_the_step_scores_at_the_sampling_temperature() -> None:
     torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
     torch.testing.assert_close(ours.grad, leaf.grad, rtol=0, atol=1e-6)
     assert ours.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_sampling_correction_matches_trl(trl_trainer, mode) -> None:
+    """objective.importance_sampling_correction: the sampler's log-probs against the old policy's, TRL's
+    vllm_importance_sampling_correction (its _generate handed our sampler log-probs, a NaN among them: a token
+    without one), each mode with both bounds; then its loss and gradients with the ratio in them."""
+    from dtlaunch.train.objectives.grpo import importance_sampling_ratio
+
+    trainer, tok = trl_trainer
+    prompts, prompt_ids, completion_ids = generation_batch()
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+    rows, cols = len(completion_ids), max(len(c) for c in completion_ids)
+    t = per_token_tensors(rows, cols)
+    g = torch.Generator().manual_seed(8)
+    # Sampler log-probs a little off the old policy's, some far enough for the bounds to act.
+    sampled = t["old"] + torch.randn(rows, cols, generator=g) * 0.4
+    sampled_lists = [sampled[i, : len(c)].tolist() for i, c in enumerate(completion_ids)]
+    sampled_lists[2][0] = None  # vLLM's NaN log-prob: TRL's None; ours NaN
+    sampled[2, 0] = float("nan")
+    clip_min, clip_max = 0.5, 1.6
+    trainer.scale_rewards, trainer.mask_truncated_completions, trainer.beta = "group", False, 0.04
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = clip_min, clip_max
+    leaf = {"v": t["old"]}  # TRL computes the old policy's log-probs for the correction
+    trainer._generate = lambda p: (prompt_ids, completion_ids, None, texts, sampled_lists, {}, None, None)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf["v"], torch.zeros(rows, cols), None)
+    try:
+        inputs = [{"prompt": p, "answer": ANSWERS[i // G]} for i, p in enumerate(prompts)]
+        scored = trainer._generate_and_score_completions(inputs)
+        mask = scored["completion_mask"].float()
+        ratio = importance_sampling_ratio(t["old"], sampled, mask, mode, clip_min, clip_max)
+        torch.testing.assert_close(ratio, scored["importance_sampling_ratio"], rtol=0, atol=1e-6)
+        assert (ratio == 0).any() if mode.endswith("mask") else (ratio == clip_max).any() or (ratio == clip_min).any()
+        scored["ref_per_token_logps"] = t["ref"]
+        trainer.loss_type, trainer.importance_sampling_level = "dapo", "token"
+        theirs_leaf = t["logps"].clone().requires_grad_(True)
+        leaf["v"] = theirs_leaf
+        trl_loss = trainer._compute_loss(trainer.model, scored)
+        trl_loss.backward()
+    finally:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, False
+    s = GRPOSettings("dapo", "token", trainer.epsilon_low, trainer.epsilon_high, 0.04, MAX_LEN)
+    ours_leaf = t["logps"].clone().requires_grad_(True)
+    parts = grpo_loss(s, ours_leaf, t["old"], t["ref"], scored["advantages"], mask, 1, mask.sum(), ratio)
+    parts.loss.backward()
+    torch.testing.assert_close(parts.loss, trl_loss.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours_leaf.grad, theirs_leaf.grad, rtol=0, atol=1e-6)

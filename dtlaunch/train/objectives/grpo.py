@@ -64,6 +64,27 @@ def advantages(per_func: torch.Tensor, weights: torch.Tensor, group: int, scale:
     return torch.nan_to_num(adv, nan=0.0)
 
 
+def importance_sampling_ratio(
+    old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float, clip_max: float
+) -> torch.Tensor:
+    """TRL's correction for a sampler whose numerics differ from training's (its vLLM importance sampling):
+    exp(old-policy log-prob - sampler's) per token (rows, seq), or per completion (rows, 1) in the sequence_*
+    modes (the tokens' differences summed), clipped to [clip_min, clip_max] (*_truncate) or zeroed outside it
+    (*_mask). A token without the sampler's log-prob (NaN: replayed completions) has a difference of 0.
+    clip_min 0 is no lower bound."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    lo = clip_min if clip_min > 0 else None
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=lo, max=clip_max)
+    outside = ratio > clip_max
+    if lo is not None:
+        outside = outside | (ratio < lo)
+    return ratio.masked_fill(outside, 0.0)
+
+
 @dataclass(frozen=True)
 class GRPOSettings:
     """objective.* of objective=grpo, read once."""
@@ -107,10 +128,12 @@ def grpo_loss(
     mask: torch.Tensor,
     accum: int = 1,
     step_tokens_per_rank: Optional[torch.Tensor] = None,
+    is_ratio: Optional[torch.Tensor] = None,
 ) -> LossParts:
     """The loss of one micro-batch. `old_logps` None: the rollout's policy is the current one (num_iterations
     1), the ratio is exactly 1 with its gradient. `step_tokens_per_rank` (dapo / cispo): the optimizer step's
-    completion tokens over every rank, divided by dp."""
+    completion tokens over every rank, divided by dp. `is_ratio`: the sampler correction's weights
+    (importance_sampling_ratio), applied before the KL term as TRL's _compute_loss does."""
     mask = mask.to(logps.dtype)
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
@@ -129,6 +152,8 @@ def grpo_loss(
         per_token = -torch.min(coef_1 * a, coef_2 * a)
         low = (coef_1 < 1 - s.epsilon) & (a < 0)
         high = (coef_1 > 1 + s.epsilon_high) & (a > 0)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
     kl = None
     if s.beta != 0.0:
         assert ref_logps is not None
@@ -202,7 +227,7 @@ class GRPOObjective:
         logps = token_logps(output, targets, token_nll, self.settings.temperature)
         # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
         # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
-        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens)
+        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens, rows.is_ratio)
         loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
         with torch.no_grad():
             tokens = mask.sum()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dtlaunch.config.layout import decode_positions_multiple, generation_gather
+from dtlaunch.config.layout import decode_positions_multiple, generation_gather, keeps_old_logps
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import load_tokenizer
@@ -47,7 +47,7 @@ from dtlaunch.inputs.tools import (
 from dtlaunch.run.run_dir import RunDir
 from dtlaunch.train.batch import MicroBatch, RolloutRows
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE
-from dtlaunch.train.objectives.grpo import advantages, combine_rewards, token_logps
+from dtlaunch.train.objectives.grpo import advantages, combine_rewards, importance_sampling_ratio, token_logps
 from dtlaunch.train.parallel.generation_gather import gathered_for_generation
 from dtlaunch.train.parallel.parallelize import compute_context
 
@@ -99,6 +99,7 @@ class RolloutBatches:
     micro_batch: int
     old: Optional[torch.Tensor] = None  # (rows, seq) old-policy log-probs (num_iterations > 1)
     ref: Optional[torch.Tensor] = None  # (rows, seq) reference log-probs (beta > 0)
+    is_ratio: Optional[torch.Tensor] = None  # (rows, seq | 1) the sampler correction's weights
     metrics: dict[str, float] = field(default_factory=dict)
     cursor: int = 0
 
@@ -113,6 +114,7 @@ class RolloutBatches:
             step_tokens=self.step_tokens_per_rank,
             old=self.old[sl] if self.old is not None else None,
             ref=self.ref[sl] if self.ref is not None else None,
+            is_ratio=self.is_ratio[sl] if self.is_ratio is not None else None,
         )
         return MicroBatch(self.inputs[sl], self.targets[sl], rollout=rows)
 
@@ -162,6 +164,7 @@ class Rollout:
         self.replay_turns: list[list[list[int]]] = []  # this rollout's replayed rows, turn by turn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.max_tool_iterations = o.max_tool_calling_iterations
+        self.is_correction = bool(o.importance_sampling_correction)
         with_tools = bool(self.tools or self.envs)
         self.chat = None
         if with_tools:
@@ -283,12 +286,20 @@ class Rollout:
             step_tokens.to(rt.device),
             self.micro_batch,
         )
-        batches.old = self._logps(model, batches) if self.mu > 1 else None
+        # The correction compares the sampler with the training policy as it stands (TRL computes the old
+        # policy's log-probs for it whatever num_iterations is), so the loss's ratio uses them too.
+        batches.old = self._logps(model, batches) if keeps_old_logps(self.cfg) else None
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
+        if self.is_correction:
+            assert batches.old is not None
+            sampled = sampler_rows([p["ids"] for p in prompts], gen.completions, gen.logps, self.seq_len)
+            correction = self._correct(batches, sampled.to(rt.device))
         # As TRL: a completion's length counts the model's tokens, not the tool results'.
         counts = [sum(m) for m in tool_mask] if tool_mask is not None else [len(c) for c in gen.completions]
         lengths = torch.tensor(counts, dtype=torch.float32)
         batches.metrics = self._metrics(everyone, lengths, gen.truncated, gen_s, time.perf_counter() - began)
+        if self.is_correction:
+            batches.metrics.update(correction)
         if tool_stats is not None:
             assert self.tool_runner is not None
             timeouts = self.tool_runner.timeouts - runner_counts[0]
@@ -313,7 +324,18 @@ class Rollout:
             ids = [p["ids"] for p in prompts]
             multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
             compiled = bool(self.cfg.objective.generation_compile)
-            return generate_batch(model, ids, self.sampling, self.stop_ids, PAD, g, self._all_done, multiple, compiled)
+            return generate_batch(
+                model,
+                ids,
+                self.sampling,
+                self.stop_ids,
+                PAD,
+                g,
+                self._all_done,
+                multiple,
+                compiled,
+                sampler_logps=self.is_correction,
+            )
 
     def _replayed(self, index: int, rows: int) -> Generated:
         """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions. A row is a
@@ -401,6 +423,51 @@ class Rollout:
                     out.append(token_logps(model(x), y, rt.loss_fn.token_nll, self.sampling.temperature))
         return torch.cat(out)
 
+    def _correct(self, b: RolloutBatches, sampled: torch.Tensor) -> dict[str, float]:
+        """objective.importance_sampling_correction: the rows' weights (b.is_ratio) and TRL's metrics of how far
+        the sampler's log-probs are from the training policy's, over every rank."""
+        assert b.old is not None
+        o = self.cfg.objective
+        mask = (b.targets != IGNORE).float()
+        b.is_ratio = importance_sampling_ratio(
+            b.old,
+            sampled,
+            mask,
+            str(o.importance_sampling_mode),
+            float(o.importance_sampling_clip_min),
+            float(o.importance_sampling_clip_max),
+        )
+        delta = (b.old - sampled).abs()[(mask > 0) & ~torch.isnan(sampled)]
+        ratio = b.is_ratio.flatten() if b.is_ratio.shape[-1] == 1 else b.is_ratio[mask > 0]
+        zero = torch.zeros((), device=mask.device)
+        stats = torch.stack(
+            [
+                delta.sum() if delta.numel() else zero,
+                torch.tensor(float(delta.numel()), device=mask.device),
+                ratio.sum() if ratio.numel() else zero,
+                torch.tensor(float(ratio.numel()), device=mask.device),
+            ]
+        )
+        extremes = torch.stack(
+            [
+                delta.max() if delta.numel() else zero,
+                ratio.max() if ratio.numel() else zero,
+                -ratio.min() if ratio.numel() else zero,
+            ]
+        )
+        total = self._sum(stats)
+        if dist.is_initialized():
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        d_sum, d_n, r_sum, r_n = total.tolist()
+        d_max, r_max, r_min = extremes.tolist()
+        return {
+            "sampling/sampling_logp_difference/mean": d_sum / d_n if d_n else 0.0,
+            "sampling/sampling_logp_difference/max": d_max,
+            "sampling/importance_sampling_ratio/min": -r_min,
+            "sampling/importance_sampling_ratio/mean": r_sum / r_n if r_n else 0.0,
+            "sampling/importance_sampling_ratio/max": r_max,
+        }
+
     def _all_done(self, done: torch.Tensor) -> bool:
         """Every rank's rows finished: all ranks decode the same number of steps (one small all-reduce per
         step; none with one process), so that a rank's forwards never wait on a collective of a rank that
@@ -478,6 +545,19 @@ def training_rows(
             row[len(p) - 1 : len(seq) - 1] = target
         targets.append(row)
     return torch.tensor(inputs, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+
+
+def sampler_rows(prompts: list, completions: list, logps: Optional[list], seq_len: int) -> torch.Tensor:
+    """(rows, seq_len) the sampler's log-prob of each completion token, where training_rows puts its target;
+    NaN elsewhere, and everywhere when the completions were not sampled (replayed: `logps` None)."""
+    out = torch.full((len(prompts), seq_len), float("nan"))
+    if logps is None:
+        return out
+    for i, (p, c, lp) in enumerate(zip(prompts, completions, logps, strict=True)):
+        n = min(len(c), seq_len + 1 - len(p))  # training_rows cuts prompt + completion at seq_len + 1
+        if n > 0:
+            out[i, len(p) - 1 : len(p) - 1 + n] = torch.tensor(lp[:n])
+    return out
 
 
 def _std(t: torch.Tensor) -> torch.Tensor:
