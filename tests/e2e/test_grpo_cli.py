@@ -124,10 +124,6 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
             ["objective.importance_sampling_correction=true", "objective.importance_sampling_clip_min=3"],
             "objective.importance_sampling_clip_min=3.0 is not below objective.importance_sampling_clip_max=3.0",
         ),
-        (
-            ["objective.importance_sampling_correction=true", "objective.tools=[tools.py:add]"],
-            "objective.importance_sampling_correction=true with tools or an environment is not supported yet",
-        ),
     ],
 )
 def test_grpo_config_rules(toy: Path, extra: list, message: str) -> None:
@@ -351,7 +347,7 @@ def saw_five(prompts, completions, completion_ids, **kw):
 
 
 def test_tool_calling_run(trainer, tmp_path: Path) -> None:
-    """objective.tools on one process: replayed turns (a random tiny model writes no tool calls) make calls,
+    """objective.tools on one process, with the sampler correction on: replayed turns (a random tiny model writes no tool calls) make calls,
     the real tool runs in its child process, its results are rendered by the chat template and masked out of
     the loss, and a reward reads them. Two prompts, G = 2: a call then an answer, a call to the environment's
     method then an answer, a call to a tool that does not exist then an answer, a call whose continuation is
@@ -399,11 +395,16 @@ def test_tool_calling_run(trainer, tmp_path: Path) -> None:
         f"objective.rewards=[{tmp_path / 'rewards.py'}:saw_five]",
         f"objective.environment={tmp_path / 'env.py'}:Tally",
         f"debug.replay_completions={replay}",
+        # The sampler correction across turns: only the generated continuation was sampled (the replayed turns'
+        # tokens have no sampler log-prob), and its log-probs must sit on its own tokens.
+        "objective.importance_sampling_correction=true",
         vocab=260,
     )
     run = tmp_path / "run"
     trainer.run(run, *args)
     [m] = trainer.metrics(run)
+    assert 0 <= m["sampling/sampling_logp_difference/mean"] <= m["sampling/sampling_logp_difference/max"] < 1e-4, m
+    assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, m
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.25
     assert m["rewards/Tally/mean"] == 0.25  # the one rollout that called note
     assert m[f"rewards/{tmp_path / 'rewards.py'}:saw_five/mean"] == 0.5 and abs(m["loss"]) > 0

@@ -82,12 +82,6 @@ def check_grpo(cfg: JobConfig, notes: list[str]) -> None:
                 f"objective.importance_sampling_clip_min={lo} is not below objective.importance_sampling_clip_max="
                 f"{hi}: lower the minimum (0: none) or raise the maximum"
             )
-        if list(o.tools) or str(o.environment) or dict(o.environments):
-            # The continuations after tool results do not carry the sampler's log-probs through the tool loop yet.
-            raise ConfigError(
-                "objective.importance_sampling_correction=true with tools or an environment is not supported "
-                "yet: set objective.importance_sampling_correction=false"
-            )
 
 
 def check_grpo_layout(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:

@@ -256,7 +256,9 @@ class Rollout:
         tool_mask, tool_stats = None, None
         if self.chat is not None:
             turns = self._tool_turns(model, prompts, gen, g)
-            gen = Generated(turns.completion_ids, [not c or c[-1] not in self.stop_ids for c in turns.completion_ids])
+            logps = sampled_logps(self.sampled, turns.tool_mask) if self.sampled is not None else None
+            ended = [not c or c[-1] not in self.stop_ids for c in turns.completion_ids]
+            gen = Generated(turns.completion_ids, ended, gen.entropy, logps)
             tool_mask, tool_stats = turns.tool_mask, (turns.calls, turns.failures)
         gen_s = time.perf_counter() - began
         texts = [self.tokenizer.decode([i for i in c if i not in self.stop_ids]) for c in gen.completions]
@@ -355,11 +357,32 @@ class Rollout:
 
         def generated(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
             if self.replay is None:
-                return self._continue(model, seqs, limits, g)
+                ids, logps = self._continue(model, seqs, limits, g)
+                if self.sampled is not None and logps is not None:
+                    # tool_loop keeps each row's first `limit` new tokens: their log-probs, in turn order.
+                    for i, values, limit in zip(rows, logps, limits, strict=True):
+                        self.sampled[i] += values[:limit]
+                return ids
             # Replayed: each row's recorded turn; a turn not recorded is generated (every rank takes part).
             live = [k for k, i in enumerate(rows) if turn >= len(self.replay_turns[i])]
-            made = iter(self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g))
-            return [next(made) if k in live else self.replay_turns[i][turn] for k, i in enumerate(rows)]
+            ids, logps = self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g)
+            made, scored = iter(ids), iter(logps or [[] for _ in live])
+            out = []
+            for k, i in enumerate(rows):
+                turn_ids = next(made) if k in live else self.replay_turns[i][turn]
+                if self.sampled is not None:  # a replayed turn was not sampled: NaN, no correction
+                    values = next(scored) if k in live else [float("nan")] * len(turn_ids)
+                    self.sampled[i] += values[: limits[k]]
+                out.append(turn_ids)
+            return out
+
+        # objective.importance_sampling_correction: each row's sampler log-probs, the first turn's and then
+        # each continuation's (sampled_logps lays them over the model's tokens of the multi-turn completion);
+        # a replayed first turn has none (NaN).
+        self.sampled = None
+        if self.is_correction:
+            first = gen.logps or [[float("nan")] * len(c) for c in gen.completions]
+            self.sampled = [list(x) for x in first]
 
         return tool_loop(
             self.chat,
@@ -373,7 +396,9 @@ class Rollout:
             instances=self._env_instances if self.envs else None,
         )
 
-    def _continue(self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any) -> list[list[int]]:
+    def _continue(
+        self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any
+    ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """One continuation turn of the rows that called tools. Ranks generate together (see _all_done), so
         they agree on the longest limit; a rank without such rows decodes one stand-in row, ended at once."""
         longest = max(limits, default=0)
@@ -382,7 +407,7 @@ class Rollout:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             longest = int(t)
         if longest == 0:  # no rank has a row to continue with room left
-            return [[] for _ in seqs]
+            return [[] for _ in seqs], [[] for _ in seqs]
         rows, caps = (seqs, limits) if seqs else ([[PAD]], [1])
         caps = [max(c, 1) for c in caps]  # a row with no room: one token, cut away by tool_loop
         sampling = Sampling(longest, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
@@ -390,9 +415,19 @@ class Rollout:
         with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
             multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
             out = generate_batch(
-                model, rows, sampling, self.stop_ids, PAD, g, self._all_done, multiple, False, limits=caps
+                model,
+                rows,
+                sampling,
+                self.stop_ids,
+                PAD,
+                g,
+                self._all_done,
+                multiple,
+                False,
+                limits=caps,
+                sampler_logps=self.is_correction,
             )
-        return out.completions if seqs else []
+        return (out.completions, out.logps) if seqs else ([], [])
 
     def _any_rank(self, mine: bool) -> bool:
         """Whether any data-parallel rank still has rows calling tools (every rank then keeps generating)."""
@@ -545,6 +580,16 @@ def training_rows(
             row[len(p) - 1 : len(seq) - 1] = target
         targets.append(row)
     return torch.tensor(inputs, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+
+
+def sampled_logps(per_turn: list[list[float]], tool_mask: list[list[int]]) -> list[list[float]]:
+    """Each row's sampler log-probs (its turns' in order) laid over its multi-turn completion: the model's
+    tokens (tool_mask 1) take them one by one, the tool results' tokens (0) get NaN (never sampled)."""
+    out = []
+    for values, mask in zip(per_turn, tool_mask, strict=True):
+        it = iter(values)
+        out.append([next(it, float("nan")) if m else float("nan") for m in mask])
+    return out
 
 
 def sampler_rows(prompts: list, completions: list, logps: Optional[list], seq_len: int) -> torch.Tensor:
