@@ -245,12 +245,10 @@ def generate_batch(
         going, lp = (~done, scaled) if live is None else ((~done)[live], scaled[live])
         lp = torch.log_softmax(lp, dim=-1)
         entropy -= ((lp.exp() * lp).sum(-1) * going).sum()  # the rows still generating
-        if taken is not None:  # the same draw as _draw's, its log-prob kept
-            processed = _processed(scaled, s)
-            nxt = _sample(processed, generator) if s.temperature > 0 else logits.argmax(dim=-1)
+        processed = _processed(scaled, s) if s.temperature > 0 else scaled
+        nxt = _sample(processed, generator) if s.temperature > 0 else logits.argmax(dim=-1)
+        if taken is not None:  # the drawn token's log-prob under the distribution it was drawn from
             taken[:, n] = torch.log_softmax(processed, dim=-1).gather(1, nxt[:, None])[:, 0]
-        else:
-            nxt = _draw(scaled, s, generator) if s.temperature > 0 else logits.argmax(dim=-1)
         nxt = nxt.masked_fill(done, pad_id)
         out[:, n] = nxt
         done = done | torch.isin(nxt, stops) | (cap <= n + 1)

@@ -255,8 +255,8 @@ class Rollout:
         chat = not isinstance(prompts[0]["prompt"], str)
         tool_mask, tool_stats = None, None
         if self.chat is not None:
-            turns = self._tool_turns(model, prompts, gen, g)
-            logps = sampled_logps(self.sampled, turns.tool_mask) if self.sampled is not None else None
+            turns, sampled = self._tool_turns(model, prompts, gen, g)
+            logps = sampled_logps(sampled, turns.tool_mask) if sampled is not None else None
             ended = [not c or c[-1] not in self.stop_ids for c in turns.completion_ids]
             gen = Generated(turns.completion_ids, ended, gen.entropy, logps)
             tool_mask, tool_stats = turns.tool_mask, (turns.calls, turns.failures)
@@ -351,40 +351,37 @@ class Rollout:
         stops = set(self.stop_ids)
         return Generated(completions, [not c or c[-1] not in stops for c in completions])
 
-    def _tool_turns(self, model: torch.nn.Module, prompts: list[dict], gen: Generated, g: torch.Generator) -> Any:
-        """The completions' tool calls run and generation continued (dtlaunch.data.tool_chat.tool_loop)."""
+    def _tool_turns(
+        self, model: torch.nn.Module, prompts: list[dict], gen: Generated, g: torch.Generator
+    ) -> tuple[Any, Optional[list[list[float]]]]:
+        """The completions' tool calls run and generation continued (dtlaunch.data.tool_chat.tool_loop); with
+        the sampler correction, each row's sampler log-probs, turn after turn."""
         assert self.chat is not None and self.tool_runner is not None
-
-        def generated(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
-            if self.replay is None:
-                ids, logps = self._continue(model, seqs, limits, g)
-                if self.sampled is not None and logps is not None:
-                    # tool_loop keeps each row's first `limit` new tokens: their log-probs, in turn order.
-                    for i, values, limit in zip(rows, logps, limits, strict=True):
-                        self.sampled[i] += values[:limit]
-                return ids
-            # Replayed: each row's recorded turn; a turn not recorded is generated (every rank takes part).
-            live = [k for k, i in enumerate(rows) if turn >= len(self.replay_turns[i])]
-            ids, logps = self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g)
-            made, scored = iter(ids), iter(logps or [[] for _ in live])
-            out = []
-            for k, i in enumerate(rows):
-                turn_ids = next(made) if k in live else self.replay_turns[i][turn]
-                if self.sampled is not None:  # a replayed turn was not sampled: NaN, no correction
-                    values = next(scored) if k in live else [float("nan")] * len(turn_ids)
-                    self.sampled[i] += values[: limits[k]]
-                out.append(turn_ids)
-            return out
 
         # objective.importance_sampling_correction: each row's sampler log-probs, the first turn's and then
         # each continuation's (sampled_logps lays them over the model's tokens of the multi-turn completion);
-        # a replayed first turn has none (NaN).
-        self.sampled = None
+        # a replayed turn has none (NaN: no correction).
+        sampled = None
         if self.is_correction:
-            first = gen.logps or [[float("nan")] * len(c) for c in gen.completions]
-            self.sampled = [list(x) for x in first]
+            sampled = [list(x) for x in gen.logps or [[float("nan")] * len(c) for c in gen.completions]]
 
-        return tool_loop(
+        def generated(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
+            # Every row's turn is generated, or, replaying, only the turns not recorded (every rank takes part).
+            live = range(len(rows))
+            if self.replay is not None:
+                live = [k for k, i in enumerate(rows) if turn >= len(self.replay_turns[i])]
+            ids, logps = self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g)
+            made = dict(zip(live, ids, strict=True))
+            scored = dict(zip(live, logps, strict=True)) if logps is not None else {}
+            out = []
+            for k, i in enumerate(rows):
+                turn_ids = made[k] if k in made else self.replay_turns[i][turn]
+                if sampled is not None:  # tool_loop keeps each row's first `limit` new tokens
+                    sampled[i] += scored.get(k, [float("nan")] * len(turn_ids))[: limits[k]]
+                out.append(turn_ids)
+            return out
+
+        turns = tool_loop(
             self.chat,
             self.tool_runner,
             [p["ids"] for p in prompts],
@@ -395,6 +392,7 @@ class Rollout:
             any_left=self._any_rank,
             instances=self._env_instances if self.envs else None,
         )
+        return turns, sampled
 
     def _continue(
         self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any
