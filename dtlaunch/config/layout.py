@@ -108,11 +108,26 @@ def shards_with_fsdp(cfg: JobConfig, layout: Layout) -> bool:
     return layout.dp * layout.cp > 1 or bool(cfg.strategy.cpu_offload)
 
 
+# training.loss_chunks=0 (auto): chunk where one rank's micro-batch logits hold at least this many elements
+# (64 MiB in fp32; a 128k vocabulary reaches it at 128 tokens, a 32k one at 512), into this many chunks.
+AUTO_CHUNK_MIN_LOGITS = 16 * 2**20
+AUTO_CHUNKS = 8
+
+
 def loss_chunks(cfg: JobConfig) -> int:
     """Token chunks the output head and its loss run over (training.loss_chunks): the next-token loss, and
     the preference objectives' per-token log-probs (the policy's and the reference's). One for objective=reward:
-    its scalar head has no vocabulary to chunk (dtlaunch.train.objectives.reward)."""
-    return 1 if str(cfg.objective.name) == "reward" else int(cfg.training.loss_chunks)
+    its scalar head has no vocabulary to chunk (dtlaunch.train.objectives.reward). The planner and the
+    runtime both ask here, so `auto` (0) is decided once: from the model's vocabulary and one rank's
+    micro-batch rows x sequence (before context parallel splits it: an upper bound)."""
+    if str(cfg.objective.name) == "reward":
+        return 1
+    chunks = int(cfg.training.loss_chunks)
+    if chunks:
+        return chunks
+    t = cfg.training
+    logits = int(t.micro_batch) * rows_per_sample(cfg) * int(t.seq_len) * int(cfg.model.vocab_size)
+    return AUTO_CHUNKS if logits >= AUTO_CHUNK_MIN_LOGITS else 1
 
 
 def head_unit(head_trains: bool, tied: bool, owns_head: bool, loss_chunks: int, tp: int) -> bool:

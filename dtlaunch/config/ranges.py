@@ -152,7 +152,7 @@ RANGES: dict[str, Range] = {
     "training.eval_num_fewshot": Range(-1),  # -1 = each task's own
     "training.eval_batch_size": AT_LEAST_1,
     "training.mlp_tiles": NON_NEGATIVE,  # 0 = from the plan
-    "training.loss_chunks": AT_LEAST_1,  # 1 = one full-vocabulary pass
+    "training.loss_chunks": NON_NEGATIVE,  # 0 = auto, 1 = one full-vocabulary pass
     "optim.lr": POSITIVE,
     "optim.min_lr_ratio": FRACTION,
     "optim.weight_decay": NON_NEGATIVE,

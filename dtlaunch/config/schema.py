@@ -196,7 +196,9 @@ class TrainingConfig:
     # The output head and the cross-entropy run over this many chunks of the tokens, each recomputed in
     # backward, so the (tokens x vocab) logits and their fp32 gradients never exist whole: 8 (torchtune's
     # choice) cuts that peak to an eighth for one extra head matmul per token. 1 = one full-vocabulary pass.
-    loss_chunks: int = 8
+    # 0 = auto: 8 where one rank's micro-batch logits reach 64 MiB in fp32, else 1 (config.layout.loss_chunks:
+    # below that the chunks save no memory worth their extra matmul and ~560 more ops a step).
+    loss_chunks: int = 0
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.
     loss_plot: bool = True
     # Name a rank whose own time per step (its step period less its wait for the latest rank to start the

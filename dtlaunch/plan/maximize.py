@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
 
 from dtlaunch.config.layout import MLP_TILE_TOKENS
+from dtlaunch.config.layout import loss_chunks as config_loss_chunks
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def _ac_levels(cfg: JobConfig) -> tuple[Any, ...]:
 # stream (precision.residual_dtype): set them by hand and maximize again.
 SAVERS = (
     Saver("strategy.cp_style", _cp_style_levels, pinnable=False),
-    Saver("training.loss_chunks", lambda cfg: (LOSS_CHUNKS_AUTO,) if int(cfg.training.loss_chunks) > 1 else ()),
+    Saver("training.loss_chunks", lambda cfg: (LOSS_CHUNKS_AUTO,) if config_loss_chunks(cfg) > 1 else ()),
     Saver("training.activation_checkpointing", _ac_levels),
     Saver("training.activation_offload", lambda cfg: () if cfg.training.activation_offload else (True,)),
     Saver("strategy.cpu_offload", lambda cfg: () if cfg.strategy.cpu_offload else (True,)),
@@ -183,7 +184,7 @@ def _resolved(cfg: JobConfig, key: str, value: int, settings: dict[str, Any]) ->
     rows = int(moved.get("training.micro_batch", t.micro_batch)) * rows_per_sample(cfg)
     seq = int(moved.get("training.seq_len", t.seq_len)) // Layout.resolve(cfg.strategy, world_size(cfg)).cp
     chunks = -(-rows * seq // LOSS_CHUNK_TOKENS)
-    if chunks > int(t.loss_chunks):
+    if chunks > config_loss_chunks(cfg):
         return {**settings, "training.loss_chunks": chunks}  # (the same place: SAVERS' order)
     return {k: v for k, v in settings.items() if k != "training.loss_chunks"}
 

@@ -90,7 +90,6 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
         "strategy.cpu_offload=false",
     ),
     (["training.micro_batch=0"], "training.micro_batch"),
-    (["training.loss_chunks=0"], "training.loss_chunks=0"),
     (["training.loss_chunks=-1"], "training.loss_chunks=-1"),
     (["training.loss_chunks=many"], "training.loss_chunks"),
     (["training.loss_chunks=2.5"], "training.loss_chunks"),

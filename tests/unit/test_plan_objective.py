@@ -136,6 +136,30 @@ def test_preference_chunks_drop_the_logits(lora: list[str]) -> None:
     # training.loss_chunks: the policy's log-probs and the reference's come from the head run over 1/8 of
     # the tokens at a time, so neither holds the micro-batch's logits.
     full = plan("strategy=zero3", "objective=dpo", "training.loss_chunks=1", *lora)
-    chunked = plan("strategy=zero3", "objective=dpo", *lora)
+    chunked = plan("strategy=zero3", "objective=dpo", "training.loss_chunks=8", *lora)
     assert chunked.phases["backward"] < full.phases["backward"]
     assert chunked.phases[PHASE_REFERENCE] < full.phases[PHASE_REFERENCE]
+
+
+@pytest.mark.parametrize(
+    "overrides,chunks",
+    [
+        ([], 1),  # planner7m's 2k vocabulary: 4 x 128 tokens x 2048 = 1 Mi logits, a full pass
+        (["model.vocab_size=131072"], 8),  # 64 Mi logits (256 MiB in fp32): chunked
+        (["model.vocab_size=16384"], 1),  # 8 Mi
+        (["model.vocab_size=16384", "training.seq_len=256"], 8),  # 16 Mi: the threshold
+        (["model.vocab_size=8192", "objective=dpo"], 1),  # a pair's two rows: 8 Mi
+        (["model.vocab_size=8192", "objective=dpo", "training.micro_batch=8"], 8),
+        (["model.vocab_size=131072", "training.loss_chunks=1"], 1),  # what the command line says
+        (["training.loss_chunks=4"], 4),
+        (["model.vocab_size=131072", "objective=reward"], 1),  # a scalar head: no vocabulary to chunk
+    ],
+)
+def test_auto_loss_chunks_chunk_only_large_logits(overrides: list[str], chunks: int) -> None:
+    """training.loss_chunks=0 (the default): one decision (config.layout.loss_chunks) the planner and the
+    loss both read, from one rank's micro-batch logits."""
+    from dtlaunch.config.layout import loss_chunks
+
+    job = load_job([*BASE, *overrides])
+    assert int(job.cfg.training.loss_chunks) == (0 if not any("loss_chunks" in o for o in overrides) else chunks)
+    assert loss_chunks(job.cfg) == chunks

@@ -124,12 +124,11 @@ def test_frozen_head_is_a_unit_of_its_own_under_the_chunked_loss(zero: str) -> N
 )
 def test_head_unit_plan_within_5_percent_of_trace(overrides: list[str]) -> None:
     """The planner against the traced CPU run (`dtlaunch plan --trace`, real tensors, torch's
-    FSDPMemTracker following the head's unit through the chunked loss) with the default 8 loss chunks."""
+    FSDPMemTracker following the head's unit through the chunked loss) with 8 loss chunks."""
     from dtlaunch.plan.trace import trace_peak
 
     base = ["model=planner7m", "training.micro_batch=4", "training.seq_len=128", "hardware=cpu"]
-    job = load_job([*base, *overrides, "launch.nproc_per_node=2"])
-    assert int(job.cfg.training.loss_chunks) == 8
+    job = load_job([*base, *overrides, "launch.nproc_per_node=2", "training.loss_chunks=8"])
     traced = trace_peak(job.cfg, job.layout, rank=0)
     predicted = plan_memory(job.cfg, job.layout).peak
     assert abs(predicted - traced["peak_bytes"]) / traced["peak_bytes"] <= 0.05, (predicted, traced)
