@@ -1,5 +1,6 @@
 """Fault injection for tests (the debug.* section), kept out of the training loop: a rank that fails, hangs,
-holds or runs slow at a chosen step, and steps whose loss is NaN.
+holds or runs slow at a chosen step, steps whose loss is NaN, and GRPO rollouts that take recorded
+completions instead of sampling (`wrap_rollout`).
 
 The Trainer applies the wrappers once, at setup: `wrap_steps` around the step numbers the loop runs over
 (a fault at step N strikes before that step starts, before the rank records that it reached it, as a rank
@@ -40,6 +41,7 @@ class Faults:
     slow_step_s: float  # this rank sleeps this long in every step (0: not this rank)
     nan_at_steps: frozenset[int]  # every rank's loss is NaN at these steps
     slow_save_s: float = 0.0  # rank 1's checkpoint writes start this late (kill-during-save tests)
+    replay_completions: str = ""  # objective=grpo: a JSONL of completions the rollouts take instead of sampling
 
     @classmethod
     def of(cls, cfg: JobConfig, rank: int) -> Faults:
@@ -53,6 +55,7 @@ class Faults:
             slow_step_s=float(d.slow_step_s) if rank == int(d.fail_rank) else 0.0,
             nan_at_steps=frozenset(int(s) for s in d.nan_at_steps),
             slow_save_s=float(d.slow_save_s) if rank == 1 else 0.0,
+            replay_completions=str(d.replay_completions),
         )
 
     def wrap_steps(self, steps: Iterable[int]) -> Iterable[int]:
@@ -129,6 +132,39 @@ class Faults:
             return writer
 
         return slow_writer
+
+    def wrap_rollout(self, rollout: Any) -> Any:
+        """objective=grpo with debug.replay_completions: each rollout's completions read from the file (one
+        line per rollout, every rank's rows in dp-rank order) instead of sampled, so that layouts and TRL can
+        be compared on the same completions. A row is a list of ids, or with objective.tools a list of turns
+        (lists of ids): the first, then each continuation after tool results, which the tools' real results
+        precede; a continuation not recorded is generated. The rollout is returned, its two sources of turns
+        replaced (`first_turns`, `recorded_turn`)."""
+        if rollout is None or not self.replay_completions:
+            return rollout
+        import json
+        from pathlib import Path
+
+        from dtlaunch.infer.batch_generate import Generated
+
+        lines = Path(self.replay_completions).read_text().splitlines()
+        recorded = [json.loads(x) for x in lines]
+        stops = set(rollout.stop_ids)
+        turns: list[list[list[int]]] = []  # this rollout's rows, turn by turn
+
+        def first_turns(model: Any, prompts: list, g: Any, index: int) -> Any:
+            lo = rollout.loader.dp_rank * len(prompts)
+            rows = recorded[index][lo : lo + len(prompts)]
+            turns[:] = [[list(t) for t in r] if r and isinstance(r[0], list) else [list(r)] for r in rows]
+            completions = [row[0] for row in turns]
+            # Not sampled here: no distribution whose entropy the rollout could report (NaN: none logged).
+            return Generated(completions, [not c or c[-1] not in stops for c in completions], float("nan"))
+
+        def recorded_turn(row: int, turn: int) -> Any:
+            return turns[row][turn] if turn < len(turns[row]) else None
+
+        rollout.first_turns, rollout.recorded_turn = first_turns, recorded_turn
+        return rollout
 
     def wrap_step(self, step_fn: Callable[..., Any]) -> Callable[..., Any]:
         """`step_fn(rt, batches, step)`, its model parts' outputs NaN at debug.nan_at_steps: the loss and

@@ -123,9 +123,9 @@ def build_runtime(
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
     from dtlaunch.train.objectives import PreferenceObjective
-    from dtlaunch.train.objectives.grpo import GRPOObjective
     from dtlaunch.train.objectives.reference import build_reference, cp_group
     from dtlaunch.train.objectives.reward import RewardObjective
+    from dtlaunch.train.objectives.rollout import GRPOObjective
 
     in_backward = None
     if cfg.optim.in_backward:

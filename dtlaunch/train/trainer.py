@@ -29,18 +29,15 @@ from dtlaunch.errors import DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.phases import phase, rank_log, startup_stamp
 from dtlaunch.train.checkpoint.manager import CheckpointManager
-from dtlaunch.train.data import build_loaders
 from dtlaunch.train.evaluate import evaluate
 from dtlaunch.train.fault_injection import Faults
-from dtlaunch.train.objectives.precompute import precomputed_reference
-from dtlaunch.train.objectives.reference import grpo_reference
-from dtlaunch.train.objectives.rollout import PromptLoader, Rollout
+from dtlaunch.train.objectives.step_data import token_data
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
 from dtlaunch.train.observe.profiling import profiled
 from dtlaunch.train.observe.stragglers import RankPace, StragglerWatch, rank_times
-from dtlaunch.train.parallel.mesh import cp_rank_size, dp_rank_size
+from dtlaunch.train.parallel.mesh import dp_rank_size
 from dtlaunch.train.parallel.process_group import DistEnv
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step import train_step
@@ -135,18 +132,11 @@ class Trainer:
             f"this rank in {len(rt.model_parts)} part(s)"
         )
         dp_rank, dp_size = dp_rank_size(rt.mesh)
-        # objective=grpo: prompts, and the rollout that turns them into the rows each step trains on.
-        self.rollout: Optional[Rollout] = None
-        if str(cfg.objective.name) == "grpo":
-            self.loader, self.val_loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size), None
-            reference = grpo_reference(cfg, rt.layout, rt.mesh, rt.model_parts)
-            self.rollout = Rollout(cfg, rt, run_dir, self.loader, dp_size, reference)
-        else:
-            self.loader, self.val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
-        if str(cfg.objective.name) == "reward":  # its rows' padding token (dtlaunch.train.objectives.reward)
-            rt.objective.bind_loader(self.loader)
-        if rt.objective is not None and bool(cfg.objective.precompute_reference):
-            self.loader.ref_logps = precomputed_reference(cfg, run_dir, rt, self.loader)
+        # The objective's data: its loaders and, for objective=grpo, the rollout that turns prompts into the
+        # rows each step trains on (dtlaunch.train.objectives.step_data; no objective object: next-token rows).
+        build = rt.objective.step_data if rt.objective is not None else token_data
+        data = build(cfg, run_dir, rt, dp_rank, dp_size)
+        self.loader, self.val_loader, self.rollout = data.loader, data.val_loader, data.rollout
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
         self.start = self.ckpt.resume()
         self.metrics = MetricsLogger(run_dir, cfg, enabled=env.rank == 0)
@@ -167,6 +157,7 @@ class Trainer:
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
         # Tests only (debug.*); each wrapper is what it wraps in a real run.
         faults = Faults.of(cfg, env.rank)
+        self.rollout = faults.wrap_rollout(self.rollout)
         self.step_fn = faults.wrap_step(self.step_fn)
         self.steps = faults.wrap_steps(range(self.start + 1, self.loop.steps + 1))
         self.save_final = faults.wrap_final_save(functools.partial(self.ckpt.save, final=True), self.loop.steps)

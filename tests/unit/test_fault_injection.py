@@ -30,6 +30,8 @@ def test_a_real_run_gets_its_own_pieces_back() -> None:
     assert faults.wrap_steps(steps) is steps
     assert faults.wrap_step(step_fn) is step_fn
     assert faults.wrap_final_save(save, 4) is save
+    rollout = SimpleNamespace()
+    assert faults.wrap_rollout(rollout) is rollout and vars(rollout) == {}
 
 
 def test_a_failure_strikes_before_its_step_and_only_on_its_rank() -> None:

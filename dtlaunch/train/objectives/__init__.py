@@ -13,6 +13,7 @@ the mean over the global batch. Under context parallel every CP rank computes th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -22,6 +23,7 @@ from dtlaunch.train.objectives.kto import KTOObjective
 from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
 from dtlaunch.train.objectives.orpo import orpo_losses
 from dtlaunch.train.objectives.simpo import simpo_losses
+from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -54,7 +56,7 @@ class PreferenceObjective:
     def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
-        if str(o.name) in ("sft", "grpo"):  # grpo: dtlaunch.train.objectives.grpo.GRPOObjective
+        if str(o.name) in ("sft", "grpo"):  # grpo: dtlaunch.train.objectives.rollout.GRPOObjective
             return None
         if str(o.name) == "kto":
             return KTOObjective.of(cfg, cp_group)
@@ -77,6 +79,9 @@ class PreferenceObjective:
     @property
     def needs_reference(self) -> bool:
         return self.name == "dpo"
+
+    def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
+        return token_data(cfg, run_dir, rt, dp_rank, dp_size)  # pairs of rows from the prepared shards
 
     def __call__(
         self,

@@ -10,7 +10,7 @@ Scaling across micro-steps and data-parallel ranks: the loop sums micro-step los
 accum (dtlaunch.train.step.micro_step), and the gradient average over dp ranks divides by dp. grpo / bnpo /
 dr_grpo are per-micro-batch means (TRL divides them by its gradient-accumulation steps the same way);
 dapo / cispo divide the micro-batch's token sum by the optimizer step's completion tokens over all ranks /
-dp (TRL's num_items_in_batch / processes), which GRPOObjective multiplies by accum before the step divides.
+dp (TRL's num_items_in_batch / processes), which GRPOObjective (dtlaunch.train.objectives.rollout) multiplies by accum before the step divides.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.train.data import IGNORE_INDEX
 from dtlaunch.train.loss import cross_entropy
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig, ObjectiveConfig
-    from dtlaunch.train.batch import RolloutRows
+    from dtlaunch.config.schema import ObjectiveConfig
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
@@ -198,49 +196,3 @@ def token_logps(
     if isinstance(nll, DTensor):
         nll = nll.to_local()
     return -nll.view(rows, seq).float()
-
-
-# The policy's entropy is measured where the logits exist whatever training.loss_chunks says: on the
-# completion tokens as they are sampled (dtlaunch.infer.batch_generate, the rollout's "entropy").
-STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl")
-
-
-@dataclass
-class GRPOObjective:
-    """objective=grpo in the step: the micro-batch's loss from the policy's output and the rollout's rows
-    (MicroBatch.rollout: advantages, old / reference log-probs, the step's token count)."""
-
-    settings: GRPOSettings
-    accum: int
-    stats_len: int = len(STAT_NAMES) + 1  # the sums, then the number of loss tokens
-
-    @classmethod
-    def of(cls, cfg: JobConfig, accum: int) -> GRPOObjective:
-        return cls(GRPOSettings.of(cfg.objective), accum)
-
-    needs_reference = False
-
-    def __call__(
-        self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = (targets != IGNORE_INDEX).float()
-        logps = token_logps(output, targets, token_nll, self.settings.temperature)
-        # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
-        # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
-        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens, rows.is_ratio)
-        loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
-        with torch.no_grad():
-            tokens = mask.sum()
-            full = torch.broadcast_to(mask, parts.per_token.shape)
-            low = (parts.low_clipped.float().expand_as(full) * full).sum()
-            high = (parts.high_clipped.float().expand_as(full) * full).sum()
-            kl = (parts.kl * full).sum() if parts.kl is not None else torch.zeros((), device=tokens.device)
-            stats = torch.stack([low, high, kl, tokens])
-        return loss, stats
-
-    def summarize(self, stats: list[float]) -> dict[str, float]:
-        tokens = stats[-1] or 1.0
-        values = {name: value / tokens for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
-        if self.settings.beta == 0:  # no reference, no KL term
-            del values["kl"]
-        return values

@@ -21,12 +21,14 @@ over all of them leaves unchanged); pipeline parallel is refused (config/rules/o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
+from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -76,6 +78,9 @@ class KTOObjective:
     def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> KTOObjective:
         o = cfg.objective
         return cls(str(o.loss), float(o.beta), float(o.desirable_weight), float(o.undesirable_weight), cp_group)
+
+    def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
+        return token_data(cfg, run_dir, rt, dp_rank, dp_size)  # unpaired examples stacked as pairs
 
     def __call__(
         self,

@@ -20,12 +20,14 @@ center_rewards_coefficient x mean((r+ + r-)^2) when set.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from dtlaunch.train.data import IGNORE_INDEX
+from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -61,7 +63,7 @@ class RewardObjective:
     """objective.* read once (the step calls this every micro-step)."""
 
     center_rewards_coefficient: Optional[float]
-    pad_id: Optional[int] = None  # the data's padding token (bind_loader); None: synthetic rows, never padded
+    pad_id: Optional[int] = None  # the data's padding token (step_data); None: synthetic rows, never padded
 
     name = "reward"
     needs_reference = False
@@ -72,11 +74,14 @@ class RewardObjective:
         c = cfg.objective.center_rewards_coefficient
         return cls(center_rewards_coefficient=None if c is None else float(c))
 
-    def bind_loader(self, loader: Any) -> None:
-        """Take the pad id from the pairs the loader reads (PairSource pads with EOS)."""
-        source = getattr(loader.source, "base", loader.source)
+    def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
+        """Chosen / rejected pairs from the prepared shards; the score is read at each row's last token before
+        the padding, so the pad id is taken from the pairs the loader reads (PairSource pads with EOS)."""
+        data = token_data(cfg, run_dir, rt, dp_rank, dp_size)
+        source = getattr(data.loader.source, "base", data.loader.source)
         pad = getattr(source, "pad", None)
         self.pad_id = None if pad is None else int(pad)
+        return data
 
     @staticmethod
     def summarize(stats: list[float]) -> dict[str, float]:

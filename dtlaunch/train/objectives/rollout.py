@@ -1,6 +1,8 @@
-"""objective=grpo's rollout phase, run by the Trainer before an optimizer step: this data-parallel rank's
+"""objective=grpo, its step read here top to bottom: `GRPOObjective` (at the end) is what the loop holds; its
+`step_data` gives the prompts and this rollout, run before each optimizer step: this data-parallel rank's
 prompts -> G sampled completions each (dtlaunch.infer.batch_generate, with the policy being trained) ->
-rewards (objective.rewards) -> advantages over the whole generation batch -> the rows the step trains on.
+rewards (objective.rewards) -> advantages over the whole generation batch -> the rows the step trains on;
+then its `__call__` is the micro-batch's loss on those rows (the formulas: dtlaunch.train.objectives.grpo).
 
 A rollout serves objective.num_iterations optimizer steps (TRL's mu); with mu > 1 the old policy's per-token
 log-probs are computed once right after generation (no grad, micro-batch by micro-batch) and every step's
@@ -47,7 +49,16 @@ from dtlaunch.inputs.tools import (
 from dtlaunch.run.run_dir import RunDir
 from dtlaunch.train.batch import MicroBatch, RolloutRows
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE
-from dtlaunch.train.objectives.grpo import advantages, combine_rewards, importance_sampling_ratio, token_logps
+from dtlaunch.train.objectives.grpo import (
+    GRPOSettings,
+    advantages,
+    combine_rewards,
+    grpo_loss,
+    importance_sampling_ratio,
+    token_logps,
+)
+from dtlaunch.train.objectives.reference import grpo_reference
+from dtlaunch.train.objectives.step_data import StepData
 from dtlaunch.train.parallel.generation_gather import gathered_for_generation
 from dtlaunch.train.parallel.parallelize import compute_context
 
@@ -159,9 +170,6 @@ class Rollout:
         self.stop_ids = list(loader.meta["stop_ids"])
         self.tokenizer = load_tokenizer(str(RunDir(run_dir).tokenizer))
         self.current: Optional[RolloutBatches] = None
-        replay = str(cfg.debug.replay_completions)  # test hook: completions from a file, no sampling
-        self.replay = [json.loads(x) for x in Path(replay).read_text().splitlines()] if replay else None
-        self.replay_turns: list[list[list[int]]] = []  # this rollout's replayed rows, turn by turn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.max_tool_iterations = o.max_tool_calling_iterations
         self.is_correction = bool(o.importance_sampling_correction)
@@ -251,7 +259,7 @@ class Rollout:
             (self.seed * 1_000_003 + TAG_ROLLOUT + index * 7_919 + self.loader.dp_rank * 104_729) % (2**63)
         )
         model = _unwrapped(rt.model_parts[0])
-        gen = self._replayed(index, len(prompts)) if self.replay is not None else self._generate(model, prompts, g)
+        gen = self.first_turns(model, prompts, g, index)
         chat = not isinstance(prompts[0]["prompt"], str)
         tool_mask, tool_stats = None, None
         if self.chat is not None:
@@ -314,11 +322,20 @@ class Rollout:
             batches.metrics["tools/failures"] = failures
             batches.metrics["tools/timeouts"] = timeouts
             batches.metrics["tools/restarts"] = restarts
-        if self.replay is None:  # replayed completions were not sampled: no distribution to measure
+        if not math.isnan(gen.entropy):  # (NaN: turns not sampled here, debug.replay_completions)
             batches.metrics["entropy"] = gen.entropy
         if self.rank == 0:
             self._write_sample(step, originals, texts, everyone[: len(prompts)], adv)
         return batches
+
+    def first_turns(self, model: torch.nn.Module, prompts: list[dict], g: torch.Generator, index: int) -> Generated:
+        """Rollout `index`'s completions (their first turns, before any tool result): sampled by the policy.
+        (debug.replay_completions, a test hook, puts recorded ones in its place: Faults.wrap_rollout.)"""
+        return self._generate(model, prompts, g)
+
+    def recorded_turn(self, row: int, turn: int) -> Optional[list[int]]:
+        """A continuation turn known in advance for this row (None: generated; replayed runs record some)."""
+        return None
 
     def _generate(self, model: torch.nn.Module, prompts: list[dict], g: torch.Generator) -> Generated:
         whole = generation_gather(self.cfg, self.rt.layout) != "unit"
@@ -339,18 +356,6 @@ class Rollout:
                 sampler_logps=self.is_correction,
             )
 
-    def _replayed(self, index: int, rows: int) -> Generated:
-        """debug.replay_completions: this rank's slice of rollout `index`'s recorded completions. A row is a
-        list of ids, or with objective.tools a list of turns (lists of ids): the first, then each continuation
-        after tool results, which the tools' real results precede; a continuation not recorded is generated."""
-        assert self.replay is not None
-        lo = self.loader.dp_rank * rows
-        recorded = self.replay[index][lo : lo + rows]
-        self.replay_turns = [[list(t) for t in r] if r and isinstance(r[0], list) else [list(r)] for r in recorded]
-        completions = [turns[0] for turns in self.replay_turns]
-        stops = set(self.stop_ids)
-        return Generated(completions, [not c or c[-1] not in stops for c in completions])
-
     def _tool_turns(
         self, model: torch.nn.Module, prompts: list[dict], gen: Generated, g: torch.Generator
     ) -> tuple[Any, Optional[list[list[float]]]]:
@@ -366,16 +371,15 @@ class Rollout:
             sampled = [list(x) for x in gen.logps or [[float("nan")] * len(c) for c in gen.completions]]
 
         def generated(rows: list[int], seqs: list[list[int]], limits: list[int], turn: int) -> list[list[int]]:
-            # Every row's turn is generated, or, replaying, only the turns not recorded (every rank takes part).
-            live = range(len(rows))
-            if self.replay is not None:
-                live = [k for k, i in enumerate(rows) if turn >= len(self.replay_turns[i])]
+            # Every row's turn not known in advance is generated (every rank takes part).
+            known = [self.recorded_turn(i, turn) for i in rows]
+            live = [k for k, ids in enumerate(known) if ids is None]
             ids, logps = self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g)
             made = dict(zip(live, ids, strict=True))
             scored = dict(zip(live, logps, strict=True)) if logps is not None else {}
             out = []
             for k, i in enumerate(rows):
-                turn_ids = made[k] if k in made else self.replay_turns[i][turn]
+                turn_ids = made[k] if k in made else known[k]
                 if sampled is not None:  # tool_loop keeps each row's first `limit` new tokens
                     sampled[i] += scored.get(k, [float("nan")] * len(turn_ids))[: limits[k]]
                 out.append(turn_ids)
@@ -610,3 +614,55 @@ def _std(t: torch.Tensor) -> torch.Tensor:
 
 def _finite(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
+
+
+# The policy's entropy is measured where the logits exist whatever training.loss_chunks says: on the
+# completion tokens as they are sampled (dtlaunch.infer.batch_generate, the rollout's "entropy").
+STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl")
+
+
+@dataclass
+class GRPOObjective:
+    """objective=grpo in the step: the micro-batch's loss from the policy's output and the rollout's rows
+    (MicroBatch.rollout: advantages, old / reference log-probs, the step's token count)."""
+
+    settings: GRPOSettings
+    accum: int
+    stats_len: int = len(STAT_NAMES) + 1  # the sums, then the number of loss tokens
+
+    @classmethod
+    def of(cls, cfg: JobConfig, accum: int) -> GRPOObjective:
+        return cls(GRPOSettings.of(cfg.objective), accum)
+
+    needs_reference = False
+
+    def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
+        """Prompts, and the rollout that turns them into each step's rows (generation, rewards, advantages)."""
+        loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size)
+        reference = grpo_reference(cfg, rt.layout, rt.mesh, rt.model_parts)
+        return StepData(loader, None, Rollout(cfg, rt, run_dir, loader, dp_size, reference))
+
+    def __call__(
+        self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = (targets != IGNORE).float()
+        logps = token_logps(output, targets, token_nll, self.settings.temperature)
+        # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
+        # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
+        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens, rows.is_ratio)
+        loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
+        with torch.no_grad():
+            tokens = mask.sum()
+            full = torch.broadcast_to(mask, parts.per_token.shape)
+            low = (parts.low_clipped.float().expand_as(full) * full).sum()
+            high = (parts.high_clipped.float().expand_as(full) * full).sum()
+            kl = (parts.kl * full).sum() if parts.kl is not None else torch.zeros((), device=tokens.device)
+            stats = torch.stack([low, high, kl, tokens])
+        return loss, stats
+
+    def summarize(self, stats: list[float]) -> dict[str, float]:
+        tokens = stats[-1] or 1.0
+        values = {name: value / tokens for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
+        if self.settings.beta == 0:  # no reference, no KL term
+            del values["kl"]
+        return values
