@@ -173,6 +173,11 @@ class Rollout:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.max_tool_iterations = o.max_tool_calling_iterations
         self.is_correction = bool(o.importance_sampling_correction)
+        # The job's decisions, taken once (config.layout; read off the config they cost ~1 % of a tiny step).
+        self.keeps_old = keeps_old_logps(cfg)
+        self.gather_whole = generation_gather(cfg, rt.layout) != "unit"
+        self.positions_multiple = decode_positions_multiple(cfg, rt.layout.tp)
+        self.compiled = bool(o.generation_compile)
         with_tools = bool(self.tools or self.envs)
         self.chat = None
         if with_tools:
@@ -298,7 +303,7 @@ class Rollout:
         )
         # The correction compares the sampler with the training policy as it stands (TRL computes the old
         # policy's log-probs for it whatever num_iterations is), so the loss's ratio uses them too.
-        batches.old = self._logps(model, batches) if keeps_old_logps(self.cfg) else None
+        batches.old = self._logps(model, batches) if self.keeps_old else None
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
         if self.is_correction:
             assert batches.old is not None
@@ -338,11 +343,10 @@ class Rollout:
         return None
 
     def _generate(self, model: torch.nn.Module, prompts: list[dict], g: torch.Generator) -> Generated:
-        whole = generation_gather(self.cfg, self.rt.layout) != "unit"
+        whole = self.gather_whole
         with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
             ids = [p["ids"] for p in prompts]
-            multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
-            compiled = bool(self.cfg.objective.generation_compile)
+            multiple, compiled = self.positions_multiple, self.compiled
             return generate_batch(
                 model,
                 ids,
@@ -413,9 +417,9 @@ class Rollout:
         rows, caps = (seqs, limits) if seqs else ([[PAD]], [1])
         caps = [max(c, 1) for c in caps]  # a row with no room: one token, cut away by tool_loop
         sampling = Sampling(longest, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
-        whole = generation_gather(self.cfg, self.rt.layout) != "unit"
+        whole = self.gather_whole
         with compute_context(self.rt.model_parts, self.cfg, self.rt.device), gathered_for_generation(model, whole):
-            multiple = decode_positions_multiple(self.cfg, self.rt.layout.tp)
+            multiple = self.positions_multiple
             out = generate_batch(
                 model,
                 rows,
