@@ -47,6 +47,7 @@ class Maximized:
 # training.loss_chunks as a saver: chunks of at most this many tokens of one rank's micro-batch (the tiled
 # MLP's tile size), and never fewer chunks than the job's own.
 LOSS_CHUNK_TOKENS = MLP_TILE_TOKENS
+# (Not training.loss_chunks=0, the job's own auto, config.layout.loss_chunks: this level chunks for memory.)
 LOSS_CHUNKS_AUTO = "auto"  # a level resolved at each probed value (the chunk count grows with the tokens)
 
 
