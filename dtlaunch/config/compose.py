@@ -186,8 +186,10 @@ def _reset_to_default(override: str) -> str:
         return override
     from omegaconf import OmegaConf
 
+    from dtlaunch.config.model_schema import schema_node
+
     key = m.group(1)
-    schema = OmegaConf.structured(_job_schema())
+    schema = schema_node(_job_schema())
     try:
         default = OmegaConf.select(schema, key, throw_on_missing=False, default=KeyError)
     except Exception:

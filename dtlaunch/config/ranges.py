@@ -232,9 +232,9 @@ RANGES: dict[str, Range] = {
 def _schema_default(key: str) -> Any:
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.model_schema import job_schema
+    from dtlaunch.config.model_schema import job_schema, schema_node
 
-    return OmegaConf.select(OmegaConf.structured(job_schema()), key, default=None)
+    return OmegaConf.select(schema_node(job_schema()), key, default=None)
 
 
 def check_ranges(cfg: JobConfig, notes: list[str]) -> None:

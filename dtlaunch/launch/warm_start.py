@@ -43,7 +43,8 @@ class Prepared:
     run_dir: str
     layout: Any
     recipe: str
-    cfg: Any = None  # the job (a JobConfig node) from prepare(), its plain container across the fork
+    # The job from prepare(); its plain container across the fork (typed again by the launch).
+    cfg: Optional[JobConfig | dict[str, Any]] = None
     env: dict[str, Optional[str]] = field(default_factory=dict)  # set (or removed: None) by the preparation
     # The run directory's lock (dtlaunch.launch.runlock), held for the job's life; -1: none taken.
     lock_fd: int = -1
