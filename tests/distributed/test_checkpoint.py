@@ -1,9 +1,9 @@
-"""CheckpointManager under real layouts (torchrun workers, gloo, CPU).
+"""CheckpointManager under real layouts (gloo workers, CPU).
 
-This file is also the worker: each case starts it under torchrun with a mode and config overrides. The
-worker builds the runtime from the real pieces (mesh, parallelize, AdamW + schedule, TokenLoader), resumes,
-trains, saves on the cadence and writes what the test compares: per-step losses, the sample indices each
-rank consumed, and (rank 0) the full model + optimizer state after resume.
+Each case runs `worker_main` (below) on torchrun's ranks, forked from pytest (forked_ranks.run_ranks), with a
+mode and config overrides. The worker builds the runtime from the real pieces (mesh, parallelize, AdamW +
+schedule, TokenLoader), resumes, trains, saves on the cadence and writes what the test compares: per-step
+losses, the sample indices each rank consumed, and (rank 0) the full model + optimizer state after resume.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 BASE = [
     "model=tiny",
     "training.seq_len=32",
@@ -43,31 +42,14 @@ def run_worker(
     layout: str, run_dir: Path, out: Path, *extra: str, stop_at: int = 0, dump_state: bool = False, expect_rc: int = 0
 ) -> dict:
     nproc, overrides = LAYOUTS[layout]
-    # PYTHONFAULTHANDLER: a worker that dies in C++ leaves its Python stack in the failure output.
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), DTLAUNCH_RUN_DIR=str(run_dir), PYTHONFAULTHANDLER="1"
-    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", DTLAUNCH_RUN_DIR=str(run_dir))
     # Global batch fixed at 4 samples so every layout trains on the same samples per step.
     gb = ["training.global_batch=4"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        __file__,
-        str(out),
-        str(stop_at),
-        "1" if dump_state else "0",
-        *BASE,
-        *gb,
-        *overrides,
-        *extra,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-6000:]
+    args = [*BASE, *gb, *overrides, *extra]
+    proc = run_ranks(nproc, lambda: worker_main(out, stop_at, dump_state, args), env=env)
+    assert proc.returncode == expect_rc, proc.stdout[-9000:]
     result = json.loads(out.read_text()) if out.exists() else {}
-    result["stdout"] = proc.stdout + proc.stderr
+    result["stdout"] = proc.stdout
     return result
 
 
@@ -296,7 +278,3 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     from dtlaunch.train.parallel.process_group import shutdown
 
     shutdown()
-
-
-if __name__ == "__main__":
-    worker_main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:])

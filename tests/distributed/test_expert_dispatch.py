@@ -1,21 +1,17 @@
 """Expert-parallel dispatch/combine over gloo equals one process computing every rank's tokens.
 
-Run under torchrun (this file is also the worker). Each rank routes a different number of tokens
-(uneven all-to-all splits); the last rank's experts receive none at all, and, as GroupedExperts does,
-compute an empty output that does not depend on the (empty) rows it received: its backward must still
-take part in the dispatch's backward all-to-all, or its peers wait forever. The experts are a per-expert
-matmul + tanh.
-The reference runs every rank's tokens through the full expert set in one process with autograd:
-outputs, input gradients and the local experts' weight gradients must match.
+`_worker` (below) runs on torchrun's ranks, forked from pytest (forked_ranks.run_ranks). Each rank routes a
+different number of tokens (uneven all-to-all splits); the last rank's experts receive none at all, and, as
+GroupedExperts does, compute an empty output that does not depend on the (empty) rows it received: its
+backward must still take part in the dispatch's backward all-to-all, or its peers wait forever. The experts
+are a per-expert matmul + tanh. The reference runs every rank's tokens through the full expert set in one
+process with autograd: outputs, input gradients and the local experts' weight gradients must match.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from forked_ranks import run_ranks
 
 EXPERTS, DIM = 6, 8
 
@@ -77,15 +73,5 @@ def _worker() -> None:
 @pytest.mark.parametrize("world", [2])
 def test_dispatch_combine_match_one_process(world: int) -> None:
     """2 ranks x 3 experts each: uneven splits in both directions, a rank that receives no token."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", __file__],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-
-if __name__ == "__main__":
-    _worker()
+    proc = run_ranks(world, _worker, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:]

@@ -1,18 +1,17 @@
 """After parallelize + init, every rank's parameters are slices of the single-process init.
 
-Run under torchrun (this file is also the worker): for each layout, gather every parameter to its full
-value and compare it (bit for bit) with `Llama.init_weights(seed)` of a plain one-process model; compare
-the full values across all ranks too, so data-parallel replicas provably start identical.
+`_worker` (below) runs on torchrun's ranks, forked from pytest (forked_ranks.run_ranks): for each layout,
+gather every parameter to its full value and compare it (bit for bit) with `Llama.init_weights(seed)` of a
+plain one-process model; compare the full values across all ranks too, so data-parallel replicas provably
+start identical.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 
 LAYOUTS = {
     "zero3": ["strategy=zero3"],
@@ -60,24 +59,5 @@ def _worker(overrides: list[str]) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_init_identical(name: str) -> None:
     nproc = 4 if name in ("hsdp", "fsdp_tp") else 2
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(Path(__file__)),
-            *LAYOUTS[name],
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1:])
+    proc = run_ranks(nproc, lambda: _worker(LAYOUTS[name]), env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]

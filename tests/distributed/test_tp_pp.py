@@ -1,20 +1,20 @@
 """Tensor / pipeline parallel pieces (dtlaunch.train.parallel.tensor_parallel, pipeline, dtlaunch.train.loss, step) against one process.
 
-Each case starts this file as a torchrun worker (gloo, CPU). The workers build the layout from the
-pieces (TP plan, stage split, FSDP), train a few SGD steps with grad clipping on seeded batches, and
-rank 0 trains the same steps on a plain single-process model; the test compares loss and grad norm.
-SGD rather than Adam: Adam is nearly invariant to the clipping factor, SGD shows a wrong clip in the loss.
+Each case runs `_worker` (below) on torchrun's ranks, forked from pytest (forked_ranks.run_ranks; gloo, CPU).
+The workers build the layout from the pieces (TP plan, stage split, FSDP), train a few SGD steps with grad
+clipping on seeded batches, and rank 0 trains the same steps on a plain single-process model; the test
+compares loss and grad norm. SGD rather than Adam: Adam is nearly invariant to the clipping factor, SGD shows
+a wrong clip in the loss.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512", "model.n_layers=4"]
@@ -40,20 +40,8 @@ CASES = {
 def run_case(name: str, tmp_path: Path) -> dict:
     nproc, overrides = CASES[name]
     out = tmp_path / f"{name}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        __file__,
-        str(out),
-        *BASE,
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_ranks(nproc, lambda: _worker(out, [*BASE, *overrides]), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-9000:]
     return json.loads(out.read_text())
 
 
@@ -227,7 +215,3 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from dtlaunch.train.parallel.process_group import shutdown
 
     shutdown()
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2:])

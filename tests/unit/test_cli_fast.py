@@ -1,4 +1,4 @@
-"""The CLI as a user starts it: fast help without torch, version, config printing, recipe table."""
+"""The CLI as a user starts it: fast help without torch, version, config printing."""
 
 from __future__ import annotations
 
@@ -41,22 +41,6 @@ def test_config_prints_yaml_and_resolves() -> None:
     assert "${stdlib:}" in res.stdout
     res = dtlaunch_cmd("config", "recipe=demo", "--resolve")
     assert res.returncode == 0 and "${stdlib:}" not in res.stdout and "path: /" in res.stdout
-
-
-def test_recipes_table_lists_every_recipe() -> None:
-    from dtlaunch.config.compose import list_recipes
-
-    res = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", "recipes"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"COLUMNS": "200", "PATH": ""},
-    )
-    assert res.returncode == 0, res.stderr
-    for name in list_recipes():
-        assert name in res.stdout
-    assert "invalid" not in res.stdout
 
 
 def test_console_exit_with_torch_loaded_keeps_code_and_exit_handlers() -> None:

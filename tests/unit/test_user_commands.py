@@ -24,6 +24,8 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
+# `dtlaunch recipes` itself (the command, its console width, exit 0) runs as a documented command:
+# tests/e2e/test_docs_commands.py::test_documented_command[README.md:40].
 @pytest.fixture(scope="module")
 def recipe_rows() -> list[list[str]]:
     from dtlaunch.commands.recipes import recipe_rows
@@ -48,6 +50,7 @@ def test_recipes_table_keeps_names_whole_and_fits(columns: int, recipe_rows) -> 
     first_words = {ln.split()[0] for ln in lines if ln.strip()}
     for name in list_recipes():
         assert name in first_words, out
+    assert "invalid" not in out  # every shipped recipe composes and validates
     # The status column is the analytic plan's verdict: llama8b_ddp needs ~202 GiB on an 80 GB GPU.
     row = next(ln for ln in lines if ln.startswith("llama8b_ddp "))
     assert "does" in row and "fits" not in row, out
