@@ -4,8 +4,6 @@ family, are a column of the life-cycle matrix (tests/distributed/test_family_lif
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,8 +17,10 @@ PROMPT = "w3 w17 w42 w5 w99 w8"
 def test_cli_prints_only_the_continuation(tiny_hf_dirs) -> None:
     path = tiny_hf_dirs["qwen3"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "dtlaunch", "generate", f"hf:{path}", "--prompt", PROMPT, "--max-new-tokens", "5"]
-    greedy = subprocess.run([*args, "--temperature", "0"], capture_output=True, text=True, env=env, timeout=300)
+    from cli_server import run_dtlaunch
+
+    args = ["generate", f"hf:{path}", "--prompt", PROMPT, "--max-new-tokens", "5"]
+    greedy = run_dtlaunch([*args, "--temperature", "0"], env=env, timeout=300)
     assert greedy.returncode == 0, greedy.stderr
     words = greedy.stdout.split()
     assert 1 <= len(words) <= 5 and all(w in {f"w{i}" for i in range(250)} | {"<unk>"} for w in words)

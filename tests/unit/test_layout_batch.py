@@ -54,15 +54,10 @@ def test_launch_command(tmp_path: Path) -> None:
 
 
 def test_dry_run_prints_launch_command(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+    from cli_server import run_dtlaunch
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", "train", "recipe=tiny_ddp", f"run.dir={tmp_path}/r", "--dry-run"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, COLUMNS="80"),
-    )
+    args = ["train", "recipe=tiny_ddp", f"run.dir={tmp_path}/r", "--dry-run"]
+    proc = run_dtlaunch(args, env=dict(os.environ, COLUMNS="80"))
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if " torchrun " in ln)
     assert line.endswith("-m dtlaunch.train.main") and "--nproc-per-node=2" in line

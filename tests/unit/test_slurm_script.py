@@ -194,9 +194,10 @@ def test_status_without_a_submission(tmp_path: Path) -> None:
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+    """`python -m dtlaunch ARGS` as a fresh process would run it, forked from a server that imported torch."""
+    from cli_server import run_dtlaunch
+
+    return run_dtlaunch(list(args), cwd=cwd, timeout=120)
 
 
 def test_cli_submit_needs_cluster_slurm(tmp_path: Path) -> None:

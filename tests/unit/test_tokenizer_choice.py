@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,12 +53,9 @@ def test_auto_is_the_models_tokenizer_and_config_names_it(model_dir: Path, jsonl
 
 def test_explicit_byte_with_the_models_own_tokenizer_is_exit_2_one_line(model_dir: Path, jsonl: Path) -> None:
     args = ["train", "recipe=tiny_fsdp", f"model.init_from=hf:{model_dir}", "data.kind=jsonl", f"data.path={jsonl}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "dtlaunch", *args, "data.tokenizer=byte", "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    from cli_server import run_dtlaunch
+
+    proc = run_dtlaunch([*args, "data.tokenizer=byte", "--dry-run"], timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr
