@@ -386,6 +386,12 @@ MOE = [
         ["strategy=zero3", N4, "strategy.ep=2"],
         ["strategy=zero2", N4, "strategy.ep=2", SEL],
         ["strategy=zero2", N4, SEL],
+        # Tensor parallel inside the experts (each expert's width split): with and without SP, under FSDP.
+        ["strategy=tp", N2],
+        ["strategy=tp", N2, "strategy.sequence_parallel=false"],
+        ["strategy=tp", N2, SEL],
+        ["strategy=tp", N2, "model.moe.num_shared_experts=1", BF16],
+        ["strategy=fsdp_tp", N4],
     )
 ]
 # training.loss_chunks: the tiny model with a 32k vocabulary, where the logits and the loss dominate the peak.

@@ -69,4 +69,13 @@ class VocabEmbedding:
     output: Layout = "replicate"
 
 
-Style = Colwise | Rowwise | SequenceShard | PrepareInput | PrepareInputOutput | VocabEmbedding
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The routed experts (dtlaunch.models.moe.experts.GroupedExperts) split on their hidden width, Megatron's
+    column / row split applied to every expert at once (w1, w3 and their biases on their rows, w2 on its
+    columns): each rank computes every routed copy through its slice of every expert, and the partial
+    outputs are summed before the router's weights combine them
+    (dtlaunch.train.parallel.tensor_parallel.ExpertsTensorParallel)."""
+
+
+Style = Colwise | Rowwise | SequenceShard | PrepareInput | PrepareInputOutput | VocabEmbedding | RoutedExperts

@@ -3,7 +3,7 @@
 Routed-expert parameters are split `ep` ways and then FSDP-sharded over the dp_shard / ep ranks left,
 so their sharded bytes (parameters, gradients, AdamW state) are those of plain FSDP over dp_shard;
 what shrinks is everything FSDP *unshards*: a gathered block holds only its 1/ep of the experts. Tensor
-parallel does not split routed experts (every TP rank holds them whole). The token dispatch adds
+parallel splits each routed expert on its width instead (and cannot combine with expert parallel). The token dispatch adds
 all-to-all buffers: the busiest rank receives more than its balanced share of routed token copies
 (`rank_imbalance`, from `plan.moe_imbalance`).
 """
@@ -25,6 +25,20 @@ def stage_routed_params(m: Any, layer_ids: list[int]) -> int:
     from dtlaunch.models.moe.shapes import layer_params
 
     return sum(layer_params(m, i)["routed"] for i in layer_ids)
+
+
+def stage_whole_under_tp(m: Any, layer_ids: list[int]) -> int:
+    """Parameters of the blocks `layer_ids` that tensor parallel leaves whole on every rank (0 for a dense
+    model): each sparse block's router and, with expert biases (gpt-oss), the down projections' biases,
+    added once after the ranks' partial outputs are summed (dtlaunch.train.parallel.tensor_parallel)."""
+    if not routed_experts(m):
+        return 0
+    from dtlaunch.models.moe.shapes import is_sparse
+
+    dim, experts = int(m.dim), int(m.moe.num_experts)
+    per = experts * (dim + (1 if getattr(m, "router_bias", False) else 0))
+    per += experts * dim if getattr(m, "expert_biases", False) else 0
+    return per * sum(is_sparse(m, i) for i in layer_ids)
 
 
 def imbalance(cfg: JobConfig) -> float:

@@ -159,7 +159,7 @@ def peft_terms(
         act -= sum(e * shapes[n][1] for n in NORM_READERS if n in shapes and n not in chosen)
     if "down_proj" in shapes and "down_proj" not in chosen:
         act -= e * shapes["down_proj"][1] / tp  # w2's input, the SwiGLU product, is saved only by w2
-    act += frozen_experts_act(cfg, shapes, chosen, e, autocast, routed_scale)
+    act += frozen_experts_act(cfg, shapes, chosen, e, autocast, routed_scale, tp)
     return PeftTerms(
         method=method,
         adapters=adapters_block * layers,
@@ -183,6 +183,7 @@ def frozen_experts_act(
     e: int,
     autocast: bool,
     scale: float,
+    tp: int = 1,
 ) -> float:
     """Saved bytes per token of a stage's mean block that an MoE block's frozen FFN no longer keeps (<= 0;
     0 for a model without routed experts): see the module docstring. `shapes` lists the FFN linears after
@@ -197,12 +198,12 @@ def frozen_experts_act(
     h, k = int(m.dim), int(m.moe.top_k)
     ffn = [n for n in shapes if n not in ATTENTION]
     readers, down = ffn[:3], ffn[3:]  # gate (+ shared gate, up) read the FFN norm's output
-    act = -scale * k * e * (h + expert_dim(m))
+    act = -scale * k * e * (h + expert_dim(m) / tp)  # tensor parallel: a rank's slice of each expert
     if autocast:
         act -= e * h * sum(n not in chosen for n in readers)
     elif not any(n in chosen for n in readers):
         act -= e * h
-    act -= sum(e * shapes[n][1] for n in down if n not in chosen)
+    act -= sum(e * shapes[n][1] / tp for n in down if n not in chosen)  # the shared down_proj: row-parallel
     return act * len(sparse_layers(m)) / int(m.n_layers)
 
 

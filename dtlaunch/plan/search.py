@@ -89,10 +89,11 @@ def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float =
         lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY
     )
     accum = gb // (t.micro_batch * lay.dp)
-    # Routed experts: not split by TP, split by EP; FSDP gathers them over dp_shard / ep ranks only.
+    # Routed experts: split on their width by TP or among ranks by EP (never both); FSDP gathers them over
+    # dp_shard / ep ranks only.
     routed = stage_routed_params(m, list(range(int(m.n_layers))))
     p_local = (P - routed) / (lay.tp * lay.pp)
-    p_experts = routed / (lay.pp * lay.ep)
+    p_experts = routed / (lay.pp * lay.ep * lay.tp)
     tok_mb = t.micro_batch * t.seq_len // lay.cp  # tokens on one rank: CP splits each sequence
     comm_exposed = 0.0
     parts: dict[str, float] = {}
@@ -116,6 +117,11 @@ def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float =
         bw = hardware.link_bandwidth(hw, lay.tp, 1)
         # Per layer: all-gather + reduce-scatter around attention and MLP, forward and backward.
         vol = 8 * (lay.tp - 1) / lay.tp * tok_mb * m.dim * e * (m.n_layers / lay.pp) * accum
+        if routed:
+            # Every sparse block all-reduces its top_k routed copies' partial outputs in forward and their
+            # input gradient in backward (dtlaunch.train.parallel.tensor_parallel.ExpertsTensorParallel).
+            n_sparse = routed / max(1, _routed_per_sparse_block(m)) / lay.pp
+            vol += 4 * (lay.tp - 1) / lay.tp * tok_mb * int(m.moe.top_k) * m.dim * e * n_sparse * accum
         parts["tp"] = vol / bw
         comm_exposed += parts["tp"]
     stride = lay.tp
@@ -179,11 +185,12 @@ def _expert_width(m: Any) -> int:
     return expert_dim(m)
 
 
-def _ep_degrees(m: Any, shard: int, zero: int, cp: int) -> list[int]:
-    """Expert-parallel degrees for a layout: 1, and with FSDP (no CP) every divisor of dp_shard that
-    splits the routed experts evenly."""
+def _ep_degrees(m: Any, shard: int, zero: int, cp: int, tp: int = 1) -> list[int]:
+    """Expert-parallel degrees for a layout: 1, and with FSDP (no CP, no TP: config.rules.strategy's
+    check_expert_parallel and check_moe_tensor_parallel) every divisor of dp_shard that splits the routed
+    experts evenly."""
     experts = routed_experts(m)
-    if not experts or zero < 2 or cp > 1:
+    if not experts or zero < 2 or cp > 1 or tp > 1:
         return [1]
     return [d for d in _divisors(shard) if experts % d == 0]
 
@@ -234,8 +241,6 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
-                    if tp > 1 and routed_experts(m) and (zero < 2 or dp * cp == 1):
-                        continue  # MoE x TP needs FSDP (config.validate.check_moe_tensor_parallel)
                     if not qlora_layout_ok(cfg, tp, pp, rep * shard * cp if zero >= 2 else 1, rep):
                         continue  # config.rules.qlora: NF4 under FSDP2 or DDP, whole blocks per shard
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
@@ -246,7 +251,9 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                             if gb % (mb * dp) or (pp > 1 and mb < pp):
                                 continue
                             for ep, ac, chunks in product(
-                                _ep_degrees(m, shard, zero, cp), ("none", "selective", "full"), loss_chunk_options(cfg)
+                                _ep_degrees(m, shard, zero, cp, tp),
+                                ("none", "selective", "full"),
+                                loss_chunk_options(cfg),
                             ):
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
                                 if grpo and grpo_layout_problem(cfg, lay):

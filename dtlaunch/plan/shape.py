@@ -26,7 +26,7 @@ from dtlaunch.config.layout import (
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
-from dtlaunch.plan.experts import grouped_gemm, rank_imbalance, stage_routed_params
+from dtlaunch.plan.experts import grouped_gemm, rank_imbalance, stage_routed_params, stage_whole_under_tp
 from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.plan.loss_terms import logits_saved_per_token, loss_chunks
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
@@ -248,12 +248,16 @@ def stage_shape(
     if reward:  # the scalar head's (tokens x 1) scores take the place of the logits (dtlaunch.train.objectives.reward)
         d = dataclasses.replace(d, vocab=1)
     p_rank, blk, root = _stage_params(m, layers, first, last, tp, scalar_head=reward)
-    # Routed experts (MoE): whole on every TP rank; a gathered block holds only this rank's 1/ep of them.
+    # Routed experts (MoE): split on their width by TP like the other matrices, but the router (and
+    # gpt-oss's down biases) whole on every TP rank; a gathered block holds only its 1/ep of the experts.
     ids = layer_ids if layer_ids is not None else list(range(layers))
     routed = stage_routed_params(m, ids)
-    if routed and tp > 1:
-        p_rank += routed - routed // tp
-        blk += (routed - routed // tp) // max(layers, 1)
+    whole = stage_whole_under_tp(m, ids)
+    if whole and tp > 1:
+        p_rank += whole - whole // tp
+        blk += (whole - whole // tp) // max(layers, 1)
+    if hasattr(d, "fe") and tp > 1:  # a TP rank's slice of each routed and shared expert
+        d = dataclasses.replace(d, fe=d.fe // tp, fs=d.fs // tp)
     not_gathered = routed - routed // layout.ep
     n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
     mix = act.ac_mix(t, ids)

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
 DENSE = ("ddp", "fsdp", "tp")
-MOE_LAYOUTS = ("ddp", "fsdp", "ep")
+MOE_LAYOUTS = ("ddp", "fsdp", "tp", "ep")
 STEPS_ALL = ("plan", "generate", "layouts", "lora", "resume", "export", "dpo", "grpo")
 
 
@@ -56,7 +56,7 @@ class Family:
     cannot: dict = field(default_factory=dict)
 
 
-_NO_TP_MOE = ("no tensor parallel for MoE blocks yet", "strategy.tp")
+_NO_TP_MLA = ("its latent attention is not split by tensor parallel", "strategy.tp=1")
 _NO_EP_DENSE = ("no routed experts", "has none")
 _NO_PEFT_HF_AUTO = ("peft wraps native linears only", "model.arch=hf_auto")
 _NO_GEN_HF_AUTO = ("generate runs native modules: export, then transformers", "")
@@ -79,18 +79,21 @@ FAMILIES: list[Family] = [
         cannot={"tp": ("q/k norm spans every head", "strategy.tp=1"), "ep": _NO_EP_DENSE},
     ),
     Family("gemma3", "gemma3", tied=False, moe=False, layouts=DENSE, cannot={"ep": _NO_EP_DENSE}),
-    Family("qwen3_moe", "qwen3_moe", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}),
+    Family("qwen3_moe", "qwen3_moe", tied=False, moe=True, layouts=MOE_LAYOUTS),
     # peft=lora's default targets name gate_proj / up_proj / down_proj, which Mixtral's expert-only MLP has
     # not as linears: refused (a product gap, issue #50's matrix report), so its row targets all-linear.
-    Family(
-        "mixtral", "mixtral", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}, lora=_ALL_LINEAR
-    ),
-    Family("glm4_moe", "glm4_moe", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}),
+    Family("mixtral", "mixtral", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_ALL_LINEAR),
+    Family("glm4_moe", "glm4_moe", tied=False, moe=True, layouts=MOE_LAYOUTS),
     # gpt-oss's experts are 3-D parameters and its router a gate: like Mixtral, no gate/up/down_proj linears.
+    Family("gpt_oss", "gpt_oss", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_ALL_LINEAR),
     Family(
-        "gpt_oss", "gpt_oss", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}, lora=_ALL_LINEAR
+        "deepseek_v3",
+        "deepseek_v3",
+        tied=False,
+        moe=True,
+        layouts=("ddp", "fsdp", "ep"),
+        cannot={"tp": _NO_TP_MLA},
     ),
-    Family("deepseek_v3", "deepseek_v3", tied=False, moe=True, layouts=MOE_LAYOUTS, cannot={"tp": _NO_TP_MOE}),
     Family(
         "hf_auto_tied",
         "llama_tied",

@@ -32,7 +32,8 @@ LAYOUTS = {
 
 def expert_dtypes(rt) -> list[str]:
     """The stored dtype of every routed-expert weight (its local shard under FSDP / EP)."""
-    from dtlaunch.models.moe.experts import GroupedExperts, local_tensor
+    from dtlaunch.models.local_tensor import local_tensor
+    from dtlaunch.models.moe.experts import GroupedExperts
 
     return sorted(
         {

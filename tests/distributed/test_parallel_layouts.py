@@ -25,11 +25,16 @@ pytestmark = [
 TOL = 1e-4
 STEPS = 5
 COMMON = ["training.seq_len=32", "optim.warmup_steps=2", "optim.lr=1e-2", "training.grad_clip=0.5"]
+MOE = ["model=tiny_moe", "model.moe.num_shared_experts=1", "model.moe.dense_layers=[0]", "model.moe.aux_loss_coef=0.01"]
 # One process, micro_batch 4 = the global batch of every layout below.
 REFERENCES = {
     "tiny": ["recipe=tiny_tp", "training.micro_batch=4"],
     "tiny_deep": ["recipe=tiny_pp", "model=tiny_deep", "training.micro_batch=4"],
     "tiny_gb8": ["recipe=tiny_ddp", "training.micro_batch=8"],  # the data-parallel layouts' batch of 8
+    # MoE with a shared expert and a dense first block: TP splits all three FFN kinds.
+    "moe": ["recipe=tiny_tp", *MOE, "training.micro_batch=4"],
+    # ... in 2 micro-batches of 2: each a data-parallel rank's (the aux loss is per micro-batch).
+    "moe_mb2": ["recipe=tiny_tp", *MOE, "training.micro_batch=2", "training.global_batch=4"],
 }
 # name -> (world, reference model, overrides)
 LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
@@ -72,6 +77,14 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
         ["recipe=tiny_pp", "model=tiny_deep", "training.micro_batch=4", "strategy.pp_layers_per_stage=[3,5]"],
     ),
     "fsdp_tp_2x2": (4, "tiny", ["recipe=tiny_tp", "strategy=fsdp_tp", "training.micro_batch=2"]),
+    # Tensor parallel inside the routed experts (dtlaunch.models.moe.tp_plan), with and without SP, under FSDP.
+    "moe_tp_sp_2": (2, "moe", ["recipe=tiny_tp", *MOE, "training.micro_batch=4"]),
+    "moe_tp_no_sp_2": (
+        2,
+        "moe",
+        ["recipe=tiny_tp", *MOE, "training.micro_batch=4", "strategy.sequence_parallel=false"],
+    ),
+    "moe_fsdp_tp_2x2": (4, "moe_mb2", ["recipe=tiny_tp", *MOE, "strategy=fsdp_tp", "training.micro_batch=2"]),
     # FSDP x PP reduce-scattering after every pipeline micro-batch (the 3-D recipe keeps the gradients
     # unsharded across micro-batches, the default).
     "fsdp_pp_reshard_2x2": (

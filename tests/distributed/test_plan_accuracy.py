@@ -60,6 +60,8 @@ def test_predicted_peak_matches_real_runs():
 MOE_SUBSET = [
     ["model=planner_moe", "strategy=zero3", "launch.nproc_per_node=2"],
     ["model=planner_moe", "strategy=pp", "launch.nproc_per_node=2", "strategy.pp_microbatches=4"],
+    # Tensor parallel inside the experts (dtlaunch.models.moe.tp_plan: each expert's width split).
+    ["model=planner_moe", "strategy=tp", "launch.nproc_per_node=2", "model.moe.num_shared_experts=1"],
 ]
 
 

@@ -7,7 +7,9 @@
   steps 5 and 6, logged by both attempts, are bit-identical (kill-and-resume);
 - EP=2 x FSDP=2 on 4 processes (experts sharded 2 ways, each shard FSDP'd over 2 ranks): parity again;
 - FSDP only (2 processes, no EP) resuming from the EP=2 x FSDP=2 step-4 checkpoint, a change of EP
-  degree (2 -> 1) and of world (4 -> 2): steps 5..8 follow the reference within 1e-4.
+  degree (2 -> 1) and of world (4 -> 2): steps 5..8 follow the reference within 1e-4;
+- tensor parallel (2 processes, each routed expert split on its width) resuming from the same checkpoint:
+  the experts resharded from whole experts per rank to half of every expert; steps 5..8 again.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ EP2 = ["launch.nproc_per_node=2", "strategy=zero3", "strategy.ep=2", "training.m
 EP2_FSDP2 = ["launch.nproc_per_node=4", "strategy=zero3", "strategy.ep=2", "training.micro_batch=1"]
 ONE = ["launch.nproc_per_node=1", "training.micro_batch=4"]
 FSDP2 = ["launch.nproc_per_node=2", "strategy=zero3", "training.micro_batch=2"]
+TP2 = ["launch.nproc_per_node=2", "strategy=tp", "training.micro_batch=4"]
 
 
 def rows(run: Path) -> list[dict]:
@@ -64,6 +67,7 @@ def assert_parity(got: dict[int, dict], want: dict[int, dict], steps: list[int])
 def runs(trainer, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ep")
     out = {"one": root / "one", "ep2": root / "ep2", "ep2_fsdp2": root / "ep2_fsdp2", "resumed": root / "resumed"}
+    out["tp2"] = root / "tp2"
     for name, args in (("one", ONE), ("ep2_fsdp2", EP2_FSDP2)):
         proc = trainer.cli(["train", *COMMON, *args, f"run.dir={out[name]}"])
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -77,6 +81,9 @@ def runs(trainer, tmp_path_factory) -> dict[str, Path]:
     proc = trainer.cli(["train", *COMMON, *FSDP2, f"checkpoint.load_path={step4}", f"run.dir={out['resumed']}"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out["resumed_text"] = proc.stdout + proc.stderr  # type: ignore[assignment]
+    proc = trainer.cli(["train", *COMMON, *TP2, f"checkpoint.load_path={step4}", f"run.dir={out['tp2']}"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out["tp2_text"] = proc.stdout + proc.stderr  # type: ignore[assignment]
     return out
 
 
@@ -103,3 +110,9 @@ def test_resume_across_ep_degree(runs) -> None:
     assert "resumed from step-00000004" in runs["resumed_text"]
     assert "written by world 4 = rep 1 x shard 4 x tp 1 x pp 1 (ep 2)" in runs["resumed_text"], runs["resumed_text"]
     assert_parity(last_per_step(runs["resumed"]), last_per_step(runs["one"]), [5, 6, 7, 8])
+
+
+def test_resume_into_tensor_parallel_experts(runs) -> None:
+    """EP=2 x FSDP=2's checkpoint (whole experts per rank) resumed with every expert split on its width."""
+    assert "resumed from step-00000004" in runs["tp2_text"], runs["tp2_text"][-2000:]
+    assert_parity(last_per_step(runs["tp2"]), last_per_step(runs["one"]), [5, 6, 7, 8])

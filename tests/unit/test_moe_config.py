@@ -32,8 +32,8 @@ from dtlaunch.models.shapes import param_count
         ),
         (["model=tiny_moe", "model.moe.aux_loss_coef=-1"], r"model.moe.aux_loss_coef=-1.0 is out of range"),
         (
-            ["model=tiny_moe", "strategy=tp", "launch.nproc_per_node=2"],
-            r"strategy.tp=2 with a mixture-of-experts model needs FSDP .* use strategy=fsdp_tp, or strategy.tp=1",
+            ["model=tiny_moe", "strategy=tp", "launch.nproc_per_node=2", "model.moe.expert_dim=33"],
+            r"strategy.tp=2 does not divide model.moe.expert_dim=33 \(model.arch=moe\): choose a tp that divides it",
         ),
     ],
 )

@@ -197,18 +197,18 @@ def check_pipeline(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
 
 
 def check_moe_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
-    """Tensor parallel splits an MoE model's attention only; its routers and experts stay whole, plain
-    tensors beside the DTensors, which only FSDP (turning every parameter into a DTensor) lets the
-    optimizer's multi-tensor kernels take together."""
+    """Tensor parallel splits each routed expert on its width (dtlaunch.models.moe.tp_plan); expert parallel
+    splits the experts among ranks. Both at once would split the same 3-D parameters twice, which the
+    dispatch does not do yet."""
     from dtlaunch.models.registry import routed_experts
 
-    if layout.tp == 1 or not routed_experts(cfg.model):
+    if layout.tp == 1 or layout.ep == 1 or not routed_experts(cfg.model):
         return
-    if int(cfg.strategy.zero_stage) < 2 or layout.dp * layout.cp == 1:
-        raise ConfigError(
-            f"strategy.tp={layout.tp} with a mixture-of-experts model needs FSDP over 2+ data-parallel ranks "
-            f"(zero_stage={cfg.strategy.zero_stage}, dp={layout.dp}): use strategy=fsdp_tp, or strategy.tp=1"
-        )
+    raise ConfigError(
+        f"strategy.tp={layout.tp} with strategy.ep={layout.ep}: tensor parallel already splits every routed "
+        f"expert on its width, and splitting them among expert-parallel ranks too is not supported yet: "
+        f"set strategy.ep=1 (tensor parallel) or strategy.tp=1 (expert parallel)"
+    )
 
 
 def check_expert_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:

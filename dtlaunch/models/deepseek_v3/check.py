@@ -23,8 +23,12 @@ def check(cfg: JobConfig) -> None:
             f"model.qk_rope_head_dim={rope}: model.arch=deepseek_v3 rotates pairs of dims: set an even number >= 2"
         )
     check_config_json_moe(cfg, "deepseek_v3")
+    from dtlaunch.config.layout import Layout, world_size
+
+    # The resolved degrees: strategy=tp's tp=-1 means every rank.
+    layout = Layout.resolve(cfg.strategy, world_size(cfg))
     for key in ("tp", "cp"):
-        degree = int(getattr(cfg.strategy, key, 1) or 1)
+        degree = int(getattr(layout, key))
         if degree > 1:
             raise ConfigError(
                 f"strategy.{key}={degree}: model.arch=deepseek_v3's latent attention is not sharded by "

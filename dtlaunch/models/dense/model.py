@@ -34,6 +34,7 @@ from dtlaunch.models.dense.documents import Documents, attend, dense_mask
 from dtlaunch.models.dense.norm import RMSNorm
 from dtlaunch.models.dense.shapes import SINK_DIMS, ffn_dim, head_dim, kv_heads, rotary_dim
 from dtlaunch.models.dense.yarn import attention_factor, yarn_frequencies
+from dtlaunch.models.local_tensor import local_tensor
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import ModelConfig
@@ -208,6 +209,8 @@ class Attention(nn.Module):
         self.sinks: Optional[nn.Parameter] = (
             nn.Parameter(torch.empty(m.n_heads)) if getattr(m, "attention_sinks", False) else None
         )
+        # Parameters with one entry per query head: tensor parallel shards them with the heads.
+        self.head_parameters: tuple[str, ...] = ("sinks",) if self.sinks is not None else ()
         # Per-head norms over head_dim, shared by all heads (so tensor parallel replicates them); with
         # qk_norm_whole (OLMo 2/3) one norm over the whole projection, a gain per q (k) feature, whose mean
         # square spans every head (validate refuses tensor parallel for it: a rank holds some heads only).
@@ -280,7 +283,8 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if self.sinks is not None:
-            out = sink_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.sinks)
+            sinks = local_tensor(self.sinks)  # this rank's heads' under tensor parallel
+            out = sink_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
         else:
             out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

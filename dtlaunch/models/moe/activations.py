@@ -16,7 +16,9 @@ expert parallelism a rank instead holds the copies routed to its experts, `route
 balanced share (plan.moe_imbalance: the busiest rank's load over the mean), which the planner sets.
 Blocks that are dense (model.moe.sparse_step / dense_layers) keep the dense SwiGLU; the planner sizes
 a stage with the mean block (`sparse` = the share of sparse blocks).
-Tensor parallel leaves the FFN whole on every rank (dtlaunch/models/moe/tp_plan.py): not divided.
+Tensor parallel splits each routed and shared expert on its width (dtlaunch/models/moe/tp_plan.py): the
+planner hands these functions `fe` and `fs` as one rank's slice (dtlaunch.plan.shape); the router, the
+dispatch's copies and the combine stay whole.
 """
 
 from __future__ import annotations

@@ -26,12 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's local shard when expert parallel or FSDP made it a DTensor (the one place model code
-    sees one: the dispatch hooks hand this module local tokens, so its weights must be local too)."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p
+# The dispatch hooks hand this module local tokens, so its weights must be local too.
+from dtlaunch.models.local_tensor import local_tensor
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, cast: bool = False) -> bool:
@@ -113,11 +109,16 @@ class GroupedExperts(nn.Module):
         """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         biases = None if self.b1 is None else tuple(local_tensor(b) for b in (self.b1, self.b2, self.b3))
+        return self.compute(x, num_tokens_per_expert, w1, w2, w3, biases)
+
+    def compute(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1, w2, w3, biases: Biases) -> torch.Tensor:
+        """The experts on these (local) weights; `biases` (b1, b2, b3), b2 may be None (added by the caller:
+        tensor parallel adds it once, after summing the ranks' partial outputs)."""
         device = x.device.type
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         if grouped_mm_supported(x, w1, dtype, cast=autocast):
-            cast = None if biases is None else tuple(b.to(dtype) for b in biases)
+            cast = None if biases is None else tuple(None if b is None else b.to(dtype) for b in biases)
             return _grouped(*(t.to(dtype) for t in (x, w1, w2, w3)), num_tokens_per_expert, self.act, cast)
         return _looped(x, w1, w2, w3, num_tokens_per_expert, self.act, biases)
 
@@ -134,7 +135,7 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Biases = Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Biases = Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]
 
 
 def _looped(
@@ -151,7 +152,7 @@ def _looped(
         raise ValueError(f"GroupedExperts: {sum(sizes)} tokens counted for {x.shape[0]} rows")
     outs = []
     none = [None] * len(sizes)
-    b1s, b2s, b3s = (none, none, none) if biases is None else tuple(b.unbind(0) for b in biases)
+    b1s, b2s, b3s = (none, none, none) if biases is None else tuple(none if b is None else b.unbind(0) for b in biases)
     # unbind, not w1[e]: indexing's backward allocates a zero tensor of the whole stack per expert
     # (E x the parameter size per block); unbind's stacks the experts' gradients once.
     experts = zip(torch.split(x, sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0), b1s, b2s, b3s, strict=True)
@@ -160,7 +161,9 @@ def _looped(
             outs.append(F.linear(act(F.linear(rows, a, ba), F.linear(rows, c, bc)), b, bb))
     # No token at all: an empty result still depends on the weights (their gradient is zero, not None).
     if not outs:
-        touch = w1.sum() + w2.sum() + w3.sum() + (0 if biases is None else sum(b.sum() for b in biases))
+        touch = (
+            w1.sum() + w2.sum() + w3.sum() + (0 if biases is None else sum(b.sum() for b in biases if b is not None))
+        )
         return x.new_zeros(0, w2.shape[1]) + 0 * touch
     return torch.cat(outs)
 
@@ -183,4 +186,4 @@ def _grouped(
     expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=x.shape[0])
     b1, b2, b3 = biases
     out = torch._grouped_mm(act(gate + b1[expert], up + b3[expert]), w2.transpose(-2, -1), offs=offs)
-    return out + b2[expert]
+    return out if b2 is None else out + b2[expert]

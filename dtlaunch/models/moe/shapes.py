@@ -80,9 +80,12 @@ def param_count(m: ModelConfig) -> int:
 
 
 def tp_divisors(m: ModelConfig) -> list[tuple[str, int]]:
-    """Tensor parallel shards attention (and the dense blocks' FFN); routed and shared experts stay whole
-    on every tensor-parallel rank (expert parallelism is how experts are split)."""
+    """Tensor parallel shards attention, every routed expert's width, the shared experts' and the dense
+    blocks' FFN (dtlaunch.models.moe.tp_plan): whole heads per rank, even slices of each width."""
     out = [d for d in dense.tp_divisors(m) if d[0] != "model FFN width"]
+    out.append(("model.moe.expert_dim", expert_dim(m)))
+    if shared_dim(m):
+        out.append(("model.moe.shared_expert_dim", shared_dim(m)))
     if len(sparse_layers(m)) < int(m.n_layers):
         out.append(("model FFN width", ffn_dim(m)))
     return out
@@ -96,8 +99,8 @@ _OURS_FFN = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 def block_linears(m: Any, hf: bool = True) -> dict[str, tuple[int, int, bool | None]]:
     """The linears of one sparse block by target name (Hugging Face's, or ours where the family has no HF
     format): (out features, in features, column-parallel under TP; None: whole on every TP rank), in
-    forward order: attention, the router's gate (dim -> experts) and the shared experts' SwiGLU (the FFN
-    is not split by TP: dtlaunch.models.moe.tp_plan). The routed experts are 3-D parameters, not linears: never adapted,
+    forward order: attention, the router's gate (dim -> experts, whole on every TP rank) and the shared
+    experts' SwiGLU (column / row-parallel: dtlaunch.models.moe.tp_plan). The routed experts are 3-D parameters, not linears: never adapted,
     frozen in the compute dtype under LoRA / QLoRA (dtlaunch.train.parallel.frozen_base). Blocks that are
     dense (model.moe.sparse_step / dense_layers) are planned as this block (their SwiGLU is not listed)."""
     attn = {k: v for k, v in dense.block_linears(m).items() if k in _OURS}
@@ -105,7 +108,7 @@ def block_linears(m: Any, hf: bool = True) -> dict[str, tuple[int, int, bool | N
     out["gate"] = (int(m.moe.num_experts), int(m.dim), None)
     fs = shared_dim(m)
     if fs:
-        shared = {"gate_proj": (fs, m.dim, None), "up_proj": (fs, m.dim, None), "down_proj": (m.dim, fs, None)}
+        shared = {"gate_proj": (fs, m.dim, True), "up_proj": (fs, m.dim, True), "down_proj": (m.dim, fs, False)}
         out.update({(k if hf else _OURS_FFN[k]): v for k, v in shared.items()})
     return out
 

@@ -114,7 +114,26 @@ class SchedulerState(Stateful):
         if any(sd != saved[0] for sd in saved[1:]):
             raise ConfigError("the checkpoint holds LR schedulers in different states: it is damaged")
         for sched in self.schedulers:
-            sched.load_state_dict(saved[0])
+            sched.load_state_dict(_fit_groups(saved[0], len(sched.optimizer.param_groups)))
+
+
+def _fit_groups(sd: dict[str, Any], groups: int) -> dict[str, Any]:
+    """The saved scheduler's per-group lists fitted to this optimizer's number of groups. Every group follows
+    the one schedule from the one optim.lr, but a layout decides how many groups there are (a tensor-parallel
+    plan that leaves some parameters plain splits a group by kind: dtlaunch.train.optim.param_groups), so a
+    checkpoint of another layout may have more or fewer."""
+    out = dict(sd)
+    for key in ("base_lrs", "_last_lr"):
+        values = sd.get(key)
+        if not isinstance(values, list) or len(values) == groups or not values:
+            continue
+        if any(v != values[0] for v in values[1:]):
+            raise ConfigError(
+                f"the checkpoint's LR scheduler has {len(values)} parameter groups at different rates and this "
+                f"layout has {groups}: resume with the layout that wrote it"
+            )
+        out[key] = [values[0]] * groups
+    return out
 
 
 def _plain(sd: dict[str, Any]) -> dict[str, Any]:

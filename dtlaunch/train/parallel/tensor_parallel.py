@@ -26,6 +26,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +42,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtlaunch.models import tp_styles as styles
+from dtlaunch.models.local_tensor import local_tensor
+from dtlaunch.models.moe.experts import GroupedExperts
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -85,6 +88,83 @@ class _VocabParallelEmbedding(nn.Embedding):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         partial = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
         return partial.redistribute(self.tp_mesh, [self.output_layout]).to_local()
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tensor-parallel group (Megatron's `f`): the
+    input of a computation each rank does for its slice of the weights, whose input gradient is then a
+    partial sum on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Forward sums the ranks' partial outputs over the tensor-parallel group; backward is the identity
+    (Megatron's `g`): every rank's partial output took part with weight one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Tensor parallel inside the routed experts (a `GroupedExperts`): w1 / w3 (and gpt-oss's b1 / b3) as
+    Shard(1) DTensors (each rank holds hidden / tp rows of every expert), w2 as Shard(2), b2 replicated.
+    The router stays whole and computes the same choice on every rank, so every rank runs every routed
+    copy through its slices; the partial outputs are all-reduced where the experts return (the combine
+    multiplies them by the router's weights, whose gradient must see the whole output) and b2 is added
+    once, after the sum. The input's gradient is summed over the ranks (each saw its slices only).
+    The all-reduce carries the top_k routed copies ([T * k, dim]), k times what summing after the combine
+    would, in exchange for a router and combine untouched by tensor parallel."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, GroupedExperts):
+            raise TypeError(f"ExpertsTensorParallel splits GroupedExperts, not {type(module).__name__}")
+        dims = {"w1": 1, "w3": 1, "w2": 2, "b1": 1, "b3": 1, "b2": None}
+        for name, dim in dims.items():
+            p = getattr(module, name)
+            if p is None:
+                continue
+            placements = [Replicate()] if dim is None else [Shard(dim)]
+            t = distribute_tensor(p, device_mesh, placements, src_data_rank=self.src_data_rank)
+            setattr(module, name, nn.Parameter(t, requires_grad=p.requires_grad))
+        module.__class__ = _TensorParallelExperts
+        module.tp_group = device_mesh.get_group()
+        return module
+
+
+class _TensorParallelExperts(GroupedExperts):
+    """`GroupedExperts` after ExpertsTensorParallel (its class swapped in place: the parameter names, and so
+    the checkpoints, stay the experts')."""
+
+    tp_group: object
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        x = _SumGradOverTP.apply(x, self.tp_group)
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        biases = None if self.b1 is None else (local_tensor(self.b1), None, local_tensor(self.b3))
+        out = _SumOverTP.apply(self.compute(x, num_tokens_per_expert, w1, w2, w3, biases), self.tp_group)
+        if self.b2 is None:
+            return out
+        # Each row's expert, without reading the counts on the host (output_size: no sync).
+        counts = num_tokens_per_expert
+        expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=x.shape[0])
+        return out + local_tensor(self.b2).to(out.dtype)[expert]
 
 
 def placement(layout: styles.Layout) -> Placement | None:
@@ -135,11 +215,31 @@ def parallel_style(style: styles.Style) -> ParallelStyle:
         )
     if isinstance(style, styles.VocabEmbedding):
         return VocabParallel(output_layout=placement(style.output))
+    if isinstance(style, styles.RoutedExperts):
+        return ExpertsTensorParallel()
     raise TypeError(f"not a tensor-parallel style: {style!r}")
 
 
 def torch_plan(plan: dict[str, styles.Style]) -> dict[str, ParallelStyle]:
     return {name: parallel_style(style) for name, style in plan.items()}
+
+
+def shard_head_parameters(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Parameters a module names in `head_parameters` (one entry per query head: gpt-oss's sinks) become
+    Shard(0) DTensors, so each rank holds its heads' entries (the column-parallel q projection gave it
+    those heads)."""
+    for module in block.modules():
+        for name in getattr(module, "head_parameters", ()):
+            p = getattr(module, name)
+            t = distribute_tensor(p, tp_mesh, [Shard(0)])
+            setattr(module, name, nn.Parameter(t, requires_grad=p.requires_grad))
+
+
+def _has_module(root: nn.Module, name: str) -> bool:
+    try:
+        return root.get_submodule(name) is not None
+    except AttributeError:
+        return False
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig) -> None:
@@ -164,7 +264,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig) -> None:
     from dtlaunch.train.parallel.lora_tp import lora_tp_plan
 
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, lora_tp_plan(float8_tp_plan(block, layer) if float8 else block, layer))
+        # A family's plan may name modules only some blocks have (an MoE model's dense and sparse FFNs).
+        own = {n: s for n, s in block.items() if _has_module(layer, n)}
+        parallelize_module(layer, tp_mesh, lora_tp_plan(float8_tp_plan(own, layer) if float8 else own, layer))
+        shard_head_parameters(layer, tp_mesh)
         if localize is not None:
             localize(layer, cfg.model, tp_mesh.size())
     if getattr(cfg, "peft", None) is not None and str(cfg.peft.method) != "none":
