@@ -80,6 +80,9 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "tp": ("full", ["recipe=tiny_tp", "training.micro_batch=8"]),
     "moe_ep": ("moe", [*MOE, "recipe=tiny_fsdp", "strategy=zero3", "strategy.ep=2", "training.micro_batch=4"]),
     "lora_moe_ep": ("lora_moe", [*MOE, *MOE_LORA, "recipe=tiny_fsdp", "strategy.ep=2", "training.micro_batch=4"]),
+    # Every expert split on its width (dtlaunch.models.moe.tp_plan); two micro-steps of 4 pairs, as one process.
+    "moe_tp": ("moe", [*MOE, "recipe=tiny_tp", "training.micro_batch=4"]),
+    "lora_moe_tp": ("lora_moe", [*MOE, *MOE_LORA, "recipe=tiny_tp", "training.micro_batch=4"]),
     "lora_ddp": ("lora", [*LORA, "recipe=tiny_ddp", "training.micro_batch=4"]),
     "lora_zero2": ("lora", [*LORA, "recipe=tiny_fsdp", "strategy=zero2", "training.micro_batch=4"]),
     "lora_tp": ("lora", [*LORA, "recipe=tiny_tp", "training.micro_batch=8"]),

@@ -58,9 +58,15 @@ def _compare(overrides: list, sp: bool):
     return inspect
 
 
-@pytest.mark.parametrize("sp", [True, False])
-def test_tensor_parallel_generates_as_one_process(tmp_path, sp: bool) -> None:
-    overrides = [*OVERRIDES, f"strategy.sequence_parallel={str(sp).lower()}"]
+# An MoE model too: every routed expert split on its width, the shared expert column/row-parallel.
+MOE = ["model=tiny_moe", "model.moe.num_shared_experts=1"]
+
+
+@pytest.mark.parametrize(
+    ("sp", "model"), [(True, []), (False, []), (True, MOE), (False, MOE)], ids=["sp", "no_sp", "moe_sp", "moe_no_sp"]
+)
+def test_tensor_parallel_generates_as_one_process(tmp_path, sp: bool, model: list) -> None:
+    overrides = [*OVERRIDES, *model, f"strategy.sequence_parallel={str(sp).lower()}"]
 
     def run_all() -> dict:
         return train(overrides, 2, 0, inspect=_compare(overrides, sp))["inspect"]
