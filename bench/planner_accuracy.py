@@ -61,6 +61,7 @@ FLOAT8 = [
 LORA = "peft=lora"
 QLORA = ["peft=qlora", "peft.nf4_scaler_block_size=128"]
 MOE_LORA = ["model=planner_moe", "peft.targets=[wq,wk,wv,wo]"]
+MOE_EXPERTS = [*MOE_LORA, "peft.target_experts=true"]  # the routed experts adapted too
 PEFT = [
     [LORA, "strategy=ddp", N2],
     [LORA, "strategy=ddp", N2, BF16],
@@ -88,6 +89,10 @@ PEFT = [
     [LORA, *MOE_LORA, "strategy=zero3", N2, BF16],
     [LORA, *MOE_LORA, "strategy=ddp", N2],
     [LORA, *MOE_LORA, "strategy=ddp", N2, BF16],
+    [LORA, *MOE_EXPERTS, "strategy=zero3", N2],
+    [LORA, *MOE_EXPERTS, "strategy=ddp", N2],
+    [LORA, *MOE_EXPERTS, "strategy=zero3", N2, "strategy.ep=2"],
+    [LORA, *MOE_EXPERTS, "strategy=zero3", N2, BF16],
 ]
 # Preference tuning (objective=dpo): a live frozen reference copy (full fine-tuning), the base with its
 # adapters switched off (LoRA), and precomputed reference log-probs; pairs from dpo_data() below.

@@ -370,8 +370,11 @@ class PeftConfig:
     # Hugging Face module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
     # all-linear. Default: attention's q, v, output and the MLP, torchtune's shipped Llama-3 LoRA choice
     # (k adds little, the MLP adapters most of the quality; the output head stays frozen). Where the MLP is
-    # routed experts only (Mixtral), the default adapts the attention (experts take no adapters).
+    # routed experts only (Mixtral), the default adapts the attention (the experts: peft.target_experts).
     targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    # Also adapt every MoE block's routed experts (their fused gate_up and down stacks, one rank-`rank`
+    # adapter per expert), as PEFT's `target_parameters` does; exported so peft loads it.
+    target_experts: bool = False
     # qlora: elements per NF4 quantization block, and blocks per scaler block (torchao's / torchtune's).
     nf4_block_size: int = 64
     nf4_scaler_block_size: int = 256

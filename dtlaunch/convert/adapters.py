@@ -45,6 +45,11 @@ class Adapters:
     m: Any  # the model section
     # Tensors trained in full beside the adapters, our names (a reward model's score head): peft's modules_to_save.
     full: dict = field(default_factory=dict)
+    # The routed experts' adapters (peft.target_experts): "<experts fqn>.lora_gate_up_a" ... -> full fp32 tensor.
+    experts: dict = field(default_factory=dict)
+
+    def expert_stacks(self) -> list[str]:
+        return sorted({k.rsplit(".", 1)[0] for k in self.experts})
 
     def linears(self) -> list[str]:
         return sorted({k.rsplit(".", 1)[0] for k in self.tensors})
@@ -97,9 +102,13 @@ def load_run_adapters(src: Path) -> tuple[Adapters, Any]:
         raise InputError(
             f"checkpoint '{info.path}' holds no adapters (a full training run): export it with --format hf or torch"
         )
+    from dtlaunch.models.lora import EXPERT_ADAPTER_NAMES
+
     tensors = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] in _PEFT_KEY}
     full = {k: v for k, v in state.items() if k == SCORE_HEAD}
-    return Adapters(tensors, float(record["alpha"]) / int(record["rank"]), dict(record), m, full), info
+    experts = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] in EXPERT_ADAPTER_NAMES}
+    scaling = float(record["alpha"]) / int(record["rank"])
+    return Adapters(tensors, scaling, dict(record), m, full, experts), info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +127,44 @@ def to_peft_state(adapters: Adapters) -> dict:
         out[f"{PEFT_PREFIX}{hf_weight.rsplit('.', 1)[0]}.{_PEFT_KEY[leaf]}.weight"] = t.contiguous()
     for key, t in adapters.full.items():  # the score head: transformers' own name, as peft saves modules_to_save
         out[f"{PEFT_PREFIX}{key}"] = t.contiguous()
+    out.update(_experts_to_peft(adapters, names))
+    return out
+
+
+# peft.target_experts: PEFT's `target_parameters` on transformers' fused expert tensors. PEFT nests one
+# wrapper per targeted parameter, the first listed innermost (its adapter under `base_layer`).
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")
+
+
+def _experts_module(names: Any, fqn: str) -> str:
+    """The transformers module path holding the fused expert tensors of our experts module `fqn`."""
+    hf = names.to_hf_name(f"{fqn}.w1")
+    return hf[: hf.index(".experts") + len(".experts")]
+
+
+def _experts_to_peft(adapters: Adapters, names: Any) -> dict:
+    """Our [E, r, in] / [E, out, r] stacks as PEFT's lora_A [r * E, in] / lora_B [out, r * E] (expert e's
+    rank-r slice at columns r_i * E + e of B, rows e * r + r_i of A: peft's ParamWrapper reshapes), gate_up's
+    B rows in transformers' order of the fused tensor (gate rows, then up rows; gpt-oss interleaves them)."""
+    import torch
+
+    out = {}
+    interleaved = bool(getattr(names, "GATE_UP_INTERLEAVED", False))
+    for fqn in adapters.expert_stacks():
+        module = f"{PEFT_PREFIX}{_experts_module(names, fqn)}"
+        t = {leaf: adapters.experts[f"{fqn}.{leaf}"] for leaf in ("lora_gate_up_a", "lora_gate_up_b")}
+        t.update({leaf: adapters.experts[f"{fqn}.{leaf}"] for leaf in ("lora_down_a", "lora_down_b")})
+        gate_up_b = t["lora_gate_up_b"]
+        if interleaved:
+            gate, up = gate_up_b.chunk(2, dim=1)
+            gate_up_b = torch.stack([gate, up], dim=2).flatten(1, 2)
+        for where, a, b in (
+            (f"{module}.base_layer", t["lora_gate_up_a"], gate_up_b),
+            (module, t["lora_down_a"], t["lora_down_b"]),
+        ):
+            e, r, inp = a.shape
+            out[f"{where}.lora_A.weight"] = a.reshape(e * r, inp).contiguous()
+            out[f"{where}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()
     return out
 
 
@@ -173,6 +220,8 @@ def peft_config(adapters: Adapters) -> dict:
         "inference_mode": True,
         "init_lora_weights": True,
         "modules_to_save": [SCORE_MODULE] if reward else None,
+        # PEFT's names of the fused expert tensors, relative to a block (peft.target_experts).
+        "target_parameters": [f"mlp.experts.{p}" for p in EXPERT_TARGETS] if adapters.experts else None,
     }
 
 
@@ -234,6 +283,22 @@ def merge(base: dict, adapters: Adapters, where: str) -> dict:
                 f"{tuple(w.shape)}: the adapter belongs to another base model"
             )
         out[key] = (w.float() + adapters.scaling * (b.float() @ a.float())).to(w.dtype)
+    for fqn in adapters.expert_stacks():  # the routed experts' stacks, as GroupedExperts.local_weights merges
+        t = {leaf: adapters.experts[f"{fqn}.{leaf}"].float() for leaf in ("lora_gate_up_a", "lora_gate_up_b")}
+        t.update({leaf: adapters.experts[f"{fqn}.{leaf}"].float() for leaf in ("lora_down_a", "lora_down_b")})
+        w1, w2, w3 = (base.get(f"{fqn}.{w}") for w in ("w1", "w2", "w3"))
+        if w1 is None or w2 is None or w3 is None:
+            raise InputError(f"{where}: adapter {fqn} has no matching routed experts in the base")
+        gate_up = adapters.scaling * (t["lora_gate_up_b"] @ t["lora_gate_up_a"])
+        down = adapters.scaling * (t["lora_down_b"] @ t["lora_down_a"])
+        if gate_up.shape != (w1.shape[0], 2 * w1.shape[1], w1.shape[2]) or down.shape != tuple(w2.shape):
+            raise InputError(
+                f"{where}: adapter {fqn} does not fit the base's experts: the adapter belongs to another base"
+            )
+        f = w1.shape[1]
+        out[f"{fqn}.w1"] = (w1.float() + gate_up[:, :f]).to(w1.dtype)
+        out[f"{fqn}.w3"] = (w3.float() + gate_up[:, f:]).to(w3.dtype)
+        out[f"{fqn}.w2"] = (w2.float() + down).to(w2.dtype)
     return out
 
 

@@ -38,7 +38,9 @@ from dtlaunch.config.schema import LORA_DEFAULT_TARGETS
 from dtlaunch.errors import ConfigError
 
 ALL_LINEAR = "all-linear"
-ADAPTER_NAMES = ("lora_a", "lora_b")
+# A linear's adapters, and the routed experts' (peft.target_experts: their gate_up and down stacks).
+EXPERT_ADAPTER_NAMES = ("lora_gate_up_a", "lora_gate_up_b", "lora_down_a", "lora_down_b")
+ADAPTER_NAMES = ("lora_a", "lora_b", *EXPERT_ADAPTER_NAMES)
 
 
 class LoRALinear(nn.Linear):
@@ -77,11 +79,35 @@ def adapt_linear(linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.
     return linear  # type: ignore[return-value]
 
 
+def routed_expert_stacks(model: nn.Module) -> dict[str, nn.Module]:
+    """fqn -> every routed-experts module (3-D w1 / w2 / w3 stacks) inside the blocks."""
+    from dtlaunch.models.moe.experts import GroupedExperts
+
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, GroupedExperts) and _in_block(fqn)}
+
+
+def adapt_experts(experts: nn.Module, rank: int, alpha: float) -> nn.Module:
+    """Adapters on a routed-experts module's gate_up and down stacks, in PEFT's `target_parameters` form
+    (dtlaunch.models.moe.experts.GroupedExperts.local_weights): shapes from its w1 / w2, on its device."""
+    e, f, dim = experts.w1.shape
+    kw = {"device": experts.w1.device}
+    experts.lora_gate_up_a = nn.Parameter(torch.empty(e, rank, dim, **kw))
+    experts.lora_gate_up_b = nn.Parameter(torch.empty(e, 2 * f, rank, **kw))
+    experts.lora_down_a = nn.Parameter(torch.empty(e, rank, f, **kw))
+    experts.lora_down_b = nn.Parameter(torch.empty(e, dim, rank, **kw))
+    experts.scaling = alpha / rank
+    return experts
+
+
+def _adapted_experts(m: nn.Module) -> bool:
+    return getattr(m, "lora_gate_up_a", None) is not None
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Every LoRALinear of `model` computes its base linear only (no second copy of the base is needed
     for a reference model); restored on exit."""
-    linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear) or _adapted_experts(m)]
     for m in linears:
         m.adapters_off = True
     try:
@@ -99,13 +125,15 @@ def is_adapter(name: str) -> bool:
 def adapter_init(name: str, shape: tuple[int, ...], seed: int) -> Optional[torch.Tensor]:
     """The full initial value of adapter `name` (fp32, CPU), None for other parameters."""
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "lora_b":
-        return torch.zeros(shape)
-    if leaf != "lora_a":
+    if leaf not in ADAPTER_NAMES:
         return None
+    if leaf.endswith("_b"):
+        return torch.zeros(shape)
     # Its own stream: a different (seed, name) key than any base parameter's.
     g = torch.Generator().manual_seed((seed * 1_000_033 + zlib.crc32(name.encode())) % (2**63))
-    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and peft initialise A
+    # kaiming_uniform_(a=sqrt(5)) over the input features (the last dim; an expert stack's [E, r, in] too), as
+    # nn.Linear and peft initialise A.
+    bound = 1.0 / math.sqrt(shape[-1])
     return torch.rand(shape, generator=g).mul_(2 * bound).sub_(bound)
 
 
@@ -164,7 +192,7 @@ def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: st
     for t in wanted:
         if t in valid:
             continue
-        why = " (routed experts take no adapters)" if t in experts else ""
+        why = " (routed experts: adapt them with peft.target_experts=true)" if t in experts else ""
         raise ConfigError(
             f"peft.targets: '{t}' is not a linear module{where}{why}: use some of {', '.join(valid)} or {ALL_LINEAR}"
         )
@@ -179,6 +207,9 @@ def apply_lora(model: nn.Module, spec: Any, peft: Any, modules_to_save: tuple[st
     chosen = select_targets(model, spec, peft.targets, str(getattr(getattr(model, "cfg", None), "arch", "")))
     for fqn in chosen:
         adapt_linear(model.get_submodule(fqn), int(peft.rank), float(peft.alpha), float(peft.dropout))
+    if getattr(peft, "target_experts", False):
+        for module in routed_expert_stacks(model).values():
+            adapt_experts(module, int(peft.rank), float(peft.alpha))
     # Kept on the model: tensor parallel freezes again (freeze_base) after its styles re-create parameters.
     model.lora_modules_to_save = tuple(modules_to_save)
     freeze_base(model)

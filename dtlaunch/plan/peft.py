@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dtlaunch.config.layout import rows_per_sample
 from dtlaunch.plan.lines import Line
 
 if TYPE_CHECKING:
@@ -126,7 +127,15 @@ def adapter_params(out: int, inp: int, colwise: bool | None, rank: int, tp: int)
 
 
 def peft_terms(
-    cfg: JobConfig, layers: int, tp: int, sp: bool, shards: int, e: int, autocast: bool, routed_scale: float = 1.0
+    cfg: JobConfig,
+    layers: int,
+    tp: int,
+    sp: bool,
+    shards: int,
+    e: int,
+    autocast: bool,
+    routed_scale: float = 1.0,
+    ep: int = 1,
 ) -> PeftTerms | None:
     """The fine-tuning terms of a stage; None for full training. `shards`: FSDP shard count (1 without);
     `routed_scale`: an MoE rank's routed token copies over the balanced share (expert parallel)."""
@@ -141,6 +150,8 @@ def peft_terms(
     rank = int(p.rank)
     h = int(cfg.model.dim)
     adapters_block = sum(adapter_params(*shapes[n], rank, tp) for n in chosen)
+    expert_adapters, merged_experts = expert_adapter_terms(cfg, ep)
+    adapters_block += expert_adapters
     quantised = nf4_whole = nf4_shard = dequant = 0.0
     if method == "qlora":
         b, s = int(p.nf4_block_size), int(p.nf4_scaler_block_size)
@@ -160,6 +171,15 @@ def peft_terms(
     if "down_proj" in shapes and "down_proj" not in chosen:
         act -= e * shapes["down_proj"][1] / tp  # w2's input, the SwiGLU product, is saved only by w2
     act += frozen_experts_act(cfg, shapes, chosen, e, autocast, routed_scale, tp)
+    if merged_experts:
+        # The merged expert weights each adapted block's grouped matmuls keep for backward: a block's
+        # constant, spread over the tokens of one rank's micro-batch (the unit of this term).
+        t = cfg.training
+        act += (
+            e
+            * merged_experts
+            / (int(t.micro_batch) * int(t.seq_len) * rows_per_sample(cfg) / max(1, int(cfg.strategy.cp)))
+        )
     return PeftTerms(
         method=method,
         adapters=adapters_block * layers,
@@ -174,6 +194,24 @@ def peft_terms(
         dequant=dequant,
         selective=saved_matmuls(shapes, chosen, rank, tp, sp, e) - saved_matmuls(shapes, [], rank, tp, sp, e),
     )
+
+
+def expert_adapter_terms(cfg: JobConfig, ep: int = 1) -> tuple[int, int]:
+    """peft.target_experts (dtlaunch.models.moe.experts.GroupedExperts.local_weights): the mean block's adapter
+    parameters on the expert stacks (gate_up's A [E, r, h] and B [E, 2F, r], down's A [E, r, F] and B
+    [E, h, r]) and its merged expert weights' elements (w1, w3, w2 plus their updates, kept by the grouped
+    matmuls for backward), of this rank's experts (expert parallel: E / ep); (0, 0) without."""
+    if not bool(getattr(cfg.peft, "target_experts", False)):
+        return 0, 0
+    from dtlaunch.models.moe.shapes import expert_dim, sparse_layers
+
+    m = cfg.model
+    h, f, r = int(m.dim), expert_dim(m), int(cfg.peft.rank)
+    share = len(sparse_layers(m)) / int(m.n_layers)
+    experts = int(m.moe.num_experts)
+    params = round(share * experts * r * (2 * h + 3 * f))
+    merged = round(share * experts // max(1, ep) * 3 * f * h)
+    return params, merged
 
 
 def frozen_experts_act(
@@ -198,7 +236,10 @@ def frozen_experts_act(
     h, k = int(m.dim), int(m.moe.top_k)
     ffn = [n for n in shapes if n not in ATTENTION]
     readers, down = ffn[:3], ffn[3:]  # gate (+ shared gate, up) read the FFN norm's output
-    act = -scale * k * e * (h + expert_dim(m) / tp)  # tensor parallel: a rank's slice of each expert
+    # The grouped copies (their gate / up matmuls' input) and the SwiGLU product (down's input) are kept for
+    # the weights' gradients only: adapted experts (peft.target_experts) keep them, as full training does.
+    adapted = bool(getattr(cfg.peft, "target_experts", False))
+    act = 0.0 if adapted else -scale * k * e * (h + expert_dim(m) / tp)  # TP: a rank's slice of each expert
     if autocast:
         act -= e * h * sum(n not in chosen for n in readers)
     elif not any(n in chosen for n in readers):

@@ -281,7 +281,9 @@ def stage_shape(
     # Fine-tuning: only the adapters train; QLoRA's base is NF4; the adapters join selective AC's matmul
     # alternation (dtlaunch.plan.peft).
     shard = layout.shard if fsdp or zero == 1 else 1
-    ft = peft_terms(cfg, layers, tp, sp, shard if fsdp else 1, e, residual32, getattr(d, "routed_scale", 1.0))
+    ft = peft_terms(
+        cfg, layers, tp, sp, shard if fsdp else 1, e, residual32, getattr(d, "routed_scale", 1.0), layout.ep
+    )
     if ft and "selective" in by_kind and t.ac_policy == "op":
         by_kind["selective"] += ft.selective
     tiles = mlp_tiles(cfg, layout)

@@ -60,6 +60,8 @@ REFERENCES = {
     "lora": [*LORA, "recipe=tiny_ddp", "training.micro_batch=8"],
     "moe": [*MOE, "recipe=tiny_fsdp", "training.micro_batch=4"],
     "lora_moe": [*MOE, *MOE_LORA, "recipe=tiny_fsdp", "training.micro_batch=4"],
+    # The routed experts adapted too: the reference is the base with every adapter off, the experts' included.
+    "lora_moe_experts": [*MOE, *MOE_LORA, "peft.target_experts=true", "recipe=tiny_fsdp", "training.micro_batch=4"],
     "orpo": ["objective=orpo", "recipe=tiny_ddp", "training.micro_batch=8"],
     "simpo": ["objective=simpo", "recipe=tiny_ddp", "training.micro_batch=8"],
     # ORPO's NLL term is a token mean per micro-batch: a pipeline micro-batch of 4 pairs is one process's
@@ -82,6 +84,10 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
     "lora_moe_ep": ("lora_moe", [*MOE, *MOE_LORA, "recipe=tiny_fsdp", "strategy.ep=2", "training.micro_batch=4"]),
     # Every expert split on its width (dtlaunch.models.moe.tp_plan); two micro-steps of 4 pairs, as one process.
     "moe_tp": ("moe", [*MOE, "recipe=tiny_tp", "training.micro_batch=4"]),
+    "lora_moe_experts_ep": (
+        "lora_moe_experts",
+        [*MOE, *MOE_LORA, "peft.target_experts=true", "recipe=tiny_fsdp", "strategy.ep=2", "training.micro_batch=4"],
+    ),
     "lora_moe_tp": ("lora_moe", [*MOE, *MOE_LORA, "recipe=tiny_tp", "training.micro_batch=4"]),
     "lora_ddp": ("lora", [*LORA, "recipe=tiny_ddp", "training.micro_batch=4"]),
     "lora_zero2": ("lora", [*LORA, "recipe=tiny_fsdp", "strategy=zero2", "training.micro_batch=4"]),

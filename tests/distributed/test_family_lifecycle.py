@@ -61,7 +61,9 @@ _NO_EP_DENSE = ("no routed experts", "has none")
 _NO_PEFT_HF_AUTO = ("peft wraps native linears only", "model.arch=hf_auto")
 _NO_GEN_HF_AUTO = ("generate runs native modules: export, then transformers", "")
 
-_ALL_LINEAR = ("peft=lora", "peft.targets=[all-linear]")
+_ALL_LINEAR = ("peft=lora", "peft.targets=[all-linear]", "peft.target_experts=true")
+# MoE families adapt their routed experts too (PEFT's target_parameters on the fused expert tensors).
+_EXPERTS = ("peft=lora", "peft.target_experts=true")
 
 # One line per family.
 FAMILIES: list[Family] = [
@@ -79,11 +81,11 @@ FAMILIES: list[Family] = [
         cannot={"tp": ("q/k norm spans every head", "strategy.tp=1"), "ep": _NO_EP_DENSE},
     ),
     Family("gemma3", "gemma3", tied=False, moe=False, layouts=DENSE, cannot={"ep": _NO_EP_DENSE}),
-    Family("qwen3_moe", "qwen3_moe", tied=False, moe=True, layouts=MOE_LAYOUTS),
+    Family("qwen3_moe", "qwen3_moe", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_EXPERTS),
     # peft=lora's default targets name gate_proj / up_proj / down_proj, which Mixtral's expert-only MLP has
     # not as linears: refused (a product gap, issue #50's matrix report), so its row targets all-linear.
     Family("mixtral", "mixtral", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_ALL_LINEAR),
-    Family("glm4_moe", "glm4_moe", tied=False, moe=True, layouts=MOE_LAYOUTS),
+    Family("glm4_moe", "glm4_moe", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_EXPERTS),
     # gpt-oss's experts are 3-D parameters and its router a gate: like Mixtral, no gate/up/down_proj linears.
     Family("gpt_oss", "gpt_oss", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_ALL_LINEAR),
     Family(
@@ -92,6 +94,7 @@ FAMILIES: list[Family] = [
         tied=False,
         moe=True,
         layouts=("ddp", "fsdp", "ep"),
+        lora=_EXPERTS,
         cannot={"tp": _NO_TP_MLA},
     ),
     Family(

@@ -33,12 +33,21 @@ COMMON = [
     "optim.lr=2e-2",
     "training.grad_clip=0.05",
 ]
+EXPERTS = ["recipe=tiny_fsdp", "model=tiny_moe", "peft.targets=[wq,wk,wv,wo]", "peft.target_experts=true"]
 MOE_SHARED = ["model=tiny_moe", "model.moe.num_shared_experts=1", "peft.targets=[wq,wk,wv,wo,w1,w2,w3]"]
 REFERENCES = {
     "tiny": ["recipe=tiny_tp", "training.micro_batch=4"],
     "tiny_gb8": ["recipe=tiny_ddp", "training.micro_batch=8"],
     # The generic MoE entry has no Hugging Face names: its targets are its own (attention's linears).
     "tiny_moe_gb8": ["recipe=tiny_fsdp", "model=tiny_moe", "peft.targets=[wq,wk,wv,wo]", "training.micro_batch=8"],
+    # ... with the routed experts adapted too (peft.target_experts: PEFT's target_parameters).
+    "tiny_moe_experts_gb8": [
+        "recipe=tiny_fsdp",
+        "model=tiny_moe",
+        "peft.targets=[wq,wk,wv,wo]",
+        "peft.target_experts=true",
+        "training.micro_batch=8",
+    ],
     # ... with a shared expert (adapted, split by TP with its linears) beside the frozen routed experts.
     "tiny_moe_shared": ["recipe=tiny_tp", *MOE_SHARED, "training.micro_batch=4"],
 }
@@ -54,6 +63,8 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
         "tiny_moe_gb8",
         ["recipe=tiny_fsdp", "model=tiny_moe", "peft.targets=[wq,wk,wv,wo]", "training.micro_batch=4", "strategy.ep=2"],
     ),
+    "moe_experts_zero3_2": (2, "tiny_moe_experts_gb8", [*EXPERTS, "training.micro_batch=4"]),
+    "moe_experts_ep_2": (2, "tiny_moe_experts_gb8", [*EXPERTS, "training.micro_batch=4", "strategy.ep=2"]),
     # Frozen routed experts split on their width by tensor parallel (dtlaunch.models.moe.tp_plan).
     "moe_tp_sp_2": (2, "tiny_moe_shared", ["recipe=tiny_tp", *MOE_SHARED, "training.micro_batch=4"]),
     "hsdp_2x2": (4, "tiny_gb8", ["recipe=tiny_fsdp", "strategy=hsdp", "training.micro_batch=2"]),

@@ -62,6 +62,9 @@ MOE_SUBSET = [
     ["model=planner_moe", "strategy=pp", "launch.nproc_per_node=2", "strategy.pp_microbatches=4"],
     # Tensor parallel inside the experts (dtlaunch.models.moe.tp_plan: each expert's width split).
     ["model=planner_moe", "strategy=tp", "launch.nproc_per_node=2", "model.moe.num_shared_experts=1"],
+    # LoRA on the routed experts (peft.target_experts): the merged expert weights and the kept copies.
+    ["model=planner_moe", "peft=lora", "peft.targets=[wq,wk,wv,wo]", "peft.target_experts=true", "strategy=zero3"]
+    + ["launch.nproc_per_node=2", "strategy.ep=2"],
 ]
 
 

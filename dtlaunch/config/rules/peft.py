@@ -44,14 +44,42 @@ def check_peft(cfg: JobConfig, notes: list[str]) -> None:
             f"peft.method=qlora with precision.param_dtype={cfg.precision.param_dtype}: the NF4 base "
             f"dequantizes to {' or '.join(QLORA_DTYPES)}; set precision=bf16"
         )
+    check_target_experts(cfg)
     skipped = check_targets(cfg)
-    if skipped:
+    if skipped and not bool(peft.target_experts):
         notes.append(
-            f"peft.targets (the default): this model's MLP is routed experts, which take no adapters: "
-            f"{', '.join(skipped)} skipped, the attention's linears adapted"
+            f"peft.targets (the default): this model's MLP is routed experts, which take no adapters unless "
+            f"peft.target_experts=true: {', '.join(skipped)} skipped, the attention's linears adapted"
         )
     if str(m.init_from) == "random":
         notes.append(f"peft.method={method} on a randomly initialised base (model.init_from=random)")
+
+
+def check_target_experts(cfg: JobConfig) -> None:
+    """peft.target_experts: a model with routed experts, no dropout (PEFT's `target_parameters` adapters
+    have none: it cannot be factored out of a merged weight), and experts whole or split by expert
+    parallel, not by tensor parallel's width split."""
+    if not bool(cfg.peft.target_experts):
+        return
+    from dtlaunch.config.layout import Layout, world_size
+    from dtlaunch.models.registry import routed_experts
+
+    m = cfg.model
+    if not routed_experts(m):
+        raise ConfigError(
+            f"peft.target_experts=true: model.arch={m.arch} has no routed experts: set peft.target_experts=false"
+        )
+    if float(cfg.peft.dropout) > 0:
+        raise ConfigError(
+            f"peft.dropout={cfg.peft.dropout} with peft.target_experts=true: the experts' adapters are merged into "
+            "their weights (as PEFT's target_parameters), which leaves no input to drop: set peft.dropout=0"
+        )
+    tp = Layout.resolve(cfg.strategy, world_size(cfg)).tp
+    if tp > 1:
+        raise ConfigError(
+            f"peft.target_experts=true with strategy.tp={tp}: the experts' adapters are not split over tensor-"
+            "parallel ranks yet: set strategy.tp=1 (FSDP or expert parallel) or peft.target_experts=false"
+        )
 
 
 def check_targets(cfg: JobConfig) -> list[str]:

@@ -44,6 +44,11 @@ def from_hf_name(name: str) -> str:
     return dense.renamed_from_hf(name, _FROM_HF)
 
 
+# The fused gate_up tensor's gate and up outputs alternate (gate at even columns): a LoRA B of the fused
+# tensor interleaves its rows the same way (dtlaunch.convert.adapters).
+GATE_UP_INTERLEAVED = True
+
+
 def _gate(t: Any) -> Any:
     return t[..., 0::2]
 

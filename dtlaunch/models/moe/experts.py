@@ -102,14 +102,42 @@ class GroupedExperts(nn.Module):
             self.b1 = nn.Parameter(torch.empty(num_experts, hidden))
             self.b2 = nn.Parameter(torch.empty(num_experts, dim))
             self.b3 = nn.Parameter(torch.empty(num_experts, hidden))
+        for name in ("lora_gate_up_a", "lora_gate_up_b", "lora_down_a", "lora_down_b"):
+            self.register_parameter(name, None)
+        self.scaling = 1.0
+        self.adapters_off = False  # True inside lora.adapters_disabled (DPO's reference: the base alone)
         self.act = partial(clamped_swiglu, alpha=swiglu_clamp[0], limit=swiglu_clamp[1]) if swiglu_clamp else swiglu
         cpu_grouped_mm_dtypes()
 
+    # LoRA on the routed experts (peft.target_experts; dtlaunch.models.lora.adapt_experts): PEFT's
+    # `target_parameters` adapters of the fused gate_up and down tensors, per expert e
+    #   [w1_e; w3_e] += scaling * B_gu[e] @ A_gu[e]   (A_gu [E, r, dim], B_gu [E, 2F, r], gate rows first)
+    #   w2_e += scaling * B_d[e] @ A_d[e]             (A_d [E, r, F], B_d [E, dim, r])
+    # merged into the weights each forward, as PEFT's ParamWrapper does. None when not adapted.
+    lora_gate_up_a: Optional[nn.Parameter]
+    lora_gate_up_b: Optional[nn.Parameter]
+    lora_down_a: Optional[nn.Parameter]
+    lora_down_b: Optional[nn.Parameter]
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] grouped by expert (expert 0's rows first); num_tokens_per_expert: int64 [local experts]."""
-        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        w1, w2, w3 = self.local_weights()
         biases = None if self.b1 is None else tuple(local_tensor(b) for b in (self.b1, self.b2, self.b3))
         return self.compute(x, num_tokens_per_expert, w1, w2, w3, biases)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w2, w3 as this rank holds them, with the adapters' update merged in (in the weights' dtype)."""
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        if self.lora_gate_up_a is None or self.adapters_off:
+            return w1, w2, w3
+        # Each update from its own rows of B, the scaling on B (small): backward then makes one weight-sized
+        # gradient per weight, no fused gate_up gradient assembled from two slices.
+        a, b = local_tensor(self.lora_gate_up_a), local_tensor(self.lora_gate_up_b) * self.scaling
+        f = w1.shape[1]
+        w1 = w1 + torch.bmm(b[:, :f], a).to(w1.dtype)
+        w3 = w3 + torch.bmm(b[:, f:], a).to(w3.dtype)
+        a, b = local_tensor(self.lora_down_a), local_tensor(self.lora_down_b) * self.scaling
+        return w1, w2 + torch.bmm(b, a).to(w2.dtype), w3
 
     def compute(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1, w2, w3, biases: Biases) -> torch.Tensor:
         """The experts on these (local) weights; `biases` (b1, b2, b3), b2 may be None (added by the caller:
