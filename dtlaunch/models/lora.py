@@ -192,7 +192,7 @@ def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: st
     for t in wanted:
         if t in valid:
             continue
-        why = " (routed experts: adapt them with peft.target_experts=true)" if t in experts else ""
+        why = " (its routed experts take peft.target_experts=true)" if experts else ""
         raise ConfigError(
             f"peft.targets: '{t}' is not a linear module{where}{why}: use some of {', '.join(valid)} or {ALL_LINEAR}"
         )

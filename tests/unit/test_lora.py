@@ -130,9 +130,17 @@ def test_peft_names_permute_q_lora_b_like_the_weight() -> None:
 
 def test_the_default_targets_adapt_attention_where_the_mlp_is_routed_experts() -> None:
     """peft=lora's default names gate/up/down_proj; on an expert-only MLP (Mixtral) they are routed experts,
-    which take no adapters: the default adapts the attention and says so, an explicit list is refused."""
+    which take no linear adapters: the default adapts the attention and says so (naming peft.target_experts,
+    which adapts the experts themselves), an explicit list is refused naming it too."""
     job = ["recipe=tiny_ddp", "model=mixtral_8x7b", "peft=lora", "launch.nproc_per_node=1"]
     notes = validate(compose(job).cfg).notes
-    assert any("routed experts, which take no adapters: gate_proj, up_proj, down_proj skipped" in n for n in notes)
-    with pytest.raises(ConfigError, match="'gate_proj' is not a linear module of model.arch=mixtral"):
+    want = (
+        "routed experts, which take no adapters unless peft.target_experts=true: gate_proj, up_proj, down_proj skipped"
+    )
+    assert any(want in n for n in notes), notes
+    assert not any("skipped" in n for n in validate(compose([*job, "peft.target_experts=true"]).cfg).notes)
+    with pytest.raises(
+        ConfigError,
+        match="'gate_proj' is not a linear module of model.arch=mixtral \\(its routed experts take peft.target_experts=true\\)",
+    ):
         validate(compose([*job, "peft.targets=[q_proj,gate_proj]"]).cfg)
