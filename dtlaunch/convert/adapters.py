@@ -51,6 +51,12 @@ class Adapters:
     def expert_stacks(self) -> list[str]:
         return sorted({k.rsplit(".", 1)[0] for k in self.experts})
 
+    def expert_tensors(self, fqn: str) -> dict:
+        """One experts module's four adapter stacks by leaf name (lora_gate_up_a, ..., lora_down_b)."""
+        from dtlaunch.models.lora import EXPERT_ADAPTER_NAMES
+
+        return {leaf: self.experts[f"{fqn}.{leaf}"] for leaf in EXPERT_ADAPTER_NAMES}
+
     def linears(self) -> list[str]:
         return sorted({k.rsplit(".", 1)[0] for k in self.tensors})
 
@@ -152,8 +158,7 @@ def _experts_to_peft(adapters: Adapters, names: Any) -> dict:
     interleaved = bool(getattr(names, "GATE_UP_INTERLEAVED", False))
     for fqn in adapters.expert_stacks():
         module = f"{PEFT_PREFIX}{_experts_module(names, fqn)}"
-        t = {leaf: adapters.experts[f"{fqn}.{leaf}"] for leaf in ("lora_gate_up_a", "lora_gate_up_b")}
-        t.update({leaf: adapters.experts[f"{fqn}.{leaf}"] for leaf in ("lora_down_a", "lora_down_b")})
+        t = adapters.expert_tensors(fqn)
         gate_up_b = t["lora_gate_up_b"]
         if interleaved:
             gate, up = gate_up_b.chunk(2, dim=1)
@@ -284,8 +289,7 @@ def merge(base: dict, adapters: Adapters, where: str) -> dict:
             )
         out[key] = (w.float() + adapters.scaling * (b.float() @ a.float())).to(w.dtype)
     for fqn in adapters.expert_stacks():  # the routed experts' stacks, as GroupedExperts.local_weights merges
-        t = {leaf: adapters.experts[f"{fqn}.{leaf}"].float() for leaf in ("lora_gate_up_a", "lora_gate_up_b")}
-        t.update({leaf: adapters.experts[f"{fqn}.{leaf}"].float() for leaf in ("lora_down_a", "lora_down_b")})
+        t = {leaf: v.float() for leaf, v in adapters.expert_tensors(fqn).items()}
         w1, w2, w3 = (base.get(f"{fqn}.{w}") for w in ("w1", "w2", "w3"))
         if w1 is None or w2 is None or w3 is None:
             raise InputError(f"{where}: adapter {fqn} has no matching routed experts in the base")
