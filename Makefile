@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU build of torch from the local wheel cache; a plain `torch` would fetch a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test test-single test-multi test-fast lint format bench bench-gpu bench-gpu-memory bench-gpu-rehearse wheel-smoke clean
+.PHONY: install sky-venv demo test test-single test-multi test-fast lint format bench bench-gpu bench-gpu-memory bench-gpu-rehearse wheel-smoke clean
 
 install: $(STAMP)
 
@@ -31,6 +31,8 @@ demo: $(DEMO_STAMP)  ## train the embedded default: ~5M-param Llama, 2 gloo work
 # SkyPilot task YAML run its python (DTLAUNCH_SKY_PYTHON). Submitting calls the `sky` CLI the same way.
 SKY_VENV ?= .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
+sky-venv: $(SKY_STAMP)
+
 $(SKY_STAMP):
 	python3 -m venv $(SKY_VENV)
 	$(SKY_VENV)/bin/pip install -q 'skypilot==0.14.1'

@@ -18,7 +18,7 @@ step() { echo "wheel-smoke: $*"; }
 step "building the wheel"
 # From a copy of the working tree: setuptools writes build/ and *.egg-info next to the sources.
 mkdir "$WORK/src"
-tar -C "$REPO" --exclude=./.venv --exclude=./.git --exclude=./runs --exclude=./build -cf - . | tar -C "$WORK/src" -xf -
+tar -C "$REPO" --exclude='./.venv*' --exclude=./.git --exclude=./runs --exclude=./build -cf - . | tar -C "$WORK/src" -xf -
 "$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$WORK/dist" "$WORK/src" >/dev/null
 WHEEL=$(ls "$WORK"/dist/dtlaunch-*.whl)
 
