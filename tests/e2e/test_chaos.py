@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+from cli_server import run_dtlaunch
 from processes import run_workers
 
 STEPS = 8
@@ -206,8 +207,8 @@ def test_sigkilled_launchers_restart_to_identical_losses(tmp_path: Path) -> None
         if layout not in references:
             run_dir = tmp_path / f"reference-{layout}"
             env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
-            cmd = [sys.executable, "-m", "dtlaunch", "train", *LAYOUTS[layout], *COMMON, f"run.dir={run_dir}"]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ATTEMPT_TIMEOUT_S)
+            args = ["train", *LAYOUTS[layout], *COMMON, f"run.dir={run_dir}"]
+            proc = run_dtlaunch(args, env=env, timeout=ATTEMPT_TIMEOUT_S)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
             references[layout] = _losses(run_dir)
             assert sorted(references[layout]) == list(range(1, STEPS + 1))
