@@ -6,7 +6,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.commands.common import console
-from dtlaunch.infer.harness import EvalRequest, check_request, evaluate_source, metric_rows, resolve_source
+from dtlaunch.infer.harness import (
+    TRAINING_KEYS,
+    EvalRequest,
+    check_request,
+    eval_request,
+    evaluate_source,
+    metric_rows,
+    require_lm_eval,
+    resolve_source,
+)
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -56,35 +65,15 @@ def results_table(record: dict) -> Any:
     return t
 
 
-TRAINING_KEYS = ("training.eval_tasks", "training.eval_include")  # the names an error shows
-
-
-def request_of(cfg: JobConfig) -> EvalRequest:
-    """training.eval_* as an eval request."""
-    t = cfg.training
-    return EvalRequest(
-        tasks=[str(x) for x in t.eval_tasks],
-        limit=int(t.eval_limit),
-        num_fewshot=int(t.eval_num_fewshot),
-        batch_size=int(t.eval_batch_size),
-        include=str(t.eval_include),
-        apply_chat_template=bool(t.eval_apply_chat_template),
-    )
-
-
-def check_eval_tasks(cfg: JobConfig, datasets_here: bool = True) -> None:
-    """Before any worker starts: lm_eval installed, the include directory there, every task name known, and
-    a chat template to apply if one is asked for. `datasets_here`: the evaluation runs in this environment
-    (`train`), so offline its hub datasets must be cached here; a submitted job evaluates on the cluster."""
+def check_eval_runs_here(cfg: JobConfig) -> None:
+    """`train`, before any worker starts: the evaluation after training runs in this environment, so lm-eval's
+    model class must import here and, offline, the tasks' hub datasets must be cached here (a submitted job
+    evaluates on the cluster, which checks there). The names, the include directory and the chat template
+    were checked with the job's other inputs (dtlaunch.inputs.job.check_eval_inputs)."""
     if not cfg.training.eval_tasks:
         return
-    from dtlaunch.config.tokenizer_choice import effective_tokenizer
-    from dtlaunch.errors import ConfigError
-    from dtlaunch.infer.harness import BYTE_NO_CHAT
-
-    if cfg.training.eval_apply_chat_template and effective_tokenizer(cfg) == "byte":
-        raise ConfigError(f"training.eval_apply_chat_template=true: this run is {BYTE_NO_CHAT}: set it to false")
-    check_request(request_of(cfg), *TRAINING_KEYS, datasets_here=datasets_here)
+    require_lm_eval()
+    check_request(eval_request(cfg), *TRAINING_KEYS, datasets_here=True, build_manager=False)
 
 
 def eval_after_training(cfg: JobConfig, run_dir: Any) -> None:
@@ -94,7 +83,7 @@ def eval_after_training(cfg: JobConfig, run_dir: Any) -> None:
     the workers' GPU memory is free again)."""
     if not cfg.training.eval_tasks:
         return
-    req = request_of(cfg)
+    req = eval_request(cfg)
     manager = check_request(req, *TRAINING_KEYS)
     record, path = evaluate_source(resolve_source(str(run_dir)), req, manager)
     show_results(record)

@@ -43,11 +43,6 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
             f"cluster.kind='{job.cfg.cluster.kind}' cannot be submitted: add cluster=slurm, kubernetes or skypilot"
         )
     _plan_gate(job, force, to_stderr=dry_run)
-    from dtlaunch.commands.eval import check_eval_tasks
-
-    # training.eval_tasks: a bad task name is exit 2 now, not after the job trained. Whether the tasks' hub
-    # datasets can be read is the cluster's environment, not this one's: the evaluation job says so there.
-    check_eval_tasks(job.cfg, datasets_here=False)
     if not dry_run:
         from dtlaunch.inputs.job import check_training_weights
 

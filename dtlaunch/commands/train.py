@@ -85,9 +85,9 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
     """Everything before the workers start: compose, validate, plan gate, run directory, data, checks."""
     job, plan = _compose_and_plan(overrides, recipe_dirs, force)
     check_hf_weights(job.cfg)
-    from dtlaunch.commands.eval import check_eval_tasks
+    from dtlaunch.commands.eval import check_eval_runs_here
 
-    check_eval_tasks(job.cfg)  # training.eval_tasks: a bad task name is exit 2 before training, not after it
+    check_eval_runs_here(job.cfg)  # training.eval_tasks: lm-eval and its datasets usable here, before training
     from dtlaunch.hub.dataset import pin_dataset
 
     pin_dataset(job.cfg)  # a hub dataset: fetched now and its commit recorded in config.yaml

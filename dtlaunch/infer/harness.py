@@ -7,17 +7,20 @@ optional dependency: it is imported here, inside functions, and only on the eval
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.infer.eval_datasets import check_datasets_reachable, unreachable_dataset_error
+from dtlaunch.infer.task_names import default_task_names, known_task_names, unknown_task_error
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
 
 EVAL_DIR = "eval"  # RUN/eval/<time>.json
 # Byte runs train on text only (data.format=chat is refused for them), so no template fits their ids.
@@ -34,6 +37,22 @@ class EvalRequest:
     apply_chat_template: bool = False
 
 
+TRAINING_KEYS = ("training.eval_tasks", "training.eval_include")  # the names an error shows
+
+
+def eval_request(cfg: JobConfig) -> EvalRequest:
+    """training.eval_* as an eval request."""
+    t = cfg.training
+    return EvalRequest(
+        tasks=[str(x) for x in t.eval_tasks],
+        limit=int(t.eval_limit),
+        num_fewshot=int(t.eval_num_fewshot),
+        batch_size=int(t.eval_batch_size),
+        include=str(t.eval_include),
+        apply_chat_template=bool(t.eval_apply_chat_template),
+    )
+
+
 def require_lm_eval() -> None:
     """lm_eval and what its HFLM needs (transformers, accelerate: the `hf` extra the `eval` extra names)."""
     try:
@@ -43,11 +62,16 @@ def require_lm_eval() -> None:
 
 
 def check_request(
-    req: EvalRequest, key: str = "--tasks", include_key: str = "--include", datasets_here: bool = True
+    req: EvalRequest,
+    key: str = "--tasks",
+    include_key: str = "--include",
+    datasets_here: bool = True,
+    build_manager: bool = True,
 ) -> Any:
-    """The request's TaskManager, after every check that needs no model: numbers, the include directory,
-    each task name (an unknown one names its closest known names) and, where the evaluation runs in this
-    environment (`datasets_here`), that offline its hub datasets are cached."""
+    """The request's TaskManager (None with `build_manager=False`, a check only), after every check that needs
+    no model: numbers, the include directory, each task name (an unknown one names its closest known names;
+    dtlaunch.infer.task_names) and, where the evaluation runs in this environment (`datasets_here`), that
+    offline its hub datasets are cached."""
     if not req.tasks or any(not t.strip() for t in req.tasks):
         raise ConfigError(f"{key}: give one or more task names, comma-separated (e.g. hellaswag,arc_easy)")
     if req.limit < 0 or req.batch_size < 1 or req.num_fewshot < -1:
@@ -57,22 +81,39 @@ def check_request(
         )
     if req.include and not Path(req.include).expanduser().is_dir():
         raise InputError(f"{include_key} {req.include}: no such directory; give a directory of task YAML files")
-    manager = task_manager_for(str(Path(req.include).expanduser().resolve()) if req.include else "", req.tasks)
-    known = set(manager.all_tasks)
-    for name in req.tasks:
-        if name not in known:
-            close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
-            hint = f"did you mean {', '.join(close)}?" if close else "see `lm-eval ls tasks`"
-            raise ConfigError(f"{key}: unknown task '{name}': {hint}")
-    if datasets_here:  # offline: seconds here, not after the load
+    if build_manager:
+        require_lm_eval()  # what evaluating needs, before the task names
+    include = str(Path(req.include).expanduser().resolve()) if req.include else ""
+    check_task_names(req.tasks, include, key)
+    offline_check = datasets_here and _hub_offline()
+    if not (build_manager or offline_check):
+        return None
+    manager = task_manager_for(include, req.tasks)
+    if offline_check:  # offline: seconds here, not after the load
         check_datasets_reachable(manager, req.tasks, key, include_key)
     return manager
 
 
+def check_task_names(tasks: Sequence[str], include: str, key: str) -> None:
+    """Every name known to `include`'s YAMLs or to lm-eval (its names from a per-install cache file)."""
+    local = known_task_names(include, with_defaults=False) if include else set()
+    if all(name in local for name in tasks):
+        return
+    problem = unknown_task_error(tasks, local | set(default_task_names()), key)
+    if problem:
+        raise problem
+
+
+def _hub_offline() -> bool:
+    from datasets import config
+
+    return bool(config.HF_HUB_OFFLINE)
+
+
 def task_manager_for(include: str, tasks: Sequence[str]) -> Any:
     """The TaskManager that knows `tasks`: `include`'s YAMLs alone when every task is a plain task there
-    (indexing lm-eval's own ~15k task files costs ~9 s of CPU, the include folder milliseconds), else the
-    whole index (lm-eval's tasks, groups that may name them, and close names for a typo)."""
+    (indexing lm-eval's own ~15k task files costs ~8 s of CPU, the include folder milliseconds), else the
+    whole index (lm-eval's tasks and groups that may name them)."""
     if include:
         local = task_manager(include, with_defaults=False)
         if all(_plain_task(local.task_index.get(name)) for name in tasks):

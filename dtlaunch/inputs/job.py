@@ -1,6 +1,6 @@
 """The files and functions a composed job names, checked before anything runs or is printed: the model
 directory's tensors against its config.json, the tokenizer file, the chat template, the checkpoint to load,
-the reward functions, the tools, the evaluation's task directory, a replay file.
+the reward functions, the tools, the evaluation's tasks and their directory, a replay file.
 
 `check_job_inputs` is the one check every command that reads a job runs (dtlaunch.commands.common.load_job:
 validate, plan, train and submit, dry run or not), after composition (which refuses a model.family_module
@@ -42,7 +42,7 @@ def check_job_inputs(cfg: JobConfig, to_run: bool = False) -> None:
     check_load_path(cfg)
     check_job_rewards(cfg)
     check_job_tools(cfg)
-    check_eval_include(cfg)
+    check_eval_inputs(cfg)
     check_replay_completions(cfg)
 
 
@@ -98,12 +98,23 @@ def check_job_tools(cfg: JobConfig) -> None:
     check_environments(o, check_tools(o))
 
 
-def check_eval_include(cfg: JobConfig) -> None:
-    """training.eval_include, the directory of task YAML files the evaluation after training reads (its
-    task names are checked by train and submit, which index lm-eval's tasks: seconds, not for validate)."""
+def check_eval_inputs(cfg: JobConfig) -> None:
+    """training.eval_tasks, evaluated after training: lm-eval installed, training.eval_include a directory,
+    every task name known to it or to lm-eval (whose ~15k names are read from a cache file per install:
+    dtlaunch.infer.task_names), and a chat template to apply where one is asked for. Whether lm-eval's model
+    class imports and its hub datasets are reachable depends on where the evaluation runs: `train` checks
+    that here, a submitted job on the cluster."""
+    if not cfg.training.eval_tasks:
+        return
+    from dtlaunch.config.tokenizer_choice import effective_tokenizer
+    from dtlaunch.infer.harness import BYTE_NO_CHAT, TRAINING_KEYS, check_request, eval_request
+
     include = str(cfg.training.eval_include)
-    if cfg.training.eval_tasks and include and not Path(include).expanduser().is_dir():
+    if include and not Path(include).expanduser().is_dir():
         raise InputError(f"training.eval_include='{include}': no such directory: give a directory of task YAML files")
+    if cfg.training.eval_apply_chat_template and effective_tokenizer(cfg) == "byte":
+        raise ConfigError(f"training.eval_apply_chat_template=true: this run is {BYTE_NO_CHAT}: set it to false")
+    check_request(eval_request(cfg), *TRAINING_KEYS, datasets_here=False, build_manager=False)
 
 
 def check_replay_completions(cfg: JobConfig) -> None:

@@ -94,11 +94,11 @@ def test_export_of_a_synthetic_run_writes_no_tokenizer(tmp_path: Path) -> None:
 
 
 def test_chat_template_eval_after_a_byte_run_is_refused_before_training() -> None:
-    from dtlaunch.commands.eval import check_eval_tasks
     from dtlaunch.config.compose import compose
     from dtlaunch.errors import ConfigError
+    from dtlaunch.inputs.job import check_eval_inputs
 
     over = ["data.tokenizer=byte", "training.eval_tasks=[arc_easy]", "training.eval_apply_chat_template=true"]
     refusal = r"^training.eval_apply_chat_template=true: .*byte tokenizer.*set it to false"
     with pytest.raises(ConfigError, match=refusal):
-        check_eval_tasks(compose(over).cfg)
+        check_eval_inputs(compose(over).cfg)
