@@ -226,7 +226,9 @@ def eval_script_for(tmp_path: Path, *overrides: str, run_dir: Path | None = None
 def test_training_job_keeps_its_whole_time_and_never_evaluates(tmp_path: Path) -> None:
     """training.eval_tasks is a job of its own: the training script is the same with or without it."""
     plain = script_for(tmp_path, "cluster.time=04:00:00")
-    with_eval = script_for(tmp_path, "cluster.time=04:00:00", "cluster.eval_time=00:30:00", "training.eval_tasks=[arc_easy]")
+    with_eval = script_for(
+        tmp_path, "cluster.time=04:00:00", "cluster.eval_time=00:30:00", "training.eval_tasks=[arc_easy]"
+    )
     assert with_eval == plain
     assert slurm_script.EVAL_MODULE not in with_eval and "--time=04:00:00" in sbatch_options(with_eval)
     assert with_eval.splitlines()[-1] == 'exit "$rc"'
@@ -397,7 +399,9 @@ def test_refused_submission_leaves_no_run_directory(
 
 def test_sweep_points_get_their_eval_jobs(tmp_path: Path, fake_slurm: Path) -> None:
     """A job array: point i's evaluation waits for array task i alone."""
-    cfgs = [load_job(["recipe=tiny_ddp", "cluster=slurm", *extra]).cfg for extra in ([], ["training.eval_tasks=[arc_easy]"])]
+    cfgs = [
+        load_job(["recipe=tiny_ddp", "cluster=slurm", *extra]).cfg for extra in ([], ["training.eval_tasks=[arc_easy]"])
+    ]
     run_dirs = [tmp_path / "sw" / str(i) for i in range(2)]
     for cfg, run_dir in zip(cfgs, run_dirs, strict=True):
         run_dir.mkdir(parents=True)
