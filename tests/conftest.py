@@ -216,7 +216,8 @@ def tiny_hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 # Tiny mixture-of-experts directories: Qwen3-MoE with one dense (mlp_only) block and top-k weights left
 # unnormalised, Mixtral with its renormalised top-2 of 4 experts, GLM-4.5 with every routing part, gpt-oss
-# with its sinks and biases, DeepSeek-V3 with GLM-4.5's routing and its latent attention.
+# with its sinks and biases, DeepSeek-V3 with GLM-4.5's routing and its latent attention, Qwen3-Next with its
+# linear and gated full attention.
 TINY_HF_MOE = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -287,6 +288,24 @@ TINY_HF_MOE = {
             "qk_rope_head_dim": 8,
             "qk_nope_head_dim": 12,
             "v_head_dim": 10,
+        },
+    ),
+    # Qwen3-Next: a Gated DeltaNet block (2 key heads serving 4 value heads, key and value widths that
+    # differ) then a gated full-attention block (RoPE over 4 of 16 dims), 4 experts and the gated shared one.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
         },
     ),
 }

@@ -112,6 +112,12 @@ RANGES: dict[str, Range] = {
     "model.moe.routed_scaling": POSITIVE,
     # glm4_moe's own: the share of each head's dims RoPE rotates.
     "model.partial_rotary_factor": Range(0, 1, min_open=True),
+    # qwen3_next's own: the Gated DeltaNet blocks' heads, widths and convolution.
+    "model.linear_num_key_heads": AT_LEAST_1,
+    "model.linear_num_value_heads": AT_LEAST_1,
+    "model.linear_key_head_dim": AT_LEAST_1,
+    "model.linear_value_head_dim": AT_LEAST_1,
+    "model.linear_conv_kernel_dim": AT_LEAST_1,
     # deepseek_v3's own: the latent attention's widths (null q_lora_rank: one q projection), its YaRN.
     "model.q_lora_rank": AT_LEAST_1,
     "model.kv_lora_rank": AT_LEAST_1,

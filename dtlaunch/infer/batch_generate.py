@@ -217,7 +217,12 @@ def generate_batch(
     positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
     pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
     masks: dict[Optional[int], torch.Tensor] = {}
-    preallocated = [] if compiled else [PreallocatedKVCache(capacity, key_mask, masks) for _ in model.layers]
+    # A family may decode some blocks with a state of its own (model.decoding_cache: Qwen3-Next's linear blocks).
+    preallocated = (
+        []
+        if compiled
+        else [model.decoding_cache(key, PreallocatedKVCache(capacity, key_mask, masks)) for key in model.layers]
+    )
     static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
     caches: list[KVCache] = [*preallocated, *static]
     step_fn = decode_step(model) if compiled else model
@@ -232,8 +237,8 @@ def generate_batch(
     if len(distinct) < rows:  # each row's copy of its prompt's prefill
         index = torch.tensor(source, device=device)
         key_mask, lengths, logits = key_mask[index], lengths[index], logits[index]
-        for cache in caches:
-            _select_rows(cache, index, key_mask)
+        for cache in caches:  # the prefill's own cache, a row per distinct prompt, is freed once copied
+            cache.select_rows(index, key_mask)
     live: Optional[torch.Tensor] = None  # the rows still in the decode batch, once some left it; None: all
     if compiled:
         pos += longest
@@ -284,14 +289,6 @@ def generate_batch(
     if taken is not None:
         logps = [values[: len(c)] for values, c in zip(taken[:, : n + 1].tolist(), completions, strict=True)]
     return Generated(completions, truncated, float(entropy) / max(tokens_out, 1), logps)
-
-
-def _select_rows(cache: KVCache, index: torch.Tensor, key_mask: torch.Tensor) -> None:
-    """The cache's rows `index`: each prompt's prefill copied to its rows (the prefill's own cache, a row
-    per distinct prompt, is freed once copied)."""
-    assert cache.k is not None and cache.v is not None
-    cache.k, cache.v = cache.k.index_select(0, index), cache.v.index_select(0, index)
-    cache.key_mask = key_mask
 
 
 def _drop_finished(

@@ -92,7 +92,7 @@ class DtlaunchLM(HFLM):
     def _generate_row(self, prompt: list[int], budget: int, stop: list[str], temperature: float, top_p: float) -> list:
         from dtlaunch.models.dense.model import KVCache
 
-        caches = [KVCache() for _ in self._model.layers]
+        caches = [self._model.decoding_cache(key, KVCache()) for key in self._model.layers]
         g = torch.Generator(device=self._device).manual_seed(0)
         x = torch.tensor([prompt], dtype=torch.long, device=self._device)
         new: list[int] = []

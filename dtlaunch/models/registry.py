@@ -170,6 +170,7 @@ _BUILTIN = (
     "glm4_moe",
     "gpt_oss",
     "deepseek_v3",
+    "qwen3_next",
     "moe",
     "hf_auto",
 )

@@ -89,10 +89,12 @@ def free_host_bytes() -> int:
 
 
 def _analytic_bytes(cfg: JobConfig, layout: Layout) -> float | None:
-    """The traced rank's analytic bytes, device and host (the trace holds both in one memory); None for a
-    model without a closed-form plan."""
-    if not model_spec(cfg.model).analytic:
-        return None
+    """The traced rank's analytic bytes, device and host (the trace holds both in one memory). A model
+    without a closed-form plan: a lower bound, its fp32 weights spread over every rank (a published 80B
+    MoE would otherwise be materialised on this host before anything could say it does not fit)."""
+    spec = model_spec(cfg.model)
+    if not spec.analytic:
+        return 4.0 * spec.param_count(cfg.model) / max(1, layout.world)
     return max(s.peak + s.host_peak for s in plan_stages(cfg, layout, all_stages=False))
 
 

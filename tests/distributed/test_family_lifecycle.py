@@ -58,6 +58,7 @@ class Family:
 
 _NO_TP_MLA = ("its latent attention is not split by tensor parallel", "strategy.tp=1")
 _NO_EP_DENSE = ("no routed experts", "has none")
+_NO_TP_DELTANET = ("its Gated DeltaNet blocks are not split by tensor parallel yet", "strategy.tp=1")
 _NO_PEFT_HF_AUTO = ("peft wraps native linears only", "model.arch=hf_auto")
 _NO_GEN_HF_AUTO = ("generate runs native modules: export, then transformers", "")
 
@@ -96,6 +97,15 @@ FAMILIES: list[Family] = [
         layouts=("ddp", "fsdp", "ep"),
         lora=_EXPERTS,
         cannot={"tp": _NO_TP_MLA},
+    ),
+    Family(
+        "qwen3_next",
+        "qwen3_next",
+        tied=False,
+        moe=True,
+        layouts=("ddp", "fsdp", "ep"),
+        lora=_EXPERTS,
+        cannot={"tp": _NO_TP_DELTANET},
     ),
     Family(
         "hf_auto_tied",

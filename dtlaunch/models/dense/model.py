@@ -201,7 +201,10 @@ class Attention(nn.Module):
         # Partial RoPE (rotary_dim < head_dim) rotates in Hugging Face's layout (apply_partial_rope).
         self.rotate = apply_rope if rotary_dim(m) == self.head_dim else apply_partial_rope
         bias = bool(getattr(m, "qkv_bias", False))
-        self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim, bias=bias)
+        # Qwen3-Next: q_proj also yields a per-head output gate (each head's rows: head_dim of query, then
+        # head_dim of gate, so tensor parallel's head shards keep them together); out *= sigmoid(gate).
+        self.output_gate = bool(getattr(m, "attention_output_gate", False))
+        self.wq = nn.Linear(m.dim, m.n_heads * self.head_dim * (2 if self.output_gate else 1), bias=bias)
         self.wk = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
         self.wv = nn.Linear(m.dim, kv_heads(m) * self.head_dim, bias=bias)
         self.wo = nn.Linear(m.n_heads * self.head_dim, m.dim, bias=bool(getattr(m, "attention_out_bias", False)))
@@ -253,6 +256,10 @@ class Attention(nn.Module):
             cos, sin = cos[..., self.rope_columns], sin[..., self.rope_columns]
         # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
         q, k = self.wq(x), self.wk(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, s, -1)
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
@@ -287,7 +294,8 @@ class Attention(nn.Module):
             out = sink_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
         else:
             out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
 
     def _padded_mask(self, doc_mask: Any, start: int, s: int, k: torch.Tensor, cache: KVCache) -> torch.Tensor:
         assert cache.key_mask is not None
@@ -352,6 +360,12 @@ class KVCache:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
         return self.k, self.v
+
+    def select_rows(self, index: torch.Tensor, key_mask: Optional[torch.Tensor]) -> None:
+        """Keep the rows `index` (repeats allowed: each prompt's prefill copied to its completions' rows)."""
+        assert self.k is not None and self.v is not None
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self.key_mask = key_mask
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -506,6 +520,11 @@ class Decoder(nn.Module):
     def make_block(self, m: Any, layer: int) -> nn.Module:
         """Block `layer` (a subclass swaps in its own, e.g. the MoE decoder's sparse blocks)."""
         return TransformerBlock(m, layer)
+
+    def decoding_cache(self, layer: str, kv: KVCache) -> KVCache:
+        """What block `layer` (its key in `layers`) decodes with: the KV cache `kv` the caller made, or a
+        family's own state in its place (Qwen3-Next's linear blocks keep a recurrent state, no keys)."""
+        return kv
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

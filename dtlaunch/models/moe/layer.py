@@ -114,6 +114,7 @@ class MoE(nn.Module):
         gate_bias: bool = False,
         expert_linear_bias: bool = False,
         swiglu_clamp: Optional[tuple[float, float]] = None,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
@@ -124,6 +125,8 @@ class MoE(nn.Module):
         self.shared_experts: Optional[FeedForward] = (
             FeedForward(dim, shared_hidden or num_shared * hidden) if num_shared else None
         )
+        # Qwen3-Next: the shared experts' output times sigmoid(one learned logit per token).
+        self.shared_gate: Optional[nn.Linear] = nn.Linear(dim, 1, bias=False) if shared_gate and num_shared else None
         # The aux loss's weight in the total loss (already divided by the number of MoE layers), and
         # the factor the training loop sets to match its loss scaling (1 / gradient-accumulation steps).
         self.aux_loss_coef = float(aux_loss_coef)
@@ -145,7 +148,8 @@ class MoE(nn.Module):
         unsorted[order] = routed
         out = (unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         # Training forwards only (not evaluation, which runs without grad). Activation checkpointing's
         # replay computes the aux loss again (backward reads what it saved) but does not count again.
         training = self.training and torch.is_grad_enabled()

@@ -1,0 +1,52 @@
+"""Qwen3-Next's rules on its model section and layout: the MoE decoder's, one kind per block, key heads that
+divide the value heads, and the layouts its Gated DeltaNet blocks have no sharding for yet (tensor and
+context parallel) or no state reset at document starts for (data.document_mask)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dtlaunch.errors import ConfigError
+from dtlaunch.models.moe.check import check as moe_check
+
+if TYPE_CHECKING:
+    from dtlaunch.config.schema import JobConfig
+
+KINDS = ("linear_attention", "full_attention")
+
+
+def check(cfg: JobConfig) -> None:
+    moe_check(cfg)
+    m = cfg.model
+    kinds = list(m.layer_types or ())
+    if kinds and (len(kinds) != int(m.n_layers) or any(k not in KINDS for k in kinds)):
+        raise ConfigError(
+            f"model.layer_types={kinds}: give one of {', '.join(KINDS)} per block ({int(m.n_layers)} entries), "
+            f"or [] for Qwen3-Next's default (full attention every fourth block)"
+        )
+    nk, nv = int(m.linear_num_key_heads), int(m.linear_num_value_heads)
+    if nv % nk:
+        raise ConfigError(
+            f"model.linear_num_value_heads={nv} is not a multiple of model.linear_num_key_heads={nk}: "
+            f"each key head serves a whole group of value heads"
+        )
+    if bool(cfg.data.document_mask):
+        raise ConfigError(
+            "data.document_mask=true: model.arch=qwen3_next's Gated DeltaNet state runs across document "
+            "boundaries (no reset at each document yet): set data.document_mask=false"
+        )
+    if bool(cfg.objective.generation_compile):
+        raise ConfigError(
+            "objective.generation_compile=true: model.arch=qwen3_next's linear blocks decode from a recurrent "
+            "state that the compiled static-cache step does not hold yet: set objective.generation_compile=false"
+        )
+    from dtlaunch.config.layout import Layout, world_size
+
+    layout = Layout.resolve(cfg.strategy, world_size(cfg))  # strategy=tp's tp=-1 means every rank
+    for key in ("tp", "cp"):
+        degree = int(getattr(layout, key))
+        if degree > 1:
+            raise ConfigError(
+                f"strategy.{key}={degree}: model.arch=qwen3_next's Gated DeltaNet blocks are not sharded by "
+                f"{'tensor' if key == 'tp' else 'context'} parallel yet: set strategy.{key}=1 (use fsdp / ep)"
+            )

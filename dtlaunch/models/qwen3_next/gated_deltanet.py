@@ -1,0 +1,328 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next, in plain torch ops.
+
+Each value head keeps a (head_k_dim x head_v_dim) fast-weight matrix S as its state instead of a KV cache.
+Per token t, with a decay a_t = exp(g_t) in (0, 1] and a write strength beta_t in (0, 1):
+
+    S_t = a_t * S_{t-1} + k_t (beta_t * (v_t - S_{t-1}'^T k_t))^T    where S_{t-1}' = a_t * S_{t-1}
+    o_t = S_t^T q_t
+
+i.e. the decayed state predicts v_t from k_t and only the error of that prediction is written back
+(the delta rule). Before that, q, k and v pass through a short depthwise causal convolution with SiLU,
+and q, k are L2-normalised; after it, the output is RMS-normalised per head and gated by SiLU(z).
+
+Training and prefill use the chunked (WY / UT-transform) form of the recurrence: within a chunk of 64
+tokens the writes are solved for at once with a triangular solve, and only the chunks run in sequence.
+A single decoding step runs the recurrence directly. Both are fp32 inside.
+
+Parameter names and shapes are transformers' `Qwen3NextGatedDeltaNet` (in_proj_qkvz, in_proj_ba, conv1d,
+dt_bias, A_log, norm, out_proj), so a checkpoint's `linear_attn.*` tensors load by name; the numerics
+follow its torch fallback (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule, causal_conv1d_*,
+Qwen3NextRMSNormGated). This module knows nothing of torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtlaunch.models.dense.model import KVCache
+
+# Tokens per chunk of the chunked rule (transformers' and FLA's default).
+CHUNK_SIZE = 64
+# The L2 normalisation of q and k inside the rule: x * rsqrt(sum(x^2) + eps), as FLA's kernels.
+QK_L2_EPS = 1e-6
+
+MASK_REFUSED = (
+    "Gated DeltaNet attends causally over the whole sequence: packed-document or padding masks are not supported"
+)
+
+
+class RecurrentState(KVCache):
+    """One Gated DeltaNet block's decoding state, in the place of a KV cache (Qwen3NextDecoder.decoding_cache):
+    batched generation selects, keeps and drops its rows as it does a cache's; it holds no keys."""
+
+    static = False
+
+    def __init__(self, key_mask: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.conv: Optional[torch.Tensor] = None  # (B, conv_dim, K-1): the last K-1 conv inputs
+        self.recurrent: Optional[torch.Tensor] = None  # (B, n_v, head_k_dim, head_v_dim) fp32
+        self.seen = 0  # positions consumed so far
+        self.key_mask = (
+            key_mask  # optional (B, >= seen + new) bool, True = a real token (shared, updated by the caller)
+        )
+
+    @property
+    def length(self) -> int:
+        return self.seen
+
+    def select_rows(self, index: torch.Tensor, key_mask: Optional[torch.Tensor]) -> None:
+        assert self.conv is not None and self.recurrent is not None
+        self.conv, self.recurrent = self.conv.index_select(0, index), self.recurrent.index_select(0, index)
+        self.key_mask = key_mask
+
+    def keep_rows(self, keep: torch.Tensor, key_mask: torch.Tensor) -> None:
+        self.select_rows(keep, key_mask)
+
+    def drop_last(self, n: int) -> None:
+        raise NotImplementedError("a recurrent state cannot forget positions (sequence parallel is refused for it)")
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over a head's values, times a plain gain, times SiLU(gate) (Qwen3NextRMSNormGated).
+
+    The rounding points are transformers': normalise in fp32, round to the input dtype, multiply by the
+    gain (in the gain's dtype, so an fp32 gain promotes), multiply by SiLU of the fp32 gate, round again."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * normed.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = QK_L2_EPS) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _heads_first_fp32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The rule's common preparation. In: q, k (B, S, n_k, dk), v (B, S, n_v, dv), g, beta (B, S, n_v).
+    Out, fp32 and heads first: q, k (B, n_v, S, dk) normalised (q also scaled by dk^-1/2), v (B, n_v, S, dv),
+    g, beta (B, n_v, S)."""
+    groups = v.shape[2] // k.shape[2]
+    if groups > 1:
+        # Value head h reads key head h // groups: consecutive value heads share a key head.
+        q = q.repeat_interleave(groups, dim=2)
+        k = k.repeat_interleave(groups, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    k = l2_normalize(k)
+    return q, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token (decoding steps; a reference for the chunked form).
+
+    q, k (B, S, n_k, dk), v (B, S, n_v, dv), g (log decay, <= 0) and beta (B, S, n_v); `state`
+    (B, n_v, dk, dv) or None (zeros). Returns the output (B, S, n_v, dv) in q's dtype and the fp32 state."""
+    dtype = q.dtype
+    q, k, v, g, beta = _heads_first_fp32(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    state = q.new_zeros(b, h, dk, dv) if state is None else state.float()
+    outs = []
+    for t in range(s):
+        k_t = k[:, :, t]
+        state = state * g[:, :, t].exp()[..., None, None]
+        predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)
+        correction = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        state = state + k_t[..., :, None] * correction[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    out = torch.stack(outs, dim=2)
+    return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule as `recurrent_gated_delta_rule` (same arguments and results), chunk by chunk.
+
+    Within a chunk, with G_i the cumulative log decay from the chunk's start to position i and
+    D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal), the writes u_i (the delta rule's corrected
+    values) satisfy u_i = beta_i (v_i - S0'^T k_i - sum_{j<i} D_ij k_i.k_j u_j), S0' the state entering
+    the chunk decayed to i. That is a unit lower-triangular system (I + L) u = beta v - ..., L_ij =
+    beta_i D_ij k_i.k_j, solved once for the values and once for the state's part (its right-hand side
+    is linear in S0, so it is solved for beta_i e^{G_i} k_i and applied to S0 afterwards)."""
+    dtype = q.dtype
+    q, k, v, g, beta = _heads_first_fp32(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+
+    # Pad to whole chunks. Padded tokens have k = v = beta = 0 and g = 0: they neither write nor decay.
+    pad = -s % chunk_size
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (s + pad) // chunk_size
+    q, k, v = (t.reshape(b, h, n, chunk_size, t.shape[-1]) for t in (q, k, v))
+    g, beta = (t.reshape(b, h, n, chunk_size) for t in (g, beta))
+
+    cum = g.cumsum(-1)  # G_i, <= 0 and non-increasing along the chunk
+    above = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    # D_ij; the masked entries would be exp of a positive number (overflow), so they go to -inf first.
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(above, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly lower triangle is read
+    rhs = torch.cat((v * beta[..., None], k_beta * cum.exp()[..., None]), dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    writes, state_reads = solved[..., :dv], solved[..., dv:]
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk, diagonal included
+
+    # The decays from the chunk's start to each query, and from each key to the chunk's end.
+    q_from_start = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+
+    state = q.new_zeros(b, h, dk, dv) if state is None else state.float()
+    outs = []
+    for i in range(n):
+        u = writes[:, :, i] - state_reads[:, :, i] @ state
+        outs.append(q_from_start[:, :, i] @ state + scores[:, :, i] @ u)
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    out = torch.cat(outs, dim=2)[:, :, :s]
+    return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, m: Any) -> None:
+        super().__init__()
+        dim = int(m.dim)
+        self.n_k, self.n_v = int(m.linear_num_key_heads), int(m.linear_num_value_heads)
+        self.head_k_dim, self.head_v_dim = int(m.linear_key_head_dim), int(m.linear_value_head_dim)
+        if self.n_v % self.n_k:
+            raise ValueError(
+                f"linear_num_value_heads ({self.n_v}) must be a multiple of linear_num_key_heads ({self.n_k})"
+            )
+        self.kernel = int(m.linear_conv_kernel_dim)
+        self.key_dim, self.value_dim = self.n_k * self.head_k_dim, self.n_v * self.head_v_dim
+        # q, k and v go through the convolution, z (the output gate) does not.
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = nn.Linear(dim, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(dim, 2 * self.n_v, bias=False)
+        # Depthwise; forward pads it itself (zeros, or the cached inputs), so the module's padding is unused.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        # Meta-safe placeholders; the real initial values come from `initial_value` or a checkpoint.
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = GatedRMSNorm(self.head_v_dim, float(m.norm_eps))
+        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Any = None,
+        cache: Optional[RecurrentState] = None,
+    ) -> torch.Tensor:
+        """x (B, S, dim) -> (B, S, dim). `cos`, `sin`: ignored (no RoPE here). `mask`: must be None (causal
+        over the whole sequence), except while decoding with `cache`, where padding comes from its key_mask."""
+        if cache is None and mask is not None:
+            raise ValueError(MASK_REFUSED)
+        b, s, _ = x.shape
+        if cache is not None and cache.key_mask is not None:
+            # Padding rows become zero inputs: zero q, k, v, z, a and b. With k = v = 0 a token writes nothing
+            # (the state only decays, and a left-padded prompt's state is still zero), so the real tokens
+            # see what they would without the padding. transformers' apply_mask_to_padding_states.
+            real = cache.key_mask[:, cache.seen : cache.seen + s]
+            x = (x * real[:, :, None]).to(x.dtype)
+
+        q, k, v, z, beta_logit, a = self._project(x)
+        mixed = self._conv(torch.cat((q, k, v), dim=-1), cache)
+        q, k, v = torch.split(mixed, (self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = q.reshape(b, s, self.n_k, self.head_k_dim)
+        k = k.reshape(b, s, self.n_k, self.head_k_dim)
+        v = v.reshape(b, s, self.n_v, self.head_v_dim)
+
+        beta = beta_logit.sigmoid()
+        # A = exp(A_log) > 0 and the step dt = softplus(a + dt_bias) > 0, so g = -A dt < 0: a decay.
+        # fp32 first: in fp16, exp(A_log) can overflow.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        state = cache.recurrent if cache is not None else None
+        rule = recurrent_gated_delta_rule if s == 1 else chunk_gated_delta_rule
+        out, state = rule(q, k, v, g, beta, state)
+        if cache is not None:
+            cache.recurrent = state
+            cache.seen += s
+
+        out = self.norm(out, z)  # per head: (B, S, n_v, head_v_dim)
+        return self.out_proj(out.reshape(b, s, self.value_dim))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, S, dim) -> q, k (B, S, key_dim), v (B, S, value_dim), z (B, S, n_v, head_v_dim), b and a
+        (B, S, n_v). The projections are laid out per key head, as Qwen's checkpoints (and transformers'
+        fix_query_key_value_ordering): in_proj_qkvz is n_k groups of [q | k | its value heads' v | their z],
+        in_proj_ba n_k groups of [its value heads' b | their a]."""
+        bsz, s, _ = x.shape
+        r = self.n_v // self.n_k  # value heads per key head
+        qkvz = self.in_proj_qkvz(x).view(bsz, s, self.n_k, -1)
+        q, k, v, z = torch.split(qkvz, (self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim), -1)
+        ba = self.in_proj_ba(x).view(bsz, s, self.n_k, 2 * r)
+        b, a = torch.split(ba, (r, r), dim=-1)
+        return (
+            q.reshape(bsz, s, self.key_dim),
+            k.reshape(bsz, s, self.key_dim),
+            v.reshape(bsz, s, self.value_dim),
+            z.reshape(bsz, s, self.n_v, self.head_v_dim),
+            b.reshape(bsz, s, self.n_v),
+            a.reshape(bsz, s, self.n_v),
+        )
+
+    def _conv(self, mixed: torch.Tensor, cache: Optional[RecurrentState]) -> torch.Tensor:
+        """SiLU(causal depthwise conv) over (B, S, conv_dim); with a cache the window reaches back into the
+        previous calls' inputs (zeros before the first), and the cache keeps the last K-1 inputs."""
+        s, dtype = mixed.shape[1], mixed.dtype
+        h = mixed.transpose(1, 2)  # (B, C, S)
+        if cache is None:
+            h = F.pad(h, (self.kernel - 1, 0))
+        else:
+            past = cache.conv if cache.conv is not None else h.new_zeros(h.shape[0], h.shape[1], self.kernel - 1)
+            h = torch.cat((past.to(h.dtype), h), dim=-1)
+            cache.conv = h[:, :, h.shape[-1] - (self.kernel - 1) :]
+        weight = self.conv1d.weight
+        out = F.silu(F.conv1d(h.to(weight.dtype), weight, groups=self.conv_dim))[:, :, -s:]
+        return out.to(dtype).transpose(1, 2)
+
+
+def initial_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> Optional[torch.Tensor]:
+    """The fp32 initial value of a Gated DeltaNet parameter (`name` a full or block-relative name ending
+    in this layer's parameter names), or None for the parameters it has no own rule for (the projections:
+    the model's default). As transformers' Qwen3-Next init: A = exp(A_log) uniform in [0.01, 16) (the lower
+    bound keeps A_log finite), dt_bias 1, the gated norm's plain gain 1, the convolution normal(0, 0.02).
+
+    The gated norm matches `<module>.norm.weight` only: a bare `norm.weight` is the decoder's final norm."""
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.01, 16, generator=g).log_()
+    if name.endswith("dt_bias"):
+        return torch.ones(shape)
+    if name.endswith(".norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("conv1d.weight"):
+        return torch.randn(shape, generator=g).mul_(0.02)
+    return None
+
+
+def state_bytes(m: Any, batch: int, dtype_bytes: int) -> int:
+    """Bytes of one block's decoding state for `batch` sequences: the conv window (K-1 inputs of q, k, v)
+    in the activation dtype (`dtype_bytes` each) and the fp32 recurrent state."""
+    n_k, n_v = int(m.linear_num_key_heads), int(m.linear_num_value_heads)
+    dk, dv = int(m.linear_key_head_dim), int(m.linear_value_head_dim)
+    conv_dim = 2 * n_k * dk + n_v * dv
+    conv = batch * conv_dim * (int(m.linear_conv_kernel_dim) - 1) * dtype_bytes
+    recurrent = batch * n_v * dk * dv * 4
+    return conv + recurrent

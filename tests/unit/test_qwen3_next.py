@@ -1,0 +1,146 @@
+"""Qwen3-Next (model.arch=qwen3_next) against transformers' Qwen3NextForCausalLM on a tiny random directory
+(tests/conftest.py: a Gated DeltaNet block then a gated full-attention block, 4 experts and a gated shared
+expert): logits within 1e-5 in fp32, a bit-identical round trip, the planner's exact count, every
+Qwen3-Next part mattering, and the layouts it cannot take refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hf_loaded import ours, theirs
+
+from dtlaunch.config.compose import compose
+from dtlaunch.config.validate import validate
+from dtlaunch.convert.hf import save_hf
+from dtlaunch.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def test_logits_match_transformers_and_every_part_matters(tiny_moe_hf_dirs) -> None:
+    path = tiny_moe_hf_dirs["qwen3_next"]
+    model, m = ours(path)
+    assert m.arch == "qwen3_next" and list(m.layer_types) == ["linear_attention", "full_attention"]
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.partial_rotary_factor) == (2, 4, 0.25)
+    assert (m.moe.num_shared_experts, m.moe.shared_expert_dim) == (1, 48)
+    with torch.no_grad():
+        full = model(TOKENS)
+        diff = (full - theirs(path)(TOKENS).logits).abs().max().item()
+        assert diff < 1e-5, f"max |logit diff| {diff}"
+        attention, moe = model.layers["1"].attention, model.layers["0"].feed_forward
+        gate_rows = attention.wq.weight[16:32].clone()  # head 0's rows of q_proj: 16 of query, then 16 of gate
+        attention.wq.weight[16:32] = 0.0  # sigmoid(0) = 1/2 on every output of head 0
+        assert (model(TOKENS) - full).abs().max().item() > 1e-4, "the attention output gate"
+        attention.wq.weight[16:32] = gate_rows
+        shared_gate, moe.shared_gate = moe.shared_gate, None
+        assert (model(TOKENS) - full).abs().max().item() > 1e-4, "the shared expert's gate"
+        moe.shared_gate = shared_gate
+        assert torch.equal(model(TOKENS), full)
+
+
+def test_round_trip_is_bit_identical_and_counted_exactly(tiny_moe_hf_dirs, tmp_path) -> None:
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    src = tiny_moe_hf_dirs["qwen3_next"]
+    model, m = ours(src)
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["layer_types"] == ["linear_attention", "full_attention"] and cfg["shared_expert_intermediate_size"] == 48
+    b = theirs(src)
+    with torch.no_grad():
+        assert (theirs(tmp_path)(TOKENS).logits - b(TOKENS).logits).abs().max().item() < 1e-5
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch=qwen3_next) from {src}: {b.num_parameters():,} parameters" in out, out
+
+
+def test_published_shape_is_counted_exactly() -> None:
+    """Qwen3-Next-80B-A3B's config.json shape (meta device: no memory), its count equal to transformers'."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    )
+    with torch.device("meta"):
+        want = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
+    from dtlaunch.models.qwen3_next.hf import Qwen3NextHF
+    from dtlaunch.models.registry import model_spec
+
+    fields = Qwen3NextHF("Qwen3NextForCausalLM", "qwen3_next", qk_norm=True).config_from_hf(config.to_dict(), "x")
+    overrides = ["model=tiny", "model.arch=qwen3_next", *_flat("model", fields)]
+    m = compose(overrides).cfg.model
+    assert model_spec(m).param_count(m) == want
+
+
+def _flat(prefix: str, d: dict) -> list[str]:
+    out = []
+    for k, v in d.items():
+        if k == "arch":
+            continue
+        if isinstance(v, dict):
+            out += _flat(f"{prefix}.{k}", v)
+        else:
+            out.append(f"{prefix}.{k}={json.dumps(v) if not isinstance(v, str) else v}")
+    return out
+
+
+# A model section of the family's own (no directory: config.json would contradict the override).
+_OWN = [
+    "model=tiny",
+    "model.arch=qwen3_next",
+    "model.qk_norm=true",
+    "model.moe.num_experts=4",
+    "model.linear_num_value_heads=4",
+]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["strategy=tp", "launch.nproc_per_node=2"],
+            r"^strategy.tp=2: model.arch=qwen3_next's Gated DeltaNet .* tensor",
+        ),
+        (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: .*context parallel yet"),
+        (["data.document_mask=true"], r"^data.document_mask=true: .*set data.document_mask=false$"),
+        (_OWN + ["model.linear_num_key_heads=3"], r"linear_num_value_heads=4 is not a multiple of .*=3"),
+        (_OWN + ["model.layer_types=[full_attention]"], r"^model.layer_types=\['full_attention'\]: give one of"),
+    ],
+)
+def test_what_it_cannot_do_is_one_line(tiny_moe_hf_dirs, extra, message) -> None:
+    source = [] if extra[: len(_OWN)] == _OWN else [f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}"]
+    job = compose([*source, "training.seq_len=16", *extra])
+    with pytest.raises(ConfigError, match=message):
+        validate(job.cfg)
+
+
+def test_a_published_size_is_refused_before_its_trace_materialises_it(monkeypatch) -> None:
+    """No closed-form activation terms: the plan traces a real step, and a MoE traces on real tensors. The
+    published 80B is refused in one line from its parameter count (fp32 weights over 8 ranks: 37 GiB), not
+    materialised on a host that cannot hold it."""
+    import dtlaunch.plan.trace as trace
+    from dtlaunch.config.layout import Layout
+
+    published = ["model.dim=2048", "model.n_layers=48", "model.n_heads=16", "model.n_kv_heads=2", "model.head_dim=256"]
+    published += ["model.vocab_size=151936", "model.ffn_dim=5120", "model.moe.num_experts=512", "model.moe.top_k=10"]
+    published += ["model.moe.expert_dim=512", "model.moe.num_shared_experts=1", "model.moe.shared_expert_dim=512"]
+    published += ["model.linear_num_key_heads=16", "model.linear_num_value_heads=32"]
+    cfg = compose([*_OWN, *published, "strategy=fsdp", "launch.nproc_per_node=8", "hardware=h100_80gb"]).cfg
+    monkeypatch.setattr(trace, "free_host_bytes", lambda: 16 * 1024**3)
+    reason = trace.skip_reason(cfg, Layout.resolve(cfg.strategy, 8))
+    assert reason and "traces on real tensors (a MoE router's" in reason and "37.1 GiB needed" in reason, reason
