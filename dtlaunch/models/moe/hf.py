@@ -151,3 +151,51 @@ class MoEHF(DenseHF):
                 raise InputError(f"{where}: shared experts are not part of {self.architecture}: use model.arch=hf_auto")
         out["moe"] = moe
         return out
+
+
+_QWEN_EXPERTS = MoENames("mlp", w1="gate_proj", w2="down_proj", w3="up_proj")
+
+
+class QwenExpertsNames:
+    """A names module's functions for a MoE family whose routed experts and router are named as Qwen3-MoE's
+    (`mlp.experts.<e>.{gate,up,down}_proj`, `mlp.gate`), whose other block tensors `renames` maps (ours ->
+    HF under layers.N.; the rest are the dense decoder's names), with the family's `rope_heads` (the q/k rows
+    it permutes) and `skip_hf` (HF tensors it does not read): GLM-4.5, DeepSeek-V3, Qwen3-Next."""
+
+    def __init__(self, renames: dict[str, str], rope_heads: Any, skip_hf: Any) -> None:
+        self.renames, self.from_hf = dict(renames), {v: k for k, v in renames.items()}
+        self.rope_heads, self.skip_hf = rope_heads, skip_hf
+        self.expert_slot = _QWEN_EXPERTS.expert_slot
+
+    @staticmethod
+    def routed(name: str) -> bool:
+        """A routed expert's stacked tensor or the router's gate (ours)."""
+        return bool(re.fullmatch(r"layers\.\d+\.feed_forward\.(experts\.w[123]|router\.gate\.weight)", name))
+
+    def routed_hf(self, name: str) -> bool:
+        return bool(self.expert_slot(name) or re.fullmatch(r"model\.layers\.\d+\.mlp\.gate\.weight", name))
+
+    def to_hf_name(self, name: str, expert: int = 0) -> str:
+        if self.routed(name):
+            return _QWEN_EXPERTS.to_hf_name(name, expert)
+        return dense.renamed_to_hf(name, self.renames)
+
+    def from_hf_name(self, name: str) -> str:
+        if self.routed_hf(name):
+            return _QWEN_EXPERTS.from_hf_name(name)
+        return dense.renamed_from_hf(name, self.from_hf)
+
+    def to_hf_state(self, state: dict, m: Any) -> dict:
+        """Ours -> HF: routed experts split per expert, the rest by name (a tied head written once)."""
+        out = _QWEN_EXPERTS.to_hf_state({n: t for n, t in state.items() if self.routed(n)}, m)
+        rest = {n: t for n, t in state.items() if not self.routed(n)}
+        out.update(dense.to_hf_state(rest, m, self.to_hf_name, self.rope_heads))
+        return out
+
+    def from_hf_state(self, state: dict, m: Any) -> dict:
+        state = {n: t for n, t in state.items() if not self.skip_hf(n, m)}
+        theirs = {n: t for n, t in state.items() if self.routed_hf(n)}
+        out = _QWEN_EXPERTS.from_hf_state(theirs, m)
+        rest = {n: t for n, t in state.items() if n not in theirs}
+        out.update(dense.from_hf_state(rest, m, self.from_hf_name, self.rope_heads))
+        return out

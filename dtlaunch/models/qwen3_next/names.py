@@ -9,13 +9,10 @@ rows are permuted; the full attention's q_proj keeps its per-head [query | gate]
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
-from dtlaunch.models.dense import hf as dense
-from dtlaunch.models.moe.hf import MoENames
+from dtlaunch.models.moe.hf import QwenExpertsNames
 
-_MOE = MoENames("mlp", w1="gate_proj", w2="down_proj", w3="up_proj")
 _LINEAR_LEAVES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight")
 _LINEAR_LEAVES += ("out_proj.weight",)
 # Ours -> HF under layers.N., where Qwen3-Next adds to the dense decoder's names.
@@ -26,28 +23,6 @@ _RENAMES = {
     "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
     **{f"attention.{leaf}": f"linear_attn.{leaf}" for leaf in _LINEAR_LEAVES},
 }
-_RENAMES_FROM_HF = {v: k for k, v in _RENAMES.items()}
-expert_slot = _MOE.expert_slot
-
-
-def _routed(name: str) -> bool:
-    return bool(re.fullmatch(r"layers\.\d+\.feed_forward\.(experts\.w[123]|router\.gate\.weight)", name))
-
-
-def _routed_hf(name: str) -> bool:
-    return bool(expert_slot(name) or re.fullmatch(r"model\.layers\.\d+\.mlp\.gate\.weight", name))
-
-
-def to_hf_name(name: str, expert: int = 0) -> str:
-    if _routed(name):
-        return _MOE.to_hf_name(name, expert)
-    return dense.renamed_to_hf(name, _RENAMES)
-
-
-def from_hf_name(name: str) -> str:
-    if _routed_hf(name):
-        return _MOE.from_hf_name(name)
-    return dense.renamed_from_hf(name, _RENAMES_FROM_HF)
 
 
 def rope_heads(name: str, m: Any) -> Optional[int]:
@@ -60,16 +35,6 @@ def skip_hf(name: str, m: Any) -> bool:
     return name.startswith("mtp.")
 
 
-def to_hf_state(state: dict, m: Any) -> dict:
-    out = _MOE.to_hf_state({n: t for n, t in state.items() if _routed(n)}, m)
-    out.update(dense.to_hf_state({n: t for n, t in state.items() if not _routed(n)}, m, to_hf_name, rope_heads))
-    return out
-
-
-def from_hf_state(state: dict, m: Any) -> dict:
-    state = {n: t for n, t in state.items() if not skip_hf(n, m)}
-    theirs = {n: t for n, t in state.items() if _routed_hf(n)}
-    out = _MOE.from_hf_state(theirs, m)
-    rest = {n: t for n, t in state.items() if n not in theirs}
-    out.update(dense.from_hf_state(rest, m, from_hf_name, rope_heads))
-    return out
+NAMES = QwenExpertsNames(_RENAMES, rope_heads, skip_hf)
+expert_slot, to_hf_name, from_hf_name = NAMES.expert_slot, NAMES.to_hf_name, NAMES.from_hf_name
+to_hf_state, from_hf_state = NAMES.to_hf_state, NAMES.from_hf_state
