@@ -23,3 +23,30 @@ def theirs(path) -> torch.nn.Module:
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def round_trip(src, out_dir, tokens: torch.Tensor) -> dict:
+    """Our model from `src` written back as a Hugging Face directory in `out_dir`: every tensor bit-identical
+    to the source's, transformers' logits of both within 1e-5, our model's and `dtlaunch plan`'s counts
+    transformers'.
+    Returns the config.json written."""
+    import json
+
+    from cli_in_process import run_cli
+    from safetensors.torch import load_file
+
+    from dtlaunch.convert.hf import save_hf
+
+    model, m = ours(src)
+    save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, out_dir)
+    original, exported = load_file(str(src / "model.safetensors")), load_file(str(out_dir / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    base = theirs(src)
+    assert sum(p.numel() for p in model.parameters()) == base.num_parameters()
+    with torch.no_grad():
+        assert (theirs(out_dir)(tokens).logits - base(tokens).logits).abs().max().item() < 1e-5
+    code, out = run_cli(["plan", f"model.init_from=hf:{src}"], stdout=True)
+    assert code == 0, out
+    assert f"(model.arch={m.arch}) from {src}: {base.num_parameters():,} parameters" in out, out
+    return json.loads((out_dir / "config.json").read_text())
