@@ -15,7 +15,7 @@ def make_plan(job: Job) -> MemoryPlan:
     """The plan with notes and, when it does not fit, validated fix suggestions."""
     plan = plan_memory(job.cfg, job.layout)
     plan.notes = list(job.notes) + plan.notes
-    if not plan.fits and plan.worst.phase != "traced":
+    if not plan.fits and plan.worst.phase not in ("traced", "untraced"):
         from dtlaunch.plan.suggest import suggest
 
         plan.suggestions = suggest(job.cfg, job.layout)
@@ -51,6 +51,8 @@ def plan_gate(job: Job, force: bool) -> MemoryPlan:
 def _refusal(plan: MemoryPlan) -> str:
     from dtlaunch.plan.report import gib, host_overflow
 
+    if plan.unplanned:
+        return f"no memory plan on this host: {plan.unplanned}; or pass --force to launch it unplanned"
     if plan.headroom >= 0 and not plan.host_fits:
         return f"the plan does not fit host RAM: {host_overflow(plan)}; offload less or pass --force"
     msg = (

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, generation_gather, pp_microbatches
+from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.offload import offload_notes, ranks_per_node
 from dtlaunch.plan.peft import peft_notes
 from dtlaunch.plan.stage import StagePlan, plan_stages
-from dtlaunch.plan.trace import trace_peak, traced_with_fake_tensors
+from dtlaunch.plan.trace import skip_reason, trace_peak, traced_with_fake_tensors
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -41,6 +42,9 @@ class MemoryPlan:
     host_ranks: int = 1  # ranks sharing one node's host RAM
     host_capacity: float = 0.0  # bytes of host RAM per node (hardware.host_memory_gib)
     generation_gather: str = ""  # objective=grpo under ZeRO-3: "whole" or "unit" (config.layout.generation_gather)
+    # Why this host could not plan the job (a model without a closed-form plan whose trace cannot run here):
+    # the peak is then a lower bound (this rank's share of the weights) and the plan never "fits".
+    unplanned: str = ""
 
     @property
     def host_per_rank(self) -> float:
@@ -72,7 +76,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.headroom >= 0 and self.host_fits
+        return not self.unplanned and self.headroom >= 0 and self.host_fits
 
     def to_dict(self) -> dict:
         return {
@@ -86,7 +90,8 @@ class MemoryPlan:
             "device_total_bytes": int(self.device_total),
             "headroom_bytes": int(self.headroom),
             "fits": self.fits,
-            "verdict": "fits" if self.fits else "does not fit",
+            "verdict": "unplanned" if self.unplanned else "fits" if self.fits else "does not fit",
+            **({"unplanned": self.unplanned} if self.unplanned else {}),
             "categories": {k: int(v) for k, v in self.worst.lines.items()},
             "overheads": {k: int(v) for k, v in self.overheads.items()},
             "stages": [
@@ -143,10 +148,12 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
 
 def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) -> MemoryPlan:
     s = cfg.strategy
+    unplanned = ""
     if model_spec(cfg.model).analytic:
         stages = plan_stages(cfg, layout, all_stages, gather or "whole")
     else:
-        stages = [_traced_stage(cfg, layout)]
+        unplanned = skip_reason(cfg, layout) or ""
+        stages = [_untraced_stage(cfg, layout) if unplanned else _traced_stage(cfg, layout)]
     worst = max(stages, key=lambda sp: sp.peak)
     hw = cfg.hardware
     overheads = {
@@ -166,7 +173,7 @@ def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) 
         lay["ep"] = layout.ep
     if layout.cp > 1:
         lay["cp"] = layout.cp
-    notes = [] if model_spec(cfg.model).analytic else [TRACED_NOTE]
+    notes = [] if model_spec(cfg.model).analytic else [UNTRACED_NOTE if unplanned else TRACED_NOTE]
     notes += peft_notes(cfg) + offload_notes(cfg)
     if layout.pp > 1 and int(s.zero_stage) >= 2 and layout.dp > 1:
         n_mb = pp_microbatches(cfg, layout)
@@ -190,10 +197,34 @@ def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) 
         host_ranks=ranks_per_node(cfg, layout.world),
         host_capacity=float(hw.host_memory_gib) * GIB,
         generation_gather=gather,
+        unplanned=unplanned,
     )
 
 
-TRACED_NOTE = "no closed-form memory model for this model (model._target_ or model.arch=hf_auto): planned by tracing one training step"
+TRACED_NOTE = (
+    "no closed-form memory model for this model (model._target_, model.arch=hf_auto, or a family without one yet): "
+    "planned by tracing one training step"
+)
+UNTRACED_NOTE = (
+    "no closed-form memory model for this model, and its trace cannot run on this host: the figures are its "
+    "weights alone"
+)
+
+
+def _untraced_stage(cfg: JobConfig, layout: Layout) -> StagePlan:
+    """A lower bound where the trace cannot run here: the rank's share of the weights in their dtype, spread
+    over every rank (what the most sharded layout holds), nothing else."""
+    params = int(model_spec(cfg.model).param_count(cfg.model))
+    weights = DTYPE_BYTES[str(cfg.precision.param_dtype)] * params / max(1, layout.world)
+    return StagePlan(
+        stage=0,
+        layers=int(cfg.model.n_layers),
+        params=params,
+        lines={Line.PARAMETERS: weights},
+        phases={"untraced": weights},
+        phase="untraced",
+        peak=weights,
+    )
 
 
 def _traced_stage(cfg: JobConfig, layout: Layout) -> StagePlan:

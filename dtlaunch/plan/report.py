@@ -76,6 +76,8 @@ def host_overflow(plan: MemoryPlan) -> str:
 
 
 def verdict_line(plan: MemoryPlan) -> str:
+    if plan.unplanned:
+        return f"[yellow]not planned on this host[/yellow] (the figures above are a lower bound): {plan.unplanned}"
     if not plan.host_fits:
         return f"[red]does not fit[/red]: {host_overflow(plan)}"
     if plan.fits:

@@ -60,8 +60,9 @@ def skip_reason(cfg: JobConfig, layout: Layout, fake: bool | None = None) -> str
         free = free_host_bytes()
         if need is not None and need > free:
             because = f" ({why_real})" if why_real else ""
+            bound = "" if model_spec(cfg.model).analytic else "at least "  # its weights alone: _analytic_bytes
             return (
-                f"this job traces on real tensors{because}: {need / 1024**3:.1f} GiB needed, "
+                f"this job traces on real tensors{because}: {bound}{need / 1024**3:.1f} GiB needed, "
                 f"{free / 1024**3:.1f} GiB free on this machine; check this plan with a real run or on a larger host"
             )
     return None
