@@ -16,9 +16,17 @@ fail() { echo "wheel-smoke: FAILED: $*" >&2; exit 1; }
 step() { echo "wheel-smoke: $*"; }
 
 step "building the wheel"
-# From a copy of the working tree: setuptools writes build/ and *.egg-info next to the sources.
+# From a copy of the working tree: setuptools writes build/ and *.egg-info next to the sources. The top-level
+# entries are named one by one (not "."): CI installs the venvs beside this, which changes the checkout's root
+# (and its *.egg-info) while it is read.
 mkdir "$WORK/src"
-tar -C "$REPO" --exclude='./.venv*' --exclude=./.git --exclude=./runs --exclude=./build -cf - . | tar -C "$WORK/src" -xf -
+entries=()
+for path in "$REPO"/.[!.]* "$REPO"/*; do
+  name=$(basename "$path")
+  case "$name" in .venv* | .git | runs | build | *.egg-info | .pytest_cache | .ruff_cache | .hypothesis) continue ;; esac
+  [ -e "$path" ] && entries+=("$name")
+done
+tar -C "$REPO" -cf - "${entries[@]}" | tar -C "$WORK/src" -xf -
 "$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$WORK/dist" "$WORK/src" >/dev/null
 WHEEL=$(ls "$WORK"/dist/dtlaunch-*.whl)
 
