@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dtlaunch.config.layout import Layout, generation_gather, pp_microbatches
-from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.offload import offload_notes, ranks_per_node
 from dtlaunch.plan.peft import peft_notes
 from dtlaunch.plan.stage import StagePlan, plan_stages
-from dtlaunch.plan.trace import skip_reason, trace_peak, traced_with_fake_tensors
+from dtlaunch.plan.trace import skip_reason, trace_peak, traced_with_fake_tensors, weights_lower_bound
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -212,10 +211,10 @@ UNTRACED_NOTE = (
 
 
 def _untraced_stage(cfg: JobConfig, layout: Layout) -> StagePlan:
-    """A lower bound where the trace cannot run here: the rank's share of the weights in their dtype, spread
-    over every rank (what the most sharded layout holds), nothing else."""
+    """A lower bound where the trace cannot run here: the rank's share of the weights (trace.weights_lower_bound,
+    the same figure the trace's refusal names), nothing else."""
     params = int(model_spec(cfg.model).param_count(cfg.model))
-    weights = DTYPE_BYTES[str(cfg.precision.param_dtype)] * params / max(1, layout.world)
+    weights = weights_lower_bound(cfg, layout)
     return StagePlan(
         stage=0,
         layers=int(cfg.model.n_layers),

@@ -89,13 +89,18 @@ def free_host_bytes() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def weights_lower_bound(cfg: JobConfig, layout: Layout) -> float:
+    """The least a rank holds of a model without a closed-form plan: its fp32 weights (the runtime keeps
+    fp32 parameters, as the plan's parameters line counts them) spread over every rank."""
+    return 4.0 * model_spec(cfg.model).param_count(cfg.model) / max(1, layout.world)
+
+
 def _analytic_bytes(cfg: JobConfig, layout: Layout) -> float | None:
     """The traced rank's analytic bytes, device and host (the trace holds both in one memory). A model
     without a closed-form plan: a lower bound, its fp32 weights spread over every rank (a published 80B
     MoE would otherwise be materialised on this host before anything could say it does not fit)."""
-    spec = model_spec(cfg.model)
-    if not spec.analytic:
-        return 4.0 * spec.param_count(cfg.model) / max(1, layout.world)
+    if not model_spec(cfg.model).analytic:
+        return weights_lower_bound(cfg, layout)
     return max(s.peak + s.host_peak for s in plan_stages(cfg, layout, all_stages=False))
 
 
