@@ -56,10 +56,6 @@ def swiglu_clamp(m: Any) -> Optional[tuple[float, float]]:
 
 
 class MoEDecoder(Decoder):
-    def make_attention(self, m: Any, layer: int) -> Optional[nn.Module]:
-        """A block's attention; None: the dense decoder's (a subclass swaps in its own)."""
-        return None
-
     def make_block(self, m: Any, layer: int) -> nn.Module:
         block = TransformerBlock(m, layer, self.make_attention(m, layer))
         if is_sparse(m, layer):
