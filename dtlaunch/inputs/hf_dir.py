@@ -74,6 +74,15 @@ def check_hf_config(c: Any, path: Path) -> None:
     archs = c.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise InputError(f"{where}: architectures={json.dumps(archs)[:60]} is not a list of names: restore it")
+    text = c.get("text_config")
+    if isinstance(text, dict):  # a multimodal model's text decoder (Qwen3.5): its sizes too
+        check_hf_config(text, path)
+
+
+def text_sizes(c: dict) -> dict:
+    """The keys sizing the text decoder: a multimodal config.json's `text_config`, or `c` itself."""
+    text = c.get("text_config")
+    return text if isinstance(text, dict) else c
 
 
 def weight_files(path: Path) -> list[str]:
@@ -113,6 +122,7 @@ def check_hf_dir(path: Path, c: dict) -> None:
     config.json (cheap: before any model of config.json's size is built)."""
     check_hf_config(c, path)
     headers = read_weight_headers(path)
+    c = text_sizes(c)
     if headers:
         layers = {int(m.group(1)) for name in headers if (m := _LAYER.search(name))}
         n = c.get("num_hidden_layers")
