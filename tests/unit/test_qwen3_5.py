@@ -17,7 +17,9 @@ from hf_loaded import ours, round_trip, theirs
 
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
+from dtlaunch.convert.hf import HFWeights, load_hf_weights, save_hf
 from dtlaunch.errors import ConfigError
+from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
 # Longer than the Gated DeltaNet's 64-token chunk; 256: the tiny vocabulary.
@@ -109,8 +111,6 @@ def test_multimodal_exports_its_text_decoder(multimodal_dirs, family, tmp_path) 
     with AutoModelForCausalLM and computes the multimodal model's logits."""
     from safetensors.torch import load_file
 
-    from dtlaunch.convert.hf import save_hf
-
     arch = family.removesuffix("_fused")
     model, m = ours(multimodal_dirs[family], seq=SEQ)
     save_hf({k: v for k, v in model.state_dict().items() if "rope" not in k}, m, tmp_path)
@@ -127,6 +127,36 @@ def test_multimodal_exports_its_text_decoder(multimodal_dirs, family, tmp_path) 
     assert diff < 1e-5, diff
 
 
+def test_fused_experts_are_read_slice_by_slice(multimodal_dirs) -> None:
+    """A rank holding some experts' rows (FSDP, EP) reads them from the fused tensors: the per-expert read's."""
+    m = compose(["model=tiny", f"model.init_from=hf:{multimodal_dirs['qwen3_5_moe_fused']}"]).cfg.model
+    fused, per_expert = HFWeights(multimodal_dirs["qwen3_5_moe_fused"], m), HFWeights(multimodal_dirs["qwen3_5_moe"], m)
+    for name in ("w1", "w2", "w3"):
+        name = f"layers.1.feed_forward.experts.{name}"
+        full = per_expert.read(name)
+        assert torch.equal(fused.read(name), full)
+        assert torch.equal(fused.read(name, (2, 5, 7), (1, 3, 4)), full[1:3, 3:8, 4:11])
+
+
+def test_tied_multimodal_ties_by_its_top_level_key(multimodal_dirs, tmp_path) -> None:
+    """Qwen3_5ForConditionalGeneration ties its head by the top level's tie_word_embeddings (its text_config
+    says false): so does the import, and the logits are transformers'."""
+    config = json.loads((multimodal_dirs["qwen3_5"] / "config.json").read_text())
+    config = transformers.Qwen3_5Config(**{**config, "tie_word_embeddings": True})
+    torch.manual_seed(5)
+    transformers.Qwen3_5ForConditionalGeneration(config).float().save_pretrained(tmp_path)
+    m = compose(["model=tiny", f"model.init_from=hf:{tmp_path}"]).cfg.model
+    assert m.tie_embeddings and not json.loads((tmp_path / "config.json").read_text())["text_config"].get(
+        "tie_word_embeddings"
+    )
+    model = model_spec(m).build(m, rope_len=SEQ, device="cpu")
+    model.init_weights(0)
+    assert model.load_state_dict(load_hf_weights(tmp_path, m), strict=False).missing_keys == ["output.weight"]
+    with torch.no_grad():
+        diff = model.eval()(TOKENS) - _multimodal(tmp_path)(TOKENS).logits
+    assert diff.abs().max().item() < 1e-5
+
+
 def test_plan_says_the_vision_tower_is_skipped(multimodal_dirs) -> None:
     from cli_in_process import run_cli
 
@@ -140,8 +170,6 @@ def test_plan_says_the_vision_tower_is_skipped(multimodal_dirs) -> None:
 def test_published_shape_is_counted_exactly(family) -> None:
     """transformers' default configs, Qwen3.5-9B's and Qwen3.5-35B-A3B's shapes (meta device: no memory): our
     count equals transformers' text model's and the multimodal model's text decoder's, from either config."""
-    from dtlaunch.models.registry import model_spec
-
     prefix = MULTIMODAL[family]
     text, full = getattr(transformers, f"{prefix}TextConfig")(), getattr(transformers, f"{prefix}Config")()
     with torch.device("meta"):
