@@ -157,6 +157,20 @@ def test_tied_multimodal_ties_by_its_top_level_key(multimodal_dirs, tmp_path) ->
     assert diff.abs().max().item() < 1e-5
 
 
+def test_a_multimodal_config_is_checked_by_its_text_config(multimodal_dirs, tmp_path) -> None:
+    """The layer count its text_config says, against the text decoder's layers (not the vision tower's)."""
+    import shutil
+
+    from dtlaunch.errors import InputError
+
+    shutil.copytree(multimodal_dirs["qwen3_5"], tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 3
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises((ConfigError, InputError), match="num_hidden_layers=3 but the weights hold 2 layers"):
+        compose(["model=tiny", f"model.init_from=hf:{tmp_path / 'd'}"])
+
+
 def test_plan_says_the_vision_tower_is_skipped(multimodal_dirs) -> None:
     from cli_in_process import run_cli
 
