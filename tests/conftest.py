@@ -124,6 +124,23 @@ def reference_run(trainer: Trainer, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+# The Gated DeltaNet hybrids' block kinds and widths (key and value widths that differ), Qwen3.5's RoPE.
+QWEN3_5_LINEAR = {
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
 # Tiny random-weight Hugging Face directories, one per native family (transformers' own config
 # classes and save_pretrained), with a word-level tokenizer.json from the `tokenizers` package.
 TINY_HF = {
@@ -153,6 +170,10 @@ TINY_HF = {
             "tie_word_embeddings": False,
         },
     ),
+    # Qwen3.5 dense (Qwen3_5ForCausalLM): a Gated DeltaNet block with split input projections (2 key heads
+    # serving 4 value heads) then a gated full-attention block, RoPE over 8 of 16 dims in three interleaved
+    # multimodal sections (text: all the same positions), a SwiGLU MLP in each.
+    "qwen3_5": ("Qwen3_5TextConfig", {**QWEN3_5_LINEAR, "tie_word_embeddings": False}),
 }
 TINY_HF_WORDS = [f"w{i}" for i in range(250)]
 # The shape every tiny HF test model shares (2 layers, GQA 4/2 heads, 256-token vocabulary).
@@ -302,6 +323,17 @@ TINY_HF_MOE = {
             "linear_key_head_dim": 16,
             "linear_value_head_dim": 8,
             "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+    # Qwen3.5-MoE (Qwen3_5MoeForCausalLM): qwen3_5's blocks with Qwen3-Next's 4 experts and gated shared one.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {
+            **QWEN3_5_LINEAR,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,

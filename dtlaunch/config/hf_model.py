@@ -197,12 +197,15 @@ def describe_hf_source(cfg: JobConfig) -> Optional[str]:
     path = hf_source_dir(cfg.model.init_from)
     if path is None:
         return None
+    from dtlaunch.models.registry import model_spec
     from dtlaunch.models.shapes import param_count
 
     c = read_hf_config(path)
     arch = ", ".join(c.get("architectures") or [])
     dtype = c.get("torch_dtype") or c.get("dtype") or "unknown dtype"
+    # What of the directory the family reads, where not all of it (Qwen3.5's text decoder of a multimodal model).
+    note = getattr(model_spec(cfg.model).hf, "source_note", None)
     return (
         f"loaded {arch} (model.arch={cfg.model.arch}) from {path}: {param_count(cfg.model):,} parameters, "
-        f"{dtype} weights"
+        f"{dtype} weights{note(c) if note else ''}"
     )

@@ -112,7 +112,7 @@ RANGES: dict[str, Range] = {
     "model.moe.routed_scaling": POSITIVE,
     # glm4_moe's own: the share of each head's dims RoPE rotates.
     "model.partial_rotary_factor": Range(0, 1, min_open=True),
-    # qwen3_next's own: the Gated DeltaNet blocks' heads, widths and convolution.
+    # qwen3_next's and qwen3_5(_moe)'s own: the Gated DeltaNet blocks' heads, widths and convolution.
     "model.linear_num_key_heads": AT_LEAST_1,
     "model.linear_num_value_heads": AT_LEAST_1,
     "model.linear_key_head_dim": AT_LEAST_1,

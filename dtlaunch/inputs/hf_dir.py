@@ -41,6 +41,7 @@ COUNTS = (
 )
 POSITIVE = ("rms_norm_eps", "rope_theta")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_TEXT_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
 
 
 def check_hf_config(c: Any, path: Path) -> None:
@@ -74,6 +75,9 @@ def check_hf_config(c: Any, path: Path) -> None:
     archs = c.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise InputError(f"{where}: architectures={json.dumps(archs)[:60]} is not a list of names: restore it")
+    text = c.get("text_config")
+    if isinstance(text, dict):  # a multimodal model's text decoder (Qwen3.5): its sizes too
+        check_hf_config(text, path)
 
 
 def weight_files(path: Path) -> list[str]:
@@ -113,8 +117,12 @@ def check_hf_dir(path: Path, c: dict) -> None:
     config.json (cheap: before any model of config.json's size is built)."""
     check_hf_config(c, path)
     headers = read_weight_headers(path)
+    # A multimodal model (Qwen3.5): its text decoder's sizes, and layers under language_model. (a vision tower
+    # has layers of its own).
+    text = c.get("text_config")
+    c, layer = (text, _TEXT_LAYER) if isinstance(text, dict) else (c, _LAYER)
     if headers:
-        layers = {int(m.group(1)) for name in headers if (m := _LAYER.search(name))}
+        layers = {int(m.group(1)) for name in headers if (m := layer.search(name))}
         n = c.get("num_hidden_layers")
         # GLM-4.5 / DeepSeek-V3 checkpoints add their multi-token-prediction layers after the last block.
         mtp = int(c.get("num_nextn_predict_layers") or 0)

@@ -171,6 +171,8 @@ _BUILTIN = (
     "gpt_oss",
     "deepseek_v3",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
     "moe",
     "hf_auto",
 )

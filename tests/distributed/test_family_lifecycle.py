@@ -108,6 +108,23 @@ FAMILIES: list[Family] = [
         cannot={"tp": _NO_TP_DELTANET},
     ),
     Family(
+        "qwen3_5",
+        "qwen3_5",
+        tied=False,
+        moe=False,
+        layouts=("ddp", "fsdp"),
+        cannot={"tp": _NO_TP_DELTANET, "ep": _NO_EP_DENSE},
+    ),
+    Family(
+        "qwen3_5_moe",
+        "qwen3_5_moe",
+        tied=False,
+        moe=True,
+        layouts=("ddp", "fsdp", "ep"),
+        lora=_EXPERTS,
+        cannot={"tp": _NO_TP_DELTANET},
+    ),
+    Family(
         "hf_auto_tied",
         "llama_tied",
         tied=True,

@@ -1,7 +1,8 @@
 """LoRA on the routed experts (peft.target_experts), against Hugging Face peft's `target_parameters`.
 
-Tiny random Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss and Qwen3-Next directories (tests/conftest.py): our model, loaded from
-the directory with adapters on its attention and on every block's expert stacks (random, B non-zero), must
+Tiny random Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss, Qwen3-Next and Qwen3.5-MoE directories (tests/conftest.py):
+our model, loaded from the directory with adapters on its attention and on every block's expert stacks
+(random, B non-zero), must
 compute the logits of transformers' model with our export (`ckpt export --format peft`'s tensors and
 adapter_config.json) loaded by `peft.PeftModel.from_pretrained`; the merged export's weights likewise.
 """
@@ -34,8 +35,9 @@ def _adapted(path):
     g = torch.Generator().manual_seed(3)
     tensors, experts = {}, {}
     for fqn, mod in model.named_modules():
-        # Qwen3-Next's Gated DeltaNet blocks have no wq / wv: their input and output projections instead.
-        if fqn.endswith(("attention.wq", "attention.wv", "attention.in_proj_qkvz", "attention.out_proj")):
+        # Qwen3-Next's and Qwen3.5's Gated DeltaNet blocks have no wq / wv: their input and output projections.
+        gated_deltanet = ("attention.in_proj_qkvz", "attention.in_proj_qkv", "attention.out_proj")
+        if fqn.endswith(("attention.wq", "attention.wv", *gated_deltanet)):
             adapt_linear(mod, RANK, ALPHA)
             for leaf in ("lora_a", "lora_b"):
                 p = getattr(mod, leaf)
@@ -51,7 +53,7 @@ def _adapted(path):
     return model.eval(), Adapters(tensors, ALPHA / RANK, record, m, {}, experts)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def test_expert_adapters_load_in_peft_with_our_logits(tiny_moe_hf_dirs, family: str, tmp_path) -> None:
     from safetensors.torch import save_file
 

@@ -114,7 +114,7 @@ def test_plan_search_offers_olmo3_no_tensor_parallel() -> None:
         (["model=tiny", "model.arch=qwen2"], r"model.qkv_bias=False does not fit model.arch=qwen2"),
         (
             ["model.arch=gpt2"],
-            r"model.arch='gpt2' is not a registered model: use one of deepseek_v3, gemma3, glm4_moe, gpt_oss, hf_auto, llama, mistral, mixtral, moe, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next, smollm3$",
+            r"model.arch='gpt2' is not a registered model: use one of deepseek_v3, gemma3, glm4_moe, gpt_oss, hf_auto, llama, mistral, mixtral, moe, olmo3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next, smollm3$",
         ),
         (
             ["model=tiny", "model.arch=olmo3", "model.qk_norm=true", "model.layer_types=[full_attention]"],

@@ -519,7 +519,12 @@ class Decoder(nn.Module):
 
     def make_block(self, m: Any, layer: int) -> nn.Module:
         """Block `layer` (a subclass swaps in its own, e.g. the MoE decoder's sparse blocks)."""
-        return TransformerBlock(m, layer)
+        return TransformerBlock(m, layer, self.make_attention(m, layer))
+
+    def make_attention(self, m: Any, layer: int) -> Optional[nn.Module]:
+        """Block `layer`'s token mixer; None: this module's Attention (a family swaps in its own, e.g. the
+        Gated DeltaNet of Qwen3-Next / Qwen3.5's linear blocks, DeepSeek-V3's latent attention)."""
+        return None
 
     def decoding_cache(self, layer: str, kv: KVCache) -> KVCache:
         """What block `layer` (its key in `layers`) decodes with: the KV cache `kv` the caller made, or a

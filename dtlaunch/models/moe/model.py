@@ -44,7 +44,7 @@ def build_moe_layer(m: Any) -> MoE:
         gate_bias=bool(getattr(m, "router_bias", False)),
         expert_linear_bias=bool(getattr(m, "expert_biases", False)),
         swiglu_clamp=swiglu_clamp(m),
-        # Qwen3-Next (dtlaunch/models/qwen3_next/config.py): the shared expert's sigmoid gate.
+        # Qwen3-Next, Qwen3.5-MoE (dtlaunch/models/qwen3_next/config.py): the shared expert's sigmoid gate.
         shared_gate=bool(getattr(m, "shared_expert_gate", False)),
     )
 
@@ -56,10 +56,6 @@ def swiglu_clamp(m: Any) -> Optional[tuple[float, float]]:
 
 
 class MoEDecoder(Decoder):
-    def make_attention(self, m: Any, layer: int) -> Optional[nn.Module]:
-        """A block's attention; None: the dense decoder's (a subclass swaps in its own)."""
-        return None
-
     def make_block(self, m: Any, layer: int) -> nn.Module:
         block = TransformerBlock(m, layer, self.make_attention(m, layer))
         if is_sparse(m, layer):

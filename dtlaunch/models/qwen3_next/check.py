@@ -1,12 +1,14 @@
-"""Qwen3-Next's rules on its model section and layout: the MoE decoder's, one kind per block, key heads that
-divide the value heads, and the layouts its Gated DeltaNet blocks have no sharding for yet (tensor and
-context parallel) or no state reset at document starts for (data.document_mask)."""
+"""The Gated DeltaNet hybrids' rules on their model section and layout (qwen3_next, qwen3_5, qwen3_5_moe):
+the dense or MoE decoder's, one kind per block, key heads that divide the value heads, and the layouts their
+Gated DeltaNet blocks have no sharding for yet (tensor and context parallel) or no state reset at document
+starts for (data.document_mask). Each message names the family (model.arch)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from dtlaunch.errors import ConfigError
+from dtlaunch.models.dense.check import check as dense_check
 from dtlaunch.models.moe.check import check as moe_check
 
 if TYPE_CHECKING:
@@ -16,13 +18,25 @@ KINDS = ("linear_attention", "full_attention")
 
 
 def check(cfg: JobConfig) -> None:
+    """The MoE hybrids (qwen3_next, qwen3_5_moe)."""
     moe_check(cfg)
+    check_linear_blocks(cfg)
+
+
+def check_dense(cfg: JobConfig) -> None:
+    """The dense hybrid (qwen3_5)."""
+    dense_check(cfg)
+    check_linear_blocks(cfg)
+
+
+def check_linear_blocks(cfg: JobConfig) -> None:
     m = cfg.model
+    arch = f"model.arch={m.arch}"
     kinds = list(m.layer_types or ())
     if kinds and (len(kinds) != int(m.n_layers) or any(k not in KINDS for k in kinds)):
         raise ConfigError(
             f"model.layer_types={kinds}: give one of {', '.join(KINDS)} per block ({int(m.n_layers)} entries), "
-            f"or [] for Qwen3-Next's default (full attention every fourth block)"
+            f"or [] for {arch}'s default (full attention every fourth block)"
         )
     nk, nv = int(m.linear_num_key_heads), int(m.linear_num_value_heads)
     if nv % nk:
@@ -32,12 +46,12 @@ def check(cfg: JobConfig) -> None:
         )
     if bool(cfg.data.document_mask):
         raise ConfigError(
-            "data.document_mask=true: model.arch=qwen3_next's Gated DeltaNet state runs across document "
+            f"data.document_mask=true: {arch}'s Gated DeltaNet state runs across document "
             "boundaries (no reset at each document yet): set data.document_mask=false"
         )
     if bool(cfg.objective.generation_compile):
         raise ConfigError(
-            "objective.generation_compile=true: model.arch=qwen3_next's linear blocks decode from a recurrent "
+            f"objective.generation_compile=true: {arch}'s linear blocks decode from a recurrent "
             "state that the compiled static-cache step does not hold yet: set objective.generation_compile=false"
         )
     from dtlaunch.config.layout import Layout, world_size
@@ -47,6 +61,6 @@ def check(cfg: JobConfig) -> None:
         degree = int(getattr(layout, key))
         if degree > 1:
             raise ConfigError(
-                f"strategy.{key}={degree}: model.arch=qwen3_next's Gated DeltaNet blocks are not sharded by "
+                f"strategy.{key}={degree}: {arch}'s Gated DeltaNet blocks are not sharded by "
                 f"{'tensor' if key == 'tp' else 'context'} parallel yet: set strategy.{key}=1 (use fsdp / ep)"
             )

@@ -1,17 +1,20 @@
-"""Qwen3-Next's own model fields: the MoE decoder's, plus the Gated DeltaNet (linear attention) blocks, the
-gated full attention with partial RoPE, and the shared expert's sigmoid gate."""
+"""The model fields of the Gated DeltaNet hybrid decoders: Qwen3-Next (MoE) and Qwen3.5 (dense and MoE,
+dtlaunch/models/qwen3_5/). The hybrid part (the linear-attention blocks, the gated full attention with
+partial RoPE, (1 + gain) norms) is one class both families share; Qwen3-Next's adds the MoE section and
+the shared expert's sigmoid gate."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dtlaunch.models.dense.config import DenseModelConfig
 from dtlaunch.models.moe.config import MoeModelConfig
 
 
 @dataclass
-class Qwen3NextModelConfig(MoeModelConfig):
+class GatedDeltaNetModelConfig(DenseModelConfig):
     # One entry per block: linear_attention (Gated DeltaNet) or full_attention (gated softmax attention).
-    # Empty: every fourth block attends fully, the others are linear (Qwen3-Next's full_attention_interval 4).
+    # Empty: every fourth block attends fully, the others are linear (full_attention_interval 4).
     layer_types: list[str] = field(default_factory=list)
     # The Gated DeltaNet blocks: key heads (q and k), value heads (a multiple of them), their widths, and the
     # causal depthwise convolution over q, k and v before the delta rule.
@@ -26,12 +29,16 @@ class Qwen3NextModelConfig(MoeModelConfig):
     norm_offset: float = 1.0
     # The full attention's output times sigmoid(a per-head gate from q_proj's second half).
     attention_output_gate: bool = True
+
+
+@dataclass
+class Qwen3NextModelConfig(GatedDeltaNetModelConfig, MoeModelConfig):
     # The shared expert's output times sigmoid(a learned scalar per token).
     shared_expert_gate: bool = True
 
 
 def layer_kinds(m) -> list[str]:
-    """Each block's kind: model.layer_types, or Qwen3-Next's default (full attention every fourth block)."""
+    """Each block's kind: model.layer_types, or the default (full attention every fourth block)."""
     kinds = list(getattr(m, "layer_types", None) or ())
     if kinds:
         return kinds

@@ -1,4 +1,4 @@
-"""Gated DeltaNet, the linear-attention layer of Qwen3-Next, in plain torch ops.
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5, in plain torch ops.
 
 Each value head keeps a (head_k_dim x head_v_dim) fast-weight matrix S as its state instead of a KV cache.
 Per token t, with a decay a_t = exp(g_t) in (0, 1] and a write strength beta_t in (0, 1):
@@ -15,9 +15,11 @@ tokens the writes are solved for at once with a triangular solve, and only the c
 A single decoding step runs the recurrence directly. Both are fp32 inside.
 
 Parameter names and shapes are transformers' `Qwen3NextGatedDeltaNet` (in_proj_qkvz, in_proj_ba, conv1d,
-dt_bias, A_log, norm, out_proj), so a checkpoint's `linear_attn.*` tensors load by name; the numerics
-follow its torch fallback (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule, causal_conv1d_*,
-Qwen3NextRMSNormGated). This module knows nothing of torch.distributed.
+dt_bias, A_log, norm, out_proj) or, with `split_projections`, `Qwen3_5GatedDeltaNet` (in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a in the place of the two fused ones), so a checkpoint's `linear_attn.*`
+tensors load by name; the numerics follow its torch fallback (torch_chunk_gated_delta_rule,
+torch_recurrent_gated_delta_rule, causal_conv1d_*, Qwen3NextRMSNormGated). This module knows nothing of
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -198,7 +200,9 @@ def chunk_gated_delta_rule(
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, split_projections: bool = False) -> None:
+        """`split_projections`: Qwen3.5's four input projections, each head after head; else Qwen3-Next's
+        two fused ones, laid out per key head (see `_project`). The rest of the layer is the same."""
         super().__init__()
         dim = int(m.dim)
         self.n_k, self.n_v = int(m.linear_num_key_heads), int(m.linear_num_value_heads)
@@ -211,8 +215,15 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.n_k * self.head_k_dim, self.n_v * self.head_v_dim
         # q, k and v go through the convolution, z (the output gate) does not.
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = nn.Linear(dim, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(dim, 2 * self.n_v, bias=False)
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = nn.Linear(dim, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(dim, self.n_v, bias=False)
+            self.in_proj_a = nn.Linear(dim, self.n_v, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(dim, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(dim, 2 * self.n_v, bias=False)
         # Depthwise; forward pads it itself (zeros, or the cached inputs), so the module's padding is unused.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         # Meta-safe placeholders; the real initial values come from `initial_value` or a checkpoint.
@@ -265,10 +276,16 @@ class GatedDeltaNet(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, S, dim) -> q, k (B, S, key_dim), v (B, S, value_dim), z (B, S, n_v, head_v_dim), b and a
-        (B, S, n_v). The projections are laid out per key head, as Qwen's checkpoints (and transformers'
+        (B, S, n_v). Split (Qwen3.5): in_proj_qkv is [all q heads | all k heads | all v heads], the very
+        order the convolution takes, and z, b, a are one projection each, head after head. Fused
+        (Qwen3-Next): laid out per key head, as its checkpoints (and transformers'
         fix_query_key_value_ordering): in_proj_qkvz is n_k groups of [q | k | its value heads' v | their z],
         in_proj_ba n_k groups of [its value heads' b | their a]."""
         bsz, s, _ = x.shape
+        if self.split_projections:
+            q, k, v = torch.split(self.in_proj_qkv(x), (self.key_dim, self.key_dim, self.value_dim), dim=-1)
+            z = self.in_proj_z(x).view(bsz, s, self.n_v, self.head_v_dim)
+            return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
         r = self.n_v // self.n_k  # value heads per key head
         qkvz = self.in_proj_qkvz(x).view(bsz, s, self.n_k, -1)
         q, k, v, z = torch.split(qkvz, (self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim), -1)

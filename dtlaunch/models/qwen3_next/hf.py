@@ -1,6 +1,7 @@
 """Qwen3-Next's config.json (Qwen3NextConfig) <-> the model section: the dense keys, partial RoPE in
-rope_parameters, the layer kinds, the Gated DeltaNet widths, and the MoE keys (Qwen's sparse-step rule, one
-shared expert of shared_expert_intermediate_size with its sigmoid gate).
+rope_parameters, the layer kinds, the Gated DeltaNet widths (`GatedDeltaNetHF`, which Qwen3.5 shares), and
+the MoE keys (Qwen's sparse-step rule, one shared expert of shared_expert_intermediate_size with its
+sigmoid gate).
 
 transformers writes every routed expert's projections as tensors of their own and fuses them when it loads
 (dtlaunch/models/moe/hf.py reads and writes that layout). Exports carry no multi-token-prediction block.
@@ -22,18 +23,38 @@ _KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen3NextHF(DenseHF):
+class GatedDeltaNetHF(DenseHF):
+    """The hybrid decoder's keys: the dense ones, partial RoPE, the layer kinds and the linear blocks' widths."""
+
     def config_to_hf(self, m: Any, dtype: str = "float32") -> dict:
         out = super().config_to_hf(m, dtype)
         factor = float(m.partial_rotary_factor)
         out["rope_parameters"]["partial_rotary_factor"] = factor
         out["partial_rotary_factor"] = factor
-        moe = m.moe
         out.update({key: int(getattr(m, key)) for key in _LINEAR})
+        out.update({"attention_bias": False, "layer_types": layer_kinds(m)})
+        return out
+
+    def config_from_hf(self, c: dict, where: str) -> dict:
+        out = super().config_from_hf(c, where)
+        rope = dict(c.get("rope_parameters") or {})
+        out["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
+        out.update({key: int(c[key]) for key in _LINEAR if key in c})
+        kinds = list(c.get("layer_types") or [])
+        bad = sorted({k for k in kinds if k not in _KINDS})
+        if bad:
+            raise InputError(f"{where}: layer_types {bad} are not {self.architecture}'s ({', '.join(_KINDS)})")
+        out["layer_types"] = kinds
+        return out
+
+
+@dataclass(frozen=True)
+class Qwen3NextHF(GatedDeltaNetHF):
+    def config_to_hf(self, m: Any, dtype: str = "float32") -> dict:
+        out = super().config_to_hf(m, dtype)
+        moe = m.moe
         out.update(
             {
-                "attention_bias": False,
-                "layer_types": layer_kinds(m),
                 "num_experts": int(moe.num_experts),
                 "num_experts_per_tok": int(moe.top_k),
                 "moe_intermediate_size": expert_dim(m),
@@ -49,17 +70,11 @@ class Qwen3NextHF(DenseHF):
 
     def config_from_hf(self, c: dict, where: str) -> dict:
         out = super().config_from_hf(c, where)
-        rope = dict(c.get("rope_parameters") or {})
-        out["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
-        out.update({key: int(c[key]) for key in _LINEAR if key in c})
-        kinds = list(c.get("layer_types") or [])
-        bad = sorted({k for k in kinds if k not in _KINDS})
-        if bad:
-            raise InputError(f"{where}: layer_types {bad} are not Qwen3-Next's (linear_attention, full_attention)")
-        out["layer_types"] = kinds
         n = int(c.get("num_experts") or 0)
         if n < 1:
-            raise InputError(f"{where}: config.json sets no num_experts: it does not describe Qwen3-Next's experts")
+            raise InputError(
+                f"{where}: config.json sets no num_experts: it does not describe {self.architecture}'s experts"
+            )
         shared = int(c.get("shared_expert_intermediate_size") or 0)
         out["moe"] = {
             "num_experts": n,

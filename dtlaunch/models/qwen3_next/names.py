@@ -13,16 +13,24 @@ from typing import Any, Optional
 
 from dtlaunch.models.moe.hf import QwenExpertsNames
 
-_LINEAR_LEAVES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight")
-_LINEAR_LEAVES += ("out_proj.weight",)
-# Ours -> HF under layers.N., where Qwen3-Next adds to the dense decoder's names.
-_RENAMES = {
+FUSED = ("in_proj_qkvz.weight", "in_proj_ba.weight")
+SPLIT = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")  # Qwen3.5's
+
+
+def linear_renames(projections: tuple[str, ...]) -> dict[str, str]:
+    """Ours -> HF under layers.N. of a Gated DeltaNet block with these input projections (FUSED or SPLIT)."""
+    leaves = (*projections, "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+    return {f"attention.{leaf}": f"linear_attn.{leaf}" for leaf in leaves}
+
+
+# Ours -> HF under layers.N., where the MoE hybrids (Qwen3-Next, Qwen3.5-MoE) add to the dense decoder's names.
+SHARED_EXPERT = {
     "feed_forward.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
     "feed_forward.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
     "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
-    **{f"attention.{leaf}": f"linear_attn.{leaf}" for leaf in _LINEAR_LEAVES},
 }
+_RENAMES = {**SHARED_EXPERT, **linear_renames(FUSED)}
 
 
 def rope_heads(name: str, m: Any) -> Optional[int]:

@@ -1,9 +1,11 @@
-"""Closed-form shapes, parameter counts and FLOPs of the qwen3_next decoder (pure Python).
+"""Closed-form shapes, parameter counts and FLOPs of the Gated DeltaNet hybrid decoders, qwen3_next and
+qwen3_5 / qwen3_5_moe (pure Python).
 
 A block is a Gated DeltaNet block (model.layer_types linear_attention) or a gated full-attention block
 (full_attention: q_proj twice as wide, the second half the output gate; per-head q/k norms), each with two
-norms and the MoE FFN (router, routed experts, one shared expert and its one-output gate) or, in
-model.moe.dense_layers / off the sparse step, the dense SwiGLU.
+norms and the MoE FFN (router, routed experts, one shared expert and its one-output gate) or, without a
+model.moe section (qwen3_5), in model.moe.dense_layers or off the sparse step, the dense SwiGLU. Split
+(Qwen3.5) and fused (Qwen3-Next) input projections hold the same weights: only their names differ.
 """
 
 from __future__ import annotations
@@ -36,10 +38,14 @@ def full_attention_params(m: Any) -> int:
     return 2 * h * q + 2 * h * k + h * q + 2 * d  # q_proj (query and gate), k, v, o; q/k norm gains
 
 
+def _sparse(m: Any, layer: int) -> bool:
+    return getattr(m, "moe", None) is not None and is_sparse(m, layer)
+
+
 def ffn_params(m: Any, layer: int) -> dict[str, int]:
     """{"routed": the routed experts (what expert parallel shards), "other": router, shared expert and gate}."""
     h = int(m.dim)
-    if not is_sparse(m, layer):
+    if not _sparse(m, layer):
         return {"routed": 0, "other": 3 * h * ffn_dim(m)}
     fs = shared_dim(m)
     shared = 3 * h * fs + (h if fs and getattr(m, "shared_expert_gate", False) else 0)
@@ -55,7 +61,7 @@ def layer_params(m: Any, layer: int) -> dict[str, int]:
 
 def active_layer_params(m: Any, layer: int) -> int:
     p = layer_params(m, layer)
-    if not is_sparse(m, layer):
+    if not _sparse(m, layer):
         return p["other"]
     return p["other"] + p["routed"] * int(m.moe.top_k) // int(m.moe.num_experts)
 
@@ -98,23 +104,25 @@ def tp_divisors(m: Any) -> list[tuple[str, int]]:
     return []
 
 
-def block_linears(m: Any) -> dict[str, tuple[int, int, bool | None]]:
+def block_linears(m: Any, split: bool = False) -> dict[str, tuple[int, int, bool | None]]:
     """The linears LoRA can adapt, by Hugging Face module name, of the full-attention and linear blocks and
-    the shared expert: (out features, in features, column-parallel under TP: None, TP is refused)."""
+    the shared expert (qwen3_5: the dense MLP): (out features, in features, column-parallel under TP: None,
+    TP is refused). `split`: Qwen3.5's four input projections of the linear blocks."""
     h, d = int(m.dim), head_dim(m)
     q, k = int(m.n_heads) * d, kv_heads(m) * d
-    key, value, _ = linear_widths(m)
-    out = {
-        "q_proj": (2 * q, h, None),
-        "k_proj": (k, h, None),
-        "v_proj": (k, h, None),
-        "o_proj": (h, q, None),
-        "in_proj_qkvz": (2 * key + 2 * value, h, None),
-        "in_proj_ba": (2 * int(m.linear_num_value_heads), h, None),
-        "out_proj": (h, value, None),
-        "gate": (int(m.moe.num_experts), h, None),
-    }
-    fs = shared_dim(m)
+    key, value, conv = linear_widths(m)
+    nv = int(m.linear_num_value_heads)
+    out = {"q_proj": (2 * q, h, None), "k_proj": (k, h, None), "v_proj": (k, h, None), "o_proj": (h, q, None)}
+    if split:
+        out.update({"in_proj_qkv": (conv, h, None), "in_proj_z": (value, h, None)})
+        out.update({"in_proj_b": (nv, h, None), "in_proj_a": (nv, h, None)})
+    else:
+        out.update({"in_proj_qkvz": (2 * key + 2 * value, h, None), "in_proj_ba": (2 * nv, h, None)})
+    out["out_proj"] = (h, value, None)
+    moe = getattr(m, "moe", None) is not None
+    if moe:
+        out["gate"] = (int(m.moe.num_experts), h, None)
+    fs = shared_dim(m) if moe else ffn_dim(m)
     if fs:
         out.update({"gate_proj": (fs, h, None), "up_proj": (fs, h, None), "down_proj": (h, fs, None)})
     return out
