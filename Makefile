@@ -44,6 +44,10 @@ $(SKY_STAMP):
 # leave idle, the single-process tests with one torch thread (unit, fuzz, the documented commands, mostly
 # `plan`/`validate` in-process), then the tests named below. Measured on 2 cores: a multi-process sample
 # 273 -> 305 s, a unit sample 270 -> 338 s, together 338 s instead of 543 s one after the other (issue #49).
+# Both sessions run torch on one thread per process: the machine is saturated (98 % busy through `make test`), and
+# the multi-process session's single-process references on 2 threads spun against the other session
+# (tests/distributed/test_dpo_layouts.py beside one busy core: 141 CPU-s / 113 s with 2 threads, 117 / 95 with 1).
+# Launched workers get launch.threads_per_worker's count either way; with TEST_WORKERS=N, conftest.py shares the cores.
 # TEST_WORKERS=N runs the multi-process session on N pytest-xdist workers (machines with cores to spare).
 TEST_WORKERS ?= 0
 PYTEST_ENV = DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH"
@@ -67,7 +71,7 @@ test-single: install $(SKY_STAMP)
 		--durations-session single $(SINGLE_TESTS)
 
 test-multi: install $(SKY_STAMP)
-	$(PYTEST_ENV) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations-file $(DURATIONS) \
+	$(if $(filter 0,$(TEST_WORKERS)),OMP_NUM_THREADS=1) $(PYTEST_ENV) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations-file $(DURATIONS) \
 		--durations-session multi $(MULTI_TESTS)
 
 test-fast: install  ## unit tests only
