@@ -228,13 +228,20 @@ def _compose_without_hydra_node(overrides: list[str]) -> tuple[Any, dict]:
     list, where compose copies them into hydra.runtime.choices. tests/unit/test_compose_hydra.py holds the result
     equal to hydra.compose's on every recipe."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.config_repository import CachingConfigRepository
     from hydra._internal.defaults_list import create_defaults_list
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     loader = GlobalHydra.instance().config_loader()
-    parsed, repo = loader._parse_overrides_and_create_caching_repo("job", overrides)
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    # Hydra deep-copies its repository into the caching one (with the ConfigStore's every node: ~35 ms) lest
+    # initialize_sources change it; ours is built for this one compose and thrown away after.
+    repo = CachingConfigRepository.__new__(CachingConfigRepository)
+    repo.delegate, repo.cache = loader.repository, {}
+    loader._process_config_searchpath("job", parsed, repo)
     loader.validate_sweep_overrides_legal(overrides=parsed, run_mode=RunMode.RUN, from_shell=False)
     defaults = create_defaults_list(
         repo=repo, config_name="job", overrides_list=parsed, prepend_hydra=False, skip_missing=False
