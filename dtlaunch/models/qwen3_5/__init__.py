@@ -3,17 +3,14 @@
 attention with partial RoPE, (1 + gain) norms) with Qwen3.5's split Gated DeltaNet input projections and a
 dense SwiGLU MLP in every block. The MoE sibling is dtlaunch/models/qwen3_5_moe/. Planned by trace."""
 
-import dataclasses
-import functools
-
-import dtlaunch.models.qwen3_next.shapes as shapes
 from dtlaunch.models.dense.spec import dense_spec
 from dtlaunch.models.qwen3_5.hf import Qwen3_5HF
 from dtlaunch.models.qwen3_next.config import GatedDeltaNetModelConfig
+from dtlaunch.models.qwen3_next.spec import hybrid_spec
 from dtlaunch.models.registry import register
 
 SPEC = register(
-    dataclasses.replace(
+    hybrid_spec(
         dense_spec(
             "qwen3_5",
             "Qwen3.5 dense decoder (Gated DeltaNet and gated full attention, SwiGLU MLP)",
@@ -27,16 +24,7 @@ SPEC = register(
             norm_offset=1.0,
             attention_output_gate=True,
         ),
-        builder="dtlaunch.models.qwen3_5.model:build_model",
-        tp_plan="",
-        param_count=shapes.param_count,
-        block_params=shapes.block_params,
-        block_norm_params=shapes.block_norm_params,
-        flops_per_token=shapes.flops_per_token,
-        matmul_params=shapes.matmul_params,
-        tp_divisors=shapes.tp_divisors,
-        block_linears=functools.partial(shapes.block_linears, split=True),
-        activations=None,
-        ring_attention=False,
+        "dtlaunch.models.qwen3_5.model:build_model",
+        split_projections=True,
     )
 )

@@ -3,17 +3,14 @@ Qwen3.5-35B-A3B): Qwen3-Next's hybrid MoE decoder (dtlaunch/models/qwen3_next/) 
 DeltaNet input projections: every block sparse, top-k softmax weights renormalised, one shared expert
 behind a sigmoid gate. The dense sibling and the shared Qwen3.5 parts are dtlaunch/models/qwen3_5/."""
 
-import dataclasses
-import functools
-
-import dtlaunch.models.qwen3_next.shapes as shapes
 from dtlaunch.models.moe.spec import moe_spec
 from dtlaunch.models.qwen3_5.hf import Qwen3_5MoeHF
 from dtlaunch.models.qwen3_next.config import Qwen3NextModelConfig
+from dtlaunch.models.qwen3_next.spec import hybrid_spec
 from dtlaunch.models.registry import register
 
 SPEC = register(
-    dataclasses.replace(
+    hybrid_spec(
         moe_spec(
             "qwen3_5_moe",
             "Qwen3.5-MoE decoder (Gated DeltaNet and gated full attention, top-k softmax router, gated shared expert)",
@@ -28,17 +25,8 @@ SPEC = register(
             # What Qwen3.5-MoE's config.json cannot say otherwise (it has no such keys).
             **{"moe.score_func": "softmax", "moe.norm_topk": True, "moe.sparse_step": 1, "moe.dense_layers": []},
         ),
-        builder="dtlaunch.models.qwen3_5.model:build_moe_model",
-        tp_plan="",
-        param_count=shapes.param_count,
-        block_params=shapes.block_params,
-        block_norm_params=shapes.block_norm_params,
-        flops_per_token=shapes.flops_per_token,
-        matmul_params=shapes.matmul_params,
-        tp_divisors=shapes.tp_divisors,
-        block_linears=functools.partial(shapes.block_linears, split=True),
-        activations=None,
-        ring_attention=False,
+        "dtlaunch.models.qwen3_5.model:build_moe_model",
+        split_projections=True,
         config=Qwen3NextModelConfig,
         check="dtlaunch.models.qwen3_next.check:check",
     )

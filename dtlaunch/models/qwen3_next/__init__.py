@@ -3,16 +3,14 @@ DeltaNet linear attention (three in four by default) or gated full attention (an
 (1 + gain) q/k norms, partial RoPE), with routed experts plus one shared expert behind a sigmoid gate.
 The planner traces its step (no closed-form activation terms for the linear blocks yet)."""
 
-import dataclasses
-
-import dtlaunch.models.qwen3_next.shapes as shapes
 from dtlaunch.models.moe.spec import moe_spec
 from dtlaunch.models.qwen3_next.config import Qwen3NextModelConfig
 from dtlaunch.models.qwen3_next.hf import Qwen3NextHF
+from dtlaunch.models.qwen3_next.spec import hybrid_spec
 from dtlaunch.models.registry import register
 
 SPEC = register(
-    dataclasses.replace(
+    hybrid_spec(
         moe_spec(
             "qwen3_next",
             "Qwen3-Next decoder (Gated DeltaNet and gated full attention, top-k softmax router, gated shared expert)",
@@ -26,17 +24,8 @@ SPEC = register(
             shared_expert_gate=True,
             **{"moe.score_func": "softmax"},
         ),
-        builder="dtlaunch.models.qwen3_next.model:build_model",
-        tp_plan="",
-        param_count=shapes.param_count,
-        block_params=shapes.block_params,
-        block_norm_params=shapes.block_norm_params,
-        flops_per_token=shapes.flops_per_token,
-        matmul_params=shapes.matmul_params,
-        tp_divisors=shapes.tp_divisors,
-        block_linears=shapes.block_linears,
-        activations=None,
-        ring_attention=False,
+        "dtlaunch.models.qwen3_next.model:build_model",
+        split_projections=False,
         config=Qwen3NextModelConfig,
         check="dtlaunch.models.qwen3_next.check:check",
     )
