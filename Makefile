@@ -54,8 +54,9 @@ PYTEST_ENV = DTLAUNCH_SKY_PYTHON="$(abspath $(SKY_VENV))/bin/python" PATH="$(abs
 # The single-process session ends with the system tests and the planner-accuracy runs (real 2-process runs whose
 # measured peaks do not depend on the cores they get), so that both sessions end about together (CI, 2 cores:
 # 20.4 and 27.9 min before these moved; 23.3 and 26.4 before test_fault_tolerance.py joined them, 30.6 and 32.6 on a
-# busy machine before test_hub_cli.py did).
+# busy machine before test_hub_cli.py did; 22.0 and 24.3 before test_kto_reward_resume.py and test_eval_cli.py did).
 MOVED = tests/e2e/test_docs_commands.py tests/e2e/test_fault_tolerance.py tests/e2e/test_hub_cli.py \
+	tests/e2e/test_kto_reward_resume.py tests/e2e/test_eval_cli.py \
 	tests/distributed/test_plan_accuracy.py tests/distributed/test_offload_accuracy.py
 SINGLE_TESTS = tests/unit tests/fuzz tests/system $(MOVED)
 MULTI_TESTS = tests/distributed tests/e2e $(addprefix --ignore=,$(MOVED))

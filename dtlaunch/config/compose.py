@@ -10,6 +10,7 @@ Every failure becomes a one-line `ConfigError` naming the key and the fix.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import sysconfig
@@ -135,8 +136,14 @@ def refuse_hydra_overrides(overrides: Sequence[str]) -> None:
         raise ConfigError(f"'{ov}' is a Hydra runtime setting, which dtlaunch does not read: {hint}")
 
 
-def _optional_sections() -> set[str]:
+def _optional_sections() -> frozenset[str]:
     """Dotted keys of schema fields typed Optional[<dataclass>] (e.g. model.rope_scaling)."""
+    return _optional_sections_of(_job_schema())
+
+
+@functools.cache
+def _optional_sections_of(schema: type) -> frozenset[str]:
+    """Per job schema (it changes only when a family is loaded): walking its type hints was ~5 ms a compose."""
     import typing
 
     found: set[str] = set()
@@ -150,8 +157,8 @@ def _optional_sections() -> set[str]:
             elif is_dataclass(hint):
                 walk(hint, f"{prefix}{name}.")
 
-    walk(_job_schema(), "")
-    return found
+    walk(schema, "")
+    return frozenset(found)
 
 
 def _split_optional_section_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
