@@ -124,8 +124,9 @@ def reference_run(trainer: Trainer, tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-# The Gated DeltaNet hybrids' block kinds and widths (key and value widths that differ), Qwen3.5's RoPE.
-QWEN3_5_LINEAR = {
+# The Gated DeltaNet hybrids' block kinds and widths: a linear block (2 key heads serving 4 value heads, key and
+# value widths that differ) then a gated full-attention block.
+GATED_DELTANET = {
     "head_dim": 16,
     "layer_types": ["linear_attention", "full_attention"],
     "linear_num_key_heads": 2,
@@ -133,6 +134,10 @@ QWEN3_5_LINEAR = {
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 8,
     "linear_conv_kernel_dim": 4,
+}
+# Qwen3.5's: the same blocks with its (multimodal) RoPE.
+QWEN3_5_LINEAR = {
+    **GATED_DELTANET,
     "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10000.0,
@@ -316,13 +321,7 @@ TINY_HF_MOE = {
     "qwen3_next": (
         "Qwen3NextConfig",
         {
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 8,
-            "linear_conv_kernel_dim": 4,
+            **GATED_DELTANET,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,

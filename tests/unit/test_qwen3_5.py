@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from hf_loaded import ours, round_trip, theirs
+from test_qwen3_next import _flat
 
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
@@ -195,18 +196,6 @@ def test_published_shape_is_counted_exactly(family) -> None:
     assert hf.config_from_hf(full.to_dict(), "x") == fields
     m = compose(["model=tiny", f"model.arch={family}", *_flat("model", fields)]).cfg.model
     assert model_spec(m).param_count(m) == want
-
-
-def _flat(prefix: str, d: dict) -> list[str]:
-    out = []
-    for k, v in d.items():
-        if k == "arch":
-            continue
-        if isinstance(v, dict):
-            out += _flat(f"{prefix}.{k}", v)
-        else:
-            out.append(f"{prefix}.{k}={json.dumps(v) if not isinstance(v, str) else v}")
-    return out
 
 
 def _until_stop(ids: list[int]) -> list[int]:
