@@ -307,7 +307,9 @@ class Rollout:
         batches.ref = self._logps(None, batches) if self.beta > 0 else None
         if self.is_correction:
             assert batches.old is not None
-            sampled = sampler_rows([p["ids"] for p in prompts], gen.completions, gen.logps, self.seq_len)
+            sampled = sampler_rows(
+                [p["ids"] for p in prompts], gen.completions, gen.logps, self.seq_len, inputs.shape[1]
+            )
             correction = self._correct(batches, sampled.to(rt.device))
         # As TRL: a completion's length counts the model's tokens, not the tool results'.
         counts = [sum(m) for m in tool_mask] if tool_mask is not None else [len(c) for c in gen.completions]
@@ -448,7 +450,9 @@ class Rollout:
     def _rows(
         self, prompts: list, completions: list, truncated: list, tool_mask: Optional[list] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return training_rows(prompts, completions, truncated, tool_mask, self.seq_len, self.mask_truncated)
+        return training_rows(
+            prompts, completions, truncated, tool_mask, self.seq_len, self.mask_truncated, self.positions_multiple
+        )
 
     @torch.no_grad()
     def _logps(self, model: Any, b: RolloutBatches) -> torch.Tensor:
@@ -565,19 +569,37 @@ class Rollout:
                 fh.write(json.dumps(row) + "\n")
 
 
+def row_width(prompts: list, completions: list, seq_len: int, multiple: int = 1) -> int:
+    """The training rows' width: the longest prompt + completion's inputs (cut at seq_len), rounded up to
+    `multiple` (sequence parallel's positions, decode_positions_multiple). As TRL pads to the batch's longest:
+    a row padded to seq_len would cost the forward, backward and log-prob passes its padding (30-40 % of a
+    step whose completions end early). Causal attention keeps a token's values apart from the padding after
+    it, so the loss is the same as at full width."""
+    longest = max((len(p) + len(c) - 1 for p, c in zip(prompts, completions, strict=True)), default=1)
+    width = -(-max(longest, 1) // multiple) * multiple
+    return min(width, seq_len)
+
+
 def training_rows(
-    prompts: list, completions: list, truncated: list, tool_mask: Optional[list], seq_len: int, mask_truncated: bool
+    prompts: list,
+    completions: list,
+    truncated: list,
+    tool_mask: Optional[list],
+    seq_len: int,
+    mask_truncated: bool,
+    multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training rows: prompt + completion from position 0, right-padded to seq_len; targets are the
+    """Training rows: prompt + completion from position 0, right-padded to row_width; targets are the
     completion's, but for the tool results' tokens (tool_mask 0: the model did not write them) and, with
     mask_truncated, a truncated completion's."""
+    width = row_width(prompts, completions, seq_len, multiple)
     # Built as lists and made tensors once: a tensor per row cost a few operator calls each (~1 ms a step
     # for 32 rows on CPU).
     inputs, targets = [], []
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         seq = (list(p) + list(c))[: seq_len + 1]
-        inputs.append(seq[:-1] + [PAD] * (seq_len - len(seq) + 1))
-        row = [IGNORE] * seq_len
+        inputs.append(seq[:-1] + [PAD] * (width - len(seq) + 1))
+        row = [IGNORE] * width
         if not (mask_truncated and truncated[i]):
             target = seq[len(p) :]
             if tool_mask is not None:
@@ -598,10 +620,10 @@ def sampled_logps(per_turn: list[list[float]], tool_mask: list[list[int]]) -> li
     return out
 
 
-def sampler_rows(prompts: list, completions: list, logps: Optional[list], seq_len: int) -> torch.Tensor:
-    """(rows, seq_len) the sampler's log-prob of each completion token, where training_rows puts its target;
+def sampler_rows(prompts: list, completions: list, logps: Optional[list], seq_len: int, width: int) -> torch.Tensor:
+    """(rows, width) the sampler's log-prob of each completion token, where training_rows puts its target;
     NaN elsewhere, and everywhere when the completions were not sampled (replayed: `logps` None)."""
-    out = torch.full((len(prompts), seq_len), float("nan"))
+    out = torch.full((len(prompts), width), float("nan"))
     if logps is None:
         return out
     for i, (p, c, lp) in enumerate(zip(prompts, completions, logps, strict=True)):
