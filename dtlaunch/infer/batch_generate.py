@@ -64,6 +64,18 @@ class PreallocatedKVCache(KVCache):
         """Forget the last `n` positions written (a decode step's filler positions)."""
         self.filled -= n
 
+    def place_rows(self, source: torch.Tensor, slots: torch.Tensor, key_mask: torch.Tensor) -> None:
+        """Row i takes row source[i]'s positions slots[i] (rows, n) as its first n: each prompt's prefill
+        copied to its rows, moved right by the row's own shift (see _shared_prefill). Allocates the rows'
+        cache at full capacity, as the first append would."""
+        assert self.k is not None and self.v is not None
+        n = slots.shape[1]
+        k = self.k.new_empty((len(source), self.capacity, *self.k.shape[2:]))
+        v = self.v.new_empty((len(source), self.capacity, *self.v.shape[2:]))
+        k[:, :n] = self.k[source[:, None], slots]
+        v[:, :n] = self.v[source[:, None], slots]
+        self.k, self.v, self.key_mask, self.filled = k, v, key_mask, n
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is None:  # values may be narrower than keys (DeepSeek-V3's v_head_dim)
             self.k = k.new_empty((k.shape[0], self.capacity, *k.shape[2:]))
@@ -183,6 +195,7 @@ def generate_batch(
     limits: Optional[Sequence[int]] = None,
     plain: bool = False,
     sampler_logps: bool = False,
+    shared: Optional[Sequence[int]] = None,
 ) -> Generated:
     """Completions of `prompts` (token ids) from `model` (a dtlaunch decoder whose RoPE tables cover the
     longest prompt + max_new_tokens: dtlaunch.infer.generate.set_positions). `all_done(done)`: whether
@@ -194,7 +207,10 @@ def generate_batch(
     left in max_completion_length): the row ends there, truncated, and never reaches a position past it.
 
     Rows with the same prompt (GRPO's G completions of a prompt) share its prefill: each distinct prompt
-    runs through the model once and its keys and values are copied to its rows. Rows that finished leave
+    runs through the model once and its keys and values are copied to its rows. `shared`: each row's leading
+    tokens that rows may share (a multi-turn continuation: the original prompt, before the row's own turns
+    and tool results); each distinct such prefix runs once and only the rows' own tokens after it are
+    prefilled per row (_shared_prefill), on models whose blocks all decode with keys and values. Rows that finished leave
     the decode batch (their caches' rows dropped) once a quarter of it has, eager decoding only (compiled
     steps keep their shapes). The sampler still draws for every row, finished or not, from logits of the
     same values: the generator's stream, and so every row's tokens, are those of `plain=True` (every row
@@ -203,18 +219,26 @@ def generate_batch(
     # leaves the head to the loss (`hidden_only`): nothing on the model is switched for the rollout.
     device = next(model.parameters()).device
     m = sequence_multiple
-    rows, longest = len(prompts), -(-max(len(p) for p in prompts) // m) * m
+    rows = len(prompts)
+    split = None
+    # A row that is all prefix (or none) has nothing of its own to prefill: every row prefilled whole then.
+    if shared is not None and not (plain or compiled):
+        if all(0 < k < len(p) for p, k in zip(prompts, shared, strict=True)):
+            split = _Split.of(prompts, shared, m)
+    longest = split.width if split is not None else -(-max(len(p) for p in prompts) // m) * m
     capacity = longest + s.max_new_tokens + m - 1
     firsts: dict[tuple[int, ...], int] = {}
-    source = list(range(rows)) if plain else [firsts.setdefault(tuple(p), len(firsts)) for p in prompts]
+    whole_rows = prompts if split is None else split.prefixes
+    source = list(range(rows)) if plain else [firsts.setdefault(tuple(p), len(firsts)) for p in whole_rows]
     distinct = prompts if plain else [list(p) for p in firsts]
-    tokens = torch.full((len(distinct), longest), pad_id, dtype=torch.long, device=device)
+    first_width = longest if split is None else split.prefix_width
+    tokens = torch.full((len(distinct), first_width), pad_id, dtype=torch.long, device=device)
     key_mask = torch.zeros(len(distinct), capacity, dtype=torch.bool, device=device)
     for i, p in enumerate(distinct):
-        tokens[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        key_mask[i, longest - len(p) : longest] = True
-    lengths = key_mask[:, :longest].sum(dim=1)
-    positions = (key_mask[:, :longest].long().cumsum(dim=1) - 1).clamp(min=0)
+        tokens[i, first_width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        key_mask[i, first_width - len(p) : first_width] = True
+    lengths = key_mask[:, :first_width].sum(dim=1)
+    positions = (key_mask[:, :first_width].long().cumsum(dim=1) - 1).clamp(min=0)
     pos = torch.zeros(1, dtype=torch.long, device=device)  # compiled decoding: the static caches' next position
     masks: dict[Optional[int], torch.Tensor] = {}
     # A family may decode some blocks with a state of its own (model.decoding_cache: Qwen3-Next's linear blocks).
@@ -223,6 +247,11 @@ def generate_batch(
         if compiled
         else [model.decoding_cache(key, PreallocatedKVCache(capacity, key_mask, masks)) for key in model.layers]
     )
+    if split is not None and not all(isinstance(c, PreallocatedKVCache) for c in preallocated):
+        # A recurrent state cannot take a prefix moved to other positions: every row prefilled whole.
+        return generate_batch(
+            model, prompts, s, stop_ids, pad_id, generator, all_done, m, compiled, limits, plain, sampler_logps
+        )
     static = [StaticKVCache(capacity, key_mask, pos) for _ in model.layers] if compiled else []
     caches: list[KVCache] = [*preallocated, *static]
     step_fn = decode_step(model) if compiled else model
@@ -234,7 +263,10 @@ def generate_batch(
     entropy = torch.zeros((), device=device)
     taken = torch.zeros(rows, s.max_new_tokens, device=device) if sampler_logps else None
     logits = _whole(model(tokens, positions=positions, caches=caches, last_only=True)[:, -1]).float()
-    if len(distinct) < rows:  # each row's copy of its prompt's prefill
+    if split is not None:  # the rows' own tokens after their prefix's prefill
+        index = torch.tensor(source, device=device)
+        key_mask, lengths, logits = _shared_prefill(model, split, index, preallocated, masks, pad_id, capacity)
+    elif len(distinct) < rows:  # each row's copy of its prompt's prefill
         index = torch.tensor(source, device=device)
         key_mask, lengths, logits = key_mask[index], lengths[index], logits[index]
         for cache in caches:  # the prefill's own cache, a row per distinct prompt, is freed once copied
@@ -289,6 +321,63 @@ def generate_batch(
     if taken is not None:
         logps = [values[: len(c)] for values, c in zip(taken[:, : n + 1].tolist(), completions, strict=True)]
     return Generated(completions, truncated, float(entropy) / max(tokens_out, 1), logps)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Rows cut into a prefix they may share and their own suffix, and the prefill's layout: every row ends
+    at slot `width`, its suffix just before, its prefix just before that (left padding first), so that the
+    positions between a row's real tokens are their distances (sliding windows count slots)."""
+
+    prefixes: list[list[int]]
+    suffixes: list[list[int]]
+    prefix_width: int  # the first prefill's width: the longest prefix, a multiple of m
+    width: int  # prefix_width + the longest suffix, rounded to m
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[int]], shared: Sequence[int], m: int) -> _Split:
+        prefixes = [list(p[:k]) for p, k in zip(prompts, shared, strict=True)]
+        suffixes = [list(p[k:]) for p, k in zip(prompts, shared, strict=True)]
+        prefix_width = -(-max(len(p) for p in prefixes) // m) * m
+        return cls(prefixes, suffixes, prefix_width, prefix_width + -(-max(len(x) for x in suffixes) // m) * m)
+
+
+def _shared_prefill(
+    model: torch.nn.Module,
+    split: _Split,
+    source: torch.Tensor,
+    caches: list[PreallocatedKVCache],
+    masks: dict[Optional[int], torch.Tensor],
+    pad_id: int,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After each distinct prefix's prefill (its tokens ending at slot P = split.prefix_width), every row
+    gets its prefix's keys and values moved right by its shift (the longest suffix less its own), so that its
+    prefix + suffix end at split.width; then one forward over slots [P, width) fills the rest: each row's
+    suffix, after the last `shift` tokens of its prefix computed again (they see the same keys before them,
+    so they get the values the prefill gave them). Returns the rows' key mask, lengths and last logits."""
+    device = source.device
+    p_width, width = split.prefix_width, split.width
+    plen = torch.tensor([len(p) for p in split.prefixes], device=device)
+    slen = torch.tensor([len(x) for x in split.suffixes], device=device)
+    shift = (width - p_width) - slen
+    slots = torch.arange(width, device=device)[None, :]
+    key_mask = torch.zeros(len(source), capacity, dtype=torch.bool, device=device)
+    key_mask[:, :width] = slots >= (width - slen - plen)[:, None]
+    # Slot t < P of a row holds its prefix's slot t - shift (a padding slot, masked, where that is before 0).
+    moved = (slots[:, :p_width] - shift[:, None]).clamp(min=0)
+    for cache in caches:
+        cache.place_rows(source, moved, key_mask)
+    # Slots [P, width): each row's tokens there, its whole sequence ending at `width`.
+    tokens = torch.full((len(source), width - p_width), pad_id, dtype=torch.long)
+    for i, (p, x) in enumerate(zip(split.prefixes, split.suffixes, strict=True)):
+        seq = p + x
+        tail = seq[max(0, len(seq) - (width - p_width)) :]
+        tokens[i, tokens.shape[1] - len(tail) :] = torch.tensor(tail, dtype=torch.long)
+    positions = (key_mask[:, :width].long().cumsum(dim=1) - 1).clamp(min=0)[:, p_width:]
+    masks.clear()
+    out = model(tokens.to(device), positions=positions, caches=caches, last_only=True)
+    return key_mask, plen + slen, _whole(out[:, -1]).float()
 
 
 def _drop_finished(

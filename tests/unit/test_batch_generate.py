@@ -157,6 +157,35 @@ def test_shared_prefill_and_dropped_rows_match_plain_path(tiny_hf_dirs) -> None:
         hook.remove()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "qwen3_5"])
+def test_shared_prefix_prefill_matches_whole_rows(tiny_hf_dirs, family: str) -> None:
+    """A multi-turn continuation's rows (`shared`: each row's prompt, the prefix its group shares, before its
+    own turns): each prefix prefilled once, then only each row's own tokens, gives the tokens of every row
+    prefilled whole, greedy and sampled from the same seed; a sliding-window family (gemma3, window 8 <
+    the rows) keeps the distances between real tokens. A recurrent-state family (qwen3_5) prefills whole."""
+    loaded = load_source(f"hf:{tiny_hf_dirs[family]}", torch.device("cpu"))
+    suffixes = [[9], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50, 51, 52], [70, 71, 72, 73, 74, 75]]
+    rows = [p + x for p in PROMPTS[:3] for x in suffixes]  # 3 prompts x 4 rows, suffixes of 1 to 11 tokens
+    shared = [len(p) for p in PROMPTS[:3] for _ in suffixes]
+    set_positions(loaded.model, max(len(r) for r in rows) + NEW)
+    shapes: list[tuple[int, int]] = []
+    hook = loaded.model.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    try:
+        for s, seed in ((Sampling(max_new_tokens=NEW, temperature=0.0), 0), (Sampling(NEW, 1.0, 0.9, 50), 7)):
+            shapes.clear()
+            split = generate_batch(loaded.model, rows, s, [1], 0, torch.Generator().manual_seed(seed), shared=shared)
+            prefills = shapes[:2]
+            whole = generate_batch(loaded.model, rows, s, [1], 0, torch.Generator().manual_seed(seed))
+            assert split.completions == whole.completions and split.truncated == whole.truncated
+            assert split.entropy == pytest.approx(whole.entropy, rel=1e-5) and split.entropy > 0
+            if family == "qwen3_5":
+                assert prefills[0] == (len(rows), max(len(r) for r in rows))
+            else:  # the 3 prompts once (7 positions), then the 12 rows' last 11 positions
+                assert prefills == [(3, 7), (len(rows), 11)], prefills
+    finally:
+        hook.remove()
+
+
 def test_draws_follow_the_distribution() -> None:
     """sample_next's draw (inverse CDF, one uniform per row): each id's frequency is its probability after
     temperature and top-k, within 5 standard errors, and an id top-k removed is never drawn."""

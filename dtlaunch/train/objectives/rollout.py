@@ -380,7 +380,9 @@ class Rollout:
             # Every row's turn not known in advance is generated (every rank takes part).
             known = [self.recorded_turn(i, turn) for i in rows]
             live = [k for k, ids in enumerate(known) if ids is None]
-            ids, logps = self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g)
+            # A row's prompt is the prefix its group's rows share: prefilled once per prompt (generate_batch).
+            shared = [len(prompts[rows[k]]["ids"]) for k in live]
+            ids, logps = self._continue(model, [seqs[k] for k in live], [limits[k] for k in live], g, shared)
             made = dict(zip(live, ids, strict=True))
             scored = dict(zip(live, logps, strict=True)) if logps is not None else {}
             out = []
@@ -405,7 +407,7 @@ class Rollout:
         return turns, sampled
 
     def _continue(
-        self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any
+        self, model: torch.nn.Module, seqs: list[list[int]], limits: list[int], g: Any, shared: list[int]
     ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """One continuation turn of the rows that called tools. Ranks generate together (see _all_done), so
         they agree on the longest limit; a rank without such rows decodes one stand-in row, ended at once."""
@@ -416,7 +418,7 @@ class Rollout:
             longest = int(t)
         if longest == 0:  # no rank has a row to continue with room left
             return [[] for _ in seqs], [[] for _ in seqs]
-        rows, caps = (seqs, limits) if seqs else ([[PAD]], [1])
+        rows, caps, prefixes = (seqs, limits, shared) if seqs else ([[PAD]], [1], None)
         caps = [max(c, 1) for c in caps]  # a row with no room: one token, cut away by tool_loop
         sampling = Sampling(longest, self.sampling.temperature, self.sampling.top_p, self.sampling.top_k)
         whole = self.gather_whole
@@ -434,6 +436,7 @@ class Rollout:
                 False,
                 limits=caps,
                 sampler_logps=self.is_correction,
+                shared=prefixes,
             )
         return (out.completions, out.logps) if seqs else ([], [])
 
