@@ -87,6 +87,9 @@ class ModelSpec:
     config: type = ModelConfig
     # Routed experts per MoE layer of a model section (0: no expert layers; expert parallel needs some).
     routed_experts: Callable[[Any], int] = _no_experts
+    # One block's matrices tensor parallel leaves whole on every rank, besides MoE routers (deepseek_v3's
+    # low-rank q / kv projections).
+    tp_whole_block_params: Callable[[Any], int] = _no_experts
 
     def check_config(self, cfg: JobConfig) -> None:
         if self.check:

@@ -78,4 +78,11 @@ class RoutedExperts:
     (dtlaunch.train.parallel.tensor_parallel.ExpertsTensorParallel)."""
 
 
-Style = Colwise | Rowwise | SequenceShard | PrepareInput | PrepareInputOutput | VocabEmbedding | RoutedExperts
+@dataclass(frozen=True)
+class SumGrad:
+    """A module computed whole on every rank whose output each rank uses only in part (DeepSeek-V3's rotated
+    key, shared by every head: a rank's heads): its output's gradient is summed over the ranks
+    (dtlaunch.train.parallel.tensor_parallel.GradSumOverTP)."""
+
+
+Style = Colwise | Rowwise | SequenceShard | PrepareInput | PrepareInputOutput | VocabEmbedding | RoutedExperts | SumGrad

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.models.registry import routed_experts
+from dtlaunch.models.registry import model_spec, routed_experts
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -30,15 +30,17 @@ def stage_routed_params(m: Any, layer_ids: list[int]) -> int:
 def stage_whole_under_tp(m: Any, layer_ids: list[int]) -> int:
     """Parameters of the blocks `layer_ids` that tensor parallel leaves whole on every rank (0 for a dense
     model): each sparse block's router and, with expert biases (gpt-oss), the down projections' biases,
-    added once after the ranks' partial outputs are summed (dtlaunch.train.parallel.tensor_parallel)."""
+    added once after the ranks' partial outputs are summed (dtlaunch.train.parallel.tensor_parallel), and
+    every block's matrices its family keeps whole (deepseek_v3's low-rank projections)."""
+    attention = model_spec(m).tp_whole_block_params(m) * len(layer_ids)
     if not routed_experts(m):
-        return 0
+        return attention
     from dtlaunch.models.moe.shapes import is_sparse
 
     dim, experts = int(m.dim), int(m.moe.num_experts)
     per = experts * (dim + (1 if getattr(m, "router_bias", False) else 0))
     per += experts * dim if getattr(m, "expert_biases", False) else 0
-    return per * sum(is_sparse(m, i) for i in layer_ids)
+    return attention + per * sum(is_sparse(m, i) for i in layer_ids)
 
 
 def imbalance(cfg: JobConfig) -> float:

@@ -56,7 +56,6 @@ class Family:
     cannot: dict = field(default_factory=dict)
 
 
-_NO_TP_MLA = ("its latent attention is not split by tensor parallel", "strategy.tp=1")
 _NO_EP_DENSE = ("no routed experts", "has none")
 _NO_TP_DELTANET = ("its Gated DeltaNet blocks are not split by tensor parallel yet", "strategy.tp=1")
 _NO_PEFT_HF_AUTO = ("peft wraps native linears only", "model.arch=hf_auto")
@@ -89,15 +88,7 @@ FAMILIES: list[Family] = [
     Family("glm4_moe", "glm4_moe", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_EXPERTS),
     # gpt-oss's experts are 3-D parameters and its router a gate: like Mixtral, no gate/up/down_proj linears.
     Family("gpt_oss", "gpt_oss", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_ALL_LINEAR),
-    Family(
-        "deepseek_v3",
-        "deepseek_v3",
-        tied=False,
-        moe=True,
-        layouts=("ddp", "fsdp", "ep"),
-        lora=_EXPERTS,
-        cannot={"tp": _NO_TP_MLA},
-    ),
+    Family("deepseek_v3", "deepseek_v3", tied=False, moe=True, layouts=MOE_LAYOUTS, lora=_EXPERTS),
     Family(
         "qwen3_next",
         "qwen3_next",

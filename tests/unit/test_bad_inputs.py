@@ -94,6 +94,17 @@ BAD_INPUTS: list[tuple[list[str], str]] = [
     (["training.loss_chunks=many"], "training.loss_chunks"),
     (["training.loss_chunks=2.5"], "training.loss_chunks"),
     (["--recipe-dir", "/nonexistent/recipes", "recipe=x"], "/nonexistent/recipes"),
+    # DeepSeek-V3's latent attention gives each tensor-parallel rank whole heads.
+    (
+        [
+            "model=deepseek_v3_671b",
+            "strategy=tp",
+            "launch.nproc_per_node=2",
+            "model.n_heads=7",
+            "model.n_kv_heads=7",
+        ],
+        "model.n_heads=7 (num_attention_heads) is not divisible by strategy.tp=2",
+    ),
 ]
 
 

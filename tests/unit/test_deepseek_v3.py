@@ -122,6 +122,7 @@ def test_decoding_with_the_cache_equals_the_full_forward(tiny_moe_hf_dirs) -> No
         (["model.moe.dense_layers=[1]"], "its dense blocks first"),
         (["model.moe.score_func=softmax"], "model.arch=deepseek_v3"),
         (["strategy.cp=2"], "strategy.cp=2: model.arch=deepseek_v3"),
+        (["strategy=tp", "model.n_heads=7", "model.n_kv_heads=7"], "model.n_heads=7 (num_attention_heads)"),
     ],
 )
 def test_refusals_name_the_family(overrides: list[str], fragment: str) -> None:

@@ -15,7 +15,10 @@ fp32 (tests/unit/test_deepseek_v3.py):
 Selective AC, op policy (every other matmul output in call order, SDPA's output and logsumexp): wq_a,
 wkv_a and wo are saved with the low-rank query (wq, wkv_b without it), which moves the router's gate and
 the experts one place later than in the dense attention's count.
-Tensor and context parallel are refused for the family (check.py): no degree divides these terms.
+Tensor parallel (tp_plan.py) splits the heads: one rank keeps its heads' share of the per-head terms (q, k,
+v, SDPA's output and logsumexp, wkv_b's output, wo's input), and the whole low-rank ones (q_norm's and
+kv_norm's, wkv_a's output with the rotated key every head shares); sequence parallel shards the norms'
+own terms and wo's reduced output, as in the dense decoder. Context parallel is refused (check.py).
 """
 
 from __future__ import annotations
@@ -65,40 +68,43 @@ class BlockDims(moe.BlockDims):
             v=int(m.v_head_dim),
         )
 
-    def matmuls(self) -> list[int]:
-        """Output widths of the attention's matmuls in call order (SDPA aside)."""
-        q = [self.q_rank, self.a * (self.nope + self.rope)] if self.q_rank else [self.a * (self.nope + self.rope)]
-        return [*q, self.kv_rank + self.rope, self.a * (self.nope + self.v), self.h]
+    def matmuls(self, tp: int = 1, sp: bool = False) -> list[float]:
+        """Output widths one rank keeps of the attention's matmuls in call order (SDPA aside): the per-head
+        ones split by tensor parallel, wo's reduced output by sequence parallel."""
+        qk = self.a * (self.nope + self.rope) / tp
+        q = [self.q_rank, qk] if self.q_rank else [qk]
+        return [*q, self.kv_rank + self.rope, self.a * (self.nope + self.v) / tp, self.h / (tp if sp else 1)]
 
 
-def attention_bytes_no_ac(d: BlockDims, e: int) -> float:
+def attention_bytes_no_ac(d: BlockDims, e: int, tp: int = 1) -> float:
     q = 2 * e * d.q_rank + 4 if d.q_rank else 0
     kv = e * (d.kv_rank + d.rope) + 4 + e * d.kv_rank
     qk = d.nope + d.rope
     if d.v == qk:  # v a view of wkv_b's output, SDPA's output read by wo as it is
-        return q + kv + 2 * e * d.a * qk + e * d.a * (d.nope + d.v) + e * d.a * d.v + 4 * d.a
-    # v padded to the q/k width (a copy), the padded output, and wo's input cut from it (a copy).
-    return q + kv + 4 * e * d.a * qk + 4 * d.a + e * d.a * d.v
+        heads = 2 * e * d.a * qk + e * d.a * (d.nope + d.v) + e * d.a * d.v + 4 * d.a
+    else:  # v padded to the q/k width (a copy), the padded output, and wo's input cut from it (a copy).
+        heads = 4 * e * d.a * qk + 4 * d.a + e * d.a * d.v
+    return q + kv + heads / tp
 
 
-def sdpa_output_bytes(d: BlockDims, e: int) -> float:
-    """SDPA's output (at the q/k width when the values are padded) and logsumexp."""
-    return e * d.a * (d.v if d.v == d.nope + d.rope else d.nope + d.rope) + 4 * d.a
+def sdpa_output_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
+    """SDPA's output (at the q/k width when the values are padded) and logsumexp, this rank's heads."""
+    return (e * d.a * (d.v if d.v == d.nope + d.rope else d.nope + d.rope) + 4 * d.a) / tp
 
 
 def block_bytes_no_ac(
     d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
 ) -> float:
     # The attention norm's output feeds wq_a (or wq) and wkv_a; the FFN norm's the router and experts.
-    norms = norm_bytes(d, e, 1, False, autocast, 2) + norm_bytes(d, e, 1, False, autocast, 2)
-    return norms + attention_bytes_no_ac(d, e) + moe._ffn_bytes(d, e, 1)
+    norms = norm_bytes(d, e, tp, sp, autocast, 2) + norm_bytes(d, e, tp, sp, autocast, 2)
+    return norms + attention_bytes_no_ac(d, e, tp) + moe._ffn_bytes(d, e, tp)
 
 
 def block_bytes_selective(
     d: BlockDims, e: int, tp: int = 1, sp: bool = False, autocast: bool = False, compiled: bool = False
 ) -> float:
-    widths = d.matmuls()
-    attn = sum(w for i, w in enumerate(widths) if moe._saves_down(i + 1)) * e + sdpa_output_bytes(d, e)
+    widths = d.matmuls(tp, sp)
+    attn = sum(w for i, w in enumerate(widths) if moe._saves_down(i + 1)) * e + sdpa_output_bytes(d, e, tp)
     n = len(widths)
     # Sparse blocks: the router's gate is matmul n + 1, the experts start at n + 2 (as the MoE model counts).
     local = 1 if d.grouped else max(1, d.experts // d.ep)
@@ -109,8 +115,8 @@ def block_bytes_selective(
     gate = e * d.experts if moe._saves_down(n + 1) else 0.0
     sparse = gate + routed + shared
     # Dense blocks: w1, w3, w2 at n + 1, n + 2, n + 3.
-    dense_ffn = e * sum(w for i, w in enumerate((d.f, d.f, d.h)) if moe._saves_down(n + 1 + i))
-    return block_input_bytes(d, e, 1, False, autocast) + attn + d.sparse * sparse + (1 - d.sparse) * dense_ffn
+    dense_ffn = e * sum(w for i, w in enumerate((d.f / tp, d.f / tp, d.h)) if moe._saves_down(n + 1 + i))
+    return block_input_bytes(d, e, tp, sp, autocast) + attn + d.sparse * sparse + (1 - d.sparse) * dense_ffn
 
 
 block_bytes, block_bytes_budget = dense.ac_policy_functions(block_bytes_no_ac, block_bytes_selective)

@@ -1,6 +1,6 @@
 """DeepSeek-V3's rules on its model section and layout: the MoE decoder's, GLM-4.5's on what config.json
-can say (dense blocks first, shared experts n x expert_dim), even RoPE widths, and the layouts its latent
-attention has no sharding for (tensor and context parallel)."""
+can say (dense blocks first, shared experts n x expert_dim), even RoPE widths, whole heads per tensor-parallel
+rank, and context parallel, which its latent attention has no sharding for."""
 
 from __future__ import annotations
 
@@ -25,12 +25,17 @@ def check(cfg: JobConfig) -> None:
     check_config_json_moe(cfg, "deepseek_v3")
     from dtlaunch.config.layout import Layout, world_size
 
-    # The resolved degrees: strategy=tp's tp=-1 means every rank.
+    # The resolved degree: strategy=tp's tp=-1 means every rank.
     layout = Layout.resolve(cfg.strategy, world_size(cfg))
-    for key in ("tp", "cp"):
-        degree = int(getattr(layout, key))
-        if degree > 1:
-            raise ConfigError(
-                f"strategy.{key}={degree}: model.arch=deepseek_v3's latent attention is not sharded by "
-                f"{'tensor' if key == 'tp' else 'context'} parallel: set strategy.{key}=1 (use fsdp / ep)"
-            )
+    heads = int(m.n_heads)
+    if layout.tp > 1 and heads % layout.tp:
+        raise ConfigError(
+            f"model.n_heads={heads} (num_attention_heads) is not divisible by strategy.tp={layout.tp}: "
+            f"model.arch=deepseek_v3's latent attention gives each tensor-parallel rank whole heads: "
+            f"pick a tp that divides {heads}"
+        )
+    if layout.cp > 1:
+        raise ConfigError(
+            f"strategy.cp={layout.cp}: model.arch=deepseek_v3's latent attention is not sharded by context "
+            "parallel: set strategy.cp=1 (use fsdp / ep)"
+        )

@@ -13,7 +13,12 @@ checkpoint's rows are read as they are. The softmax scale is 1/sqrt(qk_nope_head
 
 Decoding caches the full per-head keys and values (the dense decoder's KVCache), not the compressed
 latent: simpler, and more memory per cached position than DeepSeek's latent cache.
-This module knows nothing of torch.distributed (tensor and context parallel are refused for it).
+
+Tensor parallel (tp_plan.py) splits the heads: wq / wq_b and wkv_b column-parallel, wo row-parallel; wq_a,
+wkv_a and the latent norms stay whole on every rank. This module knows nothing of torch.distributed: it
+reads its head count from its (local) weights' shapes. The one rotated key every head shares passes
+through `shared_key`, where tensor parallel sums its gradient over the ranks (each holds some heads).
+Context parallel is refused for it.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class MLAttention(nn.Module):
         self.rotate = apply_rope if bool(m.rope_interleave) else apply_partial_rope
         # YaRN's mscale^2 on the softmax scale (1 without YaRN): the kernels divide by sqrt(q width) only.
         self.q_scale = softmax_mscale(m)
+        # Identity; under tensor parallel its output's gradient is summed over the ranks (tp_plan.py).
+        self.shared_key = nn.Identity()
         self.attention_fn: Callable[..., torch.Tensor] = sdpa
 
     def forward(
@@ -79,7 +86,7 @@ class MLAttention(nn.Module):
         latent, k_rot = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rot = k_rot.view(b, s, 1, self.rope_dim)
+        k_rot = self.shared_key(k_rot.view(b, s, 1, self.rope_dim))
         if cache is not None and cache.static:
             q, k = self._heads(q_nope, q_rot, k_nope, k_rot, cos, sin)
             k, v, mask = cache.update(k, v, None)

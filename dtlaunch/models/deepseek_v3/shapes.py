@@ -78,19 +78,30 @@ def param_count(m: Any) -> int:
 
 
 def tp_divisors(m: Any) -> list[tuple[str, int]]:
-    """Tensor parallel is refused for this family (check.py): nothing to divide."""
-    return []
+    """The MoE decoder's (heads, experts' widths, ...) less the kv heads, which latent attention has not:
+    each rank holds whole heads of wq / wq_b, wkv_b and wo (tp_plan.py)."""
+    return [d for d in moe.tp_divisors(m) if d[0] != "model.n_kv_heads"]
 
 
 def block_linears(m: Any, hf: bool = True) -> dict[str, tuple[int, int, bool | None]]:
     """One sparse block's linears by Hugging Face name (what LoRA adapts): the latent attention's, the
-    router's gate and the shared experts' SwiGLU; none is split by tensor parallel (refused)."""
-    out: dict[str, tuple[int, int, bool | None]] = {k: (o, i, None) for k, (o, i) in mla_linears(m).items()}
+    router's gate and the shared experts' SwiGLU, with their tensor-parallel split (tp_plan.py: True
+    column-parallel, False row-parallel, None whole on every rank)."""
+    split = {"q_proj": True, "q_b_proj": True, "kv_b_proj": True, "o_proj": False}
+    out: dict[str, tuple[int, int, bool | None]] = {k: (o, i, split.get(k)) for k, (o, i) in mla_linears(m).items()}
     out["gate"] = (int(m.moe.num_experts), int(m.dim), None)
     fs = shared_dim(m)
     if fs:
-        out.update({"gate_proj": (fs, m.dim, None), "up_proj": (fs, m.dim, None), "down_proj": (m.dim, fs, None)})
+        out.update({"gate_proj": (fs, m.dim, True), "up_proj": (fs, m.dim, True), "down_proj": (m.dim, fs, False)})
     return out
+
+
+def whole_under_tp(m: Any) -> int:
+    """One block's attention parameters tensor parallel leaves whole on every rank (norms aside): the
+    low-rank wq_a and wkv_a (and their biases)."""
+    linears = mla_linears(m)
+    bias = bool(getattr(m, "qkv_bias", False))
+    return sum(o * i + (o if bias else 0) for k, (o, i) in linears.items() if k in ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 def softmax_mscale(m: Any) -> float:

@@ -167,6 +167,17 @@ class _TensorParallelExperts(GroupedExperts):
         return out + local_tensor(self.b2).to(out.dtype)[expert]
 
 
+class GradSumOverTP(ParallelStyle):
+    """A module every rank computes whole, each using its output only for its own shards: the output's
+    gradient, a partial sum on every rank, is summed over the tensor-parallel group (Megatron's `f` on the
+    module's output; no parameters are touched)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        module.register_forward_hook(lambda _m, _inputs, out: _SumGradOverTP.apply(out, group))
+        return module
+
+
 def placement(layout: styles.Layout) -> Placement | None:
     """ "replicate" / "shard(<dim>)" / None as a DTensor placement."""
     if layout is None:
@@ -217,6 +228,8 @@ def parallel_style(style: styles.Style) -> ParallelStyle:
         return VocabParallel(output_layout=placement(style.output))
     if isinstance(style, styles.RoutedExperts):
         return ExpertsTensorParallel()
+    if isinstance(style, styles.SumGrad):
+        return GradSumOverTP()
     raise TypeError(f"not a tensor-parallel style: {style!r}")
 
 
