@@ -2,7 +2,8 @@
 trains as one process: the losses and grad norms of every step within 1e-4, and every gradient of the first
 step (gathered from its shards) within 1e-5 of its largest entry, so each gradient, not only their norm, is
 the one process's. With a low-rank query and without, with values narrower than q/k (padded for SDPA, mla.py) and as
-wide, with sequence parallel and without. A dense first block and a sparse one with a shared expert: the
+wide, with sequence parallel and without, and under FSDP2 x TP (4 ranks: the whole low-rank projections
+plain tensors beside the heads' DTensors). A dense first block and a sparse one with a shared expert: the
 MoE family's TP of the FFNs runs too."""
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import pytest
 from forked_training import run_forked, train
 
-pytestmark = [pytest.mark.slow, pytest.mark.slow_reason("one forked group of 2 trains 4 TP layouts")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slow_reason("a forked group of 2 trains 4 TP layouts, one of 4 FSDP2 x TP"),
+]
 
 STEPS = 3
 TOL = 1e-4
@@ -49,6 +53,8 @@ CASES = {
     "plain_q_padded_v_sp": ("null", 10, True),
     "low_rank_q_v_as_wide_as_qk_sp": (24, 20, True),
 }
+# FSDP2 over 2 data-parallel ranks x TP 2, each rank's micro-batch of 2: the one-process batch of 4.
+FSDP_TP = ["strategy=fsdp_tp", "launch.nproc_per_node=4", "training.micro_batch=2"]
 
 
 def _model(q_rank, v_dim) -> list[str]:
@@ -86,10 +92,20 @@ def launched(tmp_path_factory) -> dict:
     return run_forked(2, run_all, tmp_path_factory.mktemp("mla_tp") / "results.json")
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_tensor_parallel_latent_attention_trains_as_one_process(name: str, launched) -> None:
-    q_rank, v_dim, _ = CASES[name]
-    want, got = _run([*_model(q_rank, v_dim), "launch.nproc_per_node=1"], 1), launched[name]
+@pytest.fixture(scope="module")
+def launched_fsdp_tp(tmp_path_factory) -> dict:
+    def run_all() -> dict:
+        return _run([*_model(24, 10), *FSDP_TP], 4)
+
+    return run_forked(4, run_all, tmp_path_factory.mktemp("mla_fsdp_tp") / "results.json")
+
+
+@pytest.mark.parametrize("name", [*CASES, "fsdp_tp"])
+def test_tensor_parallel_latent_attention_trains_as_one_process(name: str, request) -> None:
+    q_rank, v_dim, _ = CASES.get(name, (24, 10, True))
+    got = request.getfixturevalue("launched_fsdp_tp" if name == "fsdp_tp" else "launched")
+    got = got if name == "fsdp_tp" else got[name]
+    want = _run([*_model(q_rank, v_dim), "launch.nproc_per_node=1"], 1)
     assert want["loss"][-1] < want["loss"][0], want  # the steps move the weights
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
