@@ -359,6 +359,25 @@ GPT_OSS = [
     "model.rope_yarn.original_max_seq_len=128",
     f"model.layer_types=[{SLIDE},{FULLA},{SLIDE},{FULLA},{SLIDE},{FULLA},{SLIDE},{FULLA}]",
 ]
+# Latent attention (q rank 96, kv latent 64, 32 + 16 key dims and 32 value dims per head: padded for SDPA),
+# a dense first block, one shared expert.
+DEEPSEEK_V3 = [
+    "model=deepseek_v3_671b",
+    *SHAPE7M[:-2],
+    "model.n_kv_heads=8",
+    "model.vocab_size=2048",
+    "model.ffn_dim=688",
+    *MOE7M,
+    "model.moe.n_group=2",
+    "model.moe.topk_group=1",
+    "model.moe.dense_layers=[0]",
+    "model.q_lora_rank=96",
+    "model.kv_lora_rank=64",
+    "model.qk_nope_head_dim=32",
+    "model.qk_rope_head_dim=16",
+    "model.v_head_dim=32",
+    "model.yarn.original_max_seq_len=128",
+]
 FAMILIES = [
     *([*fam, "strategy=zero3", N2] for fam in (SMOLLM3, OLMO3, GEMMA3, QWEN3_MOE, MIXTRAL, GLM4_MOE, GPT_OSS)),
     *([*fam, "strategy=ddp", N2, BF16] for fam in (SMOLLM3, OLMO3, GEMMA3, QWEN3_MOE, MIXTRAL, GLM4_MOE, GPT_OSS)),
@@ -370,6 +389,10 @@ FAMILIES = [
     [*TIED, "strategy=ddp", N2],
     [*TIED, "strategy=zero3", N2, SEL],
     [*MISTRAL, "strategy=zero3", N2],
+    [*DEEPSEEK_V3, "strategy=zero3", N2],
+    [*DEEPSEEK_V3, "strategy=tp", N2],
+    [*DEEPSEEK_V3, "strategy=tp", N2, "strategy.sequence_parallel=false"],
+    [*DEEPSEEK_V3, "strategy=tp", N2, BF16, SEL],
 ]
 # Mixture of experts: the planner7m shape with 8 routed experts per block, top-2 (model=planner_moe).
 MOE = [
@@ -650,7 +673,9 @@ if __name__ == "__main__":
         if only is None and table is FAMILIES:
             name = "planner_accuracy_families_cpu.md"
             notes = ("Each family at the planner7m shape (its published group's flags kept, sizes overridden).",)
-            print("wrote", write_markdown(rows, "python bench/planner_accuracy.py --families", name, notes=notes))
+            command = "python bench/planner_accuracy.py --families"
+            title = ": every native family"
+            print("wrote", write_markdown(rows, command, name, title=title, notes=notes))
             (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     is_real = "--real" in sys.argv
