@@ -41,6 +41,10 @@ def _no_experts(m: Any) -> int:
     return 0
 
 
+def _nothing_whole(m: Any) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     arch: str
@@ -89,7 +93,7 @@ class ModelSpec:
     routed_experts: Callable[[Any], int] = _no_experts
     # One block's matrices tensor parallel leaves whole on every rank, besides MoE routers (deepseek_v3's
     # low-rank q / kv projections).
-    tp_whole_block_params: Callable[[Any], int] = _no_experts
+    tp_whole_block_params: Callable[[Any], int] = _nothing_whole
 
     def check_config(self, cfg: JobConfig) -> None:
         if self.check:
