@@ -164,7 +164,7 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
     trainer.train()
     ends = clock["step_end"]
     steady = slice(warmup, steps)
-    return steady_state(
+    return steady_state_of(
         [b - a for a, b in zip(ends[warmup - 1 : steps - 1], ends[warmup:steps], strict=True)],
         clock["rollout"][steady],
         clock["generate"][steady],
@@ -172,7 +172,13 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
     )
 
 
-def steady_state(step_s: list[float], rollout_s: list[float], gen_s: list[float], tokens: list[float]) -> dict:
+def steady_state_of(
+    step_s: list[float],
+    rollout_s: list[float],
+    gen_s: list[float],
+    tokens: list[float],
+    rows: int = G * PROMPTS_PER_STEP,
+) -> dict:
     """Per-step figures at their first quartile: the CPU is shared, and a quiet step is one no neighbour's
     burst slowed (the same statistic on both sides; the mean steps/s is kept too)."""
 
@@ -185,7 +191,7 @@ def steady_state(step_s: list[float], rollout_s: list[float], gen_s: list[float]
         "training_s": quiet([a - b for a, b in zip(step_s, rollout_s, strict=True)]),  # the rest of the step
         "generation_s": quiet(gen_s),
         "tokens_per_s": 1 / quiet([s / n for n, s in zip(tokens, gen_s, strict=True)]),
-        "mean_length": sum(tokens) / (len(tokens) * G * PROMPTS_PER_STEP),
+        "mean_length": sum(tokens) / (len(tokens) * rows),
         "mean_steps_per_s": len(step_s) / sum(step_s),
     }
 
@@ -229,7 +235,7 @@ def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path) -> d
         sys.exit(f"dtlaunch train failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = m[warmup:steps]
-    return steady_state(
+    return steady_state_of(
         [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m[warmup - 1 : steps - 1], steady, strict=True)],
         [x["time/rollout_s"] for x in steady],
         [x["time/generation_s"] for x in steady],
