@@ -101,25 +101,7 @@ def trl_trainer(task: dict[str, Path], steps: int, out: Path) -> Any:
         tokenizer_file=str(task["model"] / "tokenizer.json"), eos_token="<eos>", pad_token="<unk>"
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
-    args = trl.GRPOConfig(
-        output_dir=str(out / "trl"),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        num_generations=G,
-        per_device_train_batch_size=G * PROMPTS_PER_STEP,
-        gradient_accumulation_steps=1,
-        max_completion_length=MAX_NEW,
-        temperature=1.0,
-        beta=0.0,
-        learning_rate=LR,
-        max_steps=steps,
-        logging_steps=10**6,
-        save_strategy="no",
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = trl_config(out, steps, LR, G, PROMPTS_PER_STEP, max_completion_length=MAX_NEW, logging_steps=10**6)
     return trl.GRPOTrainer(
         model=model,
         reward_funcs=[first_word_share],
@@ -129,20 +111,57 @@ def trl_trainer(task: dict[str, Path], steps: int, out: Path) -> Any:
     )
 
 
+def trl_config(out: Path, steps: int, lr: float, g: int, prompts: int, **job: Any) -> Any:
+    """GRPOConfig of the races: CPU, fp32, G completions of `prompts` prompts in one micro-batch, temperature
+    1, beta 0, no saving or progress bar; `job` the race's own fields (max_completion_length, ...)."""
+    import trl
+
+    return trl.GRPOConfig(
+        output_dir=str(out / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        num_generations=g,
+        per_device_train_batch_size=g * prompts,
+        gradient_accumulation_steps=1,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=lr,
+        max_steps=steps,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **job,
+    )
+
+
 def prompt_rows(task: dict[str, Path]) -> list[dict]:
     return [json.loads(x) for x in task["prompts"].read_text().splitlines()]
 
 
 def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
     """TRL's GRPOTrainer on the job in this process: steady-state steps/s, rollout and sampling seconds."""
+    return timed_trl(trl_trainer(task, steps, out), steps, warmup, G * PROMPTS_PER_STEP, lambda r: sum(map(len, r[1])))[
+        0
+    ]
+
+
+def timed_trl(trainer: Any, steps: int, warmup: int, rows: int, tokens_of: Any) -> tuple[dict, list[dict]]:
+    """`trainer.train()` timed: each step's end (a callback's clock), its rollout (_generate_and_score_completions:
+    generation, rewards, advantages) and sampling (_generate), and `tokens_of(_generate's result)` generated
+    tokens; the steady-state figures (steady_state_of) and what TRL logged."""
     import transformers
 
-    trainer = trl_trainer(task, steps, out)
     clock: dict[str, list[float]] = {"step_end": [], "rollout": [], "generate": [], "tokens": []}
+    logged: list[dict] = []
 
     class Clock(transformers.TrainerCallback):
         def on_step_end(self, *a, **k):
             clock["step_end"].append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **k):
+            logged.append(dict(logs or {}))
 
     trainer.add_callback(Clock())
     generate, score = trainer._generate, trainer._generate_and_score_completions
@@ -151,7 +170,7 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
         t = time.perf_counter()
         result = generate(prompts)
         clock["generate"].append(time.perf_counter() - t)
-        clock["tokens"].append(sum(len(c) for c in result[1]))  # completion_ids, EOS included
+        clock["tokens"].append(tokens_of(result))
         return result
 
     def timed_score(inputs):
@@ -164,12 +183,14 @@ def run_trl(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
     trainer.train()
     ends = clock["step_end"]
     steady = slice(warmup, steps)
-    return steady_state_of(
+    figures = steady_state_of(
         [b - a for a, b in zip(ends[warmup - 1 : steps - 1], ends[warmup:steps], strict=True)],
         clock["rollout"][steady],
         clock["generate"][steady],
         clock["tokens"][steady],
+        rows,
     )
+    return figures, logged
 
 
 def steady_state_of(
@@ -211,10 +232,18 @@ def dtlaunch_args(task: dict[str, Path], steps: int, run: Path) -> list[str]:
         "objective.temperature=1.0",
         "objective.beta=0.0",
         "training.seq_len=24",
-        f"training.micro_batch={G * PROMPTS_PER_STEP}",
-        f"training.global_batch={G * PROMPTS_PER_STEP}",
+        *one_process_args(steps, LR, G * PROMPTS_PER_STEP, run),
+    ]
+
+
+def one_process_args(steps: int, lr: float, rows: int, run: Path) -> list[str]:
+    """What both races give dtlaunch alike: one process on one thread, one micro-batch of every row, no
+    checkpoint, plot or tracker."""
+    return [
+        f"training.micro_batch={rows}",
+        f"training.global_batch={rows}",
         f"training.steps={steps}",
-        f"optim.lr={LR}",
+        f"optim.lr={lr}",
         "optim.warmup_steps=1",
         "launch.nproc_per_node=1",
         "launch.threads_per_worker=1",
@@ -228,19 +257,40 @@ def dtlaunch_args(task: dict[str, Path], steps: int, run: Path) -> list[str]:
 def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
     """`dtlaunch train objective=grpo` on the job: steady-state steps/s and rollout numbers, from its metrics."""
     run = out / "dtlaunch"
+    return timed_dtlaunch(dtlaunch_args(task, steps, run), steps, warmup, run, G * PROMPTS_PER_STEP)[0]
+
+
+def timed_dtlaunch(args: list[str], steps: int, warmup: int, run: Path, rows: int) -> tuple[dict, list[dict]]:
+    """`dtlaunch train ARGS` (one process, one thread) timed from its metrics.jsonl: each step's end
+    (`elapsed_s`), `time/rollout_s`, `time/generation_s`, the completions' tokens; the steady-state figures
+    (steady_state_of) and every step's metrics."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(common.ROOT))
-    cmd = [sys.executable, "-m", "dtlaunch", "train", *dtlaunch_args(task, steps, run)]
+    cmd = [sys.executable, "-m", "dtlaunch", "train", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=common.ROOT)
     if proc.returncode:
         sys.exit(f"dtlaunch train failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = m[warmup:steps]
-    return steady_state_of(
+    figures = steady_state_of(
         [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m[warmup - 1 : steps - 1], steady, strict=True)],
         [x["time/rollout_s"] for x in steady],
         [x["time/generation_s"] for x in steady],
-        [x["completions/mean_length"] * G * PROMPTS_PER_STEP for x in steady],
+        [x["completions/mean_length"] * rows for x in steady],
+        rows,
     )
+    return figures, m
+
+
+def paired_ratios(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """dtlaunch over TRL: each repeat's two runs are back to back (the machine's load alike), so each ratio is
+    the median of the repeats' own."""
+    pairs = list(zip(runs["dtlaunch"], runs["trl"], strict=True))
+    return {
+        "steps_per_s": statistics.median(d["steps_per_s"] / t["steps_per_s"] for d, t in pairs),
+        "rollout_s": statistics.median(t["rollout_s"] / d["rollout_s"] for d, t in pairs),
+        "training_s": statistics.median(t["training_s"] / d["training_s"] for d, t in pairs),
+        "tokens_per_s": statistics.median(d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs),
+    }
 
 
 def sampler_alone(task: dict[str, Path], reps: int, out: Path) -> dict:
@@ -298,15 +348,7 @@ def main() -> None:
         print(f"repeat {r}: TRL {t:.2f} steps/s, dtlaunch {d:.2f} ({d / t:.2f}x)")
     alone = sampler_alone(task, a.sampler_calls, out)
     med = {k: {f: common.stats(x[f] for x in v)["median"] for f in v[0]} for k, v in runs.items()}
-    # Each repeat's two runs are back to back (the machine's load alike): the ratio is the median of theirs.
-    pairs = list(zip(runs["dtlaunch"], runs["trl"], strict=True))
-    ratios = {
-        "steps_per_s": statistics.median(d["steps_per_s"] / t["steps_per_s"] for d, t in pairs),
-        "rollout_s": statistics.median(t["rollout_s"] / d["rollout_s"] for d, t in pairs),
-        "training_s": statistics.median(t["training_s"] / d["training_s"] for d, t in pairs),
-        "tokens_per_s": statistics.median(d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs),
-        "sampler_alone_cpu": alone["ratio"],
-    }
+    ratios = paired_ratios(runs) | {"sampler_alone_cpu": alone["ratio"]}
     import trl
 
     info = common.machine_info()

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from bench.grpo_vs_trl import steady_state_of  # noqa: E402
+from bench.grpo_vs_trl import one_process_args, paired_ratios, timed_dtlaunch, timed_trl, trl_config  # noqa: E402
 
 # A small learning rate: the SFT model is fragile (at 1e-3 its calls fall from 0.9 to 0.1 of the completions
 # within the race), and the race is of speed on rollouts that keep calling the tool.
@@ -189,26 +188,8 @@ def trl_trainer(task: dict[str, Any], steps: int, out: Path) -> Any:
         chat_template=task["template"],
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
-    args = trl.GRPOConfig(
-        output_dir=str(out / "trl"),
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        num_generations=G,
-        per_device_train_batch_size=G * PROMPTS_PER_STEP,
-        gradient_accumulation_steps=1,
-        max_completion_length=MAX_COMPLETION,
-        max_tool_calling_iterations=ITERATIONS,
-        temperature=1.0,
-        beta=0.0,
-        learning_rate=LR,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    job = {"max_completion_length": MAX_COMPLETION, "max_tool_calling_iterations": ITERATIONS, "logging_steps": 1}
+    args = trl_config(out, steps, LR, G, PROMPTS_PER_STEP, **job)
     rows = [json.loads(x) for x in task["prompts"].read_text().splitlines()]
     return trl.GRPOTrainer(
         model=model,
@@ -221,53 +202,16 @@ def trl_trainer(task: dict[str, Any], steps: int, out: Path) -> Any:
 
 
 def run_trl(task: dict[str, Any], steps: int, warmup: int, out: Path) -> dict:
-    import transformers
+    """TRL's run timed; the model's tokens (tool_mask 1), as dtlaunch's completions/mean_length counts them."""
 
-    trainer = trl_trainer(task, steps, out)
-    clock: dict[str, list[float]] = {"step_end": [], "rollout": [], "generate": [], "tokens": []}
-    logged: list[dict] = []
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_end(self, *a, **k):
-            clock["step_end"].append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **k):
-            logged.append(dict(logs or {}))
-
-    trainer.add_callback(Clock())
-    generate, score = trainer._generate, trainer._generate_and_score_completions
-
-    def timed_generate(prompts):
-        t = time.perf_counter()
-        result = generate(prompts)
-        clock["generate"].append(time.perf_counter() - t)
-        # The model's tokens (tool_mask 1), as dtlaunch's completions/mean_length counts them.
+    def model_tokens(result: Any) -> int:
         tool_mask = result[2]
-        clock["tokens"].append(
-            sum(sum(m) for m in tool_mask) if tool_mask is not None else sum(len(c) for c in result[1])
-        )
-        return result
+        return sum(map(sum, tool_mask)) if tool_mask is not None else sum(map(len, result[1]))
 
-    def timed_score(inputs):
-        t = time.perf_counter()
-        result = score(inputs)
-        clock["rollout"].append(time.perf_counter() - t)
-        return result
-
-    trainer._generate, trainer._generate_and_score_completions = timed_generate, timed_score
-    trainer.train()
-    ends = clock["step_end"]
-    steady = slice(warmup, steps)
-    result = steady_state_of(
-        [b - a for a, b in zip(ends[warmup - 1 : steps - 1], ends[warmup:steps], strict=True)],
-        clock["rollout"][steady],
-        clock["generate"][steady],
-        clock["tokens"][steady],
-        G * PROMPTS_PER_STEP,
-    )
+    figures, logged = timed_trl(trl_trainer(task, steps, out), steps, warmup, G * PROMPTS_PER_STEP, model_tokens)
     calls = [x["tools/call_frequency"] for x in logged if "tools/call_frequency" in x]
     rewards = [x["reward"] for x in logged if "reward" in x]
-    return result | {"calls_per_completion": statistics.mean(calls), "mean_reward": statistics.mean(rewards)}
+    return figures | {"calls_per_completion": statistics.mean(calls), "mean_reward": statistics.mean(rewards)}
 
 
 def dtlaunch_args(task: dict[str, Any], steps: int, run: Path) -> list[str]:
@@ -285,41 +229,15 @@ def dtlaunch_args(task: dict[str, Any], steps: int, run: Path) -> list[str]:
         "objective.temperature=1.0",
         "objective.beta=0.0",
         f"training.seq_len={SEQ_LEN}",
-        f"training.micro_batch={G * PROMPTS_PER_STEP}",
-        f"training.global_batch={G * PROMPTS_PER_STEP}",
-        f"training.steps={steps}",
-        f"optim.lr={LR}",
-        "optim.warmup_steps=1",
-        "launch.nproc_per_node=1",
-        "launch.threads_per_worker=1",
-        "checkpoint.enabled=false",
-        "training.loss_plot=false",
-        "logging.trackers=[]",
-        f"run.dir={run}",
+        *one_process_args(steps, LR, G * PROMPTS_PER_STEP, run),
     ]
 
 
 def run_dtlaunch(task: dict[str, Any], steps: int, warmup: int, out: Path) -> dict:
     run = out / "dtlaunch"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(common.ROOT))
-    cmd = [sys.executable, "-m", "dtlaunch", "train", *dtlaunch_args(task, steps, run)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=common.ROOT)
-    if proc.returncode:
-        sys.exit(f"dtlaunch train failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steady = m[warmup:steps]
-    result = steady_state_of(
-        [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(m[warmup - 1 : steps - 1], steady, strict=True)],
-        [x["time/rollout_s"] for x in steady],
-        [x["time/generation_s"] for x in steady],
-        [x["completions/mean_length"] * G * PROMPTS_PER_STEP for x in steady],
-        G * PROMPTS_PER_STEP,
-    )
-    calls = [x.get("tools/call_frequency", 0.0) for x in m]
-    return result | {
-        "calls_per_completion": statistics.mean(calls),
-        "mean_reward": statistics.mean(x["reward"] for x in m),
-    }
+    figures, m = timed_dtlaunch(dtlaunch_args(task, steps, run), steps, warmup, run, G * PROMPTS_PER_STEP)
+    calls = statistics.mean(x.get("tools/call_frequency", 0.0) for x in m)
+    return figures | {"calls_per_completion": calls, "mean_reward": statistics.mean(x["reward"] for x in m)}
 
 
 def main() -> None:
@@ -345,13 +263,7 @@ def main() -> None:
             flush=True,
         )
     med = {k: {f: common.stats(x[f] for x in v)["median"] for f in v[0]} for k, v in runs.items()}
-    pairs = list(zip(runs["dtlaunch"], runs["trl"], strict=True))
-    ratios = {
-        "steps_per_s": statistics.median(d["steps_per_s"] / t["steps_per_s"] for d, t in pairs),
-        "rollout_s": statistics.median(t["rollout_s"] / d["rollout_s"] for d, t in pairs),
-        "training_s": statistics.median(t["training_s"] / d["training_s"] for d, t in pairs),
-        "tokens_per_s": statistics.median(d["tokens_per_s"] / t["tokens_per_s"] for d, t in pairs),
-    }
+    ratios = paired_ratios(runs)
     import trl
 
     info = common.machine_info()
