@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from dtlaunch.plan.lines import Line
 from dtlaunch.run.run_dir import METRICS_NAME
 
 if TYPE_CHECKING:
@@ -52,8 +53,11 @@ def complete_summary(cfg: JobConfig, layout: Any, run_dir: Path, wall_time_s: fl
         plan = json.loads((run_dir / "plan.json").read_text())
         planned = int(plan["peak_bytes"])
         if not int(cfg.hardware.gpus_per_node):
-            # A CPU run measures one memory: what offloading keeps "on the host" is in it too (plan.offload).
-            planned += int(plan.get("host", {}).get("per_rank_bytes", 0))
+            # A CPU run measures one memory: what offloading keeps "on the host" is in it too (plan.offload);
+            # not GRPO's tool process, another process the worker's counter never sees.
+            host = plan.get("host", {})
+            tools = int(host.get("categories", {}).get(str(Line.TOOL_PROCESS_HOST), 0))
+            planned += int(host.get("per_rank_bytes", 0)) - tools
     except (OSError, ValueError, KeyError, TypeError):
         pass
     ckpt, _ = newest_complete(checkpoint_root(cfg, run_dir)) if cfg.checkpoint.enabled else (None, [])

@@ -418,3 +418,7 @@ def test_tool_calling_run(trainer, tmp_path: Path) -> None:
     assert "tool\n5" in sample[0]["completion"] and "tool\n5" in sample[3]["completion"], sample
     assert "tool\nnoted" in sample[1]["completion"] and sample[1]["rewards"]["Tally"] == 1.0, sample
     assert sample[2]["prompt"][-1]["content"] == "Add 2 and 3. (tally)" and sample[0]["prompt"] == prompts[0]
+    # The summary compares the worker's counted peak with the plan less the tool process (4 GiB by default:
+    # another process, which the worker's counter never sees).
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 < summary["peak_mem_bytes_planned"] < 2**30, summary
