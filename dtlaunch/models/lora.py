@@ -180,14 +180,16 @@ def select_targets(model: nn.Module, spec: Any, targets: Iterable[str], arch: st
     lists the valid ones for this model."""
     linears = candidate_linears(model, spec)
     valid = sorted({hf.rsplit(".", 1)[-1] for hf in linears.values()})
-    wanted = [str(t) for t in targets]
+    default = tuple(str(t) for t in targets) == LORA_DEFAULT_TARGETS
+    wanted = spec.lora_targets(targets)
     if not wanted:
         raise ConfigError(f"peft.targets is empty: name modules to adapt, e.g. peft.targets=[{','.join(valid)}]")
     if ALL_LINEAR in wanted:
         return linears
     where = f" of model.arch={arch}" if arch else ""
     experts = expert_names(model, spec)
-    if tuple(wanted) == LORA_DEFAULT_TARGETS and experts:  # the default names the MLP: routed experts here
+    if default and (experts or spec.lora_default_extra):
+        # The default names the MLP (routed experts here) and the family's own attention names: those it has.
         wanted = [t for t in wanted if t in valid]
     for t in wanted:
         if t in valid:

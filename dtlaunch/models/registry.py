@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from dtlaunch.config.schema import ModelConfig
+from dtlaunch.config.schema import LORA_DEFAULT_TARGETS, ModelConfig
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -94,6 +94,16 @@ class ModelSpec:
     # One block's matrices tensor parallel leaves whole on every rank, besides MoE routers (deepseek_v3's
     # low-rank q / kv projections).
     tp_whole_block_params: Callable[[Any], int] = _nothing_whole
+    # The family's own names for what peft.targets' default adapts (its names that exist in the model join
+    # it): DeepSeek-V3's latent attention has no q_proj / v_proj but q_b_proj (a low-rank query's second half)
+    # and kv_b_proj (per-head keys and values).
+    lora_default_extra: tuple = ()
+
+    def lora_targets(self, targets: Any) -> list[str]:
+        """peft.targets as this family reads them: the default with the family's own names added (the one
+        place the runtime's selection and the planner's adapter lines take them from)."""
+        names = [str(t) for t in targets]
+        return [*names, *self.lora_default_extra] if tuple(names) == LORA_DEFAULT_TARGETS else names
 
     def check_config(self, cfg: JobConfig) -> None:
         if self.check:

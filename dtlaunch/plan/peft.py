@@ -114,7 +114,9 @@ def peft_notes(cfg: JobConfig) -> list[str]:
 
 
 def adapted(cfg: JobConfig, names: list[str]) -> list[str]:
-    targets = [str(t) for t in cfg.peft.targets]
+    from dtlaunch.models.registry import model_spec
+
+    targets = model_spec(cfg.model).lora_targets(cfg.peft.targets)
     return list(names) if ALL_LINEAR in targets else [n for n in names if n in targets]
 
 

@@ -134,6 +134,28 @@ def test_refusals_name_the_family(overrides: list[str], fragment: str) -> None:
     assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("q_rank, query", [(24, "q_b_proj"), ("null", "q_proj")])
+def test_default_lora_targets_adapt_the_latent_attention(q_rank, query: str) -> None:
+    """peft=lora's default names q_proj and v_proj, which the latent attention does not have (a low-rank query's
+    q_b_proj, the per-head keys and values' kv_b_proj): the family's own names join the default, so the
+    attention is adapted, and the planner's adapter lines count the same linears the runtime adapts."""
+    from dtlaunch.models.lora import select_targets
+    from dtlaunch.models.registry import meta_model
+    from dtlaunch.plan.peft import adapted, linears
+
+    small = ["model=deepseek_v3_671b", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2"]
+    small += ["model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.dense_layers=[0]", "peft=lora"]
+    cfg = compose([*small, f"model.q_lora_rank={q_rank}"]).cfg
+    spec = model_spec(cfg.model)
+    chosen = select_targets(meta_model(cfg.model), spec, cfg.peft.targets, "deepseek_v3")
+    names = {hf.rsplit(".", 1)[-1] for hf in chosen.values()}
+    assert {query, "kv_b_proj", "o_proj"} <= names and not names & {"q_a_proj", "kv_a_proj_with_mqa"}, names
+    lines = linears(cfg)
+    assert lines is not None
+    assert set(adapted(cfg, list(lines))) == {query, "kv_b_proj", "o_proj"} | (names & set(lines)), names
+    validate(cfg)  # no note about skipped MLP names: the dense block's MLP takes the default's
+
+
 # DeepSeek-V3's config.json as published (the keys that shape the model).
 PUBLISHED = {
     "architectures": ["DeepseekV3ForCausalLM"],

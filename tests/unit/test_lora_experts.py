@@ -37,7 +37,8 @@ def _adapted(path):
     for fqn, mod in model.named_modules():
         # Qwen3-Next's and Qwen3.5's Gated DeltaNet blocks have no wq / wv: their input and output projections.
         gated_deltanet = ("attention.in_proj_qkvz", "attention.in_proj_qkv", "attention.out_proj")
-        if fqn.endswith(("attention.wq", "attention.wv", *gated_deltanet)):
+        latent = ("attention.wq_b", "attention.wkv_b")  # DeepSeek-V3's per-head query and key/value projections
+        if fqn.endswith(("attention.wq", "attention.wv", *gated_deltanet, *latent)):
             adapt_linear(mod, RANK, ALPHA)
             for leaf in ("lora_a", "lora_b"):
                 p = getattr(mod, leaf)
@@ -53,7 +54,9 @@ def _adapted(path):
     return model.eval(), Adapters(tensors, ALPHA / RANK, record, m, {}, experts)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v3"]
+)
 def test_expert_adapters_load_in_peft_with_our_logits(tiny_moe_hf_dirs, family: str, tmp_path) -> None:
     from safetensors.torch import save_file
 

@@ -96,4 +96,5 @@ def check_targets(cfg: JobConfig) -> list[str]:
     if tuple(targets) != LORA_DEFAULT_TARGETS:
         return []
     adapted = {hf.rsplit(".", 1)[-1] for hf in chosen.values()}
-    return [t for t in targets if t not in adapted] if expert_names(model, spec) else []
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    return [t for t in targets if t in mlp and t not in adapted] if expert_names(model, spec) else []

@@ -32,6 +32,7 @@ SPEC = register(
         tp_divisors=shapes.tp_divisors,
         tp_whole_block_params=shapes.whole_under_tp,
         block_linears=shapes.block_linears,
+        lora_default_extra=("q_b_proj", "kv_b_proj"),
         activations="dtlaunch.models.deepseek_v3.activations",
         ring_attention=False,
         config=DeepseekV3ModelConfig,
