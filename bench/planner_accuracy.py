@@ -190,10 +190,12 @@ def _jsonl_data(root: Path, name: str, rows: list[dict], fmt: str) -> list[str]:
 # cache of micro-batch x G rows, each decode step's logits -- then the completions' forward and backward).
 # A random planner7m over 2,048 ids almost never samples EOS, so every completion runs to its full length,
 # the length the plan assumes. Writes planner_accuracy_grpo_cpu.md / .json with --grpo.
-GRPO = ["objective=grpo", "objective.num_generations=8", "objective.max_completion_length=96", "training.seq_len=128"]
+# The 16-token prompts fill the prompt room (seq_len - max_completion_length): a rollout's training rows,
+# padded to its longest prompt + completion, then reach training.seq_len, the width the plan sizes.
+GRPO = ["objective=grpo", "objective.num_generations=8", "objective.max_completion_length=112", "training.seq_len=128"]
 GRPO += ["training.micro_batch=8", "training.global_batch=16"]
 BETA = "objective.beta=0.04"
-GATHER = [x.replace("=96", "=112").replace("global_batch=16", "global_batch=128") for x in GRPO]
+GATHER = [x.replace("global_batch=16", "global_batch=128") for x in GRPO]
 GRPO_RUNS = [
     [*GRPO, "strategy=ddp", N2],
     [*GRPO, "strategy=zero3", N2],
@@ -218,9 +220,11 @@ GRPO_TABLE = {
     "data": ", on 32 prompts of 16 words (`grpo_data()`: the DPO rows' word-level tokenizer, data.kind=jsonl "
     "data.format=prompt)",
     "notes": (
-        "- GRPO: each step generates G = 8 completions of 96 tokens for each of its prompts (a micro-batch of 8 "
-        "rows is one prompt's group), then trains on them; the plan's peak is the larger phase. beta > 0 adds "
-        "the reference's no-grad pass (a frozen copy for full fine-tuning, the adapters off for LoRA).",
+        "- GRPO: each step generates G = 8 completions of up to 112 tokens for each of its prompts (a micro-batch "
+        "of 8 rows is one prompt's group), then trains on them; the plan's peak is the larger phase. The 16-token "
+        "prompts fill the prompt room, so the training rows (padded to the rollout's longest) reach seq_len, "
+        "the width the plan sizes. beta > 0 adds the reference's no-grad pass (a frozen copy for full "
+        "fine-tuning, the adapters off for LoRA).",
     ),
 }
 
