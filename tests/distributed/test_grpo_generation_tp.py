@@ -9,6 +9,7 @@ differently would feed its peer's collectives different tokens)."""
 from __future__ import annotations
 
 import pytest
+import tiny_models
 from forked_training import one_process_runtime, run_forked, train
 
 NEW_TOKENS = 7
@@ -61,27 +62,7 @@ def _compare(overrides: list, sp: bool):
 # An MoE model too: every routed expert split on its width, the shared expert column/row-parallel.
 MOE = ["model=tiny_moe", "model.moe.num_shared_experts=1"]
 # DeepSeek-V3's latent attention split by heads: each rank caches its heads' keys and values.
-DEEPSEEK_V3 = [
-    "model=deepseek_v3_671b",
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=4",
-    "model.vocab_size=256",
-    "model.ffn_dim=96",
-    "model.moe.num_experts=8",
-    "model.moe.top_k=2",
-    "model.moe.expert_dim=32",
-    "model.moe.n_group=2",
-    "model.moe.topk_group=1",
-    "model.moe.dense_layers=[0]",
-    "model.q_lora_rank=24",
-    "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=12",
-    "model.qk_rope_head_dim=8",
-    "model.v_head_dim=10",
-    "model.max_seq_len=128",
-]
+DEEPSEEK_V3 = [*tiny_models.DEEPSEEK_V3, "model.q_lora_rank=24", "model.v_head_dim=10"]
 CASES = [(True, []), (False, []), (True, MOE), (False, MOE), (True, DEEPSEEK_V3), (False, DEEPSEEK_V3)]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from forked_training import run_forked, train
+from tiny_models import DEEPSEEK_V3
 
 pytestmark = [
     pytest.mark.slow,
@@ -20,25 +21,9 @@ STEPS = 3
 TOL = 1e-4
 GRAD_TOL = 1e-5
 SMALL = [
-    "model=deepseek_v3_671b",
+    *DEEPSEEK_V3,
     "hardware=cpu",
     "precision=fp32",
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=4",
-    "model.vocab_size=256",
-    "model.ffn_dim=96",
-    "model.moe.num_experts=8",
-    "model.moe.top_k=2",
-    "model.moe.expert_dim=32",
-    "model.moe.n_group=2",
-    "model.moe.topk_group=1",
-    "model.moe.dense_layers=[0]",
-    "model.kv_lora_rank=16",
-    "model.qk_rope_head_dim=8",
-    "model.qk_nope_head_dim=12",
-    "model.max_seq_len=128",
     "training.seq_len=32",
     "training.micro_batch=4",
     "training.global_batch=4",
