@@ -225,7 +225,7 @@ def generate_batch(
     if shared is not None and not (plain or compiled):
         if all(0 < k < len(p) for p, k in zip(prompts, shared, strict=True)):
             split = _Split.of(prompts, shared, m)
-    longest = split.width if split is not None else -(-max(len(p) for p in prompts) // m) * m
+    longest = split.width if split is not None else round_up(max(len(p) for p in prompts), m)
     capacity = longest + s.max_new_tokens + m - 1
     firsts: dict[tuple[int, ...], int] = {}
     whole_rows = prompts if split is None else split.prefixes
@@ -323,6 +323,11 @@ def generate_batch(
     return Generated(completions, truncated, float(entropy) / max(tokens_out, 1), logps)
 
 
+def round_up(n: int, m: int) -> int:
+    """`n` rounded up to a multiple of `m` (sequence parallel's positions per forward)."""
+    return -(-n // m) * m
+
+
 @dataclass(frozen=True)
 class _Split:
     """Rows cut into a prefix they may share and their own suffix, and the prefill's layout: every row ends
@@ -338,8 +343,8 @@ class _Split:
     def of(cls, prompts: Sequence[Sequence[int]], shared: Sequence[int], m: int) -> _Split:
         prefixes = [list(p[:k]) for p, k in zip(prompts, shared, strict=True)]
         suffixes = [list(p[k:]) for p, k in zip(prompts, shared, strict=True)]
-        prefix_width = -(-max(len(p) for p in prefixes) // m) * m
-        return cls(prefixes, suffixes, prefix_width, prefix_width + -(-max(len(x) for x in suffixes) // m) * m)
+        prefix_width = round_up(max(len(p) for p in prefixes), m)
+        return cls(prefixes, suffixes, prefix_width, prefix_width + round_up(max(len(x) for x in suffixes), m))
 
 
 def _shared_prefill(

@@ -34,7 +34,7 @@ from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.data.tool_chat import tool_loop
 from dtlaunch.errors import InputError
-from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch
+from dtlaunch.infer.batch_generate import Generated, Sampling, generate_batch, round_up
 from dtlaunch.inputs.rewards import Reward, call_reward, load_rewards, user_rewards
 from dtlaunch.inputs.tools import (
     ToolRunner,
@@ -579,8 +579,7 @@ def row_width(prompts: list, completions: list, seq_len: int, multiple: int = 1)
     step whose completions end early). Causal attention keeps a token's values apart from the padding after
     it, so the loss is the same as at full width."""
     longest = max((len(p) + len(c) - 1 for p, c in zip(prompts, completions, strict=True)), default=1)
-    width = -(-max(longest, 1) // multiple) * multiple
-    return min(width, seq_len)
+    return min(round_up(max(longest, 1), multiple), seq_len)
 
 
 def training_rows(
