@@ -51,6 +51,7 @@ def worker(out: Path, repeats: int) -> None:
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.models.shapes import human_count, param_count
@@ -76,7 +77,10 @@ def worker(out: Path, repeats: int) -> None:
             env = init_distributed(cfg)
         layout = Layout.resolve(cfg.strategy, env.world)
         model = parallelize(
-            build_model(cfg.model, rope_len=int(cfg.training.seq_len)), build_mesh(layout, "cpu"), cfg, layout
+            build_model(cfg.model, rope_len=int(cfg.training.seq_len)),
+            build_mesh(layout, "cpu"),
+            cfg,
+            Decisions.of(cfg, layout),
         )
         opt = build_optimizer(model, cfg, env.device)
         sched = build_scheduler(opt, cfg)

@@ -77,7 +77,8 @@ def runtime(overrides: list[str]) -> Any:
     import torch
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, grad_accum_steps
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.validate import validate
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.optim import build_optimizer, build_scheduler
@@ -90,21 +91,20 @@ def runtime(overrides: list[str]) -> Any:
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
-    layout = Layout.resolve(cfg.strategy, 1)
+    dec = Decisions.of(cfg, Layout.resolve(cfg.strategy, 1))
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.objectives.reference import build_reference
 
     return Runtime(
         cfg=cfg,
-        layout=layout,
+        decisions=dec,
         mesh=None,
         device=device,
-        accum=grad_accum_steps(cfg, layout),
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
         objective=PreferenceObjective.of(cfg),
-        reference=build_reference(cfg, layout, None, [model]),
+        reference=build_reference(cfg, dec, None, [model]),
     )
 
 

@@ -96,7 +96,8 @@ def init() -> tuple[int, int]:
 def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[Any, Any, Any, Any]:
     """(cfg, Runtime, loader, MetricsLogger, PeakTracker) as the worker's Trainer builds them."""
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, grad_accum_steps
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.data import build_loader
     from dtlaunch.train.observe.memtrack import PeakTracker
@@ -109,17 +110,16 @@ def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...]
     cfg = compose(
         [f"recipe={recipe}", f"launch.nproc_per_node={world}", "checkpoint=none", "training.steps=100000", *extra]
     ).cfg
-    layout = Layout.resolve(cfg.strategy, world)
-    mesh = build_mesh(layout, "cpu")
-    model = parallelize(build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), mesh, cfg, layout)
+    dec = Decisions.of(cfg, Layout.resolve(cfg.strategy, world))
+    mesh = build_mesh(dec.layout, "cpu")
+    model = parallelize(build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta"), mesh, cfg, dec)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     dp_rank, dp_size = dp_rank_size(mesh)
     rt = Runtime(
         cfg=cfg,
-        layout=layout,
+        decisions=dec,
         mesh=mesh,
         device=torch.device("cpu"),
-        accum=grad_accum_steps(cfg, layout),
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],

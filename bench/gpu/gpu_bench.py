@@ -547,7 +547,8 @@ def measure(
     run: Run, side: str, work: Path, warmup: int, timeout: Optional[float], idle_mib: Optional[int]
 ) -> dict[str, Any]:
     """One run of dtlaunch (or the hand-written loop on the same job): tokens/s, MFU, memory."""
-    from dtlaunch.config.layout import Layout, global_batch
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.models.flops import flops_per_token
 
     cfg = throughput.composed(list(run.overrides))
@@ -555,7 +556,7 @@ def measure(
     run_dir = work / f"{run.name}-{side}"
     run_dir.mkdir(parents=True, exist_ok=True)
     # Every trained row of a step (objective=grpo's rows accumulate over micro-batches).
-    tokens_per_step = global_batch(cfg, Layout.resolve(cfg.strategy, nproc)) * int(cfg.training.seq_len)
+    tokens_per_step = Decisions.of(cfg, Layout.resolve(cfg.strategy, nproc)).global_batch * int(cfg.training.seq_len)
     if side == "dtlaunch":
         cmd = [*console("dtlaunch", "dtlaunch"), "train", *run.overrides, f"run.dir={run_dir}", "--force"]
         metrics = run_dir / "metrics.jsonl"

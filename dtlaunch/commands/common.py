@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dtlaunch.config.compose import Composed, compose
+from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
 from dtlaunch.config.validate import validate
 
@@ -15,8 +16,12 @@ class Job:
     """A composed, validated job: the single input of plan, launch and submit."""
 
     composed: Composed
-    layout: Layout
+    decisions: Decisions  # validate's: the planner, the summary and the launcher read these
     notes: list[str]
+
+    @property
+    def layout(self) -> Layout:
+        return self.decisions.layout
 
     @property
     def cfg(self) -> Any:
@@ -35,7 +40,7 @@ def load_job(overrides: Sequence[str], recipe_dirs: Sequence[str] = (), to_run: 
     from dtlaunch.inputs.job import check_job_inputs
 
     check_job_inputs(composed.cfg, to_run)  # the files the job names, before anything runs
-    return Job(composed=composed, layout=v.layout, notes=v.notes)
+    return Job(composed=composed, decisions=v.decisions, notes=v.notes)
 
 
 def console(stderr: bool = False) -> Any:
@@ -48,7 +53,6 @@ def summary_table(job: Job) -> Any:
     """The resolved job at a glance: what runs where, with the batch arithmetic spelled out."""
     from rich.table import Table
 
-    from dtlaunch.config.layout import activation_offload, global_batch, grad_accum_steps
     from dtlaunch.models.shapes import human_count, param_count
 
     cfg, lay = job.cfg, job.layout
@@ -67,8 +71,7 @@ def summary_table(job: Job) -> Any:
         f"{f'cp {lay.cp} x ' if lay.cp > 1 else ''}tp {lay.tp} x pp {lay.pp}; zero_stage {cfg.strategy.zero_stage}"
         + (f"; expert parallel {lay.ep} (of dp_shard)" if lay.ep > 1 else ""),
     )
-    gb = global_batch(cfg, lay)
-    accum = grad_accum_steps(cfg, lay)
+    gb, accum = job.decisions.global_batch, job.decisions.grad_accum
     t.add_row(
         "batch",
         f"{cfg.training.micro_batch} micro x {lay.dp} dp x {accum} accum = {gb} samples "
@@ -78,7 +81,7 @@ def summary_table(job: Job) -> Any:
         "precision",
         f"params {cfg.precision.param_dtype}, reduce {cfg.precision.reduce_dtype}; "
         f"AC {cfg.training.activation_checkpointing}; compile {cfg.training.compile}"
-        + ("; activations offloaded" if activation_offload(cfg, lay.pp) else "")
+        + ("; activations offloaded" if job.decisions.activation_offload else "")
         + ("; FSDP CPU offload" if cfg.strategy.cpu_offload else ""),
     )
     t.add_row("hardware", f"{cfg.hardware.name} ({cfg.hardware.memory_gib} GiB)")

@@ -164,12 +164,12 @@ class TrainingConfig:
     # The blocks' saved activations (under activation checkpointing: the checkpointed block inputs) move to
     # pinned host memory in forward and back in backward, on a side CUDA stream; the output head's and the
     # loss's stay on the device. Same losses; costs host memory and host-link time (both planned).
-    # null (default): on where it costs no step time (config.layout.activation_offload: full activation
+    # null (default): on where it costs no step time (config.decisions: full activation
     # checkpointing on a GPU profile with host RAM, no pipeline parallel); true / false: as set.
     activation_offload: Optional[bool] = None
     # Each block's SwiGLU MLP runs over this many tiles of the sequence, each recomputed in backward, so a
     # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.tiled_mlp, ALST's
-    # TiledMLP). 0: from the plan (config.layout.mlp_tiles: tiles of at most 8192 tokens, so untiled up to
+    # TiledMLP). 0: from the plan (config.decisions: tiles of at most 8192 tokens, so untiled up to
     # 8192 tokens per micro-batch); 1: untiled.
     mlp_tiles: int = 0
     grad_clip: float = 1.0
@@ -196,7 +196,7 @@ class TrainingConfig:
     # The output head and the cross-entropy run over this many chunks of the tokens, each recomputed in
     # backward, so the (tokens x vocab) logits and their fp32 gradients never exist whole: 8 (torchtune's
     # choice) cuts that peak to an eighth for one extra head matmul per token. 1 = one full-vocabulary pass.
-    # 0 = auto: 8 where one rank's micro-batch logits reach 64 MiB in fp32, else 1 (config.layout.loss_chunks:
+    # 0 = auto: 8 where one rank's micro-batch logits reach 64 MiB in fp32, else 1 (config.decisions:
     # below that the chunks save no memory worth their extra matmul and ~560 more ops a step).
     loss_chunks: int = 0
     # loss.png (loss and lr against step) when the run ends: importing matplotlib and drawing take ~1 s.

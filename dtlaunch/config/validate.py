@@ -1,8 +1,9 @@
 """Cross-field rules in one order: the section rules (dtlaunch.config.rules.<section>, each a small function
 raising a ConfigError that names key, value and fix) after the numeric ranges (dtlaunch.config.ranges).
 
-`validate(cfg)` runs them in a fixed order and returns the resolved layout plus notes worth showing
-(things that are allowed but surprising, like an uneven pipeline split).
+`validate(cfg)` runs them in a fixed order and returns the job's decisions (config.decisions.Decisions: the
+resolved layout and what follows from it, decided once) plus notes worth showing (things that are allowed but
+surprising, like an uneven pipeline split).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
 from dtlaunch.config.ranges import check_ranges
 from dtlaunch.config.rules.checkpoint import check_checkpoint
@@ -17,11 +19,11 @@ from dtlaunch.config.rules.data import check_data
 from dtlaunch.config.rules.grpo import check_grpo_layout
 from dtlaunch.config.rules.launch import check_cluster, check_hardware, check_launch
 from dtlaunch.config.rules.long_context import check_mlp_tiles, check_residual_dtype
-from dtlaunch.config.rules.model import check_model_shape
+from dtlaunch.config.rules.model import check_model_layout, check_model_shape
 from dtlaunch.config.rules.objective import check_kto_layout, check_objective, check_reward_layout
 from dtlaunch.config.rules.offload import check_offload
 from dtlaunch.config.rules.optim import check_optim
-from dtlaunch.config.rules.peft import check_peft
+from dtlaunch.config.rules.peft import check_peft, check_target_experts_layout
 from dtlaunch.config.rules.precision import check_float8_tensor_parallel, check_precision
 from dtlaunch.config.rules.qlora import check_qlora
 from dtlaunch.config.rules.run import check_logging, check_profiling, check_run_name
@@ -42,8 +44,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Validated:
-    layout: Layout
+    decisions: Decisions
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def layout(self) -> Layout:
+        return self.decisions.layout
 
 
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
@@ -64,7 +70,8 @@ SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
     check_peft,
     check_objective,
 ]
-LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
+LAYOUT_RULES: list[Callable[[Any, Decisions, list[str]], None]] = [
+    check_model_layout,
     check_zero,
     check_moe_tensor_parallel,
     check_tensor_parallel,
@@ -77,6 +84,7 @@ LAYOUT_RULES: list[Callable[[Any, Layout, list[str]], None]] = [
     check_reward_layout,
     check_float8_tensor_parallel,
     check_qlora,
+    check_target_experts_layout,
     check_offload,
     check_mlp_tiles,
     check_residual_dtype,
@@ -89,7 +97,7 @@ def validate(cfg: JobConfig) -> Validated:
     notes: list[str] = []
     for rule in SIMPLE_RULES:
         rule(cfg, notes)
-    layout = check_layout(cfg, notes)
+    decisions = Decisions.of(cfg, check_layout(cfg, notes))
     for layout_rule in LAYOUT_RULES:
-        layout_rule(cfg, layout, notes)
-    return Validated(layout=layout, notes=notes)
+        layout_rule(cfg, decisions, notes)
+    return Validated(decisions=decisions, notes=notes)

@@ -222,9 +222,9 @@ def prepare_run_data(cfg: JobConfig, run_dir: Path) -> Optional[Any]:
         if val_path:
             _prepare_text(cfg, val_path, Path(run_dir) / RUN_VAL_DIR)
     if kind != "synthetic":
-        from dtlaunch.config.layout import Layout, global_batch, world_size
+        from dtlaunch.config.decisions import Decisions
 
-        gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+        gb = Decisions.of(cfg).global_batch
         if kind == "tokens":
             _check_shards_tokenizer(cfg, run_dir)
         train, val = data_sources(cfg, run_dir)
@@ -236,14 +236,14 @@ def prepare_run_data(cfg: JobConfig, run_dir: Path) -> Optional[Any]:
 
 
 def _prepare_prompts(cfg: JobConfig, run_dir: Path) -> None:
-    from dtlaunch.config.layout import Layout, global_batch, world_size
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.data.prompts import prepare_prompts
     from dtlaunch.data.tokenizer import resolve_tokenizer_spec
 
     tok = load_tokenizer(str(cfg.data.tokenizer), str(cfg.model.init_from))
     check_vocab(int(cfg.model.vocab_size), tok.vocab_size, f"data.tokenizer='{cfg.data.tokenizer}'")
     spec = Path(resolve_tokenizer_spec(str(cfg.data.tokenizer), str(cfg.model.init_from))).expanduser()
-    gb = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg)))
+    gb = Decisions.of(cfg).global_batch
     prepare_prompts(
         cfg,
         run_dir,

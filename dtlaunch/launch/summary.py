@@ -30,7 +30,7 @@ def _last_value(rows: list[dict], key: str) -> Optional[float]:
 
 def complete_summary(cfg: JobConfig, layout: Any, run_dir: Path, wall_time_s: float) -> dict[str, Any]:
     """Read the workers' summary.json, add the launcher's view, write it back, return it ({} if absent)."""
-    from dtlaunch.config.layout import global_batch, rows_per_sample
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.models.flops import flops_per_token, mfu
     from dtlaunch.run.checkpoints import checkpoint_root, newest_complete
     from dtlaunch.run.metrics_file import read_metrics
@@ -42,7 +42,8 @@ def complete_summary(cfg: JobConfig, layout: Any, run_dir: Path, wall_time_s: fl
         return {}
     rows = read_metrics(run_dir / METRICS_NAME)
     steps = int(summary.get("final_step") or 0)
-    tokens_per_step = global_batch(cfg, layout) * int(cfg.training.seq_len) * rows_per_sample(cfg)
+    dec = Decisions.of(cfg, layout)
+    tokens_per_step = dec.global_batch * int(cfg.training.seq_len) * dec.rows_per_sample
     tps = summary.get("tokens_per_s_median")
     low = str(cfg.precision.param_dtype) in ("bf16", "fp16")
     peak_tflops = float(cfg.hardware.peak_tflops_bf16 if low else cfg.hardware.peak_tflops_fp32)

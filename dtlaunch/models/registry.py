@@ -34,6 +34,7 @@ from dtlaunch.config.schema import LORA_DEFAULT_TARGETS, ModelConfig
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -78,9 +79,12 @@ class ModelSpec:
     pp_tied_ok: bool = False
     # One block's linears, HF name -> (out, in, column-parallel): the planner's LoRA / QLoRA lines.
     block_linears: Optional[Callable[[Any], dict]] = None
-    # "module:function" (job config) -> None: the family's own rules on the model section and layout,
-    # raising ConfigError with one line (run by `validate` before anything starts).
+    # "module:function" (job config) -> None: the family's own rules on the model section, raising
+    # ConfigError with one line (run by `validate` before anything starts).
     check: str = ""
+    # "module:function" (job config, its config.decisions.Decisions) -> None: the family's rules on the
+    # resolved layout (run by `validate` first of the rules that read the layout).
+    check_layout: str = ""
     # The attention is the decoder's own, which context parallel swaps for ring attention.
     ring_attention: bool = True
     # The attention runs through transformers' attention-function registry (model.arch=hf_auto), where
@@ -108,6 +112,10 @@ class ModelSpec:
     def check_config(self, cfg: JobConfig) -> None:
         if self.check:
             _resolve(self.check)(cfg)
+
+    def check_config_layout(self, cfg: JobConfig, d: Decisions) -> None:
+        if self.check_layout:
+            _resolve(self.check_layout)(cfg, d)
 
     def build(self, m: Any, rope_len: Any = None, device: Any = "meta") -> Any:
         from dtlaunch.models.meta_init import SkipRandomInitOnMeta

@@ -18,7 +18,7 @@ static lines: parameters, optimizer state, a reference copy) but no gradients an
   norm a static line already, its embedding on top) and, at the largest other unit's all-gather (a
   block, or a head of its own), that unit's flat all-gather output and the storage it is copied into
   (gloo, a CPU profile, holds one more copy).
-The old policy's pass (dtlaunch.config.layout.keeps_old_logps) is a no-grad forward over the rows, micro-batch by
+The old policy's pass (dtlaunch.config.decisions.Decisions.keeps_old_logps) is a no-grad forward over the rows, micro-batch by
 micro-batch: the same moment as a reference forward (dtlaunch.plan.objective.reference_forward_bytes).
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.layout import decode_positions_multiple, keeps_old_logps
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
@@ -49,14 +48,14 @@ def generation_rows(c: Any) -> int:
 
 def prompt_positions(c: Any) -> int:
     """The prompt block's width: the prompt room, padded to the decode multiple (sequence parallel)."""
-    m = decode_positions_multiple(c.cfg, c.tp)
+    m = c.decisions.decode_positions_multiple
     return -(-(int(c.training.seq_len) - int(c.cfg.objective.max_completion_length)) // m) * m
 
 
 def kv_cache_bytes(c: Any) -> float:
     """Keys and values for the prompt block, every completion position and a decode step's fillers."""
     positions = (
-        prompt_positions(c) + int(c.cfg.objective.max_completion_length) + decode_positions_multiple(c.cfg, c.tp) - 1
+        prompt_positions(c) + int(c.cfg.objective.max_completion_length) + c.decisions.decode_positions_multiple - 1
     )
     return c.layers * 2 * (c.block_dims.k / c.tp) * generation_rows(c) * positions * c.compute_bytes
 
@@ -80,7 +79,7 @@ def decode_bytes(c: Any) -> float:
     buffers = 4 + bool(c.cfg.objective.importance_sampling_correction)
     sampling = buffers * rows * d.vocab * 4 + gathered
     # A step's positions (sequence parallel: one per TP rank) through the head's vocab / tp columns.
-    kept = decode_positions_multiple(c.cfg, c.tp)
+    kept = c.decisions.decode_positions_multiple
     logits = rows * kept * (d.vocab / c.tp) * c.compute_bytes + sampling if c.last_stage else 0.0
     return max(block, logits)
 
@@ -104,7 +103,7 @@ def generation_phases(c: Any, static: dict[str, float], gather: str = "whole") -
         return {}
     held = sum(_between_steps(static).values())
     phases = {PHASE_GENERATION: held + kv_cache_bytes(c) + decode_bytes(c) + gathered_bytes(c, gather)}
-    if keeps_old_logps(c.cfg):
+    if c.decisions.keeps_old_logps:
         phases[PHASE_OLD_POLICY] = held + reference_forward_bytes(c)
     return phases
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, generation_gather, global_batch, keeps_old_logps
+from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.layout import Layout
 from dtlaunch.models.dense.shapes import head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
@@ -39,10 +40,11 @@ def generation_seconds(cfg: JobConfig, lay: Layout, efficiency: float) -> float:
     o, m, t, hw = cfg.objective, cfg.model, cfg.training, cfg.hardware
     if str(o.name) != "grpo":
         return 0.0
+    dec = Decisions.of(cfg, lay)
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     params = model_spec(m).param_count(m)
     flops_per_s = hardware.peak_flops(hw, cfg.precision.param_dtype) * efficiency
-    rows = global_batch(cfg, lay) // lay.dp
+    rows = dec.global_batch // lay.dp
     completion = int(o.max_completion_length)
     prompt = int(t.seq_len) - completion
     tp = lay.tp
@@ -64,8 +66,8 @@ def generation_seconds(cfg: JobConfig, lay: Layout, efficiency: float) -> float:
     if lay.shard > 1 and int(cfg.strategy.zero_stage) >= 2:
         bw = hardware.link_bandwidth(hw, lay.shard, lay.tp)
         gather = (lay.shard - 1) / lay.shard * params * e / bw
-        if generation_gather(cfg, lay) == "unit":
+        if dec.generation_gather == "unit":
             gather *= 1 + completion  # the prefill and every decode step gather the model again
-    passes = keeps_old_logps(cfg) + (float(o.beta) > 0)
+    passes = dec.keeps_old_logps + (float(o.beta) > 0)
     no_grad = passes * 2 * params * rows * int(t.seq_len) / flops_per_s
     return (prefill + decode + gather + no_grad) / int(o.num_iterations)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dtlaunch.config.layout import loss_chunks as config_loss_chunks
-
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
 # that the test exists and sees the term).
 # Head-sized weight gradients at once when autograd adds a chunk's gradient to the sum of the earlier
@@ -42,7 +40,7 @@ HEAD_UNIT_GATHERED_COPIES = 2
 
 def loss_chunks(c: Any) -> int:
     """Token chunks of this stage's loss (1 where the stage has no head)."""
-    return config_loss_chunks(c.cfg) if c.last_stage else 1
+    return c.decisions.loss_chunks if c.last_stage else 1
 
 
 def logits_saved_per_token(c: Any) -> float:

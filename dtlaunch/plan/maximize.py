@@ -14,8 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
 
-from dtlaunch.config.layout import MLP_TILE_TOKENS
-from dtlaunch.config.layout import loss_chunks as config_loss_chunks
+from dtlaunch.config.decisions import MLP_TILE_TOKENS, Decisions
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ class Maximized:
 # training.loss_chunks as a saver: chunks of at most this many tokens of one rank's micro-batch (the tiled
 # MLP's tile size), and never fewer chunks than the job's own.
 LOSS_CHUNK_TOKENS = MLP_TILE_TOKENS
-# (Not training.loss_chunks=0, the job's own auto, config.layout.loss_chunks: this level chunks for memory.)
+# (Not training.loss_chunks=0, the job's own auto, config.decisions.Decisions.loss_chunks: this level chunks for memory.)
 LOSS_CHUNKS_AUTO = "auto"  # a level resolved at each probed value (the chunk count grows with the tokens)
 
 
@@ -92,7 +91,7 @@ def _ac_levels(cfg: JobConfig) -> tuple[Any, ...]:
 # stream (precision.residual_dtype): set them by hand and maximize again.
 SAVERS = (
     Saver("strategy.cp_style", _cp_style_levels, pinnable=False),
-    Saver("training.loss_chunks", lambda cfg: (LOSS_CHUNKS_AUTO,) if config_loss_chunks(cfg) > 1 else ()),
+    Saver("training.loss_chunks", lambda cfg: (LOSS_CHUNKS_AUTO,) if Decisions.of(cfg).loss_chunks > 1 else ()),
     Saver("training.activation_checkpointing", _ac_levels),
     Saver("training.activation_offload", lambda cfg: () if cfg.training.activation_offload else (True,)),
     Saver("strategy.cpu_offload", lambda cfg: () if cfg.strategy.cpu_offload else (True,)),
@@ -179,13 +178,11 @@ def _resolved(cfg: JobConfig, key: str, value: int, settings: dict[str, Any]) ->
     when that is no more than the job's own count)."""
     if settings.get("training.loss_chunks") != LOSS_CHUNKS_AUTO:
         return settings
-    from dtlaunch.config.layout import Layout, rows_per_sample, world_size
-
-    t, moved = cfg.training, _with(cfg, key, value)
-    rows = int(moved.get("training.micro_batch", t.micro_batch)) * rows_per_sample(cfg)
-    seq = int(moved.get("training.seq_len", t.seq_len)) // Layout.resolve(cfg.strategy, world_size(cfg)).cp
+    t, moved, dec = cfg.training, _with(cfg, key, value), Decisions.of(cfg)
+    rows = int(moved.get("training.micro_batch", t.micro_batch)) * dec.rows_per_sample
+    seq = int(moved.get("training.seq_len", t.seq_len)) // dec.layout.cp
     chunks = -(-rows * seq // LOSS_CHUNK_TOKENS)
-    if chunks > config_loss_chunks(cfg):
+    if chunks > dec.loss_chunks:
         return {**settings, "training.loss_chunks": chunks}  # (the same place: SAVERS' order)
     return {k: v for k, v in settings.items() if k != "training.loss_chunks"}
 
@@ -193,11 +190,9 @@ def _resolved(cfg: JobConfig, key: str, value: int, settings: dict[str, Any]) ->
 def _with(cfg: JobConfig, key: str, value: int) -> dict[str, int]:
     """The overrides that set `key` to `value`: for GRPO the prompts per step, or the prompts' room in
     training.seq_len, stay as they are."""
-    from dtlaunch.config.layout import Layout, global_batch, world_size
-
     o, t = cfg.objective, cfg.training
     if key == "objective.num_generations":
-        prompts = global_batch(cfg, Layout.resolve(cfg.strategy, world_size(cfg))) // int(o.num_generations)
+        prompts = Decisions.of(cfg).global_batch // int(o.num_generations)
         return {key: value, "training.global_batch": prompts * value}
     if key == "objective.max_completion_length":
         return {key: value, "training.seq_len": int(t.seq_len) - int(o.max_completion_length) + value}
@@ -209,33 +204,29 @@ def planned_savers(cfg: JobConfig, key: str, value: int, settings: dict[str, Any
     `settings`) that it turns on at `key`=`value` with `settings`, as overrides."""
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.layout import Layout, activation_offload, mlp_tiles, world_size
-
     job = copy.deepcopy(cfg)
     for k, v in {**_with(cfg, key, value), **settings}.items():
         OmegaConf.update(job, k, v)
-    layout = Layout.resolve(job.strategy, world_size(job))
+    dec = Decisions.of(job)
     out = []
     if not int(cfg.training.mlp_tiles):
-        tiles = mlp_tiles(job, layout)
-        out += [f"training.mlp_tiles={tiles}"] if tiles > 1 else []
-    if job.training.activation_offload is None and activation_offload(job, layout.pp):
+        out += [f"training.mlp_tiles={dec.mlp_tiles}"] if dec.mlp_tiles > 1 else []
+    if job.training.activation_offload is None and dec.activation_offload:
         out.append("training.activation_offload=true")
     return tuple(out)
 
 
 def _candidates(cfg: JobConfig, key: str) -> tuple[Callable[[int], int], int]:
     """(index -> value, number of candidates), ascending."""
-    from dtlaunch.config.layout import Layout, global_batch, world_size
-
     s, t = cfg.strategy, cfg.training
-    lay = Layout.resolve(s, world_size(cfg))
+    dec = Decisions.of(cfg)
+    lay = dec.layout
     if key == "objective.max_completion_length":
         prompt_room = int(t.seq_len) - int(cfg.objective.max_completion_length)
         return (lambda i: i + 1), int(cfg.model.max_seq_len) - prompt_room
     if key == "objective.num_generations":
         # Whole micro-batches on every rank: G x prompts / dp a multiple of the micro-batch.
-        prompts = global_batch(cfg, lay) // int(cfg.objective.num_generations)
+        prompts = dec.global_batch // int(cfg.objective.num_generations)
         g_values = [g for g in range(2, MAX_MICRO_BATCH + 1) if (prompts * g // lay.dp) % int(t.micro_batch) == 0]
         return (lambda i: g_values[i]), len(g_values)
     if key == "training.seq_len":

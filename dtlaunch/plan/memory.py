@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, generation_gather, pp_microbatches
+from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.layout import Layout
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.offload import offload_notes, ranks_per_node
@@ -40,7 +41,9 @@ class MemoryPlan:
     suggestions: list[dict] = field(default_factory=list)
     host_ranks: int = 1  # ranks sharing one node's host RAM
     host_capacity: float = 0.0  # bytes of host RAM per node (hardware.host_memory_gib)
-    generation_gather: str = ""  # objective=grpo under ZeRO-3: "whole" or "unit" (config.layout.generation_gather)
+    generation_gather: str = (
+        ""  # objective=grpo under ZeRO-3: "whole" or "unit" (config.decisions.Decisions.generation_gather)
+    )
     # Why this host could not plan the job (a model without a closed-form plan whose trace cannot run here):
     # the peak is then a lower bound (this rank's share of the weights) and the plan never "fits".
     unplanned: str = ""
@@ -132,7 +135,7 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
     """Plan every pipeline rank (or, for the search, only those that can hold the peak). objective=grpo
     under ZeRO-3 with objective.generation_gather=auto: the rollout gathers the whole model unless only one
     unit at a time fits; the plan says which (`generation_gather`, and a note)."""
-    gather = generation_gather(cfg, layout)
+    gather = Decisions.of(cfg, layout).generation_gather
     plan = _plan_memory(cfg, layout, all_stages, gather)
     if gather == "whole" and str(cfg.objective.generation_gather) == "auto" and not plan.fits:
         unit = _plan_memory(cfg, layout, all_stages, "unit")
@@ -175,7 +178,7 @@ def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) 
     notes = [] if model_spec(cfg.model).analytic else [UNTRACED_NOTE if unplanned else TRACED_NOTE]
     notes += peft_notes(cfg) + offload_notes(cfg)
     if layout.pp > 1 and int(s.zero_stage) >= 2 and layout.dp > 1:
-        n_mb = pp_microbatches(cfg, layout)
+        n_mb = Decisions.of(cfg, layout).pp_microbatches
         notes.append(
             f"FSDP under PP: one reduce-scatter per pipeline micro-batch ({n_mb} per micro-step), sharded "
             f"gradients only (strategy.pp_reshard_grads=true)"

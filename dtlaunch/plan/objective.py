@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.layout import head_unit
+from dtlaunch.config.decisions import head_unit
 from dtlaunch.plan.cp_terms import forward_exchange_bytes
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.lines import Line

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.layout import activation_offload as offload_on
-from dtlaunch.config.layout import offload_composes_with_compile
+from dtlaunch.config.decisions import Decisions, offload_composes_with_compile
 from dtlaunch.plan.lines import ON_HOST, Line
 
 if TYPE_CHECKING:
@@ -42,7 +41,7 @@ CPU_ADAM_PARAMS_PER_S = 2e9
 
 
 def activation_offload(c: Any) -> bool:
-    return offload_on(c.cfg, c.pp)
+    return c.decisions.activation_offload
 
 
 def cpu_offload(c: Any) -> bool:
@@ -188,7 +187,7 @@ def offload_seconds(cfg: JobConfig, lay: Any, stage_moved: float, params_local: 
     from dtlaunch.models.dtypes import DTYPE_BYTES
 
     bw = (float(cfg.hardware.host_link_gbps) or DEFAULT_HOST_LINK_GBPS) * 1e9
-    out = {"activation_transfer": 2 * stage_moved * accum / bw if offload_on(cfg, lay.pp) else 0.0}
+    out = {"activation_transfer": 2 * stage_moved * accum / bw if Decisions.of(cfg, lay).activation_offload else 0.0}
     if cfg.strategy.cpu_offload and int(cfg.strategy.zero_stage) >= 2:
         shard = params_local / lay.shard
         gathers = 2 if int(cfg.strategy.zero_stage) == 3 else 1
@@ -208,7 +207,7 @@ def offload_variants(cfg: JobConfig, lay: Any, st: dict, tr: dict) -> list[tuple
     """(strategy.cpu_offload, training.activation_offload) pairs the layout search tries for one
     candidate, in order: none, activations, CPU offload, both; only those config.rules.offload allows,
     and none but the first on a profile without host_memory_gib. FSDP over one rank exists only to offload
-    (config.layout.shards_with_fsdp): such a candidate is tried with CPU offload or not at all."""
+    (config.decisions.Decisions.fsdp): such a candidate is tried with CPU offload or not at all."""
     one_rank_fsdp = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp == 1
     if not float(cfg.hardware.host_memory_gib):
         return [] if one_rank_fsdp else [(False, False)]

@@ -41,7 +41,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import rows_per_sample
 from dtlaunch.plan.lines import Line
 
 if TYPE_CHECKING:
@@ -138,9 +137,12 @@ def peft_terms(
     autocast: bool,
     routed_scale: float = 1.0,
     ep: int = 1,
+    *,
+    rank_tokens: float,
 ) -> PeftTerms | None:
     """The fine-tuning terms of a stage; None for full training. `shards`: FSDP shard count (1 without);
-    `routed_scale`: an MoE rank's routed token copies over the balanced share (expert parallel)."""
+    `routed_scale`: an MoE rank's routed token copies over the balanced share (expert parallel);
+    `rank_tokens`: the tokens of one rank's micro-batch (its rows x the sequence over context parallel)."""
     p = cfg.peft
     method = str(p.method)
     if method == "none":
@@ -176,12 +178,7 @@ def peft_terms(
     if merged_experts:
         # The merged expert weights each adapted block's grouped matmuls keep for backward: a block's
         # constant, spread over the tokens of one rank's micro-batch (the unit of this term).
-        t = cfg.training
-        act += (
-            e
-            * merged_experts
-            / (int(t.micro_batch) * int(t.seq_len) * rows_per_sample(cfg) / max(1, int(cfg.strategy.cp)))
-        )
+        act += e * merged_experts / rank_tokens
     return PeftTerms(
         method=method,
         adapters=adapters_block * layers,

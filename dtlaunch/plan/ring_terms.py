@@ -3,7 +3,7 @@
 Each attention gathers the whole sequence's K and V from the CP ranks and repeats them to the query
 heads; the gathered copies are transient, one block at a time (backward gathers them again instead of
 keeping them). "The whole sequence" is every row of this rank's micro-batch at full length: a preference
-pair is two rows (dtlaunch.config.layout.rows_per_sample), so it is the stage's tokens times cp.
+pair is two rows (dtlaunch.config.decisions.Decisions.rows_per_sample), so it is the stage's tokens times cp.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from itertools import product
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.layout import Layout, expert_fsdp_degree, global_batch, loss_chunks
+from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.layout import Layout, expert_fsdp_degree
 from dtlaunch.config.rules.grpo import grpo_layout_problem
 from dtlaunch.config.rules.objective import kto_layout_problem
 from dtlaunch.config.rules.strategy import zero_layout_problem
@@ -74,7 +75,8 @@ def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float =
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     r = DTYPE_BYTES[cfg.precision.reduce_dtype]
     P = model_spec(m).param_count(m)
-    gb = global_batch(cfg, lay)
+    dec = Decisions.of(cfg, lay)
+    gb, accum = dec.global_batch, dec.grad_accum
     tokens = gb * t.seq_len
     # LoRA / QLoRA: the frozen base computes no weight gradients (4 FLOPs per parameter and token, not 6).
     per_param = 4 if str(cfg.peft.method) != "none" else 6
@@ -84,11 +86,10 @@ def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float =
         flops_model = model_spec(m).flops_per_token(m, t.seq_len) * tokens
     recompute = recompute_fraction(t)
     # A chunked loss (training.loss_chunks > 1) runs the head's matmul once more per token in backward.
-    head_again = 2 * m.dim * m.vocab_size * tokens if loss_chunks(cfg) > 1 else 0
+    head_again = 2 * m.dim * m.vocab_size * tokens if dec.loss_chunks > 1 else 0
     compute = (flops_model * (1 + recompute) + head_again) / (
         lay.world * hardware.peak_flops(hw, cfg.precision.param_dtype) * EFFICIENCY
     )
-    accum = gb // (t.micro_batch * lay.dp)
     # Routed experts: split on their width by TP or among ranks by EP (never both); FSDP gathers them over
     # dp_shard / ep ranks only.
     routed = stage_routed_params(m, list(range(int(m.n_layers))))
@@ -215,9 +216,8 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     """(layout, strategy values, training values) for every combination worth planning, with `cp`
     context-parallel ranks (the other degrees fill world / cp)."""
     m, t, hw = cfg.model, cfg.training, cfg.hardware
-    base = Layout.resolve(cfg.strategy, _world(cfg))
-    world = base.world
-    gb = global_batch(cfg, base)
+    base = Decisions.of(cfg, Layout.resolve(cfg.strategy, _world(cfg)))
+    world, gb = base.layout.world, base.global_batch
     per_node = int(hw.gpus_per_node) or world
     grpo = str(cfg.objective.name) == "grpo"
     kto = str(cfg.objective.name) == "kto"
@@ -256,7 +256,7 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                                 loss_chunk_options(cfg),
                             ):
                                 lay = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
-                                if grpo and grpo_layout_problem(cfg, lay):
+                                if grpo and grpo_layout_problem(cfg, Decisions.of(cfg, lay)):
                                     continue  # a layout validate refuses for objective=grpo
                                 if kto and kto_layout_problem(cfg, lay, mb):
                                     continue  # and for objective=kto
@@ -282,7 +282,7 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
 def loss_chunk_options(cfg: JobConfig) -> tuple[int, ...]:
     """The full-vocabulary loss first (no recompute), then the chunked one (the config's count, or 8):
     a layout that fits with the cheaper option is not planned again with the costlier. One pass only
-    for the preference objectives (config.layout.loss_chunks)."""
+    for the preference objectives (config.decisions.Decisions.loss_chunks)."""
     if str(cfg.objective.name) != "sft":
         return (1,)
     chunks = int(cfg.training.loss_chunks)

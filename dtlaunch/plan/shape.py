@@ -13,16 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.layout import (
-    Layout,
-    fp32_residual,
-    grad_accum_steps,
-    head_unit,
-    mlp_tiles,
-    pp_microbatches,
-    rows_per_sample,
-    shards_with_fsdp,
-)
+from dtlaunch.config.decisions import Decisions, head_unit
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
@@ -34,6 +25,7 @@ from dtlaunch.plan.peft import PeftTerms, peft_terms
 from dtlaunch.plan.tiled_terms import mlp_saved_bytes, tiled
 
 if TYPE_CHECKING:
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.schema import JobConfig, ModelConfig, TrainingConfig
 
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
@@ -53,6 +45,7 @@ class StageShape:
     """What every phase of one stage's plan reads: the most loaded rank of pipeline rank `stage`."""
 
     cfg: JobConfig  # the whole job config (for the few sections a term reads itself)
+    decisions: Decisions  # what the job decides once (config.decisions): the runtime reads the same
     model: Any  # the model section (cfg.model)
     training: Any  # the training section (cfg.training)
     activation_model: Any  # the model family's activation model (dtlaunch.models.*.activations)
@@ -69,17 +62,13 @@ class StageShape:
     compute_bytes: int  # bytes per element of the compute dtype (precision.param_dtype)
     reduce_bytes: int  # bytes per element of the gradient-reduce dtype (precision.reduce_dtype)
     zero_stage: int  # strategy.zero_stage
-    fsdp: bool  # parameters sharded by FSDP2 (dtlaunch.config.layout.shards_with_fsdp)
     ddp: bool  # DDP over more than one rank (ZeRO 0 / 1)
     shard_ranks: int  # ranks the optimizer state (and FSDP's parameters) are sharded over
-    autocast: bool  # the compute dtype comes from autocast, not from FSDP's mixed-precision policy
-    fp32_residual: bool  # the residual stream in fp32 under autocast (config.layout.fp32_residual)
     rank_params: int  # parameters on one rank of the stage (after TP division)
     block_params: int  # one block's parameters on one rank
     root_params: int  # the root unit's parameters (embedding, final norm, head) on this stage
     gathered_params: int  # what an FSDP all-gather of the stage materialises (other EP ranks' experts excluded)
     gathered_block_params: int  # ... of one block
-    accum_steps: int  # gradient-accumulation micro-steps per optimizer step
     pp_microbatches: int  # pipeline micro-batches per micro-step (1 without PP)
     tokens: int  # this rank's tokens per (pipeline) micro-batch
     ac_mix: dict  # AC kind -> blocks of this stage checkpointed that way
@@ -90,9 +79,33 @@ class StageShape:
     microbatches_in_flight: float  # micro-batches whose activations are held at once, in units of the rank's layer set
     block_saved_per_token: dict  # AC kind -> saved bytes per token of one block
     peft: PeftTerms | None = None  # fine-tuning (peft.method=lora/qlora) terms, dtlaunch.plan.peft
-    mlp_tiles: int = 1  # training.mlp_tiles as resolved (config.layout.mlp_tiles): dtlaunch.plan.tiled_terms
     optim: OptimTerms | None = None  # the optimizer's state, temporaries and gradient dtype (plan.optim_terms)
     scalar_head: bool = False  # objective=reward: the (dim x 1) score head in place of the LM head
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters sharded by FSDP2."""
+        return self.decisions.fsdp
+
+    @property
+    def autocast(self) -> bool:
+        """The compute dtype comes from autocast, not from FSDP's mixed-precision policy."""
+        return self.decisions.autocast
+
+    @property
+    def fp32_residual(self) -> bool:
+        """The residual stream in fp32 under autocast."""
+        return self.decisions.fp32_residual
+
+    @property
+    def accum_steps(self) -> int:
+        """Gradient-accumulation micro-steps per optimizer step."""
+        return self.decisions.grad_accum
+
+    @property
+    def mlp_tiles(self) -> int:
+        """training.mlp_tiles as resolved: dtlaunch.plan.tiled_terms."""
+        return self.decisions.mlp_tiles
 
     @property
     def full_trained_params(self) -> int:
@@ -130,7 +143,7 @@ class StageShape:
     def frozen_head_unit(self) -> bool:
         """The frozen, untied head is an FSDP2 unit of its own, gathered only while it runs: its forward,
         or the chunked loss run inside it; under tensor parallel a chunked loss reads it from the root
-        unit (dtlaunch.config.layout.head_unit, which the runtime's dtlaunch.train.parallel.head_unit takes)."""
+        unit (dtlaunch.config.decisions.head_unit, which the runtime's dtlaunch.train.parallel.head_unit takes)."""
         return bool(self.peft) and self._head_unit(head_trains=False)
 
     @property
@@ -239,11 +252,11 @@ def stage_shape(
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     zero = int(s.zero_stage)
     # Context-parallel ranks hold the same parameters: FSDP / ZeRO shard (and DDP averages) over dp x cp.
-    fsdp = shards_with_fsdp(cfg, layout)
-    # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context).
-    autocast = e != 4 and not fsdp
-    # ... with an fp32 residual stream unless precision.residual_dtype keeps it in the compute dtype.
-    residual32 = fp32_residual(cfg, layout)
+    dec = Decisions.of(cfg, layout)
+    fsdp = dec.fsdp
+    # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context),
+    # with an fp32 residual stream unless precision.residual_dtype keeps it in the compute dtype.
+    residual32 = dec.fp32_residual
     reward = str(cfg.objective.name) == "reward"
     if reward:  # the scalar head's (tokens x 1) scores take the place of the logits (dtlaunch.train.objectives.reward)
         d = dataclasses.replace(d, vocab=1)
@@ -259,7 +272,7 @@ def stage_shape(
     if hasattr(d, "fe") and tp > 1:  # a TP rank's slice of each routed and shared expert
         d = dataclasses.replace(d, fe=d.fe // tp, fs=d.fs // tp)
     not_gathered = routed - routed // layout.ep
-    n_mb = pp_microbatches(cfg, layout) if pp > 1 else 1
+    n_mb = dec.pp_microbatches if pp > 1 else 1
     mix = act.ac_mix(t, ids)
     compiled = bool(t.compile)
     by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, residual32, compiled) for k in mix}
@@ -282,16 +295,25 @@ def stage_shape(
     # alternation (dtlaunch.plan.peft).
     shard = layout.shard if fsdp or zero == 1 else 1
     ft = peft_terms(
-        cfg, layers, tp, sp, shard if fsdp else 1, e, residual32, getattr(d, "routed_scale", 1.0), layout.ep
+        cfg,
+        layers,
+        tp,
+        sp,
+        shard if fsdp else 1,
+        e,
+        residual32,
+        getattr(d, "routed_scale", 1.0),
+        layout.ep,
+        rank_tokens=int(t.micro_batch) * int(t.seq_len) * dec.rows_per_sample / cp,
     )
     if ft and "selective" in by_kind and t.ac_policy == "op":
         by_kind["selective"] += ft.selective
-    tiles = mlp_tiles(cfg, layout)
-    if tiled(act, tiles) and "none" in by_kind:
+    if tiled(act, dec.mlp_tiles) and "none" in by_kind:
         by_kind["none"] -= mlp_saved_bytes(act, d, e, tp, compiled)  # the tiled MLP saves nothing of its own
     per_rank_stages = int(s.pp_stages_per_rank) if pp > 1 else 1
     shape = StageShape(
         cfg=cfg,
+        decisions=dec,
         model=m,
         training=t,
         activation_model=act,
@@ -308,20 +330,16 @@ def stage_shape(
         compute_bytes=e,
         reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
         zero_stage=zero,
-        fsdp=fsdp,
         ddp=zero in (0, 1) and layout.dp * cp > 1,
         shard_ranks=shard,
-        autocast=autocast,
-        fp32_residual=residual32,
         rank_params=p_rank,
         block_params=blk,
         root_params=root,
         gathered_params=p_rank - not_gathered,
         gathered_block_params=blk - not_gathered // max(layers, 1),
-        accum_steps=grad_accum_steps(cfg, layout),
         pp_microbatches=n_mb,
         # This rank's tokens: CP splits each sequence; a preference sample is two rows (dtlaunch.plan.objective).
-        tokens=rows_per_sample(cfg) * (t.micro_batch // n_mb) * t.seq_len // cp,
+        tokens=dec.rows_per_sample * (t.micro_batch // n_mb) * t.seq_len // cp,
         ac_mix=mix,
         blocks_without_ac=mix.get("none", 0),
         compiled=compiled,
@@ -330,7 +348,6 @@ def stage_shape(
         microbatches_in_flight=in_flight(s.pp_schedule, pp, stage % pp, n_mb, per_rank_stages),
         block_saved_per_token=by_kind,
         peft=ft,
-        mlp_tiles=tiles,
         scalar_head=reward,
     )
     return dataclasses.replace(shape, optim=optim_terms(shape, fused_optimizer(cfg.hardware)))

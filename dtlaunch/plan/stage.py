@@ -233,7 +233,7 @@ def plan_stage(
     rollout_gather: str = "whole",
 ) -> StagePlan:
     """The stage's plan: its lines at the peak phase, and every phase's total (`rollout_gather`: how GRPO's rollout
-    holds FSDP weights, dtlaunch.config.layout.generation_gather)."""
+    holds FSDP weights, dtlaunch.config.decisions.Decisions.generation_gather)."""
     c = stage_shape(cfg, layout, stage, layers, first, last, layer_ids)
     static = static_lines(c)
     # Offloading (dtlaunch.plan.offload): the device lines shrink by exactly what the host lines hold.

@@ -6,7 +6,7 @@ import copy
 import itertools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from dtlaunch.config.layout import activation_offload, loss_chunks, offload_composes_with_compile
+from dtlaunch.config.decisions import Decisions, offload_composes_with_compile
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.plan.memory import MemoryPlan, plan_memory
 
@@ -18,7 +18,7 @@ Change = tuple[str, int, list[str]]
 
 
 def _changes(cfg: JobConfig, layout: Any) -> list[Change]:
-    s, t = cfg.strategy, cfg.training
+    s, t, dec = cfg.strategy, cfg.training, Decisions.of(cfg, layout)
     out: list[Change] = []
     zero_ok = layout.tp == 1 and layout.dp_replicate == 1
     for z in (1, 2, 3):
@@ -27,7 +27,7 @@ def _changes(cfg: JobConfig, layout: Any) -> list[Change]:
     if layout.pp > 1 and s.zero_stage >= 2 and layout.dp > 1 and not s.pp_reshard_grads:
         # Only more reduce-scatters (one per pipeline micro-batch): no recompute, same numerics.
         out.append(("reduce-scatter gradients every pipeline micro-batch", 1, ["strategy.pp_reshard_grads=true"]))
-    if str(cfg.objective.name) == "sft" and loss_chunks(cfg) < 8:
+    if str(cfg.objective.name) == "sft" and dec.loss_chunks < 8:
         # The logits and their fp32 gradients, a chunk at a time: one more head matmul per token.
         out.append(("chunked loss (8 chunks)", 1, ["training.loss_chunks=8"]))
     order = ["none", "selective", "full"]
@@ -37,16 +37,15 @@ def _changes(cfg: JobConfig, layout: Any) -> list[Change]:
     if cfg.precision.param_dtype == "fp32":
         out.append(("bf16 compute", 3, ["precision=bf16"]))
     if float(cfg.hardware.host_memory_gib):  # offloading (dtlaunch.plan.offload) needs a host figure
-        if not activation_offload(cfg, layout.pp):
+        if not dec.activation_offload:
             fix = ["training.activation_offload=true"]
             if t.compile and not offload_composes_with_compile(t.activation_checkpointing):
-                fix.append("training.activation_checkpointing=full")  # offload under compile: config.layout
+                fix.append("training.activation_checkpointing=full")  # offload under compile: config.decisions
             out.append(("offload activations to host memory", 4, fix))
         if not s.cpu_offload:
             out.append(("FSDP CPU offload (the optimizer steps on the host)", 7, ["strategy.cpu_offload=true"]))
     mb = int(t.micro_batch)
-    gb = int(t.global_batch) or mb * layout.dp
-    n_mb = int(s.pp_microbatches) or layout.pp
+    gb, n_mb = dec.global_batch, dec.pp_microbatches
     smaller = mb // 2
     while smaller >= 1:
         if layout.pp == 1 or smaller % n_mb == 0:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from dtlaunch.config.layout import global_batch_size
+from dtlaunch.config.decisions import global_batch_size
 from dtlaunch.data.sources import (
     TAG_ORDER,
     SampleSource,

@@ -67,7 +67,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
-from dtlaunch.config.layout import loss_chunks
 from dtlaunch.errors import ConfigError
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE  # masked (chat) targets: see TokenLoader.next_batch
 
@@ -88,12 +87,11 @@ def loss_context(cfg: JobConfig, layout: Any) -> contextlib.AbstractContextManag
     return loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
 
 
-def head_loss(cfg: JobConfig, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:
+def head_loss(chunks: int, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:
     """The loss for these model parts (this rank's), switching the part with the head to return hidden
-    states when training.loss_chunks > 1. A model without the switch is refused, not run unchunked.
+    states when the job's loss chunks (config.decisions.Decisions.loss_chunks) are more than one. A model without the switch is refused, not run unchunked.
     `pipeline`: the last stage of a pipeline, whose schedule may run other micro-batches between a loss's
     forward and its backward (the chunks are then recomputed in backward, not differentiated in forward)."""
-    chunks = loss_chunks(cfg)
     if chunks > 1:
         for part in model_parts:
             inner = _inner(part)

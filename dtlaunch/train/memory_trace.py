@@ -39,7 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
+from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.layout import Layout
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
@@ -178,10 +179,11 @@ def _trace_pipeline(cfg: JobConfig, layout: Layout, mesh: Any, rank: int, steps:
         model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
         apply_peft(model, cfg)  # as build_model_parts does
         (idx, part), *_ = build_stage_modules(model, cfg, layout, stage)
-    part = parallelize(part, mesh, cfg, layout, init=active_fake_mode() is None)
+    dec = Decisions.of(cfg, layout)
+    part = parallelize(part, mesh, cfg, dec, init=active_fake_mode() is None)
     opt = build_optimizer(part, cfg, device, fused=fused_optimizer(cfg.hardware))
     t, m = cfg.training, cfg.model
-    n_mb, accum = pp_microbatches(cfg, layout), grad_accum_steps(cfg, layout)
+    n_mb, accum = dec.pp_microbatches, dec.grad_accum
     mb = int(t.micro_batch) // n_mb
     first, last = idx == 0, idx == layout.pp - 1
     fsdp = isinstance(part, FSDPModule)

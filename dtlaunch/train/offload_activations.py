@@ -15,7 +15,7 @@ before it reads the result, and the result is recorded on the compute stream). E
 the two streams is an explicit wait, which is what tensor-parallel runs need (collectives enqueued on the
 compute stream read these tensors). Host buffers are pinned, so the copies are asynchronous.
 
-Under `training.compile` (full activation checkpointing only, config.layout.offload_composes_with_compile)
+Under `training.compile` (full activation checkpointing only, config.decisions.offload_composes_with_compile)
 the hooks sit on the eager checkpoint wrapper and the block inside it is what is compiled
 (train.parallel.parallelize.apply_compile): the checkpoint saves the block input through these hooks
 outside the compiled graph, and the compiled block runs again for the recompute in backward.

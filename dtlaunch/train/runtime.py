@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from dtlaunch.config.layout import Layout, grad_accum_steps, pp_microbatches
+from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.layout import Layout
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.loss import head_loss, loss_context, pipeline_loss_fn
 from dtlaunch.train.parallel.process_group import DistEnv
@@ -28,10 +29,9 @@ if TYPE_CHECKING:
 @dataclass
 class Runtime:
     cfg: JobConfig
-    layout: Layout
+    decisions: Decisions  # what the job decides once (config.decisions), as the planner read it
     mesh: Any  # None for the single-process reference in the tests
     device: torch.device
-    accum: int
     model_parts: list
     optimizers: list
     schedulers: list
@@ -49,6 +49,15 @@ class Runtime:
     # hidden states through the head chunk by chunk (dtlaunch.train.loss). Set from the config.
     loss_fn: Callable[..., Any] = field(init=False)
 
+    @property
+    def layout(self) -> Layout:
+        return self.decisions.layout
+
+    @property
+    def accum(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.decisions.grad_accum
+
     def __post_init__(self) -> None:
         from dtlaunch.train.optim import skips_on_device
         from dtlaunch.train.parallel.float8 import scale_precompute
@@ -62,14 +71,16 @@ class Runtime:
         # than the norm itself on a small model. After parallelize the registered parameters are final
         # (FSDP2 registers its sharded ones, which hold the gradients, between steps).
         self.params = [list(m.parameters()) for m in self.model_parts]
-        self.loss_fn = head_loss(self.cfg, self.model_parts)
+        self.loss_fn = head_loss(self.decisions.loss_chunks, self.model_parts)
 
 
-def build_model_parts(cfg: JobConfig, layout: Layout, mesh: Any, env: DistEnv, accum: int, init: bool = True) -> dict:
+def build_model_parts(cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, init: bool = True) -> dict:
     """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
     init=False)."""
     from dtlaunch.train.parallel.parallelize import parallelize
     from dtlaunch.train.peft import apply_peft
+
+    layout = dec.layout
 
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
@@ -81,20 +92,22 @@ def build_model_parts(cfg: JobConfig, layout: Layout, mesh: Any, env: DistEnv, a
     # Adapters + frozen base (peft.method != none), before any layout is applied.
     apply_peft(model, cfg, trained_in_full)
     if layout.pp == 1:
-        return {"model_parts": [parallelize(model, mesh, cfg, layout, init=init)]}
+        return {"model_parts": [parallelize(model, mesh, cfg, dec, init=init)]}
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
 
     pp_mesh = mesh["pp"]
     parts = build_stage_modules(model, cfg, layout, pp_mesh.get_local_rank())
-    parts = [(i, parallelize(part, mesh, cfg, layout, init=init)) for i, part in parts]
-    loss = pipeline_loss_fn(head_loss(cfg, [p for _, p in parts], pipeline=True), pp_microbatches(cfg, layout), accum)
+    parts = [(i, parallelize(part, mesh, cfg, dec, init=init)) for i, part in parts]
+    loss = pipeline_loss_fn(
+        head_loss(dec.loss_chunks, [p for _, p in parts], pipeline=True), dec.pp_microbatches, dec.grad_accum
+    )
     objective = PreferenceObjective.of(cfg)
     if objective is not None:  # the preference loss of each pipeline micro-batch's pairs
         from dtlaunch.train.objectives.pipeline import PreferencePipelineLoss
 
         loss = PreferencePipelineLoss(objective, loss.scale, objective.needs_reference, head=loss.loss_fn)
-    plan = build_schedule(parts, pp_mesh, cfg, layout, loss, env.device)
+    plan = build_schedule(parts, pp_mesh, cfg, dec, loss, env.device)
     return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
 
 
@@ -115,9 +128,10 @@ def build_runtime(
     from dtlaunch.train.parallel.mesh import build_mesh, dp_mesh
 
     layout = layout if layout is not None else Layout.resolve(cfg.strategy, env.world)
+    dec = Decisions.of(cfg, layout)
+    accum = dec.grad_accum
     mesh = mesh if mesh is not None else build_mesh(layout, env.device.type)
-    accum = grad_accum_steps(cfg, layout)
-    built = build_model_parts(cfg, layout, mesh, env, accum, init=init)
+    built = build_model_parts(cfg, dec, mesh, env, init=init)
     parts = built["model_parts"]
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
     group = zero1.get_group() if zero1 is not None else None
@@ -136,10 +150,9 @@ def build_runtime(
         in_backward = InBackward(parts, optimizers, norm_group)
     return Runtime(
         cfg=cfg,
-        layout=layout,
+        decisions=dec,
         mesh=mesh,
         device=env.device,
-        accum=accum,
         model_parts=parts,
         optimizers=optimizers,
         schedulers=[build_scheduler(o, cfg) for o in optimizers],
@@ -147,7 +160,7 @@ def build_runtime(
         pipeline=built.get("pipeline"),
         pipeline_loss=built.get("pipeline_loss"),
         pp_mesh=built.get("pp_mesh"),
-        moe=_router_tracker(cfg, parts, mesh, layout, accum),
+        moe=_router_tracker(cfg, parts, mesh, dec),
         loss_context=lambda: loss_context(cfg, layout),
         objective=(
             GRPOObjective.of(cfg, accum)
@@ -156,12 +169,12 @@ def build_runtime(
             if str(cfg.objective.name) == "reward"
             else PreferenceObjective.of(cfg, cp_group(mesh))
         ),
-        reference=build_reference(cfg, layout, mesh, parts, init=init),
+        reference=build_reference(cfg, dec, mesh, parts, init=init),
         in_backward=in_backward,
     )
 
 
-def _router_tracker(cfg: JobConfig, parts: list, mesh: Any, layout: Layout, accum: int) -> Any:
+def _router_tracker(cfg: JobConfig, parts: list, mesh: Any, dec: Decisions) -> Any:
     """Balancing and router statistics of an MoE model (None for dense ones). The aux loss's gradient
     is scaled like the loss: by 1 / the micro-batches (pipeline ones included) summed into a step."""
     from dtlaunch.train.moe_stats import RouterTracker
@@ -170,6 +183,7 @@ def _router_tracker(cfg: JobConfig, parts: list, mesh: Any, layout: Layout, accu
     # The data-parallel group only for the bias update (the statistics ride on the loop's window sync).
     moe = getattr(cfg.model, "moe", None)  # the MoE family's section; dense families have none
     dp = dp_mesh(mesh, flatten=True) if moe is not None and float(moe.bias_update_rate) > 0 else None
-    n_mb = pp_microbatches(cfg, layout) if layout.pp > 1 else 1
+    layout = dec.layout
+    n_mb = dec.pp_microbatches if layout.pp > 1 else 1
     group = dp.get_group() if dp is not None else None
-    return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (accum * n_mb), pipeline=layout.pp > 1)
+    return RouterTracker.maybe(cfg, parts, group, layout.tp, 1.0 / (dec.grad_accum * n_mb), pipeline=layout.pp > 1)

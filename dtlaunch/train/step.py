@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtlaunch.config.layout import pp_microbatches
 from dtlaunch.train.batch import MicroBatch
 from dtlaunch.train.objectives.pipeline import pipeline_batch
 from dtlaunch.train.optim import step_unless_nonfinite
@@ -142,7 +141,7 @@ def micro_step(
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             loss = rt.pipeline.forward_backward(rt.pipeline_loss, inputs, targets, rt.pp_mesh, rt.loss_context())
         if rt.objective is not None and pair_stats is not None:
-            n = pp_microbatches(rt.cfg, rt.layout) if rt.pipeline.has_last_stage else 0
+            n = rt.decisions.pp_microbatches if rt.pipeline.has_last_stage else 0
             pair_stats.append(rt.pipeline_loss.take_stats(n, rt.device))
         return loss.detach() / rt.accum
     (model,) = rt.model_parts
@@ -159,7 +158,7 @@ def micro_step(
                 ref = batch.rollout if batch.rollout is not None else batch.margins
             out = model(inputs, **extra)
             if rt.objective is not None:
-                # Preference objectives read token log-probs off the full logits (config.layout.loss_chunks).
+                # Preference objectives read token log-probs off the full logits (config.decisions.Decisions.loss_chunks).
                 labels = batch.labels  # objective=kto: each example's label
                 more = {"labels": labels} if labels is not None else {}
                 loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll, **more)

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from dtlaunch.config.layout import rows_per_sample
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.phases import phase, rank_log, startup_stamp
@@ -152,7 +151,7 @@ class Trainer:
         if self.pace is not None and env.rank == 0:
             self.totals.stragglers = StragglerWatch(env.world, float(t.straggler_threshold))
         self.sync = WindowSync(env.device, int(t.log_every), self.loop.steps, float(t.sync_interval_s), pace=self.pace)
-        self.tokens_per_step = rows_per_sample(cfg) * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
+        self.tokens_per_step = rt.decisions.rows_per_sample * rt.accum * int(t.micro_batch) * dp_size * int(t.seq_len)
         # train_step and the loader themselves unless profiling.enabled (then the profiled steps are traced)
         self.step_fn, self.step_loader = profiled(train_step, self.loader, cfg, run_dir, env.rank, env.device)
         # Tests only (debug.*); each wrapper is what it wraps in a real run.

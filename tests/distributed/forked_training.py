@@ -72,7 +72,8 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     """The single-process reference: one process, no mesh, the plain model with the runtime's init,
     optimizer, schedule and step. `prepare(model)` runs on the meta-device model before its init (a
     conversion the layouts also apply, e.g. float8)."""
-    from dtlaunch.config.layout import Layout, grad_accum_steps
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.moe_stats import RouterTracker
     from dtlaunch.train.objectives import PreferenceObjective
@@ -89,21 +90,20 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
         prepare(model)
     materialize_and_init(model, device, int(t.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
-    layout = Layout.resolve(cfg.strategy, 1)
-    accum = grad_accum_steps(cfg, layout)
+    dec = Decisions.of(cfg, Layout.resolve(cfg.strategy, 1))
+    accum = dec.grad_accum
     return Runtime(
         cfg=cfg,
-        layout=layout,
+        decisions=dec,
         mesh=None,
         device=device,
-        accum=accum,
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
         # An MoE model's aux-loss gradient scaled by 1 / accumulation steps, as the worker's runtime does.
         moe=RouterTracker.maybe(cfg, [model], None, 1, 1.0 / accum),
         objective=PreferenceObjective.of(cfg),
-        reference=build_reference(cfg, layout, None, [model]),
+        reference=build_reference(cfg, dec, None, [model]),
     )
 
 
@@ -129,7 +129,8 @@ def train(
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, global_batch
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.validate import validate
     from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
@@ -140,7 +141,7 @@ def train(
     device = torch.device("cpu")
     torch.manual_seed(int(cfg.training.seed))
     t = cfg.training
-    gb = global_batch(cfg, Layout.resolve(cfg.strategy, world))
+    gb = Decisions.of(cfg, Layout.resolve(cfg.strategy, world)).global_batch
 
     def batches(dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> Any:
         if make_batches is not None:

@@ -197,7 +197,8 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, grad_accum_steps
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.errors import DtlaunchError
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint.manager import CheckpointManager
@@ -214,7 +215,7 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     layout = Layout.resolve(cfg.strategy, env.world)
     mesh = build_mesh(layout, "cpu")
     model = build_model(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
-    model = parallelize(model, mesh, cfg, layout)
+    model = parallelize(model, mesh, cfg, Decisions.of(cfg, layout))
     zero1 = dp_mesh(mesh, flatten=True).get_group() if cfg.strategy.zero_stage == 1 else None
     opt = build_optimizer(model, cfg, env.device, zero1_group=zero1)
     sched = build_scheduler(opt, cfg)
@@ -236,7 +237,7 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
             torch.save(state, out.with_suffix(".resume.pt"))
             result["state_after_resume"] = str(out.with_suffix(".resume.pt"))
     steps = stop_at or int(cfg.training.steps)
-    accum = grad_accum_steps(cfg, layout)
+    accum = Decisions.of(cfg, layout).grad_accum
     for step in range(start + 1, steps + 1):
         total = torch.zeros(())
         step_samples: list[int] = []

@@ -25,6 +25,7 @@ def _worker(overrides: list[str]) -> None:
     from torch.distributed.tensor import DTensor
 
     from dtlaunch.config.compose import compose
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.parallel.init_weights import model_param_name
@@ -36,7 +37,7 @@ def _worker(overrides: list[str]) -> None:
     cfg = compose(["model=tiny", f"launch.nproc_per_node={world}", *overrides]).cfg
     env = init_distributed(cfg)
     layout = Layout.resolve(cfg.strategy, world)
-    model = parallelize(build_model(cfg.model), build_mesh(layout, "cpu"), cfg, layout)
+    model = parallelize(build_model(cfg.model), build_mesh(layout, "cpu"), cfg, Decisions.of(cfg, layout))
     ref = build_model(cfg.model, device="cpu")
     ref.init_weights(int(cfg.training.seed))
     want = dict(ref.named_parameters())

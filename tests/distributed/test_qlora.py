@@ -47,7 +47,8 @@ def train(method: str, overrides: list[str], world: int) -> dict:
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.config.layout import Layout, global_batch
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.validate import validate
     from dtlaunch.models.nf4 import is_nf4
     from dtlaunch.train.parallel.frozen_base import convert_frozen_base
@@ -59,7 +60,7 @@ def train(method: str, overrides: list[str], world: int) -> dict:
     device = torch.device("cpu")
     torch.manual_seed(int(cfg.training.seed))
     t = cfg.training
-    gb = global_batch(cfg, Layout.resolve(cfg.strategy, world))
+    gb = Decisions.of(cfg, Layout.resolve(cfg.strategy, world)).global_batch
 
     def batches(dp_rank: int, dp_size: int) -> SeededBatches:
         return SeededBatches(gb, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size))

@@ -150,7 +150,8 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
     from torch.distributed.fsdp import fully_shard
 
-    from dtlaunch.config.layout import Layout, pp_microbatches
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.loss import cross_entropy, loss_context, pipeline_loss_fn
@@ -183,8 +184,9 @@ def _worker(out: Path, overrides: list[str]) -> None:
     opt = torch.optim.SGD(params, lr=LR)
     mb = cfg.training.micro_batch
     if pp_mesh is not None:
-        pp_loss = pipeline_loss_fn(cross_entropy, pp_microbatches(cfg, layout), grad_accum=1)
-        plan = build_schedule(parts, pp_mesh, cfg, layout, pp_loss, device)
+        dec = Decisions.of(cfg, layout)
+        pp_loss = pipeline_loss_fn(cross_entropy, dec.pp_microbatches, grad_accum=1)
+        plan = build_schedule(parts, pp_mesh, cfg, dec, pp_loss, device)
 
     losses, norms = [], []
     for inputs, targets in _batches(cfg, cfg.training.steps, mb * dp_size):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from dtlaunch.config.compose import compose
-from dtlaunch.config.layout import residual_in_compute_dtype
 from dtlaunch.config.validate import validate
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
@@ -37,11 +36,12 @@ MODES = [
 
 def _step(overrides: list[str], offload: bool = True, copy: bool = False) -> tuple[dict, float, torch.Tensor, list]:
     cfg = compose([*BASE, "training.micro_batch=2", *overrides]).cfg
-    layout = validate(cfg).layout
+    decisions = validate(cfg).decisions
+    layout = decisions.layout
     plan = plan_memory(cfg, layout)
     cpu = torch.device("cpu")
     model = model_spec(cfg.model).build(cfg.model, rope_len=64, device="meta")
-    if residual_in_compute_dtype(cfg, layout):
+    if decisions.residual_in_compute_dtype:
         model.keep_residual_in(torch.bfloat16)
     apply_ac(model, cfg.training)
     off = apply_activation_offload(model, cpu, copy=copy) if offload else None

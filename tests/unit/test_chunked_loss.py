@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtlaunch.config.decisions import Decisions
 from dtlaunch.train.loss import chunked_cross_entropy
 
 
@@ -71,7 +72,7 @@ def test_decoder_hidden_only_through_the_runtime_loss() -> None:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     want = cross_entropy(model(inputs), targets)
     want_g = torch.autograd.grad(want, list(model.parameters()))
-    loss_fn = head_loss(cfg, [model])
+    loss_fn = head_loss(Decisions.of(cfg).loss_chunks, [model])
     assert model.hidden_only
     hidden = model(inputs)
     assert hidden.shape == (2, 16, int(cfg.model.dim))
@@ -90,7 +91,7 @@ def test_model_without_the_switch_is_refused() -> None:
 
     cfg = compose(["model=tiny", "training.loss_chunks=4"]).cfg
     with pytest.raises(ConfigError, match="training.loss_chunks=4: .* set training.loss_chunks=1"):
-        head_loss(cfg, [torch.nn.Linear(4, 8)])
+        head_loss(Decisions.of(cfg).loss_chunks, [torch.nn.Linear(4, 8)])
 
 
 @pytest.mark.parametrize("tokens", [128, 1024])  # few tokens per chunk: the weight gradient's sum; many: the logits
@@ -112,7 +113,7 @@ def test_planner_chunk_term_matches_the_measured_peak(tokens: int) -> None:
         base = counter.live
         chunked_cross_entropy(hidden, weight, targets, 8).backward()
     c = SimpleNamespace(
-        last_stage=True, first_stage=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, compute_bytes=4, tp=1, pp=1, sequence_parallel=False,
+        last_stage=True, first_stage=False, decisions=SimpleNamespace(loss_chunks=8), cfg=SimpleNamespace(objective=SimpleNamespace(name="sft")), tokens=tokens, compute_bytes=4, tp=1, pp=1, sequence_parallel=False,
         block_dims=SimpleNamespace(h=h, vocab=v), fsdp=False, zero_stage=0, autocast=False, peft=None,
     )  # fmt: skip
     # The hidden states' gradient, made in forward: in a model it takes the place of the final norm's
@@ -139,7 +140,7 @@ def test_hf_auto_hidden_states_through_the_chunked_loss(tiny_hf_dirs) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     want = cross_entropy(model(inputs), targets)
     want_g = torch.autograd.grad(want, params)
-    loss_fn = head_loss(cfg, [model])
+    loss_fn = head_loss(Decisions.of(cfg).loss_chunks, [model])
     got = loss_fn(model(inputs), targets)
     got_g = torch.autograd.grad(got, params)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
@@ -178,7 +179,7 @@ def test_fused_bf16_matches_autograd_and_its_plan() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0)
     assert max(_rel(a.float(), b.float()) for a, b in zip(got_g, want_g, strict=True)) <= 1e-2
     c = SimpleNamespace(
-        last_stage=True, first_stage=False, cfg=SimpleNamespace(training=SimpleNamespace(loss_chunks=8), objective=SimpleNamespace(name="sft")), tokens=tokens, compute_bytes=2, tp=1, pp=1, sequence_parallel=False,
+        last_stage=True, first_stage=False, decisions=SimpleNamespace(loss_chunks=8), cfg=SimpleNamespace(objective=SimpleNamespace(name="sft")), tokens=tokens, compute_bytes=2, tp=1, pp=1, sequence_parallel=False,
         block_dims=SimpleNamespace(h=h, vocab=v), fsdp=True, zero_stage=2, autocast=False, peft=None, head_unit=False,
     )  # fmt: skip
     planned = loss_backward_bytes(c) + 2 * tokens * h  # + the hidden states' gradient (see above)

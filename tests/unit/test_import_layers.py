@@ -18,12 +18,13 @@ PACKAGE = Path(dtlaunch.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaves: the error classes and exit codes, the terminal's table layout.
     ("leaves", ("dtlaunch", "dtlaunch.errors", "dtlaunch.report.tables")),
-    # The typed schema (the only home of defaults) and the layout arithmetic: no I/O.
+    # The typed schema (the only home of defaults), the layout arithmetic and the decisions made from them: no I/O.
     (
         "schema",
         (
             "dtlaunch.config.schema",
             "dtlaunch.config.layout",
+            "dtlaunch.config.decisions",
             "dtlaunch.config.assets",
             "dtlaunch.config.yaml_check",
             "dtlaunch.config.weight_source",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dtlaunch.config.compose import compose
+from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 from dtlaunch.plan.stage import plan_stage
@@ -64,7 +65,7 @@ def test_lowbit_without_torchao_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))
     cfg = compose([*TINY, "optim.name=adamw8bit"]).cfg
     with pytest.raises(ConfigError, match=r"pip install 'dtlaunch\[lowbit-optim\]'"):
-        check_optim(cfg, Layout.resolve(cfg.strategy, 1), [])
+        check_optim(cfg, Decisions.of(cfg, Layout.resolve(cfg.strategy, 1)), [])
 
 
 def test_in_backward_plans_no_gradients_at_the_step() -> None:

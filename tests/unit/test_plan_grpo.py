@@ -106,7 +106,6 @@ def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit
     """qwen3_8b_grpo_fsdp with 256 rows a rank: gathered whole for generation it needs 82 GiB of the H100's
     79; one unit at a time fits (70 GiB), and `auto` (the default) chooses it, says so, and the step-time model
     charges an all-gather per decode step. At the recipe's own 8 rows `auto` stays whole."""
-    from dtlaunch.config.layout import generation_gather
     from dtlaunch.plan.generation_time import generation_seconds
 
     def planned(*extra: str):
@@ -128,7 +127,7 @@ def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit
     gen = whole.worst.phases[PHASE_GENERATION] - auto.worst.phases[PHASE_GENERATION]
     assert 10 * GIB < gen < 15.3 * GIB  # the whole bf16 model (15.3 GiB), less the embedding and one block's gather
     unit_job, _ = planned("training.global_batch=2048", "objective.generation_gather=unit")
-    assert generation_gather(unit_job.cfg, unit_job.layout) == "unit"
+    assert unit_job.decisions.generation_gather == "unit"
     slow = generation_seconds(unit_job.cfg, unit_job.layout, 0.5)
     assert slow > generation_seconds(job.cfg, job.layout, 0.5)  # job: auto reads as whole before the plan
     _, small = planned()

@@ -67,7 +67,7 @@ def test_frozen_moe_block_saves_what_the_planner_says(autocast: bool, shared: li
     }
     cfg = load_job([*MOE_LORA, *shared] + (["precision=bf16"] if autocast else [])).cfg
     e = 2 if autocast else 4
-    ft = peft_terms(cfg, 1, 1, False, 1, e, autocast)
+    ft = peft_terms(cfg, 1, 1, False, 1, e, autocast, rank_tokens=tokens)
     assert ft is not None
     planned = ft.act_block + ft.adapter_act
     if autocast:

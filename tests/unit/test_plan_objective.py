@@ -156,10 +156,8 @@ def test_preference_chunks_drop_the_logits(lora: list[str]) -> None:
     ],
 )
 def test_auto_loss_chunks_chunk_only_large_logits(overrides: list[str], chunks: int) -> None:
-    """training.loss_chunks=0 (the default): one decision (config.layout.loss_chunks) the planner and the
+    """training.loss_chunks=0 (the default): one decision (config.decisions.Decisions.loss_chunks) the planner and the
     loss both read, from one rank's micro-batch logits."""
-    from dtlaunch.config.layout import loss_chunks
-
     job = load_job([*BASE, *overrides])
     assert int(job.cfg.training.loss_chunks) == (0 if not any("loss_chunks" in o for o in overrides) else chunks)
-    assert loss_chunks(job.cfg) == chunks
+    assert job.decisions.loss_chunks == chunks

@@ -38,7 +38,7 @@ def test_planned_adapter_count_is_the_lora_models(targets: str | None, rank: int
     model = model_spec(cfg.model).build(cfg.model, rope_len=32, device="meta")
     apply_peft(model, cfg)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ft = peft_terms(cfg, int(cfg.model.n_layers), 1, False, 1, 2, False)
+    ft = peft_terms(cfg, int(cfg.model.n_layers), 1, False, 1, 2, False, rank_tokens=32.0)
     assert ft is not None and ft.adapters == trained > 0
 
 
@@ -68,7 +68,7 @@ def test_lora_plan_is_below_full_training_and_frozen_base_has_no_optimizer_bytes
     lora = load_job([*TINY, "peft=lora", "strategy=zero3", "launch.nproc_per_node=2"])
     pf, pl = plan_memory(full.cfg, full.layout), plan_memory(lora.cfg, lora.layout)
     assert pl.peak < pf.peak
-    ft = peft_terms(lora.cfg, int(lora.cfg.model.n_layers), 1, False, 2, 2, False)
+    ft = peft_terms(lora.cfg, int(lora.cfg.model.n_layers), 1, False, 2, 2, False, rank_tokens=32.0)
     assert ft is not None
     assert (
         plan_memory(lora.cfg, lora.layout).to_dict()["stages"][0]["phases"]["optimizer"] < pf.worst.phases["optimizer"]

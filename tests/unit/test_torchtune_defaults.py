@@ -1,7 +1,7 @@
 """torchtune's five published Llama-3.1 fine-tuning peaks against dtlaunch's plan: each row is a shipped
 recipe plus torchtune's own job settings (model, method, GPUs, batch 2 x 2048, compile, full AC; the full
 fine-tunes' CPU offload). Four need no memory saver on the command line: the saver the defaults turn on
-(activation offload under full AC, config.layout.activation_offload) costs no step time by the plan's
+(activation offload under full AC, config.decisions.Decisions.activation_offload) costs no step time by the plan's
 step-time model. The 70B full fine-tune is the exception: under strategy.cpu_offload the host link is
 already busy, so the default leaves activation offload off (it would add its copies to the step) and the
 row names it. Published figures: pytorch/torchtune README (bench/results/peft-compare.md)."""
@@ -13,7 +13,6 @@ import copy
 import pytest
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config.layout import activation_offload
 from dtlaunch.plan.memory import GIB, plan_memory
 from dtlaunch.plan.search import step_time
 
@@ -44,15 +43,12 @@ def test_torchtune_row_at_or_under_its_peak_with_defaults(row: str) -> None:
     published, args = ROWS[row]
     if row in NOT_FREE:
         job = load_job(args)
-        assert (
-            not activation_offload(job.cfg, job.layout.pp)
-            and not plan_memory(job.cfg, job.layout).peak / GIB <= published
-        )
+        assert not job.decisions.activation_offload and not plan_memory(job.cfg, job.layout).peak / GIB <= published
         args = [*args, NOT_FREE[row]]
     job = load_job(args)
     plan = plan_memory(job.cfg, job.layout)
     assert plan.fits and plan.peak / GIB <= published, (row, plan.peak / GIB)
-    if row in NOT_FREE or not activation_offload(job.cfg, job.layout.pp):
+    if row in NOT_FREE or not job.decisions.activation_offload:
         return
     kept = copy.deepcopy(job.cfg)
     kept.training.activation_offload = False

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, generation_gather, global_batch
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -84,26 +84,26 @@ def check_grpo(cfg: JobConfig, notes: list[str]) -> None:
             )
 
 
-def check_grpo_layout(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_grpo_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     if str(cfg.objective.name) != "grpo":
         return
-    problem = grpo_layout_problem(cfg, layout)
+    problem = grpo_layout_problem(cfg, d)
     if problem:
         raise ConfigError(problem)
     mode = str(cfg.objective.generation_gather)
-    if mode != "auto" and not generation_gather(cfg, layout):
+    if mode != "auto" and not d.generation_gather:
         raise ConfigError(
             f"objective.generation_gather={mode} chooses how FSDP ZeRO-3 holds the weights while generating, and "
             f"this job does not shard them that way (strategy.zero_stage={cfg.strategy.zero_stage} over "
-            f"{layout.dp} data-parallel rank(s)): leave objective.generation_gather=auto"
+            f"{d.layout.dp} data-parallel rank(s)): leave objective.generation_gather=auto"
         )
 
 
-def grpo_layout_problem(cfg: JobConfig, layout: Layout) -> str:
-    """Why objective=grpo cannot run on `layout` ("" when it can); `validate` refuses it and `plan --search`
+def grpo_layout_problem(cfg: JobConfig, d: Decisions) -> str:
+    """Why objective=grpo cannot run on the decided layout ("" when it can); `validate` refuses it and `plan --search`
     skips it. The generation batch is whole groups: every prompt's G completions in the same optimizer step,
     on the same data-parallel rank (the group's mean and std are taken there)."""
-    g = int(cfg.objective.num_generations)
+    g, layout = int(cfg.objective.num_generations), d.layout
     if layout.pp > 1:
         return (
             f"objective=grpo does not generate under pipeline parallel (strategy.pp={layout.pp}): use "
@@ -116,10 +116,10 @@ def grpo_layout_problem(cfg: JobConfig, layout: Layout) -> str:
             f"objective=grpo does not generate under strategy.cp={layout.cp} yet: use strategy.cp=1 "
             f"(FSDP, strategy=fsdp, or tensor parallel, strategy.tp, shards a model that does not fit one GPU)"
         )
-    per_rank = global_batch(cfg, layout) // max(layout.dp, 1)
-    if global_batch(cfg, layout) % g or per_rank % g:
+    per_rank = d.global_batch // max(layout.dp, 1)
+    if d.global_batch % g or per_rank % g:
         return (
-            f"training.global_batch={global_batch(cfg, layout)} ({per_rank} completions per data-parallel rank) "
+            f"training.global_batch={d.global_batch} ({per_rank} completions per data-parallel rank) "
             f"is not a multiple of objective.num_generations={g}: set training.global_batch to a multiple of "
             f"{g * max(layout.dp, 1)}"
         )

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, autocast_compute, residual_in_compute_dtype
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.registry import model_spec
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
-def check_mlp_tiles(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_mlp_tiles(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     n = int(cfg.training.mlp_tiles)
     if n <= 1:
         return
-    if layout.tp > 1 and cfg.strategy.sequence_parallel:
+    if d.layout.tp > 1 and cfg.strategy.sequence_parallel:
         # The MLP's input is then a sequence-sharded DTensor that TP's styles gather inside the MLP.
         raise ConfigError(
             f"training.mlp_tiles={n} does not combine with strategy.sequence_parallel=true: "
@@ -29,13 +29,13 @@ def check_mlp_tiles(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_residual_dtype(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_residual_dtype(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     p = cfg.precision
     want = str(p.residual_dtype)
     if want == "auto":
         return
     if want == "fp32":
-        if str(p.param_dtype) != "fp32" and not autocast_compute(cfg, layout):
+        if str(p.param_dtype) != "fp32" and not d.autocast:
             # FSDP's mixed-precision policy casts every block's input to the compute dtype.
             raise ConfigError(
                 f"precision.residual_dtype=fp32 is not supported under FSDP with precision.param_dtype="
@@ -47,15 +47,15 @@ def check_residual_dtype(cfg: JobConfig, layout: Layout, notes: list[str]) -> No
             f"precision.residual_dtype={want} keeps the residual stream in the compute dtype, but "
             f"precision.param_dtype={p.param_dtype}: set precision.param_dtype={want} or precision.residual_dtype=auto"
         )
-    if not residual_in_compute_dtype(cfg, layout):
+    if not d.residual_in_compute_dtype:
         return  # FSDP's mixed precision already keeps it there
     if not model_spec(cfg.model).ring_attention:  # the registry's own decoders
         raise ConfigError(
             f"precision.residual_dtype={want} is applied by the registry's decoders, not model.arch="
             f"{cfg.model.arch}: use precision.residual_dtype=auto"
         )
-    if layout.pp > 1:
+    if d.layout.pp > 1:
         raise ConfigError(
-            f"precision.residual_dtype={want} is not supported with strategy.pp={layout.pp} (the stages "
+            f"precision.residual_dtype={want} is not supported with strategy.pp={d.layout.pp} (the stages "
             f"exchange fp32 hidden states): use strategy.pp=1 or precision.residual_dtype=auto"
         )

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -25,3 +26,10 @@ def check_model_shape(cfg: JobConfig, notes: list[str]) -> None:
                 f"drop the override or pick the model.arch that has it"
             )
     spec.check_config(cfg)
+
+
+def check_model_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    """The family's own rules on the resolved layout (its registry entry's `check_layout`)."""
+    from dtlaunch.models.registry import model_spec
+
+    model_spec(cfg.model).check_config_layout(cfg, d)

@@ -17,6 +17,7 @@ from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -126,10 +127,11 @@ def check_reward(cfg: JobConfig) -> None:
         )
 
 
-def check_reward_layout(cfg: JobConfig, layout: Any, notes: list[str]) -> None:
+def check_reward_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     """objective=reward runs on data parallel layouts only (DDP, ZeRO-1/2/3): see check_reward."""
     if str(cfg.objective.name) != "reward":
         return
+    layout = d.layout
     for key, value in (("strategy.tp", layout.tp), ("strategy.pp", layout.pp), ("strategy.cp", layout.cp)):
         if int(value) > 1:
             raise ConfigError(
@@ -193,7 +195,8 @@ def kto_layout_problem(cfg: JobConfig, layout: Layout, micro_batch: int) -> str:
     return ""
 
 
-def check_kto_layout(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_kto_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     if str(cfg.objective.name) != "kto":
         return
     problem = kto_layout_problem(cfg, layout, int(cfg.training.micro_batch))

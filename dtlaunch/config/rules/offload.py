@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, offload_composes_with_compile
+from dtlaunch.config.decisions import offload_composes_with_compile
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.schema import JobConfig
 
 
-def check_offload(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_offload(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     t, s = cfg.training, cfg.strategy
     # Only an explicit true is checked: the default (null) turns offload on only where these rules allow it.
     if (t.activation_offload or s.cpu_offload) and float(cfg.hardware.host_memory_gib) == 0:
@@ -22,16 +24,16 @@ def check_offload(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
             f"set hardware.host_memory_gib=<GiB of RAM per node>"
         )
     if t.activation_offload:
-        _check_activation_offload(cfg, layout)
+        _check_activation_offload(cfg, d.layout)
     if s.cpu_offload:
-        _check_cpu_offload(cfg, layout)
+        _check_cpu_offload(cfg, d.layout)
 
 
 def _check_activation_offload(cfg: JobConfig, layout: Layout) -> None:
     t = cfg.training
     if t.compile and not offload_composes_with_compile(t.activation_checkpointing):
         # Each block is compiled inside its checkpoint wrapper, the hooks outside it: every block must be
-        # checkpointed whole for the hooks to see only block inputs (config.layout).
+        # checkpointed whole for the hooks to see only block inputs (config.decisions).
         raise ConfigError(
             f"training.activation_offload=true with training.compile=true needs "
             f"training.activation_checkpointing=full, not {t.activation_checkpointing} (the offload hooks "
@@ -47,7 +49,7 @@ def _check_activation_offload(cfg: JobConfig, layout: Layout) -> None:
 
 def _check_cpu_offload(cfg: JobConfig, layout: Layout) -> None:
     """FSDP2's CPUOffloadPolicy, on any number of data-parallel ranks: on one, FSDP shards nothing and only
-    keeps the parameters, gradients and optimizer state on the host (config.layout.shards_with_fsdp)."""
+    keeps the parameters, gradients and optimizer state on the host (config.decisions.Decisions.fsdp)."""
     s = cfg.strategy
     if int(s.zero_stage) < 2:
         raise ConfigError(

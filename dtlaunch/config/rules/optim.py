@@ -17,16 +17,18 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, grad_accum_steps
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
     from dtlaunch.config.schema import JobConfig
 
 LOWBIT = ("adamw8bit", "adamw4bit")
 
 
-def check_optim(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_optim(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     o = cfg.optim
     name, state = str(o.name), str(o.state_dtype)
     if name in LOWBIT:
@@ -34,7 +36,7 @@ def check_optim(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     if state == "bf16":
         check_bf16_state(cfg, name)
     if o.in_backward:
-        check_in_backward(cfg, layout)
+        check_in_backward(cfg, d)
 
 
 def check_lowbit(cfg: JobConfig, layout: Layout, name: str) -> None:
@@ -72,8 +74,8 @@ def check_bf16_state(cfg: JobConfig, name: str) -> None:
         )
 
 
-def check_in_backward(cfg: JobConfig, layout: Layout) -> None:
-    accum = grad_accum_steps(cfg, layout)
+def check_in_backward(cfg: JobConfig, d: Decisions) -> None:
+    layout, accum = d.layout, d.grad_accum
     if accum > 1:
         raise ConfigError(
             f"optim.in_backward=true with {accum} gradient accumulation micro-steps (training.global_batch="

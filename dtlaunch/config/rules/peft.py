@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 QLORA_DTYPES = ("bf16", "fp32")
@@ -58,10 +59,9 @@ def check_peft(cfg: JobConfig, notes: list[str]) -> None:
 def check_target_experts(cfg: JobConfig) -> None:
     """peft.target_experts: a model with routed experts, no dropout (PEFT's `target_parameters` adapters
     have none: it cannot be factored out of a merged weight), and experts whole or split by expert
-    parallel, not by tensor parallel's width split."""
+    parallel, not by tensor parallel's width split (check_target_experts_layout)."""
     if not bool(cfg.peft.target_experts):
         return
-    from dtlaunch.config.layout import Layout, world_size
     from dtlaunch.models.registry import routed_experts
 
     m = cfg.model
@@ -74,8 +74,11 @@ def check_target_experts(cfg: JobConfig) -> None:
             f"peft.dropout={cfg.peft.dropout} with peft.target_experts=true: the experts' adapters are merged into "
             "their weights (as PEFT's target_parameters), which leaves no input to drop: set peft.dropout=0"
         )
-    tp = Layout.resolve(cfg.strategy, world_size(cfg)).tp
-    if tp > 1:
+
+
+def check_target_experts_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    tp = d.layout.tp
+    if bool(cfg.peft.target_experts) and tp > 1:
         raise ConfigError(
             f"peft.target_experts=true with strategy.tp={tp}: the experts' adapters are not split over tensor-"
             "parallel ranks yet: set strategy.tp=1 (FSDP or expert parallel) or peft.target_experts=false"

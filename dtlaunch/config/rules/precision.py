@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -47,7 +47,8 @@ def check_float8(cfg: JobConfig) -> None:
         raise ConfigError("precision.float8_emulate=true runs eagerly only: set training.compile=false")
 
 
-def check_float8_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_float8_tensor_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     hw, la = cfg.hardware, cfg.launch
     gloo = la.backend == "gloo" or (la.backend == "auto" and int(hw.gpus_per_node) == 0)
     if cfg.precision.float8 == "tensorwise" and layout.tp > 1 and cfg.strategy.sequence_parallel and gloo:

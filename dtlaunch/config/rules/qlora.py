@@ -14,6 +14,7 @@ from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -27,7 +28,8 @@ def fsdp_shards(cfg: JobConfig, layout: Layout) -> int:
     return layout.dp_replicate * layout.shard
 
 
-def check_qlora(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_qlora(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     if str(cfg.peft.method) != "qlora":
         return
     import importlib.util

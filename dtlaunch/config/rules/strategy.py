@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers, ulysses_kv_heads, world_size
+from dtlaunch.config.layout import Layout, pp_stage_layers, ulysses_kv_heads, world_size
 from dtlaunch.config.schema import MULTI_STAGE_SCHEDULES, PP_SCHEDULES, SPLIT_BACKWARD, CpStyle
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -16,7 +17,8 @@ def check_layout(cfg: JobConfig, notes: list[str]) -> Layout:
     return Layout.resolve(cfg.strategy, world_size(cfg))
 
 
-def check_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_tensor_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     if layout.tp == 1:
         return
     from dtlaunch.models.registry import model_spec
@@ -39,9 +41,10 @@ def check_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> N
         )
 
 
-def check_context_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_context_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     """strategy.cp: 2·cp equal chunks per sequence (load balancing), plain causal attention of a
     registry decoder, and the layouts the ring attention composes with."""
+    layout = d.layout
     cp = layout.cp
     if cp == 1:
         return
@@ -119,7 +122,8 @@ def check_ulysses(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_pipeline(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_pipeline(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     s = cfg.strategy
     name = s.pp_schedule
     if name not in PP_SCHEDULES and not name.startswith("Schedule"):
@@ -183,7 +187,7 @@ def check_pipeline(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
     split = pp_stage_layers(n_layers, stages, list(s.pp_layers_per_stage))
     if len(set(split)) > 1:
         notes.append(f"uneven pipeline split: layers per stage {split}")
-    n_mb = pp_microbatches(cfg, layout)
+    n_mb = d.pp_microbatches
     if n_mb < layout.pp:
         raise ConfigError(
             f"strategy.pp_microbatches={n_mb} is fewer than the {layout.pp} pipeline ranks: the pipeline "
@@ -196,10 +200,11 @@ def check_pipeline(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
         )
 
 
-def check_moe_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_moe_tensor_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     """Tensor parallel splits each routed expert on its width (dtlaunch.models.moe.tp_plan); expert parallel
     splits the experts among ranks. Both at once would split the same 3-D parameters twice, which the
     dispatch does not do yet."""
+    layout = d.layout
     from dtlaunch.models.registry import routed_experts
 
     if layout.tp == 1 or layout.ep == 1 or not routed_experts(cfg.model):
@@ -211,8 +216,9 @@ def check_moe_tensor_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) 
     )
 
 
-def check_expert_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_expert_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     """strategy.ep: a MoE model, FSDP, and a degree dividing both the experts and the shard ranks."""
+    layout = d.layout
     ep = layout.ep
     if ep == 1:
         return
@@ -246,7 +252,8 @@ def check_expert_parallel(cfg: JobConfig, layout: Layout, notes: list[str]) -> N
         )
 
 
-def check_zero(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
+def check_zero(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    layout = d.layout
     z = cfg.strategy.zero_stage
     if z not in (0, 1, 2, 3):
         raise ConfigError(f"strategy.zero_stage={z} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3 (FSDP full shard)")

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.layout import Layout, global_batch
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig, TrainingConfig
 
 
-def check_batch(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
-    gb = global_batch(cfg, layout)
-    per_step = cfg.training.micro_batch * layout.dp
+def check_batch(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
+    gb, dp = d.global_batch, d.layout.dp
+    per_step = cfg.training.micro_batch * dp
     if gb % per_step:
         raise ConfigError(
             f"training.global_batch={gb} is not divisible by micro_batch x dp = {cfg.training.micro_batch} x "
-            f"{layout.dp} = {per_step}: set training.global_batch to a multiple of {per_step}"
+            f"{dp} = {per_step}: set training.global_batch to a multiple of {per_step}"
         )
 
 

@@ -37,5 +37,6 @@ SPEC = register(
         ring_attention=False,
         config=DeepseekV3ModelConfig,
         check="dtlaunch.models.deepseek_v3.check:check",
+        check_layout="dtlaunch.models.deepseek_v3.check:check_layout",
     )
 )

@@ -11,6 +11,7 @@ from dtlaunch.models.glm4_moe.check import check_config_json_moe
 from dtlaunch.models.moe.check import check as moe_check
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 
@@ -23,11 +24,11 @@ def check(cfg: JobConfig) -> None:
             f"model.qk_rope_head_dim={rope}: model.arch=deepseek_v3 rotates pairs of dims: set an even number >= 2"
         )
     check_config_json_moe(cfg, "deepseek_v3")
-    from dtlaunch.config.layout import Layout, world_size
 
-    # The resolved degree: strategy=tp's tp=-1 means every rank.
-    layout = Layout.resolve(cfg.strategy, world_size(cfg))
-    heads = int(m.n_heads)
+
+def check_layout(cfg: JobConfig, d: Decisions) -> None:
+    """On the resolved layout (strategy=tp's tp=-1 means every rank)."""
+    layout, heads = d.layout, int(cfg.model.n_heads)
     if layout.tp > 1 and heads % layout.tp:
         raise ConfigError(
             f"model.n_heads={heads} (num_attention_heads) is not divisible by strategy.tp={layout.tp}: "

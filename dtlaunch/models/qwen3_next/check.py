@@ -12,6 +12,7 @@ from dtlaunch.models.dense.check import check as dense_check
 from dtlaunch.models.moe.check import check as moe_check
 
 if TYPE_CHECKING:
+    from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.schema import JobConfig
 
 KINDS = ("linear_attention", "full_attention")
@@ -54,11 +55,13 @@ def check_linear_blocks(cfg: JobConfig) -> None:
             f"objective.generation_compile=true: {arch}'s linear blocks decode from a recurrent "
             "state that the compiled static-cache step does not hold yet: set objective.generation_compile=false"
         )
-    from dtlaunch.config.layout import Layout, world_size
 
-    layout = Layout.resolve(cfg.strategy, world_size(cfg))  # strategy=tp's tp=-1 means every rank
+
+def check_layout(cfg: JobConfig, d: Decisions) -> None:
+    """On the resolved layout (strategy=tp's tp=-1 means every rank): no TP or CP of the linear blocks."""
+    arch = f"model.arch={cfg.model.arch}"
     for key in ("tp", "cp"):
-        degree = int(getattr(layout, key))
+        degree = int(getattr(d.layout, key))
         if degree > 1:
             raise ConfigError(
                 f"strategy.{key}={degree}: {arch}'s Gated DeltaNet blocks are not sharded by "

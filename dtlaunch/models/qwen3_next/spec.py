@@ -28,5 +28,7 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
         block_linears=linears,
         activations=None,
         ring_attention=False,
+        # No tensor or context parallel of the Gated DeltaNet blocks yet, in every hybrid.
+        check_layout="dtlaunch.models.qwen3_next.check:check_layout",
         **fields,
     )

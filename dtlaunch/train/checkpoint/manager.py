@@ -136,10 +136,10 @@ class CheckpointManager:
         return {f"rank{self.rank}": rng}
 
     def _trainer_state(self, step: int) -> dict:
-        from dtlaunch.config.layout import Layout, global_batch
+        from dtlaunch.config.decisions import Decisions
+        from dtlaunch.config.layout import Layout
 
-        lay = Layout.resolve(self.cfg.strategy, self.world)
-        gb = global_batch(self.cfg, lay)
+        gb = Decisions.of(self.cfg, Layout.resolve(self.cfg.strategy, self.world)).global_batch
         loader_state = self.loader.state_dict() if self.loader is not None else {}
         return {
             "format": FORMAT_VERSION,

@@ -80,10 +80,9 @@ def pipeline_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of one preference micro-step for the schedule (`batch`'s rows, on the device): rows
     regrouped per pipeline micro-batch, the targets carrying the reference's log-probs (DPO)."""
-    from dtlaunch.config.layout import pp_microbatches
     from dtlaunch.train.parallel.parallelize import compute_context
 
-    order = pair_rows(inputs.shape[0] // 2, pp_microbatches(rt.cfg, rt.layout)).to(inputs.device)
+    order = pair_rows(inputs.shape[0] // 2, rt.decisions.pp_microbatches).to(inputs.device)
     ref = None
     if rt.reference is not None:  # in the contexts the policy's forward and loss run in
         with rt.loss_context(), compute_context(rt.model_parts, rt.cfg, rt.device):

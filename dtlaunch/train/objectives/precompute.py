@@ -75,7 +75,7 @@ def precomputed_reference(cfg: JobConfig, run_dir: Path, rt: Any, loader: TokenL
 
 
 def score_pairs(cfg: JobConfig, rt: Any, loader: TokenLoader, n: int) -> np.ndarray:
-    reference = build_reference(cfg, rt.layout, rt.mesh, rt.model_parts, live=True)
+    reference = build_reference(cfg, rt.decisions, rt.mesh, rt.model_parts, live=True)
     dp_rank, dp_size = dp_rank_size(rt.mesh) if rt.mesh is not None else (0, 1)
     cp_rank, cp_size = cp_rank_size(rt.mesh) if rt.mesh is not None else (0, 1)
     mb = loader.micro_batch

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from dtlaunch.config.layout import Layout
+from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import adapters_disabled
@@ -77,7 +77,7 @@ def uses_adapters_off(cfg: JobConfig) -> bool:
 
 
 def build_reference(
-    cfg: JobConfig, layout: Layout, mesh: Any, parts: list, live: bool = False, init: bool = True
+    cfg: JobConfig, dec: Decisions, mesh: Any, parts: list, live: bool = False, init: bool = True
 ) -> Optional[Any]:
     """The reference of this rank for objective=dpo / kto (None otherwise). live=True: a model even when
     objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
@@ -87,40 +87,38 @@ def build_reference(
         return None
     if bool(cfg.objective.precompute_reference) and not live:
         return Precomputed()
-    if layout.pp > 1:
-        return _pipeline_reference(cfg, layout, mesh, parts, init)
+    if dec.layout.pp > 1:
+        return _pipeline_reference(cfg, dec, mesh, parts, init)
     from dtlaunch.train.loss import head_loss
 
     group = cp_group(mesh)
     if uses_adapters_off(cfg):
-        return AdaptersOff(parts[0], group, head_loss(cfg, parts))
-    copy = frozen_copy(cfg, layout, mesh, _device(parts), init)
-    return FrozenCopy(copy, group, head_loss(cfg, [copy]))
+        return AdaptersOff(parts[0], group, head_loss(dec.loss_chunks, parts))
+    copy = frozen_copy(cfg, dec, mesh, _device(parts), init)
+    return FrozenCopy(copy, group, head_loss(dec.loss_chunks, [copy]))
 
 
-def _pipeline_reference(cfg: JobConfig, layout: Layout, mesh: Any, parts: list, init: bool) -> Any:
+def _pipeline_reference(cfg: JobConfig, dec: Decisions, mesh: Any, parts: list, init: bool) -> Any:
     """Under pipeline parallel: the policy's own stages with their adapters off, or a frozen copy split into
     this rank's stages (dtlaunch.train.objectives.pipeline_reference)."""
-    from dtlaunch.config.layout import pp_microbatches
     from dtlaunch.train.objectives.pipeline_reference import PipelineReference, stage_owners
     from dtlaunch.train.parallel.pipeline import build_stage_modules, stage_ids
 
-    s, pp_mesh = cfg.strategy, mesh["pp"]
+    s, pp_mesh, layout = cfg.strategy, mesh["pp"], dec.layout
     rank = pp_mesh.get_local_rank()
     if uses_adapters_off(cfg):
         stages = list(zip(stage_ids(rank, layout.pp, int(s.pp_stages_per_rank), s.pp_schedule), parts, strict=True))
     else:
         model, ref_cfg, weights = _frozen_model(cfg, init)
         stages = [
-            (i, _parallelize_frozen(part, mesh, ref_cfg, layout, init, weights))
+            (i, _parallelize_frozen(part, mesh, ref_cfg, dec, init, weights))
             for i, part in build_stage_modules(model, ref_cfg, layout, rank)
         ]
     from dtlaunch.train.loss import head_loss
 
     owners = stage_owners(layout.pp, int(s.pp_stages_per_rank), s.pp_schedule)
-    head = head_loss(cfg, [m for _, m in stages], pipeline=True)  # the last stage's head, where this rank has it
-    n_mb = pp_microbatches(cfg, layout)
-    return PipelineReference(stages, owners, pp_mesh.get_group(), n_mb, uses_adapters_off(cfg), head)
+    head = head_loss(dec.loss_chunks, [m for _, m in stages], pipeline=True)  # the last stage's, where this rank has it
+    return PipelineReference(stages, owners, pp_mesh.get_group(), dec.pp_microbatches, uses_adapters_off(cfg), head)
 
 
 def cp_group(mesh: Any) -> Optional[Any]:
@@ -135,7 +133,7 @@ def _device(parts: list) -> torch.device:
     return next(p.device for m in parts for p in m.parameters())
 
 
-def frozen_copy(cfg: JobConfig, layout: Layout, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
+def frozen_copy(cfg: JobConfig, dec: Decisions, mesh: Any, device: torch.device, init: bool = True) -> nn.Module:
     """The reference model, parallelised like the policy (without DDP) and initialised: from the same seed
     (reference=base: the policy's initial weights, model.init_from included), from reference=hf:DIR or from
     the checkpoint of reference=RUN_DIR."""
@@ -145,15 +143,16 @@ def frozen_copy(cfg: JobConfig, layout: Layout, mesh: Any, device: torch.device,
 
         materialize_and_init(model, device, int(cfg.training.seed), init_source=model, weights=weights)
         return model.eval()
-    return _parallelize_frozen(model, mesh, ref_cfg, layout, init, weights)
+    return _parallelize_frozen(model, mesh, ref_cfg, dec, init, weights)
 
 
 def _parallelize_frozen(
-    model: nn.Module, mesh: Any, ref_cfg: JobConfig, layout: Layout, init: bool, weights: Any
+    model: nn.Module, mesh: Any, ref_cfg: JobConfig, dec: Decisions, init: bool, weights: Any
 ) -> nn.Module:
     from dtlaunch.train.parallel.parallelize import parallelize
 
-    return parallelize(model, mesh, ref_cfg, layout, init=init, frozen=True, weights=weights).eval()
+    # ref_cfg differs from the policy's job only in peft.method and model.init_from, which decide nothing there.
+    return parallelize(model, mesh, ref_cfg, dec, init=init, frozen=True, weights=weights).eval()
 
 
 def _frozen_model(cfg: JobConfig, init: bool) -> tuple[nn.Module, JobConfig, Any]:
@@ -212,7 +211,7 @@ class TokenReference:
 
 
 def grpo_reference(
-    cfg: JobConfig, layout: Layout, mesh: Any, parts: list, init: bool = True
+    cfg: JobConfig, dec: Decisions, mesh: Any, parts: list, init: bool = True
 ) -> Optional[TokenReference]:
     """The reference of objective=grpo (None when objective.beta is 0: none is held)."""
     if str(cfg.objective.name) != "grpo" or float(cfg.objective.beta) == 0.0:
@@ -221,6 +220,6 @@ def grpo_reference(
 
     temperature = float(cfg.objective.temperature)  # the reference's log-probs are of logits / T too (TRL)
     if str(cfg.peft.method) != "none":
-        return TokenReference(parts[0], head_loss(cfg, parts), adapters_off=True, temperature=temperature)
-    copy = frozen_copy(cfg, layout, mesh, _device(parts), init)
-    return TokenReference(copy, head_loss(cfg, [copy]), adapters_off=False, temperature=temperature)
+        return TokenReference(parts[0], head_loss(dec.loss_chunks, parts), adapters_off=True, temperature=temperature)
+    copy = frozen_copy(cfg, dec, mesh, _device(parts), init)
+    return TokenReference(copy, head_loss(dec.loss_chunks, [copy]), adapters_off=False, temperature=temperature)

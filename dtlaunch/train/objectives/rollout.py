@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dtlaunch.config.layout import decode_positions_multiple, generation_gather, keeps_old_logps
 from dtlaunch.data.prompts import META_FILE, PROMPTS_FILE
 from dtlaunch.data.sources import TAG_ORDER
 from dtlaunch.data.tokenizer import load_tokenizer
@@ -173,10 +172,10 @@ class Rollout:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.max_tool_iterations = o.max_tool_calling_iterations
         self.is_correction = bool(o.importance_sampling_correction)
-        # The job's decisions, taken once (config.layout; read off the config they cost ~1 % of a tiny step).
-        self.keeps_old = keeps_old_logps(cfg)
-        self.gather_whole = generation_gather(cfg, rt.layout) != "unit"
-        self.positions_multiple = decode_positions_multiple(cfg, rt.layout.tp)
+        # The job's decisions (config.decisions), as the planner sized them.
+        self.keeps_old = rt.decisions.keeps_old_logps
+        self.gather_whole = rt.decisions.generation_gather != "unit"
+        self.positions_multiple = rt.decisions.decode_positions_multiple
         self.compiled = bool(o.generation_compile)
         with_tools = bool(self.tools or self.envs)
         self.chat = None
@@ -667,7 +666,7 @@ class GRPOObjective:
     def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
         """Prompts, and the rollout that turns them into each step's rows (generation, rewards, advantages)."""
         loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size)
-        reference = grpo_reference(cfg, rt.layout, rt.mesh, rt.model_parts)
+        reference = grpo_reference(cfg, rt.decisions, rt.mesh, rt.model_parts)
         return StepData(loader, None, Rollout(cfg, rt, run_dir, loader, dp_size, reference))
 
     def __call__(

@@ -192,14 +192,15 @@ class MetricsLogger:
 
 def _world_and_tokens(cfg: JobConfig) -> tuple[int, Optional[int]]:
     """(devices in the job, tokens per optimizer step) for tokens/s and MFU when the loop does not say."""
-    from dtlaunch.config.layout import Layout, global_batch, world_size
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout, world_size
 
     world = int(os.environ.get("WORLD_SIZE", "0")) or world_size(cfg)
     try:
         layout = Layout.resolve(cfg.strategy, world)
     except Exception:  # a layout the validator would refuse never reaches a worker; be lenient here
         return world, None
-    return world, global_batch(cfg, layout) * int(cfg.training.seq_len)
+    return world, Decisions.of(cfg, layout).global_batch * int(cfg.training.seq_len)
 
 
 class _Display:

@@ -1,5 +1,5 @@
 """The output head as an FSDP2 unit of its own: frozen (LoRA / QLoRA, DPO's reference copy) or trained and
-untied under the chunked loss (full fine-tuning). Whether it is one is dtlaunch.config.layout.head_unit's
+untied under the chunked loss (full fine-tuning). Whether it is one is dtlaunch.config.decisions.head_unit's
 decision, the planner's too; here it is taken from what the modules are (trained or frozen, tied, sharded
 by tensor parallel), and checked against the config.
 
@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.config.layout import head_unit, loss_chunks
+from dtlaunch.config.decisions import head_unit
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
 
 
-def own_head_unit(model: nn.Module, cfg: JobConfig, tp: int) -> list[nn.Module]:
+def own_head_unit(model: nn.Module, cfg: JobConfig, tp: int, loss_chunks: int) -> list[nn.Module]:
     """[the output head] when it is an FSDP2 unit of its own on this stage, else []. `tp`: the layout's
-    tensor-parallel degree."""
+    tensor-parallel degree; `loss_chunks`: the job's (config.decisions.Decisions.loss_chunks)."""
     head = getattr(model, "output", None)
     params = list(head.parameters()) if isinstance(head, nn.Module) else []
     trains = {p.requires_grad for p in params}
@@ -38,5 +38,5 @@ def own_head_unit(model: nn.Module, cfg: JobConfig, tp: int) -> list[nn.Module]:
     # The planner decides from the config: the modules must say the same.
     assert tied == bool(getattr(cfg.model, "tie_embeddings", False)), (tied, cfg.model)
     assert tp_sharded == (tp > 1), (tp_sharded, tp)
-    own = head_unit(trains == {True}, tied, owns_head=True, loss_chunks=loss_chunks(cfg), tp=2 if tp_sharded else 1)
+    own = head_unit(trains == {True}, tied, owns_head=True, loss_chunks=loss_chunks, tp=2 if tp_sharded else 1)
     return [head] if own else []

@@ -19,14 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtlaunch.config.layout import (
-    Layout,
-    activation_offload,
-    mlp_tiles,
-    offload_composes_with_compile,
-    residual_in_compute_dtype,
-    shards_with_fsdp,
-)
+from dtlaunch.config.decisions import Decisions, offload_composes_with_compile
 from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.train.parallel.ac import apply_ac
@@ -47,12 +40,12 @@ def parallelize(
     model: nn.Module,
     world_mesh: DeviceMesh,
     cfg: JobConfig,
-    layout: Layout,
+    dec: Decisions,
     init: bool = True,
     frozen: bool = False,
     weights: Any = None,
 ) -> nn.Module:
-    """Apply the layout to `model` (a Llama or a pipeline stage of one) and initialise its weights.
+    """Apply the decided layout to `model` (a Llama or a pipeline stage of one) and initialise its weights.
 
     Returns the module to train: `model` itself (TP/FSDP act in place) or its DDP wrapper. init=False
     allocates the parameters without giving them values (`plan --trace` under fake tensors). frozen=True
@@ -63,11 +56,12 @@ def parallelize(
     device = _device(world_mesh)
     zero = int(cfg.strategy.zero_stage)
     data_mesh = dp_mesh(world_mesh)
-    if data_mesh is None and shards_with_fsdp(cfg, layout):
+    layout, fsdp = dec.layout, dec.fsdp
+    if data_mesh is None and fsdp:
         data_mesh = world_mesh["dp_shard"]  # CPU offload on one rank: FSDP over the world's 1-sized dim
-    if residual_in_compute_dtype(cfg, layout):  # precision.residual_dtype (checked: a registry decoder)
+    if dec.residual_in_compute_dtype:  # precision.residual_dtype (checked: a registry decoder)
         model.keep_residual_in(torch_dtype(cfg.precision.param_dtype))
-    apply_float8(model, cfg.precision, device, fsdp=shards_with_fsdp(cfg, layout))
+    apply_float8(model, cfg.precision, device, fsdp=fsdp)
     tp_mesh = sub_mesh(world_mesh, "tp")
     if tp_mesh is not None:
         from dtlaunch.train.parallel.tensor_parallel import apply_tp
@@ -87,9 +81,9 @@ def parallelize(
         from dtlaunch.train.parallel.expert_parallel import apply_ep
 
         apply_ep(model, experts.ep)
-    apply_tiled_mlp(model, mlp_tiles(cfg, layout))  # inside each block: checkpointing wraps it too
+    apply_tiled_mlp(model, dec.mlp_tiles)  # inside each block: checkpointing wraps it too
     apply_ac(model, cfg.training)
-    offload = activation_offload(cfg, layout.pp)
+    offload = dec.activation_offload
     if offload:
         from dtlaunch.train.offload_activations import apply_activation_offload
 
@@ -100,13 +94,21 @@ def parallelize(
             inside_checkpoint=offload and offload_composes_with_compile(cfg.training.activation_checkpointing),
             documents=bool(cfg.data.document_mask),
         )
-    fsdp = shards_with_fsdp(cfg, layout)
     # LoRA / QLoRA: frozen linears in the compute dtype, QLoRA's block linears NF4; here, on meta, so that
     # FSDP2 shards what is stored.
     convert_frozen_base(model, cfg, shards=data_mesh.size(data_mesh.ndim - 1) if fsdp else 1, fsdp=fsdp)
     if fsdp:
         reshard = zero == 3 or frozen
-        apply_fsdp(model, data_mesh, cfg, reshard_after_forward=reshard, experts=experts, dp=layout.dp, tp=layout.tp)
+        apply_fsdp(
+            model,
+            data_mesh,
+            cfg,
+            reshard_after_forward=reshard,
+            experts=experts,
+            dp=layout.dp,
+            tp=layout.tp,
+            loss_chunks=dec.loss_chunks,
+        )
     # FSDP CPU offload: parameters materialised on the host, buffers on the device (parallel.cpu_offload).
     where = init_device(cfg, device)
     if init:
@@ -171,6 +173,7 @@ def apply_fsdp(
     experts: ExpertMeshes | None = None,
     dp: int = 1,
     tp: int = 1,
+    loss_chunks: int = 1,
 ) -> None:
     """FSDP2 per block, then the root (embedding, norm, output). A 2-D mesh gives HSDP. A frozen
     embedding and head (LoRA / QLoRA) are units of their own, resharded after use: the root unit is
@@ -188,7 +191,7 @@ def apply_fsdp(
         if experts is not None:
             shard_experts(block, experts, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
-    for end in frozen_ends(model, head=False) + own_head_unit(model, cfg, tp):
+    for end in frozen_ends(model, head=False) + own_head_unit(model, cfg, tp, loss_chunks):
         fully_shard(end, mesh=mesh, mp_policy=policy, reshard_after_forward=True, **offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, **offload)
 

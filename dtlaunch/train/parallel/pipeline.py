@@ -6,7 +6,7 @@ materialise it in between, torchtitan's order:
 
     parts = build_stage_modules(model, cfg, layout, pp_rank)     # meta-device stage modules
     for _, part in parts: parallelize(part, ...); materialise + init
-    plan = build_schedule(parts, pp_mesh, cfg, layout, loss_fn, device)
+    plan = build_schedule(parts, pp_mesh, cfg, dec, loss_fn, device)  # dec: config.decisions.Decisions
 
 A stage is a deep copy of the (meta) model with the blocks it does not own deleted. `layers` is a
 ModuleDict keyed by the *global* block index, so parameter names (FQNs) are those of the full model:
@@ -42,7 +42,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
-from dtlaunch.config.layout import Layout, pp_microbatches, pp_stage_layers
+from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.layout import Layout, pp_stage_layers
 from dtlaunch.config.schema import PP_SCHEDULES
 from dtlaunch.errors import ConfigError
 
@@ -150,7 +151,7 @@ def build_schedule(
     stage_modules: list[tuple[int, nn.Module]],
     pp_mesh: DeviceMesh,
     cfg: JobConfig,
-    layout: Layout,
+    dec: Decisions,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
 ) -> PipelinePlan:
@@ -162,12 +163,12 @@ def build_schedule(
     Shapes are inferred at the first step (no static example inputs), which also covers sequence-
     parallel activations of shape (B, S/tp, D) between stages.
     """
-    n_stages = layout.pp * int(cfg.strategy.pp_stages_per_rank)
+    n_stages = dec.layout.pp * int(cfg.strategy.pp_stages_per_rank)
     group = pp_mesh.get_group()
     reshard = bool(cfg.strategy.pp_reshard_grads)
     stages = [make_stage(module, idx, n_stages, device, group, reshard) for idx, module in stage_modules]
     cls = schedule_class(cfg.strategy.pp_schedule)
-    n_mb = pp_microbatches(cfg, layout)
+    n_mb = dec.pp_microbatches
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise ConfigError(
