@@ -4,7 +4,13 @@ step (gathered from its shards) within 1e-5 of its largest entry, so each gradie
 the one process's. With a low-rank query and without, with values narrower than q/k (padded for SDPA, mla.py) and as
 wide, with sequence parallel and without, and under FSDP2 x TP (4 ranks: the whole low-rank projections
 plain tensors beside the heads' DTensors). A dense first block and a sparse one with a shared expert: the
-MoE family's TP of the FFNs runs too."""
+MoE family's TP of the FFNs runs too.
+
+LoRA on the same TP cells (in the same forked group): the family's default targets (the MLP's linears of the
+dense block and the shared expert, o_proj, and deepseek's q_b_proj / kv_b_proj, the per-head projections) and
+all-linear (the whole low-rank q_a_proj / kv_a_proj_with_mqa too): losses and grad norms as above, every
+adapter's gradient of the second step (at the first, lora_b = 0 leaves lora_a's zero) the one process's, and
+no other parameter with one."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from tiny_models import DEEPSEEK_V3
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.slow_reason("a forked group of 2 trains 4 TP layouts, one of 4 FSDP2 x TP"),
+    pytest.mark.slow_reason("a forked group of 2 trains 4 TP layouts and 2 LoRA x TP ones, one of 4 FSDP2 x TP"),
 ]
 
 STEPS = 3
@@ -38,27 +44,52 @@ CASES = {
     "plain_q_padded_v_sp": ("null", 10, True),
     "low_rank_q_v_as_wide_as_qk_sp": (24, 20, True),
 }
+# name -> (peft overrides on the low-rank query's sequence-parallel cell, the linears they adapt); alpha so
+# the adapters move the loss. The default: the MLP's (dense block, shared expert), o_proj, and deepseek's own
+# q_b_proj / kv_b_proj (split by heads); all-linear adds the whole low-rank wq_a / wkv_a and the router.
+LORA = {
+    "lora_default_targets_sp": (["peft=lora", "peft.alpha=32"], {"wq_b", "wkv_b", "wo", "w1", "w2", "w3"}),
+    "lora_all_linear_sp": (
+        ["peft=lora", "peft.alpha=32", "peft.targets=[all-linear]"],
+        {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1", "w2", "w3", "gate"},
+    ),
+}
 # FSDP2 over 2 data-parallel ranks x TP 2, each rank's micro-batch of 2: the one-process batch of 4.
 FSDP_TP = ["strategy=fsdp_tp", "launch.nproc_per_node=4", "training.micro_batch=2"]
 
 
-def _model(q_rank, v_dim) -> list[str]:
-    return [*SMALL, f"model.q_lora_rank={q_rank}", f"model.v_head_dim={v_dim}"]
+def _model(q_rank, v_dim, peft: tuple[str, ...] = ()) -> list[str]:
+    return [*SMALL, f"model.q_lora_rank={q_rank}", f"model.v_head_dim={v_dim}", *peft]
 
 
-def _tp(q_rank, v_dim, sp: bool) -> list[str]:
+def _tp(q_rank, v_dim, sp: bool, peft: tuple[str, ...] = ()) -> list[str]:
     tp = ["strategy=tp", "launch.nproc_per_node=2", f"strategy.sequence_parallel={str(sp).lower()}"]
-    return [*_model(q_rank, v_dim), *tp]
+    return [*_model(q_rank, v_dim, peft), *tp]
+
+
+def _case(name: str) -> tuple:
+    """(q_lora_rank, v_head_dim, sequence parallel, peft overrides) of a cell."""
+    if name in LORA:
+        return (24, 10, True, tuple(LORA[name][0]))
+    return (*CASES.get(name, (24, 10, True)), ())
 
 
 def _record_first_grads(rt, _batches) -> None:
-    """Before the first optimizer step, every parameter's whole gradient (gathered from its shards)."""
+    """Before the first optimizer step, every gradient (gathered whole from its shards); a parameter without
+    one (LoRA's frozen base) is left out. Under LoRA before the second step: at the first, every lora_a's
+    gradient is zero (lora_b starts at zero), which would compare nothing."""
     from torch.distributed.tensor import DTensor
 
+    at = 1 if str(rt.cfg.peft.method) == "none" else 2
+    calls = []
+
     def record(*_) -> None:
-        if not hasattr(rt, "first_grads"):
+        calls.append(None)
+        if len(calls) == at:
             rt.first_grads = {}
             for name, p in rt.model_parts[0].named_parameters():
+                if p.grad is None:
+                    continue
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 rt.first_grads[name.replace("_checkpoint_wrapped_module.", "")] = g.flatten().tolist()
 
@@ -72,7 +103,7 @@ def _run(overrides: list[str], world: int) -> dict:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     def run_all() -> dict:
-        return {name: _run(_tp(*case), 2) for name, case in CASES.items()}
+        return {name: _run(_tp(*_case(name)), 2) for name in [*CASES, *LORA]}
 
     return run_forked(2, run_all, tmp_path_factory.mktemp("mla_tp") / "results.json")
 
@@ -85,17 +116,22 @@ def launched_fsdp_tp(tmp_path_factory) -> dict:
     return run_forked(4, run_all, tmp_path_factory.mktemp("mla_fsdp_tp") / "results.json")
 
 
-@pytest.mark.parametrize("name", [*CASES, "fsdp_tp"])
+@pytest.mark.parametrize("name", [*CASES, *LORA, "fsdp_tp"])
 def test_tensor_parallel_latent_attention_trains_as_one_process(name: str, request) -> None:
-    q_rank, v_dim, _ = CASES.get(name, (24, 10, True))
+    from dtlaunch.models.lora import is_adapter
+
+    q_rank, v_dim, _, peft = _case(name)
     got = request.getfixturevalue("launched_fsdp_tp" if name == "fsdp_tp" else "launched")
     got = got if name == "fsdp_tp" else got[name]
-    want = _run([*_model(q_rank, v_dim), "launch.nproc_per_node=1"], 1)
+    want = _run([*_model(q_rank, v_dim, peft), "launch.nproc_per_node=1"], 1)
     assert want["loss"][-1] < want["loss"][0], want  # the steps move the weights
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
         assert diff <= TOL, f"{key}: max abs diff {diff:.3g}: {got[key]} vs {want[key]}"
     assert got["inspect"].keys() == want["inspect"].keys()
+    if peft:  # only the adapters have gradients, on the linears the targets name
+        adapted = {n.rsplit(".", 2)[-2] for n in want["inspect"]}
+        assert all(is_adapter(n) for n in want["inspect"]) and adapted == LORA[name][1], adapted
     for param, g in want["inspect"].items():
         scale = max(abs(x) for x in g)
         diff = max(abs(a - b) for a, b in zip(got["inspect"][param], g, strict=True))
