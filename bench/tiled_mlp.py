@@ -1,4 +1,4 @@
-"""Throughput of the tiled MLP (training.mlp_tiles, dtlaunch.train.tiled_mlp) against the untiled MLP, in
+"""Throughput of the tiled MLP (training.mlp_tiles, dtlaunch.train.features.tiled_mlp) against the untiled MLP, in
 one run.
 
 One process, fp32, full activation checkpointing (the long-context setting), the planner's 8-layer
@@ -38,9 +38,9 @@ def main() -> None:
 
     from dtlaunch.config.compose import compose
     from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.features.tiled_mlp import apply_tiled_mlp
     from dtlaunch.train.parallel.ac import apply_ac
     from dtlaunch.train.parallel.init_weights import materialize_and_init
-    from dtlaunch.train.tiled_mlp import apply_tiled_mlp
 
     torch.set_num_threads(1)
     cfg = compose(

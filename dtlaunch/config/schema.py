@@ -168,7 +168,7 @@ class TrainingConfig:
     # checkpointing on a GPU profile with host RAM, no pipeline parallel); true / false: as set.
     activation_offload: Optional[bool] = None
     # Each block's SwiGLU MLP runs over this many tiles of the sequence, each recomputed in backward, so a
-    # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.tiled_mlp, ALST's
+    # block never holds its [tokens x FFN width] intermediates whole (dtlaunch.train.features.tiled_mlp, ALST's
     # TiledMLP). 0: from the plan (config.decisions: tiles of at most 8192 tokens, so untiled up to
     # 8192 tokens per micro-batch); 1: untiled.
     mlp_tiles: int = 0
@@ -209,13 +209,13 @@ class TrainingConfig:
 @dataclass
 class OptimConfig:
     # adamw: torch's AdamW; adamw8bit / adamw4bit: torchao's low-bit AdamW (block-quantised moments,
-    # the 'lowbit-optim' extra; dtlaunch.train.optim_lowbit).
+    # the 'lowbit-optim' extra; dtlaunch.train.features.optim_lowbit).
     name: OptimName = field(default_factory=lambda: OptimName.adamw)
     # The AdamW moments' dtype. bf16 trains the LoRA / QLoRA adapters in bf16 (weights, gradients and
     # moments, as torchtune does); full training keeps fp32 masters and refuses it (validate).
     state_dtype: StateDtype = field(default_factory=lambda: StateDtype.fp32)
     # Each parameter's update runs as soon as its gradient is complete (a post-accumulate-grad hook),
-    # then the gradient is freed: no model-wide gradients at the step (dtlaunch.train.optim_in_backward).
+    # then the gradient is freed: no model-wide gradients at the step (dtlaunch.train.features.optim_in_backward).
     in_backward: bool = False
     lr: float = 3e-4
     min_lr_ratio: float = 0.1

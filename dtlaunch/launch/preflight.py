@@ -130,7 +130,9 @@ def check_model_matches(cfg: JobConfig, info: Any) -> None:
 
         trained_in_full = add_score_head(model)
     peft = str(cfg.peft.method) != "none"
-    if peft:  # as the workers adapt it (dtlaunch.train.peft); then the checkpoint holds the trained tensors only
+    if (
+        peft
+    ):  # as the workers adapt it (dtlaunch.train.features.peft); then the checkpoint holds the trained tensors only
         from dtlaunch.models.lora import apply_lora
 
         apply_lora(model, spec, cfg.peft, trained_in_full)

@@ -1,6 +1,6 @@
 """What offloading moves off the device, and what it costs the host and the step.
 
-`training.activation_offload` (dtlaunch.train.offload_activations): every tensor a block saves for backward
+`training.activation_offload` (dtlaunch.train.features.offload_activations): every tensor a block saves for backward
 goes to pinned host memory; a checkpointed block's saved set is its input (inside a checkpointed region
 the checkpoint keeps its own tensors: selective AC's kept matmul outputs stay on the device), a block
 without AC moves its whole saved set (RoPE casts included; not autocast's weight copies). The embedding's,

@@ -3,7 +3,7 @@ Python, never imports torch). dtlaunch.plan.shape and dtlaunch.plan.stage apply 
 
 - AdamW (torch): two moments in the parameter's dtype, 8 bytes per trained fp32 element; with
   optim.state_dtype=bf16 the adapters themselves train in bf16 (weights, gradients, moments: 2 + 2 + 4);
-- torchao's AdamW8bit / AdamW4bit (dtlaunch.train.optim_lowbit): per parameter tensor, on the rank's
+- torchao's AdamW8bit / AdamW4bit (dtlaunch.train.features.optim_lowbit): per parameter tensor, on the rank's
   local tensor (its FSDP2 shard), a moment is quantised only when the tensor has >= 4096 elements and
   divides by the block (256 / 128 elements): 8-bit codes (or 4-bit, two a byte), one fp32 scale per
   block and the code table (256 / 16 fp32 entries) per moment; smaller tensors keep fp32 moments;

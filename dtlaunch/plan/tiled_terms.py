@@ -1,4 +1,4 @@
-"""The tiled MLP's terms (`training.mlp_tiles`, dtlaunch.train.tiled_mlp) in a block's plan.
+"""The tiled MLP's terms (`training.mlp_tiles`, dtlaunch.train.features.tiled_mlp) in a block's plan.
 
 Tiled, a block's SwiGLU keeps nothing of its own between forward and backward: its input (the ffn norm's
 output) is what the untiled w1 / w3 save already (counted with the norm). So the MLP's saved

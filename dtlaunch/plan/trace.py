@@ -1,6 +1,6 @@
 """Traced second opinion on the memory plan (`dtlaunch plan --trace`, and the plan of a model without a
 closed-form memory model): one rank of the job's world traced in this process by the worker's own runtime
-and train_step (dtlaunch.train.memory_trace, the planner's one entry point into the worker's code).
+and train_step (dtlaunch.train.features.memory_trace, the planner's one entry point into the worker's code).
 
 Real CPU tensors when the run is small enough, else fake tensors (shapes and dtypes, no storage).
 """
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # Above this analytic per-rank peak the trace uses fake tensors instead of real CPU ones.
 REAL_TENSOR_LIMIT = 4 * 1024**3
-# Pipeline schedules whose order the trace replays on one stage (dtlaunch.train.memory_trace.PP_ORDERS).
+# Pipeline schedules whose order the trace replays on one stage (dtlaunch.train.features.memory_trace.PP_ORDERS).
 TRACEABLE_SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -38,7 +38,7 @@ def trace_peak(cfg: JobConfig, layout: Layout, rank: int = 0, steps: int = 2, fa
     reason = skip_reason(cfg, layout, fake)
     if reason:
         raise ConfigError(f"--trace: {reason}")
-    from dtlaunch.train.memory_trace import trace_rank
+    from dtlaunch.train.features.memory_trace import trace_rank
 
     return trace_rank(cfg, layout, rank, steps, fake)
 

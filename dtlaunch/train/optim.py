@@ -53,10 +53,10 @@ def build_optimizer(
     fused: Optional[bool] = None,
 ) -> torch.optim.Optimizer:
     """AdamW; with zero1_group, ZeroRedundancyOptimizer shards its state over those data-parallel ranks.
-    optim.name=adamw8bit|adamw4bit: torchao's (dtlaunch.train.optim_lowbit; ZeRO-1 refused by validate)."""
+    optim.name=adamw8bit|adamw4bit: torchao's (dtlaunch.train.features.optim_lowbit; ZeRO-1 refused by validate)."""
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     if str(cfg.optim.name) != "adamw":
-        from dtlaunch.train.optim_lowbit import lowbit_adamw
+        from dtlaunch.train.features.optim_lowbit import lowbit_adamw
 
         return lowbit_adamw(groups, cfg)
     kw = adamw_kwargs(cfg, device, fused)

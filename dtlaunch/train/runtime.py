@@ -39,12 +39,12 @@ class Runtime:
     pipeline: Optional[Any] = None  # dtlaunch.train.parallel.pipeline.PipelinePlan
     pipeline_loss: Optional[Any] = None  # dtlaunch.train.loss.PipelineLoss
     pp_mesh: Optional[Any] = None
-    moe: Optional[Any] = None  # dtlaunch.train.moe_stats.RouterTracker for MoE models
+    moe: Optional[Any] = None  # dtlaunch.train.features.moe_stats.RouterTracker for MoE models
     loss_context: Callable[[], Any] = field(default=contextlib.nullcontext)
     # Preference tuning (dtlaunch.train.objectives): the objective (None: cross-entropy) and DPO's reference.
     objective: Optional[Any] = None
     reference: Optional[Any] = None
-    in_backward: Optional[Any] = None  # dtlaunch.train.optim_in_backward.InBackward (optim.in_backward)
+    in_backward: Optional[Any] = None  # dtlaunch.train.features.optim_in_backward.InBackward (optim.in_backward)
     # (output, targets, reduction) -> loss: the model's logits or, with training.loss_chunks > 1, its
     # hidden states through the head chunk by chunk (dtlaunch.train.loss). Set from the config.
     loss_fn: Callable[..., Any] = field(init=False)
@@ -77,8 +77,8 @@ class Runtime:
 def build_model_parts(cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, init: bool = True) -> dict:
     """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
     init=False)."""
+    from dtlaunch.train.features.peft import apply_peft
     from dtlaunch.train.parallel.parallelize import parallelize
-    from dtlaunch.train.peft import apply_peft
 
     layout = dec.layout
 
@@ -143,7 +143,7 @@ def build_runtime(
 
     in_backward = None
     if cfg.optim.in_backward:
-        from dtlaunch.train.optim_in_backward import InBackward
+        from dtlaunch.train.features.optim_in_backward import InBackward
 
         # The norm's squares are summed over the FSDP shard group (validate allows no other layout).
         norm_group = dp_mesh(mesh, flatten=True).get_group() if layout.dp > 1 else None
@@ -177,7 +177,7 @@ def build_runtime(
 def _router_tracker(cfg: JobConfig, parts: list, mesh: Any, dec: Decisions) -> Any:
     """Balancing and router statistics of an MoE model (None for dense ones). The aux loss's gradient
     is scaled like the loss: by 1 / the micro-batches (pipeline ones included) summed into a step."""
-    from dtlaunch.train.moe_stats import RouterTracker
+    from dtlaunch.train.features.moe_stats import RouterTracker
     from dtlaunch.train.parallel.mesh import dp_mesh
 
     # The data-parallel group only for the bias update (the statistics ride on the loop's window sync).

@@ -40,7 +40,7 @@ class StepResult:
     # False when the optimizer step was not applied (non-finite gradient norm, no loss scaler). A device
     # tensor when the optimizer skips on the device (no host sync; see dtlaunch.train.optim).
     applied: Any
-    # Mixture of experts: this rank's router statistics (dtlaunch.train.moe_stats), still on the device.
+    # Mixture of experts: this rank's router statistics (dtlaunch.train.features.moe_stats), still on the device.
     router_stats: Optional[torch.Tensor] = None
     # Preference objectives and GRPO: this rank's summed statistics (dtlaunch.train.objectives), on the device.
     pair_stats: Optional[torch.Tensor] = None
@@ -85,7 +85,7 @@ def train_step(
     # gradient, and so this all-reduced norm, non-finite on every rank.
     if rt.in_backward is not None:
         grad_norm = rt.in_backward.grad_norm(rt.device)
-        applied: Any = True  # every parameter was updated inside backward (dtlaunch.train.optim_in_backward)
+        applied: Any = True  # every parameter was updated inside backward (dtlaunch.train.features.optim_in_backward)
     else:
         grad_norm = clip_grad_norm(rt.params, rt.grad_clip, rt.pp_mesh)
         if rt.scaler is not None:

@@ -5,7 +5,7 @@ the checkpoint manager (which resumes), metrics and the peak-memory tracker. Eac
 (dtlaunch.train.step, its loss dtlaunch.train.loss), the step's outcome into the window the ranks agree on
 (dtlaunch.train.step_sync), evaluation, metrics lines, the checkpoint cadence, and a preemption stop.
 Every way out (finished, preempted, failed) goes through `close`. Fault injection for tests (debug.*)
-wraps the step numbers, the step function and the final save at setup (dtlaunch.train.fault_injection),
+wraps the step numbers, the step function and the final save at setup (dtlaunch.train.features.fault_injection),
 never a call in the loop.
 """
 
@@ -28,8 +28,8 @@ from dtlaunch.errors import DtlaunchError
 from dtlaunch.run import preemption
 from dtlaunch.run.phases import phase, rank_log, startup_stamp
 from dtlaunch.train.checkpoint.manager import CheckpointManager
-from dtlaunch.train.evaluate import evaluate
-from dtlaunch.train.fault_injection import Faults
+from dtlaunch.train.features.evaluate import evaluate
+from dtlaunch.train.features.fault_injection import Faults
 from dtlaunch.train.objectives.step_data import token_data
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker

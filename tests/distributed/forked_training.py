@@ -75,12 +75,12 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.moe_stats import RouterTracker
+    from dtlaunch.train.features.moe_stats import RouterTracker
+    from dtlaunch.train.features.peft import apply_peft
     from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.objectives.reference import build_reference
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.init_weights import materialize_and_init
-    from dtlaunch.train.peft import apply_peft
     from dtlaunch.train.runtime import Runtime
 
     t = cfg.training

@@ -32,7 +32,7 @@ PAIRS: dict[str, tuple[list[str], list[str]]] = {
     "cpu_offload_zero2": (["recipe=tiny_fsdp", "strategy=zero2"], ["strategy.cpu_offload=true"]),
     "act_offload_tp": (["recipe=tiny_tp", "training.global_batch=2"], ["training.activation_offload=true"]),
     # The same with every saved storage copied and the DTensors rebuilt from the copies (the CUDA path's
-    # bookkeeping; dtlaunch.train.offload_activations copy=True).
+    # bookkeeping; dtlaunch.train.features.offload_activations copy=True).
     "act_offload_tp_copy": (["recipe=tiny_tp", "training.global_batch=2"], ["training.activation_offload=true"]),
     "act_offload_zero3_full_ac": (
         ["recipe=tiny_fsdp", "strategy=zero3", "training.activation_checkpointing=full"],
@@ -57,7 +57,7 @@ def results(tmp_path_factory) -> dict:
         import functools
         from unittest import mock
 
-        from dtlaunch.train import offload_activations
+        from dtlaunch.train.features import offload_activations
 
         out = {}
         for name, (layout, switch) in PAIRS.items():

@@ -35,7 +35,7 @@ LAYOUTS: dict[str, list[str]] = {
 
 
 def _tiled_mlps(rt) -> list[int]:
-    """Dense MLPs and routed experts whose forward runs tiled (dtlaunch.train.tiled_mlp replaces it on the
+    """Dense MLPs and routed experts whose forward runs tiled (dtlaunch.train.features.tiled_mlp replaces it on the
     instance). By class name through the MRO: FSDP2 sharding a module on its own (the experts under EP)
     makes its class a subclass."""
     mods = [(m, {c.__name__ for c in type(m).__mro__}) for m in rt.model_parts[0].modules()]

@@ -15,8 +15,8 @@ from dtlaunch.config.validate import validate
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.memory import plan_memory
+from dtlaunch.train.features.offload_activations import apply_activation_offload, is_weight
 from dtlaunch.train.loss import cross_entropy
-from dtlaunch.train.offload_activations import apply_activation_offload, is_weight
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.init_weights import materialize_and_init
 from dtlaunch.train.parallel.parallelize import apply_compile, compute_context
@@ -87,7 +87,7 @@ def test_weights_are_not_offloaded() -> None:
 
 def test_views_at_an_offset_are_rebuilt_from_the_copied_storage() -> None:
     """Two saved views of one storage at different offsets: one copy, both rebuilt where they were."""
-    from dtlaunch.train.offload_activations import ActivationOffloader
+    from dtlaunch.train.features.offload_activations import ActivationOffloader
 
     def grads(off: ActivationOffloader | None) -> tuple:
         a = torch.arange(12.0).view(3, 4).requires_grad_()

@@ -20,7 +20,7 @@ MOE = ["model=tiny_moe", "model.moe.bias_update_rate=0.001"]
 def build(*overrides: str, device: str = "meta") -> tuple:
     from dtlaunch.config.compose import compose
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.peft import apply_peft
+    from dtlaunch.train.features.peft import apply_peft
 
     cfg = compose(["model=tiny", *overrides]).cfg
     model = model_spec(cfg.model).build(cfg.model, rope_len=16, device=device)
@@ -76,7 +76,7 @@ def test_the_writers_checkpoint_passes_the_resume_check(overrides: list[str], tm
     from dtlaunch.convert.base_fingerprint import peft_record
     from dtlaunch.launch.preflight import check_model_matches
     from dtlaunch.train.checkpoint.states import ModelState, saved_model_tensors
-    from dtlaunch.train.peft import peft_enabled
+    from dtlaunch.train.features.peft import peft_enabled
 
     cfg, model = build(*overrides, device="cpu")
     state = ModelState([model], trainable_only=peft_enabled(cfg))

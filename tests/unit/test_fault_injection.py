@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dtlaunch.config.schema import DebugConfig
-from dtlaunch.train.fault_injection import Faults
+from dtlaunch.train.features.fault_injection import Faults
 
 
 def _faults(rank: int = 0, **debug: int) -> Faults:

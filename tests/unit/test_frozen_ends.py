@@ -7,9 +7,9 @@ import torch
 
 from dtlaunch.config.compose import compose
 from dtlaunch.models.registry import model_spec
+from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.parallel.frozen_base import convert_frozen_base, frozen_ends
 from dtlaunch.train.parallel.init_weights import materialize_and_init
-from dtlaunch.train.peft import apply_peft
 
 
 def _model(*overrides: str) -> tuple:

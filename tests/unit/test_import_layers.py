@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # The worker's code is imported by the worker alone, and by the planner's traced second opinion through
 # its one entry point.
 TRAIN = "dtlaunch.train"
-INTO_TRAIN = {"dtlaunch.plan.trace": "dtlaunch.train.memory_trace"}
+INTO_TRAIN = {"dtlaunch.plan.trace": "dtlaunch.train.features.memory_trace"}
 
 
 def module_name(path: Path) -> str:
@@ -195,7 +195,7 @@ def test_only_workers_import_train() -> None:
 def test_the_checks_see_what_they_must() -> None:
     """The graph holds imports inside functions, and the checks fail on a cycle and an upward import."""
     graph = import_graph()
-    assert "dtlaunch.train.memory_trace" in graph["dtlaunch.plan.trace"]  # imported inside a function
+    assert "dtlaunch.train.features.memory_trace" in graph["dtlaunch.plan.trace"]  # imported inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert layer_of("dtlaunch.cli") > layer_of("dtlaunch.commands.train") > layer_of("dtlaunch.config.schema")
     assert (

@@ -11,10 +11,10 @@ from dtlaunch.commands.common import load_job
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.plan.peft import peft_notes, peft_terms
+from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.observe.memtrack import StorageCounter
 from dtlaunch.train.parallel.frozen_base import convert_frozen_base
 from dtlaunch.train.parallel.init_weights import materialize_and_init
-from dtlaunch.train.peft import apply_peft
 
 MOE_LORA = ["model=planner_moe", "peft=lora", "peft.targets=[wq,wk,wv,wo]", "hardware=cpu"]
 RUN = ["training.micro_batch=4", "training.seq_len=128", "strategy=zero3", "launch.nproc_per_node=2"]

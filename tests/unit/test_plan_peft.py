@@ -31,7 +31,7 @@ def test_planned_nf4_bytes_are_torchaos_real_bytes(dtype: torch.dtype, shape: tu
 @pytest.mark.parametrize("targets,rank", [(None, 8), ("[all-linear]", 4), ("[q_proj,down_proj]", 16)])
 def test_planned_adapter_count_is_the_lora_models(targets: str | None, rank: int) -> None:
     from dtlaunch.models.registry import model_spec
-    from dtlaunch.train.peft import apply_peft
+    from dtlaunch.train.features.peft import apply_peft
 
     over = [*TINY, "peft=lora", f"peft.rank={rank}"] + ([f"peft.targets={targets}"] if targets else [])
     cfg = load_job(over).cfg
@@ -45,8 +45,8 @@ def test_planned_adapter_count_is_the_lora_models(targets: str | None, rank: int
 def test_qlora_plan_counts_the_real_nf4_bytes_and_no_base_gradients() -> None:
     pytest.importorskip("torchao")
     from dtlaunch.models.registry import model_spec
+    from dtlaunch.train.features.peft import apply_peft
     from dtlaunch.train.parallel.frozen_base import convert_frozen_base
-    from dtlaunch.train.peft import apply_peft
 
     job = load_job([*TINY, "peft=qlora", *SMALL_NF4, "strategy=ddp", "launch.nproc_per_node=1"])
     cfg = job.cfg
@@ -142,8 +142,8 @@ def test_reward_model_plan_trains_the_score_head_beside_the_adapters(method: str
     from dtlaunch.models.registry import model_spec
     from dtlaunch.models.score_head import add_score_head
     from dtlaunch.plan.stage import stage_shape, static_lines
+    from dtlaunch.train.features.peft import apply_peft
     from dtlaunch.train.parallel.frozen_base import convert_frozen_base
-    from dtlaunch.train.peft import apply_peft
 
     job = load_job([*TINY, "objective=reward", f"peft={method}", *SMALL_NF4, "strategy=ddp", "launch.nproc_per_node=1"])
     cfg = job.cfg

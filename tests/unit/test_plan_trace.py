@@ -150,7 +150,7 @@ def test_trace_refuses_what_it_cannot_replay():
 
 
 def test_traced_micro_steps_bound_every_accumulation_step():
-    from dtlaunch.train.memory_trace import traced_micro_steps
+    from dtlaunch.train.features.memory_trace import traced_micro_steps
 
     assert traced_micro_steps(1) == [0]
     assert traced_micro_steps(16) == [0, 15]  # no gradients yet / gradients held + the sync

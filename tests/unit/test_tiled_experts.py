@@ -1,4 +1,4 @@
-"""Tiled routed experts (dtlaunch/train/tiled_mlp.py `tiled_experts_forward`) against the untiled MoE layer,
+"""Tiled routed experts (dtlaunch/train/features/tiled_mlp.py `tiled_experts_forward`) against the untiled MoE layer,
 one process, fp32: the layer's output, its input gradient and every parameter's gradient. Both expert
 kernels (the loop, and torch's grouped GEMM where this torch has the CPU kernel), uneven expert loads with
 one expert that gets no token, tiles that hold no row of most experts, and a rank with no row at all."""
@@ -10,7 +10,7 @@ import torch
 
 from dtlaunch.models.moe.experts import GroupedExperts, cpu_grouped_mm_dtypes, grouped_mm_supported
 from dtlaunch.models.moe.layer import MoE
-from dtlaunch.train.tiled_mlp import tiled_experts_forward
+from dtlaunch.train.features.tiled_mlp import tiled_experts_forward
 
 TOKENS, EXPERTS, TOP_K, UNUSED = 37, 6, 2, 4
 
@@ -43,7 +43,7 @@ def _run(moe: torch.nn.Module, x: torch.Tensor) -> tuple:
 @pytest.mark.parametrize("kernel", ["looped", "grouped"])
 @pytest.mark.parametrize("tiles", [3, 7, 200])
 def test_tiled_experts_match_untiled(kernel: str, tiles: int) -> None:
-    from dtlaunch.train.tiled_mlp import apply_tiled_mlp
+    from dtlaunch.train.features.tiled_mlp import apply_tiled_mlp
 
     # fp32 rows of 8 (32 bytes) suit the grouped GEMM; a hidden width of 10 (40 bytes) does not.
     dim, hidden = (8, 12) if kernel == "grouped" else (8, 10)

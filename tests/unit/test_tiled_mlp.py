@@ -1,4 +1,4 @@
-"""Tiled MLP (dtlaunch/train/tiled_mlp.py) against the untiled model, one process, fp32: the loss and every
+"""Tiled MLP (dtlaunch/train/features/tiled_mlp.py) against the untiled model, one process, fp32: the loss and every
 trained parameter's gradient within 1e-6 relative. Dense blocks, LoRA (with dropout: the recompute replays
 the forward's masks), QLoRA's NF4 base, MoE blocks' shared and routed experts (the routed ones alone:
 tests/unit/test_tiled_experts.py); and under full activation
@@ -14,11 +14,11 @@ from dtlaunch.commands.common import load_job
 from dtlaunch.config.compose import compose
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.registry import model_spec
+from dtlaunch.train.features.peft import apply_peft
+from dtlaunch.train.features.tiled_mlp import apply_tiled_mlp
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.frozen_base import convert_frozen_base
 from dtlaunch.train.parallel.init_weights import materialize_and_init
-from dtlaunch.train.peft import apply_peft
-from dtlaunch.train.tiled_mlp import apply_tiled_mlp
 
 SEQ = 48
 

@@ -212,7 +212,7 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     return e * d.h + 2 * e * d.f / tp
 
 
-# training.mlp_tiles (dtlaunch.train.tiled_mlp; how the plan uses these: dtlaunch.plan.tiled_terms).
+# training.mlp_tiles (dtlaunch.train.features.tiled_mlp; how the plan uses these: dtlaunch.plan.tiled_terms).
 
 
 def tiled_saved_bytes(d: BlockDims, e: int, tp: int, compiled: bool) -> float:

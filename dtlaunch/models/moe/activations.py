@@ -157,7 +157,7 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     return d.sparse * moe + (1 - d.sparse) * dense.backward_working_bytes(d, e, tp)
 
 
-# training.mlp_tiles (dtlaunch.train.tiled_mlp, dtlaunch.plan.tiled_terms): the routed experts run over
+# training.mlp_tiles (dtlaunch.train.features.tiled_mlp, dtlaunch.plan.tiled_terms): the routed experts run over
 # tiles of their routed copies, the shared experts and dense blocks' SwiGLU over tiles of the tokens.
 
 

@@ -110,7 +110,7 @@ class CheckpointManager:
             for opt in self.optimizers:
                 opt.register_step_pre_hook(lambda *_: self.wait_staged())
         self.last_saved_step = -1
-        from dtlaunch.train.fault_injection import Faults
+        from dtlaunch.train.features.fault_injection import Faults
 
         # debug.slow_save_s (kill-during-save tests): rank 1's writes start late; otherwise the writer as is.
         self._writer = Faults.of(cfg, rank).wrap_writer(_ChecksummedWriter)

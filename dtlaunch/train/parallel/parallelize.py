@@ -2,8 +2,8 @@
 
 Fixed order, one concern per function: float8 linears (torchao swaps modules first) -> tensor parallel ->
 context parallel (swaps the attention kernel for ring attention) -> expert parallel (routed experts only,
-dtlaunch.train.parallel.expert_parallel) -> tiled MLP (dtlaunch.train.tiled_mlp) -> activation checkpointing -> activation offload (hooks on the
-checkpointed blocks, dtlaunch.train.offload_activations) -> compile ->
+dtlaunch.train.parallel.expert_parallel) -> tiled MLP (dtlaunch.train.features.tiled_mlp) -> activation checkpointing -> activation offload (hooks on the
+checkpointed blocks, dtlaunch.train.features.offload_activations) -> compile ->
 FSDP2 (ZeRO-2/3, HSDP) -> materialise + init -> DDP (ZeRO-0/1). DDP comes after materialising because
 it needs real tensors; FSDP2 shards meta parameters, so each rank only ever allocates its shard.
 
@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtlaunch.config.decisions import Decisions, offload_composes_with_compile
 from dtlaunch.config.schema import CpStyle
 from dtlaunch.models.dtypes import torch_dtype
+from dtlaunch.train.features.tiled_mlp import apply_tiled_mlp
 from dtlaunch.train.parallel.ac import apply_ac
 from dtlaunch.train.parallel.cpu_offload import buffers_to, init_device, offload_policy
 from dtlaunch.train.parallel.float8 import apply_float8
@@ -30,7 +31,6 @@ from dtlaunch.train.parallel.head_unit import own_head_unit
 from dtlaunch.train.parallel.init_weights import allocate_without_values, materialize_and_init
 from dtlaunch.train.parallel.mesh import ExpertMeshes, dp_mesh, expert_meshes, sub_mesh
 from dtlaunch.train.parallel.qlora import ddp_skip_nf4
-from dtlaunch.train.tiled_mlp import apply_tiled_mlp
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -85,7 +85,7 @@ def parallelize(
     apply_ac(model, cfg.training)
     offload = dec.activation_offload
     if offload:
-        from dtlaunch.train.offload_activations import apply_activation_offload
+        from dtlaunch.train.features.offload_activations import apply_activation_offload
 
         apply_activation_offload(model, device)
     if cfg.training.compile:

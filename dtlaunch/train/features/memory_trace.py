@@ -45,6 +45,7 @@ from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.train.batch import MicroBatch, RolloutRows
+from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.loss import cross_entropy
 from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 from dtlaunch.train.optim import build_optimizer
@@ -52,7 +53,6 @@ from dtlaunch.train.parallel.mesh import build_mesh, expert_meshes
 from dtlaunch.train.parallel.parallelize import compute_context, parallelize
 from dtlaunch.train.parallel.pipeline import build_stage_modules, set_fsdp_sync
 from dtlaunch.train.parallel.process_group import DistEnv
-from dtlaunch.train.peft import apply_peft
 from dtlaunch.train.runtime import build_runtime
 from dtlaunch.train.step import clip_grad_norm, train_step
 
