@@ -16,7 +16,7 @@ from torch import nn
 
 from dtlaunch.models.dense.model import KVCache
 from dtlaunch.models.moe.model import MoEDecoder
-from dtlaunch.models.qwen3_next.config import layer_kinds
+from dtlaunch.models.qwen3_next.config import GatedDeltaNetModelConfig, layer_kinds
 from dtlaunch.models.qwen3_next.gated_deltanet import GatedDeltaNet, RecurrentState, initial_value
 
 
@@ -25,7 +25,7 @@ class GatedDeltaNetBlocks:
 
     # Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a; False: Qwen3-Next's fused two.
     split_projections = False
-    cfg: Any
+    cfg: GatedDeltaNetModelConfig  # the decoder's model section
 
     def make_attention(self, m: Any, layer: int) -> Optional[nn.Module]:
         if layer_kinds(m)[layer] == "linear_attention":
