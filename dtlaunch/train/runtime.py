@@ -129,17 +129,14 @@ def build_runtime(
 
     layout = layout if layout is not None else Layout.resolve(cfg.strategy, env.world)
     dec = Decisions.of(cfg, layout)
-    accum = dec.grad_accum
     mesh = mesh if mesh is not None else build_mesh(layout, env.device.type)
     built = build_model_parts(cfg, dec, mesh, env, init=init)
     parts = built["model_parts"]
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
-    from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives import build_objective
     from dtlaunch.train.objectives.reference import build_reference, cp_group
-    from dtlaunch.train.objectives.reward import RewardObjective
-    from dtlaunch.train.objectives.rollout import GRPOObjective
 
     in_backward = None
     if cfg.optim.in_backward:
@@ -162,13 +159,7 @@ def build_runtime(
         pp_mesh=built.get("pp_mesh"),
         moe=_router_tracker(cfg, parts, mesh, dec),
         loss_context=lambda: loss_context(cfg, layout),
-        objective=(
-            GRPOObjective.of(cfg, accum)
-            if str(cfg.objective.name) == "grpo"
-            else RewardObjective.of(cfg)
-            if str(cfg.objective.name) == "reward"
-            else PreferenceObjective.of(cfg, cp_group(mesh))
-        ),
+        objective=build_objective(cfg, dec, cp_group(mesh)),
         reference=build_reference(cfg, dec, mesh, parts, init=init),
         in_backward=in_backward,
     )
