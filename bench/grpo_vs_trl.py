@@ -2,6 +2,7 @@
 
   python bench/grpo_vs_trl.py            # writes bench/results/grpo-vs-trl-cpu.{md,json}
   python bench/grpo_vs_trl.py --steps 12 --warmup 3 --repeats 1 --no-write   # a quick look
+  python bench/grpo_vs_trl.py --dtlaunch objective.generation_compile=true   # dtlaunch's compiled decode step
 
 The job, alike on both sides: a tiny random Qwen2 (transformers' config classes, the test models' shape:
 2 layers, hidden 64, 256-word vocabulary) in an HF directory both load; 64 prompts of 3 to 8 words;
@@ -254,10 +255,11 @@ def one_process_args(steps: int, lr: float, rows: int, run: Path) -> list[str]:
     ]
 
 
-def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path) -> dict:
-    """`dtlaunch train objective=grpo` on the job: steady-state steps/s and rollout numbers, from its metrics."""
+def run_dtlaunch(task: dict[str, Path], steps: int, warmup: int, out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """`dtlaunch train objective=grpo` on the job (`extra`: overrides after the job's own): steady-state
+    steps/s and rollout numbers, from its metrics."""
     run = out / "dtlaunch"
-    return timed_dtlaunch(dtlaunch_args(task, steps, run), steps, warmup, run, G * PROMPTS_PER_STEP)[0]
+    return timed_dtlaunch([*dtlaunch_args(task, steps, run), *extra], steps, warmup, run, G * PROMPTS_PER_STEP)[0]
 
 
 def timed_dtlaunch(args: list[str], steps: int, warmup: int, run: Path, rows: int) -> tuple[dict, list[dict]]:
@@ -336,6 +338,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="each side run this many times, alternating; medians")
     p.add_argument("--sampler-calls", type=int, default=40, help="calls of each sampler alone, alternated")
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument(
+        "--dtlaunch",
+        nargs="*",
+        default=[],
+        help="overrides for dtlaunch's side only (results then go to grpo-vs-trl-cpu-<overrides>.md)",
+    )
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
@@ -343,7 +351,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"trl": [], "dtlaunch": []}
     for r in range(a.repeats):
         runs["trl"].append(run_trl(task, a.steps, a.warmup, out / f"r{r}"))
-        runs["dtlaunch"].append(run_dtlaunch(task, a.steps, a.warmup, out / f"r{r}"))
+        runs["dtlaunch"].append(run_dtlaunch(task, a.steps, a.warmup, out / f"r{r}", tuple(a.dtlaunch)))
         t, d = (runs[k][-1]["steps_per_s"] for k in ("trl", "dtlaunch"))
         print(f"repeat {r}: TRL {t:.2f} steps/s, dtlaunch {d:.2f} ({d / t:.2f}x)")
     alone = sampler_alone(task, a.sampler_calls, out)
@@ -376,7 +384,8 @@ def main() -> None:
         "",
         f"A tiny random Qwen2 (2 layers, hidden 64, vocabulary 256); {PROMPTS_PER_STEP} prompts x G = {G} = "
         f"{G * PROMPTS_PER_STEP} completions of at most {MAX_NEW} tokens per step, temperature 1, beta 0, one "
-        f"reward function; {a.steps} steps, the first {a.warmup} left out.",
+        f"reward function; {a.steps} steps, the first {a.warmup} left out."
+        + (f" dtlaunch's side with `{' '.join(a.dtlaunch)}`." if a.dtlaunch else ""),
         "",
         "## Training runs (wall clock)",
         "",
@@ -398,8 +407,9 @@ def main() -> None:
     ]
     print("\n".join(md))
     if not a.no_write:
-        common.write_json(common.RESULTS / "grpo-vs-trl-cpu.json", data)
-        (common.RESULTS / "grpo-vs-trl-cpu.md").write_text("\n".join(md))
+        name = "grpo-vs-trl-cpu" + "".join("-" + o.rsplit(".", 1)[-1].replace("=", "-") for o in a.dtlaunch)
+        common.write_json(common.RESULTS / f"{name}.json", data)
+        (common.RESULTS / f"{name}.md").write_text("\n".join(md))
 
 
 if __name__ == "__main__":
