@@ -74,11 +74,20 @@ def _compose_and_plan(overrides: Sequence[str], recipe_dirs: Sequence[str], forc
 
     phase("planning memory")
     plan = plan_gate(job, force=force)
-    if plan.generation_gather and str(job.cfg.objective.generation_gather) == "auto":
-        # The plan's choice goes into config.yaml: the workers gather as it was planned.
-        job.cfg.objective.generation_gather = plan.generation_gather
+    take_plan_choices(job, plan)
     console().print(summary_table(job))
     return job, plan
+
+
+def take_plan_choices(job: Any, plan: Any) -> None:
+    """What the plan chose where the job left it to the plan (objective.generation_gather=auto under ZeRO-3:
+    "unit" when only that fits) goes into the config the run directory's config.yaml is written from, so
+    that the workers run as it was planned, and into the job's decisions, which must stay the config's."""
+    if plan.generation_gather and str(job.cfg.objective.generation_gather) == "auto":
+        import dataclasses
+
+        job.cfg.objective.generation_gather = plan.generation_gather
+        job.decisions = dataclasses.replace(job.decisions, generation_gather=plan.generation_gather)
 
 
 def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: bool, no_resume: bool) -> Prepared:

@@ -102,6 +102,27 @@ def test_maximize_generations_and_completion_length_find_the_edge() -> None:
         assert not plan_memory(over_job.cfg, over_job.layout).fits
 
 
+def test_workers_decide_what_the_plan_chose(tmp_path) -> None:
+    """The plan's choice crossed with the worker's decisions: objective.generation_gather=auto, turned into
+    "unit" by the plan (qwen3_8b_grpo_fsdp with 256 rows a rank, as below), reaches the config.yaml the
+    launcher writes into the run directory, and the decisions a worker computes from that file (as
+    build_runtime does) equal the launcher's, field by field."""
+    from dtlaunch.commands.train import take_plan_choices
+    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.config.decisions import Decisions
+    from dtlaunch.config.layout import Layout
+    from dtlaunch.launch.rundir import create_run_dir
+    from dtlaunch.run.run_dir import CONFIG_NAME
+
+    job = load_job(["recipe=qwen3_8b_grpo_fsdp", "training.global_batch=2048", f"run.dir={tmp_path / 'run'}"])
+    plan = plan_memory(job.cfg, job.layout)
+    assert job.decisions.generation_gather == "whole" and plan.generation_gather == "unit"
+    take_plan_choices(job, plan)
+    cfg = load_resolved(create_run_dir(job.cfg, job.recipe) / CONFIG_NAME)
+    worker = Decisions.of(cfg, Layout.resolve(cfg.strategy, job.layout.world))
+    assert worker == job.decisions and worker.generation_gather == "unit"
+
+
 def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit() -> None:
     """qwen3_8b_grpo_fsdp with 256 rows a rank: gathered whole for generation it needs 82 GiB of the H100's
     79; one unit at a time fits (70 GiB), and `auto` (the default) chooses it, says so, and the step-time model
