@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import Layout, world_size
+from dtlaunch.config.schema import ObjectiveName
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -69,8 +70,8 @@ class Decisions:
     def of(cls, cfg: JobConfig, layout: Layout | None = None) -> Decisions:
         """The job's decisions on `layout` (default: its strategy resolved on the configured world)."""
         layout = layout if layout is not None else Layout.resolve(cfg.strategy, world_size(cfg))
-        t, grpo = cfg.training, str(cfg.objective.name) == "grpo"
-        rows = 1 if str(cfg.objective.name) in ("sft", "grpo") else 2
+        t, grpo = cfg.training, cfg.objective.name == ObjectiveName.grpo
+        rows = 1 if cfg.objective.name in (ObjectiveName.sft, ObjectiveName.grpo) else 2
         fsdp = int(cfg.strategy.zero_stage) >= 2 and (layout.dp * layout.cp > 1 or bool(cfg.strategy.cpu_offload))
         autocast = str(cfg.precision.param_dtype) != "fp32" and not fsdp
         residual_low = autocast and str(cfg.precision.residual_dtype) not in ("auto", "fp32")
@@ -108,7 +109,7 @@ def _loss_chunks(cfg: JobConfig, rows: int) -> int:
     reference's), chunks. One for objective=reward: its scalar head has no vocabulary to chunk
     (dtlaunch.train.objectives.reward). `auto` (0): from the model's vocabulary and one rank's micro-batch
     rows x sequence (before context parallel splits it: an upper bound)."""
-    if str(cfg.objective.name) == "reward":
+    if cfg.objective.name == ObjectiveName.reward:
         return 1
     t = cfg.training
     if int(t.loss_chunks):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.data.shards import open_masks, open_shards
 from dtlaunch.data.tokenizer import check_vocab
 from dtlaunch.errors import ConfigError, InputError
@@ -174,11 +175,11 @@ def data_sources(cfg: JobConfig, run_dir: Path) -> tuple[SampleSource, Optional[
     on or a validation set is configured; data.val_fraction carves it out of the training windows."""
     kind = check_kind(cfg)
     seq_len, vocab, seed = int(cfg.training.seq_len), int(cfg.model.vocab_size), int(cfg.training.seed)
-    if kind == "synthetic" and str(cfg.objective.name) == "kto":
+    if kind == "synthetic" and cfg.objective.name == ObjectiveName.kto:
         from dtlaunch.data.unpaired import SyntheticExamples
 
         return SyntheticExamples(vocab, seq_len, seed, TAG_SYNTHETIC), None
-    if kind == "synthetic" and str(cfg.objective.name) != "sft":
+    if kind == "synthetic" and cfg.objective.name != ObjectiveName.sft:
         from dtlaunch.data.preference import SyntheticPairs
 
         return SyntheticPairs(vocab, seq_len, seed, TAG_SYNTHETIC), None

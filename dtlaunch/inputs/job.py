@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError, InputError
 from dtlaunch.inputs.chat_template import check_chat_template
@@ -65,7 +66,7 @@ def check_job_rewards(cfg: JobConfig) -> None:
     record (dtlaunch.inputs.tools.check_rewards), the call the launcher makes before any worker starts.
     A hub dataset is not fetched to check a job: its functions are imported here and called on its first
     record when the launcher prepares the prompts (dtlaunch.data.prompts.prepare_prompts)."""
-    if str(cfg.objective.name) != "grpo":
+    if cfg.objective.name != ObjectiveName.grpo:
         return
     from dtlaunch.inputs.rewards import load_rewards
     from dtlaunch.inputs.tools import check_rewards
@@ -91,7 +92,7 @@ def check_job_tools(cfg: JobConfig) -> None:
     (check_environments). Whether the chat template can render and parse tool calls is checked with the
     prompts (dtlaunch.data.prompts.prepare_prompts), where the tokenizer is at hand."""
     o = cfg.objective
-    if str(o.name) != "grpo" or not (list(o.tools) or str(o.environment) or dict(o.environments)):
+    if o.name != ObjectiveName.grpo or not (list(o.tools) or str(o.environment) or dict(o.environments)):
         return
     from dtlaunch.inputs.tools import check_environments, check_tools
 

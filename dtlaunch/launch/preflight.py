@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from dtlaunch.config.layout import Layout
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ def check_model_matches(cfg: JobConfig, info: Any) -> None:
     spec = model_spec(cfg.model)
     model = spec.build(cfg.model, rope_len=1, device="meta")
     trained_in_full: tuple[str, ...] = ()
-    if str(cfg.objective.name) == "reward":  # as the workers build it: the scalar head for the LM head
+    if cfg.objective.name == ObjectiveName.reward:  # as the workers build it: the scalar head for the LM head
         from dtlaunch.models.score_head import add_score_head
 
         trained_in_full = add_score_head(model)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
@@ -99,7 +100,7 @@ def gathered_bytes(c: Any, gather: str = "whole") -> float:
 
 
 def generation_phases(c: Any, static: dict[str, float], gather: str = "whole") -> dict[str, float]:
-    if str(c.cfg.objective.name) != "grpo":
+    if c.cfg.objective.name != ObjectiveName.grpo:
         return {}
     held = sum(_between_steps(static).values())
     phases = {PHASE_GENERATION: held + kv_cache_bytes(c) + decode_bytes(c) + gathered_bytes(c, gather)}
@@ -127,7 +128,7 @@ def tool_process_bytes(cfg: JobConfig) -> float:
     child process, dtlaunch.inputs.tools): at most its address-space limit, objective.tool_memory_mb. 0 when
     none runs (no user code, objective.tool_timeout_s 0: it runs in the worker) or it has no limit."""
     o = cfg.objective
-    if str(o.name) != "grpo" or float(o.tool_timeout_s) <= 0:
+    if o.name != ObjectiveName.grpo or float(o.tool_timeout_s) <= 0:
         return 0.0
     from dtlaunch.inputs.rewards import user_rewards
 

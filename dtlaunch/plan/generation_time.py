@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.dense.shapes import head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
@@ -38,7 +39,7 @@ TP_COLLECTIVE_LATENCY_S = 20e-6
 def generation_seconds(cfg: JobConfig, lay: Layout, efficiency: float) -> float:
     """Seconds per optimizer step that objective=grpo's rollout adds (0 for the other objectives)."""
     o, m, t, hw = cfg.objective, cfg.model, cfg.training, cfg.hardware
-    if str(o.name) != "grpo":
+    if o.name != ObjectiveName.grpo:
         return 0.0
     dec = Decisions.of(cfg, lay)
     e = DTYPE_BYTES[cfg.precision.param_dtype]

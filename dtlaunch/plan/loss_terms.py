@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dtlaunch.config.schema import ObjectiveName
+
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
 # that the test exists and sees the term).
 # Head-sized weight gradients at once when autograd adds a chunk's gradient to the sum of the earlier
@@ -93,7 +95,7 @@ def fused(c: Any) -> bool:
     """Whether the chunks' gradients are taken in forward (dtlaunch.train.loss.LinearCrossEntropy): plain tensors
     (no tensor parallel), no pipeline (dtlaunch.train.loss.head_loss), and the next-token loss (a
     preference objective's per-token log-probs are recomputed: their gradient waits for every row's sum)."""
-    return c.tp == 1 and getattr(c, "pp", 1) == 1 and str(c.cfg.objective.name) == "sft"
+    return c.tp == 1 and getattr(c, "pp", 1) == 1 and c.cfg.objective.name == ObjectiveName.sft
 
 
 def _fused_moment(c: Any, chunk_tokens: int, head: float) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
 
 from dtlaunch.config.decisions import MLP_TILE_TOKENS, Decisions
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def maximize(cfg: JobConfig, key: str, pinned: Collection[str] = ()) -> Maximize
     refuse, or whose host RAM overflows, fits nothing."""
     from dtlaunch.models.registry import model_spec
 
-    grpo = str(cfg.objective.name) == "grpo"
+    grpo = cfg.objective.name == ObjectiveName.grpo
     if key not in MAXIMIZABLE + (GRPO_MAXIMIZABLE if grpo else ()):
         extra = " (objective=grpo: also objective.num_generations, objective.max_completion_length)"
         raise ConfigError(

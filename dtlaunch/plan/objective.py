@@ -23,6 +23,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.decisions import head_unit
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.plan.cp_terms import forward_exchange_bytes
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.lines import Line
@@ -49,7 +50,7 @@ def reference_kind(cfg: JobConfig) -> str:
 
 
 def precomputed(cfg: JobConfig) -> bool:
-    return str(cfg.objective.name) in ("dpo", "kto") and bool(cfg.objective.precompute_reference)
+    return cfg.objective.name in (ObjectiveName.dpo, ObjectiveName.kto) and bool(cfg.objective.precompute_reference)
 
 
 def copy_bytes(c: Any) -> float:

@@ -25,7 +25,7 @@ from dtlaunch.config.layout import Layout, expert_fsdp_degree
 from dtlaunch.config.rules.grpo import grpo_layout_problem
 from dtlaunch.config.rules.objective import kto_layout_problem
 from dtlaunch.config.rules.strategy import zero_layout_problem
-from dtlaunch.config.schema import CpStyle
+from dtlaunch.config.schema import CpStyle, ObjectiveName
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
@@ -219,8 +219,8 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     base = Decisions.of(cfg, Layout.resolve(cfg.strategy, _world(cfg)))
     world, gb = base.layout.world, base.global_batch
     per_node = int(hw.gpus_per_node) or world
-    grpo = str(cfg.objective.name) == "grpo"
-    kto = str(cfg.objective.name) == "kto"
+    grpo = cfg.objective.name == ObjectiveName.grpo
+    kto = cfg.objective.name == ObjectiveName.kto
     out = []
     for tp in _divisors(world // cp):
         if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp):
@@ -283,7 +283,7 @@ def loss_chunk_options(cfg: JobConfig) -> tuple[int, ...]:
     """The full-vocabulary loss first (no recompute), then the chunked one (the config's count, or 8):
     a layout that fits with the cheaper option is not planned again with the costlier. One pass only
     for the preference objectives (config.decisions.Decisions.loss_chunks)."""
-    if str(cfg.objective.name) != "sft":
+    if cfg.objective.name != ObjectiveName.sft:
         return (1,)
     chunks = int(cfg.training.loss_chunks)
     return (1, chunks if chunks > 1 else 8)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.decisions import Decisions, head_unit
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
@@ -257,7 +258,7 @@ def stage_shape(
     # The runtime casts with autocast wherever FSDP's MixedPrecisionPolicy does not (parallelize.compute_context),
     # with an fp32 residual stream unless precision.residual_dtype keeps it in the compute dtype.
     residual32 = dec.fp32_residual
-    reward = str(cfg.objective.name) == "reward"
+    reward = cfg.objective.name == ObjectiveName.reward
     if reward:  # the scalar head's (tokens x 1) scores take the place of the logits (dtlaunch.train.objectives.reward)
         d = dataclasses.replace(d, vocab=1)
     p_rank, blk, root = _stage_params(m, layers, first, last, tp, scalar_head=reward)

@@ -7,6 +7,7 @@ import itertools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dtlaunch.config.decisions import Decisions, offload_composes_with_compile
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.errors import DtlaunchError
 from dtlaunch.plan.memory import MemoryPlan, plan_memory
 
@@ -27,7 +28,7 @@ def _changes(cfg: JobConfig, layout: Any) -> list[Change]:
     if layout.pp > 1 and s.zero_stage >= 2 and layout.dp > 1 and not s.pp_reshard_grads:
         # Only more reduce-scatters (one per pipeline micro-batch): no recompute, same numerics.
         out.append(("reduce-scatter gradients every pipeline micro-batch", 1, ["strategy.pp_reshard_grads=true"]))
-    if str(cfg.objective.name) == "sft" and dec.loss_chunks < 8:
+    if cfg.objective.name == ObjectiveName.sft and dec.loss_chunks < 8:
         # The logits and their fp32 gradients, a chunk at a time: one more head matmul per token.
         out.append(("chunked loss (8 chunks)", 1, ["training.loss_chunks=8"]))
     order = ["none", "selective", "full"]

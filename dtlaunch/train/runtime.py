@@ -18,6 +18,7 @@ import torch
 
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.loss import head_loss, loss_context, pipeline_loss_fn
 from dtlaunch.train.parallel.process_group import DistEnv
@@ -85,7 +86,7 @@ def build_model_parts(cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, i
     # RoPE tables for the positions training uses, not the model's maximum (131,072 on Llama-3.1).
     model = model_spec(cfg.model).build(cfg.model, rope_len=int(cfg.training.seq_len), device="meta")
     trained_in_full: tuple[str, ...] = ()
-    if str(cfg.objective.name) == "reward":  # a scalar head in place of the LM head, trained in full under LoRA
+    if cfg.objective.name == ObjectiveName.reward:  # a scalar head in place of the LM head, trained in full under LoRA
         from dtlaunch.models.score_head import add_score_head
 
         trained_in_full = add_score_head(model)

@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from dtlaunch.config.rules import need_package
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
 
@@ -88,7 +89,7 @@ def check_format(cfg: JobConfig) -> None:
             f"model.init_from=hf:DIR (its tokenizer) or set data.tokenizer to the path of a tokenizer.json"
         )
     # Preference pairs are scored per pipeline micro-batch by the objective (no per-token weight to carry).
-    if cfg.strategy.pp > 1 and str(cfg.objective.name) == "sft":
+    if cfg.strategy.pp > 1 and cfg.objective.name == ObjectiveName.sft:
         raise ConfigError(
             f"data.format={d.format} (loss on assistant / completion tokens only) is not supported with pipeline "
             f"parallel (strategy.pp={cfg.strategy.pp}) yet: use data.format=text or strategy.pp=1"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ def grpo_data_problem(cfg: JobConfig) -> str:
     recipe before its prompts are named); the commands that check a job to run it (validate, train, submit,
     dry run or not) and the launcher's data preparation refuse it with this."""
     d = cfg.data
-    if str(cfg.objective.name) != "grpo" or str(d.format) == "prompt":
+    if cfg.objective.name != ObjectiveName.grpo or str(d.format) == "prompt":
         return ""
     return (
         f"objective=grpo trains on generated completions of prompts, and data.kind={d.kind} holds none: set "
@@ -85,7 +86,7 @@ def check_grpo(cfg: JobConfig, notes: list[str]) -> None:
 
 
 def check_grpo_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
-    if str(cfg.objective.name) != "grpo":
+    if cfg.objective.name != ObjectiveName.grpo:
         return
     problem = grpo_layout_problem(cfg, d)
     if problem:

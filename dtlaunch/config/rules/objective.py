@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import Layout
 from dtlaunch.config.rules.grpo import check_grpo
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
 
@@ -129,7 +130,7 @@ def check_reward(cfg: JobConfig) -> None:
 
 def check_reward_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     """objective=reward runs on data parallel layouts only (DDP, ZeRO-1/2/3): see check_reward."""
-    if str(cfg.objective.name) != "reward":
+    if cfg.objective.name != ObjectiveName.reward:
         return
     layout = d.layout
     for key, value in (("strategy.tp", layout.tp), ("strategy.pp", layout.pp), ("strategy.cp", layout.cp)):
@@ -197,7 +198,7 @@ def kto_layout_problem(cfg: JobConfig, layout: Layout, micro_batch: int) -> str:
 
 def check_kto_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
     layout = d.layout
-    if str(cfg.objective.name) != "kto":
+    if cfg.objective.name != ObjectiveName.kto:
         return
     problem = kto_layout_problem(cfg, layout, int(cfg.training.micro_batch))
     if problem:

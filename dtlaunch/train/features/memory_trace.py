@@ -41,6 +41,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import fused_optimizer
@@ -119,7 +120,7 @@ def _trace(cfg: JobConfig, layout: Layout, mesh: Any, rank: int, steps: int) -> 
     parts, optimizers = rt.model_parts, rt.optimizers
     for part in parts:
         _local_ddp_hook(part)
-    batches = RandomBatches(cfg)
+    batches = RandomBatches(cfg, rt.decisions.rows_per_sample)
     # The first step runs untracked. It creates the optimizer state (later steps hold the same state, so
     # their peak is the run's), and it fills DTensor's sharding-propagation cache: on a cache miss that
     # propagation runs ops on full, unsharded shapes under the active fake mode, which the tracker would
@@ -350,18 +351,18 @@ def traced_micro_steps(accum: int, warmup: bool = False) -> list[int]:
 class RandomBatches:
     """Random token micro-batches of the configured shape: what the trace feeds `train_step`."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, rows_per_sample: int) -> None:
         t = cfg.training
         # Preference objectives: a sample is a pair, two rows (and precomputed reference log-probs).
-        rows = int(t.micro_batch) * (1 if str(cfg.objective.name) in ("sft", "grpo") else 2)
+        rows = int(t.micro_batch) * rows_per_sample
         self.shape = (rows, int(t.seq_len) + 1)
         self.vocab = int(cfg.model.vocab_size)
         self.ref_logps = torch.zeros(rows)
         self.labels: Optional[torch.Tensor] = None
         self.rollout: Optional[RolloutRows] = None
-        if str(cfg.objective.name) == "kto":  # half desirable (both of KTO's loss terms run)
+        if cfg.objective.name == ObjectiveName.kto:  # half desirable (both of KTO's loss terms run)
             self.labels = torch.arange(int(t.micro_batch)) % 2 == 0
-        if str(cfg.objective.name) == "grpo":
+        if cfg.objective.name == ObjectiveName.grpo:
             # The training phase of objective=grpo: rows as a rollout hands them (the rollout itself, its
             # generation and no-grad passes, is analytic only: dtlaunch.plan.generation).
             ref = torch.zeros(rows, int(t.seq_len)) if float(cfg.objective.beta) > 0 else None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn.functional as F
 
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.train.objectives.kto import KTOObjective
 from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
 from dtlaunch.train.objectives.step_data import StepData, token_data
@@ -111,9 +112,9 @@ class PreferenceObjective:
     def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
-        if str(o.name) in ("sft", "grpo"):  # grpo: dtlaunch.train.objectives.rollout.GRPOObjective
+        if o.name in (ObjectiveName.sft, ObjectiveName.grpo):  # grpo: dtlaunch.train.objectives.rollout.GRPOObjective
             return None
-        if str(o.name) == "kto":
+        if o.name == ObjectiveName.kto:
             return KTOObjective.of(cfg, cp_group)
         return cls(
             name=str(o.name),

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import adapters_disabled
@@ -83,7 +84,7 @@ def build_reference(
     objective.precompute_reference is set (the precompute pass itself); init=False: a copy allocated
     without values (the planner's trace, as build_runtime). `parts`: the policy's model, or this rank's
     pipeline stage modules in schedule order."""
-    if str(cfg.objective.name) not in ("dpo", "kto"):
+    if cfg.objective.name not in (ObjectiveName.dpo, ObjectiveName.kto):
         return None
     if bool(cfg.objective.precompute_reference) and not live:
         return Precomputed()
@@ -214,7 +215,7 @@ def grpo_reference(
     cfg: JobConfig, dec: Decisions, mesh: Any, parts: list, init: bool = True
 ) -> Optional[TokenReference]:
     """The reference of objective=grpo (None when objective.beta is 0: none is held)."""
-    if str(cfg.objective.name) != "grpo" or float(cfg.objective.beta) == 0.0:
+    if cfg.objective.name != ObjectiveName.grpo or float(cfg.objective.beta) == 0.0:
         return None
     from dtlaunch.train.loss import head_loss
 
