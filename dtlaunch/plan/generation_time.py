@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtlaunch.config.decisions import Decisions
-from dtlaunch.config.layout import Layout
 from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.dense.shapes import head_dim, kv_heads
 from dtlaunch.models.dtypes import DTYPE_BYTES
@@ -36,12 +35,12 @@ if TYPE_CHECKING:
 TP_COLLECTIVE_LATENCY_S = 20e-6
 
 
-def generation_seconds(cfg: JobConfig, lay: Layout, efficiency: float) -> float:
+def generation_seconds(cfg: JobConfig, dec: Decisions, efficiency: float) -> float:
     """Seconds per optimizer step that objective=grpo's rollout adds (0 for the other objectives)."""
     o, m, t, hw = cfg.objective, cfg.model, cfg.training, cfg.hardware
     if o.name != ObjectiveName.grpo:
         return 0.0
-    dec = Decisions.of(cfg, lay)
+    lay = dec.layout
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     params = model_spec(m).param_count(m)
     flops_per_s = hardware.peak_flops(hw, cfg.precision.param_dtype) * efficiency

@@ -135,10 +135,11 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
     """Plan every pipeline rank (or, for the search, only those that can hold the peak). objective=grpo
     under ZeRO-3 with objective.generation_gather=auto: the rollout gathers the whole model unless only one
     unit at a time fits; the plan says which (`generation_gather`, and a note)."""
-    gather = Decisions.of(cfg, layout).generation_gather
-    plan = _plan_memory(cfg, layout, all_stages, gather)
+    dec = Decisions.of(cfg, layout)
+    gather = dec.generation_gather
+    plan = _plan_memory(cfg, dec, all_stages, gather)
     if gather == "whole" and str(cfg.objective.generation_gather) == "auto" and not plan.fits:
-        unit = _plan_memory(cfg, layout, all_stages, "unit")
+        unit = _plan_memory(cfg, dec, all_stages, "unit")
         if unit.fits:
             unit.notes.append(
                 "generation gathers the weights one FSDP unit at a time, again for every decode step: the whole "
@@ -148,7 +149,8 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
     return plan
 
 
-def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) -> MemoryPlan:
+def _plan_memory(cfg: JobConfig, dec: Decisions, all_stages: bool, gather: str) -> MemoryPlan:
+    layout = dec.layout
     s = cfg.strategy
     unplanned = ""
     if model_spec(cfg.model).analytic:
@@ -178,7 +180,7 @@ def _plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool, gather: str) 
     notes = [] if model_spec(cfg.model).analytic else [UNTRACED_NOTE if unplanned else TRACED_NOTE]
     notes += peft_notes(cfg) + offload_notes(cfg)
     if layout.pp > 1 and int(s.zero_stage) >= 2 and layout.dp > 1:
-        n_mb = Decisions.of(cfg, layout).pp_microbatches
+        n_mb = dec.pp_microbatches
         notes.append(
             f"FSDP under PP: one reduce-scatter per pipeline micro-batch ({n_mb} per micro-step), sharded "
             f"gradients only (strategy.pp_reshard_grads=true)"

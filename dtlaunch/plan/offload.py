@@ -177,7 +177,7 @@ def ranks_per_node(cfg: JobConfig, world: int) -> int:
     return max(1, min(per_node, world))
 
 
-def offload_seconds(cfg: JobConfig, lay: Any, stage_moved: float, params_local: float, accum: int) -> dict[str, float]:
+def offload_seconds(cfg: JobConfig, dec: Decisions, stage_moved: float, params_local: float) -> dict[str, float]:
     """Seconds per optimizer step the host link and the CPU optimizer take.
 
     `stage_moved`: activation bytes one micro-step moves (device to host in forward, back in backward);
@@ -187,7 +187,8 @@ def offload_seconds(cfg: JobConfig, lay: Any, stage_moved: float, params_local: 
     from dtlaunch.models.dtypes import DTYPE_BYTES
 
     bw = (float(cfg.hardware.host_link_gbps) or DEFAULT_HOST_LINK_GBPS) * 1e9
-    out = {"activation_transfer": 2 * stage_moved * accum / bw if Decisions.of(cfg, lay).activation_offload else 0.0}
+    lay, accum = dec.layout, dec.grad_accum
+    out = {"activation_transfer": 2 * stage_moved * accum / bw if dec.activation_offload else 0.0}
     if cfg.strategy.cpu_offload and int(cfg.strategy.zero_stage) >= 2:
         shard = params_local / lay.shard
         gathers = 2 if int(cfg.strategy.zero_stage) == 3 else 1

@@ -158,13 +158,13 @@ def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float =
     bubble = compute * (lay.pp - 1) / (v * n_mb) if lay.pp > 1 else 0.0
     # Host offload (dtlaunch.plan.offload): copies on the host link hide behind compute at most as much as
     # communication does; the CPU optimizer step does not overlap.
-    host = offload_seconds(cfg, lay, offloaded, p_local, accum)
+    host = offload_seconds(cfg, dec, offloaded, p_local)
     transfer = host.get("activation_transfer", 0.0) + host.get("state_transfer", 0.0)
     offload_exposed = max(0.0, transfer - HIDDEN_FRACTION * compute) + host.get("cpu_optimizer", 0.0)
     if lay.pp > 1:
         bw = hardware.link_bandwidth(hw, 2, lay.tp * lay.dp)
         comm_exposed += 2 * tok_mb * m.dim * e / lay.tp * accum * v / bw
-    generation = generation_seconds(cfg, lay, EFFICIENCY)
+    generation = generation_seconds(cfg, dec, EFFICIENCY)
     return {
         "compute": compute,
         "comm": comm_exposed,

@@ -149,8 +149,8 @@ def test_auto_gathers_one_unit_at_a_time_only_where_the_whole_model_does_not_fit
     assert 10 * GIB < gen < 15.3 * GIB  # the whole bf16 model (15.3 GiB), less the embedding and one block's gather
     unit_job, _ = planned("training.global_batch=2048", "objective.generation_gather=unit")
     assert unit_job.decisions.generation_gather == "unit"
-    slow = generation_seconds(unit_job.cfg, unit_job.layout, 0.5)
-    assert slow > generation_seconds(job.cfg, job.layout, 0.5)  # job: auto reads as whole before the plan
+    slow = generation_seconds(unit_job.cfg, unit_job.decisions, 0.5)
+    assert slow > generation_seconds(job.cfg, job.decisions, 0.5)  # job: auto reads as whole before the plan
     _, small = planned()
     assert small.generation_gather == "whole" and small.fits
 
