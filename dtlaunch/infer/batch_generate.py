@@ -215,8 +215,8 @@ def generate_batch(
     steps keep their shapes). The sampler still draws for every row, finished or not, from logits of the
     same values: the generator's stream, and so every row's tokens, are those of `plain=True` (every row
     prefilled and decoded to the end), which the tests compare against."""
-    # Every forward here passes `caches`, which makes the decoder return logits even where training.loss_chunks
-    # leaves the head to the loss (`hidden_only`): nothing on the model is switched for the rollout.
+    # Every forward here gets the logits (the model's `head` argument left at its default): the training
+    # loss's chunked form (training.loss_chunks) is asked for by the loss's own callers, per call.
     device = next(model.parameters()).device
     m = sequence_multiple
     rows = len(prompts)

@@ -10,9 +10,9 @@ backward, runs under `loss_parallel()` (`loss_context`), so no rank ever holds t
 
 Chunked (training.loss_chunks = n > 1). A full-vocabulary pass holds the (tokens x V) logits, their fp32
 upcast, log_softmax's fp32 output and, in backward, two fp32 gradients of the same size: on a 128k
-vocabulary the largest tensors of a step. With loss_chunks = n the model stops before its head (the
-decoder's `hidden_only` switch: model code stays free of distributed code) and this module applies the
-head's weight to 1/n of the tokens at a time. Chunking happens before the projection, so the full logits
+vocabulary the largest tensors of a step. With loss_chunks = n the model is called with `head=False` and
+stops before its head (`HeadLoss.model_output` asks for the form the loss takes; model code stays free of
+distributed code), and this module applies the head's weight to 1/n of the tokens at a time. Chunking happens before the projection, so the full logits
 never exist, not even in the compute dtype. Two ways to differentiate a chunk:
 - Fused (the default, `LinearCrossEntropy`): the loss is the last thing forward computes and the first
   thing backward differentiates, so each chunk's gradients are taken in forward while its logits exist:
@@ -57,7 +57,8 @@ exactly as the non-pipelined step does with 1 / grad_accum.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Optional
+import inspect
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,24 +89,30 @@ def loss_context(cfg: JobConfig, layout: Any) -> contextlib.AbstractContextManag
 
 
 def head_loss(chunks: int, model_parts: list[nn.Module], pipeline: bool = False) -> HeadLoss:
-    """The loss for these model parts (this rank's), switching the part with the head to return hidden
-    states when the job's loss chunks (config.decisions.Decisions.loss_chunks) are more than one. A model without the switch is refused, not run unchunked.
-    `pipeline`: the last stage of a pipeline, whose schedule may run other micro-batches between a loss's
-    forward and its backward (the chunks are then recomputed in backward, not differentiated in forward)."""
+    """The loss for these model parts (this rank's): on the part with the head, the hidden states chunk by
+    chunk when the job's loss chunks (config.decisions.Decisions.loss_chunks) are more than one, the logits
+    otherwise. A model that cannot return its hidden states (no `head` argument) is refused, not run
+    unchunked. `pipeline`: the last stage of a pipeline, whose schedule may run other micro-batches between a
+    loss's forward and its backward (the chunks are then recomputed in backward, not differentiated in
+    forward)."""
+    owner = next((p for p in model_parts if head_module(p) is not None), None)
     if chunks > 1:
         for part in model_parts:
             inner = _inner(part)
-            if not hasattr(inner, "hidden_only"):
+            if not takes_head_argument(inner):
                 raise ConfigError(
                     f"training.loss_chunks={chunks}: the model ({type(inner).__name__}) returns logits only "
-                    f"(no `hidden_only` switch, see docs/models.md): set training.loss_chunks=1"
+                    f"(its forward takes no `head` argument, see docs/models.md): set training.loss_chunks=1"
                 )
-    owner = next((p for p in model_parts if head_module(p) is not None), None)
-    if chunks > 1 and owner is not None:
-        if getattr(head_module(owner), "bias", None) is not None:
+        if owner is not None and getattr(head_module(owner), "bias", None) is not None:
             raise ConfigError(f"training.loss_chunks={chunks}: the output head has a bias: set training.loss_chunks=1")
-        _inner(owner).hidden_only = True
     return HeadLoss(owner, chunks, fused=not pipeline)
+
+
+def takes_head_argument(model: nn.Module) -> bool:
+    """Whether `model(tokens, head=False)` returns the hidden states before its head (the plug-in protocol,
+    docs/models.md)."""
+    return "head" in inspect.signature(model.forward).parameters
 
 
 class HeadLoss:
@@ -115,11 +122,21 @@ class HeadLoss:
 
     def __init__(self, model: Optional[nn.Module], chunks: int, fused: bool = True) -> None:
         self.model, self.chunks, self.fused = model, chunks, fused
+        # What the model's forward returns for this loss: the logits, or (chunked) its normed hidden states,
+        # asked for per call by the forward's `head=False` (`model_output`, the pipeline's step_kwargs), so
+        # the model itself holds no switch.
+        self.logits = chunks == 1 or model is None
+        self.head_kwargs: dict[str, bool] = {} if self.logits else {"head": False}
         head = head_module(model) if model is not None else None
         # The head as an FSDP unit of its own (not the root's): the loss runs inside that unit.
         self.unit = head if chunks > 1 and isinstance(head, FSDPModule) and head is not model else None
         if self.unit is not None:
             _run_loss_in_forward(self.unit)
+
+    def model_output(self, model: nn.Module, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """`model`'s forward on `inputs` as this loss takes it: the logits, or the hidden states before the
+        head (a model without the `head` argument is only ever asked for its logits)."""
+        return model(inputs, **kwargs, **self.head_kwargs)
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         if self.chunks == 1 or self.model is None:
@@ -144,8 +161,7 @@ class HeadLoss:
 
 
 def head_module(model: nn.Module) -> Optional[nn.Module]:
-    """The output head of a model (or pipeline stage) that can return its hidden states instead of its
-    logits (a `hidden_only` switch); None for a stage without the head."""
+    """The output head of a model (or pipeline stage); None for a stage without the head."""
     inner = _inner(model)
     if hasattr(inner, "output"):  # the native decoder's name; None on a pipeline stage without the head
         return inner.output
@@ -337,16 +353,19 @@ class PipelineLoss:
     backward metadata at the first step, so the real losses are taken from the schedule's `losses=`.
     """
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], scale: float) -> None:
+    def __init__(self, loss_fn: HeadLoss, scale: float) -> None:
         self.loss_fn = loss_fn
         self.scale = scale
+
+    @property
+    def head_kwargs(self) -> dict[str, bool]:
+        """The last stage's forward's `head` argument, if any (HeadLoss.head_kwargs)."""
+        return self.loss_fn.head_kwargs
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.scale
 
 
-def pipeline_loss_fn(
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int, grad_accum: int
-) -> PipelineLoss:
+def pipeline_loss_fn(loss_fn: HeadLoss, n_microbatches: int, grad_accum: int) -> PipelineLoss:
     """The last stage's loss, scaled by 1 / (n_microbatches * grad_accum) (the module's docstring)."""
     return PipelineLoss(loss_fn, 1.0 / (n_microbatches * grad_accum))

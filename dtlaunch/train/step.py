@@ -156,7 +156,7 @@ def micro_step(
             ref = rt.reference(inputs, targets, batch) if rt.reference is not None else None
             if ref is None:
                 ref = batch.rollout if batch.rollout is not None else batch.margins
-            out = model(inputs, **extra)
+            out = rt.loss_fn.model_output(model, inputs, **extra)
             if rt.objective is not None:
                 # Preference objectives read token log-probs off the full logits (config.decisions.Decisions.loss_chunks).
                 labels = batch.labels  # objective=kto: each example's label

@@ -2,8 +2,9 @@
 trains as one process: the losses and grad norms of every step within 1e-4, and every gradient of the first
 step (gathered from its shards) within 1e-5 of its largest entry, so each gradient, not only their norm, is
 the one process's. With a low-rank query and without, with values narrower than q/k (padded for SDPA, mla.py) and as
-wide, with sequence parallel and without, and under FSDP2 x TP (4 ranks: the whole low-rank projections
-plain tensors beside the heads' DTensors). A dense first block and a sparse one with a shared expert: the
+wide, with sequence parallel and without, under FSDP2 x TP (4 ranks: the whole low-rank projections
+plain tensors beside the heads' DTensors), and pipeline x TP with sequence parallel (4 ranks, strategy=3d:
+one block per stage; the first stage's gradients compared). A dense first block and a sparse one with a shared expert: the
 MoE family's TP of the FFNs runs too.
 
 LoRA on the same TP cells (in the same forked group): the family's default targets (the MLP's linears of the
@@ -20,7 +21,9 @@ from tiny_models import DEEPSEEK_V3
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.slow_reason("a forked group of 2 trains 4 TP layouts and 2 LoRA x TP ones, one of 4 FSDP2 x TP"),
+    pytest.mark.slow_reason(
+        "a forked group of 2 trains 4 TP layouts and 2 LoRA x TP ones, one of 4 FSDP2 x TP and pipeline x TP"
+    ),
 ]
 
 STEPS = 3
@@ -56,6 +59,11 @@ LORA = {
 }
 # FSDP2 over 2 data-parallel ranks x TP 2, each rank's micro-batch of 2: the one-process batch of 4.
 FSDP_TP = ["strategy=fsdp_tp", "launch.nproc_per_node=4", "training.micro_batch=2"]
+# Pipeline x TP with sequence parallel (strategy=3d at 4 ranks: pp 2 x tp 2): the dense first block on
+# stage 0, the sparse one on stage 1, each split by heads; the batch of 4 in the pipeline's micro-batches.
+PP_TP = ["strategy=3d", "launch.nproc_per_node=4", "training.micro_batch=4"]
+# The 4-rank group's cells: name -> layout overrides.
+FOUR_RANKS = {"fsdp_tp": FSDP_TP, "pp2_tp2_sp": PP_TP}
 
 
 def _model(q_rank, v_dim, peft: tuple[str, ...] = ()) -> list[str]:
@@ -109,25 +117,27 @@ def launched(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched_fsdp_tp(tmp_path_factory) -> dict:
+def launched_four(tmp_path_factory) -> dict:
     def run_all() -> dict:
-        return _run([*_model(24, 10), *FSDP_TP], 4)
+        return {name: _run([*_model(24, 10), *layout], 4) for name, layout in FOUR_RANKS.items()}
 
-    return run_forked(4, run_all, tmp_path_factory.mktemp("mla_fsdp_tp") / "results.json")
+    return run_forked(4, run_all, tmp_path_factory.mktemp("mla_four_ranks") / "results.json")
 
 
-@pytest.mark.parametrize("name", [*CASES, *LORA, "fsdp_tp"])
+@pytest.mark.parametrize("name", [*CASES, *LORA, *FOUR_RANKS])
 def test_tensor_parallel_latent_attention_trains_as_one_process(name: str, request) -> None:
     from dtlaunch.models.lora import is_adapter
 
     q_rank, v_dim, _, peft = _case(name)
-    got = request.getfixturevalue("launched_fsdp_tp" if name == "fsdp_tp" else "launched")
-    got = got if name == "fsdp_tp" else got[name]
+    got = request.getfixturevalue("launched_four" if name in FOUR_RANKS else "launched")[name]
     want = _run([*_model(q_rank, v_dim, peft), "launch.nproc_per_node=1"], 1)
     assert want["loss"][-1] < want["loss"][0], want  # the steps move the weights
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
         assert diff <= TOL, f"{key}: max abs diff {diff:.3g}: {got[key]} vs {want[key]}"
+    if name == "pp2_tp2_sp":  # rank 0 holds the first stage: its blocks' gradients, the embedding's
+        assert got["inspect"] and "layers.1" not in " ".join(got["inspect"]), sorted(got["inspect"])
+        want["inspect"] = {k: v for k, v in want["inspect"].items() if k in got["inspect"]}
     assert got["inspect"].keys() == want["inspect"].keys()
     if peft:  # only the adapters have gradients, on the linears the targets name
         adapted = {n.rsplit(".", 2)[-2] for n in want["inspect"]}

@@ -60,7 +60,7 @@ RUN = [
     "logging.trackers=[]",  # TensorBoard's imports: nothing here reads its files
     "launch.threads_per_worker=1",
     "launch.nproc_per_node=2",
-    "training.loss_chunks=1",  # the module returns logits only (no hidden_only switch for a chunked loss)
+    "training.loss_chunks=1",  # the module returns logits only (no `head` argument for a chunked loss)
 ]
 
 
@@ -116,7 +116,7 @@ def test_bad_target_messages(user_path: Path, monkeypatch, overrides: list[str],
         validate(compose(overrides).cfg)
 
 
-def test_chunked_loss_needs_the_hidden_only_switch(user_path: Path) -> None:
+def test_chunked_loss_needs_the_head_argument(user_path: Path) -> None:
     """training.loss_chunks > 1 on a module that only returns logits: refused with one line, never run with
     the full-vocabulary loss instead. (The default, auto, chunks only logits of 64 MiB and more: this job's
     are not, so without the override it plans and trains with one full pass.)"""

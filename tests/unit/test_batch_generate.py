@@ -61,17 +61,22 @@ def test_greedy_batch_matches_transformers(tiny_hf_dirs, family: str) -> None:
 
 
 def test_a_model_training_with_a_chunked_loss_still_decodes_logits(tiny_hf_dirs) -> None:
-    """GRPO's rollout runs the model the step trains, whose head training.loss_chunks > 1 leaves to the loss
-    (`hidden_only`, set once by the trainer): decoding passes caches, which get logits, and nothing on the
-    model is switched and switched back around the rollout."""
+    """GRPO's rollout runs the model the step trains, whose head training.loss_chunks > 1 leaves to the loss:
+    the loss's callers ask for the hidden states per call (`head=False`), so the model holds no switch that
+    a rollout between two training forwards could find set (the bug of f949d8c)."""
+    from dtlaunch.train.loss import head_loss
+
     loaded = load_source(f"hf:{tiny_hf_dirs['llama_tied']}", torch.device("cpu"))
     set_positions(loaded.model, max(len(p) for p in PROMPTS) + NEW)
     greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
     plain = generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1]).completions
-    loaded.model.hidden_only = True
-    assert loaded.model(torch.tensor([PROMPTS[0]])).shape[-1] == loaded.model.cfg.dim  # training: hidden states
+    loss = head_loss(8, [loaded.model])  # what the trainer builds for training.loss_chunks=8
+    assert not loss.logits
+    state = dict(vars(loaded.model))
+    hidden = loss.model_output(loaded.model, torch.tensor([PROMPTS[0]]))
+    assert hidden.shape[-1] == loaded.model.cfg.dim  # training: hidden states
     assert generate_batch(loaded.model, PROMPTS, greedy, stop_ids=[1]).completions == plain
-    assert loaded.model.hidden_only
+    assert dict(vars(loaded.model)).keys() == state.keys()  # building the loss set nothing on the model
 
 
 def test_seeded_sampling_repeats(tiny_hf_dirs) -> None:

@@ -58,8 +58,9 @@ def test_frozen_head_and_no_grad() -> None:
         )
 
 
-def test_decoder_hidden_only_through_the_runtime_loss() -> None:
-    """The tiny model with hidden_only: the HeadLoss on its hidden states equals cross_entropy on its logits."""
+def test_decoder_hidden_states_through_the_runtime_loss() -> None:
+    """The tiny model called with the loss's `head` argument (its hidden states): the HeadLoss on them equals
+    cross_entropy on its logits."""
     from dtlaunch.config.compose import compose
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.loss import cross_entropy, head_loss
@@ -73,8 +74,8 @@ def test_decoder_hidden_only_through_the_runtime_loss() -> None:
     want = cross_entropy(model(inputs), targets)
     want_g = torch.autograd.grad(want, list(model.parameters()))
     loss_fn = head_loss(Decisions.of(cfg).loss_chunks, [model])
-    assert model.hidden_only
-    hidden = model(inputs)
+    assert not loss_fn.logits
+    hidden = loss_fn.model_output(model, inputs)
     assert hidden.shape == (2, 16, int(cfg.model.dim))
     got = loss_fn(hidden, targets)
     got_g = torch.autograd.grad(got, list(model.parameters()))
@@ -141,7 +142,8 @@ def test_hf_auto_hidden_states_through_the_chunked_loss(tiny_hf_dirs) -> None:
     want = cross_entropy(model(inputs), targets)
     want_g = torch.autograd.grad(want, params)
     loss_fn = head_loss(Decisions.of(cfg).loss_chunks, [model])
-    got = loss_fn(model(inputs), targets)
+    assert not loss_fn.logits
+    got = loss_fn(loss_fn.model_output(model, inputs), targets)
     got_g = torch.autograd.grad(got, params)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert max(_rel(a, b) for a, b in zip(got_g, want_g, strict=True)) <= 1e-5

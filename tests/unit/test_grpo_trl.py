@@ -180,11 +180,10 @@ def test_log_probs_at_a_temperature_are_trls(tiny_hf_dirs, tmp_path, chunks) -> 
     targets[:, : length - 1 - keep] = IGNORE_INDEX  # the prompt's positions: not scored
     head = None
     if chunks > 1:
-        model.hidden_only = True
         head = HeadLoss(model, chunks, fused=False).token_nll
     with torch.no_grad():
-        ours = token_logps(model(ids[:, :-1]), targets, head, temperature)[:, -keep:]
-        plain = token_logps(model(ids[:, :-1]), targets, head)[:, -keep:]
+        ours = token_logps(model(ids[:, :-1], head=chunks == 1), targets, head, temperature)[:, -keep:]
+        plain = token_logps(model(ids[:, :-1], head=chunks == 1), targets, head)[:, -keep:]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-5)
     assert (ours - plain).abs().max() > 1e-2  # the temperature matters at these values
 

@@ -127,7 +127,7 @@ def test_dpo_matches_trl(hf_dir, tmp_path, loss: str, smoothing: float, sft_weig
     with torch.no_grad():
         ref = objective_ref(reference, inputs, targets, chunks)
     policy_head = head(policy, chunks)
-    our_loss, stats = objective(policy(inputs), targets, ref, policy_head.token_nll)
+    our_loss, stats = objective(policy_head.model_output(policy, inputs), targets, ref, policy_head.token_nll)
     our_loss.backward()
 
     assert close(our_loss.item(), trl_loss.item()), (our_loss.item(), trl_loss.item())
@@ -149,7 +149,6 @@ def head(model: torch.nn.Module, chunks: int):
     chunk over the tokens (training.loss_chunks), the full logits never made."""
     from dtlaunch.train.loss import HeadLoss
 
-    model.hidden_only = chunks > 1
     return HeadLoss(model, chunks)
 
 
@@ -157,7 +156,7 @@ def objective_ref(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
     from dtlaunch.train.objectives.logps import completion_logps
 
     model_head = head(model, chunks)
-    return completion_logps(model(inputs), targets, token_nll=model_head.token_nll).logps
+    return completion_logps(model_head.model_output(model, inputs), targets, token_nll=model_head.token_nll).logps
 
 
 LORA = {"targets": ["v_proj", "o_proj", "gate_proj"], "rank": 4, "alpha": 8.0, "dropout": 0.0}
@@ -208,7 +207,7 @@ def test_lora_dpo_matches_trl_with_adapters_off_reference(hf_dir, tmp_path, b_sc
     head_loss = head(model, chunks)
     ref = AdaptersOff(model, None, head_loss)(inputs, targets, MicroBatch(inputs, targets))
     objective = PreferenceObjective("dpo", "sigmoid", 0.1, 0.0, 0.0, 0.0)
-    our_loss, _ = objective(model(inputs), targets, ref, head_loss.token_nll)
+    our_loss, _ = objective(head_loss.model_output(model, inputs), targets, ref, head_loss.token_nll)
     our_loss.backward()
     if b_scale == 0:
         # At initialisation the policy is the reference: Δ = 0 and the loss is exactly ln 2.
@@ -268,7 +267,7 @@ def test_reference_free_objectives_match_trl(hf_dir, name: str, chunks: int) -> 
     inputs, targets = ours_targets(b)
     objective = PreferenceObjective(name, "sigmoid", 0.4, 0.0, 0.0, 0.3)
     policy_head = head(policy, chunks)
-    our_loss, stats = objective(policy(inputs), targets, None, policy_head.token_nll)
+    our_loss, stats = objective(policy_head.model_output(policy, inputs), targets, None, policy_head.token_nll)
     our_loss.backward()
     assert close(our_loss.item(), trl_loss.item()), (our_loss.item(), trl_loss.item())
     theirs = dict(policy_hf.named_parameters())

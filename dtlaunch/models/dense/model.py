@@ -438,9 +438,6 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_block(m, i) for i in range(m.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(m.dim, m.norm_eps, float(getattr(m, "norm_offset", 0.0) or 0.0))
         self.output: Optional[nn.Linear] = nn.Linear(m.dim, m.vocab_size, bias=False)
-        # True: forward stops before the head and returns the final norm's output, which the trainer's
-        # loss projects chunk by chunk (training.loss_chunks), so the full logits never exist.
-        self.hidden_only = False
         if getattr(m, "tie_embeddings", False):
             # One Parameter under two names; named_parameters() (init, FSDP, optimizer) sees it once.
             self.output.weight = self.tok_embeddings.weight
@@ -468,11 +465,12 @@ class Decoder(nn.Module):
         doc_ids: Optional[torch.Tensor] = None,
         caches: Optional[list[KVCache]] = None,
         last_only: bool = False,
+        head: bool = True,
     ) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V) (the normed hidden states (B, S, h) when `hidden_only`,
-        set once by the trainer's chunked loss; decoding, with `caches`, always gets logits: it samples from
-        them); a pipeline middle stage maps hidden -> hidden. `last_only`: the logits of the last position only
-        (decoding's prefill samples from it alone), so the (B, S, V) logits never exist.
+        """tokens (B, S) int64 -> logits (B, S, V); a pipeline middle stage maps hidden -> hidden. `head=False`:
+        the final norm's output (B, S, h) instead of the logits, which the trainer's chunked loss projects
+        chunk by chunk (training.loss_chunks, dtlaunch.train.loss.HeadLoss.logits), so the full logits never
+        exist. `last_only`: the logits of the last position only (decoding's prefill samples from it alone).
 
         Packed documents: `positions` (B, S) restart RoPE at each document; `doc_ids` (B, S) keep attention
         inside each document (causal and same document). `caches` (one per block, decoding only): the
@@ -505,8 +503,7 @@ class Decoder(nn.Module):
             # Under sequence parallel `h` is this rank's slice of the positions; the head gathers the slices
             # of every rank, the last of which is the last position.
             h = h[:, -1:]
-        head = self.output is not None and (caches is not None or not self.hidden_only)
-        return self.output(h) if head else h
+        return self.output(h) if head and self.output is not None else h
 
     def keep_residual_in(self, dtype: torch.dtype) -> None:
         """Keep the residual stream in `dtype` (precision.residual_dtype under autocast): the embedding's

@@ -77,31 +77,42 @@ def build_model(m: Any, rope_len: Optional[int] = None, device: Any = "meta") ->
     decoder.layers = layers
     base = type(model)
 
-    def forward(
+    def logits(
         self: nn.Module,
         tokens: torch.Tensor,
         positions: Optional[torch.Tensor] = None,
         doc_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        # The runtime's protocol: token ids in, the logits tensor out (no cache, no output object); the
-        # decoder's normed hidden states when `hidden_only` (the trainer's chunked loss applies the head).
+        # The runtime's protocol: token ids in, the logits tensor out (no cache, no output object).
         # `positions`: the tokens' positions when they are not 0..S-1 (context parallel's chunks), (S,) or
         # (B, S), as transformers' position_ids (its rotary tables follow them). Packed documents
         # (data.document_mask): their positions restart at each document, from which transformers' mask
         # keeps each document to itself (masking_utils.find_packed_sequence_indices); `doc_ids` says no more.
         ids = None if positions is None else positions.expand(tokens.shape[0], -1)
-        if getattr(self, "hidden_only", False):
-            return self.get_decoder()(input_ids=tokens, position_ids=ids, use_cache=False).last_hidden_state
         return base.forward(self, input_ids=tokens, position_ids=ids, use_cache=False).logits
 
-    methods = {"forward": forward, "init_param": _init_param, "buffer_values": _buffer_values}
+    def forward(
+        self: nn.Module,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+        head: bool = True,
+    ) -> torch.Tensor:
+        # `head=False`: the decoder's normed hidden states (the trainer's chunked loss applies the head).
+        if head:
+            return logits(self, tokens, positions, doc_ids)
+        ids = None if positions is None else positions.expand(tokens.shape[0], -1)
+        return self.get_decoder()(input_ids=tokens, position_ids=ids, use_cache=False).last_hidden_state
+
+    # The `head` argument only where the logits are the head's plain output (a model without it trains with
+    # the plain loss: dtlaunch.train.loss.head_loss refuses loss_chunks > 1 for it).
+    plain = _plain_head(model, config)
+    methods = {"forward": forward if plain else logits, "init_param": _init_param, "buffer_values": _buffer_values}
     model.__class__ = type(f"HFAuto{base.__name__}", (base,), methods)
     object.__setattr__(model, "layers", layers)  # not registered twice: names stay transformers' own
     object.__setattr__(model, "cfg", m)
     object.__setattr__(model, "rope_len", rope_len)
     model._hf_dir = path
-    if _plain_head(model, config):
-        model.hidden_only = False  # the switch exists only where the logits are the head's plain output
     return model
 
 

@@ -48,7 +48,7 @@ def _forward_loss(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor, extr
     (model,) = rt.model_parts
     with rt.loss_context():
         with compute_context(rt.model_parts, rt.cfg, rt.device):
-            loss = rt.loss_fn(model(inputs, **extra), targets)
+            loss = rt.loss_fn(rt.loss_fn.model_output(model, inputs, **extra), targets)
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
@@ -57,9 +57,8 @@ def _pipeline_loss(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) -> 
     plan = rt.pipeline
     losses: list[torch.Tensor] = []
     args = (inputs,) if plan.has_first_stage else ()
-    kwargs: dict[str, Any] = {"target": targets, "losses": losses} if plan.has_last_stage else {}
     with rt.loss_context(), compute_context(rt.model_parts, rt.cfg, rt.device):
-        plan.schedule.eval(*args, **kwargs)
+        plan.schedule.eval(*args, **plan.step_kwargs(rt.pipeline_loss, targets, losses))
     if plan.has_last_stage:
         scale = rt.pipeline_loss.scale
         loss = torch.stack([_plain(v.detach()) for v in losses]).sum() / (scale * len(losses))

@@ -62,6 +62,11 @@ class PreferencePipelineLoss:
         self.head = head  # the stage's HeadLoss: the per-token values, chunked or from the logits
         self._stats: list[torch.Tensor] = []
 
+    @property
+    def head_kwargs(self) -> dict[str, bool]:
+        """The last stage's forward's `head` argument, if any (HeadLoss.head_kwargs)."""
+        return self.head.head_kwargs
+
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         targets, ref = split_reference(target, self.has_reference)
         loss, stats = self.objective(output, targets, ref, self.head.token_nll)

@@ -94,7 +94,8 @@ class PipelineReference:
             elif self.owners[s - 1] != self.me:
                 h = self._recv(self.owners[s - 1], inputs.device)
             module = self.stages[s]
-            h = module(h)
+            # The last stage's output as the loss takes it: the logits, or a chunked loss's hidden states.
+            h = self.head.model_output(module, h) if s == last else module(h)
             if s == last:
                 return completion_logps(h, targets, token_nll=self.head.token_nll).logps.float()
             if self.owners[s + 1] != self.me:

@@ -47,7 +47,7 @@ class AdaptersOff:
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         with adapters_disabled(self.model):
-            out = self.model(inputs, **batch.model_inputs(inputs.device))
+            out = self.head.model_output(self.model, inputs, **batch.model_inputs(inputs.device))
             return completion_logps(out, targets, self.cp_group, self.head.token_nll).logps
 
 
@@ -59,7 +59,7 @@ class FrozenCopy:
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        out = self.model(inputs, **batch.model_inputs(inputs.device))
+        out = self.head.model_output(self.model, inputs, **batch.model_inputs(inputs.device))
         return completion_logps(out, targets, self.cp_group, self.head.token_nll).logps
 
 
@@ -203,9 +203,9 @@ class TokenReference:
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.adapters_off:
             with adapters_disabled(self.model):
-                out = self.model(inputs)
+                out = self.head.model_output(self.model, inputs)
         else:
-            out = self.model(inputs)
+            out = self.head.model_output(self.model, inputs)
         from dtlaunch.train.objectives.grpo import token_logps
 
         return token_logps(out, targets, self.head.token_nll, self.temperature)

@@ -467,7 +467,11 @@ class Rollout:
                 if model is None:  # the reference (objective.beta > 0)
                     out.append(self.ref_model(x, y))
                 else:
-                    out.append(token_logps(model(x), y, rt.loss_fn.token_nll, self.sampling.temperature))
+                    out.append(
+                        token_logps(
+                            rt.loss_fn.model_output(model, x), y, rt.loss_fn.token_nll, self.sampling.temperature
+                        )
+                    )
         return torch.cat(out)
 
     def _correct(self, b: RolloutBatches, sampled: torch.Tensor) -> dict[str, float]:

@@ -72,14 +72,14 @@ class PipelinePlan:
     ) -> torch.Tensor:
         """Run forward+backward of one micro-step; return its mean loss (the same value on every PP rank).
 
-        `loss_fn` is the schedule's (a dtlaunch.train.loss.PipelineLoss: its `scale` is undone here).
+        `loss_fn` is the schedule's (a dtlaunch.train.loss.PipelineLoss: its `scale` is undone here; its
+        `logits` says what the last stage's forward returns).
         `loss_ctx` (loss_parallel under TP) must cover the schedule: the loss and its backward both run
         inside `step`."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
-        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last_stage else {}
         with loss_ctx if loss_ctx is not None else contextlib.nullcontext():
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            self.schedule.step(*args, return_outputs=False, **self.step_kwargs(loss_fn, targets, losses))
         if self.has_last_stage:
             # Undo the backward scaling: the mean over the micro-batches of the unscaled loss.
             loss = torch.stack([_local(v.detach()) for v in losses]).sum() / (loss_fn.scale * len(losses))
@@ -88,6 +88,14 @@ class PipelinePlan:
         # Only the last stage knows the loss; a SUM over the pipeline group hands it to every stage.
         dist.all_reduce(loss, group=pp_mesh.get_group())
         return loss
+
+    def step_kwargs(self, loss_fn: Any, targets: torch.Tensor, losses: list[torch.Tensor]) -> dict[str, Any]:
+        """The schedule's keyword arguments (its `step` and `eval`) on this rank: on the last stage's, the
+        targets, the list that collects the losses, and the stage's `head` argument (the logits, or the hidden
+        states of a chunked loss: `loss_fn.head_kwargs`), which the schedule hands to this rank's stages unsplit."""
+        if not self.has_last_stage:
+            return {}
+        return {"target": targets, "losses": losses, **loss_fn.head_kwargs}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -27,14 +27,14 @@ class ToyLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(m.dim, m.mlp_ratio) for i in range(m.n_layers)})
         self.norm = nn.RMSNorm(m.dim)
         self.output = nn.Linear(m.dim, m.vocab_size, bias=False)
-        self.hidden_only = False  # the runtime's switch for its chunked loss (training.loss_chunks)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, head: bool = True) -> torch.Tensor:
+        # head=False: the final norm's output, for the runtime's chunked loss (training.loss_chunks).
         x = self.tok_embeddings(tokens)
         for block in self.layers.values():
             x = block(x)
         h = self.norm(x)
-        return h if self.hidden_only else self.output(h)
+        return self.output(h) if head else h
 
     def init_param(self, name: str, shape: tuple, seed: int) -> torch.Tensor:
         if len(shape) == 1:
