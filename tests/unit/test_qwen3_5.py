@@ -4,8 +4,9 @@ Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration with a tiny
 Gated DeltaNet block with split input projections then a gated full-attention block. Logits within 1e-5 in
 fp32 over 80 tokens (the chunked delta rule crosses its 64-token chunk), bit-identical round trips of every
 text tensor, the published experts' fused layout, exact parameter counts of the published shapes, greedy
-decoding (recurrent state and KV cache) equal to transformers', and the layouts it cannot take refused in
-one line naming the family."""
+decoding (recurrent state and KV cache) equal to transformers', packed documents (data.document_mask) each
+equal to itself alone (ours and transformers', logits and gradients), and the layouts it cannot take refused
+in one line naming the family."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import pytest
 import torch
 from hf_loaded import ours, round_trip, theirs
-from test_qwen3_next import _flat
+from test_qwen3_next import _flat, documents_data, packed_documents_are_each_alone
 
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
@@ -262,13 +263,23 @@ def test_split_gated_deltanet_is_transformers_layer() -> None:
     torch.testing.assert_close(torch.cat(got, dim=1), torch.cat(want, dim=1), rtol=0, atol=1e-5)
 
 
+def test_packed_documents_are_each_alone(text_dirs) -> None:
+    """The split Gated DeltaNet under the dense decoder: test_qwen3_next's packed row, ours and transformers'."""
+    packed_documents_are_each_alone(text_dirs["qwen3_5"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_document_mask_is_taken(multimodal_dirs, family, tiny_tokenizer, tmp_path) -> None:
+    data = documents_data(tmp_path, tiny_tokenizer)
+    validate(compose([f"model.init_from=hf:{multimodal_dirs[family]}", "training.seq_len=16", *data]).cfg)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["strategy=tp", "launch.nproc_per_node=2"], r"^strategy.tp=2: model.arch={}'s Gated DeltaNet .* tensor"),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: model.arch={}'s .*context parallel yet"),
-        (["data.document_mask=true"], r"^data.document_mask=true: model.arch={}'s .*set data.document_mask=false$"),
         (["objective.generation_compile=true"], r"^objective.generation_compile=true: model.arch={}'s linear blocks"),
     ],
 )
