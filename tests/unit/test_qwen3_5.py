@@ -268,6 +268,42 @@ def test_packed_documents_are_each_alone(text_dirs) -> None:
     packed_documents_are_each_alone(text_dirs["qwen3_5"])
 
 
+def test_compiled_blocks_run_packed_documents_eagerly_without_recompiling(monkeypatch) -> None:
+    """training.compile with data.document_mask: the Gated DeltaNet's documents path runs eagerly, as the
+    dense attention does (parallelize.apply_compile), so new document lengths reuse the compiled blocks;
+    loss and gradients are eager's. Dynamo's eager backend: the graph breaks and guards are Inductor's."""
+    import copy
+
+    import torch._dynamo
+
+    import dtlaunch.train.parallel.parallelize as parallelize
+
+    kinds = ["model.n_layers=2", "model.layer_types=[linear_attention,full_attention]"]
+    heads = ["model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
+    heads += ["model.linear_key_head_dim=8", "model.linear_value_head_dim=8"]
+    m = compose(["model=tiny", "model.arch=qwen3_5", *kinds, *heads]).cfg.model
+    eager = model_spec(m).build(m, rope_len=80, device="cpu")
+    eager.init_weights(0)
+    compiled = copy.deepcopy(eager)
+    monkeypatch.setattr(parallelize, "compile_backend", lambda: "eager")
+    parallelize.apply_compile(compiled, documents=True)
+    torch._dynamo.reset()
+    for i, lengths in enumerate([(70, 10), (5, 60, 15)]):
+        tokens = torch.randint(0, 200, (1, 80), generator=torch.Generator().manual_seed(i))
+        doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+        extra = {"positions": torch.cat([torch.arange(n) for n in lengths])[None], "doc_ids": doc_ids}
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(tokens, **extra).square().mean()
+        want = eager(tokens, **extra).square().mean()
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+        compiled.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_document_mask_is_taken(multimodal_dirs, family, tiny_tokenizer, tmp_path) -> None:
     data = documents_data(tmp_path, tiny_tokenizer)
