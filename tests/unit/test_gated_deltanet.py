@@ -2,8 +2,9 @@
 Qwen3NextGatedDeltaNet on a tiny random layer (2 key heads, 4 value heads: grouped q/k): outputs within
 1e-5 and gradients within 1e-4 in fp32, across chunk boundaries; decoding with RecurrentState (a prefill,
 single-token steps, a several-token chunk) equal to the full forward; a left-padded prompt equal to the
-same prompt alone; transformers' own cached decoding agrees; masks refused without a cache; bf16 runs; the
-chunked and recurrent rules agree."""
+same prompt alone; transformers' own cached decoding agrees; packed documents (`Documents`) each equal to
+transformers' layer on the document alone; dense masks refused without a cache; bf16 runs; the chunked and
+recurrent rules agree, with state resets too."""
 
 from __future__ import annotations
 
@@ -194,16 +195,75 @@ def test_left_padding_is_invisible(pair):
     torch.testing.assert_close(out[1], together[0], rtol=0, atol=1e-5)
 
 
-def test_masks_refused_without_a_cache(pair):
+def test_dense_masks_refused_without_a_cache(pair):
     _, ours = pair
     x = _x(1, 4)
     with pytest.raises(ValueError) as info:
         ours(x, COS, SIN, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     assert str(info.value) == MASK_REFUSED
+
+
+# Two packed rows: row 0's first document crosses the 64-token chunk, its second starts mid-chunk and its
+# third 2 tokens after (fewer than the convolution's 3 of context); row 1's first fills a whole chunk.
+PACKED = ((70, 2, 48), (64, 5, 51))
+
+
+def _each_alone(layer, x, lengths, **kw):
+    """The output of each document of each row run alone, back in place."""
+    rows = []
+    for row, ns in enumerate(lengths):
+        starts = [sum(ns[:i]) for i in range(len(ns))]
+        rows.append(
+            torch.cat([layer(x[row : row + 1, a : a + n], **kw) for a, n in zip(starts, ns, strict=True)], dim=1)
+        )
+    return torch.cat(rows)
+
+
+def test_packed_documents_each_run_alone(pair, monkeypatch):
+    """With `Documents`, each document's output is transformers' layer on that document alone (convolution
+    and state from zero at its start); without them the later documents read the earlier ones (so the
+    comparison can fail), and so they do without either half of the separation: no state reset, or no
+    zeros for the convolution between documents."""
+    import dtlaunch.models.qwen3_next.gated_deltanet as gdn
     from dtlaunch.models.dense.documents import Documents
 
-    with pytest.raises(ValueError, match="packed-document or padding masks are not supported"):
-        ours(x, COS, SIN, Documents(((2, 2),)))
+    theirs, ours = pair
+    x = _x(2, 120, seed=9)
+    with torch.no_grad():
+        packed = ours(x, COS, SIN, Documents(PACKED))
+        torch.testing.assert_close(packed, _each_alone(theirs, x, PACKED), rtol=0, atol=1e-5)
+        torch.testing.assert_close(packed, _each_alone(ours, x, PACKED, cos=COS, sin=SIN), rtol=0, atol=1e-5)
+        plain = ours(x, COS, SIN)
+    torch.testing.assert_close(plain[0, :70], packed[0, :70], rtol=0, atol=1e-5)  # the first is alone anyway
+    for row, start, end in ((0, 70, 72), (0, 72, 120), (1, 64, 69), (1, 69, 120)):
+        assert (plain[row, start:end] - packed[row, start:end]).abs().max() > 1e-3, (row, start)
+
+    rule, layout = gdn.chunk_gated_delta_rule, gdn._document_layout
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(gdn, "chunk_gated_delta_rule", lambda *a, resets=None, **kw: rule(*a, **kw))
+        no_reset = ours(x, COS, SIN, Documents(PACKED))
+    assert (no_reset[0, 72:] - packed[0, 72:]).abs().max() > 1e-3, "the state reset"
+    with torch.no_grad(), monkeypatch.context() as patch:
+        # No free positions before a document: row 1's second starts right after its first (at 64).
+        patch.setattr(gdn, "_document_layout", lambda lengths, chunk, gap: layout(lengths, chunk, 0))
+        no_gap = ours(x, COS, SIN, Documents(PACKED))
+    assert (no_gap[1, 64:69] - packed[1, 64:69]).abs().max() > 1e-3, "the convolution's zeros"
+
+
+def test_state_resets_in_the_chunked_rule():
+    """`resets` zeroes the state entering a chunk: equal to the recurrent rule restarted there."""
+    g = torch.Generator().manual_seed(4)
+    b, s, n_k, n_v, dk, dv = 2, 192, 2, 4, 8, 6
+    q, k = torch.randn(b, s, n_k, dk, generator=g), torch.randn(b, s, n_k, dk, generator=g)
+    v = torch.randn(b, s, n_v, dv, generator=g)
+    decay, beta = -torch.rand(b, s, n_v, generator=g) * 0.1, torch.rand(b, s, n_v, generator=g)
+    resets = torch.tensor([[True, False, True], [True, True, False]])
+    out, _ = chunk_gated_delta_rule(q, k, v, decay, beta, resets=resets)
+    for row, cuts in ((0, (0, 128, 192)), (1, (0, 64, 192))):
+        for a, e in zip(cuts[:-1], cuts[1:], strict=True):
+            want, _ = recurrent_gated_delta_rule(*(t[row : row + 1, a:e] for t in (q, k, v, decay, beta)))
+            torch.testing.assert_close(out[row : row + 1, a:e], want, rtol=0, atol=1e-5)
+    assert (chunk_gated_delta_rule(q, k, v, decay, beta)[0] - out).abs().max() > 1e-3
 
 
 def test_bf16_runs(pair):

@@ -1,6 +1,7 @@
 """Qwen3-Next (model.arch=qwen3_next) against transformers' Qwen3NextForCausalLM on a tiny random directory
 (tests/conftest.py: a Gated DeltaNet block then a gated full-attention block, 4 experts and a gated shared
-expert): logits within 1e-5 in fp32, a bit-identical round trip, the planner's exact count, every
+expert): logits within 1e-5 in fp32, packed documents (data.document_mask) each equal to itself alone (ours and
+transformers', logits and gradients), a bit-identical round trip, the planner's exact count, every
 Qwen3-Next part mattering, and the layouts it cannot take refused in one line."""
 
 from __future__ import annotations
@@ -38,6 +39,47 @@ def test_logits_match_transformers_and_every_part_matters(tiny_moe_hf_dirs) -> N
         assert (model(TOKENS) - full).abs().max().item() > 1e-4, "the shared expert's gate"
         moe.shared_gate = shared_gate
         assert torch.equal(model(TOKENS), full)
+
+
+# One packed row: the first document crosses the Gated DeltaNet's 64-token chunk, the next two start mid-chunk.
+DOCUMENTS = (70, 20, 30)
+
+
+def packed_documents_are_each_alone(path, lengths=DOCUMENTS) -> None:
+    """data.document_mask's inputs (doc_ids, restarted positions) on one packed row of `lengths`: each
+    document's logits equal ours and transformers' on that document alone (1e-5), and the packed loss's
+    gradient the sum of each alone's (1e-5 relative); without doc_ids the later documents differ (so the
+    comparison can fail). Also test_qwen3_5's."""
+    model, _ = ours(path, seq=sum(lengths))
+    tokens = torch.randint(0, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    spans = [(sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(len(lengths))]
+    base = theirs(path)
+    with torch.no_grad():
+        packed, plain = model(tokens, positions=positions, doc_ids=doc_ids), model(tokens)
+        for a, e in spans:
+            torch.testing.assert_close(packed[:, a:e], model(tokens[:, a:e]), rtol=0, atol=1e-5)
+            torch.testing.assert_close(packed[:, a:e], base(tokens[:, a:e]).logits, rtol=0, atol=1e-5)
+    for a, e in spans[1:]:
+        assert (plain[:, a:e] - packed[:, a:e]).abs().max() > 1e-3, "without doc_ids the documents mix"
+
+    # A random projection of the logits as the loss: every logit's gradient differs.
+    weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(2))
+    model.zero_grad()
+    (model(tokens, positions=positions, doc_ids=doc_ids) * weights).sum().backward()
+    together = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for a, e in spans:
+        (model(tokens[:, a:e]) * weights[:, a:e]).sum().backward()
+    assert together.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, grad in together.items():
+        want = dict(model.named_parameters())[name].grad
+        assert (grad - want).norm() <= 1e-5 * want.norm(), name
+
+
+def test_packed_documents_are_each_alone(tiny_moe_hf_dirs) -> None:
+    packed_documents_are_each_alone(tiny_moe_hf_dirs["qwen3_next"])
 
 
 def test_round_trip_is_bit_identical_and_counted_exactly(tiny_moe_hf_dirs, tmp_path) -> None:
@@ -101,7 +143,6 @@ _OWN = [
             r"^strategy.tp=2: model.arch=qwen3_next's Gated DeltaNet .* tensor",
         ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: .*context parallel yet"),
-        (["data.document_mask=true"], r"^data.document_mask=true: .*set data.document_mask=false$"),
         (_OWN + ["model.linear_num_key_heads=3"], r"linear_num_value_heads=4 is not a multiple of .*=3"),
         (_OWN + ["model.layer_types=[full_attention]"], r"^model.layer_types=\['full_attention'\]: give one of"),
     ],
@@ -111,6 +152,19 @@ def test_what_it_cannot_do_is_one_line(tiny_moe_hf_dirs, extra, message) -> None
     job = compose([*source, "training.seq_len=16", *extra])
     with pytest.raises(ConfigError, match=message):
         validate(job.cfg)
+
+
+def documents_data(tmp_path, tokenizer) -> list[str]:
+    """data.document_mask=true on a jsonl of documents (synthetic data has none). Also test_qwen3_5's."""
+    (tmp_path / "d.jsonl").write_text('{"text": "one document"}\n{"text": "and another"}\n')
+    data = [f"data.path={tmp_path / 'd.jsonl'}", f"data.tokenizer={tokenizer / 'tokenizer.json'}"]
+    return ["data.kind=jsonl", *data, "data.document_mask=true"]
+
+
+def test_document_mask_is_taken(tiny_moe_hf_dirs, tiny_tokenizer, tmp_path) -> None:
+    """Packed documents reset the Gated DeltaNet blocks (test_packed_documents_are_each_alone)."""
+    data = documents_data(tmp_path, tiny_tokenizer)
+    validate(compose([f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}", "training.seq_len=16", *data]).cfg)
 
 
 def test_a_published_size_is_refused_before_its_trace_materialises_it(monkeypatch, tmp_path) -> None:

@@ -1,7 +1,8 @@
 """The Gated DeltaNet hybrids' rules on their model section and layout (qwen3_next, qwen3_5, qwen3_5_moe):
 the dense or MoE decoder's, one kind per block, key heads that divide the value heads, and the layouts their
-Gated DeltaNet blocks have no sharding for yet (tensor and context parallel) or no state reset at document
-starts for (data.document_mask). Each message names the family (model.arch)."""
+Gated DeltaNet blocks have no sharding for yet (tensor and context parallel). Packed documents
+(data.document_mask) are taken: each document's convolution and state start from zero
+(gated_deltanet.py). Each message names the family (model.arch)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,6 @@ def check_linear_blocks(cfg: JobConfig) -> None:
         raise ConfigError(
             f"model.linear_num_value_heads={nv} is not a multiple of model.linear_num_key_heads={nk}: "
             f"each key head serves a whole group of value heads"
-        )
-    if bool(cfg.data.document_mask):
-        raise ConfigError(
-            f"data.document_mask=true: {arch}'s Gated DeltaNet state runs across document "
-            "boundaries (no reset at each document yet): set data.document_mask=false"
         )
     if bool(cfg.objective.generation_compile):
         raise ConfigError(

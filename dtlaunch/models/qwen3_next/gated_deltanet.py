@@ -14,6 +14,13 @@ Training and prefill use the chunked (WY / UT-transform) form of the recurrence:
 tokens the writes are solved for at once with a triangular solve, and only the chunks run in sequence.
 A single decoding step runs the recurrence directly. Both are fp32 inside.
 
+Packed documents (data.document_mask: a `Documents` in the place of the mask) see nothing of the documents
+before them in their row: the convolution reads zeros before each document's start and the state starts
+from zero there, as if each document ran alone. Each document is moved to a chunk boundary of its own
+(`_document_layout`), far enough from the previous one that the convolution's window reads only the zeros
+between them, and the chunk loop zeroes the state at each document's first chunk: one run over all rows
+and documents, exact (no large-negative decay standing in for a reset).
+
 Parameter names and shapes are transformers' `Qwen3NextGatedDeltaNet` (in_proj_qkvz, in_proj_ba, conv1d,
 dt_bias, A_log, norm, out_proj) or, with `split_projections`, `Qwen3_5GatedDeltaNet` (in_proj_qkv,
 in_proj_z, in_proj_b, in_proj_a in the place of the two fused ones), so a checkpoint's `linear_attn.*`
@@ -24,12 +31,14 @@ torch.distributed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtlaunch.models.dense.documents import Documents
 from dtlaunch.models.dense.model import KVCache
 
 # Tokens per chunk of the chunked rule (transformers' and FLA's default).
@@ -38,7 +47,8 @@ CHUNK_SIZE = 64
 QK_L2_EPS = 1e-6
 
 MASK_REFUSED = (
-    "Gated DeltaNet attends causally over the whole sequence: packed-document or padding masks are not supported"
+    "Gated DeltaNet takes packed documents as their lengths (Documents), not a dense mask: "
+    "dense document or padding masks are not supported"
 )
 
 
@@ -150,8 +160,10 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     state: Optional[torch.Tensor] = None,
     chunk_size: int = CHUNK_SIZE,
+    resets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule as `recurrent_gated_delta_rule` (same arguments and results), chunk by chunk.
+    `resets` (B, chunks) bool: the state is zero on entering these chunks (each a packed document's first).
 
     Within a chunk, with G_i the cumulative log decay from the chunk's start to position i and
     D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal), the writes u_i (the delta rule's corrected
@@ -192,6 +204,8 @@ def chunk_gated_delta_rule(
     state = q.new_zeros(b, h, dk, dv) if state is None else state.float()
     outs = []
     for i in range(n):
+        if resets is not None:
+            state = torch.where(resets[:, i, None, None, None], 0.0, state)
         u = writes[:, :, i] - state_reads[:, :, i] @ state
         outs.append(q_from_start[:, :, i] @ state + scores[:, :, i] @ u)
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
@@ -240,9 +254,11 @@ class GatedDeltaNet(nn.Module):
         mask: Any = None,
         cache: Optional[RecurrentState] = None,
     ) -> torch.Tensor:
-        """x (B, S, dim) -> (B, S, dim). `cos`, `sin`: ignored (no RoPE here). `mask`: must be None (causal
-        over the whole sequence), except while decoding with `cache`, where padding comes from its key_mask."""
-        if cache is None and mask is not None:
+        """x (B, S, dim) -> (B, S, dim). `cos`, `sin`: ignored (no RoPE here). `mask`: None (causal over the
+        whole sequence) or packed `Documents` (each document alone); ignored while decoding with `cache`,
+        where padding comes from its key_mask."""
+        docs = mask if cache is None and isinstance(mask, Documents) else None
+        if cache is None and mask is not None and docs is None:
             raise ValueError(MASK_REFUSED)
         b, s, _ = x.shape
         if cache is not None and cache.key_mask is not None:
@@ -253,26 +269,59 @@ class GatedDeltaNet(nn.Module):
             x = (x * real[:, :, None]).to(x.dtype)
 
         q, k, v, z, beta_logit, a = self._project(x)
-        mixed = self._conv(torch.cat((q, k, v), dim=-1), cache)
-        q, k, v = torch.split(mixed, (self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = q.reshape(b, s, self.n_k, self.head_k_dim)
-        k = k.reshape(b, s, self.n_k, self.head_k_dim)
-        v = v.reshape(b, s, self.n_v, self.head_v_dim)
-
         beta = beta_logit.sigmoid()
         # A = exp(A_log) > 0 and the step dt = softplus(a + dt_bias) > 0, so g = -A dt < 0: a decay.
         # fp32 first: in fp16, exp(A_log) can overflow.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        state = cache.recurrent if cache is not None else None
-        rule = recurrent_gated_delta_rule if s == 1 else chunk_gated_delta_rule
-        out, state = rule(q, k, v, g, beta, state)
-        if cache is not None:
-            cache.recurrent = state
-            cache.seen += s
+        mixed = torch.cat((q, k, v), dim=-1)
+        if docs is not None:
+            out = self._mix_documents(mixed, g, beta, docs)
+        else:
+            out, state = self._mix(mixed, g, beta, cache)
+            if cache is not None:
+                cache.recurrent = state
+                cache.seen += s
 
         out = self.norm(out, z)  # per head: (B, S, n_v, head_v_dim)
         return self.out_proj(out.reshape(b, s, self.value_dim))
+
+    def _mix(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cache: Optional[RecurrentState] = None,
+        resets: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolution and the rule: mixed (B, S, conv_dim) = [q | k | v] before the convolution, g and
+        beta (B, S, n_v) -> the output (B, S, n_v, head_v_dim) and the state after it."""
+        b, s, _ = mixed.shape
+        q, k, v = torch.split(self._conv(mixed, cache), (self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = q.reshape(b, s, self.n_k, self.head_k_dim)
+        k = k.reshape(b, s, self.n_k, self.head_k_dim)
+        v = v.reshape(b, s, self.n_v, self.head_v_dim)
+        state = cache.recurrent if cache is not None else None
+        if s == 1:
+            return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        return chunk_gated_delta_rule(q, k, v, g, beta, state, resets=resets)
+
+    # Eager under training.compile, as the dense attention over documents: new lengths are not a recompile.
+    @torch.compiler.disable
+    def _mix_documents(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, docs: Documents) -> torch.Tensor:
+        """`_mix` with each packed document alone: spread to `_document_layout`'s positions (zeros between),
+        run once with the state reset at each document's first chunk, and gathered back. The zeros between
+        documents are exact no-ops for the rule whatever the convolution makes of them there: beta = 0 (no
+        write) and g = 0 (no decay)."""
+        b, s, _ = mixed.shape
+        where, resets, p = _document_layout(docs.lengths, CHUNK_SIZE, self.kernel - 1)
+        where, resets = where.to(mixed.device), resets.to(mixed.device)
+
+        def spread(t: torch.Tensor) -> torch.Tensor:  # (B, S, ...) -> (B, P, ...), zeros between documents
+            rest = t.shape[2:]
+            return t.new_zeros(b * p, *rest).index_copy(0, where, t.reshape(b * s, *rest)).view(b, p, *rest)
+
+        out, _ = self._mix(spread(mixed), spread(g), spread(beta), resets=resets)
+        return out.reshape(b * p, self.n_v, self.head_v_dim).index_select(0, where).view(b, s, self.n_v, -1)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, S, dim) -> q, k (B, S, key_dim), v (B, S, value_dim), z (B, S, n_v, head_v_dim), b and a
@@ -314,6 +363,34 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight
         out = F.silu(F.conv1d(h.to(weight.dtype), weight, groups=self.conv_dim))[:, :, -s:]
         return out.to(dtype).transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=8)
+def _document_layout(
+    lengths: tuple[tuple[int, ...], ...], chunk: int, gap: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where packed documents go so that one chunked run treats each alone (built once per batch, on the
+    host). Each row's documents keep their order; each starts on a chunk boundary (so that a state reset
+    between chunks is a reset at its start) with at least `gap` = kernel - 1 free positions before it (so
+    that the causal convolution reads zeros there, as at a sequence's start). Returns: for each token of
+    the (B, S) batch, its flat index into (B, P); (B, P / chunk) bool, True at each document's first chunk;
+    P, a whole number of chunks."""
+    rows, starts = [], []
+    for row in lengths:
+        end, firsts, spans = 0, [], []
+        for i, n in enumerate(row):
+            start = 0 if i == 0 else -(-(end + gap) // chunk) * chunk
+            spans.append(torch.arange(start, start + n))
+            firsts.append(start // chunk)
+            end = start + n
+        rows.append(torch.cat(spans))
+        starts.append(firsts)
+    p = -(-max(int(r[-1]) + 1 for r in rows) // chunk) * chunk
+    where = torch.cat([r + i * p for i, r in enumerate(rows)])
+    resets = torch.zeros(len(rows), p // chunk, dtype=torch.bool)
+    for i, firsts in enumerate(starts):
+        resets[i, firsts] = True
+    return where, resets, p
 
 
 def initial_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> Optional[torch.Tensor]:
