@@ -266,7 +266,20 @@ def test_split_gated_deltanet_is_transformers_layer() -> None:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["strategy=tp", "launch.nproc_per_node=2"], r"^strategy.tp=2: model.arch={}'s Gated DeltaNet .* tensor"),
+        (
+            ["strategy=tp", "launch.nproc_per_node=3"],
+            r"^strategy.tp=3 does not divide model.linear_num_key_heads=2 \(model.arch={}\)",
+        ),
+        (
+            [
+                "strategy=tp",
+                "launch.nproc_per_node=2",
+                "precision=bf16",
+                "precision.float8=tensorwise",
+                "precision.float8_emulate=true",
+            ],
+            r"^precision.float8=tensorwise with strategy.tp=2: model.arch={}'s Gated DeltaNet",
+        ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: model.arch={}'s .*context parallel yet"),
         (["data.document_mask=true"], r"^data.document_mask=true: model.arch={}'s .*set data.document_mask=false$"),
         (["objective.generation_compile=true"], r"^objective.generation_compile=true: model.arch={}'s linear blocks"),

@@ -97,8 +97,8 @@ _OWN = [
     "extra, message",
     [
         (
-            ["strategy=tp", "launch.nproc_per_node=2"],
-            r"^strategy.tp=2: model.arch=qwen3_next's Gated DeltaNet .* tensor",
+            ["strategy=tp", "launch.nproc_per_node=3"],
+            r"^strategy.tp=3 does not divide model.linear_num_key_heads=2 \(model.arch=qwen3_next\)",
         ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: .*context parallel yet"),
         (["data.document_mask=true"], r"^data.document_mask=true: .*set data.document_mask=false$"),
@@ -111,6 +111,23 @@ def test_what_it_cannot_do_is_one_line(tiny_moe_hf_dirs, extra, message) -> None
     job = compose([*source, "training.seq_len=16", *extra])
     with pytest.raises(ConfigError, match=message):
         validate(job.cfg)
+
+
+def test_tensor_parallel_over_the_key_heads_is_accepted(tiny_moe_hf_dirs) -> None:
+    """tp=2 divides the 2 key heads (and the rest): validate takes it, with sequence parallel too."""
+    source = f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}"
+    for sp in ("false", "true"):
+        validate(
+            compose(
+                [
+                    source,
+                    "training.seq_len=16",
+                    "strategy=tp",
+                    "launch.nproc_per_node=2",
+                    f"strategy.sequence_parallel={sp}",
+                ]
+            ).cfg
+        )
 
 
 def test_a_published_size_is_refused_before_its_trace_materialises_it(monkeypatch, tmp_path) -> None:

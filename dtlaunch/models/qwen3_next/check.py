@@ -1,7 +1,7 @@
 """The Gated DeltaNet hybrids' rules on their model section and layout (qwen3_next, qwen3_5, qwen3_5_moe):
 the dense or MoE decoder's, one kind per block, key heads that divide the value heads, and the layouts their
-Gated DeltaNet blocks have no sharding for yet (tensor and context parallel) or no state reset at document
-starts for (data.document_mask). Each message names the family (model.arch)."""
+Gated DeltaNet blocks have no sharding for yet (context parallel; float8 or LoRA on in_proj_qkv under tensor
+parallel) or no state reset at document starts for (data.document_mask). Each message names the family (model.arch)."""
 
 from __future__ import annotations
 
@@ -58,12 +58,24 @@ def check_linear_blocks(cfg: JobConfig) -> None:
 
 
 def check_layout(cfg: JobConfig, d: Decisions) -> None:
-    """On the resolved layout (strategy=tp's tp=-1 means every rank): no TP or CP of the linear blocks."""
+    """On the resolved layout (strategy=tp's tp=-1 means every rank): no CP of the linear blocks; under TP
+    (tp_plan.py) no float8 linears and no LoRA on Qwen3.5's in_proj_qkv (kept whole, computed in slices)."""
     arch = f"model.arch={cfg.model.arch}"
-    for key in ("tp", "cp"):
-        degree = int(getattr(d.layout, key))
-        if degree > 1:
-            raise ConfigError(
-                f"strategy.{key}={degree}: {arch}'s Gated DeltaNet blocks are not sharded by "
-                f"{'tensor' if key == 'tp' else 'context'} parallel yet: set strategy.{key}=1 (use fsdp / ep)"
-            )
+    if int(d.layout.cp) > 1:
+        raise ConfigError(
+            f"strategy.cp={int(d.layout.cp)}: {arch}'s Gated DeltaNet blocks are not sharded by context "
+            "parallel yet: set strategy.cp=1 (use fsdp / ep / tp)"
+        )
+    tp = int(d.layout.tp)
+    if tp > 1 and cfg.precision.float8 != "none":
+        raise ConfigError(
+            f"precision.float8={cfg.precision.float8} with strategy.tp={tp}: {arch}'s Gated DeltaNet blocks "
+            "split by tensor parallel have no float8 styles yet: set precision.float8=none or strategy.tp=1"
+        )
+    peft = getattr(cfg, "peft", None)
+    if tp > 1 and peft is not None and str(peft.method) != "none" and "in_proj_qkv" in [str(t) for t in peft.targets]:
+        raise ConfigError(
+            f"peft.targets names in_proj_qkv with strategy.tp={tp}: {arch}'s in_proj_qkv stays whole on every "
+            "tensor-parallel rank (computed in per-head slices), which LoRA has no style for: remove it or set "
+            "strategy.tp=1"
+        )
