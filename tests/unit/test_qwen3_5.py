@@ -281,6 +281,10 @@ def test_split_gated_deltanet_is_transformers_layer() -> None:
             r"^precision.float8=tensorwise with strategy.tp=2: model.arch={}'s Gated DeltaNet",
         ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: model.arch={}'s .*context parallel yet"),
+        (
+            ["peft=lora", "peft.targets=[in_proj_qkv,out_proj]", "strategy=tp", "launch.nproc_per_node=2"],
+            r"^peft.targets names in_proj_qkv with strategy.tp=2: model.arch={}'s in_proj_qkv stays whole",
+        ),
         (["data.document_mask=true"], r"^data.document_mask=true: model.arch={}'s .*set data.document_mask=false$"),
         (["objective.generation_compile=true"], r"^objective.generation_compile=true: model.arch={}'s linear blocks"),
     ],

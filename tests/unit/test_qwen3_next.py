@@ -101,6 +101,11 @@ _OWN = [
             r"^strategy.tp=3 does not divide model.linear_num_key_heads=2 \(model.arch=qwen3_next\)",
         ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: .*context parallel yet"),
+        (
+            ["objective=grpo", "data.kind=synthetic", "objective.max_completion_length=4", "strategy=tp"]
+            + ["launch.nproc_per_node=2", "strategy.sequence_parallel=true"],
+            r"^strategy.sequence_parallel=true with objective=grpo \(strategy.tp=2\): .*recurrent state",
+        ),
         (["data.document_mask=true"], r"^data.document_mask=true: .*set data.document_mask=false$"),
         (_OWN + ["model.linear_num_key_heads=3"], r"linear_num_value_heads=4 is not a multiple of .*=3"),
         (_OWN + ["model.layer_types=[full_attention]"], r"^model.layer_types=\['full_attention'\]: give one of"),

@@ -1,7 +1,7 @@
 """The Gated DeltaNet hybrids' rules on their model section and layout (qwen3_next, qwen3_5, qwen3_5_moe):
 the dense or MoE decoder's, one kind per block, key heads that divide the value heads, and the layouts their
 Gated DeltaNet blocks have no sharding for yet (context parallel; float8 or LoRA on in_proj_qkv under tensor
-parallel) or no state reset at document starts for (data.document_mask). Each message names the family (model.arch)."""
+parallel; a GRPO rollout under sequence parallel) or no state reset at document starts for (data.document_mask). Each message names the family (model.arch)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def check_layout(cfg: JobConfig, d: Decisions) -> None:
         raise ConfigError(
             f"precision.float8={cfg.precision.float8} with strategy.tp={tp}: {arch}'s Gated DeltaNet blocks "
             "split by tensor parallel have no float8 styles yet: set precision.float8=none or strategy.tp=1"
+        )
+    if int(d.decode_positions_multiple) > 1 and cfg.objective.name == "grpo":
+        raise ConfigError(
+            f"strategy.sequence_parallel=true with objective=grpo (strategy.tp={tp}): {arch}'s rollout would feed "
+            "each decode step's filler copies into its recurrent state, which cannot drop them: set "
+            "strategy.sequence_parallel=false"
         )
     peft = getattr(cfg, "peft", None)
     if tp > 1 and peft is not None and str(peft.method) != "none" and "in_proj_qkv" in [str(t) for t in peft.targets]:
