@@ -3,7 +3,8 @@
 1e-4, and every gradient of the first step (gathered from its shards) within 1e-5 of its largest entry (plus
 an fp32 noise floor, NOISE), the linear block's included: Qwen3-Next's fused in_proj_qkvz / in_proj_ba and Qwen3.5's split projections
 (in_proj_qkv whole on every rank, computed in per-head slices), conv1d, A_log / dt_bias, the gated norm's
-shared gain and out_proj. With sequence parallel and without. The tiny directories of tests/conftest.py:
+shared gain and out_proj. With sequence parallel and without, and under FSDP2 x TP (4 ranks, qwen3_5: the
+whole in_proj_qkv and conv1d replicated DTensors on the TP mesh, sharded by FSDP over the data ranks). The tiny directories of tests/conftest.py:
 2 key heads serving 4 value heads, so each rank holds one key head and its two value heads.
 
 Reuses test_mla_tensor_parallel.py's recording of the first gradients."""
@@ -16,7 +17,9 @@ from test_mla_tensor_parallel import GRAD_TOL, TOL, _record_first_grads
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.slow_reason("a forked group of 2 trains 4 TP layouts of the three hybrid families"),
+    pytest.mark.slow_reason(
+        "a forked group of 2 trains 4 TP layouts of the three hybrid families, one of 4 FSDP2 x TP"
+    ),
 ]
 
 STEPS = 2
@@ -76,10 +79,23 @@ def launched(dirs, tmp_path_factory) -> dict:
     return run_forked(2, run_all, tmp_path_factory.mktemp("gated_deltanet_tp") / "results.json")
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_tensor_parallel_gated_deltanet_trains_as_one_process(name: str, dirs, launched) -> None:
-    family = CASES[name][0]
-    got = launched[name]
+# FSDP2 over 2 data-parallel ranks x TP 2, each rank's micro-batch of 2: the one-process batch of 4.
+FSDP_TP = ["strategy=fsdp_tp", "launch.nproc_per_node=4", "training.micro_batch=2"]
+
+
+@pytest.fixture(scope="module")
+def launched_fsdp_tp(dirs, tmp_path_factory) -> dict:
+    def run_all() -> dict:
+        return _run([*_model(dirs["qwen3_5"]), *FSDP_TP], 4)
+
+    return run_forked(4, run_all, tmp_path_factory.mktemp("gated_deltanet_fsdp_tp") / "results.json")
+
+
+@pytest.mark.parametrize("name", [*CASES, "qwen3_5_fsdp_tp"])
+def test_tensor_parallel_gated_deltanet_trains_as_one_process(name: str, dirs, request) -> None:
+    fsdp_tp = name == "qwen3_5_fsdp_tp"
+    family = "qwen3_5" if fsdp_tp else CASES[name][0]
+    got = request.getfixturevalue("launched_fsdp_tp") if fsdp_tp else request.getfixturevalue("launched")[name]
     want = _run([*_model(dirs[family]), "launch.nproc_per_node=1"], 1)
     assert want["loss"][-1] < want["loss"][0], want  # the steps move the weights
     for key in ("loss", "grad_norm"):
