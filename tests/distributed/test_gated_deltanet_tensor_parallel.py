@@ -39,12 +39,15 @@ SMALL = [
     "optim.lr=1e-2",
     "training.grad_clip=0.5",
 ]
-# name -> (family, sequence parallel)
+# name -> (family, sequence parallel, peft overrides)
 CASES = {
-    "qwen3_next_sp": ("qwen3_next", True),
-    "qwen3_next_no_sp": ("qwen3_next", False),
-    "qwen3_5_sp": ("qwen3_5", True),
-    "qwen3_5_moe_no_sp": ("qwen3_5_moe", False),
+    "qwen3_next_sp": ("qwen3_next", True, ()),
+    "qwen3_next_no_sp": ("qwen3_next", False, ()),
+    "qwen3_5_sp": ("qwen3_5", True, ()),
+    "qwen3_5_moe_no_sp": ("qwen3_5_moe", False, ()),
+    # LoRA on every linear of Qwen3-Next (its fused projections column-parallel, out_proj row-parallel); alpha
+    # so the adapters move the loss. Adapters' gradients compared at the second step (lora_b starts at 0).
+    "qwen3_next_lora_all_linear_sp": ("qwen3_next", True, ("peft=lora", "peft.alpha=32", "peft.targets=[all-linear]")),
 }
 # The linear block's parameters (block 0) each family must have compared.
 LINEAR = {
@@ -56,7 +59,7 @@ LINEAR = {
 @pytest.fixture(scope="module")
 def dirs(tiny_hf_dirs, tiny_moe_hf_dirs) -> dict:
     every = {**tiny_hf_dirs, **tiny_moe_hf_dirs}
-    return {family: every[family] for family, _ in CASES.values()}
+    return {case[0]: every[case[0]] for case in CASES.values()}
 
 
 def _model(path) -> list[str]:
@@ -71,9 +74,9 @@ def _run(overrides: list[str], world: int) -> dict:
 def launched(dirs, tmp_path_factory) -> dict:
     def run_all() -> dict:
         out = {}
-        for name, (family, sp) in CASES.items():
+        for name, (family, sp, peft) in CASES.items():
             tp = ["strategy=tp", "launch.nproc_per_node=2", f"strategy.sequence_parallel={str(sp).lower()}"]
-            out[name] = _run([*_model(dirs[family]), *tp], 2)
+            out[name] = _run([*_model(dirs[family]), *peft, *tp], 2)
         return out
 
     return run_forked(2, run_all, tmp_path_factory.mktemp("gated_deltanet_tp") / "results.json")
@@ -94,9 +97,9 @@ def launched_fsdp_tp(dirs, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", [*CASES, "qwen3_5_fsdp_tp"])
 def test_tensor_parallel_gated_deltanet_trains_as_one_process(name: str, dirs, request) -> None:
     fsdp_tp = name == "qwen3_5_fsdp_tp"
-    family = "qwen3_5" if fsdp_tp else CASES[name][0]
+    family, _, peft = ("qwen3_5", True, ()) if fsdp_tp else CASES[name]
     got = request.getfixturevalue("launched_fsdp_tp") if fsdp_tp else request.getfixturevalue("launched")[name]
-    want = _run([*_model(dirs[family]), "launch.nproc_per_node=1"], 1)
+    want = _run([*_model(dirs[family]), *peft, "launch.nproc_per_node=1"], 1)
     assert want["loss"][-1] < want["loss"][0], want  # the steps move the weights
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
@@ -104,6 +107,8 @@ def test_tensor_parallel_gated_deltanet_trains_as_one_process(name: str, dirs, r
     assert got["inspect"].keys() == want["inspect"].keys()
     linear = {n for n in want["inspect"] if n.startswith("layers.0.attention.")}
     parts = LINEAR["qwen3_next" if family == "qwen3_next" else "qwen3_5"]
+    if peft:  # only the adapters have gradients: the linear block's linears'
+        parts = tuple(p for p in parts if p.startswith(("in_proj", "out_proj")))
     assert {n.split(".")[3] for n in linear} == set(parts), sorted(linear)
     for param, g in want["inspect"].items():
         scale = max(abs(x) for x in g)

@@ -285,6 +285,10 @@ def test_split_gated_deltanet_is_transformers_layer() -> None:
             ["peft=lora", "peft.targets=[in_proj_qkv,out_proj]", "strategy=tp", "launch.nproc_per_node=2"],
             r"^peft.targets names in_proj_qkv with strategy.tp=2: model.arch={}'s in_proj_qkv stays whole",
         ),
+        (
+            ["peft=lora", "peft.targets=[all-linear]", "strategy=tp", "launch.nproc_per_node=2"],
+            r"^peft.targets names all-linear with strategy.tp=2: .*name the linears without it, or set strategy.tp=1$",
+        ),
         (["data.document_mask=true"], r"^data.document_mask=true: model.arch={}'s .*set data.document_mask=false$"),
         (["objective.generation_compile=true"], r"^objective.generation_compile=true: model.arch={}'s linear blocks"),
     ],

@@ -59,7 +59,8 @@ def check_linear_blocks(cfg: JobConfig) -> None:
 
 def check_layout(cfg: JobConfig, d: Decisions) -> None:
     """On the resolved layout (strategy=tp's tp=-1 means every rank): no CP of the linear blocks; under TP
-    (tp_plan.py) no float8 linears and no LoRA on Qwen3.5's in_proj_qkv (kept whole, computed in slices)."""
+    (tp_plan.py) no float8 linears, no LoRA on Qwen3.5's in_proj_qkv (kept whole, computed in slices, also
+    through all-linear), and no GRPO rollout under sequence parallel (its decode steps' fillers)."""
     arch = f"model.arch={cfg.model.arch}"
     if int(d.layout.cp) > 1:
         raise ConfigError(
@@ -79,9 +80,15 @@ def check_layout(cfg: JobConfig, d: Decisions) -> None:
             "strategy.sequence_parallel=false"
         )
     peft = getattr(cfg, "peft", None)
-    if tp > 1 and peft is not None and str(peft.method) != "none" and "in_proj_qkv" in [str(t) for t in peft.targets]:
-        raise ConfigError(
-            f"peft.targets names in_proj_qkv with strategy.tp={tp}: {arch}'s in_proj_qkv stays whole on every "
-            "tensor-parallel rank (computed in per-head slices), which LoRA has no style for: remove it or set "
-            "strategy.tp=1"
-        )
+    if tp > 1 and peft is not None and str(peft.method) != "none":
+        from dtlaunch.models.registry import model_spec
+
+        targets = [str(t) for t in peft.targets]
+        split = "in_proj_qkv" in model_spec(cfg.model).block_linears(cfg.model)
+        named = next((t for t in ("in_proj_qkv", "all-linear") if t in targets), None)
+        if split and named is not None:
+            raise ConfigError(
+                f"peft.targets names {named} with strategy.tp={tp}: {arch}'s in_proj_qkv stays whole on every "
+                "tensor-parallel rank (computed in per-head slices), which LoRA has no style for: name the "
+                "linears without it, or set strategy.tp=1"
+            )
