@@ -2,9 +2,9 @@
 (dtlaunch/models/qwen3_next/tp_plan.py) train as one process: losses and grad norms of every step within
 1e-4, and every gradient of the first step (gathered from its shards) within 1e-5 of its largest entry (plus
 an fp32 noise floor, NOISE), the linear block's included: Qwen3-Next's fused in_proj_qkvz / in_proj_ba and Qwen3.5's split projections
-(in_proj_qkv whole on every rank, computed in per-head slices), conv1d, A_log / dt_bias, the gated norm's
-shared gain and out_proj. With sequence parallel and without, and under FSDP2 x TP (4 ranks, qwen3_5: the
-whole in_proj_qkv and conv1d replicated DTensors on the TP mesh, sharded by FSDP over the data ranks). The tiny directories of tests/conftest.py:
+(in_proj_qkv split on its rows, gathered and computed in per-head slices), conv1d, A_log / dt_bias, the gated norm's
+shared gain and out_proj. With sequence parallel and without, and under FSDP2 x TP (4 ranks, qwen3_5: in_proj_qkv and conv1d
+row-split DTensors on the TP mesh gathered per forward, sharded again by FSDP over the data ranks). The tiny directories of tests/conftest.py:
 2 key heads serving 4 value heads, so each rank holds one key head and its two value heads.
 
 Reuses test_mla_tensor_parallel.py's recording of the first gradients."""

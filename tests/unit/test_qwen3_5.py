@@ -283,7 +283,7 @@ def test_split_gated_deltanet_is_transformers_layer() -> None:
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: model.arch={}'s .*context parallel yet"),
         (
             ["peft=lora", "peft.targets=[in_proj_qkv,out_proj]", "strategy=tp", "launch.nproc_per_node=2"],
-            r"^peft.targets names in_proj_qkv with strategy.tp=2: model.arch={}'s in_proj_qkv stays whole",
+            r"^peft.targets names in_proj_qkv with strategy.tp=2: model.arch={}'s in_proj_qkv is gathered whole",
         ),
         (
             ["peft=lora", "peft.targets=[all-linear]", "strategy=tp", "launch.nproc_per_node=2"],

@@ -59,7 +59,7 @@ def check_linear_blocks(cfg: JobConfig) -> None:
 
 def check_layout(cfg: JobConfig, d: Decisions) -> None:
     """On the resolved layout (strategy=tp's tp=-1 means every rank): no CP of the linear blocks; under TP
-    (tp_plan.py) no float8 linears, no LoRA on Qwen3.5's in_proj_qkv (kept whole, computed in slices, also
+    (tp_plan.py) no float8 linears, no LoRA on Qwen3.5's in_proj_qkv (gathered, computed in slices; also
     through all-linear), and no GRPO rollout under sequence parallel (its decode steps' fillers)."""
     arch = f"model.arch={cfg.model.arch}"
     if int(d.layout.cp) > 1:
@@ -88,7 +88,7 @@ def check_layout(cfg: JobConfig, d: Decisions) -> None:
         named = next((t for t in ("in_proj_qkv", "all-linear") if t in targets), None)
         if split and named is not None:
             raise ConfigError(
-                f"peft.targets names {named} with strategy.tp={tp}: {arch}'s in_proj_qkv stays whole on every "
-                "tensor-parallel rank (computed in per-head slices), which LoRA has no style for: name the "
+                f"peft.targets names {named} with strategy.tp={tp}: {arch}'s in_proj_qkv is gathered whole on every "
+                "tensor-parallel rank and computed in per-head slices, which LoRA has no style for: name the "
                 "linears without it, or set strategy.tp=1"
             )

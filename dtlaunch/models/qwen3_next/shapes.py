@@ -107,20 +107,12 @@ def tp_divisors(m: Any) -> list[tuple[str, int]]:
     return [("model.linear_num_key_heads", int(m.linear_num_key_heads)), *base]
 
 
-def whole_under_tp(m: Any, split: bool = False) -> int:
-    """The mean block's parameters tensor parallel leaves whole on every rank (norms aside, tp_plan.py): each
-    linear block's depthwise conv1d and, `split` (Qwen3.5), its in_proj_qkv."""
-    _, _, conv = linear_widths(m)
-    per = conv * int(m.linear_conv_kernel_dim) + (conv * int(m.dim) if split else 0)
-    kinds = layer_kinds(m)
-    return round(per * sum(k == "linear_attention" for k in kinds) / len(kinds))
-
-
 def block_linears(m: Any, split: bool = False) -> dict[str, tuple[int, int, bool | None]]:
     """The linears LoRA can adapt, by Hugging Face module name, of the full-attention and linear blocks and
     the shared expert (qwen3_5: the dense MLP): (out features, in features, column-parallel under TP; None:
-    whole on every TP rank, the router's gate and Qwen3.5's in_proj_qkv, see tp_plan.py). `split`: Qwen3.5's
-    four input projections of the linear blocks."""
+    whole on every TP rank, the router's gate). Qwen3.5's in_proj_qkv is stored split on its rows and each
+    rank computes its heads' outputs (tp_plan.py): column-parallel in what it holds and returns. `split`:
+    Qwen3.5's four input projections of the linear blocks."""
     h, d = int(m.dim), head_dim(m)
     q, k = int(m.n_heads) * d, kv_heads(m) * d
     key, value, conv = linear_widths(m)
@@ -132,7 +124,7 @@ def block_linears(m: Any, split: bool = False) -> dict[str, tuple[int, int, bool
         "o_proj": (h, q, False),
     }
     if split:
-        out.update({"in_proj_qkv": (conv, h, None), "in_proj_z": (value, h, True)})
+        out.update({"in_proj_qkv": (conv, h, True), "in_proj_z": (value, h, True)})
         out.update({"in_proj_b": (nv, h, True), "in_proj_a": (nv, h, True)})
     else:
         out.update({"in_proj_qkvz": (2 * key + 2 * value, h, True), "in_proj_ba": (2 * nv, h, True)})

@@ -15,7 +15,6 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
     """`base` (a dense_spec or moe_spec) as a hybrid family built by `builder` ("module:function");
     `split_projections`: Qwen3.5's in_proj_qkv / z / b / a instead of Qwen3-Next's fused in_proj_qkvz / ba."""
     linears = functools.partial(shapes.block_linears, split=split_projections)
-    whole = functools.partial(shapes.whole_under_tp, split=split_projections)
     return dataclasses.replace(
         base,
         builder=builder,
@@ -27,7 +26,6 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
         matmul_params=shapes.matmul_params,
         tp_divisors=shapes.tp_divisors,
         block_linears=linears,
-        tp_whole_block_params=whole,
         activations=None,
         ring_attention=False,
         # No context parallel of the Gated DeltaNet blocks yet, in every hybrid.

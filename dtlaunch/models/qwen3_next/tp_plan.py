@@ -8,9 +8,10 @@ heads they serve.
   each key head's group), so a plain column split gives a rank whole groups; Qwen3.5's in_proj_z / b / a
   run head after head (value head h reads key head h // (n_v / n_k)), so a column split does too.
 - Qwen3.5's in_proj_qkv and the depthwise conv1d hold [all q | all k | all v]: a rank's heads are three
-  slices, not one, which no DTensor placement expresses. Their weights stay whole on every rank
-  (`WholeWeights`: checkpoints and the Hugging Face export hold them as one process does) and each rank
-  computes with its slice of each part; the weight's gradient is summed over the ranks.
+  slices, not one, which no DTensor placement expresses (`WholeWeights`). Their weights are stored as a
+  plain row split of the one-process layout (checkpoints and the Hugging Face export hold them as one
+  process does), gathered whole for each forward and cut to the rank's slice of each part; the gradient
+  is reduce-scattered back to the row shards.
 - A_log and dt_bias (one entry per value head) shard with the heads (the module's `head_parameters`); the
   gated norm's gain (head_v_dim, shared by every head) stays whole, its gradient summed; out_proj is
   row-parallel.

@@ -180,12 +180,18 @@ class GradSumOverTP(ParallelStyle):
 
 
 class WholeWeightsParallel(ParallelStyle):
-    """The module's weight as a replicated DTensor (whole on every rank, so FSDP, DCP and the Hugging Face
-    export see the tensor one process has), its class swapped for one that computes with this rank's rows of
-    it: `parts` are the row counts of the fused parts, one after another, and the rank takes the r-th of tp
-    equal slices of each (its heads' q, k and v); no parts: the whole weight. The weight enters the
-    computation through `_SumGradOverTP` (each rank's gradient covers its heads only, the sum all of them);
-    `whole_input`: so does the input (the replicated residual stream read by a column-split linear)."""
+    """A module computed with its rows of a weight it reads whole, its class swapped in place (the parameter
+    names, and so the checkpoints, stay the module's).
+
+    `parts`: the weight's rows are fused parts one after another (the Gated DeltaNet's [q | k | v]) and the
+    rank computes with the r-th of tp equal slices of each (its heads'), which no one DTensor placement
+    holds. It is stored as a plain Shard(0) DTensor (tp-th of the rows in the one-process layout, so FSDP,
+    DCP and the Hugging Face export see the tensor one process has, and the optimizer state is split),
+    all-gathered for each forward (as FSDP gathers a unit) and cut to the rank's slices; the gradient, each
+    rank's over its rows only, is reduce-scattered back to the shards. No parts: a replicated DTensor used
+    whole (the gated norm's gain, shared by every head), its gradient summed over the ranks (`_SumGradOverTP`).
+    `whole_input`: the input's gradient is summed too (the replicated residual stream read by a column-split
+    linear)."""
 
     def __init__(self, parts: tuple[int, ...] = (), whole_input: bool = False) -> None:
         super().__init__()
@@ -201,7 +207,8 @@ class WholeWeightsParallel(ParallelStyle):
         if isinstance(module, nn.Conv1d) and not module.groups == module.in_channels == module.out_channels:
             raise ValueError("WholeWeightsParallel: a convolution that is not depthwise")
         p = module.weight
-        t = distribute_tensor(p, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+        stored = [Shard(0)] if self.parts else [Replicate()]
+        t = distribute_tensor(p, device_mesh, stored, src_data_rank=self.src_data_rank)
         module.weight = nn.Parameter(t, requires_grad=p.requires_grad)
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         spans, start = [], 0
@@ -224,9 +231,14 @@ class _WholeWeights:
     tp_whole_input: bool
 
     def _tp_weight(self) -> torch.Tensor:
-        """This rank's rows of the weight; the whole weight's gradient summed over the ranks."""
-        w = _SumGradOverTP.apply(local_tensor(self.weight), self.tp_group)
-        return torch.cat([w.narrow(0, a, n) for a, n in self.tp_spans]) if self.tp_spans else w
+        """This rank's rows of the weight: of its parts, gathered whole (the gradient, partial on every rank,
+        reduce-scattered to the shards); without parts, the replicated weight (its gradient summed)."""
+        if not self.tp_spans:
+            return _SumGradOverTP.apply(local_tensor(self.weight), self.tp_group)
+        w = self.weight
+        assert isinstance(w, DTensor), "WholeWeightsParallel's parts: a Shard(0) DTensor weight"
+        whole = w.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return torch.cat([whole.narrow(0, a, n) for a, n in self.tp_spans])
 
     def _tp_input(self, x: torch.Tensor) -> torch.Tensor:
         return _SumGradOverTP.apply(x, self.tp_group) if self.tp_whole_input else x
