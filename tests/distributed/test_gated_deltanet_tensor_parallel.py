@@ -70,13 +70,30 @@ def _run(overrides: list[str], world: int) -> dict:
     return train(overrides, world, STEPS, inspect=lambda rt: rt.first_grads, prepare=_record_first_grads)
 
 
+def _save_dcp(where: str):
+    def inspect(rt) -> str:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        dcp.save(get_model_state_dict(rt.model_parts[0]), checkpoint_id=where)
+        return where
+
+    return inspect
+
+
 @pytest.fixture(scope="module")
 def launched(dirs, tmp_path_factory) -> dict:
+    saved = str(tmp_path_factory.mktemp("gated_deltanet_tp_dcp"))
+
     def run_all() -> dict:
         out = {}
         for name, (family, sp, peft) in CASES.items():
             tp = ["strategy=tp", "launch.nproc_per_node=2", f"strategy.sequence_parallel={str(sp).lower()}"]
             out[name] = _run([*_model(dirs[family]), *peft, *tp], 2)
+        # The loaded weights, before any step, saved by DCP from the TP shards (test_checkpoint_...).
+        for family in ("qwen3_next", "qwen3_5"):
+            tp = ["strategy=tp", "launch.nproc_per_node=2", "strategy.sequence_parallel=true"]
+            out[f"dcp_{family}"] = train([*_model(dirs[family]), *tp], 2, 0, inspect=_save_dcp(f"{saved}/{family}"))
         return out
 
     return run_forked(2, run_all, tmp_path_factory.mktemp("gated_deltanet_tp") / "results.json")
@@ -116,3 +133,21 @@ def test_tensor_parallel_gated_deltanet_trains_as_one_process(name: str, dirs, r
         assert scale > 0 and diff <= GRAD_TOL * scale + NOISE, (
             f"{param}: max abs diff {diff:.3g}, largest entry {scale:.3g}"
         )
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_checkpoint_of_the_tp_shards_is_one_process_state(family: str, dirs, launched, tmp_path) -> None:
+    """DCP's checkpoint of the TP(2) shards (fused / split input projections on their rows, conv1d and
+    in_proj_qkv row splits of the one-process layout, A_log / dt_bias by head) holds, by name, the one
+    process's loaded tensors bit for bit."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(launched[f"dcp_{family}"]["inspect"], tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    one = train([*_model(dirs[family]), "launch.nproc_per_node=1"], 1, 0, inspect=lambda rt: rt.model_parts[0])
+    want = one["inspect"].state_dict()
+    assert saved.keys() == want.keys()
+    assert any(".attention.conv1d." in n for n in want)
+    for name, t in want.items():
+        assert torch.equal(saved[name], t), name

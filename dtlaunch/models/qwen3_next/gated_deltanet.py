@@ -22,8 +22,8 @@ torch_recurrent_gated_delta_rule, causal_conv1d_*, Qwen3NextRMSNormGated). This 
 torch.distributed.
 
 Tensor parallel (tp_plan.py) gives each rank whole key heads and the value heads they serve: the forward
-takes its head counts from what its projections return, the conv1d from its weight, and A_log / dt_bias
-(`head_parameters`) are this rank's value heads' entries.
+takes its head counts from what its projections return, in_proj_qkv and conv1d compute this rank's q, k
+and v channels, and A_log / dt_bias (`head_parameters`) are this rank's value heads' entries.
 """
 
 from __future__ import annotations
@@ -290,8 +290,9 @@ class GatedDeltaNet(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, S, dim) -> q, k (B, S, key_dim), v (B, S, value_dim), z (B, S, n_v, head_v_dim), b and a
-        (B, S, n_v), of this rank's heads under tensor parallel (counted from the projections' widths). Split (Qwen3.5): in_proj_qkv is [all q heads | all k heads | all v heads], the very
-        order the convolution takes, and z, b, a are one projection each, head after head. Fused
+        (B, S, n_v), of this rank's heads under tensor parallel (counted from the projections' widths).
+        Split (Qwen3.5): in_proj_qkv is [all q heads | all k heads | all v heads], the very order the
+        convolution takes, and z, b, a are one projection each, head after head. Fused
         (Qwen3-Next): laid out per key head, as its checkpoints (and transformers'
         fix_query_key_value_ordering): in_proj_qkvz is n_k groups of [q | k | its value heads' v | their z],
         in_proj_ba n_k groups of [its value heads' b | their a]."""
