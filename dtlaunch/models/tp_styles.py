@@ -85,4 +85,30 @@ class SumGrad:
     (dtlaunch.train.parallel.tensor_parallel.GradSumOverTP)."""
 
 
-Style = Colwise | Rowwise | SequenceShard | PrepareInput | PrepareInputOutput | VocabEmbedding | RoutedExperts | SumGrad
+@dataclass(frozen=True)
+class WholeWeights:
+    """A module computed with its rows of a weight it reads whole. With `parts`, the weight's rows are those
+    parts one after another (Qwen3.5's in_proj_qkv and the Gated DeltaNet's depthwise conv1d, [q | k | v]) and
+    each rank computes with its 1/tp slice of every part, the rows of its heads: the weight is stored
+    Shard(0) in the one-process layout (checkpoints as one process; optimizer state split), all-gathered for
+    each forward and its gradient reduce-scattered. Without, a replicated weight used whole (the gated
+    norm's gain, shared by every head), its gradient summed over the ranks. `whole_input`: the module reads
+    the replicated residual stream, whose gradient is summed too (a column-parallel linear's input).
+    Supports nn.Linear without bias, depthwise nn.Conv1d and the gated RMSNorm
+    (dtlaunch.train.parallel.tensor_parallel.WholeWeightsParallel)."""
+
+    parts: tuple[int, ...] = ()
+    whole_input: bool = False
+
+
+Style = (
+    Colwise
+    | Rowwise
+    | SequenceShard
+    | PrepareInput
+    | PrepareInputOutput
+    | VocabEmbedding
+    | RoutedExperts
+    | SumGrad
+    | WholeWeights
+)

@@ -57,7 +57,6 @@ class Family:
 
 
 _NO_EP_DENSE = ("no routed experts", "has none")
-_NO_TP_DELTANET = ("its Gated DeltaNet blocks are not split by tensor parallel yet", "strategy.tp=1")
 _NO_PEFT_HF_AUTO = ("peft wraps native linears only", "model.arch=hf_auto")
 _NO_GEN_HF_AUTO = ("generate runs native modules: export, then transformers", "")
 
@@ -94,26 +93,24 @@ FAMILIES: list[Family] = [
         "qwen3_next",
         tied=False,
         moe=True,
-        layouts=("ddp", "fsdp", "ep"),
+        layouts=MOE_LAYOUTS,
         lora=_EXPERTS,
-        cannot={"tp": _NO_TP_DELTANET},
     ),
     Family(
         "qwen3_5",
         "qwen3_5",
         tied=False,
         moe=False,
-        layouts=("ddp", "fsdp"),
-        cannot={"tp": _NO_TP_DELTANET, "ep": _NO_EP_DENSE},
+        layouts=DENSE,
+        cannot={"ep": _NO_EP_DENSE},
     ),
     Family(
         "qwen3_5_moe",
         "qwen3_5_moe",
         tied=False,
         moe=True,
-        layouts=("ddp", "fsdp", "ep"),
+        layouts=MOE_LAYOUTS,
         lora=_EXPERTS,
-        cannot={"tp": _NO_TP_DELTANET},
     ),
     Family(
         "hf_auto_tied",

@@ -8,7 +8,8 @@ differently would feed its peer's collectives different tokens).
 
 A tool-calling continuation too (generate_batch's `shared`: each prompt prefilled once, then each row's own
 suffix, _shared_prefill): the TP shards' completions equal the one process's, and those of the same rows
-prefilled whole, greedy and sampled."""
+prefilled whole, greedy and sampled. Models: dense, MoE, DeepSeek-V3's latent attention and Qwen3-Next's
+Gated DeltaNet (its recurrent state on the key-head shards; without sequence parallel)."""
 
 from __future__ import annotations
 
@@ -91,11 +92,25 @@ def _compare(overrides: list, sp: bool):
 MOE = ["model=tiny_moe", "model.moe.num_shared_experts=1"]
 # DeepSeek-V3's latent attention split by heads: each rank caches its heads' keys and values.
 DEEPSEEK_V3 = [*tiny_models.DEEPSEEK_V3, "model.q_lora_rank=24", "model.v_head_dim=10"]
-CASES = [(True, []), (False, []), (True, MOE), (False, MOE), (True, DEEPSEEK_V3), (False, DEEPSEEK_V3)]
+# Qwen3-Next's Gated DeltaNet split by key heads: each rank keeps its heads' recurrent and conv states. Without
+# sequence parallel only (under it the rollout is refused: its filler copies would enter the recurrent state).
+QWEN3_NEXT = ["model=tiny", "model.arch=qwen3_next", "model.qk_norm=true", "model.moe.num_experts=4"]
+QWEN3_NEXT += ["model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
+CASES = [
+    (True, []),
+    (False, []),
+    (True, MOE),
+    (False, MOE),
+    (True, DEEPSEEK_V3),
+    (False, DEEPSEEK_V3),
+    (False, QWEN3_NEXT),
+]
 
 
 @pytest.mark.parametrize(
-    ("sp", "model"), CASES, ids=["sp", "no_sp", "moe_sp", "moe_no_sp", "deepseek_v3_sp", "deepseek_v3_no_sp"]
+    ("sp", "model"),
+    CASES,
+    ids=["sp", "no_sp", "moe_sp", "moe_no_sp", "deepseek_v3_sp", "deepseek_v3_no_sp", "qwen3_next_no_sp"],
 )
 def test_tensor_parallel_generates_as_one_process(tmp_path, sp: bool, model: list) -> None:
     overrides = [*OVERRIDES, *model, f"strategy.sequence_parallel={str(sp).lower()}"]
@@ -113,5 +128,7 @@ def test_tensor_parallel_generates_as_one_process(tmp_path, sp: bool, model: lis
         assert r[f"shared_{kind}"] == r[f"one_shared_{kind}"] == want, (kind, r)
         assert [len(c) for c in want] == LIMITS, want
     assert r["one_whole_sampled"] != r["one_whole_greedy"], r
-    # Each prompt once (the longest, 5, rounded to sequence parallel's 2), then the rows' last 4 positions.
-    assert r["shared_prefills"] == [[len(PROMPTS), 6 if sp else 5], [len(ROWS), 4]], r["shared_prefills"]
+    # Each prompt once (the longest, 5, rounded to sequence parallel's 2), then the rows' last 4 positions;
+    # Qwen3-Next's recurrent state shares no prefix: every row prefilled whole (9 tokens), then decoded.
+    want = [[len(ROWS), 9], [len(ROWS), 1]] if model == QWEN3_NEXT else [[len(PROMPTS), 6 if sp else 5], [len(ROWS), 4]]
+    assert r["shared_prefills"] == want, r["shared_prefills"]

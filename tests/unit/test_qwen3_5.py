@@ -314,8 +314,29 @@ def test_document_mask_is_taken(multimodal_dirs, family, tiny_tokenizer, tmp_pat
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["strategy=tp", "launch.nproc_per_node=2"], r"^strategy.tp=2: model.arch={}'s Gated DeltaNet .* tensor"),
+        (
+            ["strategy=tp", "launch.nproc_per_node=3"],
+            r"^strategy.tp=3 does not divide model.linear_num_key_heads=2 \(model.arch={}\)",
+        ),
+        (
+            [
+                "strategy=tp",
+                "launch.nproc_per_node=2",
+                "precision=bf16",
+                "precision.float8=tensorwise",
+                "precision.float8_emulate=true",
+            ],
+            r"^precision.float8=tensorwise with strategy.tp=2: model.arch={}'s Gated DeltaNet",
+        ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: model.arch={}'s .*context parallel yet"),
+        (
+            ["peft=lora", "peft.targets=[in_proj_qkv,out_proj]", "strategy=tp", "launch.nproc_per_node=2"],
+            r"^peft.targets names in_proj_qkv with strategy.tp=2: model.arch={}'s in_proj_qkv is gathered whole",
+        ),
+        (
+            ["peft=lora", "peft.targets=[all-linear]", "strategy=tp", "launch.nproc_per_node=2"],
+            r"^peft.targets names all-linear with strategy.tp=2: .*name the linears without it, or set strategy.tp=1$",
+        ),
         (["objective.generation_compile=true"], r"^objective.generation_compile=true: model.arch={}'s linear blocks"),
     ],
 )

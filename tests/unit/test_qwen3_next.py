@@ -139,10 +139,15 @@ _OWN = [
     "extra, message",
     [
         (
-            ["strategy=tp", "launch.nproc_per_node=2"],
-            r"^strategy.tp=2: model.arch=qwen3_next's Gated DeltaNet .* tensor",
+            ["strategy=tp", "launch.nproc_per_node=3"],
+            r"^strategy.tp=3 does not divide model.linear_num_key_heads=2 \(model.arch=qwen3_next\)",
         ),
         (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: .*context parallel yet"),
+        (
+            ["objective=grpo", "data.kind=synthetic", "objective.max_completion_length=4", "strategy=tp"]
+            + ["launch.nproc_per_node=2", "strategy.sequence_parallel=true"],
+            r"^strategy.sequence_parallel=true with objective=grpo \(strategy.tp=2\): .*recurrent state",
+        ),
         (_OWN + ["model.linear_num_key_heads=3"], r"linear_num_value_heads=4 is not a multiple of .*=3"),
         (_OWN + ["model.layer_types=[full_attention]"], r"^model.layer_types=\['full_attention'\]: give one of"),
     ],
@@ -165,6 +170,23 @@ def test_document_mask_is_taken(tiny_moe_hf_dirs, tiny_tokenizer, tmp_path) -> N
     """Packed documents reset the Gated DeltaNet blocks (test_packed_documents_are_each_alone)."""
     data = documents_data(tmp_path, tiny_tokenizer)
     validate(compose([f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}", "training.seq_len=16", *data]).cfg)
+
+
+def test_tensor_parallel_over_the_key_heads_is_accepted(tiny_moe_hf_dirs) -> None:
+    """tp=2 divides the 2 key heads (and the rest): validate takes it, with sequence parallel too."""
+    source = f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}"
+    for sp in ("false", "true"):
+        validate(
+            compose(
+                [
+                    source,
+                    "training.seq_len=16",
+                    "strategy=tp",
+                    "launch.nproc_per_node=2",
+                    f"strategy.sequence_parallel={sp}",
+                ]
+            ).cfg
+        )
 
 
 def test_a_published_size_is_refused_before_its_trace_materialises_it(monkeypatch, tmp_path) -> None:

@@ -1,8 +1,9 @@
 """The Gated DeltaNet hybrids' rules on their model section and layout (qwen3_next, qwen3_5, qwen3_5_moe):
 the dense or MoE decoder's, one kind per block, key heads that divide the value heads, and the layouts their
-Gated DeltaNet blocks have no sharding for yet (tensor and context parallel). Packed documents
-(data.document_mask) are taken: each document's convolution and state start from zero
-(gated_deltanet.py). Each message names the family (model.arch)."""
+Gated DeltaNet blocks have no sharding for yet (context parallel; float8 or LoRA on in_proj_qkv under tensor
+parallel; a GRPO rollout under sequence parallel). Packed documents (data.document_mask) are taken: each
+document's convolution and state start from zero (gated_deltanet.py). Each message names the family
+(model.arch)."""
 
 from __future__ import annotations
 
@@ -54,12 +55,37 @@ def check_linear_blocks(cfg: JobConfig) -> None:
 
 
 def check_layout(cfg: JobConfig, d: Decisions) -> None:
-    """On the resolved layout (strategy=tp's tp=-1 means every rank): no TP or CP of the linear blocks."""
+    """On the resolved layout (strategy=tp's tp=-1 means every rank): no CP of the linear blocks; under TP
+    (tp_plan.py) no float8 linears, no LoRA on Qwen3.5's in_proj_qkv (gathered, computed in slices; also
+    through all-linear), and no GRPO rollout under sequence parallel (its decode steps' fillers)."""
     arch = f"model.arch={cfg.model.arch}"
-    for key in ("tp", "cp"):
-        degree = int(getattr(d.layout, key))
-        if degree > 1:
+    if int(d.layout.cp) > 1:
+        raise ConfigError(
+            f"strategy.cp={int(d.layout.cp)}: {arch}'s Gated DeltaNet blocks are not sharded by context "
+            "parallel yet: set strategy.cp=1 (use fsdp / ep / tp)"
+        )
+    tp = int(d.layout.tp)
+    if tp > 1 and cfg.precision.float8 != "none":
+        raise ConfigError(
+            f"precision.float8={cfg.precision.float8} with strategy.tp={tp}: {arch}'s Gated DeltaNet blocks "
+            "split by tensor parallel have no float8 styles yet: set precision.float8=none or strategy.tp=1"
+        )
+    if int(d.decode_positions_multiple) > 1 and cfg.objective.name == "grpo":
+        raise ConfigError(
+            f"strategy.sequence_parallel=true with objective=grpo (strategy.tp={tp}): {arch}'s rollout would feed "
+            "each decode step's filler copies into its recurrent state, which cannot drop them: set "
+            "strategy.sequence_parallel=false"
+        )
+    peft = getattr(cfg, "peft", None)
+    if tp > 1 and peft is not None and str(peft.method) != "none":
+        from dtlaunch.models.registry import model_spec
+
+        targets = [str(t) for t in peft.targets]
+        split = "in_proj_qkv" in model_spec(cfg.model).block_linears(cfg.model)
+        named = next((t for t in ("in_proj_qkv", "all-linear") if t in targets), None)
+        if split and named is not None:
             raise ConfigError(
-                f"strategy.{key}={degree}: {arch}'s Gated DeltaNet blocks are not sharded by "
-                f"{'tensor' if key == 'tp' else 'context'} parallel yet: set strategy.{key}=1 (use fsdp / ep)"
+                f"peft.targets names {named} with strategy.tp={tp}: {arch}'s in_proj_qkv is gathered whole on every "
+                "tensor-parallel rank and computed in per-head slices, which LoRA has no style for: name the "
+                "linears without it, or set strategy.tp=1"
             )

@@ -27,6 +27,10 @@ in_proj_z, in_proj_b, in_proj_a in the place of the two fused ones), so a checkp
 tensors load by name; the numerics follow its torch fallback (torch_chunk_gated_delta_rule,
 torch_recurrent_gated_delta_rule, causal_conv1d_*, Qwen3NextRMSNormGated). This module knows nothing of
 torch.distributed.
+
+Tensor parallel (tp_plan.py) gives each rank whole key heads and the value heads they serve: the forward
+takes its head counts from what its projections return, in_proj_qkv and conv1d compute this rank's q, k
+and v channels, and A_log / dt_bias (`head_parameters`) are this rank's value heads' entries.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 
 from dtlaunch.models.dense.documents import Documents
 from dtlaunch.models.dense.model import KVCache
+from dtlaunch.models.local_tensor import local_tensor
 
 # Tokens per chunk of the chunked rule (transformers' and FLA's default).
 CHUNK_SIZE = 64
@@ -95,11 +100,15 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * normed.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * normed.to(dtype)
+    return (y * F.silu(gate.float())).to(dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = QK_L2_EPS) -> torch.Tensor:
@@ -245,6 +254,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.head_v_dim, float(m.norm_eps))
         self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+        # One entry per value head: tensor parallel shards them with the heads (dim 0).
+        self.head_parameters: tuple[str, ...] = ("A_log", "dt_bias")
 
     def forward(
         self,
@@ -269,37 +280,42 @@ class GatedDeltaNet(nn.Module):
             x = (x * real[:, :, None]).to(x.dtype)
 
         q, k, v, z, beta_logit, a = self._project(x)
+        # This rank's widths (all of them without tensor parallel).
+        widths = (q.shape[-1], k.shape[-1], v.shape[-1])
         beta = beta_logit.sigmoid()
         # A = exp(A_log) > 0 and the step dt = softplus(a + dt_bias) > 0, so g = -A dt < 0: a decay.
         # fp32 first: in fp16, exp(A_log) can overflow.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        a_log, dt_bias = local_tensor(self.A_log), local_tensor(self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
         mixed = torch.cat((q, k, v), dim=-1)
         if docs is not None:
-            out = self._mix_documents(mixed, g, beta, docs)
+            out = self._mix_documents(mixed, widths, g, beta, docs)
         else:
-            out, state = self._mix(mixed, g, beta, cache)
+            out, state = self._mix(mixed, widths, g, beta, cache)
             if cache is not None:
                 cache.recurrent = state
                 cache.seen += s
 
         out = self.norm(out, z)  # per head: (B, S, n_v, head_v_dim)
-        return self.out_proj(out.reshape(b, s, self.value_dim))
+        return self.out_proj(out.reshape(b, s, widths[2]))
 
     def _mix(
         self,
         mixed: torch.Tensor,
+        widths: tuple[int, int, int],
         g: torch.Tensor,
         beta: torch.Tensor,
         cache: Optional[RecurrentState] = None,
         resets: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The convolution and the rule: mixed (B, S, conv_dim) = [q | k | v] before the convolution, g and
-        beta (B, S, n_v) -> the output (B, S, n_v, head_v_dim) and the state after it."""
+        """The convolution and the rule: mixed (B, S, conv_dim) = [q | k | v] before the convolution (their
+        `widths`: this rank's heads under tensor parallel), g and beta (B, S, n_v) -> the output
+        (B, S, n_v, head_v_dim) and the state after it."""
         b, s, _ = mixed.shape
-        q, k, v = torch.split(self._conv(mixed, cache), (self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = q.reshape(b, s, self.n_k, self.head_k_dim)
-        k = k.reshape(b, s, self.n_k, self.head_k_dim)
-        v = v.reshape(b, s, self.n_v, self.head_v_dim)
+        q, k, v = torch.split(self._conv(mixed, cache), widths, dim=-1)
+        q = q.reshape(b, s, -1, self.head_k_dim)
+        k = k.reshape(b, s, -1, self.head_k_dim)
+        v = v.reshape(b, s, -1, self.head_v_dim)
         state = cache.recurrent if cache is not None else None
         if s == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state)
@@ -307,7 +323,9 @@ class GatedDeltaNet(nn.Module):
 
     # Eager under training.compile, as the dense attention over documents: new lengths are not a recompile.
     @torch.compiler.disable
-    def _mix_documents(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, docs: Documents) -> torch.Tensor:
+    def _mix_documents(
+        self, mixed: torch.Tensor, widths: tuple[int, int, int], g: torch.Tensor, beta: torch.Tensor, docs: Documents
+    ) -> torch.Tensor:
         """`_mix` with each packed document alone: spread to `_document_layout`'s positions (zeros between),
         run once with the state reset at each document's first chunk, and gathered back. The zeros between
         documents are exact no-ops for the rule whatever the convolution makes of them there: beta = 0 (no
@@ -320,33 +338,38 @@ class GatedDeltaNet(nn.Module):
             rest = t.shape[2:]
             return t.new_zeros(b * p, *rest).index_copy(0, where, t.reshape(b * s, *rest)).view(b, p, *rest)
 
-        out, _ = self._mix(spread(mixed), spread(g), spread(beta), resets=resets)
-        return out.reshape(b * p, self.n_v, self.head_v_dim).index_select(0, where).view(b, s, self.n_v, -1)
+        out, _ = self._mix(spread(mixed), widths, spread(g), spread(beta), resets=resets)
+        heads = out.shape[2]
+        return out.reshape(b * p, heads, self.head_v_dim).index_select(0, where).view(b, s, heads, -1)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (B, S, dim) -> q, k (B, S, key_dim), v (B, S, value_dim), z (B, S, n_v, head_v_dim), b and a
-        (B, S, n_v). Split (Qwen3.5): in_proj_qkv is [all q heads | all k heads | all v heads], the very
-        order the convolution takes, and z, b, a are one projection each, head after head. Fused
+        (B, S, n_v), of this rank's heads under tensor parallel (counted from the projections' widths).
+        Split (Qwen3.5): in_proj_qkv is [all q heads | all k heads | all v heads], the very order the
+        convolution takes, and z, b, a are one projection each, head after head. Fused
         (Qwen3-Next): laid out per key head, as its checkpoints (and transformers'
         fix_query_key_value_ordering): in_proj_qkvz is n_k groups of [q | k | its value heads' v | their z],
         in_proj_ba n_k groups of [its value heads' b | their a]."""
         bsz, s, _ = x.shape
-        if self.split_projections:
-            q, k, v = torch.split(self.in_proj_qkv(x), (self.key_dim, self.key_dim, self.value_dim), dim=-1)
-            z = self.in_proj_z(x).view(bsz, s, self.n_v, self.head_v_dim)
-            return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
         r = self.n_v // self.n_k  # value heads per key head
-        qkvz = self.in_proj_qkvz(x).view(bsz, s, self.n_k, -1)
-        q, k, v, z = torch.split(qkvz, (self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim), -1)
-        ba = self.in_proj_ba(x).view(bsz, s, self.n_k, 2 * r)
+        if self.split_projections:
+            z = self.in_proj_z(x).view(bsz, s, -1, self.head_v_dim)
+            n_v = z.shape[2]
+            key_dim, value_dim = n_v // r * self.head_k_dim, n_v * self.head_v_dim
+            q, k, v = torch.split(self.in_proj_qkv(x), (key_dim, key_dim, value_dim), dim=-1)
+            return q, k, v, z, self.in_proj_b(x), self.in_proj_a(x)
+        widths = (self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim)
+        qkvz = self.in_proj_qkvz(x).view(bsz, s, -1, sum(widths))
+        q, k, v, z = torch.split(qkvz, widths, -1)
+        ba = self.in_proj_ba(x).view(bsz, s, -1, 2 * r)
         b, a = torch.split(ba, (r, r), dim=-1)
         return (
-            q.reshape(bsz, s, self.key_dim),
-            k.reshape(bsz, s, self.key_dim),
-            v.reshape(bsz, s, self.value_dim),
-            z.reshape(bsz, s, self.n_v, self.head_v_dim),
-            b.reshape(bsz, s, self.n_v),
-            a.reshape(bsz, s, self.n_v),
+            q.flatten(2),
+            k.flatten(2),
+            v.flatten(2),
+            z.reshape(bsz, s, -1, self.head_v_dim),
+            b.flatten(2),
+            a.flatten(2),
         )
 
     def _conv(self, mixed: torch.Tensor, cache: Optional[RecurrentState]) -> torch.Tensor:
@@ -360,8 +383,8 @@ class GatedDeltaNet(nn.Module):
             past = cache.conv if cache.conv is not None else h.new_zeros(h.shape[0], h.shape[1], self.kernel - 1)
             h = torch.cat((past.to(h.dtype), h), dim=-1)
             cache.conv = h[:, :, h.shape[-1] - (self.kernel - 1) :]
-        weight = self.conv1d.weight
-        out = F.silu(F.conv1d(h.to(weight.dtype), weight, groups=self.conv_dim))[:, :, -s:]
+        # Depthwise over this rank's channels (the module pads nothing: padding 0).
+        out = F.silu(self.conv1d(h.to(self.conv1d.weight.dtype)))[:, :, -s:]
         return out.to(dtype).transpose(1, 2)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from dtlaunch.models.dense import shapes as dense
 from dtlaunch.models.dense.shapes import ffn_dim, head_dim, kv_heads
+from dtlaunch.models.moe import shapes as moe
 from dtlaunch.models.moe.shapes import is_sparse, routed_params, shared_dim
 from dtlaunch.models.qwen3_next.config import layer_kinds
 
@@ -100,31 +101,40 @@ def flops_per_token(m: Any, seq_len: int) -> float:
 
 
 def tp_divisors(m: Any) -> list[tuple[str, int]]:
-    """Tensor parallel is refused for the family (check.py): nothing to divide."""
-    return []
+    """The MoE decoder's (or, without model.moe, the dense decoder's) and the linear blocks' key heads: a rank
+    takes whole key heads and the value heads they serve (a multiple of the key heads, check.py)."""
+    base = moe.tp_divisors(m) if getattr(m, "moe", None) is not None else dense.tp_divisors(m)
+    return [("model.linear_num_key_heads", int(m.linear_num_key_heads)), *base]
 
 
 def block_linears(m: Any, split: bool = False) -> dict[str, tuple[int, int, bool | None]]:
     """The linears LoRA can adapt, by Hugging Face module name, of the full-attention and linear blocks and
-    the shared expert (qwen3_5: the dense MLP): (out features, in features, column-parallel under TP: None,
-    TP is refused). `split`: Qwen3.5's four input projections of the linear blocks."""
+    the shared expert (qwen3_5: the dense MLP): (out features, in features, column-parallel under TP; None:
+    whole on every TP rank, the router's gate). Qwen3.5's in_proj_qkv is stored split on its rows and each
+    rank computes its heads' outputs (tp_plan.py): column-parallel in what it holds and returns. `split`:
+    Qwen3.5's four input projections of the linear blocks."""
     h, d = int(m.dim), head_dim(m)
     q, k = int(m.n_heads) * d, kv_heads(m) * d
     key, value, conv = linear_widths(m)
     nv = int(m.linear_num_value_heads)
-    out = {"q_proj": (2 * q, h, None), "k_proj": (k, h, None), "v_proj": (k, h, None), "o_proj": (h, q, None)}
+    out: dict[str, tuple[int, int, bool | None]] = {
+        "q_proj": (2 * q, h, True),
+        "k_proj": (k, h, True),
+        "v_proj": (k, h, True),
+        "o_proj": (h, q, False),
+    }
     if split:
-        out.update({"in_proj_qkv": (conv, h, None), "in_proj_z": (value, h, None)})
-        out.update({"in_proj_b": (nv, h, None), "in_proj_a": (nv, h, None)})
+        out.update({"in_proj_qkv": (conv, h, True), "in_proj_z": (value, h, True)})
+        out.update({"in_proj_b": (nv, h, True), "in_proj_a": (nv, h, True)})
     else:
-        out.update({"in_proj_qkvz": (2 * key + 2 * value, h, None), "in_proj_ba": (2 * nv, h, None)})
-    out["out_proj"] = (h, value, None)
-    moe = getattr(m, "moe", None) is not None
-    if moe:
+        out.update({"in_proj_qkvz": (2 * key + 2 * value, h, True), "in_proj_ba": (2 * nv, h, True)})
+    out["out_proj"] = (h, value, False)
+    moe_section = getattr(m, "moe", None) is not None
+    if moe_section:
         out["gate"] = (int(m.moe.num_experts), h, None)
-    fs = shared_dim(m) if moe else ffn_dim(m)
+    fs = shared_dim(m) if moe_section else ffn_dim(m)
     if fs:
-        out.update({"gate_proj": (fs, h, None), "up_proj": (fs, h, None), "down_proj": (h, fs, None)})
+        out.update({"gate_proj": (fs, h, True), "up_proj": (fs, h, True), "down_proj": (h, fs, False)})
     return out
 
 

@@ -1,6 +1,6 @@
 """What every Gated DeltaNet family's registry entry (qwen3_next, qwen3_5, qwen3_5_moe) says alike: its shapes
-(dtlaunch/models/qwen3_next/shapes.py), no tensor-parallel plan and no ring attention yet (the depthwise conv
-spans q, k and v of every head), and no closed-form activation terms (the planner traces the step)."""
+(dtlaunch/models/qwen3_next/shapes.py), its tensor-parallel plan (tp_plan.py: the linear blocks split by key
+heads), no ring attention yet, and no closed-form activation terms (the planner traces the step)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import dtlaunch.models.qwen3_next.shapes as shapes
 def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: Any) -> Any:
     """`base` (a dense_spec or moe_spec) as a hybrid family built by `builder` ("module:function");
     `split_projections`: Qwen3.5's in_proj_qkv / z / b / a instead of Qwen3-Next's fused in_proj_qkvz / ba."""
-    linears = functools.partial(shapes.block_linears, split=True) if split_projections else shapes.block_linears
+    linears = functools.partial(shapes.block_linears, split=split_projections)
     return dataclasses.replace(
         base,
         builder=builder,
-        tp_plan="",
+        tp_plan="dtlaunch.models.qwen3_next.tp_plan",
         param_count=shapes.param_count,
         block_params=shapes.block_params,
         block_norm_params=shapes.block_norm_params,
@@ -28,7 +28,7 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
         block_linears=linears,
         activations=None,
         ring_attention=False,
-        # No tensor or context parallel of the Gated DeltaNet blocks yet, in every hybrid.
+        # No context parallel of the Gated DeltaNet blocks yet, in every hybrid.
         check_layout="dtlaunch.models.qwen3_next.check:check_layout",
         **fields,
     )

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 from dtlaunch.models import tp_styles as styles
 from dtlaunch.models.local_tensor import local_tensor
 from dtlaunch.models.moe.experts import GroupedExperts
+from dtlaunch.models.qwen3_next.gated_deltanet import GatedRMSNorm, gated_rms_norm
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -178,6 +179,87 @@ class GradSumOverTP(ParallelStyle):
         return module
 
 
+class WholeWeightsParallel(ParallelStyle):
+    """A module computed with its rows of a weight it reads whole, its class swapped in place (the parameter
+    names, and so the checkpoints, stay the module's).
+
+    `parts`: the weight's rows are fused parts one after another (the Gated DeltaNet's [q | k | v]) and the
+    rank computes with the r-th of tp equal slices of each (its heads'), which no one DTensor placement
+    holds. It is stored as a plain Shard(0) DTensor (tp-th of the rows in the one-process layout, so FSDP,
+    DCP and the Hugging Face export see the tensor one process has, and the optimizer state is split),
+    all-gathered for each forward (as FSDP gathers a unit) and cut to the rank's slices; the gradient, each
+    rank's over its rows only, is reduce-scattered back to the shards. No parts: a replicated DTensor used
+    whole (the gated norm's gain, shared by every head), its gradient summed over the ranks (`_SumGradOverTP`).
+    `whole_input`: the input's gradient is summed too (the replicated residual stream read by a column-split
+    linear)."""
+
+    def __init__(self, parts: tuple[int, ...] = (), whole_input: bool = False) -> None:
+        super().__init__()
+        self.parts, self.whole_input = tuple(parts), whole_input
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        swap = {nn.Linear: _WholeWeightsLinear, nn.Conv1d: _WholeWeightsConv1d, GatedRMSNorm: _WholeWeightsNorm}
+        cls = swap.get(type(module))
+        if cls is None:
+            raise TypeError(f"WholeWeightsParallel takes {', '.join(c.__name__ for c in swap)}, not {type(module)}")
+        if getattr(module, "bias", None) is not None:
+            raise ValueError("WholeWeightsParallel: a module with a bias")
+        if isinstance(module, nn.Conv1d) and not module.groups == module.in_channels == module.out_channels:
+            raise ValueError("WholeWeightsParallel: a convolution that is not depthwise")
+        p = module.weight
+        stored = [Shard(0)] if self.parts else [Replicate()]
+        t = distribute_tensor(p, device_mesh, stored, src_data_rank=self.src_data_rank)
+        module.weight = nn.Parameter(t, requires_grad=p.requires_grad)
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        spans, start = [], 0
+        for n in self.parts:
+            if n % tp:
+                raise ValueError(f"WholeWeightsParallel: a part of {n} rows does not split in {tp}")
+            spans.append((start + rank * (n // tp), n // tp))
+            start += n
+        if self.parts and start != p.shape[0]:
+            raise ValueError(f"WholeWeightsParallel: parts {self.parts} do not add up to {p.shape[0]} rows")
+        module.__class__ = cls
+        module.tp_group, module.tp_spans, module.tp_whole_input = device_mesh.get_group(), spans, self.whole_input
+        return module
+
+
+class _WholeWeights:
+    weight: torch.Tensor
+    tp_group: object
+    tp_spans: list[tuple[int, int]]
+    tp_whole_input: bool
+
+    def _tp_weight(self) -> torch.Tensor:
+        """This rank's rows of the weight: of its parts, gathered whole (the gradient, partial on every rank,
+        reduce-scattered to the shards); without parts, the replicated weight (its gradient summed)."""
+        if not self.tp_spans:
+            return _SumGradOverTP.apply(local_tensor(self.weight), self.tp_group)
+        w = self.weight
+        assert isinstance(w, DTensor), "WholeWeightsParallel's parts: a Shard(0) DTensor weight"
+        whole = w.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return torch.cat([whole.narrow(0, a, n) for a, n in self.tp_spans])
+
+    def _tp_input(self, x: torch.Tensor) -> torch.Tensor:
+        return _SumGradOverTP.apply(x, self.tp_group) if self.tp_whole_input else x
+
+
+class _WholeWeightsLinear(_WholeWeights, nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._tp_input(x), self._tp_weight())
+
+
+class _WholeWeightsConv1d(_WholeWeights, nn.Conv1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._tp_weight()
+        return F.conv1d(self._tp_input(x), w, None, self.stride, self.padding, self.dilation, w.shape[0])
+
+
+class _WholeWeightsNorm(_WholeWeights, GatedRMSNorm):
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(self._tp_input(x), gate, self._tp_weight(), self.eps)
+
+
 def placement(layout: styles.Layout) -> Placement | None:
     """ "replicate" / "shard(<dim>)" / None as a DTensor placement."""
     if layout is None:
@@ -230,6 +312,8 @@ def parallel_style(style: styles.Style) -> ParallelStyle:
         return ExpertsTensorParallel()
     if isinstance(style, styles.SumGrad):
         return GradSumOverTP()
+    if isinstance(style, styles.WholeWeights):
+        return WholeWeightsParallel(parts=style.parts, whole_input=style.whole_input)
     raise TypeError(f"not a tensor-parallel style: {style!r}")
 
 
