@@ -3,7 +3,8 @@
 1e-4, and every gradient of the first step (gathered from its shards) within 1e-5 of its largest entry (plus
 an fp32 noise floor, NOISE), the linear block's included: Qwen3-Next's fused in_proj_qkvz / in_proj_ba and Qwen3.5's split projections
 (in_proj_qkv split on its rows, gathered and computed in per-head slices), conv1d, A_log / dt_bias, the gated norm's
-shared gain and out_proj. With sequence parallel and without, and under FSDP2 x TP (4 ranks, qwen3_5: in_proj_qkv and conv1d
+shared gain and out_proj. With sequence parallel and without, over packed documents (each linear block's
+state and convolution reset at every document on the split heads), and under FSDP2 x TP (4 ranks, qwen3_5: in_proj_qkv and conv1d
 row-split DTensors on the TP mesh gathered per forward, sharded again by FSDP over the data ranks). The tiny directories of tests/conftest.py:
 2 key heads serving 4 value heads, so each rank holds one key head and its two value heads.
 
@@ -12,7 +13,7 @@ Reuses test_mla_tensor_parallel.py's recording of the first gradients."""
 from __future__ import annotations
 
 import pytest
-from forked_training import run_forked, train
+from forked_training import SeededBatches, run_forked, train
 from test_mla_tensor_parallel import GRAD_TOL, TOL, _record_first_grads
 
 pytestmark = [
@@ -49,6 +50,40 @@ CASES = {
     # so the adapters move the loss. Adapters' gradients compared at the second step (lora_b starts at 0).
     "qwen3_next_lora_all_linear_sp": ("qwen3_next", True, ("peft=lora", "peft.alpha=32", "peft.targets=[all-linear]")),
 }
+# Packed documents under TP (data.document_mask's model inputs): each row three documents, each linear
+# block's convolution and state reset at their starts on the split heads as on the whole ones.
+DOCUMENTS = {"qwen3_next_documents_sp": ("qwen3_next", True, ())}
+DOC_LENGTHS = (5, 7, 4)  # training.seq_len=16
+
+
+class PackedDocuments(SeededBatches):
+    """SeededBatches whose rows each hold the documents DOC_LENGTHS: their positions restart at each
+    document and their document ids keep attention (and the Gated DeltaNet state) inside each one."""
+
+    def __init__(self, *args) -> None:
+        import torch
+
+        super().__init__(*args)
+        doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(DOC_LENGTHS)])
+        positions = torch.cat([torch.arange(n) for n in DOC_LENGTHS])
+        self.documents = {
+            "positions": positions.expand(self.micro_batch, -1).clone(),
+            "doc_ids": doc_ids.expand(self.micro_batch, -1).clone(),
+        }
+
+    def next_batch(self):
+        import dataclasses
+
+        return dataclasses.replace(super().next_batch(), model_args=self.documents)
+
+
+def packed_documents(cfg, global_batch, dp_rank, dp_size, cp_rank, cp_size) -> PackedDocuments:
+    t = cfg.training
+    return PackedDocuments(
+        global_batch, int(t.seq_len), int(t.micro_batch), dp_rank, dp_size, int(cfg.model.vocab_size)
+    )
+
+
 # The linear block's parameters (block 0) each family must have compared.
 LINEAR = {
     "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "conv1d", "A_log", "dt_bias", "norm", "out_proj"),
@@ -66,8 +101,11 @@ def _model(path) -> list[str]:
     return [*SMALL, f"model.init_from=hf:{path}"]
 
 
-def _run(overrides: list[str], world: int) -> dict:
-    return train(overrides, world, STEPS, inspect=lambda rt: rt.first_grads, prepare=_record_first_grads)
+def _run(overrides: list[str], world: int, documents: bool = False) -> dict:
+    batches = packed_documents if documents else None
+    return train(
+        overrides, world, STEPS, inspect=lambda rt: rt.first_grads, prepare=_record_first_grads, make_batches=batches
+    )
 
 
 def _save_dcp(where: str):
@@ -87,9 +125,9 @@ def launched(dirs, tmp_path_factory) -> dict:
 
     def run_all() -> dict:
         out = {}
-        for name, (family, sp, peft) in CASES.items():
+        for name, (family, sp, peft) in {**CASES, **DOCUMENTS}.items():
             tp = ["strategy=tp", "launch.nproc_per_node=2", f"strategy.sequence_parallel={str(sp).lower()}"]
-            out[name] = _run([*_model(dirs[family]), *peft, *tp], 2)
+            out[name] = _run([*_model(dirs[family]), *peft, *tp], 2, documents=name in DOCUMENTS)
         # The loaded weights, before any step, saved by DCP from the TP shards (test_checkpoint_...).
         for family in ("qwen3_next", "qwen3_5"):
             tp = ["strategy=tp", "launch.nproc_per_node=2", "strategy.sequence_parallel=true"]
@@ -111,12 +149,15 @@ def launched_fsdp_tp(dirs, tmp_path_factory) -> dict:
     return run_forked(4, run_all, tmp_path_factory.mktemp("gated_deltanet_fsdp_tp") / "results.json")
 
 
-@pytest.mark.parametrize("name", [*CASES, "qwen3_5_fsdp_tp"])
+@pytest.mark.parametrize("name", [*CASES, *DOCUMENTS, "qwen3_5_fsdp_tp"])
 def test_tensor_parallel_gated_deltanet_trains_as_one_process(name: str, dirs, request) -> None:
     fsdp_tp = name == "qwen3_5_fsdp_tp"
-    family, _, peft = ("qwen3_5", True, ()) if fsdp_tp else CASES[name]
+    family, _, peft = ("qwen3_5", True, ()) if fsdp_tp else {**CASES, **DOCUMENTS}[name]
     got = request.getfixturevalue("launched_fsdp_tp") if fsdp_tp else request.getfixturevalue("launched")[name]
-    want = _run([*_model(dirs[family]), *peft, "launch.nproc_per_node=1"], 1)
+    want = _run([*_model(dirs[family]), *peft, "launch.nproc_per_node=1"], 1, documents=name in DOCUMENTS)
+    if name in DOCUMENTS:  # the documents matter: the same rows unpacked train otherwise
+        plain = _run([*_model(dirs[family]), "launch.nproc_per_node=1"], 1)
+        assert abs(plain["loss"][0] - want["loss"][0]) > 1e-3, (plain["loss"], want["loss"])
     assert want["loss"][-1] < want["loss"][0], want  # the steps move the weights
     for key in ("loss", "grad_norm"):
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
