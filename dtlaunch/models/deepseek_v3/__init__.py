@@ -33,6 +33,7 @@ SPEC = register(
         tp_whole_block_params=shapes.whole_under_tp,
         block_linears=shapes.block_linears,
         lora_default_extra=("q_b_proj", "kv_b_proj"),
+        kv_cache_values=shapes.kv_cache_values,
         activations="dtlaunch.models.deepseek_v3.activations",
         ring_attention=False,
         config=DeepseekV3ModelConfig,
