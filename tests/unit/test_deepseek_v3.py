@@ -1,7 +1,8 @@
 """DeepSeek-V3 (model.arch=deepseek_v3) against transformers' DeepseekV3ForCausalLM on tiny random
 directories (tests/conftest.py: GLM-4.5's routing parts, low-rank q, a 16-wide kv latent, 8 interleaved
 rotated dims per head, no-RoPE / value widths 12 / 10): logits within 1e-5 in fp32, with the attention's
-variants (a plain q projection, RoPE over halves, attention biases, YaRN), a bit-identical round trip,
+variants (a plain q projection, RoPE over halves, attention biases, YaRN), decoding from the latent KV
+cache token by token (LoRA on wkv_b too) within 1e-5 of the whole forward, a bit-identical round trip,
 the planner's exact count, the multi-token-prediction layer skipped, and the refusals."""
 
 from __future__ import annotations
