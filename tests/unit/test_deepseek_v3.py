@@ -2,7 +2,8 @@
 directories (tests/conftest.py: GLM-4.5's routing parts, low-rank q, a 16-wide kv latent, 8 interleaved
 rotated dims per head, no-RoPE / value widths 12 / 10): logits within 1e-5 in fp32, with the attention's
 variants (a plain q projection, RoPE over halves, attention biases, YaRN), decoding from the latent KV
-cache token by token (LoRA on wkv_b too) within 1e-5 of the whole forward, a bit-identical round trip,
+cache token by token (LoRA on wkv_b too) within 1e-5 of the whole forward (wkv_b's absorbed matrix computed
+once, at the prefill, without LoRA's dropout), a bit-identical round trip,
 the planner's exact count, the multi-token-prediction layer skipped, and the refusals."""
 
 from __future__ import annotations
@@ -131,6 +132,46 @@ def test_decoding_with_the_cache_equals_the_full_forward(tiny_moe_hf_dirs, adapt
     assert (latent - full).abs().max().item() < 1e-5
     width = int(m.kv_lora_rank) + int(m.qk_rope_head_dim)
     assert all(tuple(c.k.shape) == (2, TOKENS.shape[1], 1, width) and c.v.numel() == 0 for c in caches)
+
+
+def test_decode_steps_read_wkv_b_matrix_once_without_lora_dropout(tiny_moe_hf_dirs) -> None:
+    """The absorbed decode steps read wkv_b's matrix from the block's cache, computed once at the prefill
+    (wkv_b runs twice per block in all: the prefill's latent and the identity; never in a decode step), and
+    LoRA's dropout on wkv_b in training mode (on: the prefill's logits change) does not reach it: the cached
+    matrix is the eval-mode module's on the identity, bit for bit, and base + scaling * B @ A."""
+    from dtlaunch.models.deepseek_v3.mla import MLAttention
+    from dtlaunch.models.lora import adapt_linear
+
+    model, m = ours(tiny_moe_hf_dirs["deepseek_v3"])
+    model.eval()
+    attention = [mod for mod in model.modules() if isinstance(mod, MLAttention)]
+    g = torch.Generator().manual_seed(5)
+    calls = {id(mod.wkv_b): 0 for mod in attention}
+
+    def count(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        calls[id(module)] += 1
+
+    for mod in attention:
+        adapt_linear(mod.wkv_b, rank=2, alpha=4.0, dropout=0.5)
+        with torch.no_grad():
+            mod.wkv_b.lora_a.copy_(torch.randn(mod.wkv_b.lora_a.shape, generator=g) * 0.3)
+            mod.wkv_b.lora_b.copy_(torch.randn(mod.wkv_b.lora_b.shape, generator=g) * 0.3)
+        mod.wkv_b.register_forward_hook(count)
+    evaluated, _ = stepped(model, m)
+    assert set(calls.values()) == {2}
+    for mod in attention:
+        mod.wkv_b.train()
+    torch.manual_seed(0)
+    dropped, caches = stepped(model, m)
+    assert set(calls.values()) == {4}
+    assert not torch.allclose(dropped[:, :12], evaluated[:, :12], atol=1e-3)  # the prefill's dropout
+    for mod, cache in zip(attention, caches, strict=True):
+        w = mod.wkv_b
+        expected = (w.weight + w.scaling * w.lora_b @ w.lora_a).detach().t()
+        with torch.no_grad():
+            w.eval()
+            assert torch.equal(cache.derived["wkv_b"], w(torch.eye(int(m.kv_lora_rank))))
+        torch.testing.assert_close(cache.derived["wkv_b"], expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

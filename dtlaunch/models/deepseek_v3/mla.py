@@ -25,7 +25,10 @@ query head; wkv_b's value half maps each head's output back. Chosen over expandi
 through wkv_b at every step, whose work and transient memory grow with rows x positions x heads: the same
 sums in another order, within 1e-5 of the per-head path in fp32 (tests/unit/test_batch_generate.py,
 tests/unit/test_deepseek_v3.py). wkv_b's matrix is read by running wkv_b on the identity, so whatever wraps
-the linear (LoRA's adapters, tensor parallel's shard of heads, a quantised base) is what gets absorbed.
+the linear (LoRA's adapters, tensor parallel's shard of heads, a quantised base) is what gets absorbed, LoRA's
+dropout skipped (dtlaunch.models.lora.effective_matrix): once per generation, at the prefill, kept on the
+block's cache (`KVCache.derived`) for every decode step; DeepSeek-V3: kv_rank x heads x (nope + v) = 512 x
+128 x 256 values per layer (32 MiB in bf16, divided by tp), held while the generation runs.
 `latent_cache = False` decodes with the full per-head keys and values instead (the dense decoder's
 cache), the reference the tests compare with. Training (no cache) runs as before.
 
@@ -50,6 +53,7 @@ from dtlaunch.models.deepseek_v3.shapes import softmax_mscale
 from dtlaunch.models.dense.documents import Documents
 from dtlaunch.models.dense.model import Attention, KVCache, apply_partial_rope, apply_rope, padded_keys, sdpa
 from dtlaunch.models.dense.norm import RMSNorm
+from dtlaunch.models.lora import effective_matrix
 
 # Hugging Face's q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -116,6 +120,7 @@ class MLAttention(nn.Module):
             # the cache keeps their latent and rotated shared key (any head's rotated part of k).
             q, k = self._heads(q_nope, q_rot, k_nope, k_rot, cos, sin)
             self._store(cache, latent, k[:, :, :1, self.nope :])
+            self._absorbed_matrix(cache, latent)  # computed here, eagerly: the decode steps (compiled too) read it
             mask = self._mask(mask, 0, s, s, x.device)
             if cache.key_mask is not None:
                 mask = padded_keys(mask, cache.key_mask[:, :s], 0, s)
@@ -156,6 +161,15 @@ class MLAttention(nn.Module):
             return keys, mask
         return cache.append(keys, no_values)[0], None
 
+    def _absorbed_matrix(self, cache: KVCache, latent: torch.Tensor) -> torch.Tensor:
+        """wkv_b's matrix (kv_rank, this rank's heads x (nope + v)), once per generation: computed at the first
+        use (the prefill) and kept on the cache, which lives for one generation (the weights do not change
+        during it), so a decode step does not rerun wkv_b on the identity."""
+        w = cache.derived.get("wkv_b")
+        if w is None:
+            w = cache.derived["wkv_b"] = effective_matrix(self.wkv_b, latent)
+        return w
+
     def _absorbed(
         self,
         q_nope: torch.Tensor,
@@ -184,8 +198,7 @@ class MLAttention(nn.Module):
             if cache.key_mask is not None:
                 mask = padded_keys(mask, cache.key_mask[:, : keys.shape[1]], start, s)
         assert isinstance(mask, torch.Tensor), "a decode step attends with an explicit mask"
-        # wkv_b's matrix (kv_rank, this rank's heads, nope + v): wkv_b of the identity, through any wrapper.
-        w = self.wkv_b(torch.eye(r, dtype=latent.dtype, device=latent.device)).view(r, heads, -1)
+        w = self._absorbed_matrix(cache, latent).view(r, heads, -1)
         w_k, w_v = w.split([self.nope, self.v_dim], dim=-1)
         # q_nope . (w_k latent) = (q_nope w_k^T) . latent: each head's query in the latent space. The heads
         # fold into the query rows (position, head) of one attention head, the cache's one key head (no
