@@ -202,9 +202,12 @@ class MLAttention(nn.Module):
         w_k, w_v = w.split([self.nope, self.v_dim], dim=-1)
         # q_nope . (w_k latent) = (q_nope w_k^T) . latent: each head's query in the latent space. The heads
         # fold into the query rows (position, head) of one attention head, the cache's one key head (no
-        # copy of the keys per head); the mask's rows repeat per head.
+        # copy of the keys per head); the mask's rows repeat per head: one new position's row (a decode
+        # step) broadcasts to them, several (sequence parallel's fillers, a shared prefix's own tokens) are
+        # copied per head.
         q = torch.cat((torch.einsum("bshn,rhn->bshr", q_nope, w_k), q_rot), dim=-1).reshape(b, 1, s * heads, -1)
-        mask = mask[..., None, :].expand(*mask.shape[:-1], heads, mask.shape[-1]).flatten(-3, -2)
+        if s > 1:
+            mask = mask[..., None, :].expand(*mask.shape[:-1], heads, mask.shape[-1]).flatten(-3, -2)
         keys = keys.transpose(1, 2)  # (B, 1, T, kv_rank + rope): the values are its first kv_rank dims
         # The per-head attention's scale: 1/sqrt(nope + rope), YaRN's mscale^2 on it. Not attention_fn:
         # context parallel, which swaps that, is refused for this attention.
