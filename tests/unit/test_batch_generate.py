@@ -311,7 +311,8 @@ def test_deepseek_v3_caches_its_latent_as_the_plan_counts(tiny_moe_hf_dirs, tmp_
     """Every block's cache holds kv_lora_rank + qk_rope_head_dim values per position and row (the latent and
     the shared rotated key, no per-head keys or values), and the planner's KV cache line
     (dtlaunch.plan.generation.kv_cache_bytes) is the bytes those tensors allocate, the same under tensor
-    parallel (the latent is whole on every rank)."""
+    parallel (the latent is whole on every rank), with each block's absorbed wkv_b matrix (KVCache.derived:
+    this rank's heads, halved under TP(2))."""
     from types import SimpleNamespace
 
     from dtlaunch.plan.generation import kv_cache_bytes
@@ -330,6 +331,10 @@ def test_deepseek_v3_caches_its_latent_as_the_plan_counts(tiny_moe_hf_dirs, tmp_
     for cache in caches:
         assert tuple(cache.k.shape) == (len(PROMPTS), longest + NEW, 1, width) and cache.v.numel() == 0
     allocated = sum(c.k.untyped_storage().nbytes() + c.v.untyped_storage().nbytes() for c in caches)
+    # Each block's absorbed wkv_b matrix, kept on its cache for the generation (mla.py): this rank's heads.
+    derived = sum(w.untyped_storage().nbytes() for c in caches for w in c.derived.values())
+    absorbed = int(m.kv_lora_rank) * int(m.n_heads) * (int(m.qk_nope_head_dim) + int(m.v_head_dim)) * 4
+    assert derived == int(m.n_layers) * absorbed
 
     def planned(tp: int) -> float:
         c = SimpleNamespace(
@@ -344,7 +349,8 @@ def test_deepseek_v3_caches_its_latent_as_the_plan_counts(tiny_moe_hf_dirs, tmp_
         )
         return kv_cache_bytes(c)
 
-    assert allocated == planned(1) == planned(2) == int(m.n_layers) * width * len(PROMPTS) * (longest + NEW) * 4
+    assert allocated == int(m.n_layers) * width * len(PROMPTS) * (longest + NEW) * 4
+    assert planned(1) == allocated + derived and planned(2) == allocated + derived / 2
 
 
 @pytest.mark.slow_reason("torch.compile of DeepSeek-V3's decode step (inductor on CPU: ~1 min, its MoE included)")

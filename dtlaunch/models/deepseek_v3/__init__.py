@@ -34,6 +34,7 @@ SPEC = register(
         block_linears=shapes.block_linears,
         lora_default_extra=("q_b_proj", "kv_b_proj"),
         kv_cache_values=shapes.kv_cache_values,
+        decode_derived_values=shapes.decode_derived_values,
         activations="dtlaunch.models.deepseek_v3.activations",
         ring_attention=False,
         config=DeepseekV3ModelConfig,
