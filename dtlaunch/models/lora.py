@@ -66,6 +66,24 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
 
 
+def effective_matrix(linear: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """The (in_features, out_features) matrix a bias-free linear multiplies by, its weight's transpose: the
+    module run on the identity (in `like`'s dtype and device), so whatever wraps it is included (LoRA's
+    adapters, tensor parallel's shard of its outputs, QLoRA's NF4 base), with any adapter's dropout skipped
+    (a module in training mode would otherwise drop entries of the identity): the weights' matrix, not one
+    draw of it."""
+    assert getattr(linear, "bias", None) is None, "a linear with a bias adds it to every row of the identity"
+    eye = torch.eye(int(linear.in_features), dtype=like.dtype, device=like.device)
+    dropping = [m for m in linear.modules() if isinstance(m, LoRALinear) and m.training and m.lora_dropout > 0]
+    for m in dropping:
+        m.training = False
+    try:
+        return linear(eye)
+    finally:
+        for m in dropping:
+            m.training = True
+
+
 def adapt_linear(linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> LoRALinear:
     """Turn `linear` into a LoRALinear in place (adapters allocated on the weight's device, meta included;
     values come from `adapter_init`)."""

@@ -102,6 +102,14 @@ class ModelSpec:
     # it): DeepSeek-V3's latent attention has no q_proj / v_proj but q_b_proj (a low-rank query's second half)
     # and kv_b_proj (per-head keys and values).
     lora_default_extra: tuple = ()
+    # (model section, tp) -> values one block's decoding cache holds per position and row on one rank
+    # (dtlaunch.infer.batch_generate): the planner's KV cache line and decode-step bytes. None: the per-head
+    # keys and values, 2 x the kv width split by tensor parallel (DeepSeek-V3 caches its latent instead).
+    kv_cache_values: Optional[Callable[[Any, int], float]] = None
+    # (model section, tp) -> values one block's attention derives from its weights once per generation and
+    # keeps on its decoding cache until the generation ends (KVCache.derived: DeepSeek-V3's absorbed wkv_b
+    # matrix, this rank's heads), counted with the KV cache. None: nothing.
+    decode_derived_values: Optional[Callable[[Any, int], float]] = None
 
     def lora_targets(self, targets: Any) -> list[str]:
         """peft.targets as this family reads them: the default with the family's own names added (the one

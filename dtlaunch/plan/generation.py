@@ -5,7 +5,10 @@ static lines: parameters, optimizer state, a reference copy) but no gradients an
 - the KV cache, preallocated for every row this rank generates at once (global_batch / dp completions)
   over prompt + completion <= training.seq_len positions: layers x 2 x kv width / tp x rows x seq_len x
   the compute dtype's bytes (dtlaunch.infer.batch_generate; under sequence parallel the prompt block
-  padded to a multiple of tp and tp - 1 decode fillers more);
+  padded to a multiple of tp and tp - 1 decode fillers more); a family caching something else per
+  position says what (ModelSpec.kv_cache_values: DeepSeek-V3's kv_lora_rank + qk_rope_head_dim, not
+  divided by tp), and what its blocks keep on their caches for the whole generation
+  (ModelSpec.decode_derived_values: DeepSeek-V3's absorbed wkv_b matrix, layers x wkv_b's weight / tp);
 - the larger of two moments that do not overlap: the prefill's working set in one block (no grad: one
   block at a time; q, k, v, the attention output and SwiGLU's three ffn-wide tensors over the prompts'
   tokens) and one step's logits (the prefill projects only its last position: vocab / tp wide) with the
@@ -27,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.schema import ObjectiveName
+from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.objective import reference_forward_bytes
@@ -53,12 +57,23 @@ def prompt_positions(c: Any) -> int:
     return -(-(int(c.training.seq_len) - int(c.cfg.objective.max_completion_length)) // m) * m
 
 
+def kv_cache_values(c: Any) -> float:
+    """Values one block caches per position and row on one rank: the family's own (ModelSpec.kv_cache_values:
+    DeepSeek-V3's latent and shared rotated key, whole on every TP rank), else the keys and values of this
+    rank's heads."""
+    own = model_spec(c.model).kv_cache_values
+    return own(c.model, c.tp) if own is not None else 2 * c.block_dims.k / c.tp
+
+
 def kv_cache_bytes(c: Any) -> float:
-    """Keys and values for the prompt block, every completion position and a decode step's fillers."""
+    """Keys and values for the prompt block, every completion position and a decode step's fillers, and what
+    each block derives for the generation and keeps on its cache (ModelSpec.decode_derived_values)."""
     positions = (
         prompt_positions(c) + int(c.cfg.objective.max_completion_length) + c.decisions.decode_positions_multiple - 1
     )
-    return c.layers * 2 * (c.block_dims.k / c.tp) * generation_rows(c) * positions * c.compute_bytes
+    derived = model_spec(c.model).decode_derived_values
+    per_block = kv_cache_values(c) * generation_rows(c) * positions + (derived(c.model, c.tp) if derived else 0)
+    return c.layers * per_block * c.compute_bytes
 
 
 def prefill_rows(c: Any) -> int:

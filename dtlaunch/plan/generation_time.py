@@ -49,11 +49,15 @@ def generation_seconds(cfg: JobConfig, dec: Decisions, efficiency: float) -> flo
     prompt = int(t.seq_len) - completion
     tp = lay.tp
     prefill = 2 * params * rows * prompt / flops_per_s / tp
-    kv_per_position = int(m.n_layers) * 2 * kv_heads(m) * head_dim(m) * rows * e
+    # One rank's cache per position: the family's own (DeepSeek-V3's latent, whole on every rank), else
+    # its heads' keys and values.
+    own = model_spec(m).kv_cache_values
+    values = own(m, tp) if own is not None else 2 * kv_heads(m) * head_dim(m) / tp
+    kv_per_position = int(m.n_layers) * values * rows * e
     bandwidth = float(hw.memory_gbps) * 1e9
     # One term per decode step would cost the search ~completion iterations per layout: the mean KV cache
     # (half the completion filled) gives the same sum for the linear byte count.
-    step_bytes = (params * e + kv_per_position * (prompt + completion / 2)) / tp
+    step_bytes = params * e / tp + kv_per_position * (prompt + completion / 2)
     step_flops = 2 * params * rows / flops_per_s / tp
     decode = completion * max(step_flops, step_bytes / bandwidth if bandwidth else 0.0)
     if tp > 1:

@@ -19,6 +19,27 @@ def ours(path, seq: int = 32) -> tuple[torch.nn.Module, object]:
     return model.eval(), m
 
 
+def variant(src, tmp_path, **changes):
+    """A random DeepSeek-V3 directory like `src` with some of config.json changed (weights perturbed, the
+    router's correction bias too)."""
+    import transformers
+
+    config = transformers.DeepseekV3Config.from_pretrained(src)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.2)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    return tmp_path
+
+
 def theirs(path) -> torch.nn.Module:
     import transformers
 

@@ -3,6 +3,9 @@ directory: a left-padded batch of prompts of different lengths, greedy, with per
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -203,3 +206,169 @@ def test_draws_follow_the_distribution() -> None:
     p = scaled.masked_fill(scaled < scaled.topk(30).values[-1], float("-inf")).softmax(-1).double()
     assert (p == 0).sum() == 10 and freq[p == 0].sum() == 0
     assert torch.all((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt()), (freq - p).abs().max()
+
+
+@contextlib.contextmanager
+def per_head_cache(model: torch.nn.Module) -> Iterator[None]:
+    """DeepSeek-V3's attention decodes with the full per-head keys and values (the dense decoder's cache)
+    instead of its latent cache, inside the block."""
+    from dtlaunch.models.deepseek_v3.mla import MLAttention
+
+    attention = [mod for mod in model.modules() if isinstance(mod, MLAttention)]
+    assert attention
+    for mod in attention:
+        mod.latent_cache = False
+    try:
+        yield
+    finally:
+        for mod in attention:
+            mod.latent_cache = True
+
+
+def deepseek_v3(tiny_moe_hf_dirs, tmp_path, q_rank: str) -> tuple[torch.nn.Module, object]:
+    """The tiny DeepSeek-V3 directory (a low-rank query) or one with a plain q projection, and our model of it."""
+    from hf_loaded import variant
+
+    src = tiny_moe_hf_dirs["deepseek_v3"]
+    path = src if q_rank == "low_rank_q" else variant(src, tmp_path, q_lora_rank=None)
+    model = load_source(f"hf:{path}", torch.device("cpu")).model
+    assert bool(model.cfg.q_lora_rank) == (q_rank == "low_rank_q")
+    return model, path
+
+
+@pytest.mark.parametrize("q_rank", ["low_rank_q", "plain_q"])
+def test_deepseek_v3_latent_cache_generates_as_the_per_head_cache_and_transformers(
+    tiny_moe_hf_dirs, tmp_path, q_rank: str
+) -> None:
+    """DeepSeek-V3 decodes from its latent cache (mla.py: the normalised kv latent and the shared rotated key
+    per position, attention absorbed into the latent space): transformers' greedy completions (per-row stops
+    included), and the per-head cache's greedy and seeded-sampled completions row for row, GRPO's G rows
+    sharing each prompt's prefill and the finished rows dropped; each decode step's logits within 1e-5 (fp32)
+    of the per-head cache's and of the whole sequence's forward."""
+    from dtlaunch.models.dense.model import KVCache
+
+    model, path = deepseek_v3(tiny_moe_hf_dirs, tmp_path, q_rank)
+    set_positions(model, max(len(p) for p in PROMPTS) + NEW)
+    greedy = Sampling(max_new_tokens=NEW, temperature=0.0)
+    stop = generate_batch(model, PROMPTS, greedy, stop_ids=[1]).completions[0][NEW // 2]
+    rows = [p for p in PROMPTS for _ in range(3)]
+    limits = [NEW - (i % 4) * 3 for i in range(len(rows))]  # rows end at different steps: rows dropped
+
+    def runs() -> list:
+        sampled = Sampling(max_new_tokens=NEW, temperature=1.0, top_p=0.9, top_k=50)
+        g = torch.Generator().manual_seed(7)
+        return [
+            generate_batch(model, PROMPTS, greedy, stop_ids=[1, stop]),
+            generate_batch(model, rows, greedy, [1, stop], limits=limits),
+            generate_batch(model, rows, sampled, [1, stop], 0, g, limits=limits),
+        ]
+
+    latent = runs()
+    assert any(len(c) < NEW for c in latent[0].completions) and any(latent[0].truncated)
+    assert latent[0].completions == hf_greedy(path, PROMPTS, [1, stop])[0]
+    with per_head_cache(model):
+        per_head = runs()
+    for a, b in zip(latent, per_head, strict=True):
+        assert a.completions == b.completions and a.truncated == b.truncated
+        assert a.entropy == pytest.approx(b.entropy, rel=1e-5) and a.entropy > 0
+    assert latent[2].completions != latent[1].completions  # the sampled run is not the greedy one
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def stepped() -> torch.Tensor:
+        caches = [KVCache() for _ in model.layers]
+        with torch.no_grad():
+            steps = [model(tokens[:, :9], caches=caches)]
+            steps += [model(tokens[:, i : i + 1], caches=caches) for i in range(9, tokens.shape[1])]
+        return torch.cat(steps, dim=1)
+
+    with torch.no_grad():
+        full = model(tokens)
+    latent_logits = stepped()
+    with per_head_cache(model):
+        per_head_logits = stepped()
+    assert (latent_logits - per_head_logits).abs().max().item() < 1e-5
+    assert (latent_logits - full).abs().max().item() < 1e-5
+
+
+def test_deepseek_v3_shared_prefix_prefill_with_the_latent_cache(tiny_moe_hf_dirs, tmp_path) -> None:
+    """A multi-turn continuation (`shared`) on DeepSeek-V3: each prefix's latent cache prefilled once and moved
+    to its rows gives the tokens of every row prefilled whole, and of the per-head cache's shared prefill,
+    greedy and sampled from the same seed."""
+    model, _ = deepseek_v3(tiny_moe_hf_dirs, tmp_path, "low_rank_q")
+    suffixes = [[9], [30, 31, 32, 33, 34, 35, 36], [50, 51, 52]]
+    rows = [p + x for p in PROMPTS[:3] for x in suffixes]
+    shared = [len(p) for p in PROMPTS[:3] for _ in suffixes]
+    set_positions(model, max(len(r) for r in rows) + NEW)
+
+    def run(s: Sampling, seed: int, **kw) -> object:
+        return generate_batch(model, rows, s, [1], 0, torch.Generator().manual_seed(seed), **kw)
+
+    for s, seed in ((Sampling(max_new_tokens=NEW, temperature=0.0), 0), (Sampling(NEW, 1.0, 0.9, 50), 7)):
+        split, whole = run(s, seed, shared=shared), run(s, seed)
+        with per_head_cache(model):
+            per_head = run(s, seed, shared=shared)
+        assert split.completions == whole.completions == per_head.completions
+        assert split.entropy == pytest.approx(whole.entropy, rel=1e-5) and split.entropy > 0
+
+
+def test_deepseek_v3_caches_its_latent_as_the_plan_counts(tiny_moe_hf_dirs, tmp_path, monkeypatch) -> None:
+    """Every block's cache holds kv_lora_rank + qk_rope_head_dim values per position and row (the latent and
+    the shared rotated key, no per-head keys or values), and the planner's KV cache line
+    (dtlaunch.plan.generation.kv_cache_bytes) is the bytes those tensors allocate, the same under tensor
+    parallel (the latent is whole on every rank), with each block's absorbed wkv_b matrix (KVCache.derived:
+    this rank's heads, halved under TP(2))."""
+    from types import SimpleNamespace
+
+    from dtlaunch.plan.generation import kv_cache_bytes
+
+    model, _ = deepseek_v3(tiny_moe_hf_dirs, tmp_path, "low_rank_q")
+    m = model.cfg
+    set_positions(model, max(len(p) for p in PROMPTS) + NEW)
+    caches: list = []
+    own = model.decoding_cache
+    monkeypatch.setattr(model, "decoding_cache", lambda key, kv: caches.append(own(key, kv)) or caches[-1])
+    out = generate_batch(model, PROMPTS, Sampling(max_new_tokens=NEW, temperature=0.0), stop_ids=[], plain=True)
+    assert all(len(c) == NEW for c in out.completions)
+    assert len(caches) == int(m.n_layers)
+    width = int(m.kv_lora_rank) + int(m.qk_rope_head_dim)  # 16 + 8; the per-head cache: 4 x (20 + 10)
+    longest = max(len(p) for p in PROMPTS)
+    for cache in caches:
+        assert tuple(cache.k.shape) == (len(PROMPTS), longest + NEW, 1, width) and cache.v.numel() == 0
+    allocated = sum(c.k.untyped_storage().nbytes() + c.v.untyped_storage().nbytes() for c in caches)
+    # Each block's absorbed wkv_b matrix, kept on its cache for the generation (mla.py): this rank's heads.
+    derived = sum(w.untyped_storage().nbytes() for c in caches for w in c.derived.values())
+    absorbed = int(m.kv_lora_rank) * int(m.n_heads) * (int(m.qk_nope_head_dim) + int(m.v_head_dim)) * 4
+    assert derived == int(m.n_layers) * absorbed
+
+    def planned(tp: int) -> float:
+        c = SimpleNamespace(
+            model=m,
+            tp=tp,
+            layers=int(m.n_layers),
+            compute_bytes=4,
+            accum_steps=1,
+            training=SimpleNamespace(micro_batch=len(PROMPTS), seq_len=longest + NEW),
+            cfg=SimpleNamespace(objective=SimpleNamespace(max_completion_length=NEW)),
+            decisions=SimpleNamespace(decode_positions_multiple=1),
+        )
+        return kv_cache_bytes(c)
+
+    assert allocated == int(m.n_layers) * width * len(PROMPTS) * (longest + NEW) * 4
+    assert planned(1) == allocated + derived and planned(2) == allocated + derived / 2
+
+
+@pytest.mark.slow_reason("torch.compile of DeepSeek-V3's decode step (inductor on CPU: ~1 min, its MoE included)")
+def test_deepseek_v3_compiled_decode_with_the_latent_cache(tiny_moe_hf_dirs, tmp_path) -> None:
+    """objective.generation_compile on DeepSeek-V3: the compiled steps against static latent caches give the
+    eager per-head cache's greedy and seeded-sampled completions."""
+    model, _ = deepseek_v3(tiny_moe_hf_dirs, tmp_path, "low_rank_q")
+    set_positions(model, max(len(p) for p in PROMPTS) + NEW)
+    greedy, sampled = Sampling(max_new_tokens=NEW, temperature=0.0), Sampling(NEW, 1.0, 0.9, 50)
+
+    def run(s: Sampling, **kw) -> list[list[int]]:
+        return generate_batch(model, PROMPTS, s, [1], 0, torch.Generator().manual_seed(3), **kw).completions
+
+    compiled = [run(greedy, compiled=True), run(sampled, compiled=True)]
+    with per_head_cache(model):
+        assert compiled == [run(greedy), run(sampled)]

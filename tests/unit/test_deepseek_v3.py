@@ -1,7 +1,9 @@
 """DeepSeek-V3 (model.arch=deepseek_v3) against transformers' DeepseekV3ForCausalLM on tiny random
 directories (tests/conftest.py: GLM-4.5's routing parts, low-rank q, a 16-wide kv latent, 8 interleaved
 rotated dims per head, no-RoPE / value widths 12 / 10): logits within 1e-5 in fp32, with the attention's
-variants (a plain q projection, RoPE over halves, attention biases, YaRN), a bit-identical round trip,
+variants (a plain q projection, RoPE over halves, attention biases, YaRN), decoding from the latent KV
+cache token by token (LoRA on wkv_b too) within 1e-5 of the whole forward (wkv_b's absorbed matrix computed
+once, at the prefill, without LoRA's dropout), a bit-identical round trip,
 the planner's exact count, the multi-token-prediction layer skipped, and the refusals."""
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 
 import pytest
 import torch
-from hf_loaded import ours, round_trip, theirs
+from hf_loaded import ours, round_trip, theirs, variant
 
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
@@ -19,24 +21,6 @@ from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
-
-
-def variant(src, tmp_path, **changes):
-    """A random directory like `src` with some of config.json changed."""
-    config = transformers.DeepseekV3Config.from_pretrained(src)
-    for k, v in changes.items():
-        setattr(config, k, v)
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.2)
-    model.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
-    return tmp_path
 
 
 def test_logits_match_transformers(tiny_moe_hf_dirs) -> None:
@@ -73,11 +57,26 @@ def test_logits_match_transformers(tiny_moe_hf_dirs) -> None:
     ids=["plain_q_and_biases", "rope_halves", "yarn"],
 )
 def test_attention_variants_match_transformers(tiny_moe_hf_dirs, tmp_path, changes) -> None:
+    """Each variant's logits within 1e-5 of transformers', and decoded token by token from the latent cache
+    (mla.py: the prefill per head, the steps absorbed) within 1e-5 of the whole sequence's."""
     path = variant(tiny_moe_hf_dirs["deepseek_v3"], tmp_path, **changes)
     model, m = ours(path)
     with torch.no_grad():
-        diff = (model(TOKENS) - theirs(path)(TOKENS).logits).abs().max().item()
+        full = model(TOKENS)
+        diff = (full - theirs(path)(TOKENS).logits).abs().max().item()
     assert diff < 1e-5, f"{changes}: max |logit diff| {diff}"
+    assert (stepped(model, m)[0] - full).abs().max().item() < 1e-5
+
+
+def stepped(model: torch.nn.Module, m) -> tuple[torch.Tensor, list]:
+    """TOKENS' logits decoded with a cache per block: a 12-token prefill, then one token per step."""
+    from dtlaunch.models.dense.model import KVCache
+
+    caches = [KVCache() for _ in range(int(m.n_layers))]
+    with torch.no_grad():
+        steps = [model(TOKENS[:, :12], caches=caches)]
+        steps += [model(TOKENS[:, i : i + 1], caches=caches) for i in range(12, TOKENS.shape[1])]
+    return torch.cat(steps, dim=1), caches
 
 
 def test_round_trip_is_bit_identical_and_counted_exactly(tiny_moe_hf_dirs, tmp_path) -> None:
@@ -102,17 +101,77 @@ def test_multi_token_prediction_layer_is_skipped(tiny_moe_hf_dirs, tmp_path) -> 
         assert (model(TOKENS) - ours(src)[0](TOKENS)).abs().max().item() == 0
 
 
-def test_decoding_with_the_cache_equals_the_full_forward(tiny_moe_hf_dirs) -> None:
-    """The KV cache (full per-head keys and values) gives the logits of the whole sequence, token by token."""
-    from dtlaunch.models.dense.model import KVCache
+@pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora_on_wkv_b"])
+def test_decoding_with_the_cache_equals_the_full_forward(tiny_moe_hf_dirs, adapters: bool) -> None:
+    """The latent cache (mla.py: the kv latent and the shared rotated key, attention absorbed) and the full
+    per-head keys and values each give the logits of the whole sequence, token by token, within 1e-5; also
+    with LoRA adapters on wkv_b (kv_b_proj, a default target), which the absorption reads through the module.
+    The cache holds kv_lora_rank + qk_rope_head_dim values per position, no per-head keys or values."""
+    from dtlaunch.models.deepseek_v3.mla import MLAttention
+    from dtlaunch.models.lora import adapt_linear
 
     model, m = ours(tiny_moe_hf_dirs["deepseek_v3"])
+    attention = [mod for mod in model.modules() if isinstance(mod, MLAttention)]
+    if adapters:
+        g = torch.Generator().manual_seed(5)
+        for mod in attention:
+            adapt_linear(mod.wkv_b, rank=2, alpha=4.0)
+            with torch.no_grad():
+                mod.wkv_b.lora_a.copy_(torch.randn(mod.wkv_b.lora_a.shape, generator=g) * 0.3)
+                mod.wkv_b.lora_b.copy_(torch.randn(mod.wkv_b.lora_b.shape, generator=g) * 0.3)
+
     with torch.no_grad():
         full = model(TOKENS)
-        caches = [KVCache() for _ in range(int(m.n_layers))]
-        steps = [model(TOKENS[:, :12], caches=caches)]
-        steps += [model(TOKENS[:, i : i + 1], caches=caches) for i in range(12, TOKENS.shape[1])]
-    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+    for mod in attention:
+        mod.latent_cache = False
+    per_head, _ = stepped(model, m)
+    for mod in attention:
+        mod.latent_cache = True
+    latent, caches = stepped(model, m)
+    assert (per_head - full).abs().max().item() < 1e-5
+    assert (latent - full).abs().max().item() < 1e-5
+    width = int(m.kv_lora_rank) + int(m.qk_rope_head_dim)
+    assert all(tuple(c.k.shape) == (2, TOKENS.shape[1], 1, width) and c.v.numel() == 0 for c in caches)
+
+
+def test_decode_steps_read_wkv_b_matrix_once_without_lora_dropout(tiny_moe_hf_dirs) -> None:
+    """The absorbed decode steps read wkv_b's matrix from the block's cache, computed once at the prefill
+    (wkv_b runs twice per block in all: the prefill's latent and the identity; never in a decode step), and
+    LoRA's dropout on wkv_b in training mode (on: the prefill's logits change) does not reach it: the cached
+    matrix is the eval-mode module's on the identity, bit for bit, and base + scaling * B @ A."""
+    from dtlaunch.models.deepseek_v3.mla import MLAttention
+    from dtlaunch.models.lora import adapt_linear
+
+    model, m = ours(tiny_moe_hf_dirs["deepseek_v3"])
+    model.eval()
+    attention = [mod for mod in model.modules() if isinstance(mod, MLAttention)]
+    g = torch.Generator().manual_seed(5)
+    calls = {id(mod.wkv_b): 0 for mod in attention}
+
+    def count(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        calls[id(module)] += 1
+
+    for mod in attention:
+        adapt_linear(mod.wkv_b, rank=2, alpha=4.0, dropout=0.5)
+        with torch.no_grad():
+            mod.wkv_b.lora_a.copy_(torch.randn(mod.wkv_b.lora_a.shape, generator=g) * 0.3)
+            mod.wkv_b.lora_b.copy_(torch.randn(mod.wkv_b.lora_b.shape, generator=g) * 0.3)
+        mod.wkv_b.register_forward_hook(count)
+    evaluated, _ = stepped(model, m)
+    assert set(calls.values()) == {2}
+    for mod in attention:
+        mod.wkv_b.train()
+    torch.manual_seed(0)
+    dropped, caches = stepped(model, m)
+    assert set(calls.values()) == {4}
+    assert not torch.allclose(dropped[:, :12], evaluated[:, :12], atol=1e-3)  # the prefill's dropout
+    for mod, cache in zip(attention, caches, strict=True):
+        w = mod.wkv_b
+        expected = (w.weight + w.scaling * w.lora_b @ w.lora_a).detach().t()
+        with torch.no_grad():
+            w.eval()
+            assert torch.equal(cache.derived["wkv_b"], w(torch.eye(int(m.kv_lora_rank))))
+        torch.testing.assert_close(cache.derived["wkv_b"], expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(

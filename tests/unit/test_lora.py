@@ -13,7 +13,7 @@ from torch import nn
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
-from dtlaunch.models.lora import adapt_linear, adapter_init, apply_lora, select_targets
+from dtlaunch.models.lora import adapt_linear, adapter_init, apply_lora, effective_matrix, select_targets
 from dtlaunch.models.registry import model_spec
 
 
@@ -29,6 +29,33 @@ def test_adapted_linear_keeps_its_base_parameters() -> None:
         ("lora_a", (4, 12)),
         ("lora_b", (10, 4)),
     ]
+
+
+def test_effective_matrix_is_the_weights_without_the_adapters_dropout() -> None:
+    """effective_matrix (DeepSeek-V3's absorbed wkv_b) reads a linear's matrix through the module: the plain
+    weight's transpose, and with LoRA the base + scaling * B @ A, peft's dropout skipped in training mode (it
+    would drop entries of the identity) and the module's mode left as it was."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(12, 10, bias=False)
+    like = torch.zeros(())
+    assert torch.equal(effective_matrix(lin, like), lin.weight.detach().t())
+    adapt_linear(lin, rank=4, alpha=8.0, dropout=0.5)
+    with torch.no_grad():
+        lin.lora_a.copy_(torch.randn(lin.lora_a.shape, generator=g))
+        lin.lora_b.copy_(torch.randn(lin.lora_b.shape, generator=g))
+    expected = (lin.weight + lin.scaling * lin.lora_b @ lin.lora_a).detach().t()
+    eye = torch.eye(12)
+    with torch.no_grad():
+        lin.eval()
+        evaluated = lin(eye)
+        lin.train()
+        torch.manual_seed(1)
+        dropped = lin(eye)  # what running the module on the identity gives in training mode
+        got = effective_matrix(lin, like)
+    assert lin.training
+    assert not torch.allclose(dropped, expected, atol=1e-3)
+    assert torch.equal(got, evaluated)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_adapter_init_is_seeded_by_name() -> None:

@@ -14,16 +14,20 @@ from dtlaunch.plan.memory import plan_memory
 GIB = 2**30
 
 
-def plan(tmp_path, *overrides: str):
+def job_of(tmp_path, *overrides: str):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w1", "answer": "1"}) + "\n")
     tok = tmp_path / "tokenizer.json"
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel(vocab={"<unk>": 0, "w1": 1}, unk_token="<unk>")).save(str(tok))
-    job = load_job(
+    return load_job(
         [*overrides, "data.kind=jsonl", "data.format=prompt", f"data.path={prompts}", f"data.tokenizer={tok}"]
     )
+
+
+def plan(tmp_path, *overrides: str):
+    job = job_of(tmp_path, *overrides)
     return plan_memory(job.cfg, job.layout).worst
 
 
@@ -178,3 +182,27 @@ def test_the_tool_process_is_a_host_line(tmp_path) -> None:
     assert worst.host == {Line.TOOL_PROCESS_HOST: 3072 * 2**20}
     assert plan(tmp_path, "recipe=qwen3_0.6b_grpo", *user, "objective.tool_timeout_s=0").host == {}
     assert plan(tmp_path, "recipe=qwen3_0.6b_grpo").host == {}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deepseek_v3_generation_plans_its_latent_cache(tmp_path, tp: int) -> None:
+    """DeepSeek-V3 generates from its latent cache (dtlaunch/models/deepseek_v3/mla.py): the plan's KV cache
+    line is layers x (kv_lora_rank + qk_rope_head_dim) x rows x positions x bytes, the same on every tensor
+    parallel rank (the latent is whole on each): 71x less than the per-head keys and values (40,960 values per
+    position and layer), 36x less than a TP(2) rank's half of them; plus each block's absorbed wkv_b matrix
+    (this rank's heads), kept for the generation. The runtime's cache tensors are measured
+    against kv_cache_bytes in test_batch_generate.py::test_deepseek_v3_caches_its_latent_as_the_plan_counts."""
+    from dtlaunch.plan.generation import generation_rows, kv_cache_bytes
+    from dtlaunch.plan.shape import stage_shape
+
+    small = ["model=deepseek_v3_671b", "model.n_layers=4", "model.moe.num_experts=8", "model.moe.top_k=2"]
+    layout = ["strategy=tp", "launch.nproc_per_node=2"] if tp > 1 else []
+    job = job_of(tmp_path, "recipe=qwen3_0.6b_grpo", *small, "model.moe.n_group=2", "model.moe.topk_group=1", *layout)
+    c = stage_shape(job.cfg, job.layout, 0, 4, True, True)
+    assert c.tp == tp
+    seq, completion = int(c.training.seq_len), int(job.cfg.objective.max_completion_length)
+    positions = -(-(seq - completion) // tp) * tp + completion + tp - 1  # sequence parallel: padding, fillers
+    absorbed = 4 * 512 * 128 * (128 + 128) / tp * 2  # each block's wkv_b matrix, this rank's heads
+    assert kv_cache_bytes(c) == 4 * (512 + 64) * generation_rows(c) * positions * 2 + absorbed  # bf16
+    per_head = 4 * 128 * (192 + 128) / tp * generation_rows(c) * positions * 2  # this rank's heads' keys, values
+    assert per_head / (kv_cache_bytes(c) - absorbed) == pytest.approx(40_960 / 576 / tp)

@@ -104,6 +104,18 @@ def whole_under_tp(m: Any) -> int:
     return sum(o * i + (o if bias else 0) for k, (o, i) in linears.items() if k in ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
+def kv_cache_values(m: Any, tp: int = 1) -> int:
+    """Values one block's decoding cache holds per position and row (mla.py): the normalised kv latent and
+    the rotated key every head shares, the same on every tensor-parallel rank (wkv_a and kv_norm are whole)."""
+    return int(m.kv_lora_rank) + int(m.qk_rope_head_dim)
+
+
+def decode_derived_values(m: Any, tp: int = 1) -> float:
+    """Values one block keeps for a generation besides its cache (mla.py's absorbed matrix): wkv_b's matrix,
+    kv_lora_rank x this rank's heads x (qk_nope_head_dim + v_head_dim)."""
+    return int(m.kv_lora_rank) * int(m.n_heads) * (int(m.qk_nope_head_dim) + int(m.v_head_dim)) / tp
+
+
 def softmax_mscale(m: Any) -> float:
     """YaRN's factor on the softmax scale, mscale(factor, mscale_all_dim)^2 (1 without YaRN), as
     transformers' DeepSeek-V3 attention scales it."""

@@ -346,6 +346,10 @@ class KVCache:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
         self.key_mask: Optional[torch.Tensor] = None
+        # Tensors an attention derives from its weights for this cache's generation, computed once (at the
+        # prefill) and read by every decode step (DeepSeek-V3's absorbed wkv_b matrix). Per block, not per
+        # row: row selection leaves them alone.
+        self.derived: dict[str, torch.Tensor] = {}
 
     @property
     def length(self) -> int:
