@@ -59,13 +59,22 @@ def nf4_fits(numel: int, block_size: int, scaler_block_size: int) -> bool:
 def frozen_block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The linears of the decoder blocks whose weight is frozen (the base QLoRA quantises): 2-D weights
     of modules with a `weight` and an `in_features`, under `model.layers`. Embedding, output head and
-    norms stay in their dtype, as in QLoRA."""
+    norms stay in their dtype, as in QLoRA. So does a linear with one output (a per-token scalar gate:
+    Qwen3-Next's and Qwen3.5-MoE's shared-expert gate, `dim` parameters a block): a single row cannot be
+    cut into FSDP row shards of whole NF4 blocks, and it is not among the linears the planner counts
+    (ModelSpec.block_linears), so every layout keeps it in the compute dtype alike."""
     layers = getattr(model, "layers", None)
     if layers is None:
         return
     for name, mod in layers.named_modules(prefix="layers"):
         w = getattr(mod, "weight", None)
-        if isinstance(w, nn.Parameter) and w.dim() == 2 and hasattr(mod, "in_features") and not w.requires_grad:
+        if (
+            isinstance(w, nn.Parameter)
+            and w.dim() == 2
+            and w.shape[0] > 1
+            and hasattr(mod, "in_features")
+            and not w.requires_grad
+        ):
             yield name, mod
 
 

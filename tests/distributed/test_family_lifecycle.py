@@ -8,7 +8,8 @@ parametrized over FAMILIES:
 2. generate:  `dtlaunch generate hf:DIR --temperature 0` prints transformers' greedy tokens;
 3. layouts:   the first losses of DDP(2), FSDP(2), TP(2) and, for MoE, EP(2) equal one process's within
               1e-4 (one group of 2 forked gloo workers for every family, tests/distributed/forked_training.py);
-4. lora:      LoRA trains its adapters and nothing else;
+4. lora:      LoRA trains its adapters and nothing else (and, for the Gated DeltaNet hybrids, QLoRA on
+              their NF4 base; the other families' QLoRA: test_qlora.py and the layout matrices);
 5. resume:    a run SIGKILLed after its step-2 checkpoint and started again resumes bit for bit
               (test_resume_matrix.py's `start`, a world of one, the launcher's half in this process);
 6. export:    `ckpt export --format hf` of that run loads in transformers with the run's logits (1e-4);
@@ -52,6 +53,8 @@ class Family:
     layouts: tuple[str, ...]
     overrides: tuple[str, ...] = ()
     lora: tuple[str, ...] = ("peft=lora",)
+    # peft=qlora's overrides where the row runs QLoRA too (the `lora` step on an NF4 base); () where not.
+    qlora: tuple[str, ...] = ()
     # step or layout -> (why, a fragment of the product's one-line refusal)
     cannot: dict = field(default_factory=dict)
 
@@ -63,6 +66,9 @@ _NO_GEN_HF_AUTO = ("generate runs native modules: export, then transformers", ""
 _ALL_LINEAR = ("peft=lora", "peft.targets=[all-linear]", "peft.target_experts=true")
 # MoE families adapt their routed experts too (PEFT's target_parameters on the fused expert tensors).
 _EXPERTS = ("peft=lora", "peft.target_experts=true")
+
+# NF4 blocks the tiny hybrids' linears hold whole (their smallest, in_proj_b / a, 4 x 64: 256 elements).
+_QLORA = ("peft=qlora", "peft.nf4_block_size=16", "peft.nf4_scaler_block_size=4")
 
 # One line per family.
 FAMILIES: list[Family] = [
@@ -95,6 +101,7 @@ FAMILIES: list[Family] = [
         moe=True,
         layouts=MOE_LAYOUTS,
         lora=_EXPERTS,
+        qlora=(*_QLORA, "peft.target_experts=true"),
     ),
     Family(
         "qwen3_5",
@@ -103,6 +110,7 @@ FAMILIES: list[Family] = [
         moe=False,
         layouts=DENSE,
         cannot={"ep": _NO_EP_DENSE},
+        qlora=_QLORA,
     ),
     Family(
         "qwen3_5_moe",
@@ -111,6 +119,7 @@ FAMILIES: list[Family] = [
         moe=True,
         layouts=MOE_LAYOUTS,
         lora=_EXPERTS,
+        qlora=(*_QLORA, "peft.target_experts=true"),
     ),
     Family(
         "hf_auto_tied",
@@ -297,19 +306,29 @@ def test_layouts_match_one_process(name: str, dirs, launched) -> None:
         assert diff <= TOL, (name, layout, got["loss"], ref["loss"])
 
 
+def _value(p):
+    """A parameter's value as a plain tensor (an NF4 weight's dequantised: torchao's NF4 clone re-quantises
+    with its default block sizes)."""
+    from dtlaunch.models.nf4 import is_nf4
+
+    return p.get_original_weight() if is_nf4(p) else p.detach().clone()
+
+
 def _snapshot(rt, _source) -> None:
     model = rt.model_parts[0]
-    rt._lifecycle_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rt._lifecycle_before = {n: _value(p) for n, p in model.named_parameters()}
 
 
 def _moved(rt) -> dict:
     import torch
 
     from dtlaunch.models.lora import ADAPTER_NAMES
+    from dtlaunch.models.nf4 import is_nf4
 
-    out: dict = {"adapters": 0, "adapters_moved": 0, "base_moved": [], "base_trainable": []}
+    out: dict = {"adapters": 0, "adapters_moved": 0, "base_moved": [], "base_trainable": [], "nf4": 0}
     for n, p in rt.model_parts[0].named_parameters():
-        moved = not torch.equal(p.detach(), rt._lifecycle_before[n])
+        moved = not torch.equal(_value(p), rt._lifecycle_before[n])
+        out["nf4"] += is_nf4(p)
         if n.rsplit(".", 1)[-1] in ADAPTER_NAMES:
             out["adapters"] += 1
             out["adapters_moved"] += moved
@@ -329,6 +348,22 @@ def test_lora_trains_adapters_only(name: str, dirs) -> None:
     r = train(over, 1, 2, prepare=_snapshot, inspect=_moved)
     moved = r["inspect"]
     assert moved["adapters"] > 0 and moved["adapters_moved"] == moved["adapters"], moved
+    assert not moved["base_moved"] and not moved["base_trainable"], moved
+    assert r["loss"][1] < r["loss"][0], r["loss"]
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.qlora])
+def test_qlora_trains_adapters_only(name: str, dirs) -> None:
+    """The `lora` step on an NF4 base (the Gated DeltaNet projections among it): adapters only, the loss
+    going down. The one process converts its frozen base as the worker does."""
+    from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+
+    family = BY_NAME[name]
+    over = [*one_process(family, dirs[name]), "training.micro_batch=4", *family.qlora]
+    convert = lambda m, cfg: convert_frozen_base(m, cfg, 1)  # noqa: E731
+    r = train(over, 1, 2, prepare=_snapshot, inspect=_moved, convert=convert)
+    moved = r["inspect"]
+    assert moved["nf4"] > 0 and moved["adapters"] > 0 and moved["adapters_moved"] == moved["adapters"], moved
     assert not moved["base_moved"] and not moved["base_trainable"], moved
     assert r["loss"][1] < r["loss"][0], r["loss"]
 

@@ -11,9 +11,16 @@ LoRA on the same TP cells (in the same forked group): the family's default targe
 dense block and the shared expert, o_proj, and deepseek's q_b_proj / kv_b_proj, the per-head projections) and
 all-linear (the whole low-rank q_a_proj / kv_a_proj_with_mqa too): losses and grad norms as above, every
 adapter's gradient of the second step (at the first, lora_b = 0 leaves lora_a's zero) the one process's, and
-no other parameter with one."""
+no other parameter with one.
+
+Float8 (tensorwise, emulated) on a TP cell of the same group, with widths that are all multiples of 16 so every
+latent-attention linear is converted (torchao's float8 styles on the heads' projections, the whole low-rank
+ones float8 too): losses within test_float8.py's bounds of one process with float8 and of bf16. Without
+sequence parallel: under it torchao all-gathers float8 activations, which gloo cannot (refused in one line)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 from forked_training import run_forked, train
@@ -22,7 +29,8 @@ from tiny_models import DEEPSEEK_V3
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.slow_reason(
-        "a forked group of 2 trains 4 TP layouts and 2 LoRA x TP ones, one of 4 FSDP2 x TP and pipeline x TP"
+        "a forked group of 2 trains 4 TP layouts, 2 LoRA x TP ones and float8 x TP, one of 4 FSDP2 x TP and "
+        "pipeline x TP"
     ),
 ]
 
@@ -64,6 +72,18 @@ FSDP_TP = ["strategy=fsdp_tp", "launch.nproc_per_node=4", "training.micro_batch=
 PP_TP = ["strategy=3d", "launch.nproc_per_node=4", "training.micro_batch=4"]
 # The 4-rank group's cells: name -> layout overrides.
 FOUR_RANKS = {"fsdp_tp": FSDP_TP, "pp2_tp2_sp": PP_TP}
+# Float8 x TP: widths that are all multiples of 16 (torchao converts only those linears): q 32-rank, a 16-wide
+# kv latent, 16 + 16 query / key dims per head, 16-wide values.
+FLOAT8_WIDTHS = [
+    "model.q_lora_rank=32",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=16",
+    "model.qk_rope_head_dim=16",
+    "model.v_head_dim=16",
+]
+FLOAT8 = ["precision=bf16", "precision.float8=tensorwise", "precision.float8_emulate=true"]
+FLOAT8_TP = ["strategy=tp", "launch.nproc_per_node=2", "strategy.sequence_parallel=false"]
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
 def _model(q_rank, v_dim, peft: tuple[str, ...] = ()) -> list[str]:
@@ -108,10 +128,27 @@ def _run(overrides: list[str], world: int) -> dict:
     return train(overrides, world, STEPS, inspect=lambda rt: rt.first_grads, prepare=_record_first_grads)
 
 
+def _float8_linears(rt) -> list[str]:
+    return sorted(n for n, m in rt.model_parts[0].named_modules() if type(m).__name__ == "Float8Linear")
+
+
+def _run_float8(extra: list[str], world: int) -> dict:
+    """The float8 cell: one process converts its meta model as the workers' runtime does."""
+    import torch
+
+    from dtlaunch.train.parallel.float8 import apply_float8
+
+    convert = lambda m, cfg: apply_float8(m, cfg.precision, torch.device("cpu"))  # noqa: E731
+    return train([*SMALL, *FLOAT8_WIDTHS, *extra], world, STEPS, inspect=_float8_linears, convert=convert)
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     def run_all() -> dict:
-        return {name: _run(_tp(*_case(name)), 2) for name in [*CASES, *LORA]}
+        out = {name: _run(_tp(*_case(name)), 2) for name in [*CASES, *LORA]}
+        if HAS_TORCHAO:
+            out["float8_tensorwise_tp"] = _run_float8([*FLOAT8, *FLOAT8_TP], 2)
+        return out
 
     return run_forked(2, run_all, tmp_path_factory.mktemp("mla_tp") / "results.json")
 
@@ -146,3 +183,31 @@ def test_tensor_parallel_latent_attention_trains_as_one_process(name: str, reque
         scale = max(abs(x) for x in g)
         diff = max(abs(a - b) for a, b in zip(got["inspect"][param], g, strict=True))
         assert scale > 0 and diff <= GRAD_TOL * scale, f"{param}: max abs diff {diff:.3g}, largest entry {scale:.3g}"
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="float8 needs torchao")
+def test_float8_tensor_parallel_latent_attention_trains_as_one_process(launched) -> None:
+    from test_float8 import BF16_TOL, LOSS_TOL
+
+    got = launched["float8_tensorwise_tp"]
+    want = _run_float8([*FLOAT8, "launch.nproc_per_node=1"], 1)
+    plain = train([*SMALL, *FLOAT8_WIDTHS, "precision=bf16", "launch.nproc_per_node=1"], 1, STEPS)
+    # Every block linear but the router's gate (8 x 64: 8 experts, not a multiple of 16) is float8, the latent
+    # attention's included, under TP as on one process.
+    attention = {f"layers.{i}.attention.{w}" for i in (0, 1) for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")}
+    assert got["inspect"] == want["inspect"] and attention <= set(want["inspect"]), want["inspect"]
+    assert want["loss"][-1] < want["loss"][0], want
+    diff = max(abs(a - b) for a, b in zip(got["loss"], want["loss"], strict=True))
+    assert diff <= LOSS_TOL, f"float8 TP against one process: {diff:.3g}: {got['loss']} vs {want['loss']}"
+    diff = max(abs(a - b) for a, b in zip(want["loss"], plain["loss"], strict=True))
+    assert diff <= BF16_TOL, f"float8 against bf16: {diff:.3g}: {want['loss']} vs {plain['loss']}"
+
+
+def test_float8_tensor_parallel_with_sequence_parallel_on_gloo_is_one_line() -> None:
+    from dtlaunch.config.compose import compose
+    from dtlaunch.config.validate import validate
+    from dtlaunch.errors import ConfigError
+
+    sp = [*SMALL, *FLOAT8_WIDTHS, *FLOAT8, "strategy=tp", "launch.nproc_per_node=2", "strategy.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match=r"^precision.float8=tensorwise with strategy.sequence_parallel=true .*gloo"):
+        validate(compose(sp).cfg)

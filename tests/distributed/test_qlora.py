@@ -6,6 +6,12 @@ conversions and no mesh. Every layout quantises the whole weight once (the shard
 layouts' losses agree with one process up to the order of sums. FSDP2's all-gathers of the blocks are
 recorded: they carry uint8 buffers exactly as large as the ranks' NF4 codes and scales plus the adapters
 and norms in bf16, never a bf16 copy of the base.
+
+The Gated DeltaNet hybrids (qwen3_next, qwen3_5, qwen3_5_moe: their tiny Hugging Face directories,
+tests/conftest.py) on one process: the Gated DeltaNet projections, the attention's and MLP's linears and the
+router's gate are NF4, the shared expert's one-row gate and the routed experts stay bf16, only the adapters
+(the experts' too, peft.target_experts) get gradients, and the losses equal LoRA's on the NF4-dequantised
+weights. Qwen3-Next joins the forked group under FSDP2.
 """
 
 from __future__ import annotations
@@ -99,6 +105,80 @@ def train(method: str, overrides: list[str], world: int) -> dict:
     return out
 
 
+# The Gated DeltaNet hybrids; the MoE ones adapt their routed experts too, as the family matrix's LoRA does
+# (tests/distributed/test_family_lifecycle.py).
+HYBRIDS = {
+    "qwen3_next": ["peft.target_experts=true"],
+    "qwen3_5": [],
+    "qwen3_5_moe": ["peft.target_experts=true"],
+}
+HYBRID_COMMON = [
+    "model=tiny",
+    "training.seq_len=32",
+    "training.global_batch=4",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-2",
+    "precision=bf16",
+    "peft.nf4_block_size=16",
+    "peft.nf4_scaler_block_size=4",
+]
+
+
+def train_hybrid(path, method: str, world: int, extra: list[str], dequantised: bool = False) -> dict:
+    """STEPS steps of a hybrid's directory under `method`, in 2 micro-batches of 2 (a DDP / FSDP rank's
+    batch). One process converts its frozen base as the worker does; `dequantised`: the LoRA run's frozen
+    block linears first take their NF4 round trip's values (what QLoRA's matmuls read)."""
+    from forked_training import train as train_runtime
+
+    from dtlaunch.train.parallel.frozen_base import convert_frozen_base
+
+    family = path.name
+    over = [*HYBRID_COMMON, f"model.init_from=hf:{path}", f"peft={method}", *HYBRIDS[family], *extra]
+    over += [f"launch.nproc_per_node={world}", "training.micro_batch=2"]
+    return train_runtime(
+        over,
+        world,
+        STEPS,
+        inspect=_hybrid_report,
+        prepare=_dequantise_frozen_linears if dequantised else None,
+        convert=lambda m, cfg: convert_frozen_base(m, cfg, 1),
+    )
+
+
+def _dequantise_frozen_linears(rt, _source) -> None:
+    import torch
+    from torch import nn
+
+    from dtlaunch.models.nf4 import frozen_block_linears, to_nf4
+
+    p = rt.cfg.peft
+    for _, mod in frozen_block_linears(rt.model_parts[0]):
+        w = mod.weight.detach()
+        nf4 = to_nf4(w, int(p.nf4_block_size), int(p.nf4_scaler_block_size), w.dtype)
+        with torch.no_grad():
+            mod.weight = nn.Parameter(nf4.get_original_weight().to(w.dtype), requires_grad=False)
+
+
+def _hybrid_report(rt) -> dict:
+    """NF4 weights, the dtype of every other frozen weight, trainable parameters and frozen ones holding a
+    gradient, by name."""
+    from dtlaunch.models.nf4 import is_nf4
+
+    model = rt.model_parts[0]
+    out: dict = {"nf4": [], "frozen": {}, "trainable": [], "frozen_with_grad": []}
+    for name, p in model.named_parameters():
+        local = getattr(p, "_local_tensor", p)
+        if p.requires_grad:
+            out["trainable"].append(name)
+        elif is_nf4(local):
+            out["nf4"].append(name)
+        else:
+            out["frozen"][name] = str(local.dtype)
+        if not p.requires_grad and p.grad is not None:
+            out["frozen_with_grad"].append(name)
+    return out
+
+
 def _record_all_gathers(log: list) -> None:
     """Wrap the all-gather FSDP2 calls with (dtype, bytes of the gathered buffer) per call."""
     import torch.distributed as dist
@@ -127,9 +207,17 @@ def _block_gather_bytes(model, world: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def hybrid_dirs(tiny_hf_dirs, tiny_moe_hf_dirs) -> dict:
+    return {name: (tiny_hf_dirs if name == "qwen3_5" else tiny_moe_hf_dirs)[name] for name in HYBRIDS}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory, hybrid_dirs: dict) -> dict:
     def run_all() -> dict:
-        return {name: train("qlora", over, WORLD) for name, over in LAYOUTS.items()}
+        # One hybrid under FSDP2 (its NF4 Gated DeltaNet projections sharded by rows), first: the tiny
+        # model's FSDP cell leaves its all-gather recorder installed.
+        out = {"qwen3_next/fsdp": train_hybrid(hybrid_dirs["qwen3_next"], "qlora", WORLD, ["strategy=zero3"])}
+        return {**out, **{name: train("qlora", over, WORLD) for name, over in LAYOUTS.items()}}
 
     return run_forked(WORLD, run_all, tmp_path_factory.mktemp("qlora") / "results.json")
 
@@ -169,3 +257,62 @@ def test_qlora_loss_stays_within_tolerance_of_lora(one_process: dict) -> None:
     assert q != lo  # the base really is quantised
     assert q[-1] < q[0] and lo[-1] < lo[0], (q, lo)
     assert max(abs(a - b) for a, b in zip(q, lo, strict=True)) <= QLORA_VS_LORA_TOL, (q, lo)
+
+
+# The linears each hybrid's first block (Gated DeltaNet) stores in NF4: its projections, then the MLP.
+GDN_NF4 = {
+    "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"],
+    "qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+}
+GDN_NF4["qwen3_5_moe"] = GDN_NF4["qwen3_5"]
+
+
+@pytest.fixture(scope="module")
+def hybrids_one_process(hybrid_dirs: dict) -> dict:
+    return {
+        name: {
+            "qlora": train_hybrid(path, "qlora", 1, []),
+            "lora_dequantised": train_hybrid(path, "lora", 1, [], dequantised=True),
+        }
+        for name, path in hybrid_dirs.items()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HYBRIDS))
+def test_qlora_trains_the_hybrids_adapters_on_an_nf4_base(name: str, hybrids_one_process: dict) -> None:
+    import math
+
+    q, ref = hybrids_one_process[name]["qlora"], hybrids_one_process[name]["lora_dequantised"]
+    report = q["inspect"]
+    assert all(math.isfinite(x) for x in q["loss"]) and q["loss"][-1] < q["loss"][0], q["loss"]
+    # Only the adapters train and hold gradients (the experts' own adapters too, on the MoE hybrids).
+    assert report["trainable"] and all(".lora_" in n for n in report["trainable"]), report["trainable"]
+    assert not report["frozen_with_grad"], report
+    moe = name != "qwen3_5"
+    assert any(".experts.lora_" in n for n in report["trainable"]) == moe
+    # The Gated DeltaNet projections are NF4 (the default targets adapt none of them), and so is every
+    # other frozen block linear of more than one row: the full-attention block's, the MLP's, the router's.
+    nf4 = set(report["nf4"])
+    assert {f"layers.0.attention.{lin}.weight" for lin in GDN_NF4[name]} <= nf4, sorted(nf4)
+    assert {f"layers.1.attention.{lin}.weight" for lin in ("wq", "wk", "wv", "wo")} <= nf4, sorted(nf4)
+    mlp = "feed_forward.shared_experts" if moe else "feed_forward"
+    assert {f"layers.{i}.{mlp}.{w}.weight" for i in (0, 1) for w in ("w1", "w2", "w3")} <= nf4
+    assert ("layers.0.feed_forward.router.gate.weight" in nf4) == moe
+    frozen = report["frozen"]
+    if moe:
+        # The shared expert's one-row gate cannot be cut into FSDP row shards of NF4 blocks: bf16, as the
+        # routed experts (3-D, the compute dtype, as under LoRA) are.
+        assert frozen["layers.0.feed_forward.shared_gate.weight"] == "torch.bfloat16"
+        assert {frozen[f"layers.0.feed_forward.experts.{w}"] for w in ("w1", "w2", "w3")} == {"torch.bfloat16"}
+    # LoRA on the NF4 round trip of the same weights computes what QLoRA computes (measured: bit-identical).
+    assert ref["inspect"]["nf4"] == [] and ref["inspect"]["trainable"] == report["trainable"]
+    assert max(abs(a - b) for a, b in zip(q["loss"], ref["loss"], strict=True)) <= QLORA_VS_LORA_TOL, (q, ref)
+
+
+@pytest.mark.slow
+def test_qlora_hybrid_under_fsdp_matches_one_process(launched: dict, hybrids_one_process: dict) -> None:
+    got, ref = launched["qwen3_next/fsdp"], hybrids_one_process["qwen3_next"]["qlora"]
+    assert sorted(got["inspect"]["nf4"]) == sorted(ref["inspect"]["nf4"])
+    assert got["inspect"]["trainable"] == ref["inspect"]["trainable"]
+    assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"], strict=True)) <= LAYOUT_TOL, (got, ref)

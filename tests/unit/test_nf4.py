@@ -83,3 +83,14 @@ def test_only_frozen_block_linears_are_quantised() -> None:
     model.layers["1"][1].weight.requires_grad_(True)  # a trained linear stays as it is
     names = [n for n, _ in frozen_block_linears(model)]
     assert names == ["layers.0.0", "layers.0.1", "layers.1.0"]
+
+
+def test_a_one_row_gate_stays_in_the_compute_dtype() -> None:
+    """A linear with one output (Qwen3-Next's shared-expert gate) is not quantised: a single row cannot be
+    cut into FSDP row shards of whole NF4 blocks, under any block sizes."""
+    model = Blocks()
+    with torch.device("meta"):
+        model.layers["0"].append(nn.Linear(32, 1, bias=False).requires_grad_(False))
+    names = quantize_frozen_linears(model, BLOCK, SCALER, torch.bfloat16, shards=2)
+    assert "layers.0.2.weight" not in names and len(names) == 4
+    assert not is_nf4(model.layers["0"][2].weight)
