@@ -154,7 +154,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
     from dtlaunch.config.layout import Layout
     from dtlaunch.config.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
-    from dtlaunch.train.loss import cross_entropy, loss_context, pipeline_loss_fn
+    from dtlaunch.train.loss import HeadLoss, cross_entropy, loss_context, pipeline_loss_fn
     from dtlaunch.train.parallel.init_weights import materialize_and_init
     from dtlaunch.train.parallel.mesh import build_mesh, dp_rank_size, sub_mesh
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
@@ -185,7 +185,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
     mb = cfg.training.micro_batch
     if pp_mesh is not None:
         dec = Decisions.of(cfg, layout)
-        pp_loss = pipeline_loss_fn(cross_entropy, dec.pp_microbatches, grad_accum=1)
+        pp_loss = pipeline_loss_fn(HeadLoss(None, chunks=1), dec.pp_microbatches, grad_accum=1)
         plan = build_schedule(parts, pp_mesh, cfg, dec, pp_loss, device)
 
     losses, norms = [], []
