@@ -244,11 +244,12 @@ def rope_cast_bytes(d: BlockDims, e: int, seq: int) -> float:
 
 
 def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
-    """Inside a block's backward: the FFN's (moe / dense), or in a linear block the rule's gradients of its
-    fp32 per-chunk matrices, if larger (the five c-wide matrices and the solve's output, per padded token)."""
+    """Inside a block's backward: the FFN's (moe / dense), or in a linear block the rule's, if larger. The rule's
+    backward holds a chunk-wide gradient and the q / k / v-wide ones per head at once: 4H·(c + dk + dv) per padded
+    position bounds it (one Gated DeltaNet block alone, 8 heads of 32, rows of 256: 3.2 KB per token over what
+    it held, against 4.1 KB for this term; below the FFN's at the published shapes)."""
     ffn = moe.backward_working_bytes(d, e, tp) if d.sparse else dense.backward_working_bytes(d, e, tp)
-    heads = d.n_v / tp
-    rule = e * d.h + d.padded() * 4 * heads * (5 * CHUNK + d.dk + d.dv)
+    rule = d.padded() * 4 * d.n_v / tp * (CHUNK + d.dk + d.dv)
     return d.linear * max(ffn, rule) + (1 - d.linear) * ffn
 
 
