@@ -95,6 +95,15 @@ def test_qwen3_next_blocks_keep_what_the_plan_counts(
     assert measured == pytest.approx(planned, rel=0.02 if mode == "selective" else 1e-12)
 
 
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_qwen3_5_moe_blocks_keep_what_the_plan_counts(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3.5's split projections before the MoE FFN: the experts' matmuls start two later than after the fused."""
+    monkeypatch.setattr(experts, "cpu_grouped_mm_dtypes", lambda: frozenset())
+    overrides = [o.replace("arch=qwen3_next", "arch=qwen3_5_moe") for o in QWEN3_NEXT]
+    measured, planned = _kept_and_planned(overrides, mode, "fp32", 100)
+    assert measured == pytest.approx(planned, rel=0.02 if mode == "selective" else 1e-12)
+
+
 def test_unknown_row_length_counts_many_chunks() -> None:
     """seq 0 (no row length given): whole chunks, the per-chunk terms of a long row."""
     m = load_job(QWEN3_5).cfg.model

@@ -54,7 +54,9 @@ The planner sizes a stage with the mean block: `linear` is the share of Gated De
 as `sparse` is of sparse blocks), `seq` the row length the planner sets (0: a multiple of the chunk).
 Tensor parallel: H, Hk, the attention heads and the FFN widths are one rank's; sequence parallel shards the
 norms as in the dense block. Not measured under TP (its per-rank terms are the one-rank formula on a rank's
-heads).
+heads; the gathered in_proj_qkv / conv1d rows a rank's matmuls keep are per block, not per token, and left out).
+Not measured either: training.compile (the eager terms are used; the budget partitioner scales them as for
+the other families) and LoRA (the generic adapter deltas of dtlaunch.plan.peft apply, from block_linears).
 """
 
 from __future__ import annotations
