@@ -53,8 +53,10 @@ Full AC: the block input.
 The planner sizes a stage with the mean block: `linear` is the share of Gated DeltaNet blocks (of the model,
 as `sparse` is of sparse blocks), `seq` the row length the planner sets (0: a multiple of the chunk).
 Tensor parallel: H, Hk, the attention heads and the FFN widths are one rank's; sequence parallel shards the
-norms as in the dense block. Not measured under TP (its per-rank terms are the one-rank formula on a rank's
-heads; the gathered in_proj_qkv / conv1d rows a rank's matmuls keep are per block, not per token, and left out).
+norms as in the dense block. Measured on 2 gloo ranks (tests/distributed/test_gated_deltanet_tp_activations.py):
+exact without AC (with and without SP), with selective AC without SP and with full AC, but for the rank's gathered
+in_proj_qkv / conv1d rows its matmuls keep (per block, not per token: left out); selective AC under SP keeps
+1.5·e·h per token and block more there (the reduce-scattered outputs the op policy always saves, not counted).
 Not measured either: training.compile (the eager terms are used; the budget partitioner scales them as for
 the other families) and LoRA (the generic adapter deltas of dtlaunch.plan.peft apply, from block_linears).
 """
