@@ -58,7 +58,10 @@ exact without AC (with and without SP), with selective AC without SP and with fu
 in_proj_qkv / conv1d rows its matmuls keep (per block, not per token: left out); selective AC under SP keeps
 1.5·e·h per token and block more there (the reduce-scattered outputs the op policy always saves, not counted).
 Not measured either: training.compile (the eager terms are used; the budget partitioner scales them as for
-the other families) and LoRA (the generic adapter deltas of dtlaunch.plan.peft apply, from block_linears).
+the other families) and LoRA exactly: the generic adapter deltas of dtlaunch.plan.peft apply (from block_linears);
+a frozen Gated DeltaNet block without adapters keeps less than they say (its frozen conv1d, gated-norm gain and
+projections keep no inputs for weight gradients: 4.3 KB per token less on a tiny qwen3_5 in fp32), so the plan is
+over there, not under; a gated full-attention block's delta was exact.
 """
 
 from __future__ import annotations
