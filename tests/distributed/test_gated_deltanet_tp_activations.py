@@ -5,8 +5,9 @@ Gated DeltaNet block (each rank one key head and its two value heads) and one ga
 
 Exact without AC (with sequence parallel and without) but for the rank's gathered in_proj_qkv and conv1d rows,
 which its matmuls keep per block (not per token); exact with selective AC without sequence parallel and with full
-AC. Selective AC under sequence parallel keeps more than the op-level count (the reduce-scattered outputs; as
-the dense family's FSDP_SP_SELECTIVE_HIDDEN_STATES): measured here, bounded."""
+AC. Selective AC under sequence parallel keeps more than the op-level count, 1.5·e·h per token and block, as the
+dense block does on this harness (qwen3: the same gap; the planner corrects it only under FSDP,
+shape.FSDP_SP_SELECTIVE_HIDDEN_STATES): measured here, bounded."""
 
 from __future__ import annotations
 

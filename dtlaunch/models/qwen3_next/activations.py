@@ -56,7 +56,8 @@ Tensor parallel: H, Hk, the attention heads and the FFN widths are one rank's; s
 norms as in the dense block. Measured on 2 gloo ranks (tests/distributed/test_gated_deltanet_tp_activations.py):
 exact without AC (with and without SP), with selective AC without SP and with full AC, but for the rank's gathered
 in_proj_qkv / conv1d rows its matmuls keep (per block, not per token: left out); selective AC under SP keeps
-1.5·e·h per token and block more there (the reduce-scattered outputs the op policy always saves, not counted).
+1.5·e·h per token and block more there, as the dense block does on the same harness (qwen3, same gap: the
+planner corrects it only under FSDP, shape.FSDP_SP_SELECTIVE_HIDDEN_STATES).
 Not measured either: training.compile (the eager terms are used; the budget partitioner scales them as for
 the other families) and LoRA exactly: the generic adapter deltas of dtlaunch.plan.peft apply (from block_linears);
 a frozen Gated DeltaNet block without adapters keeps less than they say (its frozen conv1d, gated-norm gain and
