@@ -104,6 +104,33 @@ def test_qwen3_5_moe_blocks_keep_what_the_plan_counts(mode: str, monkeypatch: py
     assert measured == pytest.approx(planned, rel=0.02 if mode == "selective" else 1e-12)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+@pytest.mark.parametrize("split", [(50, 50), (30, 30, 40), (10,) * 10], ids=["2docs", "3docs", "10docs"])
+def test_packed_documents_keep_what_documents_extra_bytes_says(split: tuple[int, ...], precision: str) -> None:
+    """One Gated DeltaNet block over rows of packed documents against the same rows unpacked: the spread layout's
+    extra bytes exactly (the layout's positions, built once per batch for every block, aside)."""
+    m = load_job([*QWEN3_5, "model.n_layers=1", "model.layer_types=[linear_attention]"]).cfg.model
+    autocast = precision == "autocast"
+
+    def kept(doc_ids) -> int:
+        torch.manual_seed(0)
+        model = model_spec(m).build(m, rope_len=100, device="cpu")
+        model.init_weights(0)
+        counter = StorageCounter()
+        counter.add_existing([*model.parameters(), *model.buffers()])
+        marks: list[int] = []
+        model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(counter.live))
+        model.layers["0"].register_forward_hook(lambda *_: marks.append(counter.live))
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(torch.randint(0, m.vocab_size, (BATCH, 100)), doc_ids=doc_ids)
+        return marks[-1] - marks[0]
+
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(split)])[None].repeat(BATCH, 1)
+    extra = act.documents_extra_bytes(act.BlockDims.of(m), 2 if autocast else 4, split, autocast=autocast)
+    kept(ids)  # the layout (its int64 positions) is built on first use and cached: per batch, not per block
+    assert kept(ids) - kept(None) == pytest.approx(BATCH * extra, abs=1e-6)
+
+
 def test_unknown_row_length_counts_many_chunks() -> None:
     """seq 0 (no row length given): whole chunks, the per-chunk terms of a long row."""
     m = load_job(QWEN3_5).cfg.model

@@ -30,10 +30,11 @@ Per linear block and micro-batch, not per token (left out of these per-token ter
 chunk's triangle mask (c² bools) and exp(A_log) with its negation (8H).
 
 Packed documents (data.document_mask): `_mix_documents` moves each document to a chunk boundary of its own,
-at least K - 1 positions after the previous one, so the rule's per-padded-token terms apply to the spread
-layout's length: up to one more chunk per document (c + K - 1 positions), and the spread mixed / g / beta
-copies. The plan counts the unpacked layout (one document per row), the case without documents; a row of n
-documents may keep up to n - 1 chunks more of the rule's terms (the per-padded-token sum above, times c).
+at least K - 1 positions after the previous one, and runs the convolution, the L2 norms and the rule on that
+spread layout (`spread_length`: up to a chunk more per document), keeping also the spread's sources. The plan
+counts the unpacked layout (one document per row: the case without documents); `documents_extra_bytes` gives
+what a row of given documents keeps more (measured exact): a row of many short documents can keep several
+times the unpacked rule's terms (ten documents of 10 tokens in a row of 100: each its own chunk, 6.4x).
 
 Gated full attention: the dense block's attention (per-head (1 + gain) q/k norms, partial RoPE) plus the output
 gate: q_proj is twice as wide and q_norm keeps a view of all of it (e·q more), the gate's sigmoid output (e·q)
@@ -165,18 +166,48 @@ def rule_bytes_per_padded_token(d: BlockDims, e: int, tp: int = 1, autocast: boo
     return heads * (4 * fp32 + e * low)
 
 
-def linear_mixer_bytes_no_ac(d: BlockDims, e: int, tp: int = 1, autocast: bool = False) -> float:
-    """One Gated DeltaNet mixer's saved bytes per token (its input norm aside)."""
-    heads, _, value, conv, _ = d.widths(tp)
-    fp32 = e == 4 and not autocast
-    z = e * value if fp32 else 4 * value
-    gates = e * heads + 8 * heads
+def _row_mix_bytes(d: BlockDims, e: int, tp: int, autocast: bool) -> float:
+    """Per token of a row of d.seq positions: the convolution, the L2 norms and the rule (the part that runs on
+    the packed-document layout's positions)."""
+    heads, _, _, conv, _ = d.widths(tp)
     window = 1 + (d.kernel - 1) / d.seq if d.seq else 1.0  # the zero-padded conv input, per token
     convolution = e * conv * window + e * conv
     l2 = 2 * (4 * heads * d.dk + 4 * heads)
-    rule = d.padded() * rule_bytes_per_padded_token(d, e, tp, autocast)
+    return convolution + l2 + d.padded() * rule_bytes_per_padded_token(d, e, tp, autocast)
+
+
+def linear_mixer_bytes_no_ac(d: BlockDims, e: int, tp: int = 1, autocast: bool = False) -> float:
+    """One Gated DeltaNet mixer's saved bytes per token (its input norm aside)."""
+    heads, _, value, _, _ = d.widths(tp)
+    fp32 = e == 4 and not autocast
+    z = e * value if fp32 else 4 * value
+    gates = e * heads + 8 * heads
     gated_norm = 4 * value + 4 * heads + e * value + 4 * value + (4 if autocast else e) * value + e * value
-    return z + gates + convolution + l2 + rule + gated_norm
+    return z + gates + _row_mix_bytes(d, e, tp, autocast) + gated_norm
+
+
+def spread_length(lengths: tuple[int, ...], kernel: int) -> int:
+    """Positions of one row's packed documents in gated_deltanet._document_layout: each document from a chunk
+    boundary at least kernel - 1 positions after the previous one ends, the row rounded up to whole chunks."""
+    end = 0
+    for i, n in enumerate(lengths):
+        start = 0 if i == 0 else -(-(end + kernel - 1) // CHUNK) * CHUNK
+        end = start + n
+    return -(-end // CHUNK) * CHUNK
+
+
+def documents_extra_bytes(d: BlockDims, e: int, lengths: tuple[int, ...], tp: int = 1, autocast: bool = False) -> float:
+    """What one Gated DeltaNet block keeps more, without AC, for one row of packed documents (`lengths`) than
+    for the same row unpacked (what the plan counts): the convolution, L2 norms and rule on the spread layout's
+    positions instead of the row's, the spread's sources (the [q | k | v] input, e·C, and g, 4H, per token) and
+    a reset flag per chunk (a bool).
+    The layout's int64 positions (8 bytes per token) are built once per batch for every block (not counted)."""
+    s = sum(lengths)
+    spread = spread_length(lengths, d.kernel)
+    heads, _, _, conv, _ = d.widths(tp)
+    packed = _row_mix_bytes(dataclasses.replace(d, seq=spread), e, tp, autocast) * spread
+    unpacked = _row_mix_bytes(dataclasses.replace(d, seq=s), e, tp, autocast) * s
+    return packed - unpacked + (e * conv + 4 * heads) * s + spread // CHUNK  # and the chunks' reset flags
 
 
 def linear_constant_bytes(d: BlockDims, tp: int = 1) -> float:
