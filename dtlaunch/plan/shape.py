@@ -242,8 +242,10 @@ def stage_shape(
     spec = model_spec(m)
     act = spec.act()
     d = act.BlockDims.of(m)
-    if hasattr(d, "grouped"):
+    if getattr(d, "experts", 0):  # (a hybrid family's dense variant has the MoE fields, no experts)
         d = dataclasses.replace(d, grouped=grouped_gemm(cfg))
+    if hasattr(d, "seq"):  # terms that depend on the row's length (the Gated DeltaNet's chunk padding)
+        d = dataclasses.replace(d, seq=int(t.seq_len) // max(layout.cp, 1))
     if layout.ep > 1 and hasattr(d, "routed_scale"):
         # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
         # balanced share.

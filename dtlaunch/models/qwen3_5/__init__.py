@@ -1,7 +1,8 @@
 """Qwen3.5 dense (Qwen3_5ForCausalLM; the text decoder of Qwen3_5ForConditionalGeneration, e.g. Qwen3.5-9B,
 27B): Qwen3-Next's hybrid decoder (Gated DeltaNet linear attention three blocks in four, gated full
 attention with partial RoPE, (1 + gain) norms) with Qwen3.5's split Gated DeltaNet input projections and a
-dense SwiGLU MLP in every block. The MoE sibling is dtlaunch/models/qwen3_5_moe/. Planned by trace."""
+dense SwiGLU MLP in every block. The MoE sibling is dtlaunch/models/qwen3_5_moe/. Planned in closed form
+(dtlaunch/models/qwen3_next/activations.py)."""
 
 from dtlaunch.models.dense.spec import dense_spec
 from dtlaunch.models.qwen3_5.hf import Qwen3_5HF

@@ -1,7 +1,7 @@
 """Qwen3-Next (Qwen3NextForCausalLM, Qwen3-Next-80B-A3B): the MoE decoder whose blocks mix tokens with Gated
 DeltaNet linear attention (three in four by default) or gated full attention (an output gate from q_proj,
 (1 + gain) q/k norms, partial RoPE), with routed experts plus one shared expert behind a sigmoid gate.
-The planner traces its step (no closed-form activation terms for the linear blocks yet)."""
+The planner counts its activations in closed form (activations.py)."""
 
 from dtlaunch.models.moe.spec import moe_spec
 from dtlaunch.models.qwen3_next.config import Qwen3NextModelConfig
