@@ -1,6 +1,6 @@
 """What every Gated DeltaNet family's registry entry (qwen3_next, qwen3_5, qwen3_5_moe) says alike: its shapes
 (dtlaunch/models/qwen3_next/shapes.py), its tensor-parallel plan (tp_plan.py: the linear blocks split by key
-heads), no ring attention yet, and no closed-form activation terms (the planner traces the step)."""
+heads), context parallel as Ulysses only (no ring attention), and no closed-form activation terms (the planner traces the step)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
         block_linears=linears,
         activations=None,
         ring_attention=False,
-        # No context parallel of the Gated DeltaNet blocks yet, in every hybrid.
+        # Context parallel as Ulysses only (the linear blocks need the whole sequence in order: check.py).
+        ulysses_blocks=True,
         check_layout="dtlaunch.models.qwen3_next.check:check_layout",
         **fields,
     )
