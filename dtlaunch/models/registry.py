@@ -87,6 +87,9 @@ class ModelSpec:
     check_layout: str = ""
     # The attention is the decoder's own, which context parallel swaps for ring attention.
     ring_attention: bool = True
+    # No ring attention, but strategy.cp_style=ulysses: the decoder's own attention and recurrent blocks that
+    # take Ulysses' head exchange (the Gated DeltaNet hybrids: GatedDeltaNet.sequence_exchange).
+    ulysses_blocks: bool = False
     # The attention runs through transformers' attention-function registry (model.arch=hf_auto), where
     # strategy.cp_style=ulysses installs its exchange (ring attention needs the decoder's own).
     hf_attention: bool = False

@@ -309,3 +309,69 @@ def test_state_bytes_counts_the_cache(pair):
     counted = cache.conv.numel() * 4 + cache.recurrent.numel() * 4
     assert state_bytes(OURS, 3, 4) == counted
     assert state_bytes(OURS, 3, 2) == cache.conv.numel() * 2 + cache.recurrent.numel() * 4
+
+
+class _ThreadGroup:
+    """One rank's view of an in-process 'CP group' of threads: all_to_all_single's rows swapped through shared
+    slots (tests only: the exchange's code runs as it is, its collective replaced)."""
+
+    def __init__(self, slots: list, barrier, rank: int) -> None:
+        self.slots, self.barrier, self.rank = slots, barrier, rank
+
+    def all_to_all(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        self.slots[self.rank] = rows
+        self.barrier.wait()
+        out.copy_(torch.stack([self.slots[j][self.rank] for j in range(len(self.slots))]))
+        self.barrier.wait()
+
+
+def test_ulysses_exchange_runs_the_whole_sequence(pair, monkeypatch):
+    """Context parallel as Ulysses (cp=2, two threads in the place of two ranks, each holding its load-balanced
+    chunks; the exchange's code with all_to_all_single swapped through shared slots): every rank's output is
+    the one-process output at its tokens, and the ranks' parameter gradients add up to the one-process
+    gradients (input gradients: each rank's tokens'). 96 tokens: the exchanged
+    sequence crosses the rule's 64-token chunk boundary."""
+    import copy
+    import threading
+
+    import torch.distributed as dist
+
+    from dtlaunch.train.parallel import ulysses
+    from dtlaunch.train.parallel.context_parallel import local_positions
+
+    _, ours = pair
+    cp, s = 2, 96
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, rows, group: group.all_to_all(out, rows))
+    x = _x(2, s, seed=3)
+    weights = torch.randn(2, s, DIM, generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(ours)
+    xr = x.clone().requires_grad_(True)
+    want = ref(xr, COS, SIN)
+    (want * weights).sum().backward()
+
+    slots, barrier = [None] * cp, threading.Barrier(cp, timeout=60)
+    results: dict = {}
+
+    def rank(r: int) -> None:
+        layer = copy.deepcopy(ours)
+        layer.sequence_exchange = ulysses.UlyssesHeads(ulysses.UlyssesExchange(_ThreadGroup(slots, barrier, r), cp), r)
+        keep = torch.from_numpy(local_positions(s, r, cp))
+        xi = x[:, keep].clone().requires_grad_(True)
+        out = layer(xi, COS, SIN)
+        (out * weights[:, keep]).sum().backward()
+        results[r] = (keep, out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()})
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(cp))
+    for keep, out, grad_x, _ in results.values():
+        torch.testing.assert_close(out, want.detach()[:, keep], rtol=0, atol=1e-5)
+        torch.testing.assert_close(grad_x, xr.grad[:, keep], rtol=0, atol=1e-5)
+    for name, p in ref.named_parameters():
+        summed = sum(grads[name] for *_, grads in results.values())
+        # fp32 sums in another order: within 1e-5 of the largest entry (the projections' reach ~600 here)
+        diff, scale = (summed - p.grad).abs().max().item(), p.grad.abs().max().item()
+        assert scale > 0 and diff <= 1e-5 * scale, (name, diff, scale)

@@ -41,6 +41,18 @@ def _stage_peak(job, stage: int) -> float:
             "peft=lora",
             "training.activation_checkpointing=selective",
         ],
+        # Context parallel, both styles: the traced rank holds its load-balanced chunks of every sequence
+        # (seq_len / cp tokens and their positions, as the loader hands them), not the whole sequence; a
+        # sequence long enough for the activations to matter (the whole one: the trace 2x the plan)
+        ["strategy=zero3", "strategy.cp=2", "strategy.dp_shard=1", "launch.nproc_per_node=2", "training.seq_len=1024"],
+        [
+            "training.seq_len=1024",
+            "strategy=zero3",
+            "strategy.cp=2",
+            "strategy.cp_style=ulysses",
+            "strategy.dp_shard=1",
+            "launch.nproc_per_node=2",
+        ],
     ],
 )
 def test_analytic_within_5_percent_of_trace(overrides):

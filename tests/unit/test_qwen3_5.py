@@ -305,6 +305,12 @@ def test_compiled_blocks_run_packed_documents_eagerly_without_recompiling(monkey
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_context_parallel_as_ulysses_is_accepted(multimodal_dirs, family) -> None:
+    cp = ["strategy.cp=2", "strategy.cp_style=ulysses", "launch.nproc_per_node=2"]
+    validate(compose([f"model.init_from=hf:{multimodal_dirs[family]}", "training.seq_len=16", *cp]).cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_document_mask_is_taken(multimodal_dirs, family, tiny_tokenizer, tmp_path) -> None:
     data = documents_data(tmp_path, tiny_tokenizer)
     validate(compose([f"model.init_from=hf:{multimodal_dirs[family]}", "training.seq_len=16", *data]).cfg)
@@ -328,7 +334,14 @@ def test_document_mask_is_taken(multimodal_dirs, family, tiny_tokenizer, tmp_pat
             ],
             r"^precision.float8=tensorwise with strategy.tp=2: model.arch={}'s Gated DeltaNet",
         ),
-        (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: model.arch={}'s .*context parallel yet"),
+        (
+            ["strategy.cp=2", "launch.nproc_per_node=2"],
+            r"^strategy.cp_style=ring with strategy.cp=2: model.arch={}'s .*set strategy.cp_style=ulysses$",
+        ),
+        (
+            ["strategy.cp=2", "strategy.cp_style=ulysses", "strategy.tp=2", "launch.nproc_per_node=4"],
+            r"^strategy.cp=2 does not divide model.linear_num_key_heads=2 \(1 per tensor-parallel rank\): ",
+        ),
         (
             ["peft=lora", "peft.targets=[in_proj_qkv,out_proj]", "strategy=tp", "launch.nproc_per_node=2"],
             r"^peft.targets names in_proj_qkv with strategy.tp=2: model.arch={}'s in_proj_qkv is gathered whole",

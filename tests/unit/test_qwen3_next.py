@@ -142,7 +142,16 @@ _OWN = [
             ["strategy=tp", "launch.nproc_per_node=3"],
             r"^strategy.tp=3 does not divide model.linear_num_key_heads=2 \(model.arch=qwen3_next\)",
         ),
-        (["strategy.cp=2", "launch.nproc_per_node=2"], r"^strategy.cp=2: .*context parallel yet"),
+        (
+            ["strategy.cp=2", "launch.nproc_per_node=2"],
+            r"^strategy.cp_style=ring with strategy.cp=2: model.arch=qwen3_next's .*set strategy.cp_style=ulysses$",
+        ),
+        (
+            _OWN
+            + ["model.linear_num_key_heads=1", "strategy.cp=2", "strategy.cp_style=ulysses"]
+            + ["launch.nproc_per_node=2"],
+            r"^strategy.cp=2 does not divide model.linear_num_key_heads=1: .*use a cp that divides 1$",
+        ),
         (
             ["objective=grpo", "data.kind=synthetic", "objective.max_completion_length=4", "strategy=tp"]
             + ["launch.nproc_per_node=2", "strategy.sequence_parallel=true"],
@@ -155,8 +164,9 @@ _OWN = [
 def test_what_it_cannot_do_is_one_line(tiny_moe_hf_dirs, extra, message) -> None:
     source = [] if extra[: len(_OWN)] == _OWN else [f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}"]
     job = compose([*source, "training.seq_len=16", *extra])
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as err:
         validate(job.cfg)
+    assert "\n" not in str(err.value)
 
 
 def documents_data(tmp_path, tokenizer) -> list[str]:
@@ -170,6 +180,13 @@ def test_document_mask_is_taken(tiny_moe_hf_dirs, tiny_tokenizer, tmp_path) -> N
     """Packed documents reset the Gated DeltaNet blocks (test_packed_documents_are_each_alone)."""
     data = documents_data(tmp_path, tiny_tokenizer)
     validate(compose([f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}", "training.seq_len=16", *data]).cfg)
+
+
+def test_context_parallel_as_ulysses_is_accepted(tiny_moe_hf_dirs) -> None:
+    """cp=2 with strategy.cp_style=ulysses divides the 2 key heads (and the 4 attention heads): validate takes it."""
+    source = f"model.init_from=hf:{tiny_moe_hf_dirs['qwen3_next']}"
+    cp = ["strategy.cp=2", "strategy.cp_style=ulysses", "launch.nproc_per_node=2"]
+    validate(compose([source, "training.seq_len=16", *cp]).cfg)
 
 
 def test_tensor_parallel_over_the_key_heads_is_accepted(tiny_moe_hf_dirs) -> None:

@@ -67,7 +67,7 @@ def check_context_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> No
     if s.cp_style == CpStyle.ulysses:
         check_ulysses(cfg, layout, notes)
     elif not spec.ring_attention:
-        fix = "strategy.cp_style=ulysses" if spec.hf_attention else "strategy.cp=1"
+        fix = "strategy.cp_style=ulysses" if spec.hf_attention or spec.ulysses_blocks else "strategy.cp=1"
         raise ConfigError(
             f"strategy.cp={cp} with ring attention needs a registry decoder's swappable attention: use {fix} "
             f"for model.arch={m.arch}"
@@ -102,7 +102,7 @@ def check_ulysses(cfg: JobConfig, layout: Layout, notes: list[str]) -> None:
 
     m, cp, tp = cfg.model, layout.cp, layout.tp
     spec = model_spec(m)
-    if not (spec.ring_attention or spec.hf_attention):
+    if not (spec.ring_attention or spec.hf_attention or spec.ulysses_blocks):
         raise ConfigError(
             f"strategy.cp_style=ulysses needs a registry decoder or model.arch=hf_auto (a swappable attention), "
             f"not model.arch={m.arch}: use strategy.cp=1"

@@ -1,7 +1,8 @@
 """The Gated DeltaNet hybrids' rules on their model section and layout (qwen3_next, qwen3_5, qwen3_5_moe):
-the dense or MoE decoder's, one kind per block, key heads that divide the value heads, and the layouts their
-Gated DeltaNet blocks have no sharding for yet (context parallel; float8 or LoRA on in_proj_qkv under tensor
-parallel; a GRPO rollout under sequence parallel). Packed documents (data.document_mask) are taken: each
+the dense or MoE decoder's, one kind per block, key heads that divide the value heads, context parallel as
+Ulysses only (cp dividing each tensor-parallel rank's key heads), and the layouts their Gated DeltaNet blocks
+have no sharding for yet (float8 or LoRA on in_proj_qkv under tensor parallel; a GRPO rollout under sequence
+parallel). Packed documents (data.document_mask) are taken: each
 document's convolution and state start from zero (gated_deltanet.py). Each message names the family
 (model.arch)."""
 
@@ -55,16 +56,13 @@ def check_linear_blocks(cfg: JobConfig) -> None:
 
 
 def check_layout(cfg: JobConfig, d: Decisions) -> None:
-    """On the resolved layout (strategy=tp's tp=-1 means every rank): no CP of the linear blocks; under TP
+    """On the resolved layout (strategy=tp's tp=-1 means every rank): CP as Ulysses only; under TP
     (tp_plan.py) no float8 linears, no LoRA on Qwen3.5's in_proj_qkv (gathered, computed in slices; also
     through all-linear), and no GRPO rollout under sequence parallel (its decode steps' fillers)."""
     arch = f"model.arch={cfg.model.arch}"
-    if int(d.layout.cp) > 1:
-        raise ConfigError(
-            f"strategy.cp={int(d.layout.cp)}: {arch}'s Gated DeltaNet blocks are not sharded by context "
-            "parallel yet: set strategy.cp=1 (use fsdp / ep / tp)"
-        )
     tp = int(d.layout.tp)
+    if int(d.layout.cp) > 1:
+        check_context_parallel(cfg, int(d.layout.cp), tp)
     if tp > 1 and cfg.precision.float8 != "none":
         raise ConfigError(
             f"precision.float8={cfg.precision.float8} with strategy.tp={tp}: {arch}'s Gated DeltaNet blocks "
@@ -89,3 +87,25 @@ def check_layout(cfg: JobConfig, d: Decisions) -> None:
                 "tensor-parallel rank and computed in per-head slices, which LoRA has no style for: name the "
                 "linears without it, or set strategy.tp=1"
             )
+
+
+def check_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
+    """strategy.cp > 1: the linear blocks run their recurrence over the whole sequence in order, which Ulysses
+    gives them (key heads / cp of them per rank, their value heads with them: gated_deltanet.py) and ring
+    attention does not; so cp must divide each tensor-parallel rank's key heads. The gated full attention
+    blocks are the dense attention under Ulysses (strategy.check_ulysses: model.n_heads)."""
+    arch = f"model.arch={cfg.model.arch}"
+    style = str(cfg.strategy.cp_style)
+    if style != "ulysses":
+        raise ConfigError(
+            f"strategy.cp_style={style} with strategy.cp={cp}: {arch}'s Gated DeltaNet blocks need the whole "
+            "sequence in order, which only Ulysses gives them: set strategy.cp_style=ulysses"
+        )
+    nk = int(cfg.model.linear_num_key_heads)
+    if (nk // tp) % cp:
+        per_rank = f" ({nk // tp} per tensor-parallel rank)" if tp > 1 else ""
+        raise ConfigError(
+            f"strategy.cp={cp} does not divide model.linear_num_key_heads={nk}{per_rank}: {arch}'s Gated DeltaNet "
+            f"blocks give each context-parallel rank whole key heads and their value heads: use a cp that divides "
+            f"{nk // tp}"
+        )

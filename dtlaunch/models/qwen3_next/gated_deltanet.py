@@ -31,6 +31,13 @@ torch.distributed.
 Tensor parallel (tp_plan.py) gives each rank whole key heads and the value heads they serve: the forward
 takes its head counts from what its projections return, in_proj_qkv and conv1d compute this rank's q, k
 and v channels, and A_log / dt_bias (`head_parameters`) are this rank's value heads' entries.
+
+Context parallel (strategy.cp_style=ulysses) sets `sequence_exchange` (train/parallel/ulysses.py's
+UlyssesHeads): the projections, g and beta run on this rank's tokens of every head; per key head, its
+[q | k | v of its value heads] before the convolution (and its value heads' g, beta) are exchanged for the
+whole sequence, in order, of key heads / cp heads (`_mix_exchanged`): the convolution (those heads'
+channels) and the chunked rule run there, and the reverse exchange brings back this rank's tokens of every
+head for the gated norm and out_proj. The exchange is an object handed in: no collectives here.
 """
 
 from __future__ import annotations
@@ -256,6 +263,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
         # One entry per value head: tensor parallel shards them with the heads (dim 0).
         self.head_parameters: tuple[str, ...] = ("A_log", "dt_bias")
+        # Context parallel's head exchange (strategy.cp_style=ulysses installs it; see the module docstring):
+        # to_heads / to_tokens on (B, heads, tokens, D), `cp` and `rank` (the head group it receives).
+        self.sequence_exchange: Optional[Any] = None
 
     def forward(
         self,
@@ -288,7 +298,12 @@ class GatedDeltaNet(nn.Module):
         a_log, dt_bias = local_tensor(self.A_log), local_tensor(self.dt_bias)
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
         mixed = torch.cat((q, k, v), dim=-1)
-        if docs is not None:
+        exchange = self.sequence_exchange if cache is None else None
+        if exchange is not None:
+            if docs is not None:
+                raise ValueError("Gated DeltaNet under context parallel takes no packed documents")
+            out = self._mix_exchanged(exchange, mixed, widths, g, beta)
+        elif docs is not None:
             out = self._mix_documents(mixed, widths, g, beta, docs)
         else:
             out, state = self._mix(mixed, widths, g, beta, cache)
@@ -320,6 +335,47 @@ class GatedDeltaNet(nn.Module):
         if s == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state)
         return chunk_gated_delta_rule(q, k, v, g, beta, state, resets=resets)
+
+    def _mix_exchanged(
+        self, exchange: Any, mixed: torch.Tensor, widths: tuple[int, int, int], g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        """`_mix` under context parallel: mixed (B, S_local, conv_dim), g and beta (B, S_local, n_v) of this
+        rank's tokens and every head -> the output (B, S_local, n_v, head_v_dim), computed on the whole
+        sequence of key heads / cp heads (the exchange's head group `rank`) and their value heads."""
+        b, s, _ = mixed.shape
+        dk, dv = self.head_k_dim, self.head_v_dim
+        nk = widths[0] // dk
+        r = widths[2] // dv // nk  # value heads per key head
+        cp = int(exchange.cp)
+        if nk % cp:
+            raise ValueError(f"context parallel: {nk} key heads per rank do not divide by strategy.cp={cp}")
+        q, k, v = torch.split(mixed, widths, dim=-1)
+        # Per key head: [q | k | its value heads' v] in the activations' dtype, [g | beta] in fp32 (g's own).
+        packed = torch.cat((q.reshape(b, s, nk, dk), k.reshape(b, s, nk, dk), v.reshape(b, s, nk, r * dv)), dim=-1)
+        side = torch.cat((g.reshape(b, s, nk, r), beta.to(g.dtype).reshape(b, s, nk, r)), dim=-1)
+        packed = exchange.to_heads(packed.transpose(1, 2))  # (B, nk / cp, S, 2 dk + r dv), S in order
+        side = exchange.to_heads(side.transpose(1, 2))
+        n, s_all = packed.shape[1], packed.shape[2]
+        q, k, v = (t.transpose(1, 2).flatten(2) for t in torch.split(packed, (dk, dk, r * dv), dim=-1))
+        g_h, beta_h = (t.transpose(1, 2).flatten(2) for t in torch.split(side, (r, r), dim=-1))
+        # The convolution's channels of this head group: its slice of each of q, k, v.
+        group = int(exchange.rank)
+        kw, vw = n * dk, n * r * dv
+        rows = [(group * kw, kw), (widths[0] + group * kw, kw), (2 * widths[0] + group * vw, vw)]
+        weight = _conv_weight(self.conv1d)
+        weight = torch.cat([weight.narrow(0, a, m) for a, m in rows])
+        h = F.pad(torch.cat((q, k, v), dim=-1).transpose(1, 2), (self.kernel - 1, 0))
+        conv = F.silu(F.conv1d(h.to(weight.dtype), weight, None, groups=weight.shape[0]))
+        q, k, v = torch.split(conv.to(mixed.dtype).transpose(1, 2), (kw, kw, vw), dim=-1)
+        out, _ = chunk_gated_delta_rule(
+            q.reshape(b, s_all, n, dk),
+            k.reshape(b, s_all, n, dk),
+            v.reshape(b, s_all, n * r, dv),
+            g_h,
+            beta_h.to(beta.dtype),
+        )
+        out = exchange.to_tokens(out.reshape(b, s_all, n, r * dv).transpose(1, 2))  # (B, nk, S_local, r dv)
+        return out.transpose(1, 2).reshape(b, s, nk * r, dv)
 
     # Eager under training.compile, as the dense attention over documents: new lengths are not a recompile.
     @torch.compiler.disable
@@ -386,6 +442,13 @@ class GatedDeltaNet(nn.Module):
         # Depthwise over this rank's channels (the module pads nothing: padding 0).
         out = F.silu(self.conv1d(h.to(self.conv1d.weight.dtype)))[:, :, -s:]
         return out.to(dtype).transpose(1, 2)
+
+
+def _conv_weight(conv: nn.Module) -> torch.Tensor:
+    """The depthwise convolution's weight as its forward computes with it: tensor parallel's WholeWeights
+    (dtlaunch.train.parallel.tensor_parallel) gathers this rank's channels (`_tp_weight`)."""
+    rows = getattr(conv, "_tp_weight", None)
+    return rows() if callable(rows) else conv.weight
 
 
 @functools.lru_cache(maxsize=8)

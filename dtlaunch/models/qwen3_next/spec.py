@@ -1,7 +1,7 @@
 """What every Gated DeltaNet family's registry entry (qwen3_next, qwen3_5, qwen3_5_moe) says alike: its shapes
 (dtlaunch/models/qwen3_next/shapes.py), its tensor-parallel plan (tp_plan.py: the linear blocks split by key
-heads), no ring attention yet, and its closed-form activation terms (activations.py: the Gated DeltaNet and the gated
-full-attention blocks, with the dense or MoE FFN)."""
+heads), context parallel as Ulysses only (no ring attention), and its closed-form activation terms (activations.py:
+the Gated DeltaNet and the gated full-attention blocks, with the dense or MoE FFN)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
         block_linears=linears,
         activations="dtlaunch.models.qwen3_next.activations",
         ring_attention=False,
-        # No context parallel of the Gated DeltaNet blocks yet, in every hybrid.
+        # Context parallel as Ulysses only (the linear blocks need the whole sequence in order: check.py).
+        ulysses_blocks=True,
         check_layout="dtlaunch.models.qwen3_next.check:check_layout",
         **fields,
     )

@@ -6,7 +6,8 @@ data but allocate what a real rank allocates), on real CPU tensors when the run 
 under FakeTensorMode (shapes and dtypes, no storage). The build is the worker's own runtime object
 (dtlaunch.train.runtime.build_runtime: the model on meta, `parallelize` (TP -> AC -> FSDP/DDP) or the
 pipeline stage split, the optimizer, the schedules; weights allocated without values under fake tensors);
-then `steps` runs of the worker's own `train_step` (dtlaunch.train.step) on random tokens, without its
+then `steps` runs of the worker's own `train_step` (dtlaunch.train.step) on random tokens (under context
+parallel, this rank's chunks of each sequence and their positions, as the loader cuts them), without its
 host-side read of the gradient norm (a fake tensor has no value) and without fp16 loss scaling (its
 overflow check reads the host too; its state is a few scalars). The first step runs untracked (it creates the optimizer state); of each step's accumulation micro-steps
 only the first and the last run (`traced_micro_steps`). On real tensors torch's MemTracker gives the
@@ -50,7 +51,7 @@ from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.loss import cross_entropy
 from dtlaunch.train.observe.memtrack import StorageCounter, state_tensors
 from dtlaunch.train.optim import build_optimizer
-from dtlaunch.train.parallel.mesh import build_mesh, expert_meshes
+from dtlaunch.train.parallel.mesh import build_mesh, cp_rank_size, expert_meshes
 from dtlaunch.train.parallel.parallelize import compute_context, parallelize
 from dtlaunch.train.parallel.pipeline import build_stage_modules, set_fsdp_sync
 from dtlaunch.train.parallel.process_group import DistEnv
@@ -120,7 +121,7 @@ def _trace(cfg: JobConfig, layout: Layout, mesh: Any, rank: int, steps: int) -> 
     parts, optimizers = rt.model_parts, rt.optimizers
     for part in parts:
         _local_ddp_hook(part)
-    batches = RandomBatches(cfg, rt.decisions.rows_per_sample)
+    batches = RandomBatches(cfg, rt.decisions.rows_per_sample, *cp_rank_size(rt.mesh))
     # The first step runs untracked. It creates the optimizer state (later steps hold the same state, so
     # their peak is the run's), and it fills DTensor's sharding-propagation cache: on a cache miss that
     # propagation runs ops on full, unsharded shapes under the active fake mode, which the tracker would
@@ -351,11 +352,18 @@ def traced_micro_steps(accum: int, warmup: bool = False) -> list[int]:
 class RandomBatches:
     """Random token micro-batches of the configured shape: what the trace feeds `train_step`."""
 
-    def __init__(self, cfg: JobConfig, rows_per_sample: int) -> None:
+    def __init__(self, cfg: JobConfig, rows_per_sample: int, cp_rank: int = 0, cp: int = 1) -> None:
         t = cfg.training
         # Preference objectives: a sample is a pair, two rows (and precomputed reference log-probs).
         rows = int(t.micro_batch) * rows_per_sample
-        self.shape = (rows, int(t.seq_len) + 1)
+        # Context parallel: this rank's load-balanced chunks of every sequence and their true positions, as
+        # the worker's loader hands them (dtlaunch.train.data; context_parallel.local_positions).
+        self.shape = (rows, int(t.seq_len) // cp + 1)
+        self.model_args: dict = {}
+        if cp > 1:
+            c = int(t.seq_len) // (2 * cp)
+            head, tail = cp_rank * c, (2 * cp - 1 - cp_rank) * c
+            self.model_args["positions"] = torch.cat((torch.arange(head, head + c), torch.arange(tail, tail + c)))
         self.vocab = int(cfg.model.vocab_size)
         self.ref_logps = torch.zeros(rows)
         self.labels: Optional[torch.Tensor] = None
@@ -371,7 +379,12 @@ class RandomBatches:
     def next_batch(self) -> MicroBatch:
         tokens = torch.randint(0, self.vocab, self.shape)
         return MicroBatch(
-            tokens[:, :-1], tokens[:, 1:], ref_logps=self.ref_logps, labels=self.labels, rollout=self.rollout
+            tokens[:, :-1],
+            tokens[:, 1:],
+            model_args=self.model_args,
+            ref_logps=self.ref_logps,
+            labels=self.labels,
+            rollout=self.rollout,
         )
 
 

@@ -16,6 +16,11 @@ Heads: each rank's query heads (per tensor-parallel rank) must divide by cp (val
 they are when cp divides them; otherwise (grouped-query attention with fewer K/V heads than CP ranks)
 each is repeated up to config.layout.ulysses_kv_heads, so every rank receives the K/V heads its query
 heads read (query head i keeps reading K/V head i // group).
+
+Recurrent blocks (the Gated DeltaNet of qwen3_next, qwen3_5, qwen3_5_moe) need the whole sequence in order
+too, and their heads are independent as well: `apply_ulysses` hands each such module (a
+`sequence_exchange` attribute) a `UlyssesHeads`, with which it trades this rank's tokens of every key head
+for the whole sequence of key heads / cp (their value heads with them) around its convolution and rule.
 """
 
 from __future__ import annotations
@@ -77,6 +82,27 @@ class UlyssesExchange:
         return self.to_heads(q), self.to_heads(k), self.to_heads(v)
 
 
+class UlyssesHeads:
+    """The exchange a recurrent block calls itself (GatedDeltaNet.sequence_exchange): to_heads / to_tokens
+    as UlyssesExchange's on (B, heads, tokens, D); `rank` is the head group this rank receives (its rank in
+    the CP group) and `cp` the group's size."""
+
+    def __init__(self, exchange: UlyssesExchange, rank: int) -> None:
+        self.exchange, self.cp, self.rank = exchange, exchange.cp, rank
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        if t.shape[2] % 2:
+            raise ConfigError(f"context parallel: {t.shape[2]} local tokens cannot form two equal chunks")
+        if t.shape[1] % self.cp:
+            raise ConfigError(
+                f"strategy.cp_style=ulysses: {t.shape[1]} key heads per rank do not divide by strategy.cp={self.cp}"
+            )
+        return self.exchange.to_heads(t)
+
+    def to_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        return self.exchange.to_tokens(t)
+
+
 def _check_local(q: torch.Tensor, cp: int) -> None:
     if q.shape[2] % 2:
         raise ConfigError(f"context parallel: {q.shape[2]} local tokens cannot form two equal chunks")
@@ -131,12 +157,16 @@ def hf_attention(exchange: UlyssesExchange) -> Callable:
 
 def apply_ulysses(model: nn.Module, cp_mesh: Any) -> None:
     """Route every attention of `model` through Ulysses' exchange (model code stays unaware): the registry
-    decoders' pluggable attention_fn, or transformers' attention implementation for its models."""
+    decoders' pluggable attention_fn, or transformers' attention implementation for its models; and hand
+    the recurrent blocks that take one (`sequence_exchange`: the Gated DeltaNet) the head exchange."""
     exchange = UlyssesExchange(cp_mesh.get_group(), cp_mesh.size())
     swapped = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):
             module.attention_fn = UlyssesAttention(exchange)
+            swapped += 1
+        if hasattr(module, "sequence_exchange"):
+            module.sequence_exchange = UlyssesHeads(exchange, cp_mesh.get_local_rank())
             swapped += 1
     if swapped:
         return
