@@ -306,7 +306,12 @@ def report_lines(
         lines.append(f"{layer}: {len(durations)} tests, {_minutes(sum(durations.values()))} summed; slowest:")
         lines += [f"  {seconds:7.1f} s  {nodeid}" for nodeid, seconds in top]
     lines.append(f"this session ({key}): {_minutes(wall)} wall" + (" (partial: not stored)" if partial else ""))
-    sessions = data.get("sessions", {})
+    stored = data.get("sessions", {})
+    # A stored session that ended before this one began is an earlier run's (`make test`'s other session is
+    # still running, or was not run): named, not added to this run's wall time.
+    began = float(stored.get(key, {}).get("began_epoch", 0))
+    sessions = {k: s for k, s in stored.items() if float(s.get("ended_epoch", began)) >= began}
+    earlier = sorted(set(stored) - set(sessions))
     if sessions:
         total = sessions_wall(sessions)
         parts = ", ".join(f"{k} {_minutes(float(s.get('wall_s', 0)))}" for k, s in sorted(sessions.items()))
@@ -314,6 +319,7 @@ def report_lines(
         lines.append(
             f"stored sessions: {parts}; {_minutes(total)} of wall time (sessions run side by side counted once), "
             f"{verdict} the {_minutes(GOAL_S)} goal"
+            + (f"; not counted, from an earlier run: {', '.join(earlier)}" if earlier else "")
         )
     try:
         late = over_budget({k: v for d in ran.values() for k, v in d.items()}, root)
