@@ -7,7 +7,13 @@ Exact without AC (with sequence parallel and without) but for the rank's gathere
 which its matmuls keep per block (not per token); exact with selective AC without sequence parallel and with full
 AC. Selective AC under sequence parallel keeps more than the op-level count, 1.5·e·h per token and block, as the
 dense block does on this harness (qwen3: the same gap; the planner corrects it only under FSDP,
-shape.FSDP_SP_SELECTIVE_HIDDEN_STATES): measured here, bounded."""
+shape.FSDP_SP_SELECTIVE_HIDDEN_STATES): measured here, bounded.
+
+The same 2 ranks (the same forked group: one process start) under Ulysses context parallel, cp=2 (tp=1): each
+rank runs its half of rows of 96, 136 and 200 tokens, its linear block's convolution and chunked rule on the
+whole row (padded to 128, 192, 256: the chunk boundary falls elsewhere than in the rank's own tokens) for one
+key head and its two value heads. Exact without AC (but for the head group's conv1d rows, per block), with
+selective and with full AC."""
 
 from __future__ import annotations
 
