@@ -13,7 +13,8 @@ The same 2 ranks (the same forked group: one process start) under Ulysses contex
 rank runs its half of rows of 96, 136 and 200 tokens, its linear block's convolution and chunked rule on the
 whole row (padded to 128, 192, 256: the chunk boundary falls elsewhere than in the rank's own tokens) for one
 key head and its two value heads. Exact without AC (but for the head group's conv1d rows, per block) and with
-full AC; with selective AC exact in most runs, once seen e·h per token and block over (bounded by that)."""
+full AC; with selective AC exact in most runs (a few, before the mark waited for gloo, caught a q-sized exchange's
+buffers: bounded by that)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ CP_CASES = [(96, "none"), (136, "none"), (200, "none"), (96, "full"), (200, "ful
 CP_CASES += [(96, "selective"), (200, "selective")]
 
 
+def _settled(counter) -> int:
+    """Live bytes once gloo's worker threads have let go of the last all-to-all's buffers (they drop them a moment
+    after the call returns)."""
+    import time
+
+    time.sleep(0.05)
+    return counter.live
+
+
 def _kept_cp(seq: int, mode: str) -> dict:
     """What a rank keeps under Ulysses cp=2 (its local tokens through both blocks) against the terms at cp=2."""
     import torch
@@ -61,7 +71,7 @@ def _kept_cp(seq: int, mode: str) -> dict:
     counter.add_existing([*model.parameters(), *model.buffers()])
     marks: list[int] = []
     model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(counter.live))
-    model.layers["1"].register_forward_hook(lambda *_: marks.append(counter.live))
+    model.layers["1"].register_forward_hook(lambda *_: marks.append(_settled(counter)))
     local = seq // 2
     with counter:
         model(torch.randint(0, int(cfg.model.vocab_size), (2, local)))
@@ -131,8 +141,9 @@ def test_ulysses_context_parallel_ranks_keep_what_the_plan_counts(kept) -> None:
     for (seq, mode), r in zip(CP_CASES, kept["cp"].values(), strict=True):
         assert r["exchanges"] == ["UlyssesHeads"], r
         if mode == "selective":
-            # Exact in most runs; once in about six (the 200-token row, when written) a rank kept one e·h per
-            # token and block more (102,400 bytes), cause not found: bounded by that.
+            # Exact in most runs; in a few (on a loaded machine, before _settled) a rank kept 102,400 bytes more at
+            # the 200-token row: one q-sized exchange's send and receive buffers (2·e·q per attention token, still
+            # held by gloo at the mark, not saved for backward). Bounded by that.
             extra = (r["measured"] - r["planned"]) / r["tokens_blocks"]
             assert 0 <= extra <= 4 * 64, (seq, mode, r)
             continue

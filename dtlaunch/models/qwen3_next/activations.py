@@ -71,8 +71,9 @@ comes back from the exchange (e·q: without CP a view of SDPA's saved output). I
 (`ulysses_block_exchange_bytes`, plan/cp_terms.py) mirror the attention's (plan/ulysses_terms.py). Measured on 2
 gloo ranks at cp=2 (tests/distributed/test_gated_deltanet_tp_activations.py, rows of 96, 136 and 200: the rank's
 48 / 68 / 100 tokens, the rule on 128 / 192 / 256 positions): exact without AC (but for those conv1d rows and the
-per-block constants) and with full AC, in fp32; with selective AC exact in most runs (once seen e·h per token and
-block more, cause not found); bf16 / autocast and TP x CP not measured.
+per-block constants) and with full AC, in fp32; with selective AC exact in most runs (a few caught one q-sized exchange's
+send and receive buffers, 2·e·q per attention token, that gloo still held at the mark); bf16 / autocast and
+TP x CP not measured.
 Not measured either: training.compile (the eager terms are used; the budget partitioner scales them as for
 the other families) and LoRA exactly: the generic adapter deltas of dtlaunch.plan.peft apply (from block_linears);
 a frozen Gated DeltaNet block without adapters keeps less than they say (its frozen conv1d, gated-norm gain and
