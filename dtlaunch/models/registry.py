@@ -90,6 +90,9 @@ class ModelSpec:
     # No ring attention, but strategy.cp_style=ulysses: the decoder's own attention and recurrent blocks that
     # take Ulysses' head exchange (the Gated DeltaNet hybrids: GatedDeltaNet.sequence_exchange).
     ulysses_blocks: bool = False
+    # (model section, cp, tp) -> whether those blocks split over cp Ulysses ranks at that tensor-parallel degree
+    # (the rule the family's check_layout enforces; the plan search offers only those degrees). None: any.
+    ulysses_degree_ok: Optional[Callable[[Any, int, int], bool]] = None
     # The attention runs through transformers' attention-function registry (model.arch=hf_auto), where
     # strategy.cp_style=ulysses installs its exchange (ring attention needs the decoder's own).
     hf_attention: bool = False

@@ -196,19 +196,39 @@ def _ep_degrees(m: Any, shard: int, zero: int, cp: int, tp: int = 1) -> list[int
     return [d for d in _divisors(shard) if experts % d == 0]
 
 
+def _ulysses_blocks(cfg: JobConfig) -> bool:
+    """A family whose blocks take Ulysses' head exchange (registry `ulysses_blocks`: the Gated DeltaNet hybrids),
+    planned with strategy.cp_style=ulysses."""
+    return model_spec(cfg.model).ulysses_blocks and cfg.strategy.cp_style == CpStyle.ulysses
+
+
+def _cp_tp_ok(cfg: JobConfig, cp: int, tp: int) -> bool:
+    """cp context-parallel ranks at tensor-parallel degree tp: for Ulysses blocks, the family's rule
+    (registry `ulysses_degree_ok`, the one its check_layout enforces)."""
+    rule = model_spec(cfg.model).ulysses_degree_ok
+    return cp == 1 or not _ulysses_blocks(cfg) or rule is None or rule(cfg.model, cp, tp)
+
+
 def cp_degrees(cfg: JobConfig) -> list[int]:
     """Context-parallel degrees worth searching: those that split the sequence into 2·cp chunks on a
-    registry decoder; CP inside a node (its K/V exchange runs every block)."""
+    registry decoder (or, under strategy.cp_style=ulysses, a family with Ulysses blocks whose rule some
+    tensor-parallel degree meets); CP inside a node (its K/V exchange runs every block)."""
     m, t = cfg.model, cfg.training
     world = Layout.resolve(cfg.strategy, _world(cfg)).world
     per_node = int(cfg.hardware.gpus_per_node) or world
-    if not model_spec(m).ring_attention or getattr(cfg.data, "document_mask", False):
+    if not (model_spec(m).ring_attention or _ulysses_blocks(cfg)) or getattr(cfg.data, "document_mask", False):
         return [1]
     window = getattr(m, "sliding_window", None)
     return [
         cp
         for cp in _divisors(world)
-        if cp == 1 or (cp <= per_node and t.seq_len % (2 * cp) == 0 and (window is None or window >= t.seq_len))
+        if cp == 1
+        or (
+            cp <= per_node
+            and t.seq_len % (2 * cp) == 0
+            and (window is None or window >= t.seq_len)
+            and any(_cp_tp_ok(cfg, cp, tp) for tp in _divisors(world // cp))
+        )
     ]
 
 
@@ -223,7 +243,7 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     kto = cfg.objective.name == ObjectiveName.kto
     out = []
     for tp in _divisors(world // cp):
-        if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp):
+        if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp) or not _cp_tp_ok(cfg, cp, tp):
             continue
         for pp in _divisors(world // (tp * cp)):
             if pp > m.n_layers or (pp > 1 and cp > 1):

@@ -246,6 +246,8 @@ def stage_shape(
         d = dataclasses.replace(d, grouped=grouped_gemm(cfg))
     if hasattr(d, "seq"):  # terms that depend on the row's length (the Gated DeltaNet's chunk padding)
         d = dataclasses.replace(d, seq=int(t.seq_len) // max(layout.cp, 1))
+    if hasattr(d, "cp"):  # blocks that run on the whole row under Ulysses CP (the Gated DeltaNet's rule)
+        d = dataclasses.replace(d, cp=max(layout.cp, 1))
     if layout.ep > 1 and hasattr(d, "routed_scale"):
         # Expert parallel: a rank computes the copies routed to its experts, the busiest rank more than the
         # balanced share.
@@ -279,9 +281,10 @@ def stage_shape(
     mix = act.ac_mix(t, ids)
     compiled = bool(t.compile)
     by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, residual32, compiled) for k in mix}
-    if cp > 1 and fused_optimizer(cfg.hardware) and "none" in by_kind:
-        # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA,
-        # which then keeps the repeated copies for backward instead of the grouped ones.
+    if cp > 1 and fused_optimizer(cfg.hardware) and "none" in by_kind and not spec.ulysses_blocks:
+        # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA, which
+        # then keeps the repeated copies for backward instead of the grouped ones (not for the families
+        # whose blocks run Ulysses only: its grouped SDPA).
         by_kind["none"] += e * 2 * (d.qw - d.k) / tp
     lora = str(cfg.peft.method) != "none"
     if lora and sp and "selective" in by_kind and LORA_SELECTIVE_COUNTED_WITHOUT_SP:

@@ -7,7 +7,14 @@ Exact without AC (with sequence parallel and without) but for the rank's gathere
 which its matmuls keep per block (not per token); exact with selective AC without sequence parallel and with full
 AC. Selective AC under sequence parallel keeps more than the op-level count, 1.5·e·h per token and block, as the
 dense block does on this harness (qwen3: the same gap; the planner corrects it only under FSDP,
-shape.FSDP_SP_SELECTIVE_HIDDEN_STATES): measured here, bounded."""
+shape.FSDP_SP_SELECTIVE_HIDDEN_STATES): measured here, bounded.
+
+The same 2 ranks (the same forked group: one process start) under Ulysses context parallel, cp=2 (tp=1): each
+rank runs its half of rows of 96, 136 and 200 tokens, its linear block's convolution and chunked rule on the
+whole row (padded to 128, 192, 256: the chunk boundary falls elsewhere than in the rank's own tokens) for one
+key head and its two value heads. Exact without AC (but for the head group's conv1d rows, per block) and with
+full AC; with selective AC exact in most runs (a few, before the mark waited for gloo, caught a q-sized exchange's
+buffers: bounded by that)."""
 
 from __future__ import annotations
 
@@ -26,6 +33,63 @@ BASE += ["training.micro_batch=2", "training.global_batch=2", "strategy=tp", "la
 SEQ = 100
 # (sequence parallel, activation checkpointing)
 CASES = [("false", "none"), ("true", "none"), ("false", "selective"), ("true", "selective"), ("true", "full")]
+# Ulysses context parallel over the same 2 ranks (tp=1): (row length, activation checkpointing). Each rank holds
+# half the row (48 / 68 / 100 tokens); the linear block's rule runs on the whole row (padded to 128 / 192 / 256:
+# two, three, four chunks where the rank's tokens alone would make one, two, two) for one of the two key heads
+# and its two value heads.
+CP = ["strategy.tp=1", "strategy.cp=2", "strategy.cp_style=ulysses", "strategy.dp_shard=1"]
+CP_CASES = [(96, "none"), (136, "none"), (200, "none"), (96, "full"), (200, "full")]
+CP_CASES += [(96, "selective"), (200, "selective")]
+
+
+def _settled(counter) -> int:
+    """Live bytes once gloo's worker threads have let go of the last all-to-all's buffers (they drop them a moment
+    after the call returns)."""
+    import time
+
+    time.sleep(0.05)
+    return counter.live
+
+
+def _kept_cp(seq: int, mode: str) -> dict:
+    """What a rank keeps under Ulysses cp=2 (its local tokens through both blocks) against the terms at cp=2."""
+    import torch
+    import torch.distributed as dist
+
+    from dtlaunch.config.compose import compose
+    from dtlaunch.models.qwen3_next import activations as act
+    from dtlaunch.train.observe.memtrack import StorageCounter
+    from dtlaunch.train.parallel.process_group import DistEnv
+    from dtlaunch.train.runtime import build_runtime
+
+    overrides = [f"training.seq_len={seq}", f"training.activation_checkpointing={mode}", *CP]
+    cfg = compose([*BASE, *overrides]).cfg
+    env = DistEnv(rank=dist.get_rank(), world=2, local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
+    model = build_runtime(cfg, env).model_parts[0]
+    model = getattr(model, "module", model)  # DDP over the CP ranks
+    exchanges = [type(m.sequence_exchange).__name__ for m in model.modules() if hasattr(m, "sequence_exchange")]
+    counter = StorageCounter()
+    counter.add_existing([*model.parameters(), *model.buffers()])
+    marks: list[int] = []
+    model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(counter.live))
+    model.layers["1"].register_forward_hook(lambda *_: marks.append(_settled(counter)))
+    local = seq // 2
+    with counter:
+        model(torch.randint(0, int(cfg.model.vocab_size), (2, local)))
+    # As plan/shape.py sets them: the rank's share of the row and the CP degree.
+    d = dataclasses.replace(act.BlockDims.of(cfg.model), seq=local, cp=2)
+    planned = act.block_bytes(d, 4, mode, tp=1) * 2 * local * 2
+    # Per block, not per token: the chunk's mask and exp(A_log) (none), and the rank's head group's conv1d rows
+    # (C/2 x K, fp32) that _mix_exchanged gathers for its convolution, which keeps them (none; recomputed under AC).
+    _, _, _, conv, _ = d.widths(2)
+    if mode == "none":
+        planned += act.linear_constant_bytes(d) + 4 * conv * d.kernel
+    return {
+        "measured": marks[-1] - marks[0],
+        "planned": planned,
+        "tokens_blocks": 2 * local * 2,
+        "exchanges": exchanges,
+    }
 
 
 def _kept(sp: str, mode: str) -> dict:
@@ -70,8 +134,32 @@ def _kept(sp: str, mode: str) -> dict:
     return {"measured": marks[-1] - marks[0], "planned": planned + gathered, "tokens_blocks": 2 * SEQ * 2, "h": d.h}
 
 
-def test_tensor_parallel_ranks_keep_what_the_plan_counts(tmp_path) -> None:
-    results = run_forked(2, lambda: {f"{sp}-{mode}": _kept(sp, mode) for sp, mode in CASES}, tmp_path / "out.json")
+def _all() -> dict:
+    tp = {f"{sp}-{mode}": _kept(sp, mode) for sp, mode in CASES}
+    return {"tp": tp, "cp": {f"{seq}-{mode}": _kept_cp(seq, mode) for seq, mode in CP_CASES}}
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory) -> dict:
+    """Both groups of cases in one forked group of 2 (one process start)."""
+    return run_forked(2, _all, tmp_path_factory.mktemp("gated_deltanet_activations") / "out.json")
+
+
+def test_ulysses_context_parallel_ranks_keep_what_the_plan_counts(kept) -> None:
+    for (seq, mode), r in zip(CP_CASES, kept["cp"].values(), strict=True):
+        assert r["exchanges"] == ["UlyssesHeads"], r
+        if mode == "selective":
+            # Exact in most runs; in a few (on a loaded machine, before _settled) a rank kept 102,400 bytes more at
+            # the 200-token row: one q-sized exchange's send and receive buffers (2·e·q per attention token, still
+            # held by gloo at the mark, not saved for backward). Bounded by that.
+            extra = (r["measured"] - r["planned"]) / r["tokens_blocks"]
+            assert 0 <= extra <= 4 * 64, (seq, mode, r)
+            continue
+        assert r["measured"] == r["planned"], (seq, mode, r)
+
+
+def test_tensor_parallel_ranks_keep_what_the_plan_counts(kept) -> None:
+    results = kept["tp"]
     for (sp, mode), r in zip(CASES, results.values(), strict=True):
         if sp == "true" and mode == "selective":
             # Measured when written: 1.5·e·h per token and block more than the op-level count.

@@ -31,3 +31,28 @@ def test_a_rule_the_search_does_not_know_still_removes_its_rows(monkeypatch) -> 
     monkeypatch.setattr(validate_module, "SIMPLE_RULES", [*validate_module.SIMPLE_RULES, no_pipeline])
     rows = search(cfg, top=10)
     assert len(rows) == 10 and all(r["pp"] == 1 for r in rows)
+
+
+def test_ulysses_hybrid_offers_the_cp_degrees_its_key_heads_take() -> None:
+    """A Gated DeltaNet hybrid has no ring attention; under strategy.cp_style=ulysses the search offers the CP
+    degrees (and the tensor-parallel degrees beside each) whose ranks get whole key heads: the rule validate
+    enforces (qwen3_next/check.py, registry `ulysses_degree_ok`). 4 key heads on 8 ranks: cp 2 with tp 1 or 2,
+    cp 4 with tp 1 only, never cp 8."""
+    from dtlaunch.models.qwen3_next.check import cp_divides_key_heads
+    from dtlaunch.models.registry import model_spec
+    from dtlaunch.plan.search import candidates, cp_degrees
+
+    base = ["model=tiny", "model.arch=qwen3_5", "model.qk_norm=true", "model.linear_num_key_heads=4"]
+    base += ["model.linear_num_value_heads=8", "launch.nproc_per_node=8", "training.seq_len=256"]
+    cfg = load_job([*base, "strategy.cp_style=ulysses"]).cfg
+    assert model_spec(cfg.model).ulysses_degree_ok is cp_divides_key_heads
+    assert cp_degrees(cfg) == [1, 2, 4]
+    assert {lay.tp for lay, _, _ in candidates(cfg, 2)} == {1, 2}
+    assert {lay.tp for lay, _, _ in candidates(cfg, 4)} == {1}
+    assert cp_degrees(load_job([*base, "strategy.cp_style=ring"]).cfg) == [1]  # validate refuses ring CP for it
+    try:
+        load_job([*base, "strategy.cp_style=ulysses", "strategy.cp=4", "strategy.tp=2", "strategy.dp_shard=1"])
+    except ConfigError as err:
+        assert "linear_num_key_heads" in str(err), err
+    else:
+        raise AssertionError("validate took cp=4 over 2 key heads per tensor-parallel rank")

@@ -151,6 +151,35 @@ def test_tensor_parallel_divides_the_heads() -> None:
     assert act.linear_mixer_bytes_no_ac(d, 2, tp=2) == act.linear_mixer_bytes_no_ac(half, 2)
 
 
+def test_ulysses_context_parallel_plans_the_rule_on_the_whole_row() -> None:
+    """Under Ulysses cp=2 the stage's shape gives the rank's share of the row (48 of 96) and cp; the linear block's
+    convolution, L2 norms and rule are the whole row's (two chunks, where the rank's 48 tokens alone make one) on
+    half the heads, per rank token; the projections' and gates' terms are the rank's tokens' with every head; and
+    the exchange's transients (cp_terms) are the larger of the linear block's and the attention's. Measured on
+    2 ranks: tests/distributed/test_gated_deltanet_tp_activations.py."""
+    from dtlaunch.plan.cp_terms import backward_exchange_bytes, forward_exchange_bytes
+    from dtlaunch.plan.shape import stage_shape
+    from dtlaunch.plan.ulysses_terms import forward_exchange_bytes as attention_exchange
+
+    cp2 = ["strategy.cp=2", "strategy.cp_style=ulysses", "strategy.dp_shard=1", "launch.nproc_per_node=2"]
+    job = load_job([*QWEN3_5, "hardware=cpu", "training.seq_len=96", *cp2])
+    c = stage_shape(job.cfg, job.layout, 0, 2, True, True)
+    d = c.block_dims
+    assert (d.seq, d.cp) == (48, 2)
+    whole = dataclasses.replace(d, seq=96, cp=1)
+    half = dataclasses.replace(whole, n_k=d.n_k // 2, n_v=d.n_v // 2)
+    no_cp = dataclasses.replace(d, cp=1)
+    for e, autocast in ((4, False), (2, True)):
+        mix = act.linear_mixer_bytes_no_ac(d, e, autocast=autocast)
+        # The part on the rank's tokens (z, the gates, the gated norm) is the same with or without CP.
+        outside = act.linear_mixer_bytes_no_ac(no_cp, e, autocast=autocast) - act._row_mix_bytes(no_cp, e, 1, autocast)
+        assert mix == pytest.approx(outside + 2 * act._row_mix_bytes(half, e, 1, autocast))
+    heads, _, _, conv, _ = d.widths()
+    linear = 2 * (4 * conv + 8 * heads) * c.tokens
+    assert forward_exchange_bytes(c) == max(linear, attention_exchange(d, 4, 1, 2, c.tokens))
+    assert backward_exchange_bytes(c) >= 3 * (4 * conv + 8 * heads) * c.tokens
+
+
 # Decoders whose activations dominate their peak (4 blocks, 8 Gated DeltaNet heads of 32, rows of 256).
 PLANNED = ["model=tiny", "model.qk_norm=true", "model.n_layers=4", "model.dim=256", "model.linear_num_value_heads=8"]
 PLANNED += ["model.linear_num_key_heads=4", "model.linear_key_head_dim=32", "model.linear_value_head_dim=32"]

@@ -59,6 +59,21 @@ exact without AC (with and without SP), with selective AC without SP and with fu
 in_proj_qkv / conv1d rows its matmuls keep (per block, not per token: left out); selective AC under SP keeps
 1.5·e·h per token and block more there, as the dense block does on the same harness (qwen3, same gap: the
 planner corrects it only under FSDP, shape.FSDP_SP_SELECTIVE_HIDDEN_STATES).
+Ulysses context parallel (strategy.cp_style=ulysses; `cp` > 1, `seq` the rank's share of the row: plan/shape.py):
+the projections, gates, gated norm and out_proj run on the rank's tokens with its tp share of the heads, as
+above; the convolution, the L2 norms and the chunked rule on the whole row (cp·seq positions, padded to whole
+chunks of it) for key heads / (tp·cp) and their value heads (gated_deltanet._mix_exchanged): the same terms for
+the whole row's length and 1/cp of the heads, cp whole-row positions per rank token (`whole_row`). The exchange
+keeps nothing per token (its re-layouts' copies are not saved; the chunk loop's inputs are what the rule keeps
+anyway); per block it keeps the head group's conv1d rows (C/cp x K, parameter dtype) that the convolution reads
+(not per token: left out, as TP's gathered rows). The gated full attention under Ulysses keeps its output as it
+comes back from the exchange (e·q: without CP a view of SDPA's saved output). Its transient buffers
+(`ulysses_block_exchange_bytes`, plan/cp_terms.py) mirror the attention's (plan/ulysses_terms.py). Measured on 2
+gloo ranks at cp=2 (tests/distributed/test_gated_deltanet_tp_activations.py, rows of 96, 136 and 200: the rank's
+48 / 68 / 100 tokens, the rule on 128 / 192 / 256 positions): exact without AC (but for those conv1d rows and the
+per-block constants) and with full AC, in fp32; with selective AC exact in most runs (a few caught one q-sized exchange's
+send and receive buffers, 2·e·q per attention token, that gloo still held at the mark); bf16 / autocast and
+TP x CP not measured.
 Not measured either: training.compile (the eager terms are used; the budget partitioner scales them as for
 the other families) and LoRA exactly: the generic adapter deltas of dtlaunch.plan.peft apply (from block_linears);
 a frozen Gated DeltaNet block without adapters keeps less than they say (its frozen conv1d, gated-norm gain and
@@ -103,7 +118,8 @@ class BlockDims(moe.BlockDims):
     output_gate: bool = True  # the full attention's sigmoid output gate
     shared_gate: bool = False  # the shared expert's sigmoid gate (Qwen3-Next)
     rot_half: int = 0  # RoPE table columns (rotary dims / 2)
-    seq: int = 0  # the row length (0: a multiple of the chunk)
+    seq: int = 0  # the row length (0: a multiple of the chunk): under context parallel one rank's share
+    cp: int = 1  # Ulysses context parallel (strategy.cp_style=ulysses): the linear blocks' rule runs on the whole row
 
     @classmethod
     def of(cls, m: Any) -> BlockDims:
@@ -166,9 +182,22 @@ def rule_bytes_per_padded_token(d: BlockDims, e: int, tp: int = 1, autocast: boo
     return heads * (4 * fp32 + e * low)
 
 
+def whole_row(d: BlockDims, tp: int = 1) -> tuple[BlockDims, int]:
+    """Where the convolution, the L2 norms and the rule run: under Ulysses context parallel (d.cp > 1) on the
+    whole row (cp·d.seq positions) with key heads / (tp·cp) (gated_deltanet._mix_exchanged); else the rank's row
+    with key heads / tp. Returns those dimensions and the heads' divisor."""
+    if d.cp <= 1:
+        return d, tp
+    return dataclasses.replace(d, seq=d.seq * d.cp, cp=1), tp * d.cp
+
+
 def _row_mix_bytes(d: BlockDims, e: int, tp: int, autocast: bool) -> float:
     """Per token of a row of d.seq positions: the convolution, the L2 norms and the rule (the part that runs on
-    the packed-document layout's positions)."""
+    the packed-document layout's positions). Under Ulysses context parallel, per token of the rank's share: the
+    whole row's terms for 1/cp of the heads, cp times as many positions as the rank's tokens."""
+    if d.cp > 1:
+        whole, heads_divisor = whole_row(d, tp)
+        return d.cp * _row_mix_bytes(whole, e, heads_divisor, autocast)
     heads, _, _, conv, _ = d.widths(tp)
     window = 1 + (d.kernel - 1) / d.seq if d.seq else 1.0  # the zero-padded conv input, per token
     convolution = e * conv * window + e * conv
@@ -210,6 +239,18 @@ def documents_extra_bytes(d: BlockDims, e: int, lengths: tuple[int, ...], tp: in
     return packed - unpacked + (e * conv + 4 * heads) * s + spread // CHUNK  # and the chunks' reset flags
 
 
+def ulysses_block_exchange_bytes(d: BlockDims, e: int, tp: int, tokens: int, backward: bool) -> float:
+    """Inside one linear block's forward (backward) under Ulysses context parallel, the exchange's transient
+    buffers for `tokens` of the rank's: its [q | k | v] per key head before the convolution (e·C) and the fp32
+    [g | beta] (8H), sent and received (and in backward their gradients on the head shards besides), as
+    plan/ulysses_terms.py counts the attention's; the output's exchange (e·V) comes after they are freed.
+    (plan/cp_terms.py takes the larger of this and the attention's.)"""
+    if d.cp <= 1 or d.linear <= 0:
+        return 0.0
+    heads, _, _, conv, _ = d.widths(tp)
+    return (3 if backward else 2) * (e * conv + 8 * heads) * tokens
+
+
 def linear_constant_bytes(d: BlockDims, tp: int = 1) -> float:
     """Per linear block and micro-batch: the chunk's triangle mask and exp(A_log) with its negation."""
     return CHUNK * CHUNK + 8 * d.n_v / tp
@@ -237,6 +278,10 @@ def block_bytes_no_ac(
     )
     if d.output_gate:
         full += 3 * e * d.qw / tp
+    if d.cp > 1:
+        # Ulysses: the attention's output comes back from the exchange as a tensor of its own, which the gate's
+        # multiply (or wo) keeps beside SDPA's saved output on the head shards (without CP a view of it).
+        full += e * d.qw / tp
     return d.linear * linear + (1 - d.linear) * full + ffn
 
 
@@ -288,7 +333,8 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     position bounds it (one Gated DeltaNet block alone, 8 heads of 32, rows of 256: 3.2 KB per token over what
     it held, against 4.1 KB for this term; below the FFN's at the published shapes)."""
     ffn = moe.backward_working_bytes(d, e, tp) if d.sparse else dense.backward_working_bytes(d, e, tp)
-    rule = d.padded() * 4 * d.n_v / tp * (CHUNK + d.dk + d.dv)
+    whole, heads_divisor = whole_row(d, tp)  # under Ulysses CP: the whole row, 1/cp of the heads
+    rule = d.cp * whole.padded() * 4 * d.n_v / heads_divisor * (CHUNK + d.dk + d.dv)
     return d.linear * max(ffn, rule) + (1 - d.linear) * ffn
 
 

@@ -8,7 +8,7 @@ document's convolution and state start from zero (gated_deltanet.py). Each messa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dtlaunch.errors import ConfigError
 from dtlaunch.models.dense.check import check as dense_check
@@ -89,6 +89,12 @@ def check_layout(cfg: JobConfig, d: Decisions) -> None:
             )
 
 
+def cp_divides_key_heads(m: Any, cp: int, tp: int) -> bool:
+    """The linear blocks' rule under context parallel (Ulysses): cp divides each tensor-parallel rank's key heads
+    (check_context_parallel refuses the rest; the plan search offers only these: registry `ulysses_degree_ok`)."""
+    return (int(m.linear_num_key_heads) // tp) % cp == 0
+
+
 def check_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
     """strategy.cp > 1: the linear blocks run their recurrence over the whole sequence in order, which Ulysses
     gives them (key heads / cp of them per rank, their value heads with them: gated_deltanet.py) and ring
@@ -102,7 +108,7 @@ def check_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
             "sequence in order, which only Ulysses gives them: set strategy.cp_style=ulysses"
         )
     nk = int(cfg.model.linear_num_key_heads)
-    if (nk // tp) % cp:
+    if not cp_divides_key_heads(cfg.model, cp, tp):
         per_rank = f" ({nk // tp} per tensor-parallel rank)" if tp > 1 else ""
         raise ConfigError(
             f"strategy.cp={cp} does not divide model.linear_num_key_heads={nk}{per_rank}: {arch}'s Gated DeltaNet "

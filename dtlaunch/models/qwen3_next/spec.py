@@ -10,6 +10,7 @@ import functools
 from typing import Any
 
 import dtlaunch.models.qwen3_next.shapes as shapes
+from dtlaunch.models.qwen3_next.check import cp_divides_key_heads
 
 
 def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: Any) -> Any:
@@ -31,6 +32,7 @@ def hybrid_spec(base: Any, builder: str, *, split_projections: bool, **fields: A
         ring_attention=False,
         # Context parallel as Ulysses only (the linear blocks need the whole sequence in order: check.py).
         ulysses_blocks=True,
+        ulysses_degree_ok=cp_divides_key_heads,
         check_layout="dtlaunch.models.qwen3_next.check:check_layout",
         **fields,
     )
