@@ -169,7 +169,11 @@ def _processed(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """One id per row drawn from softmax(logits)."""
-    probs = logits.softmax(dim=-1)
+    return _sample_probs(logits.softmax(dim=-1), generator)
+
+
+def _sample_probs(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One id per row drawn from `probs` (rows, vocab), each row a softmax."""
     # Inverse CDF: one uniform per row against the cumulative probabilities (in float64: a long vocabulary's
     # sums stay exact to ~1e-16), the categorical distribution itself, drawn with `rows` random numbers where
     # torch.multinomial draws rows x vocab exponentials (10x the time on CPU for 32 x 256). The first id whose
@@ -306,18 +310,26 @@ def _generate_batch(
     # Each step's positions, a row past its cap held at its last one (read by nothing, in RoPE's range).
     steps = torch.arange(s.max_new_tokens, device=device)[:, None]
     held_at = lengths + torch.minimum(cap - 1, steps)  # (max_new_tokens, rows)
+    capped = cap <= steps + 1  # (max_new_tokens, rows): a row at its cap after step n
+    one_stop = int(stops[0]) if len(stops) == 1 else None
     for n in range(s.max_new_tokens):
-        scaled = logits / s.temperature if s.temperature > 0 else logits
+        # Dividing by a temperature of 1 changes no bit: skipped (one op fewer per step).
+        scaled = logits / s.temperature if s.temperature > 0 and s.temperature != 1 else logits
+        processed = _processed(scaled, s) if s.temperature > 0 else scaled
+        probs = processed.softmax(dim=-1) if s.temperature > 0 else None
         going, lp = (~done, scaled) if live is None else ((~done)[live], scaled[live])
         lp = torch.log_softmax(lp, dim=-1)
-        entropy -= ((lp.exp() * lp).sum(-1) * going).sum()  # the rows still generating
-        processed = _processed(scaled, s) if s.temperature > 0 else scaled
-        nxt = _sample(processed, generator) if s.temperature > 0 else logits.argmax(dim=-1)
+        # The entropy's probabilities: the sampler's own where they are exp(lp)'s (no top-k / top-p, every row).
+        same = probs is not None and processed is scaled and live is None
+        entropy -= (((probs if same else lp.exp()) * lp).sum(-1) * going).sum()  # the rows still generating
+        nxt = _sample_probs(probs, generator) if probs is not None else logits.argmax(dim=-1)
         if taken is not None:  # the drawn token's log-prob under the distribution it was drawn from
-            taken[:, n] = torch.log_softmax(processed, dim=-1).gather(1, nxt[:, None])[:, 0]
+            drawn_lp = lp if processed is scaled and live is None else torch.log_softmax(processed, dim=-1)
+            taken[:, n] = drawn_lp.gather(1, nxt[:, None])[:, 0]
         nxt = nxt.masked_fill(done, pad_id)
         out[:, n] = nxt
-        done = done | torch.isin(nxt, stops) | (cap <= n + 1)
+        stopped = nxt == one_stop if one_stop is not None else torch.isin(nxt, stops)
+        done = done | stopped | capped[n]
         finished = all_done(done) if all_done is not None else bool(done.all())
         if finished or n == s.max_new_tokens - 1:
             break
