@@ -382,6 +382,12 @@ DEEPSEEK_V3 = [
     "model.v_head_dim=32",
     "model.yarn.original_max_seq_len=128",
 ]
+# The Gated DeltaNet hybrids at the planner7m shape: three linear blocks in four (4 key heads, 8 value heads, 32
+# wide), gated full attention; qwen3_next with the MoE FFN and its gated shared expert.
+HYBRID = ["model=planner7m", "model.qk_norm=true", "model.linear_num_key_heads=4", "model.linear_num_value_heads=8"]
+HYBRID += ["model.linear_key_head_dim=32", "model.linear_value_head_dim=32"]
+QWEN3_5 = [*HYBRID, "model.arch=qwen3_5"]
+QWEN3_NEXT = [*HYBRID, "model.arch=qwen3_next", *MOE7M, "model.moe.num_shared_experts=1"]
 FAMILIES = [
     *([*fam, "strategy=zero3", N2] for fam in (SMOLLM3, OLMO3, GEMMA3, QWEN3_MOE, MIXTRAL, GLM4_MOE, GPT_OSS)),
     *([*fam, "strategy=ddp", N2, BF16] for fam in (SMOLLM3, OLMO3, GEMMA3, QWEN3_MOE, MIXTRAL, GLM4_MOE, GPT_OSS)),
@@ -397,6 +403,13 @@ FAMILIES = [
     [*DEEPSEEK_V3, "strategy=tp", N2],
     [*DEEPSEEK_V3, "strategy=tp", N2, "strategy.sequence_parallel=false"],
     [*DEEPSEEK_V3, "strategy=tp", N2, BF16, SEL],
+    [*QWEN3_5, "strategy=zero3", N2],
+    [*QWEN3_5, "strategy=ddp", N2, BF16],
+    [*QWEN3_5, "strategy=zero3", N2, SEL],
+    [*QWEN3_5, "strategy=tp", N2],
+    [*QWEN3_5, "strategy=zero3", N2, CP2, ULYSSES],
+    [*QWEN3_NEXT, "strategy=zero3", N2],
+    [*QWEN3_NEXT, "strategy=tp", N2, BF16],
 ]
 # Mixture of experts: the planner7m shape with 8 routed experts per block, top-2 (model=planner_moe).
 MOE = [
@@ -624,7 +637,7 @@ if __name__ == "__main__":
         if only is None:
             cmd = f"python bench/planner_accuracy.py {'--peft' if table is PEFT else '--optim'}"
             print("wrote", write_markdown(rows, cmd, name))
-            (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
+            store.write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     if "--dpo" in sys.argv or "--grpo" in sys.argv:
         grpo = "--grpo" in sys.argv
@@ -674,13 +687,18 @@ if __name__ == "__main__":
             print(f"[{i:2d}] " + _fmt(rows[-1]), flush=True)
         errs = [abs(_err(r)) for r in _scored(rows)]
         print(f"{len(errs)} measured runs: median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
-        if only is None and table is FAMILIES:
+        if table is FAMILIES:
             name = "planner_accuracy_families_cpu.md"
+            store = RESULTS / name.replace(".md", ".json")
+            if only is not None and store.exists():
+                # Re-run rows replace the stored ones of the same name; the table is rebuilt from all rows.
+                fresh = {r["name"]: r for r in rows}
+                rows = [fresh.pop(r["name"], r) for r in json.loads(store.read_text())] + list(fresh.values())
             notes = ("Each family at the planner7m shape (its published group's flags kept, sizes overridden).",)
             command = "python bench/planner_accuracy.py --families"
             title = ": every native family"
             print("wrote", write_markdown(rows, command, name, title=title, notes=notes))
-            (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
+            store.write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     is_real = "--real" in sys.argv
     rows = real(only) if is_real else single()
