@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.decisions import Decisions, head_unit
-from dtlaunch.config.schema import ObjectiveName
+from dtlaunch.config.schema import CpStyle, ObjectiveName
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
@@ -286,6 +286,11 @@ def stage_shape(
         # then keeps the repeated copies for backward instead of the grouped ones (not for the families
         # whose blocks run Ulysses only: its grouped SDPA).
         by_kind["none"] += e * 2 * (d.qw - d.k) / tp
+    if cp > 1 and s.cp_style == CpStyle.ulysses and "none" in by_kind and not spec.ulysses_blocks:
+        # Ulysses: the attention's output comes back from the exchange as a tensor of its own, which wo keeps
+        # beside SDPA's saved output on the head shards (without CP wo's input is a view of that output). The
+        # hybrids (ulysses_blocks) count it in their own terms, for their full-attention blocks only.
+        by_kind["none"] += e * d.qw / tp
     lora = str(cfg.peft.method) != "none"
     if lora and sp and "selective" in by_kind and LORA_SELECTIVE_COUNTED_WITHOUT_SP:
         # Fine-tuning: selective AC keeps as much per block with sequence parallel as without it

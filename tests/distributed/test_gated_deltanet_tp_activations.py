@@ -13,7 +13,9 @@ The same 2 ranks (the same forked group: one process start) under Ulysses contex
 rank runs its half of rows of 96, 136 and 200 tokens, its linear block's convolution and chunked rule on the
 whole row (padded to 128, 192, 256: the chunk boundary falls elsewhere than in the rank's own tokens) for one
 key head and its two value heads. Exact without AC (but for the head group's conv1d rows, per block) and with
-full AC and with selective AC (each mark taken once late-freed collective buffers are gone: `_settled`)."""
+full AC and with selective AC (each mark taken once late-freed collective buffers are gone: `_settled`).
+A dense decoder (model=tiny) under Ulysses cp=2 in the same group: its blocks keep what the stage's shape counts
+(plan/shape.py), the exchanged attention output that wo keeps included."""
 
 from __future__ import annotations
 
@@ -94,6 +96,37 @@ def _kept_cp(seq: int, mode: str) -> dict:
     }
 
 
+def _kept_dense_cp() -> dict:
+    """A dense decoder (model=tiny, llama) under Ulysses cp=2 without AC: what a rank's blocks keep against the
+    stage shape's per-token count (plan/shape.py: the exchanged attention output wo keeps, e·q, included)."""
+    import torch
+    import torch.distributed as dist
+
+    from dtlaunch.config.compose import compose
+    from dtlaunch.plan.shape import stage_shape
+    from dtlaunch.train.observe.memtrack import StorageCounter
+    from dtlaunch.train.parallel.process_group import DistEnv
+    from dtlaunch.train.runtime import build_runtime
+
+    seq = 96
+    dense = ["model=tiny", "model.n_layers=2", "hardware=cpu", "precision=fp32", f"training.seq_len={seq}"]
+    dense += ["training.micro_batch=2", "training.global_batch=2", "launch.nproc_per_node=2"]
+    cfg = compose([*dense, *CP]).cfg
+    env = DistEnv(rank=dist.get_rank(), world=2, local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
+    rt = build_runtime(cfg, env)
+    model = getattr(rt.model_parts[0], "module", rt.model_parts[0])
+    counter = StorageCounter()
+    counter.add_existing([*model.parameters(), *model.buffers()])
+    marks: list[int] = []
+    model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(_settled(counter)))
+    model.layers["1"].register_forward_hook(lambda *_: marks.append(_settled(counter)))
+    local = seq // 2
+    with counter:
+        model(torch.randint(0, int(cfg.model.vocab_size), (2, local)))
+    c = stage_shape(cfg, rt.decisions.layout, 0, 2, True, True)
+    return {"measured": marks[-1] - marks[0], "planned": c.block_saved_per_token["none"] * 2 * local * 2}
+
+
 def _kept(sp: str, mode: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -132,7 +165,8 @@ def _kept(sp: str, mode: str) -> dict:
 
 def _all() -> dict:
     tp = {f"{sp}-{mode}": _kept(sp, mode) for sp, mode in CASES}
-    return {"tp": tp, "cp": {f"{seq}-{mode}": _kept_cp(seq, mode) for seq, mode in CP_CASES}}
+    cp = {f"{seq}-{mode}": _kept_cp(seq, mode) for seq, mode in CP_CASES}
+    return {"tp": tp, "cp": cp, "dense_cp": _kept_dense_cp()}
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +190,9 @@ def test_tensor_parallel_ranks_keep_what_the_plan_counts(kept) -> None:
             assert 0 <= extra <= 2 * 4 * r["h"], r
             continue
         assert r["measured"] == r["planned"], (sp, mode, r)
+
+
+def test_ulysses_dense_blocks_keep_what_the_plan_counts(kept) -> None:
+    """The dense attention under Ulysses keeps its exchanged output beside SDPA's (the plan's e·q per token)."""
+    r = kept["dense_cp"]
+    assert r["measured"] == r["planned"], r
