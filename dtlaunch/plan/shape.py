@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 # block that the op-level count does not explain (real FSDP x TP runs, MemTracker).
 # Measured by tests/unit/test_plan_trace.py::test_analytic_within_5_percent_of_trace
 FSDP_SP_SELECTIVE_HIDDEN_STATES = 1
+# Selective AC under tensor parallel x sequence parallel without FSDP keeps this many gathered (full-sequence)
+# hidden states per block, and one sequence-shard of it (1/tp), more than the op-level count: (1 + 1/tp)·e·h per
+# token and block (real gloo runs: llama and qwen3 at h = 64 and 128, tp = 2 and 4, and the Gated DeltaNet hybrids:
+# exact). Fine-tuning keeps its own measured rule (LORA_SELECTIVE_COUNTED_WITHOUT_SP).
+# Measured by tests/distributed/test_gated_deltanet_tp_activations.py::test_tensor_parallel_ranks_keep_what_the_plan_counts
+TP_SP_SELECTIVE_GATHERED_HIDDEN_STATES = 1
 # Fine-tuning: selective AC keeps as much per block with sequence parallel as without it (real 2-rank gloo
 # runs, planner7m LoRA TP(2) bf16: 4,619 bytes per token and block either way; the SP count was 13 % under).
 # Measured by tests/unit/test_plan_trace.py::test_analytic_within_5_percent_of_trace
@@ -302,6 +308,8 @@ def stage_shape(
         # Selective AC under sequence parallel keeps gathered hidden states the op-level count does not
         # explain (FSDP_SP_SELECTIVE_HIDDEN_STATES).
         by_kind["selective"] += FSDP_SP_SELECTIVE_HIDDEN_STATES * e * d.h
+    elif sp and "selective" in by_kind and not lora:
+        by_kind["selective"] += (TP_SP_SELECTIVE_GATHERED_HIDDEN_STATES + 1 / tp) * e * d.h
     # Fine-tuning: only the adapters train; QLoRA's base is NF4; the adapters join selective AC's matmul
     # alternation (dtlaunch.plan.peft).
     shard = layout.shard if fsdp or zero == 1 else 1

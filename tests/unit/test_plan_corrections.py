@@ -39,6 +39,14 @@ MEASURED = [
     ),
     (
         shape,
+        "TP_SP_SELECTIVE_GATHERED_HIDDEN_STATES",
+        0,
+        "tests/distributed/test_gated_deltanet_tp_activations.py::test_tensor_parallel_ranks_keep_what_the_plan_counts",
+        ["model=planner7m", "training.micro_batch=8", "training.seq_len=512", "hardware=cpu", "strategy=tp"]
+        + ["launch.nproc_per_node=2", "training.activation_checkpointing=selective"],
+    ),
+    (
+        shape,
         "LORA_SELECTIVE_COUNTED_WITHOUT_SP",
         False,
         TRACE,

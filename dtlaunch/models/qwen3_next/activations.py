@@ -57,8 +57,8 @@ Tensor parallel: H, Hk, the attention heads and the FFN widths are one rank's; s
 norms as in the dense block. Measured on 2 gloo ranks (tests/distributed/test_gated_deltanet_tp_activations.py):
 exact without AC (with and without SP), with selective AC without SP and with full AC, but for the rank's gathered
 in_proj_qkv / conv1d rows its matmuls keep (per block, not per token: left out); selective AC under SP keeps
-1.5·e·h per token and block more there, as the dense block does on the same harness (qwen3, same gap: the
-planner corrects it only under FSDP, shape.FSDP_SP_SELECTIVE_HIDDEN_STATES).
+(1 + 1/tp)·e·h per token and block more there, as every dense block does: the planner adds it for every family
+(shape.TP_SP_SELECTIVE_GATHERED_HIDDEN_STATES; under FSDP shape.FSDP_SP_SELECTIVE_HIDDEN_STATES).
 Ulysses context parallel (strategy.cp_style=ulysses; `cp` > 1, `seq` the rank's share of the row: plan/shape.py):
 the projections, gates, gated norm and out_proj run on the rank's tokens with its tp share of the heads, as
 above; the convolution, the L2 norms and the chunked rule on the whole row (cp·seq positions, padded to whole
