@@ -80,3 +80,30 @@ def test_ulysses_context_parallel_gated_deltanet_trains_as_one_process(family: s
         assert scale > 0 and diff <= GRAD_TOL * scale + NOISE, (
             f"{param}: max abs diff {diff:.3g}, largest entry {scale:.3g}"
         )
+
+
+# Tensor parallel x Ulysses context parallel (4 ranks, tp=2 x cp=2): a qwen3_5 decoder of 4 key heads (8 value
+# heads) so each TP rank's 2 key heads split again over the 2 CP ranks; the full attention's 4 query heads too.
+# Random weights from the seed (no directory): the one process builds the same. FSDP over the CP ranks (DDP
+# cannot average over cp with tp).
+TP_CP_MODEL = ["model=tiny", "model.arch=qwen3_5", "model.qk_norm=true", "model.n_layers=4"]
+TP_CP_MODEL += ["model.linear_num_key_heads=4", "model.linear_num_value_heads=8", "model.linear_key_head_dim=16"]
+TP_CP_MODEL += ["model.linear_value_head_dim=16", "model.n_heads=4", "model.n_kv_heads=2"]
+TP_CP = ["strategy.tp=2", "strategy.cp=2", "strategy.cp_style=ulysses", "strategy.dp_shard=1", "strategy.zero_stage=3"]
+TP_CP += ["launch.nproc_per_node=4"]
+
+
+@pytest.fixture(scope="module")
+def launched_tp_cp(tmp_path_factory) -> dict:
+    overrides = [*SMALL, *SEQ, *TP_CP_MODEL, *TP_CP]
+    return run_forked(4, lambda: _run(overrides, 4), tmp_path_factory.mktemp("gated_deltanet_tp_cp") / "results.json")
+
+
+def test_tensor_parallel_by_ulysses_context_parallel_trains_as_one_process(launched_tp_cp) -> None:
+    got = launched_tp_cp
+    want = _run([*SMALL, *SEQ, *TP_CP_MODEL, "launch.nproc_per_node=1"], 1)
+    assert got["inspect"]["mixing"] == ["UlyssesAttention", "UlyssesHeads"]
+    assert want["loss"][-1] < want["loss"][0], want
+    for key in ("loss", "grad_norm"):
+        diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
+        assert diff <= TOL, f"{key}: max abs diff {diff:.3g}: {got[key]} vs {want[key]}"
