@@ -6,7 +6,8 @@ train/parallel/ulysses.py `UlyssesHeads`), and the gated full-attention blocks r
 Ulysses exchange. training.seq_len=96: the rule's 64-token chunk boundary falls inside the exchanged whole
 sequence (rank 0's own chunks are tokens 0-23 and 72-95). Losses and grad norms of every step within 1e-4,
 every gradient of the first step within 1e-5 of its largest entry plus the TP test's fp32 noise floor, the
-linear block's (its projections, conv1d, A_log / dt_bias, the gated norm, out_proj) included.
+linear block's (its projections, conv1d, A_log / dt_bias, the gated norm, out_proj) included. A third group of
+4 ranks crosses it with tensor parallel (tp=2 x cp=2: each TP rank's key heads split again over CP).
 
 Reuses test_gated_deltanet_tensor_parallel.py's cases' helpers and test_mla_tensor_parallel.py's recording of
 the first gradients."""
