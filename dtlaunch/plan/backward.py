@@ -21,7 +21,7 @@ from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, regathered_root
 from dtlaunch.plan.peft import gathered_block
-from dtlaunch.plan.shape import StageShape, loss_saved_per_token, mean_block_saved_per_token
+from dtlaunch.plan.shape import StageShape, _block_tok, loss_saved_per_token, mean_block_saved_per_token
 from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
 
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
@@ -117,6 +117,29 @@ def _recompute_per_token(c: StageShape, no_ac: float) -> float:
     return max((no_ac - c.block_saved_per_token[k] for k in kinds), default=0.0)
 
 
+def _largest_kind_excess(c: StageShape) -> float:
+    """Per token, what the stage's block kind that creates the most in its backward (recompute and working set)
+    creates more than the mean block the stage is sized with: a hybrid family's kinds (`act.block_kinds`, e.g. the
+    Gated DeltaNet and full-attention blocks) differ a lot there, and the peak comes inside the larger one's
+    backward with (nearly) every activation held. Families of one kind: 0."""
+    act = c.activation_model
+    kinds_of = getattr(act, "block_kinds", None)
+    if kinds_of is None:
+        return 0.0
+    d, e, tp, t = c.block_dims, c.compute_bytes, c.tp, c.cfg.training
+    sp, autocast, compiled = c.sequence_parallel, c.fp32_residual, c.compiled
+    checkpointed = [k for k in c.ac_mix if k != "none" and c.ac_mix[k]]
+
+    def created(dims: object) -> float:
+        full = act.block_bytes_no_ac(dims, e, tp, sp, autocast, compiled)
+        recompute = max(
+            (full - _block_tok(act, k, dims, e, t, tp, sp, autocast, compiled) for k in checkpointed), default=0.0
+        )
+        return act.backward_working_bytes(dims, e, tp) + recompute
+
+    return max(0.0, max(created(k) for k in kinds_of(d)) - created(d))
+
+
 def _block_working_set(c: StageShape) -> float:
     """What one block's backward creates and frees again: its recompute, the activation gradients (the
     tiled MLP's one tile at a time and its summed weight gradients), QLoRA's dequantised weight, context
@@ -129,6 +152,7 @@ def _block_working_set(c: StageShape) -> float:
         grads = act.backward_working_bytes(d, e, tp) + tile_working_bytes(act, d, e, tp, c.mlp_tiles)
         work = (grads + _recompute_per_token(c, no_ac)) * c.tokens
         work += grad_sum_bytes(act, d, c.grad_element_bytes, tp, not c.peft)
+    work += _largest_kind_excess(c) * c.tokens  # a hybrid family's largest block kind
     if c.peft and c.peft.qlora:
         work += c.peft.dequant  # one NF4 weight dequantised for its matmul
     if c.cp > 1:

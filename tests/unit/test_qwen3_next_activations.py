@@ -194,15 +194,18 @@ PLANNED_MOE += ["model.moe.num_shared_experts=1", "model.moe.shared_expert_dim=6
     [
         (["model.arch=qwen3_5"], 0.02),
         (["model.arch=qwen3_5", "precision=bf16"], 0.02),
-        (["model.arch=qwen3_5", "training.activation_checkpointing=selective"], 0.02),
-        (["model.arch=qwen3_5", "training.activation_checkpointing=full", "training.seq_len=200"], 0.02),
+        (["model.arch=qwen3_5", "training.activation_checkpointing=selective"], 0.035),
+        (["model.arch=qwen3_5", "training.activation_checkpointing=full", "training.seq_len=200"], 0.035),
         (PLANNED_MOE, 0.03),
     ],
     ids=["qwen3_5-fp32", "qwen3_5-bf16", "qwen3_5-selective", "qwen3_5-full", "qwen3_next-fp32"],
 )
 def test_plan_close_to_a_traced_step(overrides: list[str], within: float) -> None:
     """The closed-form plan (in milliseconds) against a traced step (real tensors, one process; 15-60 s each on a
-    shared CPU). When written: qwen3_5 0.5-1.8 % over, 0.7 % under with selective AC; qwen3_next 2.2 % over."""
+        shared CPU). When written: qwen3_5 0.5-1.8 % over, 0.7 % under with selective AC; qwen3_next 2.2 % over. Since
+    the block's backward is sized with the linear block (backward._largest_kind_excess): 3.0 % over with selective
+    AC, 2.9 % with full AC (one process: the linear block's backward rises less than its recompute and working set
+    added up; on 2 ZeRO-3 ranks, bench/planner_accuracy.py --families row 28, the plan is still 1.5 % under)."""
     from dtlaunch.plan.memory import plan_memory
     from dtlaunch.plan.trace import trace_peak
 
@@ -213,3 +216,40 @@ def test_plan_close_to_a_traced_step(overrides: list[str], within: float) -> Non
     traced = trace_peak(job.cfg, job.layout, rank=0)
     assert traced["tensors"] == "real"
     assert abs(plan.peak - traced["peak_bytes"]) / traced["peak_bytes"] <= within, (plan.peak, traced["peak_bytes"])
+
+
+def test_linear_block_backward_within_the_planned_working_set() -> None:
+    """Under selective AC a Gated DeltaNet block's backward (its recompute, the rule's gradients, its parameters'
+    gradients) creates far more than a full-attention block's: the plan sizes a block's backward with the kind that
+    creates the most, not the mean block (with one linear block in four the mean's recompute was 60 % of what the
+    linear block's backward rose by here; row 28 of bench/planner_accuracy.py --families was 4.5 % under)."""
+    from dtlaunch.plan.backward import _block_working_set
+    from dtlaunch.plan.shape import stage_shape
+
+    kinds = "model.layer_types=[linear_attention,full_attention,full_attention,full_attention]"
+    job = load_job([*PLANNED, "model.arch=qwen3_5", kinds, "training.activation_checkpointing=selective"])
+    m, t = job.cfg.model, job.cfg.training
+    c = stage_shape(job.cfg, job.layout, 0, m.n_layers, True, True, list(range(m.n_layers)))
+    torch.manual_seed(0)
+    model = model_spec(m).build(m, rope_len=t.seq_len, device="cpu")
+    model.init_weights(0)
+    model.float()
+    apply_ac(model, SimpleNamespace(activation_checkpointing="selective", ac_memory_budget=0.0, ac_policy="op"))
+    counter = StorageCounter()
+    counter.add_existing([*model.parameters(), *model.buffers()])
+    at_start: list[int] = []
+
+    def linear_block_backward_starts(_: torch.Tensor) -> None:
+        at_start.append(counter.live)
+        counter.peak = counter.live
+
+    def on_output(_m: object, _a: object, out: torch.Tensor) -> None:
+        out.register_hook(linear_block_backward_starts)
+
+    model.layers["0"].register_forward_hook(on_output)
+    tokens = torch.randint(0, m.vocab_size, (t.micro_batch, t.seq_len))
+    with counter:
+        model(tokens).float().sum().backward()
+    rose = counter.peak - at_start[0]
+    linear_grads = 4 * sum(p.numel() for p in model.layers["0"].parameters())
+    assert rose <= _block_working_set(c) + linear_grads, (rose, _block_working_set(c) + linear_grads)

@@ -52,7 +52,9 @@ continues the count (the dense SwiGLU's w1, w3, w2, or the router, experts, shar
 Full AC: the block input.
 
 The planner sizes a stage with the mean block: `linear` is the share of Gated DeltaNet blocks (of the model,
-as `sparse` is of sparse blocks), `seq` the row length the planner sets (0: a multiple of the chunk).
+as `sparse` is of sparse blocks), `seq` the row length the planner sets (0: a multiple of the chunk). A block's
+backward (recompute under AC, working set) is sized with the kind that creates the most there (`block_kinds`):
+under AC the linear block's recompute (the rule's fp32 tensors) is several times the full-attention block's.
 Tensor parallel: H, Hk, the attention heads and the FFN widths are one rank's; sequence parallel shards the
 norms as in the dense block. Measured on 2 gloo ranks (tests/distributed/test_gated_deltanet_tp_activations.py):
 exact without AC (with and without SP), with selective AC without SP and with full AC, but for the rank's gathered
@@ -336,6 +338,15 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     whole, heads_divisor = whole_row(d, tp)  # under Ulysses CP: the whole row, 1/cp of the heads
     rule = d.cp * whole.padded() * 4 * d.n_v / heads_divisor * (CHUNK + d.dk + d.dv)
     return d.linear * max(ffn, rule) + (1 - d.linear) * ffn
+
+
+def block_kinds(d: BlockDims) -> list[BlockDims]:
+    """The stage's block kinds, each as a BlockDims of its own (the planner sizes a stage with the mean block;
+    dtlaunch.plan.backward sizes a block's backward with the kind that creates the most there). Under AC a Gated
+    DeltaNet block recomputes far more than a full-attention one (the chunked rule's fp32 tensors): the mean
+    block's recompute put qwen3_5 (3 linear blocks in 4) ZeRO-3 selective 4.5 % under a real 2-rank run
+    (bench/planner_accuracy.py --families, row 28), where the peak is inside a linear block's backward."""
+    return [dataclasses.replace(d, linear=share) for share in (1.0, 0.0) if (d.linear if share else 1 - d.linear) > 0]
 
 
 def tiled_saved_bytes(d: BlockDims, e: int, tp: int, compiled: bool) -> float:
