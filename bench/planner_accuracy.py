@@ -637,7 +637,7 @@ if __name__ == "__main__":
         if only is None:
             cmd = f"python bench/planner_accuracy.py {'--peft' if table is PEFT else '--optim'}"
             print("wrote", write_markdown(rows, cmd, name))
-            store.write_text(json.dumps(rows, indent=1))
+            (RESULTS / name.replace(".md", ".json")).write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     if "--dpo" in sys.argv or "--grpo" in sys.argv:
         grpo = "--grpo" in sys.argv
