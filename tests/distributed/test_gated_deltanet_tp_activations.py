@@ -55,114 +55,87 @@ def _settled(counter) -> int:
     return counter.live
 
 
-def _kept_cp(seq: int, mode: str) -> dict:
-    """What a rank keeps under Ulysses cp=2 (its local tokens through both blocks) against the terms at cp=2."""
+def _blocks_keep(overrides: list[str], tokens: int) -> tuple[dict, int]:
+    """The worker's runtime of `overrides` on this forked rank, and what its two blocks keep from the first
+    block's input to the last block's output for one micro-batch of 2 rows of `tokens` (this rank's)."""
     import torch
     import torch.distributed as dist
 
     from dtlaunch.config.compose import compose
-    from dtlaunch.models.qwen3_next import activations as act
     from dtlaunch.train.observe.memtrack import StorageCounter
     from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.runtime import build_runtime
 
-    overrides = [f"training.seq_len={seq}", f"training.activation_checkpointing={mode}", *CP]
-    cfg = compose([*BASE, *overrides]).cfg
+    cfg = compose(overrides).cfg
     env = DistEnv(rank=dist.get_rank(), world=2, local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
-    model = build_runtime(cfg, env).model_parts[0]
-    model = getattr(model, "module", model)  # DDP over the CP ranks
-    exchanges = [type(m.sequence_exchange).__name__ for m in model.modules() if hasattr(m, "sequence_exchange")]
+    rt = build_runtime(cfg, env)
+    model = getattr(rt.model_parts[0], "module", rt.model_parts[0])  # DDP over the CP ranks
     counter = StorageCounter()
     counter.add_existing([*model.parameters(), *model.buffers()])
     marks: list[int] = []
     model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(_settled(counter)))
     model.layers["1"].register_forward_hook(lambda *_: marks.append(_settled(counter)))
-    local = seq // 2
     with counter:
-        model(torch.randint(0, int(cfg.model.vocab_size), (2, local)))
+        model(torch.randint(0, int(cfg.model.vocab_size), (2, tokens)))
+    return rt, marks[-1] - marks[0]
+
+
+def _counted(rt, mode: str) -> float:
+    """The stage shape's bytes per token of one block (plan/shape.py: the family's terms and the planner's
+    measured corrections)."""
+    from dtlaunch.plan.shape import stage_shape
+
+    return stage_shape(rt.cfg, rt.decisions.layout, 0, 2, True, True).block_saved_per_token[mode]
+
+
+def _kept_cp(seq: int, mode: str) -> dict:
+    """What a rank keeps under Ulysses cp=2 (its local tokens through both blocks) against the terms at cp=2."""
+    from dtlaunch.models.qwen3_next import activations as act
+
+    local = seq // 2
+    rt, measured = _blocks_keep(
+        [*BASE, f"training.seq_len={seq}", f"training.activation_checkpointing={mode}", *CP], local
+    )
+    model = getattr(rt.model_parts[0], "module", rt.model_parts[0])
+    exchanges = [type(m.sequence_exchange).__name__ for m in model.modules() if hasattr(m, "sequence_exchange")]
     # As plan/shape.py sets them: the rank's share of the row and the CP degree.
-    d = dataclasses.replace(act.BlockDims.of(cfg.model), seq=local, cp=2)
+    d = dataclasses.replace(act.BlockDims.of(rt.cfg.model), seq=local, cp=2)
     planned = act.block_bytes(d, 4, mode, tp=1) * 2 * local * 2
     # Per block, not per token: the chunk's mask and exp(A_log) (none), and the rank's head group's conv1d rows
     # (C/2 x K, fp32) that _mix_exchanged gathers for its convolution, which keeps them (none; recomputed under AC).
     _, _, _, conv, _ = d.widths(2)
     if mode == "none":
         planned += act.linear_constant_bytes(d) + 4 * conv * d.kernel
-    return {
-        "measured": marks[-1] - marks[0],
-        "planned": planned,
-        "tokens_blocks": 2 * local * 2,
-        "exchanges": exchanges,
-    }
+    return {"measured": measured, "planned": planned, "exchanges": exchanges}
 
 
 def _kept_dense_cp() -> dict:
     """A dense decoder (model=tiny, llama) under Ulysses cp=2 without AC: what a rank's blocks keep against the
     stage shape's per-token count (plan/shape.py: the exchanged attention output wo keeps, e·q, included)."""
-    import torch
-    import torch.distributed as dist
-
-    from dtlaunch.config.compose import compose
-    from dtlaunch.plan.shape import stage_shape
-    from dtlaunch.train.observe.memtrack import StorageCounter
-    from dtlaunch.train.parallel.process_group import DistEnv
-    from dtlaunch.train.runtime import build_runtime
-
     seq = 96
     dense = ["model=tiny", "model.n_layers=2", "hardware=cpu", "precision=fp32", f"training.seq_len={seq}"]
     dense += ["training.micro_batch=2", "training.global_batch=2", "launch.nproc_per_node=2"]
-    cfg = compose([*dense, *CP]).cfg
-    env = DistEnv(rank=dist.get_rank(), world=2, local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
-    rt = build_runtime(cfg, env)
-    model = getattr(rt.model_parts[0], "module", rt.model_parts[0])
-    counter = StorageCounter()
-    counter.add_existing([*model.parameters(), *model.buffers()])
-    marks: list[int] = []
-    model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(_settled(counter)))
-    model.layers["1"].register_forward_hook(lambda *_: marks.append(_settled(counter)))
-    local = seq // 2
-    with counter:
-        model(torch.randint(0, int(cfg.model.vocab_size), (2, local)))
-    c = stage_shape(cfg, rt.decisions.layout, 0, 2, True, True)
-    return {"measured": marks[-1] - marks[0], "planned": c.block_saved_per_token["none"] * 2 * local * 2}
+    rt, measured = _blocks_keep([*dense, *CP], seq // 2)
+    return {"measured": measured, "planned": _counted(rt, "none") * 2 * (seq // 2) * 2}
 
 
 def _kept(sp: str, mode: str) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from dtlaunch.config.compose import compose
     from dtlaunch.models.qwen3_next import activations as act
-    from dtlaunch.plan.shape import stage_shape
-    from dtlaunch.train.observe.memtrack import StorageCounter
-    from dtlaunch.train.parallel.process_group import DistEnv
-    from dtlaunch.train.runtime import build_runtime
 
     overrides = [
         f"training.seq_len={SEQ}",
         f"strategy.sequence_parallel={sp}",
         f"training.activation_checkpointing={mode}",
     ]
-    cfg = compose([*BASE, *overrides]).cfg
-    env = DistEnv(rank=dist.get_rank(), world=2, local_rank=0, restart=0, device=torch.device("cpu"), backend="gloo")
-    rt = build_runtime(cfg, env)
-    model = rt.model_parts[0]
-    counter = StorageCounter()
-    counter.add_existing([*model.parameters(), *model.buffers()])
-    marks: list[int] = []
-    model.layers["0"].register_forward_pre_hook(lambda *_: marks.append(_settled(counter)))
-    model.layers["1"].register_forward_hook(lambda *_: marks.append(_settled(counter)))
-    with counter:
-        model(torch.randint(0, int(cfg.model.vocab_size), (2, SEQ)))
-    d = dataclasses.replace(act.BlockDims.of(cfg.model), seq=SEQ)
-    # The stage shape's count (plan/shape.py: the family's terms and the planner's measured corrections).
-    planned = stage_shape(cfg, rt.decisions.layout, 0, 2, True, True).block_saved_per_token[mode] * 2 * SEQ * 2
+    rt, measured = _blocks_keep([*BASE, *overrides], SEQ)
+    d = dataclasses.replace(act.BlockDims.of(rt.cfg.model), seq=SEQ)
+    planned = _counted(rt, mode) * 2 * SEQ * 2
     if mode == "none":
         planned += act.linear_constant_bytes(d, tp=2)
     # The rank's gathered rows of in_proj_qkv (C/2 x dim) and conv1d (C/2 x K), fp32, kept by its matmuls.
     _, _, _, conv, _ = d.widths(2)
     gathered = 4 * conv * (d.h + d.kernel) if mode == "none" else 0
-    return {"measured": marks[-1] - marks[0], "planned": planned + gathered, "tokens_blocks": 2 * SEQ * 2, "h": d.h}
+    return {"measured": measured, "planned": planned + gathered}
 
 
 def _all() -> dict:
