@@ -71,3 +71,19 @@ def round_trip(src, out_dir, tokens: torch.Tensor) -> dict:
     assert code == 0, out
     assert f"(model.arch={m.arch}) from {src}: {base.num_parameters():,} parameters" in out, out
     return json.loads((out_dir / "config.json").read_text())
+
+
+# Qwen3-Next-80B-A3B's published config.json shape (transformers.Qwen3NextConfig keyword arguments).
+QWEN3_NEXT_80B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5120,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    num_experts=512,
+    num_experts_per_tok=10,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+)

@@ -65,23 +65,14 @@ def test_published_qwen3_next_holds_nf4_blocks_in_fsdp_row_shards() -> None:
     up to 8 FSDP row shards (its shared-expert gate, one row, is not quantised), and past that in_proj_ba's 64
     rows are the first refused, naming the sizes that fit."""
     transformers = pytest.importorskip("transformers")
+    from hf_loaded import QWEN3_NEXT_80B_A3B
+
     from dtlaunch.models.lora import apply_lora
     from dtlaunch.models.nf4 import nf4_blocks_problem
     from dtlaunch.models.qwen3_next.hf import Qwen3NextHF
     from dtlaunch.models.registry import meta_model, model_spec
 
-    config = transformers.Qwen3NextConfig(
-        hidden_size=2048,
-        intermediate_size=5120,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        num_experts=512,
-        num_experts_per_tok=10,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-    )
+    config = transformers.Qwen3NextConfig(**{**QWEN3_NEXT_80B_A3B, "num_hidden_layers": 4})
     fields = Qwen3NextHF("Qwen3NextForCausalLM", "qwen3_next", qk_norm=True).config_from_hf(config.to_dict(), "x")
     moe = fields.pop("moe")
     over = [f"model.{k}={json.dumps(v)}" for k, v in fields.items() if k != "arch"]

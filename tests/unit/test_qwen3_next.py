@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from hf_loaded import ours, round_trip, theirs
+from hf_loaded import QWEN3_NEXT_80B_A3B, ours, round_trip, theirs
 
 from dtlaunch.config.compose import compose
 from dtlaunch.config.validate import validate
@@ -89,19 +89,7 @@ def test_round_trip_is_bit_identical_and_counted_exactly(tiny_moe_hf_dirs, tmp_p
 
 def test_published_shape_is_counted_exactly() -> None:
     """Qwen3-Next-80B-A3B's config.json shape (meta device: no memory), its count equal to transformers'."""
-    config = transformers.Qwen3NextConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=5120,
-        num_hidden_layers=48,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        num_experts=512,
-        num_experts_per_tok=10,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-    )
+    config = transformers.Qwen3NextConfig(**QWEN3_NEXT_80B_A3B)
     with torch.device("meta"):
         want = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
     from dtlaunch.models.qwen3_next.hf import Qwen3NextHF
