@@ -21,7 +21,7 @@ from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, regathered_root
 from dtlaunch.plan.peft import gathered_block
-from dtlaunch.plan.shape import StageShape, _block_tok, loss_saved_per_token, mean_block_saved_per_token
+from dtlaunch.plan.shape import StageShape, block_saved_bytes, loss_saved_per_token, mean_block_saved_per_token
 from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
 
 # Measured corrections (each names the test that measures it; tests/unit/test_plan_corrections.py checks
@@ -133,7 +133,8 @@ def _largest_kind_excess(c: StageShape) -> float:
     def created(dims: object) -> float:
         full = act.block_bytes_no_ac(dims, e, tp, sp, autocast, compiled)
         recompute = max(
-            (full - _block_tok(act, k, dims, e, t, tp, sp, autocast, compiled) for k in checkpointed), default=0.0
+            (full - block_saved_bytes(act, k, dims, e, t, tp, sp, autocast, compiled) for k in checkpointed),
+            default=0.0,
         )
         return act.backward_working_bytes(dims, e, tp) + recompute
 

@@ -232,7 +232,7 @@ def _stage_params(
     return layers * blk + root, blk, root
 
 
-def _block_tok(
+def block_saved_bytes(
     act: Any, kind: str, d: Any, e: int, t: TrainingConfig, tp: int, sp: bool, autocast: bool, compiled: bool
 ) -> float:
     """Saved bytes per token of one block under a checkpointing kind of `act.ac_mix`."""
@@ -286,7 +286,7 @@ def stage_shape(
     n_mb = dec.pp_microbatches if pp > 1 else 1
     mix = act.ac_mix(t, ids)
     compiled = bool(t.compile)
-    by_kind = {k: _block_tok(act, k, d, e, t, tp, sp, residual32, compiled) for k in mix}
+    by_kind = {k: block_saved_bytes(act, k, d, e, t, tp, sp, residual32, compiled) for k in mix}
     if cp > 1 and fused_optimizer(cfg.hardware) and "none" in by_kind and not spec.ulysses_blocks:
         # GPU context parallel: K/V heads are repeated to the query heads before torch's ring SDPA, which
         # then keeps the repeated copies for backward instead of the grouped ones (not for the families
@@ -303,7 +303,7 @@ def stage_shape(
         # (measured, real 2-rank gloo runs, planner7m LoRA TP(2) bf16: 4,619 bytes per token and block
         # either way, the no-SP count plus the adapters' autocast casts, which go with the autocast
         # region): count it without SP (13 % under the measured peak with the SP count).
-        by_kind["selective"] = _block_tok(act, "selective", d, e, t, tp, False, residual32, compiled)
+        by_kind["selective"] = block_saved_bytes(act, "selective", d, e, t, tp, False, residual32, compiled)
     elif fsdp and sp and "selective" in by_kind:
         # Selective AC under sequence parallel keeps gathered hidden states the op-level count does not
         # explain (FSDP_SP_SELECTIVE_HIDDEN_STATES).
