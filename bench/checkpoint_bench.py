@@ -50,9 +50,9 @@ def _train_step(model: object, opt: object, cfg: object) -> None:
 def worker(out: Path, repeats: int) -> None:
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.models.shapes import human_count, param_count
     from dtlaunch.run.checkpoints import newest_complete

@@ -67,7 +67,7 @@ def saved_bytes_per_token(model: torch.nn.Module, mode: tuple, compiled: bool, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense import activations as act
     from dtlaunch.models.dense.model import build_model
 

@@ -1,7 +1,7 @@
 """How long one compose of a job takes in-process, against Hydra's own `hydra.compose` in the same process.
 
 dtlaunch composes a job once per command (the launcher; workers read the resolved file) and the test suite
-composes thousands. `dtlaunch.config.compose.compose` runs Hydra 1.3's compose steps without the `hydra` node
+composes thousands. `dtlaunch.job.compose.compose` runs Hydra 1.3's compose steps without the `hydra` node
 (Hydra's own settings, which compose built and dtlaunch deleted) and without Hydra's deep copy of its config
 repository. This times, alternating, round after round:
 
@@ -41,8 +41,8 @@ def main() -> None:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import dtlaunch.config.compose as c
-    from dtlaunch.config.model_schema import register_schemas
+    import dtlaunch.job.compose as c
+    from dtlaunch.job.model_schema import register_schemas
 
     c.compose(overrides)  # imports, resolvers, the schema's node: paid once per process
     register_schemas()

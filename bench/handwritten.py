@@ -61,7 +61,7 @@ def model_config(name: str):  # noqa: ANN201 - an OmegaConf node
     """The model section from its YAML, merged onto the schema's defaults (no dtlaunch composition)."""
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.model_schema import typed_model
+    from dtlaunch.job.model_schema import typed_model
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "configs" / "model" / f"{name}.yaml"
     return typed_model(OmegaConf.load(path))

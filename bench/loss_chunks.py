@@ -76,10 +76,10 @@ def runtime(overrides: list[str]) -> Any:
     """The single-process runtime (no mesh): the plain model with the worker's init, optimizer and step."""
     import torch
 
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.init_weights import materialize_and_init

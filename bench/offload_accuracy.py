@@ -56,8 +56,8 @@ def _measure(overrides: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
     from dtlaunch.plan import offload
     from dtlaunch.plan.memory import plan_memory
     from dtlaunch.train.batch import MicroBatch

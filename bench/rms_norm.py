@@ -44,7 +44,7 @@ def main() -> None:
 
     import torch
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.norm import RMSNorm
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.parallel.init_weights import materialize_and_init

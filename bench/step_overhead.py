@@ -95,9 +95,9 @@ def init() -> tuple[int, int]:
 
 def dtlaunch_side(recipe: str, world: int, run_dir: Path, extra: tuple[str, ...] = ()) -> tuple[Any, Any, Any, Any]:
     """(cfg, Runtime, loader, MetricsLogger, PeakTracker) as the worker's Trainer builds them."""
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.data import build_loader
     from dtlaunch.train.observe.memtrack import PeakTracker

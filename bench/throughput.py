@@ -104,7 +104,7 @@ def job_overrides(case: Case, steps: int, threads: int) -> list[str]:
 
 
 def composed(overrides: Sequence[str]) -> Any:
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
 
     return compose(list(overrides)).cfg
 

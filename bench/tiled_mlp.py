@@ -36,7 +36,7 @@ def main() -> None:
 
     import torch
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.features.tiled_mlp import apply_tiled_mlp
     from dtlaunch.train.parallel.ac import apply_ac

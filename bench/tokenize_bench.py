@@ -2,7 +2,7 @@
 
 Generates ~100 MB of JSONL (documents of pseudo-words, a `text` field plus metadata), trains a small
 BPE tokenizer (8k ids, `tokenizers`) on its first megabyte, then in a fresh child process each time:
-1. tokenizes the corpus into an empty cache (dtlaunch.data.run_data.tokenize_records, what the launcher
+1. tokenizes the corpus into an empty cache (dtlaunch.launch.run_data.tokenize_records, what the launcher
    runs): MB/s of input and the child's peak RSS (ru_maxrss), to show the stream is not held in memory;
 2. starts again with the same inputs: the cache entry is verified (sizes + CRC-32 manifest) and reused.
 
@@ -27,7 +27,7 @@ CHILD = r"""
 import json, resource, sys, time
 from omegaconf import OmegaConf
 from dtlaunch.config.schema import JobConfig
-from dtlaunch.data.run_data import tokenize_records
+from dtlaunch.launch.run_data import tokenize_records
 cfg = OmegaConf.structured(JobConfig)
 cfg.data.kind = "jsonl"
 cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir = sys.argv[1], sys.argv[2], sys.argv[3]

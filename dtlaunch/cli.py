@@ -38,14 +38,14 @@ app.add_typer(recipes_app, name="recipes")
 
 
 def _complete_overrides(ctx: typer.Context, incomplete: str) -> list[str]:
-    from dtlaunch.config.completion import complete_words
+    from dtlaunch.job.completion import complete_words
 
     # The overrides already typed (parsed into the context by the completion machinery).
     return complete_words(list(ctx.params.get("overrides") or []), incomplete)
 
 
 def _complete_recipe_names(incomplete: str) -> list[str]:
-    from dtlaunch.config.completion import complete_override
+    from dtlaunch.job.completion import complete_override
 
     return [c.split("=", 1)[1] for c in complete_override(f"recipe={incomplete}")]
 

@@ -33,7 +33,7 @@ def _checkpoints_dir(run: Path) -> Path:
 
     config = RunDir(run).config
     if config.is_file():
-        from dtlaunch.config.compose import load_resolved
+        from dtlaunch.job.compose import load_resolved
 
         return checkpoint_root(load_resolved(config), run)
     return run / "checkpoints" if (run / "checkpoints").is_dir() else run

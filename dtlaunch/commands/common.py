@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from dtlaunch.config.compose import Composed, compose
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
-from dtlaunch.config.validate import validate
+from dtlaunch.job.compose import Composed, compose
+from dtlaunch.job.validate import validate
 
 
 @dataclass
@@ -34,10 +34,10 @@ class Job:
 
 def load_job(overrides: Sequence[str], recipe_dirs: Sequence[str] = (), to_run: bool = False) -> Job:
     """Compose, apply the config rules and check the job's inputs. `to_run`: validate, train and submit
-    (dry run or not) check that it can run, not only be planned (dtlaunch.inputs.job.check_job_inputs)."""
+    (dry run or not) check that it can run, not only be planned (dtlaunch.launch.job_inputs.check_job_inputs)."""
     composed = compose(overrides, recipe_dirs)
     v = validate(composed.cfg)
-    from dtlaunch.inputs.job import check_job_inputs
+    from dtlaunch.launch.job_inputs import check_job_inputs
 
     check_job_inputs(composed.cfg, to_run)  # the files the job names, before anything runs
     return Job(composed=composed, decisions=v.decisions, notes=v.notes)
@@ -60,7 +60,7 @@ def summary_table(job: Job) -> Any:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("model", f"{cfg.model.name} ({human_count(param_count(cfg.model))} params, model.arch={cfg.model.arch})")
-    from dtlaunch.config.hf_model import describe_hf_source
+    from dtlaunch.job.hf_model import describe_hf_source
 
     loaded = describe_hf_source(cfg)
     if loaded:

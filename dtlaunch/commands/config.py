@@ -18,7 +18,7 @@ def validate_command(overrides: Sequence[str], recipe_dirs: Sequence[str]) -> in
 def config_command(overrides: Sequence[str], recipe_dirs: Sequence[str], resolve: bool) -> int:
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
 
     composed = compose(overrides, recipe_dirs)
     print(OmegaConf.to_yaml(composed.cfg) if resolve else composed.unresolved_yaml, end="")

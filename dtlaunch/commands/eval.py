@@ -69,7 +69,7 @@ def check_eval_runs_here(cfg: JobConfig) -> None:
     """`train`, before any worker starts: the evaluation after training runs in this environment, so lm-eval's
     model class must import here and, offline, the tasks' hub datasets must be cached here (a submitted job
     evaluates on the cluster, which checks there). The names, the include directory and the chat template
-    were checked with the job's other inputs (dtlaunch.inputs.job.check_eval_inputs)."""
+    were checked with the job's other inputs (dtlaunch.launch.job_inputs.check_eval_inputs)."""
     if not cfg.training.eval_tasks:
         return
     require_lm_eval()

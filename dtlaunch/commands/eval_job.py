@@ -33,7 +33,7 @@ def check_finished(cfg: JobConfig, run_dir: Path) -> None:
 
 def main(argv: Sequence[str]) -> int:
     from dtlaunch.commands.eval import eval_after_training
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.run.run_dir import CONFIG_NAME
 
     if len(argv) != 1:

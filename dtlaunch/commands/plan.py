@@ -88,7 +88,7 @@ def plan_command(
         print(json.dumps(data, indent=2))
         return 0 if plan.fits else 3
     out = console()
-    from dtlaunch.config.hf_model import describe_hf_source
+    from dtlaunch.job.hf_model import describe_hf_source
 
     loaded = describe_hf_source(job.cfg)
     if loaded:

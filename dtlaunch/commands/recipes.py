@@ -14,7 +14,7 @@ from dtlaunch.errors import ConfigError, DtlaunchError, InputError
 
 
 def _recipe_file(name: str, recipe_dirs: Sequence[str]) -> Path:
-    from dtlaunch.config.compose import did_you_mean, list_recipes
+    from dtlaunch.job.compose import did_you_mean, list_recipes
 
     recipes = list_recipes(recipe_dirs)
     if name not in recipes:
@@ -24,7 +24,7 @@ def _recipe_file(name: str, recipe_dirs: Sequence[str]) -> Path:
 
 def recipe_rows(recipe_dirs: Sequence[str]) -> list[list[str]]:
     """name, model, layout, hardware, plan verdict for every recipe (each one composed and planned)."""
-    from dtlaunch.config.compose import list_recipes
+    from dtlaunch.job.compose import list_recipes
     from dtlaunch.models.shapes import human_count, param_count
     from dtlaunch.plan.memory import plan_memory
     from dtlaunch.plan.report import gib

@@ -44,7 +44,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
         )
     _plan_gate(job, force, to_stderr=dry_run)
     if not dry_run:
-        from dtlaunch.inputs.job import check_training_weights
+        from dtlaunch.launch.job_inputs import check_training_weights
 
         check_training_weights(job.cfg, fetch=False)  # a local hf:DIR must hold its weights, not only config.json
         from dtlaunch.hub.dataset import pin_dataset
@@ -64,7 +64,7 @@ def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run
         _print_eval_script(job.cfg, run_dir)
         return 0
 
-    from dtlaunch.data.run_data import prepare_run_data
+    from dtlaunch.launch.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir, pin_run_dir, removed_if_failed
 
     out.print(summary_table(job))

@@ -44,7 +44,7 @@ def expand_sweep(overrides: Sequence[str]) -> tuple[list[list[str]], set[str]]:
     fastest, as in Hydra's basic sweeper), and the keys that vary."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from dtlaunch.config.compose import refuse_hydra_overrides
+    from dtlaunch.job.compose import refuse_hydra_overrides
 
     refuse_hydra_overrides(overrides)
     parser = OverridesParser.create()
@@ -230,8 +230,8 @@ def sweep_train_command(
 
 def sweep_submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool) -> int:
     """Every point's run directory and script as `submit` writes them, and one job array running them."""
-    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch import slurm, slurm_script
+    from dtlaunch.launch.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir
 
     points, sweep_dir = prepare_points(overrides, recipe_dirs, force)

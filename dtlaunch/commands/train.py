@@ -37,7 +37,7 @@ def train_command(
         prepared, code = prepare_aside(prepare, report, exit_at_once=True)
         if prepared is None:
             return code
-        from dtlaunch.config.compose import typed_resolved
+        from dtlaunch.job.compose import typed_resolved
 
         prepared.cfg = typed_resolved(prepared.cfg)  # it crossed the fork as a plain container
     else:
@@ -119,9 +119,9 @@ def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: 
 def _prepare_run_dir(job: Any, plan: Any, no_resume: bool, run_dir: Path) -> None:
     """The run directory with its config, plan and data, checked: the data sample and the checkpoint to
     resume (exit 2 here, not 1 in the workers)."""
-    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.launch.local import follows_node_0
     from dtlaunch.launch.preflight import check_data, check_resume
+    from dtlaunch.launch.run_data import prepare_run_data
     from dtlaunch.launch.rundir import create_run_dir, move_checkpoints_aside
     from dtlaunch.run.env import NO_RESUME_ENV
 
@@ -197,8 +197,8 @@ def launch_prepared(prepared: Prepared) -> int:
 
 
 def check_hf_weights(cfg: JobConfig) -> None:
-    """The weights training starts from, before a run directory is created (dtlaunch.inputs.job)."""
-    from dtlaunch.inputs.job import check_training_weights
+    """The weights training starts from, before a run directory is created (dtlaunch.launch.job_inputs)."""
+    from dtlaunch.launch.job_inputs import check_training_weights
 
     check_training_weights(cfg, fetch=True)
 

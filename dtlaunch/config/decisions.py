@@ -1,4 +1,4 @@
-"""The decisions made from a job once: one frozen `Decisions`, computed by validation (config.validate) and by
+"""The decisions made from a job once: one frozen `Decisions`, computed by validation (job.validate) and by
 the worker's runtime from the same resolved config, and read by the planner, the launcher and the worker.
 
 Each field is decided here and nowhere else: a planner that sized one choice while the runtime ran another
@@ -15,7 +15,7 @@ from dtlaunch.config.layout import Layout, world_size
 from dtlaunch.config.schema import ObjectiveName
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import JobConfig
+    from dtlaunch.config.schema import HardwareConfig, JobConfig
 
 # training.loss_chunks=0 (auto): chunk where one rank's micro-batch logits hold at least this many elements
 # (64 MiB in fp32; a 128k vocabulary reaches it at 128 tokens, a 32k one at 512), into this many chunks.
@@ -178,6 +178,12 @@ def offload_composes_with_compile(activation_checkpointing: Any) -> bool:
     Each block is compiled inside its checkpoint wrapper: the offload hooks and the checkpoint's saving of
     the block input stay eager around the compiled graph (Dynamo would otherwise trace the hooks into it),
     and the compiled block runs again for the recompute. That needs every block checkpointed whole:
-    `full`. The rule (config.rules.offload), the layout search (plan.offload) and the runtime
+    `full`. The rule (job.rules.offload), the layout search (plan.offload) and the runtime
     (train.parallel.parallelize) decide through this one function."""
     return str(activation_checkpointing) == "full"
+
+
+def fused_optimizer(hw: HardwareConfig) -> bool:
+    """Whether a run on this profile steps AdamW with the fused kernel: GPU profiles do (the runtime picks
+    fused on CUDA, dtlaunch.train.optim), the CPU profile runs foreach, which allocates temporaries."""
+    return int(hw.gpus_per_node) > 0

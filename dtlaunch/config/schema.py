@@ -35,7 +35,7 @@ class ModelConfig:
 
     A family's own fields live with the family: its registry entry names a subclass of this class
     (models/dense/config.py adds qkv_bias, qk_norm, sliding_window; models/moe/config.py adds `moe`), and
-    a composed job's model section is typed by that subclass (dtlaunch/config/model_schema.py). Width
+    a composed job's model section is typed by that subclass (dtlaunch/job/model_schema.py). Width
     rules follow Meta's reference implementation unless ffn_dim / head_dim are set.
     """
 

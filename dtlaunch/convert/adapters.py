@@ -83,7 +83,7 @@ def base_dir(record: dict, where: str) -> Path:
             f"{where}: the adapters were trained on a randomly initialised base (model.init_from={base}), which no "
             "model directory holds: fine-tune from model.init_from=hf:DIR to export or generate"
         )
-    from dtlaunch.config.hf_model import hf_weights_dir
+    from dtlaunch.hub.model_source import hf_weights_dir
 
     path = Path(str(hf_weights_dir(base)))  # a hub name: its pinned snapshot, fetched into the cache if gone
     if not path.is_dir():

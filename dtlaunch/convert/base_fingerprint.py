@@ -86,7 +86,7 @@ def peft_record(cfg: JobConfig) -> Optional[dict]:
 
 
 def _weights_dir(src: str) -> Path:
-    from dtlaunch.config.hf_model import hf_weights_dir
+    from dtlaunch.hub.model_source import hf_weights_dir
 
     return Path(str(hf_weights_dir(src)))  # a hub name: its pinned snapshot in the cache
 

@@ -14,10 +14,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from dtlaunch.config.model_schema import model_config_from_marker
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import InputError
 from dtlaunch.inputs.hf_dir import INDEX_FILE, SINGLE_FILE, read_weight_headers, weight_files
+from dtlaunch.job.model_schema import model_config_from_marker
 from dtlaunch.models.dense.hf import halves_to_interleaved
 from dtlaunch.models.score_head import SCORE_HEAD
 
@@ -48,7 +48,7 @@ def from_hf_state(state: dict, m: Any) -> dict:
 def hf_config(m: ModelConfig, dtype: str = "float32") -> dict:
     """config.json for the model's Hugging Face architecture."""
     if _spec(m).hf is None:  # model.arch=hf_auto: the source directory's own config.json
-        from dtlaunch.config.hf_model import hf_source_dir, read_hf_config
+        from dtlaunch.hub.model_source import hf_source_dir, read_hf_config
 
         src = hf_source_dir(m.init_from)
         if src is None:
@@ -205,8 +205,8 @@ def padding_token(checkpoint: Path) -> Optional[int]:
 
 def _trained_on_bytes(config_yaml: Path) -> bool:
     """The run's ids are the byte tokenizer's: data.tokenizer resolves to byte and the data is text."""
-    from dtlaunch.config.compose import load_resolved
-    from dtlaunch.config.tokenizer_choice import effective_tokenizer
+    from dtlaunch.job.compose import load_resolved
+    from dtlaunch.job.tokenizer_choice import effective_tokenizer
 
     cfg = load_resolved(config_yaml)
     return effective_tokenizer(cfg) == "byte" and str(cfg.data.kind) != "synthetic"
@@ -393,7 +393,7 @@ def hf_init_dir(m: Any) -> Optional[str]:
         return None
     if not (src.is_hf and src.name):
         raise InputError(f"model.init_from='{src}' is not a weight source: use random or hf:DIR")
-    from dtlaunch.config.hf_model import hf_weights_dir
+    from dtlaunch.hub.model_source import hf_weights_dir
 
     return str(hf_weights_dir(str(src)))
 

@@ -134,8 +134,8 @@ class LoraRunWeights:
 def run_weights(ref: str, m: Any) -> Any:
     """objective.reference=RUN_DIR's weights, its checks run again here (the run may have changed since
     the launch)."""
-    from dtlaunch.config.model_schema import model_config_from_marker
-    from dtlaunch.config.reference_run import reference_checkpoint
+    from dtlaunch.job.model_schema import model_config_from_marker
+    from dtlaunch.job.reference_run import reference_checkpoint
     from dtlaunch.run.phases import phase
 
     info = reference_checkpoint(ref, m)

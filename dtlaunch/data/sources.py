@@ -11,7 +11,7 @@ exactly once per epoch; a global batch may straddle two epochs.
 
 Kinds: synthetic (uniform random ids, sample k generated from (seed, k): free and layout-independent),
 tokens (memory-mapped shards, fixed windows of seq_len+1 tokens), text and record kinds (tokenized once
-by the launcher, dtlaunch.data.run_data, then read as tokens). Numpy only: the launcher checks sizes with
+by the launcher, dtlaunch.launch.run_data, then read as tokens). Numpy only: the launcher checks sizes with
 these before any worker starts; the worker's loader (dtlaunch.train.data) batches them into tensors.
 """
 
@@ -188,7 +188,7 @@ def data_sources(cfg: JobConfig, run_dir: Path) -> tuple[SampleSource, Optional[
         return SyntheticSource(vocab, seq_len, seed), val
     if str(cfg.data.format) == "preference":
         return _pair_sources(cfg, run_dir)
-    if str(cfg.data.format) == "unpaired":  # objective=kto; no validation source (config/rules/objective.py)
+    if str(cfg.data.format) == "unpaired":  # objective=kto; no validation source (job/rules/objective.py)
         from dtlaunch.data.unpaired import UnpairedSource
 
         return UnpairedSource(shard_dir(cfg, run_dir, "train"), seq_len, "data.path"), None

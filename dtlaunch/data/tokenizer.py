@@ -88,7 +88,7 @@ class HFTokenizer:
 
 def resolve_tokenizer_spec(spec: str, init_from: str = "") -> str:
     """`auto` is the tokenizer.json of the model.init_from=hf:DIR directory, and `byte` for a model without
-    one of its own (as compose resolves it: dtlaunch.config.tokenizer_choice); other specs are unchanged."""
+    one of its own (as compose resolves it: dtlaunch.job.tokenizer_choice); other specs are unchanged."""
     if spec != "auto":
         return spec
     name = hf_name(init_from)

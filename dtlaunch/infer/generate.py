@@ -41,14 +41,15 @@ def load_source(source: str, device: torch.device, max_len: int = 1, adapter: st
     name = hf_name(source)
     if adapter and name is None:
         raise InputError(f"--adapter {adapter}: adapters go on an hf:DIR base; a run directory brings its own")
-    from dtlaunch.config.model_schema import typed_model
     from dtlaunch.data.tokenizer import load_tokenizer
+    from dtlaunch.job.model_schema import typed_model
     from dtlaunch.models.registry import model_spec
 
     if name is not None:
-        from dtlaunch.config.hf_model import hf_weights_dir, model_fields_from_hf, read_hf_config
-        from dtlaunch.config.tokenizer_choice import model_tokenizer_file
         from dtlaunch.convert.hf import load_hf_weights
+        from dtlaunch.hub.model_source import hf_weights_dir, read_hf_config
+        from dtlaunch.job.hf_model import model_fields_from_hf
+        from dtlaunch.job.tokenizer_choice import model_tokenizer_file
 
         path = Path(str(hf_weights_dir(source)))  # hf:ORG/NAME: its cached snapshot, weights fetched once
         model_tokenizer_file(source)  # and its tokenizer files (a directory: only looked up)
@@ -115,7 +116,7 @@ def stop_ids(model_dir: Optional[Path], *known: Optional[int]) -> tuple[int, ...
 
 def _run_base_dir(checkpoint: Path) -> Optional[Path]:
     """The local hf:DIR a run started from (its generation_config.json lists the end-of-turn ids), if any."""
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.run.run_dir import RunDir
 
     run = RunDir.of_checkpoint(checkpoint)
@@ -133,7 +134,7 @@ def set_positions(model: torch.nn.Module, length: int) -> None:
 
 def _run_tokenizer(checkpoint: Path) -> str:
     """The tokenizer a checkpoint's run trained with (its config.yaml's data.tokenizer)."""
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.run.run_dir import RunDir
 
     run = RunDir.of_checkpoint(checkpoint)
@@ -147,7 +148,7 @@ def _run_tokenizer(checkpoint: Path) -> str:
 def _configured_tokenizer(cfg: JobConfig) -> str:
     """data.tokenizer of a run without a kept tokenizer (runs from before the launcher kept one). Its ids
     on synthetic data are the model's own, so such a run from hf:DIR decodes with DIR's tokenizer."""
-    from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file
+    from dtlaunch.job.tokenizer_choice import effective_tokenizer, model_tokenizer_file
 
     own = model_tokenizer_file(cfg.model.init_from)
     if str(cfg.data.kind) == "synthetic" and own is not None:

@@ -26,7 +26,7 @@ _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 def uses_hub(cfg: JobConfig) -> bool:
     """The job names a hub model (model.init_from=hf:ORG/NAME) or a hub dataset (data.kind=hf)."""
     from dtlaunch.hub.dataset import hub_dataset_refs
-    from dtlaunch.inputs.job import is_hub_model
+    from dtlaunch.launch.job_inputs import is_hub_model
 
     return is_hub_model(cfg) or bool(hub_dataset_refs(cfg))
 

@@ -81,7 +81,7 @@ def frozen_block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def nf4_blocks_problem(model: nn.Module, block_size: int, scaler_block_size: int, shards: int) -> str:
     """Why a frozen block linear of `model`, cut into `shards` row shards (FSDP's), does not hold whole NF4
     blocks: the first such weight, with the fix; "" when every one does. Checked by validate (on the meta
-    model, dtlaunch.config.rules.qlora) and again by the worker before it quantises."""
+    model, dtlaunch.job.rules.qlora) and again by the worker before it quantises."""
     for name, mod in frozen_block_linears(model):
         rows, cols = mod.weight.shape
         if rows % shards or not nf4_fits(rows // shards * cols, block_size, scaler_block_size):

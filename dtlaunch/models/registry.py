@@ -97,7 +97,7 @@ class ModelSpec:
     # strategy.cp_style=ulysses installs its exchange (ring attention needs the decoder's own).
     hf_attention: bool = False
     # The model section's schema: ModelConfig, or a subclass adding the family's own fields (a field of
-    # another family is then an error; dtlaunch/config/model_schema.py).
+    # another family is then an error; dtlaunch/job/model_schema.py).
     config: type = ModelConfig
     # Routed experts per MoE layer of a model section (0: no expert layers; expert parallel needs some).
     routed_experts: Callable[[Any], int] = _no_experts

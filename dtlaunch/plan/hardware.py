@@ -39,9 +39,3 @@ def gloo_collectives(hw: HardwareConfig) -> bool:
     """Whether a run on this profile communicates over gloo (the CPU profile), whose all-gather and
     reduce-scatter copy their whole buffer once more; NCCL's do not."""
     return not int(hw.gpus_per_node)  # GLOO_EXTRA_BUFFER_COPIES
-
-
-def fused_optimizer(hw: HardwareConfig) -> bool:
-    """Whether a run on this profile steps AdamW with the fused kernel: GPU profiles do (the runtime picks
-    fused on CUDA, dtlaunch.train.optim), the CPU profile runs foreach, which allocates temporaries."""
-    return int(hw.gpus_per_node) > 0

@@ -248,7 +248,7 @@ def _plan_with(job: JobConfig, cfg: JobConfig, key: str, value: int, settings: d
     back to the job's own value."""
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.validate import validate
     from dtlaunch.plan.memory import plan_memory
 
     for k, v in {

@@ -206,7 +206,7 @@ def offload_notes(cfg: JobConfig) -> list[str]:
 
 def offload_variants(cfg: JobConfig, lay: Any, st: dict, tr: dict) -> list[tuple[bool, bool]]:
     """(strategy.cpu_offload, training.activation_offload) pairs the layout search tries for one
-    candidate, in order: none, activations, CPU offload, both; only those config.rules.offload allows,
+    candidate, in order: none, activations, CPU offload, both; only those job.rules.offload allows,
     and none but the first on a profile without host_memory_gib. FSDP over one rank exists only to offload
     (config.decisions.Decisions.fsdp): such a candidate is tried with CPU offload or not at all."""
     one_rank_fsdp = int(st["zero_stage"]) >= 2 and lay.dp * lay.cp == 1

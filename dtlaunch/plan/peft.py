@@ -289,7 +289,7 @@ def gathered_block(ft: PeftTerms, blk: float, e: int) -> float:
 
 
 def qlora_layout_ok(cfg: JobConfig, tp: int, pp: int, dp: int, replicas: int) -> bool:
-    """Whether a searched layout can run QLoRA (dtlaunch.config.rules.qlora): no tensor or pipeline
+    """Whether a searched layout can run QLoRA (dtlaunch.job.rules.qlora): no tensor or pipeline
     parallel, and every block linear's FSDP row shard holds whole NF4 blocks. Other methods: always."""
     if str(cfg.peft.method) != "qlora":
         return True

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout, expert_fsdp_degree
-from dtlaunch.config.rules.grpo import grpo_layout_problem
-from dtlaunch.config.rules.objective import kto_layout_problem
-from dtlaunch.config.rules.strategy import zero_layout_problem
 from dtlaunch.config.schema import CpStyle, ObjectiveName
+from dtlaunch.job.rules.grpo import grpo_layout_problem
+from dtlaunch.job.rules.objective import kto_layout_problem
+from dtlaunch.job.rules.strategy import zero_layout_problem
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
@@ -64,7 +64,7 @@ def _divisors(n: int) -> list[int]:
 
 def _tp_ok(m: Any, tp: int, seq: int) -> bool:
     if tp > 1 and getattr(m, "qk_norm_whole", False):
-        return False  # validate refuses it (config.rules.strategy.check_tensor_parallel)
+        return False  # validate refuses it (job.rules.strategy.check_tensor_parallel)
     return seq % tp == 0 and all(v % tp == 0 for _, v in model_spec(m).tp_divisors(m))
 
 
@@ -187,7 +187,7 @@ def _expert_width(m: Any) -> int:
 
 
 def _ep_degrees(m: Any, shard: int, zero: int, cp: int, tp: int = 1) -> list[int]:
-    """Expert-parallel degrees for a layout: 1, and with FSDP (no CP, no TP: config.rules.strategy's
+    """Expert-parallel degrees for a layout: 1, and with FSDP (no CP, no TP: job.rules.strategy's
     check_expert_parallel and check_moe_tensor_parallel) every divisor of dp_shard that splits the routed
     experts evenly."""
     experts = routed_experts(m)
@@ -256,13 +256,13 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
                 degrees = Layout(world=world, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp)
                 for zero in (0, 1, 2, 3):
                     if zero_layout_problem(zero, degrees):
-                        continue  # validate refuses it (config.rules.strategy.check_zero)
+                        continue  # validate refuses it (job.rules.strategy.check_zero)
                     if (zero == 0 and rep > 1) or (zero == 1 and dp * cp == 1):
                         continue
                     if zero == 0 and cp > 1 and tp > 1:  # DDP cannot average DTensor gradients over CP
                         continue
                     if not qlora_layout_ok(cfg, tp, pp, rep * shard * cp if zero >= 2 else 1, rep):
-                        continue  # config.rules.qlora: NF4 under FSDP2 or DDP, whole blocks per shard
+                        continue  # job.rules.qlora: NF4 under FSDP2 or DDP, whole blocks per shard
                     scheds = SCHEDULES if pp > 1 else (("1f1b", 1),)
                     for sched, v in scheds:
                         if pp * v > m.n_layers:
@@ -388,8 +388,8 @@ def _refusal(cfg: JobConfig, overrides: list[str]) -> str:
     import yaml
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.validate import validate
 
     job = copy.deepcopy(cfg)
     for ov in overrides:

@@ -13,13 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dtlaunch.config.decisions import Decisions, head_unit
+from dtlaunch.config.decisions import Decisions, fused_optimizer, head_unit
 from dtlaunch.config.schema import CpStyle, ObjectiveName
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.experts import grouped_gemm, rank_imbalance, stage_routed_params, stage_whole_under_tp
-from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.plan.loss_terms import logits_saved_per_token, loss_chunks
 from dtlaunch.plan.optim_terms import OptimTerms, optim_terms
 from dtlaunch.plan.peft import PeftTerms, peft_terms

@@ -22,13 +22,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dtlaunch.config.decisions import fused_optimizer
 from dtlaunch.config.layout import Layout, pp_stage_layers
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan import offload
 from dtlaunch.plan.backward import backward_peak
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases, tool_process_bytes
-from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, fused_optimizer, gloo_collectives
+from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.loss_terms import loss_chunks
 from dtlaunch.plan.objective import reference_phases, reference_static_lines

@@ -124,7 +124,7 @@ def _parse(value: str) -> Any:
 
 
 def _try(cfg: JobConfig, overrides: list[str]) -> Optional[MemoryPlan]:
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.validate import validate
 
     try:
         new = _apply(cfg, overrides)

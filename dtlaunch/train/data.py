@@ -2,7 +2,7 @@
 
 Micro-step j of optimizer step s on dp rank r reads stream positions `s*gb + j*mb*dp + r*mb ... + mb`:
 "the next mb*dp positions, rank r takes slice r". Which sample each stream position is, for every
-layout alike, is dtlaunch.data.sources (prepared by the launcher, dtlaunch.data.run_data, before this
+layout alike, is dtlaunch.data.sources (prepared by the launcher, dtlaunch.launch.run_data, before this
 worker started); the loader's state is that one global position, restorable into any dp size.
 """
 

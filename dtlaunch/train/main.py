@@ -32,8 +32,8 @@ if __name__ == "__main__":
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from dtlaunch.config.compose import load_resolved
 from dtlaunch.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, DtlaunchError
+from dtlaunch.job.compose import load_resolved
 from dtlaunch.run import preemption
 from dtlaunch.run.env import RUN_DIR_ENV
 from dtlaunch.run.phases import rank_log, startup_stamp

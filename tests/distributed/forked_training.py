@@ -128,10 +128,10 @@ def train(
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
     from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step
 

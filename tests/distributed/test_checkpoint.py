@@ -196,10 +196,10 @@ def worker_main(out: Path, stop_at: int, dump_state: bool, overrides: list[str])
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
     from dtlaunch.errors import DtlaunchError
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.data import build_loader

@@ -63,8 +63,8 @@ def runs() -> dict[str, tuple[str, list[str]]]:
 
 @pytest.fixture(scope="module")
 def results(tiny_hf_dirs, tmp_path_factory) -> dict:
-    from dtlaunch.config.compose import compose
-    from dtlaunch.data.run_data import prepare_run_data
+    from dtlaunch.job.compose import compose
+    from dtlaunch.launch.run_data import prepare_run_data
 
     base = tmp_path_factory.mktemp("matrix")
     (base / "chat.jinja").write_text(TEMPLATE)

@@ -205,9 +205,9 @@ def test_every_registered_hf_family_has_a_row() -> None:
 
 def test_refusals(dirs) -> None:
     """Every cell a family cannot do is refused by `validate` with one line naming the fix."""
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
 
     checked = 0
     for family in FAMILIES:
@@ -545,8 +545,8 @@ def test_generate_refuses_in_one_line(name: str, straight_runs) -> None:
 def test_default_lora_targets_fit_every_family(dirs) -> None:
     """peft=lora's default names the MLP; where it is routed experts only (Mixtral) it adapts the attention,
     while an explicit list naming an expert is still refused (tests/unit/test_lora.py)."""
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
 
     for f in FAMILIES:
         if "lora" not in f.cannot:

@@ -80,8 +80,8 @@ def train(overrides: list[str], world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
     from dtlaunch.train.parallel.float8 import apply_float8
     from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.step import train_step

@@ -61,7 +61,7 @@ def _blocks_keep(overrides: list[str], tokens: int) -> tuple[dict, int]:
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.train.observe.memtrack import StorageCounter
     from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.runtime import build_runtime

@@ -64,7 +64,7 @@ def _compare(overrides: list, sp: bool):
         import torch
         import torch.distributed as dist
 
-        from dtlaunch.config.compose import compose
+        from dtlaunch.job.compose import compose
 
         multiple = 2 if sp else 1
         model = rt.model_parts[0]

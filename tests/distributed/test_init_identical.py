@@ -24,9 +24,9 @@ def _worker(overrides: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.parallel.init_weights import model_param_name
     from dtlaunch.train.parallel.mesh import build_mesh

@@ -204,9 +204,9 @@ def test_float8_tensor_parallel_latent_attention_trains_as_one_process(launched)
 
 
 def test_float8_tensor_parallel_with_sequence_parallel_on_gloo_is_one_line() -> None:
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
 
     sp = [*SMALL, *FLOAT8_WIDTHS, *FLOAT8, "strategy=tp", "launch.nproc_per_node=2", "strategy.sequence_parallel=true"]
     with pytest.raises(ConfigError, match=r"^precision.float8=tensorwise with strategy.sequence_parallel=true .*gloo"):

@@ -35,8 +35,8 @@ def _runtime(overrides: list[str]):
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
     from dtlaunch.train.parallel.mesh import dp_rank_size
     from dtlaunch.train.parallel.process_group import DistEnv
     from dtlaunch.train.runtime import build_runtime

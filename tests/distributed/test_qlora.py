@@ -52,10 +52,10 @@ def train(method: str, overrides: list[str], world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dtlaunch.config.compose import compose
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
     from dtlaunch.models.nf4 import is_nf4
     from dtlaunch.train.parallel.frozen_base import convert_frozen_base
     from dtlaunch.train.parallel.process_group import DistEnv

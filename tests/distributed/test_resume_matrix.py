@@ -157,7 +157,7 @@ def hf(name: str, *extra: str, data: tuple[str, ...] = ("data=synthetic",)) -> l
 
 
 # id -> overrides ({name}: a path from `inputs`; {cache}: the test's own data cache). LoRA and QLoRA
-# rows are native only: peft refuses model.arch=hf_auto (dtlaunch.config.rules.peft).
+# rows are native only: peft refuses model.arch=hf_auto (dtlaunch.job.rules.peft).
 ROWS = {
     "native_tied_sft": [*TINY, "model.tie_embeddings=true"],
     "native_untied_sft": TINY,

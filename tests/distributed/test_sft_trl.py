@@ -146,8 +146,8 @@ def overrides(model_dir: Path, data: Path, cache: Path, case: str, layout: str) 
 @pytest.fixture(scope="module")
 def prepared(model_dir: Path, tmp_path_factory) -> dict:
     """Each case's records, prepared once by the launcher's own code: case -> (overrides by layout, run dir)."""
-    from dtlaunch.config.compose import compose
-    from dtlaunch.data.run_data import prepare_run_data
+    from dtlaunch.job.compose import compose
+    from dtlaunch.launch.run_data import prepare_run_data
 
     base = tmp_path_factory.mktemp("sft_cases")
     out = {}
@@ -193,7 +193,7 @@ def ours(prepared: dict, tmp_path_factory) -> dict:
 
 def sample_order(prepared_case: tuple) -> list[int]:
     """The sample indices dtlaunch's loader reads over STEPS global batches, in order."""
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.train.data import build_loaders
 
     over, run = prepared_case

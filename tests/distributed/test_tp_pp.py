@@ -70,7 +70,7 @@ def test_stage_split_names_and_ownership() -> None:
     from omegaconf import OmegaConf
 
     from dtlaunch.config.layout import Layout
-    from dtlaunch.config.model_schema import typed_job
+    from dtlaunch.job.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.parallel.pipeline import build_stage_modules, stage_ids
 
@@ -152,7 +152,7 @@ def _worker(out: Path, overrides: list[str]) -> None:
 
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
-    from dtlaunch.config.model_schema import typed_job
+    from dtlaunch.job.model_schema import typed_job
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.loss import HeadLoss, cross_entropy, loss_context, pipeline_loss_fn
     from dtlaunch.train.parallel.init_weights import materialize_and_init

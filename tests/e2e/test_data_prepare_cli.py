@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtlaunch.config.model_schema import typed_job
+from dtlaunch.job.model_schema import typed_job
 from dtlaunch.train.data import build_loader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))

@@ -64,7 +64,7 @@ def run(model_dir: Path, tmp_path_factory, tiny_docs) -> Path:
 
 
 def test_the_run_trained_on_the_models_tokenizer_and_kept_it(run: Path, model_dir: Path) -> None:
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
 
     own = model_dir / "tokenizer.json"
     assert load_resolved(run / "config.yaml").data.tokenizer == str(own.resolve())

@@ -127,9 +127,9 @@ def test_bad_reward_refused_before_workers(trainer, toy: Path, tmp_path: Path) -
     ],
 )
 def test_grpo_config_rules(toy: Path, extra: list, message: str) -> None:
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose(grpo_args(toy, *extra)).cfg)
@@ -140,9 +140,9 @@ def test_grpo_config_rules(toy: Path, extra: list, message: str) -> None:
 
 def test_prompt_too_long_refused(toy: Path, tmp_path: Path) -> None:
     """In-process: what the launcher runs on the prompts before any worker starts."""
-    from dtlaunch.config.compose import compose
-    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.errors import InputError
+    from dtlaunch.job.compose import compose
+    from dtlaunch.launch.run_data import prepare_run_data
 
     with pytest.raises(InputError) as err:
         prepare_run_data(compose(grpo_args(toy, "training.seq_len=3")).cfg, tmp_path)
@@ -157,7 +157,7 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
     - a run whose rank 1 is SIGKILLed as step 5 begins (mid-way through the second batch), restarted by the
       launcher and resumed from the step-3 checkpoint: the resumed rollout regenerates what the
       uninterrupted one did from the same seeds and weights (checkpoints fall on batch boundaries:
-      config.rules.grpo);
+      job.rules.grpo);
     - a run SIGTERMed while rank 1 holds at step 1, whose stop would land after step 1 or 2 (when the
       flag rides the step's collectives), mid-batch: it finishes the batch, saves step 3, exits 75, and the
       same command resumes it. It generates with one FSDP unit gathered at a time
@@ -220,7 +220,7 @@ def test_fsdp_killed_or_preempted_and_resumed_equals_uninterrupted(trainer, toy:
         assert 0 <= m["sampling/sampling_logp_difference/mean"] <= m["sampling/sampling_logp_difference/max"] < 1e-4
         ratios = [m[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
         assert 0.9999 < ratios[0] <= ratios[1] <= ratios[2] < 1.0001, m
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
 
     assert str(load_resolved(straight / "config.yaml").objective.generation_gather) == "whole"  # the plan's choice
     assert json.loads((preempted / "plan.json").read_text())["generation_gather"] == "unit"

@@ -95,7 +95,7 @@ def test_plan_fetches_config_json_only_then_train_fetches_the_rest_once(hub: Hub
     ok(dtlaunch(hub, home, "train", *ONE, *SHORT, f"model.init_from=hf:{MODEL}", *data, f"run.dir={run}"))
     assert hub.gets("/model.safetensors") == 1 and hub.gets("/tokenizer.json") == 1
     assert hub.gets("/en/train.jsonl") == 1
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
 
     cfg = load_resolved(run / "config.yaml")
     sha = hub.repos[("models", MODEL)].sha
@@ -221,7 +221,7 @@ def test_grpo_reads_its_prompts_from_a_hub_dataset(hub: Hub, tmp_path: Path) -> 
     records = [json.loads(x) for x in (run / "data" / "prompts.jsonl").read_text().splitlines()]
     assert len(records) == 8 and {r["columns"]["source"] for r in records} == {"easy"}
     assert records[0]["prompt"] == "the the" and records[0]["columns"]["answer"] == "7"
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
 
     assert load_resolved(run / "config.yaml").data.revision == hub.repos[("datasets", PROMPTS)].sha
     assert (run / "metrics.jsonl").read_text().strip()

@@ -54,13 +54,13 @@ def hub(model_files: Path, dataset_files: Path, tmp_path: Path, monkeypatch: pyt
 
 
 def resolve(name: str) -> Path:
-    from dtlaunch.config.hf_model import hf_source_dir
+    from dtlaunch.hub.model_source import hf_source_dir
 
     return hf_source_dir(f"hf:{name}")
 
 
 def weights(name: str) -> Path:
-    from dtlaunch.config.hf_model import hf_weights_dir
+    from dtlaunch.hub.model_source import hf_weights_dir
 
     return hf_weights_dir(f"hf:{name}")
 

@@ -65,7 +65,7 @@ def test_hub_val_path_is_fetched_pinned_and_reads_its_split(hub: Hub, splits: Pa
     home, cache = tmp_path / "hf", [f"data.cache_dir={tmp_path / 'tok'}"]
     val = [f"data.val_path={DATASET}", "data.val_split=validation"]
     ok(train(hub, home, *val, *cache, f"run.dir={tmp_path / 'hub'}"))
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
 
     cfg = load_resolved(tmp_path / "hub" / "config.yaml")
     sha = hub.repos[("datasets", DATASET)].sha

@@ -37,7 +37,7 @@ LAYOUTS = {
 
 def _reference(run: Path) -> list[dict]:
     """One process: both ranks' batches as two micro-batches of one step, AdamW, the same bias update."""
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.models.moe import balance
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.data import build_loaders

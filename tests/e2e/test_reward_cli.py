@@ -124,8 +124,8 @@ def test_text_data_is_one_line_exit_2(reward_run, tmp_path) -> None:
 def test_resume_check_knows_the_score_head(reward_run) -> None:
     """The launcher's resume check builds the model as the workers do: the run's checkpoint (score head, no LM
     head) matches its own config, and not the same config as a language model's."""
-    from dtlaunch.config.compose import load_resolved
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.launch.preflight import check_model_matches
     from dtlaunch.run.checkpoints import resolve_load_path
 

@@ -107,9 +107,9 @@ def test_bad_target_is_one_line_exit_2(user_path: Path) -> None:
     ],
 )
 def test_bad_target_messages(user_path: Path, monkeypatch, overrides: list[str], message: str) -> None:
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
 
     monkeypatch.syspath_prepend(str(user_path))
     with pytest.raises(ConfigError, match=message):

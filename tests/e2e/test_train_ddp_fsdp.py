@@ -120,7 +120,7 @@ def test_forked_and_execd_workers_train_alike(trainer, layout_run) -> None:
 
 def test_compile_parity(trainer, reference, layout_run) -> None:
     """training.compile=true on ZeRO-3 (2 ranks, 2 micro-batches of 2 per step) trains like one eager process."""
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
 
     run_dir = layout_run("accum_zero3_2x2x2")
     assert load_resolved(run_dir / "config.yaml").training.compile is True

@@ -63,7 +63,7 @@ def _run_with_checkpoints(run_dir: Path) -> Path:
     import torch
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.optim import build_optimizer, build_scheduler

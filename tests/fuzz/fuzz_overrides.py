@@ -27,8 +27,8 @@ def _quoted(s: str) -> str:
 @lru_cache(maxsize=1)
 def schema_fields() -> list[tuple[str, object]]:
     """(dotted key, type annotation) for every leaf field of the job schema."""
-    from dtlaunch.config.model_schema import job_schema
     from dtlaunch.config.schema import section_type
+    from dtlaunch.job.model_schema import job_schema
 
     out: list[tuple[str, object]] = []
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import load_hf_weights
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import model_spec
 
 

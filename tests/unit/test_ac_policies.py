@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.dense.activations import ac_mix
 from dtlaunch.models.dense.model import build_model
 from dtlaunch.train.observe.memtrack import StorageCounter

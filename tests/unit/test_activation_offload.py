@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.lines import Line
 from dtlaunch.plan.memory import plan_memory

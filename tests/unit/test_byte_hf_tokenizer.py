@@ -67,7 +67,7 @@ def test_written_files_load_with_auto_tokenizer(tmp_path: Path) -> None:
 
 
 def _run(tmp_path: Path, *overrides: str) -> Path:
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.launch.rundir import create_run_dir
 
     return create_run_dir(compose([*overrides, f"run.dir={tmp_path / 'run'}"]).cfg, "x")
@@ -94,9 +94,9 @@ def test_export_of_a_synthetic_run_writes_no_tokenizer(tmp_path: Path) -> None:
 
 
 def test_chat_template_eval_after_a_byte_run_is_refused_before_training() -> None:
-    from dtlaunch.config.compose import compose
     from dtlaunch.errors import ConfigError
-    from dtlaunch.inputs.job import check_eval_inputs
+    from dtlaunch.job.compose import compose
+    from dtlaunch.launch.job_inputs import check_eval_inputs
 
     over = ["data.tokenizer=byte", "training.eval_tasks=[arc_easy]", "training.eval_apply_chat_template=true"]
     refusal = r"^training.eval_apply_chat_template=true: .*byte tokenizer.*set it to false"

@@ -201,8 +201,8 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
 
 
 def test_validate_reads_data_chat_template(tmp_path: Path) -> None:
-    from dtlaunch.config.compose import compose
-    from dtlaunch.config.validate import validate
+    from dtlaunch.job.compose import compose
+    from dtlaunch.job.validate import validate
 
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
@@ -214,9 +214,9 @@ def test_validate_reads_data_chat_template(tmp_path: Path) -> None:
 
 
 def test_the_template_a_run_trained_with_goes_into_its_tokenizer_and_export(tmp_path: Path) -> None:
-    from dtlaunch.config.compose import compose
     from dtlaunch.convert.hf import export_tokenizer
-    from dtlaunch.data.run_data import keep_tokenizer
+    from dtlaunch.job.compose import compose
+    from dtlaunch.launch.run_data import keep_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok", CONTROL)
     run = tmp_path / "run"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.dense.model import build_model
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.optim import build_optimizer, build_scheduler

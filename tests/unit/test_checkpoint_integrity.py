@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.dense.model import build_model
 from dtlaunch.run.checkpoints import MARKER, STATE_FILE, check_checkpoint, step_dir_name
 from dtlaunch.run.checksums import digest_file

@@ -18,7 +18,7 @@ MOE = ["model=tiny_moe", "model.moe.bias_update_rate=0.001"]
 
 
 def build(*overrides: str, device: str = "meta") -> tuple:
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.features.peft import apply_peft
 

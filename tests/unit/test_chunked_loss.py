@@ -61,7 +61,7 @@ def test_frozen_head_and_no_grad() -> None:
 def test_decoder_hidden_states_through_the_runtime_loss() -> None:
     """The tiny model called with the loss's `head` argument (its hidden states): the HeadLoss on them equals
     cross_entropy on its logits."""
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.loss import cross_entropy, head_loss
     from dtlaunch.train.parallel.init_weights import materialize_and_init
@@ -86,8 +86,8 @@ def test_decoder_hidden_states_through_the_runtime_loss() -> None:
 
 def test_model_without_the_switch_is_refused() -> None:
     """A module that only returns logits cannot take the chunked loss: one-line ConfigError, no fallback."""
-    from dtlaunch.config.compose import compose
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.compose import compose
     from dtlaunch.train.loss import head_loss
 
     cfg = compose(["model=tiny", "training.loss_chunks=4"]).cfg
@@ -127,7 +127,7 @@ def test_planner_chunk_term_matches_the_measured_peak(tokens: int) -> None:
 def test_hf_auto_hidden_states_through_the_chunked_loss(tiny_hf_dirs) -> None:
     """model.arch=hf_auto (transformers' Qwen3): its decoder's hidden states through the chunked loss equal
     cross_entropy on transformers' own logits, loss and gradients."""
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.loss import cross_entropy, head_loss
     from dtlaunch.train.parallel.init_weights import materialize_and_init

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config.compose import RECIPE_PATH_ENV, compose, list_recipes, load_resolved
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import RECIPE_PATH_ENV, compose, list_recipes, load_resolved
 
 ALL_RECIPES = sorted(list_recipes())
 REQUIRED = {

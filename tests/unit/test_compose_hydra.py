@@ -1,4 +1,4 @@
-"""dtlaunch composes a job with Hydra 1.3's own steps minus Hydra's `hydra` node (dtlaunch.config.compose:
+"""dtlaunch composes a job with Hydra 1.3's own steps minus Hydra's `hydra` node (dtlaunch.job.compose:
 `_compose_without_hydra_node`, half of compose's time). Held here to what `hydra.compose` itself gives, on
 every shipped recipe and on overrides that exercise the grammar: the same job, node for node and in the same
 order, the same group choices, and the same exception for a bad override."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-import dtlaunch.config.compose as compose_mod
-from dtlaunch.config.model_schema import register_schemas
+import dtlaunch.job.compose as compose_mod
+from dtlaunch.job.model_schema import register_schemas
 
 OVERRIDE_SETS = [
     ["model=tiny", "strategy=fsdp", "training.micro_batch=2", "peft=lora", "peft.targets=[wq,wv]"],

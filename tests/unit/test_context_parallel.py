@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from dtlaunch.config.model_schema import typed_job
-from dtlaunch.config.validate import validate
 from dtlaunch.data.sources import SyntheticSource
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.model_schema import typed_job
+from dtlaunch.job.validate import validate
 from dtlaunch.train.data import TokenLoader
 from dtlaunch.train.parallel.context_parallel import _RingAttentionFn, local_positions
 

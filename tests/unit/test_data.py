@@ -9,10 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtlaunch.config.model_schema import typed_job
-from dtlaunch.data.run_data import prepare_run_data
 from dtlaunch.data.shards import ShardWriter
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
+from dtlaunch.job.model_schema import typed_job
+from dtlaunch.launch.run_data import prepare_run_data
 from dtlaunch.train.data import build_loader
 
 SEQ = 8

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dtlaunch.config.model_schema import typed_job
-from dtlaunch.config.validate import validate
 from dtlaunch.data.cache import build_entry, cached_tokens, encode_batches, publish_entry, verify_entry
 from dtlaunch.data.records import iter_documents
-from dtlaunch.data.run_data import prepare_run_data
 from dtlaunch.data.shards import open_shards
 from dtlaunch.data.sources import held_out_split
 from dtlaunch.data.tokenizer import load_tokenizer
 from dtlaunch.errors import ConfigError, DtlaunchError, InputError
+from dtlaunch.job.model_schema import typed_job
+from dtlaunch.job.validate import validate
+from dtlaunch.launch.run_data import prepare_run_data
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,9 @@ def test_document_mask_matches_documents_run_alone() -> None:
 def test_unpacked_samples_are_single_documents_padded_and_masked(tmp_path, tiny_tokenizer, tiny_docs) -> None:
     import json
 
-    from dtlaunch.config.model_schema import typed_job
-    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.data.tokenizer import load_tokenizer
+    from dtlaunch.job.model_schema import typed_job
+    from dtlaunch.launch.run_data import prepare_run_data
     from dtlaunch.train.data import build_loaders
 
     docs = tiny_docs(30, seed=5, words=(3, 40))
@@ -130,7 +130,7 @@ def test_packed_documents_hold_no_sequence_squared_mask() -> None:
 def test_hf_auto_keeps_packed_documents_apart(tiny_hf_dirs) -> None:
     """model.arch=hf_auto: the restarted positions alone make transformers' mask keep each document to
     itself (its packed-sequence detection); each document's logits equal those of running it alone."""
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.hf_auto.build import build_model as build_hf_auto
 
     m = compose(["model=tiny", "model.arch=hf_auto", f"model.init_from=hf:{tiny_hf_dirs['llama_tied']}"]).cfg.model

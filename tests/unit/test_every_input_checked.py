@@ -5,7 +5,7 @@ The inputs come from the schema: every string field of the job (each section, an
 fields) is either a file, directory or function of the user's, with a broken value in BROKEN, or a plain
 value listed in VALUES. A new string field fails test_every_string_field_is_classified until it is put in
 one or the other, and one put in BROKEN fails test_all_four_commands_refuse until every command checks it
-(dtlaunch.inputs.job.check_job_inputs, the one check load_job runs for all of them).
+(dtlaunch.launch.job_inputs.check_job_inputs, the one check load_job runs for all of them).
 
 Runs the console entry point in-process (tests/cli_in_process.py): no subprocess, no worker.
 """
@@ -227,7 +227,7 @@ def _string_fields(cls: type, prefix: str = "") -> set[str]:
 
 
 def test_every_string_field_is_classified() -> None:
-    from dtlaunch.config.model_schema import job_schema
+    from dtlaunch.job.model_schema import job_schema
 
     fields = _string_fields(job_schema())  # the model section: every registered family's fields
     unclassified = sorted(fields - VALUES - set(BROKEN))

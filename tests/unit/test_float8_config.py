@@ -54,7 +54,7 @@ def _converted_block(recipe: str, multiple_of: int):
     torchao = pytest.importorskip("torchao")
     import torch
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.parallel.float8 import apply_float8
 

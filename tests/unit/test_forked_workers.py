@@ -98,7 +98,7 @@ def test_poll_and_signals_reach_the_forked_worker(fake_worker: Path, monkeypatch
 def test_only_a_launcher_that_preloaded_having_computed_nothing_forks(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process has run CPU kernels (other tests): its forks could deadlock in OpenMP, so it is not
     `ready` until a launcher's warm start preloads; `launch.worker_start=exec` always execs."""
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.launch.local import use_forks
 
     cfg = compose(["recipe=tiny_ddp"]).cfg

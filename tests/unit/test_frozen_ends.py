@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.parallel.frozen_base import convert_frozen_base, frozen_ends

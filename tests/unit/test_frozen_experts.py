@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.moe import experts as experts_mod
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.features.peft import apply_peft

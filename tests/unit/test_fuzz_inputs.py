@@ -356,7 +356,7 @@ def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.models.dense.model import build_model
     from dtlaunch.train.checkpoint.manager import CheckpointManager
     from dtlaunch.train.optim import build_optimizer, build_scheduler

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hf_loaded import ours, round_trip, theirs
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")

@@ -646,7 +646,7 @@ def test_environment_matches_trl(env_setup, timeout_s) -> None:
 
 def test_the_step_scores_at_the_sampling_temperature() -> None:
     """GRPOObjective (the step's loss) takes objective.temperature from the config and scores logits / T."""
-    from dtlaunch.config.compose import compose
+    from dtlaunch.job.compose import compose
     from dtlaunch.train.batch import RolloutRows
     from dtlaunch.train.objectives.rollout import GRPOObjective
 

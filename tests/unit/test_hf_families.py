@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.convert.hf import load_hf_weights, save_hf
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")

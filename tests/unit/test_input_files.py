@@ -57,7 +57,7 @@ def test_recipe_file_errors_name_file_line_and_cause(
 
 
 def test_compose_errors_are_never_cut_mid_sentence() -> None:
-    from dtlaunch.config.compose import _first_line
+    from dtlaunch.job.compose import _first_line
 
     exc = ValueError("In 'recipe/x': ValidationError raised while composing config:\nthe cause\n    full_key: recipe")
     assert _first_line(exc) == "In 'recipe/x': ValidationError raised while composing config: the cause"
@@ -119,8 +119,8 @@ def test_every_numeric_field_has_a_range_rule() -> None:
     import dataclasses
     import typing
 
-    from dtlaunch.config.model_schema import job_schema
-    from dtlaunch.config.ranges import RANGES
+    from dtlaunch.job.model_schema import job_schema
+    from dtlaunch.job.ranges import RANGES
 
     missing = []
 

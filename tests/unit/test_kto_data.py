@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
-from dtlaunch.data.run_data import tokenize_records
 from dtlaunch.data.unpaired import UnpairedSource, example_rows
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
+from dtlaunch.launch.run_data import tokenize_records
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")

@@ -124,7 +124,7 @@ def test_kto_matches_trl(hf_dir, tmp_path, loss: str, labels: list, weights: tup
 
 def test_trl_refuses_one_example_per_batch(hf_dir, tmp_path) -> None:
     """TRL refuses loss=kto with one example per device batch (its KL row would be its own completion):
-    config/rules/objective.py refuses training.micro_batch=1 the same way."""
+    job/rules/objective.py refuses training.micro_batch=1 the same way."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with pytest.raises(ValueError, match="batch size must be > 1"):
         trl.KTOTrainer(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 
 
 def _cfg(*overrides: str):

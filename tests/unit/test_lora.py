@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.lora import adapt_linear, adapter_init, apply_lora, effective_matrix, select_targets
 from dtlaunch.models.registry import model_spec
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from hf_loaded import ours
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.convert.adapters import Adapters, merge, peft_config, to_peft_state
 from dtlaunch.errors import ConfigError
 from dtlaunch.inputs.adapter_dir import ADAPTER_CONFIG, ADAPTER_FILE
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.lora import adapt_experts, adapt_linear, routed_expert_stacks
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,7 @@ def test_the_workers_imports_and_a_meta_build_do_not_import_dynamo() -> None:
     code = (
         "import sys\n"
         "import dtlaunch.train.main\n"  # everything a worker imports before it builds
-        "from dtlaunch.config.compose import compose\n"
+        "from dtlaunch.job.compose import compose\n"
         "from dtlaunch.models.registry import model_spec\n"
         "for model in ('tiny', 'tiny_moe', 'qwen3_0.6b'):\n"
         "    m = compose(['model=' + model]).cfg.model\n"

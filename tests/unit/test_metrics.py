@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtlaunch.config.model_schema import typed_job
+from dtlaunch.job.model_schema import typed_job
 from dtlaunch.models.flops import flops_per_token, matmul_params, mfu
 from dtlaunch.models.shapes import param_count
 from dtlaunch.train.observe.metrics import MetricsLogger, _Display

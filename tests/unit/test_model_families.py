@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import hf_config
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import known_archs, model_spec
 from dtlaunch.models.shapes import param_count
 
@@ -133,8 +133,8 @@ def test_plan_search_offers_olmo3_no_tensor_parallel() -> None:
     ],
 )
 def test_bad_family_layouts_are_one_line_errors(overrides: list[str], message: str) -> None:
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.validate import validate
 
     with pytest.raises(ConfigError, match=message):
         validate(compose(overrides).cfg)

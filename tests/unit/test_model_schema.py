@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from dtlaunch.config.compose import compose, load_resolved
-from dtlaunch.config.model_schema import _union, job_schema, typed_job
 from dtlaunch.config.schema import ModelConfig
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose, load_resolved
+from dtlaunch.job.model_schema import _union, job_schema, typed_job
 from dtlaunch.models.dense.config import DenseModelConfig
 from dtlaunch.models.moe.config import MoeModelConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtlaunch.config.compose import compose, group_options
+from dtlaunch.job.compose import compose, group_options
 from dtlaunch.models.registry import model_spec
 from dtlaunch.models.shapes import param_count
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.flops import matmul_params
 from dtlaunch.models.moe import shapes
 from dtlaunch.models.shapes import param_count

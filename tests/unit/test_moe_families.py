@@ -8,10 +8,10 @@ import pytest
 import torch
 from hf_loaded import ours
 
-from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import HFWeights, load_hf_weights, save_hf
 from dtlaunch.errors import InputError
 from dtlaunch.infer.generate import generate_ids, load_source, set_positions
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import model_spec
 from dtlaunch.models.shapes import param_count
 
@@ -239,8 +239,8 @@ def test_balancing_overrides_are_free_shape_overrides_contradict(tiny_moe_hf_dir
     ],
 )
 def test_gpt_oss_refusals_are_one_line(overrides: list[str], message: str) -> None:
-    from dtlaunch.config.validate import validate
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.validate import validate
 
     with pytest.raises(ConfigError, match=message) as err:
         validate(compose(["model=gpt_oss_20b", "training.seq_len=16", *overrides]).cfg)

@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
 from dtlaunch.plan.stage import plan_stage
 
 TINY = ["model=tiny", "hardware=cpu", "training.seq_len=16", "training.micro_batch=2"]
@@ -59,7 +59,7 @@ def test_planned_state_equals_torchao_state(name: str) -> None:
 
 
 def test_lowbit_without_torchao_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dtlaunch.config.rules.optim import check_optim
+    from dtlaunch.job.rules.optim import check_optim
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))

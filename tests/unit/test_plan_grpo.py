@@ -112,9 +112,9 @@ def test_workers_decide_what_the_plan_chose(tmp_path) -> None:
     launcher writes into the run directory, and the decisions a worker computes from that file (as
     build_runtime does) equal the launcher's, field by field."""
     from dtlaunch.commands.train import take_plan_choices
-    from dtlaunch.config.compose import load_resolved
     from dtlaunch.config.decisions import Decisions
     from dtlaunch.config.layout import Layout
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.launch.rundir import create_run_dir
     from dtlaunch.run.run_dir import CONFIG_NAME
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config.compose import list_recipes
-from dtlaunch.config.validate import validate
+from dtlaunch.job.compose import list_recipes
+from dtlaunch.job.validate import validate
 from dtlaunch.models.dense import activations as act
 from dtlaunch.models.shapes import param_count
 from dtlaunch.plan.memory import plan_memory

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config import validate as validate_module
 from dtlaunch.errors import ConfigError
+from dtlaunch.job import validate as validate_module
 from dtlaunch.plan.search import search
 
 

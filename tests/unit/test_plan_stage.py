@@ -4,8 +4,8 @@ tensors, one rank emulated on a fake process group)."""
 
 import pytest
 
-from dtlaunch.config.compose import compose
 from dtlaunch.config.layout import Layout
+from dtlaunch.job.compose import compose
 from dtlaunch.plan.stage import backward_peak, forward_lines, optimizer_lines, plan_stage, stage_shape, static_lines
 
 # The full-vocabulary loss: the step's peak is at the loss's backward, where the tracked categories are

@@ -174,7 +174,7 @@ def test_planner_trace_and_runtime_step_adamw_the_same_way():
     (4 B per local parameter) only for the CPU profile, and the trace replays a GPU profile with fused."""
     import torch
 
-    from dtlaunch.plan.hardware import fused_optimizer
+    from dtlaunch.config.decisions import fused_optimizer
     from dtlaunch.train.optim import adamw_kwargs
 
     opt_phase = {}

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.data.preference import PairSource, cut
-from dtlaunch.data.run_data import tokenize_records
 from dtlaunch.errors import ConfigError, InputError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
+from dtlaunch.launch.run_data import tokenize_records
 
 pytest.importorskip("transformers")
 

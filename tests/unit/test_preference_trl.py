@@ -17,8 +17,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import from_hf_state, load_hf_weights, to_hf_state
+from dtlaunch.job.compose import compose
 from dtlaunch.models.lora import apply_lora, hf_module_name
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.objectives import PreferenceObjective, summarize

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 
 BASE = ["model=tiny", "peft=qlora", "precision=bf16", "launch.nproc_per_node=2"]
 SMALL_BLOCKS = ["peft.nf4_block_size=16", "peft.nf4_scaler_block_size=4"]

@@ -17,10 +17,10 @@ import torch
 from hf_loaded import ours, round_trip, theirs
 from test_qwen3_next import _flat, documents_data, packed_documents_are_each_alone
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.convert.hf import HFWeights, load_hf_weights, save_hf
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 from dtlaunch.models.registry import model_spec
 
 transformers = pytest.importorskip("transformers")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hf_loaded import QWEN3_NEXT_80B_A3B, ours, round_trip, theirs
 
-from dtlaunch.config.compose import compose
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""objective.reference=RUN_DIR (dtlaunch.config.reference_run): what validate refuses before launch, in one
+"""objective.reference=RUN_DIR (dtlaunch.job.reference_run): what validate refuses before launch, in one
 line. The block reads of the run's weights (dtlaunch.convert.run_weights): tests/e2e/test_reference_run_blocks.py;
 the losses against the exported reference: tests/e2e/test_dpo_reference_run.py."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dtlaunch.config.compose import compose
 from dtlaunch.config.schema import to_dict
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
+from dtlaunch.job.validate import validate
 
 BASE = ["objective=dpo", "data=synthetic"]
 

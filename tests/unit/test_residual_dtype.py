@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import model_spec
 from dtlaunch.plan.memory import plan_memory
 from dtlaunch.train.loss import cross_entropy

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from dtlaunch.config.compose import compose
 from dtlaunch.convert.hf import from_hf_state, to_hf_state
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import model_spec
 from dtlaunch.models.score_head import add_score_head
 from dtlaunch.train.objectives.reward import RewardObjective, reward_positions
@@ -136,10 +136,10 @@ def test_margin_field_reaches_the_step(tiny_tokenizer, tmp_path) -> None:
     no number is one error naming its line; another objective refuses the field."""
     import json
 
-    from dtlaunch.config.validate import validate
     from dtlaunch.data.preference import PairSource
-    from dtlaunch.data.run_data import tokenize_records
     from dtlaunch.errors import ConfigError, InputError
+    from dtlaunch.job.validate import validate
+    from dtlaunch.launch.run_data import tokenize_records
     from dtlaunch.train.data import TokenLoader
 
     def cfg_of(records: list, *extra: str):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dtlaunch.config.model_schema import typed_job
-from dtlaunch.data.run_data import keep_tokenizer, prepare_run_data
 from dtlaunch.errors import InputError
+from dtlaunch.job.model_schema import typed_job
+from dtlaunch.launch.run_data import keep_tokenizer, prepare_run_data
 from dtlaunch.train.data import IGNORE_INDEX, build_loaders
 
 transformers = pytest.importorskip("transformers")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dtlaunch.commands.common import load_job
-from dtlaunch.config.compose import compose
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.features.tiled_mlp import apply_tiled_mlp

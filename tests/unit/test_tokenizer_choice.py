@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dtlaunch.config.compose import compose, load_resolved
-from dtlaunch.config.validate import validate
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.compose import compose, load_resolved
+from dtlaunch.job.validate import validate
 
 pytest.importorskip("transformers")
 
@@ -78,8 +78,8 @@ def test_a_model_without_tokenizer_json(bare_model_dir: Path, model_dir: Path, j
 
 
 def test_synthetic_run_from_hf_keeps_and_decodes_with_the_models_tokenizer(model_dir: Path, tmp_path: Path) -> None:
-    from dtlaunch.data.run_data import keep_tokenizer
     from dtlaunch.infer.generate import _run_tokenizer
+    from dtlaunch.launch.run_data import keep_tokenizer
     from dtlaunch.launch.rundir import create_run_dir
 
     cfg = compose([f"model.init_from=hf:{model_dir}", f"run.dir={tmp_path / 'run'}"]).cfg
@@ -98,8 +98,8 @@ def test_synthetic_run_from_hf_keeps_and_decodes_with_the_models_tokenizer(model
 
 def test_byte_token_shards_for_a_model_with_its_own_tokenizer_are_refused(model_dir: Path, tmp_path: Path) -> None:
     from dtlaunch.data.prepare import prepare_corpus
-    from dtlaunch.data.run_data import prepare_run_data
     from dtlaunch.data.tokenizer import ByteTokenizer
+    from dtlaunch.launch.run_data import prepare_run_data
 
     (tmp_path / "a.txt").write_text("w1 w2 w3 " * 400)
     prepare_corpus([str(tmp_path / "a.txt")], tmp_path / "shards", ByteTokenizer(), pattern="*.txt")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtlaunch.config.compose import compose
+from dtlaunch.job.compose import compose
 from dtlaunch.models.dense.model import build_model
 from dtlaunch.train.checkpoint.states import train_states
 from dtlaunch.train.optim import build_optimizer, build_scheduler

@@ -40,7 +40,7 @@ def test_recipes_table_keeps_names_whole_and_fits(columns: int, recipe_rows) -> 
     from rich.console import Console
 
     from dtlaunch.commands.recipes import recipes_table
-    from dtlaunch.config.compose import list_recipes
+    from dtlaunch.job.compose import list_recipes
 
     buf = io.StringIO()
     Console(file=buf, width=columns).print(recipes_table(recipe_rows, columns))
@@ -61,7 +61,7 @@ def test_recipes_table_keeps_names_whole_and_fits(columns: int, recipe_rows) -> 
 
 
 def test_recipes_show_and_cp(tmp_path: Path, monkeypatch, capsys) -> None:
-    from dtlaunch.config.compose import list_recipes
+    from dtlaunch.job.compose import list_recipes
 
     monkeypatch.chdir(tmp_path)
     assert run_cli(["recipes", "show", "tiny_ddp"], monkeypatch) == 0
@@ -208,8 +208,8 @@ def test_every_environment_variable_read_is_documented() -> None:
 
 def test_completion_of_recipes_groups_and_keys(monkeypatch, capsys) -> None:
     from dtlaunch.cli import app
-    from dtlaunch.config.completion import complete_override, complete_words
-    from dtlaunch.config.compose import group_options, list_recipes
+    from dtlaunch.job.completion import complete_override, complete_words
+    from dtlaunch.job.compose import group_options, list_recipes
 
     assert complete_override("recipe=tiny_") == sorted(f"recipe={r}" for r in list_recipes() if r.startswith("tiny_"))
     assert complete_override("model=") == [f"model={o}" for o in group_options("model")]

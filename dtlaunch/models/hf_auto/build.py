@@ -49,7 +49,7 @@ def _source(m: ModelConfig) -> Path:
         raise ConfigError(
             "model.arch=hf_auto needs model.init_from=hf:DIR (the architecture and weights come from DIR)"
         )
-    from dtlaunch.config.hf_model import hf_source_dir
+    from dtlaunch.hub.model_source import hf_source_dir
 
     return Path(str(hf_source_dir(m.init_from)))
 

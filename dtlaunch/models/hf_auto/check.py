@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.hf_model import hf_source_dir, read_hf_config
 from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.errors import ConfigError
+from dtlaunch.hub.model_source import hf_source_dir, read_hf_config
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig

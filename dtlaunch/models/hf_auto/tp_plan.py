@@ -41,7 +41,7 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv
 @lru_cache(maxsize=8)
 def _hf_config(init_from: str) -> Any:
 
-    from dtlaunch.config.hf_model import hf_source_dir
+    from dtlaunch.hub.model_source import hf_source_dir
     from dtlaunch.models.hf_auto.build import _transformers
 
     return _transformers().AutoConfig.from_pretrained(str(hf_source_dir(init_from)), local_files_only=True)

@@ -40,12 +40,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dtlaunch.config.decisions import Decisions
+from dtlaunch.config.decisions import Decisions, fused_optimizer
 from dtlaunch.config.layout import Layout
 from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.registry import model_spec
-from dtlaunch.plan.hardware import fused_optimizer
 from dtlaunch.train.batch import MicroBatch, RolloutRows
 from dtlaunch.train.features.peft import apply_peft
 from dtlaunch.train.loss import cross_entropy

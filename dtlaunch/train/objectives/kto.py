@@ -15,7 +15,7 @@ z0 = max(0, mean over the processes of the micro-batch's mean of the KL rows' r)
 weighted by objective.desirable_weight / undesirable_weight; the micro-step's loss is their mean over its
 examples (TRL's nanmean). z0's mean over the processes is taken per micro-step, over every rank (data-
 parallel ranks hold different examples; tensor- and context-parallel peers the same value, which a mean
-over all of them leaves unchanged); pipeline parallel is refused (config/rules/objective.py).
+over all of them leaves unchanged); pipeline parallel is refused (job/rules/objective.py).
 """
 
 from __future__ import annotations

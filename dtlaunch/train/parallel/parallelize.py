@@ -118,7 +118,7 @@ def parallelize(
     if where != device:
         buffers_to(model, device)
     if data_mesh is not None and zero <= 1 and not frozen:
-        # DDP x TP is refused by dtlaunch.config.rules.strategy.check_zero before launch.
+        # DDP x TP is refused by dtlaunch.job.rules.strategy.check_zero before launch.
         return apply_ddp(model, dp_mesh(world_mesh, flatten=True), cfg, device)
     return model
 

@@ -226,7 +226,7 @@ class ReshardingStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if backward_type != "full":
-            # Validation refuses split-backward schedules with pp_reshard_grads (config.validate).
+            # Validation refuses split-backward schedules with pp_reshard_grads (job.validate).
             raise RuntimeError(f"pp_reshard_grads needs full backward passes, got a '{backward_type}' pass")
         with _fsdp_sync_pinned_on(self.submod):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from dtlaunch.config.hf_model import hf_source_dir
 from dtlaunch.config.weight_source import hf_name
+from dtlaunch.hub.model_source import hf_source_dir
 from dtlaunch.run.run_dir import TOKENIZER_FILE
 
 if TYPE_CHECKING:

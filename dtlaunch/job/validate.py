@@ -1,5 +1,5 @@
-"""Cross-field rules in one order: the section rules (dtlaunch.config.rules.<section>, each a small function
-raising a ConfigError that names key, value and fix) after the numeric ranges (dtlaunch.config.ranges).
+"""Cross-field rules in one order: the section rules (dtlaunch.job.rules.<section>, each a small function
+raising a ConfigError that names key, value and fix) after the numeric ranges (dtlaunch.job.ranges).
 
 `validate(cfg)` runs them in a fixed order and returns the job's decisions (config.decisions.Decisions: the
 resolved layout and what follows from it, decided once) plus notes worth showing (things that are allowed but
@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from dtlaunch.config.decisions import Decisions
 from dtlaunch.config.layout import Layout
-from dtlaunch.config.ranges import check_ranges
-from dtlaunch.config.rules.checkpoint import check_checkpoint
-from dtlaunch.config.rules.data import check_data
-from dtlaunch.config.rules.grpo import check_grpo_layout
-from dtlaunch.config.rules.launch import check_cluster, check_hardware, check_launch
-from dtlaunch.config.rules.long_context import check_mlp_tiles, check_residual_dtype
-from dtlaunch.config.rules.model import check_model_layout, check_model_shape
-from dtlaunch.config.rules.objective import check_kto_layout, check_objective, check_reward_layout
-from dtlaunch.config.rules.offload import check_offload
-from dtlaunch.config.rules.optim import check_optim
-from dtlaunch.config.rules.peft import check_peft, check_target_experts_layout
-from dtlaunch.config.rules.precision import check_float8_tensor_parallel, check_precision
-from dtlaunch.config.rules.qlora import check_qlora
-from dtlaunch.config.rules.run import check_logging, check_profiling, check_run_name
-from dtlaunch.config.rules.strategy import (
+from dtlaunch.job.ranges import check_ranges
+from dtlaunch.job.rules.checkpoint import check_checkpoint
+from dtlaunch.job.rules.data import check_data
+from dtlaunch.job.rules.grpo import check_grpo_layout
+from dtlaunch.job.rules.launch import check_cluster, check_hardware, check_launch
+from dtlaunch.job.rules.long_context import check_mlp_tiles, check_residual_dtype
+from dtlaunch.job.rules.model import check_model_layout, check_model_shape
+from dtlaunch.job.rules.objective import check_kto_layout, check_objective, check_reward_layout
+from dtlaunch.job.rules.offload import check_offload
+from dtlaunch.job.rules.optim import check_optim
+from dtlaunch.job.rules.peft import check_peft, check_target_experts_layout
+from dtlaunch.job.rules.precision import check_float8_tensor_parallel, check_precision
+from dtlaunch.job.rules.qlora import check_qlora
+from dtlaunch.job.rules.run import check_logging, check_profiling, check_run_name
+from dtlaunch.job.rules.strategy import (
     check_context_parallel,
     check_expert_parallel,
     check_layout,
@@ -36,7 +36,7 @@ from dtlaunch.config.rules.strategy import (
     check_tensor_parallel,
     check_zero,
 )
-from dtlaunch.config.rules.training import check_batch, check_training
+from dtlaunch.job.rules.training import check_batch, check_training
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
@@ -53,7 +53,7 @@ class Validated:
 
 
 SIMPLE_RULES: list[Callable[[Any, list[str]], None]] = [
-    # The numeric ranges (one table next to the schema, config/ranges.py) first: the rules below may
+    # The numeric ranges (one table next to the schema, job/ranges.py) first: the rules below may
     # divide by or index with these values.
     check_ranges,
     check_model_shape,

@@ -1,5 +1,5 @@
 """Cross-field rules by config section, one module each (model, strategy, precision, training, optim, peft,
-qlora, offload, objective, data, checkpoint, launch, run); dtlaunch.config.validate runs them in order."""
+qlora, offload, objective, data, checkpoint, launch, run); dtlaunch.job.validate runs them in order."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 def _section(dotted: str) -> Optional[type]:
     """The schema dataclass at `dotted` ('' = the job), or None if that is not a section."""
-    from dtlaunch.config.model_schema import job_schema
     from dtlaunch.config.schema import section_type
+    from dtlaunch.job.model_schema import job_schema
 
     node: Any = job_schema()
     for part in [p for p in dotted.split(".") if p]:
@@ -40,7 +40,7 @@ def _keys_under(parent: str) -> list[str]:
 
 
 def _value_options(key: str) -> list[str]:
-    from dtlaunch.config.compose import CONFIGS_DIR, group_options, list_recipes
+    from dtlaunch.job.compose import CONFIGS_DIR, group_options, list_recipes
 
     if key == "recipe":
         try:
@@ -58,7 +58,7 @@ def _value_options(key: str) -> list[str]:
 
 def complete_override(incomplete: str) -> list[str]:
     """Completions of one override word as typed so far."""
-    from dtlaunch.config.compose import CONFIGS_DIR
+    from dtlaunch.job.compose import CONFIGS_DIR
 
     sign = incomplete[:1] if incomplete[:1] in "+~" else ""
     body = incomplete[len(sign) :]

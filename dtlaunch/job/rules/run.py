@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.rules import need_package
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.rules import need_package
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig

@@ -8,60 +8,16 @@ worse, load into a model the checkpoint does not describe).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
+from dtlaunch.hub.model_source import hf_source_dir, read_hf_config
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
-
-
-def hf_source_dir(init_from: Any) -> Optional[Path]:
-    """The directory holding config.json for hf:DIR, or for hf:ORG/NAME[@REV] its snapshot in the hub
-    cache (config.json fetched if missing, nothing else); None for other sources."""
-    name = hf_name(init_from)
-    if name is None:
-        return None
-    if not name:
-        raise ConfigError("model.init_from='hf:' names no directory: use model.init_from=hf:DIR or hf:ORG/NAME")
-    from dtlaunch.hub.resolve import model_ref, model_snapshot
-
-    ref = model_ref(name)  # an existing local directory wins over a hub name
-    return Path(name).expanduser() if ref is None else model_snapshot(ref)
-
-
-def hf_weights_dir(init_from: Any) -> Optional[Path]:
-    """hf_source_dir, with a hub model's weights fetched into the cache first (once, with progress)."""
-    path = hf_source_dir(init_from)
-    from dtlaunch.hub.resolve import model_ref, pin
-
-    ref = model_ref(hf_name(init_from) or "") if path is not None else None
-    if ref is None:
-        return path
-    from dtlaunch.hub.download import ensure_model_files
-
-    return ensure_model_files(pin(ref, path), weights=True, tokenizer=False)
-
-
-def read_hf_config(path: Path) -> dict:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"model.init_from=hf:{path}: no config.json there: point it at a Hugging Face model directory "
-            f"(e.g. one written by `dtlaunch ckpt export --format hf`)"
-        )
-    try:
-        c = json.loads(cfg_file.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"model.init_from=hf:{path}: config.json is not readable JSON ({exc})") from exc
-    from dtlaunch.inputs.hf_dir import check_hf_config
-
-    check_hf_config(c, path)
-    return c
 
 
 def model_fields_from_hf(path: Path, config: Optional[dict] = None, arch: str = "") -> dict:
@@ -149,7 +105,7 @@ def _put(tree: dict, dotted: str, value: Any) -> None:
 
 def apply_hf_model(resolved: dict, overrides: Sequence[str]) -> None:
     """Replace resolved['model'] by what DIR/config.json describes; conflicting overrides are errors."""
-    from dtlaunch.config.model_schema import family_schema
+    from dtlaunch.job.model_schema import family_schema
 
     model = resolved.get("model") or {}
     path = hf_source_dir(model.get("init_from"))

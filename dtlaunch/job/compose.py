@@ -200,7 +200,7 @@ def _reset_to_default(override: str) -> str:
         return override
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.model_schema import schema_node
+    from dtlaunch.job.model_schema import schema_node
 
     key = m.group(1)
     schema = schema_node(_job_schema())
@@ -268,7 +268,7 @@ def compose(
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.model_schema import register_schemas, typed_job
+    from dtlaunch.job.model_schema import register_schemas, typed_job
 
     _register_resolvers()
     refuse_hydra_overrides(overrides)
@@ -303,7 +303,7 @@ def compose(
             raise ConfigError(explain_compose_error(exc, rest)) from exc
     for key, value in deferred:
         _set_dotted(resolved, key, value)
-    from dtlaunch.config.hf_model import apply_hf_model
+    from dtlaunch.job.hf_model import apply_hf_model
 
     apply_hf_model(resolved, rest)
     try:
@@ -321,7 +321,7 @@ def compose(
     missing = sorted(OmegaConf.missing_keys(typed))
     if missing:
         raise ConfigError(f"missing value for '{missing[0]}': set it on the command line, e.g. {missing[0]}=...")
-    from dtlaunch.config.tokenizer_choice import resolve_auto_tokenizer
+    from dtlaunch.job.tokenizer_choice import resolve_auto_tokenizer
 
     resolve_auto_tokenizer(typed)
     OmegaConf.set_struct(typed, True)
@@ -351,7 +351,7 @@ def typed_resolved(job: Any) -> JobConfig:
     section by its family's, with no keys to add."""
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.model_schema import typed_job
+    from dtlaunch.job.model_schema import typed_job
 
     typed = typed_job(job)
     OmegaConf.set_struct(typed, True)
@@ -360,7 +360,7 @@ def typed_resolved(job: Any) -> JobConfig:
 
 def _job_schema() -> type:
     """The job's schema before its model family is known (the model section: every family's fields)."""
-    from dtlaunch.config.model_schema import job_schema
+    from dtlaunch.job.model_schema import job_schema
 
     return job_schema()
 

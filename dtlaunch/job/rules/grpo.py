@@ -1,6 +1,6 @@
 """Rules of objective=grpo (online RL), run by `validate` before any worker starts.
 
-Ranges (num_generations >= 2, epsilon, temperature, top_p, ...) are in config/ranges.py. Here: the pairs
+Ranges (num_generations >= 2, epsilon, temperature, top_p, ...) are in job/ranges.py. Here: the pairs
 that do not go together. What needs the data (each reward function called once on a sample, prompts that
 leave no room for the completion) is checked when the launcher reads the prompts (dtlaunch.inputs.rewards).
 """

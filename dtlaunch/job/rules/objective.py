@@ -1,6 +1,6 @@
 """Rules of the `objective` section (preference tuning), run by `validate` before any worker starts.
 
-Ranges (beta, label_smoothing, sft_weight, gamma) are in config/ranges.py. Here: the pairs that do not go
+Ranges (beta, label_smoothing, sft_weight, gamma) are in job/ranges.py. Here: the pairs that do not go
 together. Every layout runs every preference objective (under pipeline parallel: dtlaunch.train.objectives.pipeline)
 but objective=kto (check_kto_layout) and grpo (rules/grpo.py); objective=reward's scalar head runs without tensor,
 pipeline and context parallel (check_reward).
@@ -12,10 +12,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from dtlaunch.config.layout import Layout
-from dtlaunch.config.rules.grpo import check_grpo
 from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.config.weight_source import hf_name
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.rules.grpo import check_grpo
 
 if TYPE_CHECKING:
     from dtlaunch.config.decisions import Decisions
@@ -143,12 +143,12 @@ def check_reward_layout(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
 
 def check_reference(ref: str, model: Any) -> None:
     """objective.reference: base, hf:DIR (a Hugging Face model directory) or a dtlaunch run directory / one
-    of its checkpoints (dtlaunch.config.reference_run)."""
+    of its checkpoints (dtlaunch.job.reference_run)."""
     if ref == "base":
         return
     name = hf_name(ref)
     if name is None:
-        from dtlaunch.config.reference_run import reference_checkpoint
+        from dtlaunch.job.reference_run import reference_checkpoint
 
         reference_checkpoint(ref, model)
         return

@@ -4,7 +4,7 @@ the reward functions, the tools, the evaluation's tasks and their directory, a r
 
 `check_job_inputs` is the one check every command that reads a job runs (dtlaunch.commands.common.load_job:
 validate, plan, train and submit, dry run or not), after composition (which refuses a model.family_module
-it cannot import) and the config rules (dtlaunch.config.validate: a missing data.path, data.val_path,
+it cannot import) and the config rules (dtlaunch.job.validate: a missing data.path, data.val_path,
 data.tokenizer, checkpoint.load_path, objective.reference, model._target_), and before the plan: what
 `train` would refuse, `validate` refuses too (tests/unit/test_every_input_checked.py holds every command
 to it for every such field of the schema)."""
@@ -29,7 +29,7 @@ def check_job_inputs(cfg: JobConfig, to_run: bool = False) -> None:
     """`to_run`: the job is checked to be run (validate, train, submit; dry run or not), not only planned
     (plan, config, the recipes table): what only a run needs is refused too (GRPO's prompts)."""
     if to_run:
-        from dtlaunch.config.rules.grpo import grpo_data_problem
+        from dtlaunch.job.rules.grpo import grpo_data_problem
 
         problem = grpo_data_problem(cfg)
         if problem:
@@ -107,8 +107,8 @@ def check_eval_inputs(cfg: JobConfig) -> None:
     that here, a submitted job on the cluster."""
     if not cfg.training.eval_tasks:
         return
-    from dtlaunch.config.tokenizer_choice import effective_tokenizer
     from dtlaunch.infer.harness import BYTE_NO_CHAT, TRAINING_KEYS, check_request, eval_request
+    from dtlaunch.job.tokenizer_choice import effective_tokenizer
 
     include = str(cfg.training.eval_include)
     if include and not Path(include).expanduser().is_dir():
@@ -179,7 +179,7 @@ def check_job_chat_template(cfg: JobConfig) -> None:
         template, where = chosen_chat_template(spec, Path())  # a set template reads no tokenizer
         check_chat_template(template, where, "fix the template file (data.chat_template)")
         return
-    from dtlaunch.config.tokenizer_choice import effective_tokenizer
+    from dtlaunch.job.tokenizer_choice import effective_tokenizer
 
     tok_json = tokenizer_file(Path(effective_tokenizer(cfg)).expanduser())
     if tok_json.is_file():

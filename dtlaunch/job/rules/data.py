@@ -6,10 +6,10 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
-from dtlaunch.config.rules import need_package
 from dtlaunch.config.schema import ObjectiveName
-from dtlaunch.config.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 from dtlaunch.errors import ConfigError
+from dtlaunch.job.rules import need_package
+from dtlaunch.job.tokenizer_choice import effective_tokenizer, model_tokenizer_file, tokenizer_problem
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import DataConfig, JobConfig

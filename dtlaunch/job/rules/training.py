@@ -33,7 +33,7 @@ def check_training(cfg: JobConfig, notes: list[str]) -> None:
 
 def check_ac_options(t: TrainingConfig) -> None:
     """The selective-AC knobs: a budget that needs compile and selective mode (the policy is a schema choice)."""
-    budget = float(t.ac_memory_budget)  # its range [0, 1] and ac_every_n_layers >= 1: config.ranges
+    budget = float(t.ac_memory_budget)  # its range [0, 1] and ac_every_n_layers >= 1: job.ranges
     if budget > 0 and not t.compile:
         raise ConfigError(
             f"training.ac_memory_budget={budget:g} is applied by torch.compile's partitioner: set "

@@ -238,7 +238,7 @@ RANGES: dict[str, Range] = {
 def _schema_default(key: str) -> Any:
     from omegaconf import OmegaConf
 
-    from dtlaunch.config.model_schema import job_schema, schema_node
+    from dtlaunch.job.model_schema import job_schema, schema_node
 
     return OmegaConf.select(schema_node(job_schema()), key, default=None)
 

@@ -1,6 +1,6 @@
 """Rules of the `peft` section (LoRA / QLoRA), run by `validate` before any worker starts.
 
-peft.rank, peft.alpha and peft.dropout have their ranges in config/ranges.py. Here: the pairs that do
+peft.rank, peft.alpha and peft.dropout have their ranges in job/ranges.py. Here: the pairs that do
 not go together, and the target names, which only the model can judge: the model is built on the meta
 device (no memory; torch is imported only when peft.method is not none) and its linears are named
 through the family's Hugging Face mapping, so the error lists exactly the names this model accepts.

@@ -38,7 +38,7 @@ def reference_checkpoint(ref: str, model: Any) -> Any:
 def _check_run_config(checkpoint: Path, where: str) -> None:
     """The run's config.yaml (RUN or RUN/checkpoints/step-N's run) must read back as a job: a corrupt one
     says the directory is not the run it seems to be."""
-    from dtlaunch.config.compose import load_resolved
+    from dtlaunch.job.compose import load_resolved
     from dtlaunch.run.run_dir import RunDir
 
     run = RunDir.of_checkpoint(checkpoint)
@@ -50,7 +50,7 @@ def _check_run_config(checkpoint: Path, where: str) -> None:
 
 
 def _marker_model(info: Any, where: str) -> Any:
-    from dtlaunch.config.model_schema import model_config_from_marker
+    from dtlaunch.job.model_schema import model_config_from_marker
 
     try:
         return model_config_from_marker(info.marker)
@@ -61,9 +61,9 @@ def _marker_model(info: Any, where: str) -> Any:
 def check_same_architecture(theirs: Any, ours: Any, where: str) -> None:
     """Every field that describes the weights (not the TRAINING_CHOICE ones: name, max_seq_len,
     init_from) equal in the reference's model section and the trained one's."""
-    from dtlaunch.config.hf_model import training_choices
-    from dtlaunch.config.model_schema import family_schema
     from dtlaunch.config.schema import to_dict
+    from dtlaunch.job.hf_model import training_choices
+    from dtlaunch.job.model_schema import family_schema
 
     a, b = _flat(to_dict(theirs)), _flat(to_dict(ours))
     free = training_choices(family_schema(to_dict(ours)))

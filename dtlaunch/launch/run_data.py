@@ -199,7 +199,7 @@ def prepare_run_data(cfg: JobConfig, run_dir: Path) -> Optional[Any]:
     train and validation data each hold a global batch, so bad data fails (exit 2) before any worker.
     Returns data.kind=text's PrepareSummary when it tokenized now, else None."""
     kind = check_kind(cfg)
-    from dtlaunch.config.rules.grpo import grpo_data_problem
+    from dtlaunch.job.rules.grpo import grpo_data_problem
 
     problem = grpo_data_problem(cfg)
     if problem:
@@ -255,10 +255,10 @@ def _prepare_prompts(cfg: JobConfig, run_dir: Path) -> None:
 
 def _check_shards_tokenizer(cfg: JobConfig, run_dir: Path) -> None:
     """data.kind=tokens shards made with the byte tokenizer, for a model with its own, are refused."""
-    from dtlaunch.config.tokenizer_choice import shards_tokenizer_problem
     from dtlaunch.data.shards import open_shards
     from dtlaunch.data.sources import shard_dir
     from dtlaunch.errors import ConfigError
+    from dtlaunch.job.tokenizer_choice import shards_tokenizer_problem
 
     meta = open_shards(shard_dir(cfg, run_dir, "train"), "data.path").meta
     problem = shards_tokenizer_problem(cfg, str(meta.get("tokenizer", "")))
