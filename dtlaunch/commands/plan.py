@@ -48,6 +48,21 @@ def plan_gate(job: Job, force: bool) -> MemoryPlan:
     return plan
 
 
+def take_plan_choices(job: Job, plan: MemoryPlan) -> None:
+    """What the plan chose where the job left it to the plan (objective.generation_gather=auto under ZeRO-3:
+    "unit" when only that fits; training.loss_chunks=auto on a GPU profile: 1 when the full pass fits) goes
+    into the config the run directory's config.yaml is written from, so that the workers run as it was
+    planned, and into the job's decisions, which must stay the config's."""
+    import dataclasses
+
+    if plan.generation_gather and str(job.cfg.objective.generation_gather) == "auto":
+        job.cfg.objective.generation_gather = plan.generation_gather
+        job.decisions = dataclasses.replace(job.decisions, generation_gather=plan.generation_gather)
+    if plan.loss_chunks and int(job.cfg.training.loss_chunks) == 0:  # training.loss_chunks=auto: the full pass fits
+        job.cfg.training.loss_chunks = plan.loss_chunks
+        job.decisions = dataclasses.replace(job.decisions, loss_chunks=plan.loss_chunks)
+
+
 def _refusal(plan: MemoryPlan) -> str:
     from dtlaunch.plan.report import gib, host_overflow
 

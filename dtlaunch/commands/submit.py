@@ -20,17 +20,19 @@ if TYPE_CHECKING:
 
 
 def _plan_gate(job: Job, force: bool, to_stderr: bool) -> None:
-    """The planner's gate (prints the plan; raises PlanDoesNotFit, exit 3), when the planner provides one."""
+    """The planner's gate (prints the plan; raises PlanDoesNotFit, exit 3), when the planner provides one, and
+    the choices the job left to the plan written into it: the nodes' workers read the run directory's
+    config.yaml and must run the job as it was planned."""
     import contextlib
     import sys
 
     try:
-        from dtlaunch.commands.plan import plan_gate
+        from dtlaunch.commands.plan import plan_gate, take_plan_choices
     except ImportError:
         return
     # A dry run keeps stdout for the script alone (`dtlaunch submit ... --dry-run > job.sbatch`).
     with contextlib.redirect_stdout(sys.stderr) if to_stderr else contextlib.nullcontext():
-        plan_gate(job, force=force)
+        take_plan_choices(job, plan_gate(job, force=force))
 
 
 def submit_command(overrides: Sequence[str], recipe_dirs: Sequence[str], dry_run: bool, force: bool) -> int:

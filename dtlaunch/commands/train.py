@@ -70,24 +70,13 @@ def _compose_and_plan(overrides: Sequence[str], recipe_dirs: Sequence[str], forc
     phase("composing the job")
     job = load_job(overrides, recipe_dirs, to_run=True)
     # The memory-plan gate refuses (exit 3) before anything is created, unless --force.
-    from dtlaunch.commands.plan import plan_gate
+    from dtlaunch.commands.plan import plan_gate, take_plan_choices
 
     phase("planning memory")
     plan = plan_gate(job, force=force)
     take_plan_choices(job, plan)
     console().print(summary_table(job))
     return job, plan
-
-
-def take_plan_choices(job: Any, plan: Any) -> None:
-    """What the plan chose where the job left it to the plan (objective.generation_gather=auto under ZeRO-3:
-    "unit" when only that fits) goes into the config the run directory's config.yaml is written from, so
-    that the workers run as it was planned, and into the job's decisions, which must stay the config's."""
-    if plan.generation_gather and str(job.cfg.objective.generation_gather) == "auto":
-        import dataclasses
-
-        job.cfg.objective.generation_gather = plan.generation_gather
-        job.decisions = dataclasses.replace(job.decisions, generation_gather=plan.generation_gather)
 
 
 def prepare_launch(overrides: Sequence[str], recipe_dirs: Sequence[str], force: bool, no_resume: bool) -> Prepared:

@@ -9,6 +9,7 @@ of the real runtime (dtlaunch.plan.trace).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,9 @@ class MemoryPlan:
     generation_gather: str = (
         ""  # objective=grpo under ZeRO-3: "whole" or "unit" (config.decisions.Decisions.generation_gather)
     )
+    # The plan's choice under training.loss_chunks=0 (auto) on a GPU profile: 1 where the full-vocabulary pass
+    # fits (see plan_memory); 0 where it chose nothing (the job's own count, config.decisions).
+    loss_chunks: int = 0
     # Why this host could not plan the job (a model without a closed-form plan whose trace cannot run here):
     # the peak is then a lower bound (this rank's share of the weights) and the plan never "fits".
     unplanned: str = ""
@@ -110,6 +114,7 @@ class MemoryPlan:
             ],
             "notes": list(self.notes),
             **({"generation_gather": self.generation_gather} if self.generation_gather else {}),
+            **({"loss_chunks": self.loss_chunks} if self.loss_chunks else {}),
             "suggestions": list(self.suggestions),
             **(self._host_dict() if self.host_per_rank else {}),
         }
@@ -134,8 +139,19 @@ class MemoryPlan:
 def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> MemoryPlan:
     """Plan every pipeline rank (or, for the search, only those that can hold the peak). objective=grpo
     under ZeRO-3 with objective.generation_gather=auto: the rollout gathers the whole model unless only one
-    unit at a time fits; the plan says which (`generation_gather`, and a note)."""
+    unit at a time fits; the plan says which (`generation_gather`, and a note). training.loss_chunks=0 (auto),
+    where the job's own auto chunks the loss (config.decisions), on a GPU profile: the full-vocabulary pass where
+    it fits, else the chunks; the plan says which (`loss_chunks`, and a note)."""
     dec = Decisions.of(cfg, layout)
+    if _full_pass_left_to_plan(cfg, dec):
+        full = plan_memory(_with_loss_chunks(cfg, 1), layout, all_stages)
+        if full.fits:
+            full.loss_chunks = 1
+            full.notes.append(
+                f"training.loss_chunks=auto: one full-vocabulary pass, which fits (its {dec.loss_chunks} chunks cost up to "
+                f"9 % of a step on an H200); training.loss_chunks={dec.loss_chunks} chunks anyway"
+            )
+            return full
     gather = dec.generation_gather
     plan = _plan_memory(cfg, dec, all_stages, gather)
     if gather == "whole" and str(cfg.objective.generation_gather) == "auto" and not plan.fits:
@@ -147,6 +163,24 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
             )
             return unit
     return plan
+
+
+def _full_pass_left_to_plan(cfg: JobConfig, dec: Decisions) -> bool:
+    """Whether the plan picks the loss's chunks: training.loss_chunks=0 (auto) where the job's own auto would
+    chunk, on a GPU profile. The chunks save memory at the price of one more head matmul per token; where the
+    full pass fits that price buys nothing (plan --search prefers the full pass the same way,
+    plan.search.loss_chunk_options). The CPU profile keeps the job's own count: its "device" is the host's
+    RAM, shared with the loader and everything else on the machine, where a plan that just fits is no promise."""
+    return int(cfg.training.loss_chunks) == 0 and dec.loss_chunks > 1 and int(cfg.hardware.gpus_per_node) > 0
+
+
+def _with_loss_chunks(cfg: JobConfig, chunks: int) -> JobConfig:
+    """`cfg` with training.loss_chunks=`chunks`, the job itself untouched (a schema dataclass, or the
+    search's namespaces)."""
+    job = copy.copy(cfg)
+    job.training = copy.copy(cfg.training)
+    job.training.loss_chunks = chunks
+    return job
 
 
 def _plan_memory(cfg: JobConfig, dec: Decisions, all_stages: bool, gather: str) -> MemoryPlan:

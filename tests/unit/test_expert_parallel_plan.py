@@ -64,6 +64,7 @@ def test_ep_shards_what_fsdp_gathers_and_adds_all_to_all_buffers() -> None:
         "training.micro_batch=1",
         "training.seq_len=4096",
         "training.activation_checkpointing=full",
+        "training.loss_chunks=8",  # the same loss either way (auto: the full pass where it fits, EP=8 only)
     ]
     job, ep1 = _plan(*common)
     _, ep8 = _plan(*common, "strategy.ep=8")

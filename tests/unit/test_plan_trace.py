@@ -94,10 +94,12 @@ def test_analytic_within_5_percent_of_trace(overrides):
 )
 def test_analytic_within_5_percent_of_trace_at_real_sizes(overrides):
     """The acceptance check at real sizes: fake tensors, one rank of the full world (5-20 s each quiet)."""
+    from dtlaunch.commands.plan import take_plan_choices
     from dtlaunch.plan.trace import trace_peak
 
     job = load_job(overrides)
     plan = plan_memory(job.cfg, job.layout)
+    take_plan_choices(job, plan)  # the job as the launcher runs it (training.loss_chunks=auto: the plan's choice)
     rank = plan.worst.stage * (job.layout.world // job.layout.pp)  # the most loaded stage's first rank
     traced = trace_peak(job.cfg, job.layout, rank=rank)
     assert traced["tensors"] == "fake" and traced["stage"] == plan.worst.stage

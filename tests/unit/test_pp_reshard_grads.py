@@ -52,7 +52,7 @@ def test_plan_keeps_less_and_communicates_more_when_resharding() -> None:
     # Every stage: the whole stage's unsharded gradients are what resharding saves.
     for k, r in zip(keep_plan.stages, reshard_plan.stages, strict=True):
         assert r.peak < k.peak, (k.stage, r.peak, k.peak)
-    assert "pp_reshard_grads=true" in keep_plan.notes[-1]
+    assert any("pp_reshard_grads=true" in note for note in keep_plan.notes), keep_plan.notes
     n_mb = 4
     comm = [step_time(j.cfg, j.layout, 1, n_mb)["comm"] for j in (keep, reshard)]
     assert comm[1] > comm[0]

@@ -16,7 +16,8 @@ from dtlaunch.commands.common import load_job
 from dtlaunch.plan.memory import GIB, plan_memory
 from dtlaunch.plan.search import step_time
 
-BATCH = ["training.micro_batch=2", "training.seq_len=2048"]
+# torchtune's loss is CEWithChunkedOutputLoss, 8 chunks (dtlaunch's auto would take the full pass where it fits).
+BATCH = ["training.micro_batch=2", "training.seq_len=2048", "training.loss_chunks=8"]
 FULL = [*BATCH, "training.activation_checkpointing=full", "training.compile=true", "strategy.cpu_offload=true"]
 ROWS = {
     "8B LoRA, 1 x RTX 4090": (16.2, ["recipe=llama3_8b_lora", *BATCH, "training.global_batch=2"]),

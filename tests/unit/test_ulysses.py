@@ -84,6 +84,7 @@ BIG = [
     "training.activation_checkpointing=full",
     "training.micro_batch=1",
     "training.global_batch=1",
+    "training.loss_chunks=8",  # the attention's difference, not auto's full-vocabulary pass where one fits
 ]
 
 
