@@ -19,7 +19,7 @@ from dtlaunch.plan import offload
 from dtlaunch.plan.cp_terms import backward_exchange_bytes
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
-from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, regathered_root
+from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, loss_chunks, regathered_root
 from dtlaunch.plan.peft import gathered_block
 from dtlaunch.plan.shape import StageShape, block_saved_bytes, loss_saved_per_token, mean_block_saved_per_token
 from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
@@ -147,11 +147,12 @@ def _block_working_set(c: StageShape) -> float:
     parallel's K/V exchange and, under autocast, a recomputed block's weight casts."""
     d, e, tp, act = c.block_dims, c.compute_bytes, c.tp, c.activation_model
     no_ac = act.block_bytes_no_ac(d, e, tp, c.sequence_parallel, c.fp32_residual, c.compiled)
-    work = (act.backward_working_bytes(d, e, tp) + _recompute_per_token(c, no_ac)) * c.tokens
+    attention = _flash_backward_per_token(c)
+    work = (max(act.backward_working_bytes(d, e, tp), attention) + _recompute_per_token(c, no_ac)) * c.tokens
     if tiled(act, c.mlp_tiles):  # dtlaunch.plan.tiled_terms
         no_ac -= mlp_saved_bytes(act, d, e, tp, c.compiled)
         grads = act.backward_working_bytes(d, e, tp) + tile_working_bytes(act, d, e, tp, c.mlp_tiles)
-        work = (grads + _recompute_per_token(c, no_ac)) * c.tokens
+        work = (max(grads, attention) + _recompute_per_token(c, no_ac)) * c.tokens
         work += grad_sum_bytes(act, d, c.grad_element_bytes, tp, not c.peft)
     work += _largest_kind_excess(c) * c.tokens  # a hybrid family's largest block kind
     if c.peft and c.peft.qlora:
@@ -164,6 +165,19 @@ def _block_working_set(c: StageShape) -> float:
         # The recomputed block casts its weights again.
         work += e * (c.peft.adapters_block if c.peft else c.block_params - c.block_norm_params)
     return work
+
+
+def _flash_backward_per_token(c: StageShape) -> float:
+    """Per token, the attention's backward moment where it runs CUDA's flash kernel: a GPU profile, without
+    context parallel or under Ulysses (the whole sequence for heads / cp heads: per token of the rank's
+    share, the same bytes), a family that states it (the dense block's `flash_backward_bytes`); 0 elsewhere:
+    ring attention (its chunks' kernels and exchanges: dtlaunch.plan.cp_terms) and the CPU's kernel, which
+    keeps no fp32 accumulator (the CPU suite's runs are exact without the term)."""
+    fn = getattr(c.activation_model, "flash_backward_bytes", None)
+    ring = c.cp > 1 and str(c.cfg.strategy.cp_style) != "ulysses"
+    if fn is None or int(c.cfg.hardware.gpus_per_node) == 0 or ring:
+        return 0.0
+    return fn(c.block_dims, c.compute_bytes, c.tp) or 0.0
 
 
 def _held_activations(c: StageShape, lines: dict[str, float]) -> float:
@@ -202,6 +216,7 @@ def _at_first_block(
     at_first += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
     at_first += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
     at_first += _prefetched_block(c)
+    at_first -= _head_cast(c)  # freed by the loss's backward, the last to read it
     if c.optim and c.optim.in_backward:
         # The update of one tensor runs inside backward, its gradient freed right after: a block's inside
         # the block's backward.
@@ -217,20 +232,49 @@ def _device_block_per_token(c: StageShape) -> float:
 
 
 def _at_last_block(c: StageShape, at_first: float, block_grads: float) -> float:
-    """Inside the last block's backward (the first stage's embedding next): the other blocks' activations
-    freed, their gradients produced (where they grow), the root unit's update under a step in backward,
-    and on the first stage the embedding's gradient (unsharded before its reduce-scatter under ZeRO-3)."""
+    """Inside the last block's backward, and right after it in the first stage's embedding's: the other
+    blocks' activations and autocast weight casts freed, their gradients produced (where they grow), the
+    root unit's update under a step in backward; in the embedding's backward its gradient (unsharded before
+    its reduce-scatter under ZeRO-3), once the last block's working set is freed (without FSDP; under FSDP at
+    the block's peak). Counting the embedding's gradient inside the block's backward put one H200 process
+    (Llama-3.1-8B width, 4 layers, autocast) 6-7.5 % over its measured peak with any activation checkpointing
+    or a chunked loss; with these terms the 2,048-token rows are within 1.5 % (bench/gpu, gpu_bench.py)."""
     layers, v = c.layers, c.vocab_params
     grown = max(0, layers - 1) * block_grads if _gradients_grow(c) else 0.0
-    freed = (layers - 1) * _device_block_per_token(c) * c.tokens * c.microbatches_in_flight
+    freed = (layers - 1) * (_device_block_per_token(c) * c.tokens * c.microbatches_in_flight + _block_cast(c))
     at_last = at_first - freed + grown
     if c.optim and c.optim.in_backward:
         at_last += c.optim.temp - c.optim.temp_block  # the root unit's (embedding, head) after the last block
+    embedding_grad = 0.0
     if c.first_stage and c.fsdp and c.zero_stage == 3 and not c.peft:  # (a frozen embedding has no gradient)
-        at_last += c.compute_bytes * v  # the embedding's unsharded gradient before its reduce-scatter
+        embedding_grad = c.compute_bytes * v  # unsharded before its reduce-scatter
     elif c.first_stage and c.accum_steps == 1 and not c.peft:
-        at_last += 4 * v / _grad_shards(c)
-    return at_last
+        embedding_grad = 4 * v / _grad_shards(c)
+    if c.fsdp:
+        # FSDP2 still holds the last block's reduce-scatter buffers and the gathered root unit then: traced
+        # runs (test_plan_trace.py, ZeRO-3 x TP with full AC) peak with the embedding's gradient beside them.
+        return at_last + embedding_grad
+    return max(at_last, at_last - _block_working_set(c) + embedding_grad)
+
+
+def _head_cast(c: StageShape) -> float:
+    """The output head's compute-dtype copy that autocast's matmul saved for backward, where the plan's
+    autocast line counts it (stage._autocast_weight_copies: a full-vocabulary pass; with LoRA only a tied
+    head's): backward runs outside autocast, so the saved copy is its only reference, freed by the head's
+    backward inside the loss's."""
+    if not (c.autocast and c.last_stage and loss_chunks(c) == 1):
+        return 0.0
+    if c.peft and not c.tied_head:
+        return 0.0
+    return c.compute_bytes * c.vocab_params
+
+
+def _block_cast(c: StageShape) -> float:
+    """One block's compute-dtype weight copies, saved by its matmuls from forward and freed by its backward
+    (autocast without AC: the blocks stage._autocast_weight_copies counts); 0 where the line has none."""
+    if not c.autocast or c.peft or c.compiled or c.blocks_without_ac != c.layers:
+        return 0.0
+    return c.compute_bytes * (c.block_params - c.block_norm_params)
 
 
 def _root_reduce_moment(c: StageShape, lines: dict[str, float], block_grads: float) -> float:
