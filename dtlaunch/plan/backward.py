@@ -15,11 +15,11 @@ Where a term was fitted to measurements (real gloo runs, `plan --trace`), its co
 
 from __future__ import annotations
 
-from dtlaunch.plan import offload
+from dtlaunch.plan import autocast_casts, offload
 from dtlaunch.plan.cp_terms import backward_exchange_bytes
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
-from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, loss_chunks, regathered_root
+from dtlaunch.plan.loss_terms import held_logits, loss_backward_bytes, regathered_root
 from dtlaunch.plan.peft import gathered_block
 from dtlaunch.plan.shape import StageShape, block_saved_bytes, loss_saved_per_token, mean_block_saved_per_token
 from dtlaunch.plan.tiled_terms import grad_sum_bytes, mlp_saved_bytes, tile_working_bytes, tiled
@@ -216,7 +216,7 @@ def _at_first_block(
     at_first += offload.reloaded_block(c)  # activation offload: the block's saved set back from the host
     at_first += regathered_root(c)  # a chunked loss's gather of the root unit (dtlaunch.plan.loss_terms)
     at_first += _prefetched_block(c)
-    at_first -= _head_cast(c)  # freed by the loss's backward, the last to read it
+    at_first -= autocast_casts.head_cast(c)  # freed by the loss's backward, the last to read it
     if c.optim and c.optim.in_backward:
         # The update of one tensor runs inside backward, its gradient freed right after: a block's inside
         # the block's backward.
@@ -241,7 +241,9 @@ def _at_last_block(c: StageShape, at_first: float, block_grads: float) -> float:
     or a chunked loss; with these terms the 2,048-token rows are within 1.5 % (bench/gpu, gpu_bench.py)."""
     layers, v = c.layers, c.vocab_params
     grown = max(0, layers - 1) * block_grads if _gradients_grow(c) else 0.0
-    freed = (layers - 1) * (_device_block_per_token(c) * c.tokens * c.microbatches_in_flight + _block_cast(c))
+    freed = (layers - 1) * (
+        _device_block_per_token(c) * c.tokens * c.microbatches_in_flight + autocast_casts.block_cast(c)
+    )
     at_last = at_first - freed + grown
     if c.optim and c.optim.in_backward:
         at_last += c.optim.temp - c.optim.temp_block  # the root unit's (embedding, head) after the last block
@@ -255,26 +257,6 @@ def _at_last_block(c: StageShape, at_first: float, block_grads: float) -> float:
         # runs (test_plan_trace.py, ZeRO-3 x TP with full AC) peak with the embedding's gradient beside them.
         return at_last + embedding_grad
     return max(at_last, at_last - _block_working_set(c) + embedding_grad)
-
-
-def _head_cast(c: StageShape) -> float:
-    """The output head's compute-dtype copy that autocast's matmul saved for backward, where the plan's
-    autocast line counts it (stage._autocast_weight_copies: a full-vocabulary pass; with LoRA only a tied
-    head's): backward runs outside autocast, so the saved copy is its only reference, freed by the head's
-    backward inside the loss's."""
-    if not (c.autocast and c.last_stage and loss_chunks(c) == 1):
-        return 0.0
-    if c.peft and not c.tied_head:
-        return 0.0
-    return c.compute_bytes * c.vocab_params
-
-
-def _block_cast(c: StageShape) -> float:
-    """One block's compute-dtype weight copies, saved by its matmuls from forward and freed by its backward
-    (autocast without AC: the blocks stage._autocast_weight_copies counts); 0 where the line has none."""
-    if not c.autocast or c.peft or c.compiled or c.blocks_without_ac != c.layers:
-        return 0.0
-    return c.compute_bytes * (c.block_params - c.block_norm_params)
 
 
 def _root_reduce_moment(c: StageShape, lines: dict[str, float], block_grads: float) -> float:

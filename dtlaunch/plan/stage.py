@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING
 from dtlaunch.config.decisions import fused_optimizer
 from dtlaunch.config.layout import Layout, pp_stage_layers
 from dtlaunch.models.registry import model_spec
-from dtlaunch.plan import offload
+from dtlaunch.plan import autocast_casts, offload
 from dtlaunch.plan.backward import backward_peak
 from dtlaunch.plan.experts import all_to_all_bytes
 from dtlaunch.plan.generation import PHASE_GENERATION, generation_lines, generation_phases, tool_process_bytes
 from dtlaunch.plan.hardware import GLOO_EXTRA_BUFFER_COPIES, gloo_collectives
 from dtlaunch.plan.lines import Line
-from dtlaunch.plan.loss_terms import loss_chunks
 from dtlaunch.plan.objective import reference_phases, reference_static_lines
 from dtlaunch.plan.peft import gathered_block, param_lines
 from dtlaunch.plan.shape import StageShape, blocks_saved_per_token, loss_saved_per_token, stage_shape
@@ -109,9 +108,7 @@ def static_lines(c: StageShape) -> dict[str, float]:
         # Between accumulation micro-steps the gradients stay allocated: DDP's full .grad; FSDP
         # reduce-scatters every micro-step (dtlaunch.train.step.grad_sync) and keeps only shards.
         lines[Line.ACCUMULATED_GRADIENTS] = c.gradient_bytes
-    copies = _autocast_weight_copies(c)
-    if copies is not None and c.last_stage and loss_chunks(c) > 1 and (not c.peft or c.tied_head):
-        copies -= e * c.vocab_params  # a chunked loss casts the head per chunk instead (dtlaunch.plan.loss_terms)
+    copies = autocast_casts.weight_copies(c)
     if copies is not None:
         lines[Line.AUTOCAST_WEIGHT_COPIES] = copies
     if c.fsdp and c.zero_stage == 2:
@@ -130,43 +127,11 @@ def static_lines(c: StageShape) -> dict[str, float]:
         ends = c.vocab_params if c.head_unit else 0
         lines[Line.UNSHARDED_PARAMETERS] = e * (c.root_params - (c.vocab_params if c.first_stage else 0) - ends)
     if c.cfg.precision.float8 != "none":
-        # torchao's Float8Linear saves its input and the parameter itself (no compute-dtype weight copy:
-        # it casts to float8 inside), so only the head, still a plain linear, keeps an autocast copy; on
-        # top, one linear at a time holds float8 (1-byte) copies of its input and weight and their
-        # transposes, bounded by the widest (F-wide) linear and split by TP like the linear itself.
-        if Line.AUTOCAST_WEIGHT_COPIES in lines:
-            lines[Line.AUTOCAST_WEIGHT_COPIES] = min(
-                lines[Line.AUTOCAST_WEIGHT_COPIES], e * c.vocab_params if c.last_stage else 0.0
-            )
+        # One linear at a time holds float8 (1-byte) copies of its input and weight and their transposes,
+        # bounded by the widest (F-wide) linear and split by TP like the linear itself (the autocast copies
+        # Float8Linear does without: dtlaunch.plan.autocast_casts).
         lines[Line.FLOAT8_CASTS] = 2 * (c.tokens + d.h) * d.f / tp
     return lines
-
-
-def _autocast_weight_copies(c: StageShape) -> float | None:
-    """Compute-dtype copies of the weights that autocast's matmuls save for backward (None: no line)."""
-    e, layers, kept = c.compute_bytes, c.layers, c.blocks_without_ac
-    if not c.autocast:
-        return None
-    if c.peft:
-        # Frozen linears are stored in the compute dtype (their cast is the weight itself), QLoRA's NF4
-        # matmuls save the NF4 weight: only the adapters' casts (and a tied head's) are copies.
-        # bf16 adapters (optim.state_dtype=bf16) are their own cast.
-        adapters = c.peft.adapters if kept == layers and not c.compiled and c.grad_element_bytes == 4 else 0
-        return e * (adapters + (c.vocab_params if c.tied_head and c.last_stage else 0))
-    if kept and c.compiled:
-        # Compiled blocks recompute their weights' casts in backward instead of saving them.
-        return e * c.vocab_params if c.last_stage else 0.0
-    if kept == layers:
-        # Each weight's compute-dtype copy (not the embedding's, nor norm gains) is saved by its matmul
-        # from forward to backward; under AC the casts are recomputed with the block instead.
-        # A tied matrix is also the head, a matmul weight: its cast is saved as well.
-        head_cast = c.vocab_params if c.tied_head and c.last_stage else 0
-        return e * (c.rank_params - (c.vocab_params if c.first_stage else 0) - c.block_norm_params * layers + head_cast)
-    if kept:  # layer policy: the blocks it does not checkpoint keep their copies
-        return e * (kept * (c.block_params - c.block_norm_params) + (c.vocab_params if c.last_stage else 0))
-    if c.last_stage:
-        return e * c.vocab_params
-    return None
 
 
 def forward_lines(c: StageShape) -> dict[str, float]:
