@@ -92,7 +92,7 @@ def runtime(overrides: list[str]) -> Any:
     materialize_and_init(model, device, int(cfg.training.seed), init_source=model)
     opt = build_optimizer(model, cfg, device)
     dec = Decisions.of(cfg, Layout.resolve(cfg.strategy, 1))
-    from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives import build_objective
     from dtlaunch.train.objectives.reference import build_reference
 
     return Runtime(
@@ -103,7 +103,7 @@ def runtime(overrides: list[str]) -> Any:
         model_parts=[model],
         optimizers=[opt],
         schedulers=[build_scheduler(opt, cfg)],
-        objective=PreferenceObjective.of(cfg),
+        objective=build_objective(cfg, dec, None),
         reference=build_reference(cfg, dec, None, [model]),
     )
 

@@ -21,10 +21,12 @@ from dtlaunch.config.layout import Layout
 from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.models.registry import model_spec
 from dtlaunch.train.loss import head_loss, loss_context, pipeline_loss_fn
+from dtlaunch.train.objectives.sft import NextTokenObjective
 from dtlaunch.train.parallel.process_group import DistEnv
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
+    from dtlaunch.train.objectives import Objective
 
 
 @dataclass
@@ -42,8 +44,9 @@ class Runtime:
     pp_mesh: Optional[Any] = None
     moe: Optional[Any] = None  # dtlaunch.train.features.moe_stats.RouterTracker for MoE models
     loss_context: Callable[[], Any] = field(default=contextlib.nullcontext)
-    # Preference tuning (dtlaunch.train.objectives): the objective (None: cross-entropy) and DPO's reference.
-    objective: Optional[Any] = None
+    # The job's objective (dtlaunch.train.objectives; next-token cross-entropy unless told) and the
+    # reference model that runs beside it (DPO, KTO), if any.
+    objective: Objective = field(default_factory=NextTokenObjective)
     reference: Optional[Any] = None
     in_backward: Optional[Any] = None  # dtlaunch.train.features.optim_in_backward.InBackward (optim.in_backward)
     # (output, targets, reduction) -> loss: the model's logits or, with training.loss_chunks > 1, its

@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from dtlaunch.train.batch import MicroBatch
-from dtlaunch.train.objectives.pipeline import pipeline_batch
 from dtlaunch.train.optim import step_unless_nonfinite
 from dtlaunch.train.parallel.parallelize import compute_context, uses_fsdp
 from dtlaunch.train.runtime import Runtime
@@ -42,7 +41,7 @@ class StepResult:
     applied: Any
     # Mixture of experts: this rank's router statistics (dtlaunch.train.features.moe_stats), still on the device.
     router_stats: Optional[torch.Tensor] = None
-    # Preference objectives and GRPO: this rank's summed statistics (dtlaunch.train.objectives), on the device.
+    # The objective's summed statistics on this rank (dtlaunch.train.objectives; None for sft), on the device.
     pair_stats: Optional[torch.Tensor] = None
 
 
@@ -134,41 +133,29 @@ def micro_step(
     pair_stats: Optional[list] = None,
 ) -> torch.Tensor:
     """One micro-step's forward + backward of `batch` (`inputs`, `targets`: its rows on the device); returns
-    its loss already divided by `accum`. A preference objective appends its pair statistics to `pair_stats`."""
+    its loss already divided by `accum`. The job's objective (dtlaunch.train.objectives) computes the loss
+    from the model's output and appends its statistics, if it has any, to `pair_stats`."""
+    objective = rt.objective
     if rt.pipeline is not None:
-        if rt.objective is not None:  # pairs kept whole in each pipeline micro-batch, the reference in the targets
-            inputs, targets = pipeline_batch(rt, batch, inputs, targets)
+        inputs, targets = objective.pipeline_rows(rt, batch, inputs, targets)
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             loss = rt.pipeline.forward_backward(rt.pipeline_loss, inputs, targets, rt.pp_mesh, rt.loss_context())
-        if rt.objective is not None and pair_stats is not None:
+        if objective.stats_len and pair_stats is not None:
             n = rt.decisions.pp_microbatches if rt.pipeline.has_last_stage else 0
             pair_stats.append(rt.pipeline_loss.take_stats(n, rt.device))
         return loss.detach() / rt.accum
     (model,) = rt.model_parts
-    weight = batch.loss_weight  # masked (chat) data: see TokenLoader.next_batch
     with rt.loss_context():
         extra = batch.model_inputs(rt.device)
         # The loss inside the compute context too: a chunked loss (training.loss_chunks) runs the head.
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             # DPO's reference first (no grad): none of its activations live through the policy's forward.
-            # objective=grpo reads its rollout's rows instead (advantages, old / reference log-probs), and
-            # objective=reward its pairs' margins.
+            # Precomputed reference log-probs ride on the batch instead.
             ref = rt.reference(inputs, targets, batch) if rt.reference is not None else None
-            if ref is None:
-                ref = batch.rollout if batch.rollout is not None else batch.margins
             out = rt.loss_fn.model_output(model, inputs, **extra)
-            if rt.objective is not None:
-                # Preference objectives read token log-probs off the full logits (config.decisions.Decisions.loss_chunks).
-                labels = batch.labels  # objective=kto: each example's label
-                more = {"labels": labels} if labels is not None else {}
-                loss, stats = rt.objective(out, targets, ref, rt.loss_fn.token_nll, **more)
-                loss = loss / rt.accum
-                if pair_stats is not None:
-                    pair_stats.append(stats)
-            elif weight is None:
-                loss = rt.loss_fn(out, targets) / rt.accum
-            else:
-                loss = rt.loss_fn(out, targets, reduction="sum") * (weight / rt.accum)
+            loss, stats = objective.step_loss(out, targets, batch, ref, rt.loss_fn, rt.accum)
+            if stats is not None and pair_stats is not None:
+                pair_stats.append(stats)
         (rt.scaler.scale(loss) if rt.scaler is not None else loss).backward()
     loss = loss.detach()
     # Under loss_parallel the loss is a replicated DTensor: every TP rank holds the full value.

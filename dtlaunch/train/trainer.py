@@ -30,7 +30,6 @@ from dtlaunch.run.phases import phase, rank_log, startup_stamp
 from dtlaunch.train.checkpoint.manager import CheckpointManager
 from dtlaunch.train.features.evaluate import evaluate
 from dtlaunch.train.features.fault_injection import Faults
-from dtlaunch.train.objectives.step_data import token_data
 from dtlaunch.train.observe.guards import StepWatch
 from dtlaunch.train.observe.memtrack import PeakTracker
 from dtlaunch.train.observe.metrics import MetricsLogger
@@ -132,9 +131,8 @@ class Trainer:
         )
         dp_rank, dp_size = dp_rank_size(rt.mesh)
         # The objective's data: its loaders and, for objective=grpo, the rollout that turns prompts into the
-        # rows each step trains on (dtlaunch.train.objectives.step_data; no objective object: next-token rows).
-        build = rt.objective.step_data if rt.objective is not None else token_data
-        data = build(cfg, run_dir, rt, dp_rank, dp_size)
+        # rows each step trains on (dtlaunch.train.objectives.step_data).
+        data = rt.objective.step_data(cfg, run_dir, rt, dp_rank, dp_size)
         self.loader, self.val_loader, self.rollout = data.loader, data.val_loader, data.rollout
         self.ckpt = CheckpointManager(cfg, run_dir, rt.model_parts, rt.optimizers, rt.schedulers, self.loader, env.rank)
         self.start = self.ckpt.resume()
@@ -292,7 +290,7 @@ class Trainer:
         if not stats:
             return {}
         objective = self.rt.objective
-        pairs = objective.stats_len if objective is not None else 0
+        pairs = objective.stats_len
         router, pair = stats[: len(stats) - pairs], stats[len(stats) - pairs :]
         values = self.rt.moe.summarize(router) if self.rt.moe is not None and router else {}
         if pair:

@@ -77,7 +77,7 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
     from dtlaunch.models.registry import model_spec
     from dtlaunch.train.features.moe_stats import RouterTracker
     from dtlaunch.train.features.peft import apply_peft
-    from dtlaunch.train.objectives import PreferenceObjective
+    from dtlaunch.train.objectives import build_objective
     from dtlaunch.train.objectives.reference import build_reference
     from dtlaunch.train.optim import build_optimizer, build_scheduler
     from dtlaunch.train.parallel.init_weights import materialize_and_init
@@ -102,7 +102,7 @@ def one_process_runtime(cfg: object, device: object, prepare: Callable | None = 
         schedulers=[build_scheduler(opt, cfg)],
         # An MoE model's aux-loss gradient scaled by 1 / accumulation steps, as the worker's runtime does.
         moe=RouterTracker.maybe(cfg, [model], None, 1, 1.0 / accum),
-        objective=PreferenceObjective.of(cfg),
+        objective=build_objective(cfg, dec, None),
         reference=build_reference(cfg, dec, None, [model]),
     )
 

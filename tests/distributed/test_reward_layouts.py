@@ -32,15 +32,8 @@ LAYOUTS = {
 PAD = 0  # SeededPairs pads its rows with 0
 
 
-def _prepare(one_process: bool):
-    def prepare(rt, loader) -> None:
-        from dtlaunch.train.objectives.reward import RewardObjective
-
-        if one_process:  # the harness's one process builds a preference objective; a run builds this one
-            rt.objective = RewardObjective.of(rt.cfg)
-        rt.objective.pad_id = PAD
-
-    return prepare
+def _prepare(rt, loader) -> None:
+    rt.objective.pad_id = PAD  # what the objective's step_data reads off the prepared pairs in a run
 
 
 def _inspect(rt) -> dict:
@@ -53,9 +46,7 @@ def _run(base: list[str], world: int) -> dict:
 
     overrides = [*COMMON, *base, f"launch.nproc_per_node={world}"]
     convert = (lambda model, cfg: add_score_head(model)) if world == 1 else None
-    return train(
-        overrides, world, STEPS, make_batches=pairs, prepare=_prepare(world == 1), convert=convert, inspect=_inspect
-    )
+    return train(overrides, world, STEPS, make_batches=pairs, prepare=_prepare, convert=convert, inspect=_inspect)
 
 
 @pytest.fixture(scope="module")

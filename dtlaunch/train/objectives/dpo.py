@@ -31,6 +31,7 @@ from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
+    from dtlaunch.train.batch import MicroBatch
 
 
 def dpo_losses(
@@ -138,6 +139,23 @@ class PreferenceObjective:
 
     def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
         return token_data(cfg, run_dir, rt, dp_rank, dp_size)  # pairs of rows from the prepared shards
+
+    def step_loss(
+        self, output: torch.Tensor, targets: torch.Tensor, batch: MicroBatch, ref: Any, loss_fn: Any, accum: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's call (dtlaunch.train.objectives.Objective): `ref`, the reference's log-probs of the
+        rows (computed beside the step, or precomputed on the batch)."""
+        loss, stats = self(output, targets, ref, loss_fn.token_nll)
+        return loss / accum, stats
+
+    def pipeline_rows(
+        self, rt: Any, batch: MicroBatch, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs kept whole in each pipeline micro-batch, the reference's log-probs in the targets
+        (dtlaunch.train.objectives.pipeline)."""
+        from dtlaunch.train.objectives.pipeline import pipeline_batch
+
+        return pipeline_batch(rt, batch, inputs, targets)
 
     def __call__(
         self,

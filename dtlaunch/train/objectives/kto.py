@@ -32,6 +32,7 @@ from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
+    from dtlaunch.train.batch import MicroBatch
 
 # The step's summed statistics: per side the reward and log-prob sums and the example count, then the
 # micro-steps' KL estimates and their number (summed over micro-steps and ranks alike).
@@ -81,6 +82,13 @@ class KTOObjective:
 
     def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
         return token_data(cfg, run_dir, rt, dp_rank, dp_size)  # unpaired examples stacked as pairs
+
+    def step_loss(
+        self, output: torch.Tensor, targets: torch.Tensor, batch: MicroBatch, ref: Any, loss_fn: Any, accum: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's call (dtlaunch.train.objectives.Objective): each example's label rides on the batch."""
+        loss, stats = self(output, targets, ref, loss_fn.token_nll, labels=batch.labels)
+        return loss / accum, stats
 
     def __call__(
         self,

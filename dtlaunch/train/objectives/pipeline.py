@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from dtlaunch.train.objectives import STATS_LEN
-
 if TYPE_CHECKING:
     from dtlaunch.train.batch import MicroBatch
 
@@ -77,7 +75,7 @@ class PreferencePipelineLoss:
         """The summed statistics of the last `n` pipeline micro-batches (zeros on a rank without the
         last stage, so every rank hands the loop a vector of the same length)."""
         got, self._stats = self._stats[-n:] if n else [], []
-        return torch.stack(got).sum(0) if got else torch.zeros(STATS_LEN, device=device)
+        return torch.stack(got).sum(0) if got else torch.zeros(self.objective.stats_len, device=device)
 
 
 def pipeline_batch(

@@ -31,6 +31,7 @@ from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
+    from dtlaunch.train.batch import MicroBatch
 
 # Logged per step: means over the step's pairs (all ranks). TRL's names (its per-batch means averaged over a
 # logging window are these means when every batch holds as many pairs), then the two sides' mean rewards.
@@ -88,16 +89,19 @@ class RewardObjective:
         pairs = stats[-1] or 1.0
         return {name: value / pairs for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
 
+    def step_loss(
+        self, output: torch.Tensor, targets: torch.Tensor, batch: MicroBatch, ref: Any, loss_fn: Any, accum: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's call (dtlaunch.train.objectives.Objective): the pairs' margins ride on the batch; no
+        reference, and the scores need no LM head."""
+        loss, stats = self(output, targets, batch.margins)
+        return loss / accum, stats
+
     def __call__(
-        self,
-        output: torch.Tensor,
-        targets: torch.Tensor,
-        margins: Optional[torch.Tensor] = None,
-        token_nll: Any = None,
+        self, output: torch.Tensor, targets: torch.Tensor, margins: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean loss over this micro-batch's pairs, the STATS_LEN summed statistics, detached). `output`: the
-        model's (2B, S, 1) scores; `margins`: (B,) per-pair margins or None (the step's rows beside the batch);
-        `token_nll` is the LM head's and unused (the step hands it to every objective)."""
+        model's (2B, S, 1) scores; `margins`: (B,) per-pair margins or None (data.margin_field)."""
         chosen, rejected = row_rewards(output, targets, self.pad_id).chunk(2, dim=0)
         diff = chosen - rejected
         if margins is not None:

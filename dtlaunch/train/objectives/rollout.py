@@ -673,6 +673,15 @@ class GRPOObjective:
         reference = grpo_reference(cfg, rt.decisions, rt.mesh, rt.model_parts)
         return StepData(loader, None, Rollout(cfg, rt, run_dir, loader, dp_size, reference))
 
+    def step_loss(
+        self, output: torch.Tensor, targets: torch.Tensor, batch: MicroBatch, ref: Any, loss_fn: Any, accum: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's call (dtlaunch.train.objectives.Objective): the rollout's rows ride on the batch (their
+        reference log-probs among them: no reference runs beside the step)."""
+        assert batch.rollout is not None, "objective=grpo trains on its rollout's batches"
+        loss, stats = self(output, targets, batch.rollout, loss_fn.token_nll)
+        return loss / accum, stats
+
     def __call__(
         self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """What an objective's steps read: its loaders and, for objective=grpo, the rollout that turns prompts into
 the rows each step trains on. Each objective object names its own (`step_data`, below for the token
-objectives, dtlaunch.train.objectives.grpo for GRPO), so the loop (dtlaunch.train.trainer) builds its data
+objectives, dtlaunch.train.objectives.rollout for GRPO), so the loop (dtlaunch.train.trainer) builds its data
 without asking which objective it runs.
 """
 
@@ -25,7 +25,7 @@ class StepData:
 
 
 def token_data(cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
-    """Token rows from the prepared shards: the next-token loss (no objective object) and the objectives
+    """Token rows from the prepared shards: the next-token loss (sft.py) and the objectives
     that score rows (DPO / ORPO / SimPO / KTO pairs, the reward model's), with the reference's log-probs
     computed once before training where objective.precompute_reference asks."""
     loader, val_loader = build_loaders(cfg, run_dir, dp_rank, dp_size, *cp_rank_size(rt.mesh))
