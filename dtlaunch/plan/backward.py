@@ -170,7 +170,8 @@ def _block_working_set(c: StageShape) -> float:
 def _flash_backward_per_token(c: StageShape) -> float:
     """Per token, the attention's backward moment where it runs CUDA's flash kernel: a GPU profile, without
     context parallel or under Ulysses (the whole sequence for heads / cp heads: per token of the rank's
-    share, the same bytes), a family that states it (the dense block's `flash_backward_bytes`); 0 elsewhere:
+    share, the same bytes), a family that states it (`flash_backward_bytes`: the dense, MoE and Gated DeltaNet
+    hybrid blocks; not yet MLA, whose q/k and v head widths differ and so take another kernel); 0 elsewhere:
     ring attention (its chunks' kernels and exchanges: dtlaunch.plan.cp_terms) and the CPU's kernel, which
     keeps no fp32 accumulator (the CPU suite's runs are exact without the term)."""
     fn = getattr(c.activation_model, "flash_backward_bytes", None)

@@ -157,6 +157,14 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     return d.sparse * moe + (1 - d.sparse) * dense.backward_working_bytes(d, e, tp)
 
 
+def flash_backward_bytes(d: BlockDims, e: int, tp: int = 1) -> float | None:
+    """Per token, CUDA's flash-attention backward: the dense block's (the same SDPA call on the same heads;
+    dtlaunch.models.dense.activations.flash_backward_bytes), which the planner weighs against the FFN's
+    backward above, the larger being the block's moment. None for attention sinks (gpt-oss: their own
+    kernel)."""
+    return dense.flash_backward_bytes(_attention_only(d), e, tp)
+
+
 # training.mlp_tiles (dtlaunch.train.features.tiled_mlp, dtlaunch.plan.tiled_terms): the routed experts run over
 # tiles of their routed copies, the shared experts and dense blocks' SwiGLU over tiles of the tokens.
 

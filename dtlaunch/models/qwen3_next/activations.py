@@ -340,6 +340,18 @@ def backward_working_bytes(d: BlockDims, e: int, tp: int = 1) -> float:
     return d.linear * max(ffn, rule) + (1 - d.linear) * ffn
 
 
+def flash_backward_bytes(d: BlockDims, e: int, tp: int = 1) -> float | None:
+    """Per token, CUDA's flash-attention backward in a gated full-attention block: the dense block's on its
+    heads (the gate's sigmoid and product run outside SDPA). A model of Gated DeltaNet blocks only has none.
+    The planner takes the larger of this and the mean block's backward working set, then adds the larger
+    kind's recompute (dtlaunch.plan.backward): where the attention's moment is the larger, that pairs the
+    full block's moment with the linear block's recompute, an over-count of their difference, never an
+    under-count."""
+    if d.linear >= 1:
+        return None
+    return dense.flash_backward_bytes(_full_attention(d), e, tp)
+
+
 def block_kinds(d: BlockDims) -> list[BlockDims]:
     """The stage's block kinds, each as a BlockDims of its own (the planner sizes a stage with the mean block;
     dtlaunch.plan.backward sizes a block's backward with the kind that creates the most there). Under AC a Gated
