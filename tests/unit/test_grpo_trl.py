@@ -648,7 +648,7 @@ def test_the_step_scores_at_the_sampling_temperature() -> None:
     """GRPOObjective (the step's loss) takes objective.temperature from the config and scores logits / T."""
     from dtlaunch.job.compose import compose
     from dtlaunch.train.batch import RolloutRows
-    from dtlaunch.train.objectives.rollout import GRPOObjective
+    from dtlaunch.train.objectives.grpo import GRPOObjective
 
     cfg = compose(["model=tiny", "objective=grpo", "objective.temperature=0.6", "objective.beta=0.0"]).cfg
     objective = GRPOObjective.of(cfg, accum=1)

@@ -1,6 +1,6 @@
 """Training objectives, one file each: next-token cross-entropy (objective=sft and pre-training: sft.py), the
-DPO family (objective=dpo / orpo / simpo: dpo.py), KTO (kto.py), the reward model (reward.py), GRPO
-(rollout.py, its formulas in grpo.py). What they share: the completion log-probs (logps.py), the
+DPO family (objective=dpo / orpo / simpo: dpo.py), KTO (kto.py), the reward model (reward.py), GRPO (grpo.py: its
+advantages and loss; rollout.py: generation and rewards before each step). What they share: the completion log-probs (logps.py), the
 reference's (reference.py), the step data (step_data.py).
 
 Every objective is an `Objective`: the loop (dtlaunch.train.trainer) builds its data with `step_data` and
@@ -65,9 +65,10 @@ def build_objective(cfg: JobConfig, dec: Decisions, cp_group: Optional[Any]) -> 
 
         return NextTokenObjective()
     if name == ObjectiveName.grpo:
-        from dtlaunch.train.objectives.rollout import GRPOObjective
+        from dtlaunch.train.objectives.grpo import GRPOObjective
+        from dtlaunch.train.objectives.rollout import rollout_data
 
-        return GRPOObjective.of(cfg, dec.grad_accum)
+        return GRPOObjective.of(cfg, dec.grad_accum, rollout_data)
     if name == ObjectiveName.reward:
         from dtlaunch.train.objectives.reward import RewardObjective
 

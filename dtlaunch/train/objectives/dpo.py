@@ -113,7 +113,7 @@ class PreferenceObjective:
     def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
         """None for objective=sft (the loop's own cross-entropy)."""
         o = cfg.objective
-        if o.name in (ObjectiveName.sft, ObjectiveName.grpo):  # grpo: dtlaunch.train.objectives.rollout.GRPOObjective
+        if o.name in (ObjectiveName.sft, ObjectiveName.grpo):  # grpo: dtlaunch.train.objectives.grpo.GRPOObjective
             return None
         if o.name == ObjectiveName.kto:
             return KTOObjective.of(cfg, cp_group)

@@ -1,6 +1,7 @@
 """GRPO and its TRL variants (loss_type grpo / dr_grpo / dapo / bnpo / cispo, GSPO's sequence-level ratio),
 as TRL 1.16 computes them (trl/trainer/grpo_trainer.py: the advantages in _generate_and_score_completions,
-the loss in _compute_loss).
+the loss in _compute_loss), and GRPOObjective (at the end): what the step calls, the micro-batch's loss on
+the rows of the rollout (dtlaunch.train.objectives.rollout) that ran before the step.
 
 Everything here works on (rows, seq) tensors aligned with the micro-batch's targets: `mask` is 1 on the
 completion tokens that count (targets != -100; a truncated completion's are 0 under
@@ -10,21 +11,24 @@ Scaling across micro-steps and data-parallel ranks: the loop sums micro-step los
 accum (dtlaunch.train.step.micro_step), and the gradient average over dp ranks divides by dp. grpo / bnpo /
 dr_grpo are per-micro-batch means (TRL divides them by its gradient-accumulation steps the same way);
 dapo / cispo divide the micro-batch's token sum by the optimizer step's completion tokens over all ranks /
-dp (TRL's num_items_in_batch / processes), which GRPOObjective (dtlaunch.train.objectives.rollout) multiplies by accum before the step divides.
+dp (TRL's num_items_in_batch / processes), which GRPOObjective (below) multiplies by accum before the step divides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.loss import cross_entropy
 
 if TYPE_CHECKING:
-    from dtlaunch.config.schema import ObjectiveConfig
+    from dtlaunch.config.schema import JobConfig, ObjectiveConfig
+    from dtlaunch.train.batch import MicroBatch, RolloutRows
 
 ADV_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
@@ -196,3 +200,68 @@ def token_logps(
     if isinstance(nll, DTensor):
         nll = nll.to_local()
     return -nll.view(rows, seq).float()
+
+
+# The policy's entropy is measured where the logits exist whatever training.loss_chunks says: on the
+# completion tokens as they are sampled (dtlaunch.infer.batch_generate, the rollout's "entropy").
+STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl")
+
+
+@dataclass
+class GRPOObjective:
+    """objective=grpo in the step: the micro-batch's loss from the policy's output and the rollout's rows
+    (MicroBatch.rollout: advantages, old / reference log-probs, the step's token count)."""
+
+    settings: GRPOSettings
+    accum: int
+    # The prompts and the rollout before each step (dtlaunch.train.objectives.rollout.rollout_data, handed in by
+    # build_objective: the rollout and the reference import this module's formulas, so this module imports
+    # neither them nor the step data they build).
+    data: Optional[Callable[..., Any]] = None  # -> step_data.StepData
+    stats_len: int = len(STAT_NAMES) + 1  # the sums, then the number of loss tokens
+
+    name = "grpo"
+    needs_reference = False
+
+    @classmethod
+    def of(cls, cfg: JobConfig, accum: int, data: Optional[Callable[..., Any]] = None) -> GRPOObjective:
+        return cls(GRPOSettings.of(cfg.objective), accum, data)
+
+    def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> Any:
+        """Prompts, and the rollout that turns them into each step's rows (generation, rewards, advantages)."""
+        assert self.data is not None, "built without its rollout (build_objective hands it in)"
+        return self.data(cfg, run_dir, rt, dp_rank, dp_size)
+
+    def step_loss(
+        self, output: torch.Tensor, targets: torch.Tensor, batch: MicroBatch, ref: Any, loss_fn: Any, accum: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's call (dtlaunch.train.objectives.Objective): the rollout's rows ride on the batch (their
+        reference log-probs among them: no reference runs beside the step)."""
+        assert batch.rollout is not None, "objective=grpo trains on its rollout's batches"
+        loss, stats = self(output, targets, batch.rollout, loss_fn.token_nll)
+        return loss / accum, stats
+
+    def __call__(
+        self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = (targets != IGNORE).float()
+        logps = token_logps(output, targets, token_nll, self.settings.temperature)
+        # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
+        # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
+        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens, rows.is_ratio)
+        loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
+        with torch.no_grad():
+            tokens = mask.sum()
+            full = torch.broadcast_to(mask, parts.per_token.shape)
+            low = (parts.low_clipped.float().expand_as(full) * full).sum()
+            high = (parts.high_clipped.float().expand_as(full) * full).sum()
+            kl = (parts.kl * full).sum() if parts.kl is not None else torch.zeros((), device=tokens.device)
+            stats = torch.stack([low, high, kl, tokens])
+        return loss, stats
+
+    def summarize(self, stats: list[float]) -> dict[str, float]:
+        tokens = stats[-1] or 1.0
+        values = {name: value / tokens for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
+        if self.settings.beta == 0:  # no reference, no KL term
+            del values["kl"]
+        return values

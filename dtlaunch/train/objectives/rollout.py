@@ -1,8 +1,8 @@
-"""objective=grpo, its step read here top to bottom: `GRPOObjective` (at the end) is what the loop holds; its
-`step_data` gives the prompts and this rollout, run before each optimizer step: this data-parallel rank's
-prompts -> G sampled completions each (dtlaunch.infer.batch_generate, with the policy being trained) ->
-rewards (objective.rewards) -> advantages over the whole generation batch -> the rows the step trains on;
-then its `__call__` is the micro-batch's loss on those rows (the formulas: dtlaunch.train.objectives.grpo).
+"""objective=grpo's rollout, read here top to bottom: `rollout_data` (at the end) is GRPOObjective's
+(dtlaunch.train.objectives.grpo) `step_data`: the prompts and this rollout, run before each optimizer step:
+this data-parallel rank's prompts -> G sampled completions each (dtlaunch.infer.batch_generate, with the
+policy being trained) -> rewards (objective.rewards) -> advantages over the whole generation batch -> the
+rows the step trains on; GRPOObjective's `step_loss` is then the micro-batch's loss on those rows.
 
 A rollout serves objective.num_iterations optimizer steps (TRL's mu); with mu > 1 the old policy's per-token
 log-probs are computed once right after generation (no grad, micro-batch by micro-batch) and every step's
@@ -49,10 +49,8 @@ from dtlaunch.run.run_dir import RunDir
 from dtlaunch.train.batch import MicroBatch, RolloutRows
 from dtlaunch.train.data import IGNORE_INDEX as IGNORE
 from dtlaunch.train.objectives.grpo import (
-    GRPOSettings,
     advantages,
     combine_rewards,
-    grpo_loss,
     importance_sampling_ratio,
     token_logps,
 )
@@ -647,62 +645,10 @@ def _finite(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
-# The policy's entropy is measured where the logits exist whatever training.loss_chunks says: on the
-# completion tokens as they are sampled (dtlaunch.infer.batch_generate, the rollout's "entropy").
-STAT_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "kl")
-
-
-@dataclass
-class GRPOObjective:
-    """objective=grpo in the step: the micro-batch's loss from the policy's output and the rollout's rows
-    (MicroBatch.rollout: advantages, old / reference log-probs, the step's token count)."""
-
-    settings: GRPOSettings
-    accum: int
-    stats_len: int = len(STAT_NAMES) + 1  # the sums, then the number of loss tokens
-
-    @classmethod
-    def of(cls, cfg: JobConfig, accum: int) -> GRPOObjective:
-        return cls(GRPOSettings.of(cfg.objective), accum)
-
-    needs_reference = False
-
-    def step_data(self, cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
-        """Prompts, and the rollout that turns them into each step's rows (generation, rewards, advantages)."""
-        loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size)
-        reference = grpo_reference(cfg, rt.decisions, rt.mesh, rt.model_parts)
-        return StepData(loader, None, Rollout(cfg, rt, run_dir, loader, dp_size, reference))
-
-    def step_loss(
-        self, output: torch.Tensor, targets: torch.Tensor, batch: MicroBatch, ref: Any, loss_fn: Any, accum: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's call (dtlaunch.train.objectives.Objective): the rollout's rows ride on the batch (their
-        reference log-probs among them: no reference runs beside the step)."""
-        assert batch.rollout is not None, "objective=grpo trains on its rollout's batches"
-        loss, stats = self(output, targets, batch.rollout, loss_fn.token_nll)
-        return loss / accum, stats
-
-    def __call__(
-        self, output: torch.Tensor, targets: torch.Tensor, rows: RolloutRows, token_nll: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = (targets != IGNORE).float()
-        logps = token_logps(output, targets, token_nll, self.settings.temperature)
-        # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
-        # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
-        parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens, rows.is_ratio)
-        loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
-        with torch.no_grad():
-            tokens = mask.sum()
-            full = torch.broadcast_to(mask, parts.per_token.shape)
-            low = (parts.low_clipped.float().expand_as(full) * full).sum()
-            high = (parts.high_clipped.float().expand_as(full) * full).sum()
-            kl = (parts.kl * full).sum() if parts.kl is not None else torch.zeros((), device=tokens.device)
-            stats = torch.stack([low, high, kl, tokens])
-        return loss, stats
-
-    def summarize(self, stats: list[float]) -> dict[str, float]:
-        tokens = stats[-1] or 1.0
-        values = {name: value / tokens for name, value in zip(STAT_NAMES, stats[:-1], strict=True)}
-        if self.settings.beta == 0:  # no reference, no KL term
-            del values["kl"]
-        return values
+def rollout_data(cfg: JobConfig, run_dir: Path, rt: Any, dp_rank: int, dp_size: int) -> StepData:
+    """objective=grpo's step data: the prompts, and the rollout that turns them into each step's rows
+    (generation, rewards, advantages); the step's loss on those rows is GRPOObjective's
+    (dtlaunch.train.objectives.grpo)."""
+    loader = PromptLoader(run_dir, int(cfg.training.seed), dp_rank, dp_size)
+    reference = grpo_reference(cfg, rt.decisions, rt.mesh, rt.model_parts)
+    return StepData(loader, None, Rollout(cfg, rt, run_dir, loader, dp_size, reference))
