@@ -25,7 +25,7 @@ from dtlaunch.config.layout import Layout, expert_fsdp_degree
 from dtlaunch.config.schema import CpStyle, ObjectiveName
 from dtlaunch.job.rules.grpo import grpo_layout_problem
 from dtlaunch.job.rules.objective import kto_layout_problem
-from dtlaunch.job.rules.strategy import zero_layout_problem
+from dtlaunch.job.rules.strategy import tensor_parallel_problem, zero_layout_problem
 from dtlaunch.models.dtypes import DTYPE_BYTES
 from dtlaunch.models.registry import model_spec, routed_experts
 from dtlaunch.plan import hardware
@@ -60,12 +60,6 @@ def _plain(cfg: JobConfig) -> Any:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_ok(m: Any, tp: int, seq: int) -> bool:
-    if tp > 1 and getattr(m, "qk_norm_whole", False):
-        return False  # validate refuses it (job.rules.strategy.check_tensor_parallel)
-    return seq % tp == 0 and all(v % tp == 0 for _, v in model_spec(m).tp_divisors(m))
 
 
 def step_time(cfg: JobConfig, lay: Layout, v: int, n_mb: int, offloaded: float = 0.0) -> dict[str, float]:
@@ -235,7 +229,7 @@ def cp_degrees(cfg: JobConfig) -> list[int]:
 def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     """(layout, strategy values, training values) for every combination worth planning, with `cp`
     context-parallel ranks (the other degrees fill world / cp)."""
-    m, t, hw = cfg.model, cfg.training, cfg.hardware
+    m, hw = cfg.model, cfg.hardware
     base = Decisions.of(cfg, Layout.resolve(cfg.strategy, _world(cfg)))
     world, gb = base.layout.world, base.global_batch
     per_node = int(hw.gpus_per_node) or world
@@ -243,7 +237,8 @@ def candidates(cfg: JobConfig, cp: int = 1) -> list[tuple[Layout, dict, dict]]:
     kto = cfg.objective.name == ObjectiveName.kto
     out = []
     for tp in _divisors(world // cp):
-        if tp * cp > per_node or not _tp_ok(m, tp, t.seq_len // cp) or not _cp_tp_ok(cfg, cp, tp):
+        # The rule validate applies (job.rules.strategy); every printed row is validated whole besides.
+        if tp * cp > per_node or tensor_parallel_problem(cfg, tp) or not _cp_tp_ok(cfg, cp, tp):
             continue
         for pp in _divisors(world // (tp * cp)):
             if pp > m.n_layers or (pp > 1 and cp > 1):

@@ -18,27 +18,33 @@ def check_layout(cfg: JobConfig, notes: list[str]) -> Layout:
 
 
 def check_tensor_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
-    layout = d.layout
-    if layout.tp == 1:
-        return
+    problem = tensor_parallel_problem(cfg, d.layout.tp)
+    if problem:
+        raise ConfigError(problem)
+
+
+def tensor_parallel_problem(cfg: JobConfig, tp: int) -> str:
+    """Why the model cannot run at tensor-parallel degree `tp` ('' when it can): the rule `validate` applies
+    and the one `plan --search` prunes its candidates with."""
+    if tp == 1:
+        return ""
     from dtlaunch.models.registry import model_spec
 
     m = cfg.model
     if getattr(m, "qk_norm_whole", False):
-        raise ConfigError(
-            f"strategy.tp={layout.tp} is not supported with model.arch={m.arch}: its q/k RMSNorm spans every head "
+        return (
+            f"strategy.tp={tp} is not supported with model.arch={m.arch}: its q/k RMSNorm spans every head "
             f"of the projection (model.qk_norm_whole), which a rank holding some heads cannot compute alone: use strategy.tp=1"
         )
     for key, value in model_spec(m).tp_divisors(m):
-        if value % layout.tp:
-            raise ConfigError(
-                f"strategy.tp={layout.tp} does not divide {key}={value} (model.arch={m.arch}): choose a tp that divides it"
-            )
-    if cfg.strategy.sequence_parallel and cfg.training.seq_len % layout.tp:
-        raise ConfigError(
-            f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={layout.tp} "
+        if value % tp:
+            return f"strategy.tp={tp} does not divide {key}={value} (model.arch={m.arch}): choose a tp that divides it"
+    if cfg.strategy.sequence_parallel and cfg.training.seq_len % tp:
+        return (
+            f"training.seq_len={cfg.training.seq_len} is not divisible by strategy.tp={tp} "
             f"(sequence parallel shards the sequence): change seq_len or set strategy.sequence_parallel=false"
         )
+    return ""
 
 
 def check_context_parallel(cfg: JobConfig, d: Decisions, notes: list[str]) -> None:
