@@ -254,13 +254,20 @@ def merged_with_latest(r: dict[str, Any], only: list[str], md_name: str) -> Opti
     return merged, f"{found.group(1)}.md", note
 
 
+def other_sections(latest: str) -> str:
+    """What LATEST.md holds after the CPU summary (the GPU section that bench/gpu writes): kept as it is."""
+    found = re.search(r"^## ", latest, flags=re.MULTILINE)
+    return "\n" + latest[found.start() :] if found else ""
+
+
 def update_latest(r: dict[str, Any], md_name: str, note: str = "") -> None:
     table = markdown_table(["benchmark", "result", "goal", "met"], summary_rows(r))
     header = f"Latest CPU results ({r['machine']['date']}; {describe_machine(r['machine'])}); full file: "
     block = f"{header}[{md_name}](results/{md_name}){note}\n\n{table}\n"
+    latest = RESULTS / "LATEST.md"
     (RESULTS / "LATEST.md").write_text(
         f"# Latest benchmark results\n\n{block.replace('(results/', '(')}\nReproduce: `make bench` "
-        f"(`{r['command']}`).\n"
+        f"(`{r['command']}`).\n{other_sections(latest.read_text() if latest.exists() else '')}"
     )
     readme = BENCH / "README.md"
     if readme.exists():

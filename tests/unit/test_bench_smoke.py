@@ -78,6 +78,19 @@ def test_a_partial_run_replaces_its_rows_in_the_latest_summary(tmp_path: Path, m
     assert rows[0][:2] == ["dtlaunch --help", "0.20 s"] and rows[1][0].startswith("planner accuracy (3 real runs")
 
 
+def test_a_cpu_run_keeps_the_gpu_section_of_the_latest_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make bench` rewrites the CPU summary only: the GPU section bench/gpu's results added stays as it was."""
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_all, "BENCH", tmp_path)
+    machine = {"date": "2026-01-01", "cpu": "x", "cores": 2, "memory_gib": 1, "os": "L", "python": "3", "torch": "2"}
+    launch = {"name": "dtlaunch --help", "goal_s": 0.3, "error": "", "seconds": common.stats([0.5])}
+    gpu = "## GPU (one NVIDIA H200)\n\n| benchmark | result |\n|---|---|\n| step | 0.945 |\n"
+    (tmp_path / "LATEST.md").write_text(f"# Latest benchmark results\n\nold CPU table\n\n{gpu}")
+    run_all.update_latest({"machine": machine, "command": "make bench", "launch": [launch]}, "cpu-2026-01-02.md")
+    text = (tmp_path / "LATEST.md").read_text()
+    assert text.endswith(gpu) and "old CPU table" not in text and "cpu-2026-01-02.md" in text
+
+
 def test_gpu_bench_dry_run_plans_every_run(capsys: pytest.CaptureFixture[str]) -> None:
     """bench/gpu's CPU side: every run composes, validates and gets a plan that fits an H100."""
     from bench.gpu import gpu_bench
