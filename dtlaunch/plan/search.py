@@ -16,6 +16,7 @@ Pure Python: plain namespaces instead of OmegaConf in the loop keep 1,024 GPUs u
 from __future__ import annotations
 
 import copy
+import heapq
 from itertools import product
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -311,71 +312,91 @@ def _world(cfg: JobConfig) -> int:
 
 
 def search(cfg: JobConfig, top: int = 10) -> list[dict]:
-    """The `top` fastest layouts that fit, each with why it loses to the first."""
+    """The `top` fastest layouts that fit, each with why it loses to the first.
+
+    Candidates are planned fastest first and only until `top` rows fit and pass the rules: a candidate's step
+    time without offloading (cheap, no memory plan) bounds its row's from below, as offloading and a
+    unit-by-unit generation gather only add time. A row is final once no candidate left could be faster
+    (a heap of both, rows after candidates at equal times), so the rows are those, and in the order, that
+    planning every candidate and sorting would give (tests/unit/test_plan_search_rules.py)."""
     plain = _plain(cfg)
-    rows = []
+    heap: list[tuple] = []
+    for i, (lay, st, tr) in enumerate(c for cp in cp_degrees(plain) for c in candidates(plain, cp)):
+        job = _candidate_job(plain, {**st, "cpu_offload": False}, {**tr, "activation_offload": False})
+        bound = step_time(job, lay, st["pp_stages_per_rank"], st["pp_microbatches"] or 1)["total"]
+        heapq.heappush(heap, (bound, 0, 0, i, (lay, st, tr)))
     fitted: set[tuple] = set()
-    for lay, st, tr in (c for cp in cp_degrees(plain) for c in candidates(plain, cp)):
-        key = (lay, *(st[k] for k in sorted(st) if k != "pp_layers_per_stage"), tr["micro_batch"])
-        if key in fitted:
-            continue  # a lighter AC mode already fits this layout: more recompute is only slower
-        # Without offloading first; offloading (slower) only where that does not fit.
-        plan = None
-        for cpu_off, act_off in offload_variants(plain, lay, st, tr):
-            st, tr = {**st, "cpu_offload": cpu_off}, {**tr, "activation_offload": act_off}
-            job = copy.copy(plain)
-            job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
-            job.training = SimpleNamespace(**{**vars(plain.training), **tr})
-            plan = plan_memory(job, lay, all_stages=False)
-            if plan.fits:
-                break
-        if plan is None or not plan.fits:
+    rows: list[dict] = []
+    while heap and len(rows) < top:
+        _, is_row, _, i, item = heapq.heappop(heap)
+        if is_row:
+            if _accepted(cfg, item):
+                rows.append(item)
             continue
-        fitted.add(key)
-        if plan.generation_gather == "unit":  # the plan's choice under auto: its step time too
-            job.objective = SimpleNamespace(**{**vars(plain.objective), "generation_gather": "unit"})
-        n_mb = st["pp_microbatches"] or 1
-        times = step_time(job, lay, st["pp_stages_per_rank"], n_mb, plan.worst.host.get(Line.HOST_ACTIVATIONS, 0.0))
-        tokens = tr["global_batch"] * plain.training.seq_len
-        peak = hardware.peak_flops(plain.hardware, plain.precision.param_dtype)
-        rows.append(
-            {
-                **st,
-                "ac": tr["activation_checkpointing"],
-                "activation_offload": tr["activation_offload"],
-                "loss_chunks": tr["loss_chunks"],
-                "micro_batch": tr["micro_batch"],
-                "schedule": st["pp_schedule"] if lay.pp > 1 else "-",
-                "device_total_bytes": int(plan.device_total),
-                "step_s": times["total"],
-                "tokens_per_s": tokens / times["total"],
-                "mfu": times["flops"] / times["total"] / (lay.world * peak),
-                "times": times,
-                "overrides": _overrides(st, tr, moe=bool(routed_experts(plain.model))),
-            }
-        )
-    rows.sort(key=lambda r: (r["step_s"], r["device_total_bytes"]))
-    rows = _accepted_by_the_rules(cfg, rows, top)
+        row = _planned_row(plain, *item, fitted)
+        if row is not None:
+            heapq.heappush(heap, (row["step_s"], 1, row["device_total_bytes"], i, row))
+    rows.sort(key=lambda r: (r["step_s"], r["device_total_bytes"]))  # (already so: the bound holds)
     for r in rows:
         r["why"] = _why(r, rows[0])
     return rows
 
 
-def _accepted_by_the_rules(cfg: JobConfig, rows: list[dict], top: int) -> list[dict]:
-    """The first `top` rows whose overrides, applied to the job, pass every config rule. The candidate loop
-    prunes with cheap copies of a few rules (it plans thousands of layouts); validate is the judge of what
-    the search prints, so a row the user pastes is never refused (a rule added later is obeyed here too)."""
+def _candidate_job(plain: Any, st: dict, tr: dict) -> Any:
+    job = copy.copy(plain)
+    job.strategy = SimpleNamespace(**{**vars(plain.strategy), **st})
+    job.training = SimpleNamespace(**{**vars(plain.training), **tr})
+    return job
+
+
+def _planned_row(plain: Any, lay: Layout, st: dict, tr: dict, fitted: set[tuple]) -> dict | None:
+    """The candidate's row where it fits (offloading only where it does not fit without), else None.
+    `fitted`: the layouts that fit with a lighter AC mode or the other loss chunks already (planned
+    before this one, being faster): more recompute is only slower."""
+    key = (lay, *(st[k] for k in sorted(st) if k != "pp_layers_per_stage"), tr["micro_batch"])
+    if key in fitted:
+        return None
+    plan = None
+    for cpu_off, act_off in offload_variants(plain, lay, st, tr):
+        st, tr = {**st, "cpu_offload": cpu_off}, {**tr, "activation_offload": act_off}
+        job = _candidate_job(plain, st, tr)
+        plan = plan_memory(job, lay, all_stages=False)
+        if plan.fits:
+            break
+    if plan is None or not plan.fits:
+        return None
+    fitted.add(key)
+    if plan.generation_gather == "unit":  # the plan's choice under auto: its step time too
+        job.objective = SimpleNamespace(**{**vars(plain.objective), "generation_gather": "unit"})
+    n_mb = st["pp_microbatches"] or 1
+    times = step_time(job, lay, st["pp_stages_per_rank"], n_mb, plan.worst.host.get(Line.HOST_ACTIVATIONS, 0.0))
+    tokens = tr["global_batch"] * plain.training.seq_len
+    peak = hardware.peak_flops(plain.hardware, plain.precision.param_dtype)
+    return {
+        **st,
+        "ac": tr["activation_checkpointing"],
+        "activation_offload": tr["activation_offload"],
+        "loss_chunks": tr["loss_chunks"],
+        "micro_batch": tr["micro_batch"],
+        "schedule": st["pp_schedule"] if lay.pp > 1 else "-",
+        "device_total_bytes": int(plan.device_total),
+        "step_s": times["total"],
+        "tokens_per_s": tokens / times["total"],
+        "mfu": times["flops"] / times["total"] / (lay.world * peak),
+        "times": times,
+        "overrides": _overrides(st, tr, moe=bool(routed_experts(plain.model))),
+    }
+
+
+def _accepted(cfg: JobConfig, row: dict) -> bool:
+    """Whether the row's overrides, applied to the job, pass every config rule. The candidate loop prunes
+    with a few of the rules (it may plan thousands of layouts); validate is the judge of what the search
+    prints, so a row the user pastes is never refused (a rule added later is obeyed here too)."""
     from omegaconf import DictConfig
 
     if not isinstance(cfg, DictConfig):  # a plain namespace (planner tests): nothing to validate against
-        return rows[:top]
-    accepted: list[dict] = []
-    for row in rows:
-        if len(accepted) == top:
-            break
-        if not _refusal(cfg, row["overrides"]):
-            accepted.append(row)
-    return accepted
+        return True
+    return not _refusal(cfg, row["overrides"])
 
 
 def _refusal(cfg: JobConfig, overrides: list[str]) -> str:

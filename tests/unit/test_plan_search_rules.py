@@ -56,3 +56,20 @@ def test_ulysses_hybrid_offers_the_cp_degrees_its_key_heads_take() -> None:
         assert "linear_num_key_heads" in str(err), err
     else:
         raise AssertionError("validate took cp=4 over 2 key heads per tensor-parallel rank")
+
+
+def test_planning_fastest_first_prints_what_planning_every_candidate_would() -> None:
+    """search() plans candidates in order of a lower bound of their step time and stops at `top` rows; the
+    rows (and their order) equal those of planning every candidate, sorting and validating them, here on a
+    job where offloading, several AC modes and pipelined layouts compete."""
+    from dtlaunch.plan import search as s
+
+    cfg = load_job(["model=llama3_70b", "launch.nproc_per_node=8", "hardware=h100_80gb"]).cfg
+    plain = s._plain(cfg)
+    fitted: set = set()
+    every = [s._planned_row(plain, *c, fitted) for cp in s.cp_degrees(plain) for c in s.candidates(plain, cp)]
+    rows = sorted((r for r in every if r is not None), key=lambda r: (r["step_s"], r["device_total_bytes"]))
+    expected = [r["overrides"] for r in rows if s._accepted(cfg, r)][:10]
+    got = search(cfg, top=10)
+    assert [r["overrides"] for r in got] == expected
+    assert any(r["activation_offload"] or r["cpu_offload"] for r in got)  # the offload variants took part
