@@ -312,6 +312,10 @@ def main() -> None:
 
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = f"cpu-quick-{day}" if args.quick else f"cpu-{day}"
+    if not args.quick and set(only) != set(SECTIONS):
+        # A subset re-run is named for its sections: on the day of a full run it must not replace that run's
+        # files, which the summary keeps pointing to for the other rows.
+        stem += "-" + "-".join(s for s in SECTIONS if s in only)
     RESULTS.mkdir(parents=True, exist_ok=True)
     md = render(r)
     (RESULTS / f"{stem}.md").write_text(md)
