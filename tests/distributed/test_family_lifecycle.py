@@ -13,7 +13,7 @@ parametrized over FAMILIES:
 5. resume:    a run SIGKILLed after its step-2 checkpoint and started again resumes bit for bit
               (test_resume_matrix.py's `start`, a world of one, the launcher's half in this process);
 6. export:    `ckpt export --format hf` of that run loads in transformers with the run's logits (1e-4);
-7. dpo, grpo: one DPO step and one GRPO step run, with finite losses.
+7. dpo, grpo: one DPO step and one GRPO step (its loss on a rollout's rows) run, with finite losses.
 
 A cell a family cannot do is a one-line reason in CANNOT, and the product must refuse it with one line
 (checked by test_refusals). The larger per-family layouts (ZeRO, HSDP, pipeline, 3D, bf16) stay in
@@ -378,8 +378,40 @@ def test_one_dpo_step(name: str, dirs) -> None:
     assert math.isfinite(r["loss"][0]) and math.isfinite(r["grad_norm"][0]) and r["grad_norm"][0] > 0, r
 
 
+class _RolloutRows:
+    """A GRPO rollout's micro-batches without the generation (each family's decoding is step 2's): seeded
+    prompt + completion rows, the prompt half masked, advantages of both signs, the step's completion-token
+    count. (Seeded token batches carry no rollout: the step refuses them for objective=grpo.)"""
+
+    def __init__(self, cfg, global_batch: int, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int) -> None:
+        import torch
+
+        self.g = torch.Generator().manual_seed(int(cfg.training.seed) + dp_rank)
+        self.rows, self.seq, self.vocab = (
+            int(cfg.training.micro_batch),
+            int(cfg.training.seq_len),
+            int(cfg.model.vocab_size),
+        )
+        self.micro_steps = global_batch // (self.rows * dp_size)
+
+    def next_batch(self):  # noqa: ANN201 (a MicroBatch)
+        import torch
+
+        from dtlaunch.train.batch import MicroBatch, RolloutRows
+        from dtlaunch.train.data import IGNORE_INDEX
+
+        tokens = torch.randint(0, self.vocab, (self.rows, self.seq + 1), generator=self.g)
+        inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        targets[:, : self.seq // 2] = IGNORE_INDEX  # the prompt's positions: no loss
+        adv = torch.tensor([1.0, -1.0] * (self.rows // 2) + [0.5] * (self.rows % 2))
+        completion_tokens = (targets != IGNORE_INDEX).sum().float() * self.micro_steps
+        return MicroBatch(inputs, targets, rollout=RolloutRows(adv=adv, step_tokens=completion_tokens))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_one_grpo_step(name: str, dirs) -> None:
+    """GRPO's loss (its token log-probs of the family's output, the clipped ratio, the advantages) and its
+    gradients on a rollout's rows: finite, and non-zero."""
     family = BY_NAME[name]
     over = [
         *one_process(family, dirs[name]),
@@ -389,8 +421,11 @@ def test_one_grpo_step(name: str, dirs) -> None:
         "objective.num_generations=2",
         "training.micro_batch=4",
     ]
-    r = train(over, 1, 1)
-    assert math.isfinite(r["loss"][0]) and math.isfinite(r["grad_norm"][0]), r
+    r = train(over, 1, 1, make_batches=_RolloutRows)
+    # One iteration per rollout: the ratio's value is 1 and the loss's is minus the advantages' token mean,
+    # 0 for rows of +1 and -1 with as many completion tokens (a cross-entropy would be ~log(vocab)); its
+    # gradient is the policy gradient's, not 0.
+    assert abs(r["loss"][0]) < 1e-6 and math.isfinite(r["grad_norm"][0]) and r["grad_norm"][0] > 0, r
 
 
 # -- 5. resume and 6. export -------------------------------------------------------------------------
