@@ -30,6 +30,7 @@ from bench.common import (
     BENCH,
     RESULTS,
     ROOT,
+    command_line,
     describe_machine,
     machine_info,
     markdown_table,
@@ -57,7 +58,7 @@ def run_script(cmd: list[str], timeout: float, env: Optional[dict[str, str]] = N
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err, rc, timed_out = "", None, True
     return {
-        "command": " ".join(cmd),
+        "command": command_line(cmd),  # portable: checkout paths relative, the venv's programs by name
         "returncode": rc,
         "timed_out": timed_out,
         "wall_s": time.perf_counter() - t0,
