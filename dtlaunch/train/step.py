@@ -150,7 +150,7 @@ def micro_step(
         # The loss inside the compute context too: a chunked loss (training.loss_chunks) runs the head.
         with compute_context(rt.model_parts, rt.cfg, rt.device):
             # DPO's reference first (no grad): none of its activations live through the policy's forward.
-            # Precomputed reference log-probs ride on the batch instead.
+            # (A precomputed reference reads its values off the batch: dtlaunch.train.objectives.reference.)
             ref = rt.reference(inputs, targets, batch) if rt.reference is not None else None
             out = rt.loss_fn.model_output(model, inputs, **extra)
             loss, stats = objective.step_loss(out, targets, batch, ref, rt.loss_fn, rt.accum)
