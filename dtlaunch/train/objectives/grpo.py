@@ -11,7 +11,7 @@ Scaling across micro-steps and data-parallel ranks: the loop sums micro-step los
 accum (dtlaunch.train.step.micro_step), and the gradient average over dp ranks divides by dp. grpo / bnpo /
 dr_grpo are per-micro-batch means (TRL divides them by its gradient-accumulation steps the same way);
 dapo / cispo divide the micro-batch's token sum by the optimizer step's completion tokens over all ranks /
-dp (TRL's num_items_in_batch / processes), which GRPOObjective (below) multiplies by accum before the step divides.
+dp (TRL's num_items_in_batch / processes), which GRPOObjective (below) multiplies by accum before its step_loss divides.
 """
 
 from __future__ import annotations
@@ -246,8 +246,8 @@ class GRPOObjective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = (targets != IGNORE).float()
         logps = token_logps(output, targets, token_nll, self.settings.temperature)
-        # The step divides every objective's loss by accum (dtlaunch.train.step.micro_step): the mean types
-        # hand it their micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
+        # step_loss divides every loss by accum, as every objective's does: the mean types hand it their
+        # micro-batch mean; dapo / cispo, already their share of the step, are scaled back up.
         parts = grpo_loss(self.settings, logps, rows.old, rows.ref, rows.adv, mask, 1, rows.step_tokens, rows.is_ratio)
         loss = parts.loss * self.accum if self.settings.loss_type in ("dapo", "cispo") else parts.loss
         with torch.no_grad():
