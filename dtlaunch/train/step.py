@@ -119,8 +119,9 @@ def train_step(
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host batch on the device. To a GPU through pinned memory without blocking: a plain `.to()` from
     pageable memory synchronises the stream, so the host would wait for the previous step's kernels
-    before queueing this one's."""
-    if device.type != "cuda":
+    before queueing this one's. Rows already on the device (a GRPO rollout's, generated there) stay as they
+    are: only a host tensor can be pinned."""
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -88,3 +88,18 @@ def test_a_runtime_built_without_an_objective_trains_next_token() -> None:
 
     (objective,) = [f for f in fields(Runtime) if f.name == "objective"]
     assert isinstance(objective.default_factory(), NextTokenObjective)
+
+
+def test_rows_already_on_a_device_are_not_pinned():
+    """A GRPO rollout's rows are generated on the GPU; the step moves host rows there through pinned
+    memory, which only a CPU tensor has (an H200 run failed at its first step: "cannot pin
+    'torch.cuda.LongTensor'"). A meta tensor stands in for a device tensor on this CUDA-less build: the move
+    must reach `.to()` (which then fails for want of CUDA), not `pin_memory()`."""
+    from dtlaunch.train.step import to_device
+
+    on_device = torch.zeros(2, dtype=torch.long, device="meta")
+    with pytest.raises((AssertionError, RuntimeError)) as err:
+        to_device(on_device, torch.device("cuda"))
+    assert "pin" not in str(err.value), err.value
+    host = torch.arange(3)
+    assert to_device(host, torch.device("cpu")) is host
