@@ -78,9 +78,11 @@ class Runtime:
         self.loss_fn = head_loss(self.decisions.loss_chunks, self.model_parts)
 
 
-def build_model_parts(cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, init: bool = True) -> dict:
+def build_model_parts(
+    cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, objective: Objective, init: bool = True
+) -> dict:
     """The model (or this rank's pipeline stages), parallelised and initialised (allocated only with
-    init=False)."""
+    init=False). Under pipeline parallel the last stage's loss is the job's `objective`'s (`pipeline_loss`)."""
     from dtlaunch.train.features.peft import apply_peft
     from dtlaunch.train.parallel.parallelize import parallelize
 
@@ -97,7 +99,6 @@ def build_model_parts(cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, i
     apply_peft(model, cfg, trained_in_full)
     if layout.pp == 1:
         return {"model_parts": [parallelize(model, mesh, cfg, dec, init=init)]}
-    from dtlaunch.train.objectives import PreferenceObjective
     from dtlaunch.train.parallel.pipeline import build_schedule, build_stage_modules
 
     pp_mesh = mesh["pp"]
@@ -106,11 +107,7 @@ def build_model_parts(cfg: JobConfig, dec: Decisions, mesh: Any, env: DistEnv, i
     loss = pipeline_loss_fn(
         head_loss(dec.loss_chunks, [p for _, p in parts], pipeline=True), dec.pp_microbatches, dec.grad_accum
     )
-    objective = PreferenceObjective.of(cfg)
-    if objective is not None:  # the preference loss of each pipeline micro-batch's pairs
-        from dtlaunch.train.objectives.pipeline import PreferencePipelineLoss
-
-        loss = PreferencePipelineLoss(objective, loss.scale, objective.needs_reference, head=loss.loss_fn)
+    loss = objective.pipeline_loss(loss)  # the DPO family scores each pipeline micro-batch's pairs
     plan = build_schedule(parts, pp_mesh, cfg, dec, loss, env.device)
     return {"model_parts": plan.model_parts, "pipeline": plan, "pipeline_loss": loss, "pp_mesh": pp_mesh}
 
@@ -134,13 +131,15 @@ def build_runtime(
     layout = layout if layout is not None else Layout.resolve(cfg.strategy, env.world)
     dec = Decisions.of(cfg, layout)
     mesh = mesh if mesh is not None else build_mesh(layout, env.device.type)
-    built = build_model_parts(cfg, dec, mesh, env, init=init)
+    from dtlaunch.train.objectives import build_objective
+    from dtlaunch.train.objectives.reference import build_reference, cp_group
+
+    objective = build_objective(cfg, dec, cp_group(mesh))
+    built = build_model_parts(cfg, dec, mesh, env, objective, init=init)
     parts = built["model_parts"]
     zero1 = dp_mesh(mesh, flatten=True) if cfg.strategy.zero_stage == 1 else None
     group = zero1.get_group() if zero1 is not None else None
     optimizers = [build_optimizer(p, cfg, env.device, group, fused) for p in parts]
-    from dtlaunch.train.objectives import build_objective
-    from dtlaunch.train.objectives.reference import build_reference, cp_group
 
     in_backward = None
     if cfg.optim.in_backward:
@@ -163,7 +162,7 @@ def build_runtime(
         pp_mesh=built.get("pp_mesh"),
         moe=_router_tracker(cfg, parts, mesh, dec),
         loss_context=lambda: loss_context(cfg, layout),
-        objective=build_objective(cfg, dec, cp_group(mesh)),
+        objective=objective,
         reference=build_reference(cfg, dec, mesh, parts, init=init),
         in_backward=in_backward,
     )

@@ -57,8 +57,9 @@ class Objective(Protocol):
 def build_objective(cfg: JobConfig, dec: Decisions, cp_group: Optional[Any]) -> Objective:
     """The job's objective, one builder per objective.name. The loop and the step call what it returns
     without asking which one it is. Objectives that run under pipeline parallel (sft, the DPO family) also
-    have `pipeline_rows(rt, batch, inputs, targets)`: the rows as the schedule takes them; the rules refuse
-    pipeline parallel for the others (dtlaunch.job.rules.objective)."""
+    have `pipeline_rows(rt, batch, inputs, targets)`, the rows as the schedule takes them, and
+    `pipeline_loss(loss)`, the last stage's loss; the rules refuse pipeline parallel for the others
+    (dtlaunch.job.rules.objective)."""
     name = cfg.objective.name
     if name == ObjectiveName.sft:
         from dtlaunch.train.objectives.sft import NextTokenObjective

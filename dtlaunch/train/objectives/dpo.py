@@ -157,6 +157,13 @@ class PreferenceObjective:
 
         return pipeline_batch(rt, batch, inputs, targets)
 
+    def pipeline_loss(self, loss: Any) -> Any:
+        """The last stage's loss under pipeline parallel: this objective on each pipeline micro-batch's pairs,
+        scaled as the schedule's next-token loss `loss` is, through its head."""
+        from dtlaunch.train.objectives.pipeline import PreferencePipelineLoss
+
+        return PreferencePipelineLoss(self, loss.scale, self.needs_reference, head=loss.loss_fn)
+
     def __call__(
         self,
         output: torch.Tensor,

@@ -58,6 +58,10 @@ class NextTokenObjective:
         """Token rows go to the pipeline schedule as they are (its micro-batches are any run of rows)."""
         return inputs, targets
 
+    def pipeline_loss(self, loss: Any) -> Any:
+        """The last stage's loss under pipeline parallel: the schedule's next-token loss as it is."""
+        return loss
+
     @staticmethod
     def summarize(stats: list[float]) -> dict[str, float]:
         return {}
