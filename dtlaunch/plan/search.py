@@ -356,15 +356,23 @@ def _planned_row(plain: Any, lay: Layout, st: dict, tr: dict, fitted: set[tuple]
     key = (lay, *(st[k] for k in sorted(st) if k != "pp_layers_per_stage"), tr["micro_batch"])
     if key in fitted:
         return None
+    variants = offload_variants(plain, lay, st, tr)
+    most = None
+    if len(variants) > 1:
+        # Offloading only moves bytes off the device: where the variant that offloads the most leaves no device
+        # headroom, no other does (most of a large search's candidates; test_plan_search_rules checks the order).
+        most = _variant_plan(plain, lay, st, tr, variants[-1])[2]
+        if most.headroom < 0:
+            return None
     plan = None
-    for cpu_off, act_off in offload_variants(plain, lay, st, tr):
-        st, tr = {**st, "cpu_offload": cpu_off}, {**tr, "activation_offload": act_off}
-        job = _candidate_job(plain, st, tr)
-        plan = plan_memory(job, lay, all_stages=False)
+    for variant in variants:
+        st_v, tr_v, plan = _variant_plan(plain, lay, st, tr, variant, most if variant == variants[-1] else None)
         if plan.fits:
+            st, tr = st_v, tr_v
             break
     if plan is None or not plan.fits:
         return None
+    job = _candidate_job(plain, st, tr)
     fitted.add(key)
     if plan.generation_gather == "unit":  # the plan's choice under auto: its step time too
         job.objective = SimpleNamespace(**{**vars(plain.objective), "generation_gather": "unit"})
@@ -386,6 +394,15 @@ def _planned_row(plain: Any, lay: Layout, st: dict, tr: dict, fitted: set[tuple]
         "times": times,
         "overrides": _overrides(st, tr, moe=bool(routed_experts(plain.model))),
     }
+
+
+def _variant_plan(
+    plain: Any, lay: Layout, st: dict, tr: dict, variant: tuple[bool, bool], planned: Any = None
+) -> tuple:
+    """(strategy, training, plan) of the candidate with offload `variant` (cpu_offload, activation_offload);
+    `planned`: that plan, made already."""
+    st, tr = {**st, "cpu_offload": variant[0]}, {**tr, "activation_offload": variant[1]}
+    return st, tr, planned if planned is not None else plan_memory(_candidate_job(plain, st, tr), lay, all_stages=False)
 
 
 def _accepted(cfg: JobConfig, row: dict) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dtlaunch.commands.common import load_job
 from dtlaunch.errors import ConfigError
 from dtlaunch.job import validate as validate_module
@@ -73,3 +75,32 @@ def test_planning_fastest_first_prints_what_planning_every_candidate_would() -> 
     got = search(cfg, top=10)
     assert [r["overrides"] for r in got] == expected
     assert any(r["activation_offload"] or r["cpu_offload"] for r in got)  # the offload variants took part
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=llama3_70b", "launch.nproc_per_node=8", "hardware=h100_80gb"],
+        ["recipe=qwen3_30b_a3b"],
+        ["recipe=qwen3_8b_dpo_fsdp"],
+        ["recipe=gpt_oss_20b_lora"],
+    ],
+    ids=["70b-8gpu", "moe", "dpo", "lora-one-gpu"],
+)
+def test_the_variant_that_offloads_the_most_leaves_the_most_device_headroom(overrides: list[str]) -> None:
+    """search skips a candidate whose last offload variant (activations and CPU offload, as allowed) leaves
+    no device headroom, without planning the others: exact only while no lighter variant leaves more. Every
+    third candidate with variants, every variant (seconds; checked on every shipped recipe when written)."""
+    from dtlaunch.plan import search as s
+    from dtlaunch.plan.offload import offload_variants
+
+    plain = s._plain(load_job(overrides).cfg)
+    checked = 0
+    for n, (lay, st, tr) in enumerate(c for cp in s.cp_degrees(plain) for c in s.candidates(plain, cp)):
+        variants = offload_variants(plain, lay, st, tr)
+        if len(variants) < 2 or n % 3:
+            continue
+        room = [s._variant_plan(plain, lay, st, tr, v)[2].headroom for v in variants]
+        assert max(room[:-1]) <= room[-1] + 1, (lay, st, tr, variants, room)
+        checked += 1
+    assert checked > 3
