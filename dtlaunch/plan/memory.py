@@ -136,7 +136,7 @@ class MemoryPlan:
         return max(self.stages, key=lambda s: s.host_peak).host
 
 
-def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> MemoryPlan:
+def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True, first_only: bool = False) -> MemoryPlan:
     """Plan every pipeline rank (or, for the search, only those that can hold the peak). objective=grpo
     under ZeRO-3 with objective.generation_gather=auto: the rollout gathers the whole model unless only one
     unit at a time fits; the plan says which (`generation_gather`, and a note). training.loss_chunks=0 (auto),
@@ -144,7 +144,7 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
     it fits, else the chunks; the plan says which (`loss_chunks`, and a note)."""
     dec = Decisions.of(cfg, layout)
     if _full_pass_left_to_plan(cfg, dec):
-        full = plan_memory(_with_loss_chunks(cfg, 1), layout, all_stages)
+        full = plan_memory(_with_loss_chunks(cfg, 1), layout, all_stages, first_only)
         if full.fits:
             full.loss_chunks = 1
             full.notes.append(
@@ -153,9 +153,9 @@ def plan_memory(cfg: JobConfig, layout: Layout, all_stages: bool = True) -> Memo
             )
             return full
     gather = dec.generation_gather
-    plan = _plan_memory(cfg, dec, all_stages, gather)
+    plan = _plan_memory(cfg, dec, all_stages, gather, first_only)
     if gather == "whole" and str(cfg.objective.generation_gather) == "auto" and not plan.fits:
-        unit = _plan_memory(cfg, dec, all_stages, "unit")
+        unit = _plan_memory(cfg, dec, all_stages, "unit", first_only)
         if unit.fits:
             unit.notes.append(
                 "generation gathers the weights one FSDP unit at a time, again for every decode step: the whole "
@@ -183,12 +183,12 @@ def _with_loss_chunks(cfg: JobConfig, chunks: int) -> JobConfig:
     return job
 
 
-def _plan_memory(cfg: JobConfig, dec: Decisions, all_stages: bool, gather: str) -> MemoryPlan:
+def _plan_memory(cfg: JobConfig, dec: Decisions, all_stages: bool, gather: str, first_only: bool = False) -> MemoryPlan:
     layout = dec.layout
     s = cfg.strategy
     unplanned = ""
     if model_spec(cfg.model).analytic:
-        stages = plan_stages(cfg, layout, all_stages, gather or "whole")
+        stages = plan_stages(cfg, layout, all_stages, gather or "whole", first_only)
     else:
         unplanned = skip_reason(cfg, layout) or ""
         stages = [_untraced_stage(cfg, layout) if unplanned else _traced_stage(cfg, layout)]

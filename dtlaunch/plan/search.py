@@ -357,13 +357,16 @@ def _planned_row(plain: Any, lay: Layout, st: dict, tr: dict, fitted: set[tuple]
     if key in fitted:
         return None
     variants = offload_variants(plain, lay, st, tr)
-    most = None
-    if len(variants) > 1:
-        # Offloading only moves bytes off the device: where the variant that offloads the most leaves no device
-        # headroom, no other does (most of a large search's candidates; test_plan_search_rules checks the order).
-        most = _variant_plan(plain, lay, st, tr, variants[-1])[2]
-        if most.headroom < 0:
-            return None
+    if not variants:
+        return None
+    # Offloading only moves bytes off the device: where the variant that offloads the most leaves no device
+    # headroom, no other does (most of a large search's candidates; test_plan_search_rules checks the order).
+    # Under PP a rank that does not fit is enough: the first, which holds the most micro-batches in flight,
+    # is planned alone first.
+    probe = _variant_plan(plain, lay, st, tr, variants[-1], first_only=lay.pp > 1)[2]
+    if probe.headroom < 0:
+        return None
+    most = probe if lay.pp == 1 else None  # (else a plan of every rank that can hold the peak decides the fit)
     plan = None
     for variant in variants:
         st_v, tr_v, plan = _variant_plan(plain, lay, st, tr, variant, most if variant == variants[-1] else None)
@@ -397,12 +400,20 @@ def _planned_row(plain: Any, lay: Layout, st: dict, tr: dict, fitted: set[tuple]
 
 
 def _variant_plan(
-    plain: Any, lay: Layout, st: dict, tr: dict, variant: tuple[bool, bool], planned: Any = None
+    plain: Any,
+    lay: Layout,
+    st: dict,
+    tr: dict,
+    variant: tuple[bool, bool],
+    planned: Any = None,
+    first_only: bool = False,
 ) -> tuple:
     """(strategy, training, plan) of the candidate with offload `variant` (cpu_offload, activation_offload);
-    `planned`: that plan, made already."""
+    `planned`: that plan, made already; `first_only`: plan the first pipeline rank only."""
     st, tr = {**st, "cpu_offload": variant[0]}, {**tr, "activation_offload": variant[1]}
-    return st, tr, planned if planned is not None else plan_memory(_candidate_job(plain, st, tr), lay, all_stages=False)
+    if planned is not None:
+        return st, tr, planned
+    return st, tr, plan_memory(_candidate_job(plain, st, tr), lay, all_stages=False, first_only=first_only)
 
 
 def _accepted(cfg: JobConfig, row: dict) -> bool:

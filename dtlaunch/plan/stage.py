@@ -248,14 +248,16 @@ def _likely_worst(split: list[int], pp: int) -> set[int]:
 
 
 def plan_stages(
-    cfg: JobConfig, layout: Layout, all_stages: bool = True, rollout_gather: str = "whole"
+    cfg: JobConfig, layout: Layout, all_stages: bool = True, rollout_gather: str = "whole", first_only: bool = False
 ) -> list[StagePlan]:
-    """Every pipeline rank's plan (or, for the search, only those that can hold the peak)."""
+    """Every pipeline rank's plan (or, for the search, only those that can hold the peak; `first_only`: the
+    first rank's alone, where a rank that does not fit is all the search needs to know)."""
     s = cfg.strategy
     per_rank = int(s.pp_stages_per_rank) if layout.pp > 1 else 1
     n_stages = layout.pp * per_rank
     split = pp_stage_layers(cfg.model.n_layers, n_stages, list(s.pp_layers_per_stage) or None)
     ranks = range(layout.pp) if all_stages or per_rank > 1 else sorted(_likely_worst(split, layout.pp))
+    ranks = ranks[:1] if first_only else ranks
     starts = list(itertools.accumulate(split, initial=0))  # each stage's first global block index
     stages = []
     for rank in ranks:
