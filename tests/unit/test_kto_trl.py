@@ -100,7 +100,7 @@ def test_kto_matches_trl(hf_dir, tmp_path, loss: str, labels: list, weights: tup
     mask = torch.cat([b["completion_mask"], b["KL_completion_mask"]])
     inputs, targets = ids[:, :-1], ids[:, 1:].clone()
     targets[mask[:, 1:] == 0] = -100
-    from dtlaunch.train.objectives.logps import completion_logps
+    from dtlaunch.train.loss import completion_logps
 
     with torch.no_grad():
         ref = completion_logps(reference(inputs), targets).logps

@@ -153,7 +153,7 @@ def head(model: torch.nn.Module, chunks: int):
 
 
 def objective_ref(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    from dtlaunch.train.objectives.logps import completion_logps
+    from dtlaunch.train.loss import completion_logps
 
     model_head = head(model, chunks)
     return completion_logps(model_head.model_output(model, inputs), targets, token_nll=model_head.token_nll).logps

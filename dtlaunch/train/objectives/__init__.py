@@ -1,6 +1,6 @@
 """Training objectives, one file each: next-token cross-entropy (objective=sft and pre-training: sft.py), the
 DPO family (objective=dpo / orpo / simpo: dpo.py), KTO (kto.py), the reward model (reward.py), GRPO (grpo.py: its
-advantages and loss; rollout.py: generation and rewards before each step). What they share: the completion log-probs (logps.py), the
+advantages and loss; rollout.py: generation and rewards before each step). What they share: the completion log-probs (train/loss.py), the
 reference's (reference.py), the step data (step_data.py).
 
 Every objective is an `Objective`: the loop (dtlaunch.train.trainer) builds its data with `step_data` and

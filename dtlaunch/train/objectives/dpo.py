@@ -2,10 +2,10 @@
 loss variants, and the objective the step calls for them (`PreferenceObjective`).
 
 A preference micro-batch holds pairs (chosen rows, then rejected rows); the loss comes from the completion
-log-probs (logps.py) scored here, with the reference's log-probs (reference.py) for DPO. Each micro-step's
+log-probs (train/loss.py) scored here, with the reference's log-probs (reference.py) for DPO. Each micro-step's
 loss is the mean over its pairs; every micro-batch holds the same number of pairs, so the sum over
 micro-steps / accum, averaged over ranks, is the mean over the global batch. Under context parallel every
-CP rank computes the whole loss of its pairs (the log-probs are summed over the CP group first, logps.py).
+CP rank computes the whole loss of its pairs (the log-probs are summed over the CP group first, train/loss.py).
 
 DPO as TRL 1.16 computes it (trl/trainer/dpo_trainer.py): the margin is Δ = [logp(y+) - ref(y+)] -
 [logp(y-) - ref(y-)]. label_smoothing: only `robust` uses it, as TRL >= 0.29 (its sigmoid loss ignores it).
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from dtlaunch.config.schema import ObjectiveName
+from dtlaunch.train.loss import TokenNLL, completion_logps
 from dtlaunch.train.objectives.kto import KTOObjective
-from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
 from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """KTO (Ethayarajh et al., 2024) as TRL 1.16's KTOTrainer computes it (trl/trainer/kto_trainer.py,
 `_compute_loss`): unpaired completions, each desirable or not, scored against a reference model.
 
-A KTO example is two rows, stacked as a preference pair's (logps.py): its own prompt + completion, and its
+A KTO example is two rows, stacked as a preference pair's (train/loss.py): its own prompt + completion, and its
 "KL row", its prompt + the completion of its predecessor in its run of training.micro_batch records
 (dtlaunch.data.unpaired; TRL's `KL_completion_ids`). A micro-batch of B examples is 2B rows: the B own
 rows, then the B KL rows; the loader hands each example's label (desirable: true) beside them. The KL rows
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from dtlaunch.train.objectives.logps import TokenNLL, completion_logps
+from dtlaunch.train.loss import TokenNLL, completion_logps
 from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Preference objectives under pipeline parallel: the last stage's loss_fn scores each pipeline micro-batch.
 
 torch's schedule cuts a micro-step's rows into `n` pipeline micro-batches along dim 0, but a preference
-micro-batch stacks all chosen rows above all rejected rows (logps.py). `pair_rows` regroups the rows so
+micro-batch stacks all chosen rows above all rejected rows (train/loss.py). `pair_rows` regroups the rows so
 that every pipeline micro-batch holds its own pairs, chosen rows then rejected rows, in the same order.
 
 The loss_fn sees only (output, target) per pipeline micro-batch, so DPO's reference log-probs ride in the

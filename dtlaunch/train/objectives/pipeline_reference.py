@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtlaunch.models.lora import adapters_disabled
-from dtlaunch.train.objectives.logps import completion_logps
+from dtlaunch.train.loss import completion_logps
 
 # Dtypes a stage's output can have (its header carries the index).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,7 +11,7 @@
 
 Every reference forward runs under no_grad, before the policy's forward, so its activations are never
 kept; with training.loss_chunks its head runs chunk by chunk, as the policy's (no full logits). It reads the batch's model inputs beside the tokens (context parallel: the chunks' positions) and
-sums its log-probs over the CP group as the policy's are (logps.py). Under pipeline parallel the adapters-off
+sums its log-probs over the CP group as the policy's are (train/loss.py). Under pipeline parallel the adapters-off
 base and the frozen copy are split into the pipeline's stages, and the forward runs through them
 (pipeline_reference.py).
 """
@@ -29,7 +29,7 @@ from dtlaunch.config.weight_source import WeightSource
 from dtlaunch.models.dtypes import torch_dtype
 from dtlaunch.models.lora import adapters_disabled
 from dtlaunch.models.registry import model_spec
-from dtlaunch.train.objectives.logps import completion_logps
+from dtlaunch.train.loss import completion_logps
 
 if TYPE_CHECKING:
     from dtlaunch.config.schema import JobConfig
