@@ -131,7 +131,10 @@ def _trace(cfg: JobConfig, layout: Layout, mesh: Any, rank: int, steps: int) -> 
         # Fake tensors: the peak from StorageCounter (the runtime's own measure), without categories.
         # torch's trackers mis-size fake FSDP x TP shards: they follow FSDP's storage resizes with global
         # sizes (measured: a phantom full vocab x dim fp32 "Temp" on a 64-rank trace, +76 %).
-        peak = _counted_peak(lambda: _one_step(rt, batches, None), parts, optimizers, steps)
+        # DPO's and KTO's frozen reference copy is held all along too, as the worker's own tracker counts it
+        # (torch's tracker, below, follows it by itself).
+        held = [*parts, *(rt.reference.modules if rt.reference is not None else [])]
+        peak = _counted_peak(lambda: _one_step(rt, batches, None), held, optimizers, steps)
         return {"peak_bytes": peak, "categories": {}, "rank": rank, "stage": 0}
     # Real tensors: torch's tracker, which also splits the peak into categories (its peak equals
     # StorageCounter's on real tensors: tests/unit/test_memtrack.py).
