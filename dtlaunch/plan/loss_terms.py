@@ -18,7 +18,8 @@ Under autocast (one GPU, DDP) the chunks share autocast's one cached cast of the
 are summed in its backward, in place and in the compute dtype (`_autocast_moment`). Under ZeRO-3 the
 loss gathers the root unit again (embedding included) for the head's weight; a frozen, untied head (LoRA /
 QLoRA), and a trained untied head without TP, is an FSDP unit of its own instead, gathered for the loss only (ZeRO-2 and ZeRO-3). Under autocast each chunk's recompute also casts the head's weight to the compute dtype (the
-cast is saved by the matmul until its backward, and its gradient is cast back to fp32). Under sequence
+cast is saved by the matmul until its backward, and its gradient is cast back to fp32); a frozen, untied
+head is stored in the compute dtype already and is not cast. Under sequence
 parallel the hidden states are gathered once for the loss and kept until backward.
 """
 
