@@ -411,7 +411,7 @@ class SumOverRanks(torch.autograd.Function):
 
 
 # The model's output and the targets -> per-token negative log-likelihoods: the chunked head and loss
-# (dtlaunch.train.loss.HeadLoss with reduction="none") where the model returns hidden states.
+# (`HeadLoss.token_nll`) where the model returns hidden states.
 TokenNLL = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

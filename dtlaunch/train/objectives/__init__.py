@@ -74,6 +74,8 @@ def build_objective(cfg: JobConfig, dec: Decisions, cp_group: Optional[Any]) -> 
         from dtlaunch.train.objectives.reward import RewardObjective
 
         return RewardObjective.of(cfg)
-    objective = PreferenceObjective.of(cfg, cp_group)  # dpo, orpo, simpo, kto
-    assert objective is not None, name
-    return objective
+    if name == ObjectiveName.kto:
+        from dtlaunch.train.objectives.kto import KTOObjective
+
+        return KTOObjective.of(cfg, cp_group)
+    return PreferenceObjective.of(cfg, cp_group)  # dpo, orpo, simpo

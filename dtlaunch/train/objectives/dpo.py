@@ -24,9 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn.functional as F
 
-from dtlaunch.config.schema import ObjectiveName
 from dtlaunch.train.loss import TokenNLL, completion_logps
-from dtlaunch.train.objectives.kto import KTOObjective
 from dtlaunch.train.objectives.step_data import StepData, token_data
 
 if TYPE_CHECKING:
@@ -110,13 +108,9 @@ class PreferenceObjective:
     cp_group: Optional[Any] = None  # context parallel: the group holding the other chunks of each row
 
     @classmethod
-    def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> Optional[PreferenceObjective | KTOObjective]:
-        """None for objective=sft (the loop's own cross-entropy)."""
+    def of(cls, cfg: JobConfig, cp_group: Optional[Any] = None) -> PreferenceObjective:
+        """objective=dpo, orpo or simpo (dtlaunch.train.objectives.build_objective builds the others)."""
         o = cfg.objective
-        if o.name in (ObjectiveName.sft, ObjectiveName.grpo):  # grpo: dtlaunch.train.objectives.grpo.GRPOObjective
-            return None
-        if o.name == ObjectiveName.kto:
-            return KTOObjective.of(cfg, cp_group)
         return cls(
             name=str(o.name),
             loss=str(o.loss),
