@@ -288,3 +288,38 @@ def test_race_pairs_each_repetition_with_its_hand_written_run() -> None:
     assert summary["cases"][0]["paired"]["dtlaunch"]["median_whole_loop"] == pytest.approx(0.94)
     table = throughput.paired_table(summary).splitlines()
     assert len(table) == 4 and "| baseline | 0.974, 1.000 | 0.987 |" in table[3]
+
+
+def test_the_sliced_race_drops_the_steps_its_side_spent_stopped() -> None:
+    """bench/throughput_sliced.py: a step that spans the other side's turn is not a step time; every other
+    step is, slow ones included (they move the whole-loop mean)."""
+    from bench import throughput_sliced
+
+    times, t = {}, 0.0
+    for step in range(1, 41):
+        t += 3.0 if step == 20 else (0.05 if step == 30 else 0.01)  # step 20 was stopped for a 3 s turn
+        times[step] = t
+    gaps = throughput_sliced.step_gaps(times, first=5, slice_s=3.0)
+    assert len(gaps) == 34  # steps 6..40 but 20
+    assert max(gaps) == pytest.approx(0.05) and min(gaps) == pytest.approx(0.01)
+
+
+def test_the_sliced_race_stops_a_whole_process_tree() -> None:
+    """torchrun's workers run in sessions of their own: the tree is found through parent links."""
+    import os
+    import subprocess
+
+    from bench import throughput_sliced
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(['sleep', '30'])"])
+    try:
+        for _ in range(200):
+            tree = throughput_sliced.descendants(child.pid)
+            if len(tree) == 2:
+                break
+            __import__("time").sleep(0.02)
+        assert tree[0] == child.pid and len(tree) == 2
+        assert throughput_sliced.descendants(os.getpid())[0] == os.getpid()
+    finally:
+        throughput_sliced.signal_tree(child.pid, 9)
+        child.wait()
