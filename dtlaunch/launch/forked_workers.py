@@ -173,8 +173,11 @@ def _run_worker(env: dict[str, str], restore_log_levels: dict[str, int]) -> NoRe
         import torch
 
         # OMP_NUM_THREADS was read when the launcher loaded torch, before the agent set it for workers.
+        # Only a different count is set: torch.set_num_threads also pins MKL to that many threads for
+        # every GEMM (a fresh process lets MKL choose per GEMM), which made a forked 2-thread worker's
+        # step 3-4 % slower than with the same count left as the launcher had it (bench/throughput_sliced.py).
         threads = env.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
+        if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
             torch.set_num_threads(int(threads))
         code = _run_main(worker)
     except SystemExit as exc:

@@ -85,6 +85,19 @@ def test_a_forked_worker_starts_as_a_fresh_python_would(fake_worker: Path, act: 
     assert seen["stdout_unbuffered"]
 
 
+@pytest.mark.parametrize("asked", ["same", "3"])
+def test_a_forked_worker_runs_the_thread_count_it_was_given(fake_worker: Path, asked: str) -> None:
+    """OMP_NUM_THREADS as a fresh worker reads it, whether or not it equals the launcher's own count (the
+    fork leaves an equal count as it is: see `_run_worker`)."""
+    import torch
+
+    threads = str(torch.get_num_threads()) if asked == "same" else asked
+    env = {"ACT": "return", "OMP_NUM_THREADS": threads}
+    worker = _start(env, fake_worker.with_name("launcher-exit"))
+    assert worker.wait(timeout=60) == 0
+    assert json.loads(fake_worker.read_text())["threads"] == int(threads)
+
+
 def test_poll_and_signals_reach_the_forked_worker(fake_worker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     module = sys.modules[WORKER_MODULE]
     monkeypatch.setattr(module, "main", lambda: signal.pause())
