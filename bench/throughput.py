@@ -63,6 +63,11 @@ class Case:
         job = " ".join((self.recipe, *self.extra))
         return f"{'1 process' if self.nproc == 1 else f'{mode}, {self.nproc} processes'} ({job})"
 
+    def tag(self, rep: int) -> str:
+        """A directory name for one repetition: two cases of one recipe differ only by their overrides."""
+        extra = "".join(f"-{x}" for x in self.extra).replace("=", "_").replace("/", "_")
+        return f"{self.recipe}{extra}-n{self.nproc}-r{rep}"
+
 
 CASES = (Case("tiny_ddp", 1), Case("tiny_ddp", 2), Case("tiny_fsdp", 2), Case("tiny_ddp", 2, ("model=small",)))
 RACE_CASES = (CASES[1], CASES[3])  # --race: DDP over 2 processes, tiny and model=small
@@ -249,9 +254,7 @@ def run_case_pair(
     overrides = job_overrides(case, steps, threads)
     cfg = composed(overrides)
     tokens_per_step = int(cfg.training.micro_batch) * case.nproc * int(cfg.training.seq_len)
-    # Every case gets its own directories: two cases of one recipe differ only by their extra overrides.
-    extra = "".join(f"-{x}" for x in case.extra).replace("=", "_").replace("/", "_")
-    tag = f"{case.recipe}{extra}-n{case.nproc}-r{rep}"
+    tag = case.tag(rep)
     dt_dir, hw_dir = work / f"dt-{tag}", work / f"hw-{tag}"
     hw_dir.mkdir(parents=True, exist_ok=True)
     dt_cmd = [venv_bin("dtlaunch"), "train", *overrides, f"run.dir={dt_dir}"]

@@ -149,30 +149,27 @@ def race(
     under the same noise); it keeps the name "handwritten" in the results."""
     threads = max(1, usable_cores() // case.nproc)
     overrides = job_overrides(case, 10**6, threads)  # stopped by the harness, not by a step count
-    cfg = composed(overrides)
-    tag = f"{case.recipe}{''.join('-' + x.replace('=', '_') for x in case.extra)}-n{case.nproc}-r{rep}"
-    dt_dir, hw_dir = work / f"dt-{tag}", work / f"hw-{tag}"
-    hw_dir.mkdir(parents=True, exist_ok=True)
-    hw_flags = handwritten_args(cfg, hw_dir / "model.yaml")
-    other = Side(
-        "handwritten",
-        [
-            venv_bin("torchrun"),
-            "--standalone",
-            f"--nproc-per-node={case.nproc}",
-            str(ROOT / "bench" / "handwritten.py"),
-            *hw_flags,
-            f"--metrics-file={hw_dir / 'metrics.jsonl'}",
-        ],
-        {"OMP_NUM_THREADS": str(threads)},
-        hw_dir / "metrics.jsonl",
-        hw_dir / "out.log",
-    )
+    tag = case.tag(rep)
+    dt_dir = work / f"dt-{tag}"
     if versus:
         b_dir = work / f"b-{tag}"
         b_cmd = [venv_bin("dtlaunch"), "train", *overrides, *versus, f"run.dir={b_dir}"]
         other = Side(
             "handwritten", b_cmd, {"DTLAUNCH_PROGRESS": "plain"}, b_dir / "metrics.jsonl", work / f"b-{tag}.log"
+        )
+    else:
+        hw_dir = work / f"hw-{tag}"
+        hw_dir.mkdir(parents=True, exist_ok=True)
+        hw_cmd = [
+            venv_bin("torchrun"),
+            "--standalone",
+            f"--nproc-per-node={case.nproc}",
+            str(ROOT / "bench" / "handwritten.py"),
+            *handwritten_args(composed(overrides), hw_dir / "model.yaml"),
+            f"--metrics-file={hw_dir / 'metrics.jsonl'}",
+        ]
+        other = Side(
+            "handwritten", hw_cmd, {"OMP_NUM_THREADS": str(threads)}, hw_dir / "metrics.jsonl", hw_dir / "out.log"
         )
     sides = [
         Side(
